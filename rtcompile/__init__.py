@@ -1,0 +1,36 @@
+"""rtcompile: autotune, plan and export RunningTensor (higher-order linear attention) models.
+
+``rtcompile.spec`` (the model spec) needs no torch; :func:`running_tensor` loads torch on first
+use, so ``rtcompile info`` stays fast and no device is probed at import time.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .spec import Features, ModelSpec, SpecError, SpecFileError, SpecTypeError, load_spec, save_spec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Features",
+    "ModelSpec",
+    "SpecError",
+    "SpecFileError",
+    "SpecTypeError",
+    "load_spec",
+    "running_tensor",
+    "save_spec",
+    "__version__",
+]
+
+if TYPE_CHECKING:
+    from .functional import running_tensor
+
+
+def __getattr__(name: str) -> Any:
+    if name == "running_tensor":
+        from .functional import running_tensor
+
+        return running_tensor
+    raise AttributeError(f"module 'rtcompile' has no attribute {name!r}")

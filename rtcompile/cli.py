@@ -1,0 +1,124 @@
+"""The ``rtcompile`` command line.
+
+Usage and input errors print one line on stderr and exit with code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from . import __version__
+from .spec import SpecError, SpecFileError, SpecTypeError
+
+# Errors that mean "your input is wrong": reported as one line. Anything else is a bug and
+# keeps its traceback.
+INPUT_ERRORS = (SpecError, SpecTypeError, SpecFileError)
+
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """A command-line usage error: reported as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse prints usage + message; we want one line
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _fmt_count(n: float) -> str:
+    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n:.0f}"
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from .figures import summary
+    from .spec import load_spec
+
+    spec = load_spec(args.spec)
+    data = summary(spec)
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    st, rec, chk, par = data["state"], data["recurrent"], data["chunk"], data["parameters"]
+    f = spec.features
+    title = f"{spec.name or args.spec}: order {spec.order}, key axes {'x'.join(map(str, spec.key_widths))}"
+    table = Table(title=title, show_header=True, header_style="bold")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    rows = [
+        ("key width K = prod(d_i)", f"{spec.key_dim}"),
+        ("value width", f"{spec.value_width}"),
+        ("heads x layers", f"{spec.heads} x {spec.layers}"),
+        ("model width", f"{spec.model_width}"),
+        ("update rule", f"{data['update_rule']}" + (", l2norm" if f.l2norm else "")),
+        ("projection / short conv", f"{f.projection} / {f.short_conv or 'off'}"),
+        ("scale", f"{data['scale']:.6g}"),
+        ("state per head", f"{'x'.join(map(str, st['shape_per_head']))} {st['dtype']} = {_fmt_bytes(st['bytes_per_head'])}"),
+        ("state per sequence, one layer", _fmt_bytes(st["bytes_per_sequence_per_layer"])),
+        ("state per sequence, all layers", _fmt_bytes(st["bytes_per_sequence"])),
+        ("parameters per layer", _fmt_count(par["per_layer"])),
+        ("parameters (no embeddings)", _fmt_count(par["model_excluding_embeddings"])),
+        ("recurrent FLOPs / token / layer", _fmt_count(rec["flops_per_token_per_layer"])),
+        ("recurrent bytes / token / layer", _fmt_bytes(rec["bytes_per_token_per_layer"])),
+        ("recurrent FLOPs / byte", f"{rec['flops_per_byte']:.2f}"),
+        (
+            f"chunk (C={chk['chunk_size']}{', default' if chk['chunk_size_is_default'] else ''}) FLOPs / token / layer",
+            _fmt_count(chk["flops_per_token_per_layer"]),
+        ),
+        ("chunk bytes / token / layer", _fmt_bytes(chk["bytes_per_token_per_layer"])),
+        ("chunk FLOPs / byte", f"{chk['flops_per_byte']:.2f}"),
+    ]
+    for r in rows:
+        table.add_row(*r)
+    Console().print(table)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="rtcompile",
+        description="Autotune, plan and export RunningTensor (higher-order linear attention) models.",
+    )
+    parser.add_argument("--version", action="version", version=f"rtcompile {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    info = sub.add_parser("info", help="print a spec's derived figures (state size, parameters, FLOPs, bytes)")
+    info.add_argument("spec", help="model spec file (.toml or .json)")
+    info.add_argument("--json", action="store_true", help="print the figures as JSON")
+    info.set_defaults(func=_cmd_info)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            raise UsageError("rtcompile: missing COMMAND; run 'rtcompile --help' for the list")
+        return args.func(args)
+    except UsageError as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_USAGE
+    except INPUT_ERRORS as exc:
+        print(f"rtcompile: error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
