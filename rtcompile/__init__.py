@@ -20,17 +20,18 @@ __all__ = [
     "SpecTypeError",
     "load_spec",
     "running_tensor",
+    "running_tensor_decode_",
     "save_spec",
     "__version__",
 ]
 
 if TYPE_CHECKING:
-    from .functional import running_tensor
+    from .functional import running_tensor, running_tensor_decode_
 
 
 def __getattr__(name: str) -> Any:
-    if name == "running_tensor":
-        from .functional import running_tensor
+    if name in ("running_tensor", "running_tensor_decode_"):
+        from . import functional
 
-        return running_tensor
+        return getattr(functional, name)
     raise AttributeError(f"module 'rtcompile' has no attribute {name!r}")

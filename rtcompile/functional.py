@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import torch
@@ -9,7 +10,20 @@ import torch
 from .kernels import check_inputs, running_tensor_chunk_ref, running_tensor_recurrent_ref
 
 MODES = ("auto", "recurrent", "chunk")
+BACKENDS = ("auto", "triton", "reference")
 DEFAULT_CHUNK = 64
+MAX_TRITON_ORDER = 4
+
+
+def _triton_available(v: torch.Tensor) -> bool:
+    """Triton runs on CUDA tensors, or anywhere under the interpreter (TRITON_INTERPRET=1)."""
+    return v.device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _needs_grad(*xs) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    return any(isinstance(x, torch.Tensor) and x.requires_grad for x in xs)
 
 
 def running_tensor(
@@ -26,6 +40,8 @@ def running_tensor(
     cu_seqlens: torch.Tensor | None = None,
     mode: str = "auto",
     chunk_size: int | None = None,
+    backend: str = "auto",
+    variant=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """RunningTensor state mixer of order o = len(q) + 1.
 
@@ -41,14 +57,23 @@ def running_tensor(
         l2norm: normalise every query and key factor to unit L2 norm.
         cu_seqlens: int32 offsets ``[N + 1]`` of sequences packed along T, with B = 1.
         mode: ``"recurrent"``, ``"chunk"`` or ``"auto"``.
-        chunk_size: chunk length for ``mode="chunk"``; default 64.
+        chunk_size: chunk length for ``mode="chunk"``; default: the variant's (Triton) or 64.
+        backend: ``"triton"`` (CUDA, or the interpreter with TRITON_INTERPRET=1),
+            ``"reference"`` (PyTorch, differentiable, any order), or ``"auto"``: Triton when it
+            can run the call (device, order <= 4, 16/32-bit inputs, no input requiring grad),
+            else the reference.
+            The Triton kernels are forward-only: ``"triton"`` with inputs that require grad
+            raises.
+        variant: a :class:`~rtcompile.kernels.variants.ChunkVariant` or
+            :class:`~rtcompile.kernels.variants.RecurrentVariant` for the Triton backend
+            (default: the variant chosen from the shapes).
 
     Returns:
         ``(o, final_state)``: o ``[B, T, H, d_v]`` in v's dtype; final_state or ``None``.
 
     Order 2 (one factor) is gated (delta) linear attention with flash-linear-attention's
-    conventions. Today every mode runs the PyTorch references; the Triton kernels and the
-    planner take over ``mode`` in later releases.
+    conventions. ``mode="auto"`` will follow the planner (a later release); today it picks
+    chunk for sequences of at least one chunk.
     """
     if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"mode: got {mode!r}; allowed: {', '.join(MODES)}")
@@ -56,12 +81,38 @@ def running_tensor(
         raise TypeError(f"chunk_size: expected an int or None, got {type(chunk_size).__name__}")
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size: got {chunk_size}; allowed: an integer >= 1, or None")
-    p = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend: got {backend!r}; allowed: {', '.join(BACKENDS)}")
+    if torch.compiler.is_compiling():
+        # Traced by dynamo: shapes only (the op validates when it runs, its fake checks shapes).
+        order, seq_len = len(q) + 1, v.shape[1]
+        eff_scale = float(scale) if scale is not None else _default_scale(q)
+    else:
+        p = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+        order, seq_len, eff_scale = p.order, p.seq_len, p.scale
     C = chunk_size or DEFAULT_CHUNK
     if mode == "auto":
         # Until the planner measures the crossover: a sequence shorter than one chunk gains
         # nothing from the chunk form.
-        mode = "chunk" if p.seq_len >= C else "recurrent"
+        mode = "chunk" if seq_len >= C else "recurrent"
+    grad = _needs_grad(*q, *k, v, g, beta, initial_state)
+    if backend == "triton" and grad:
+        raise ValueError(
+            "backend: 'triton' is forward-only in this release and an input requires grad; "
+            "allowed: backend='reference' (or 'auto', which falls back to it), or torch.no_grad()"
+        )
+    if backend == "auto":
+        # float64 stays on the reference: the kernels accumulate in fp32
+        usable = _triton_available(v) and order <= MAX_TRITON_ORDER and not grad and v.dtype != torch.float64
+        backend = "triton" if usable else "reference"
+    if backend == "triton":
+        from .kernels.ops import running_tensor_fwd_op, variant_to_json
+
+        o, ht = running_tensor_fwd_op(
+            list(q), list(k), v, g, beta, initial_state, cu_seqlens, eff_scale,
+            output_final_state, l2norm, mode, chunk_size or 0, variant_to_json(variant),
+        )
+        return o, (ht if output_final_state else None)
     kwargs = dict(
         scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         l2norm=l2norm, cu_seqlens=cu_seqlens,
@@ -69,3 +120,45 @@ def running_tensor(
     if mode == "recurrent":
         return running_tensor_recurrent_ref(q, k, v, g, beta, **kwargs)
     return running_tensor_chunk_ref(q, k, v, g, beta, chunk_size=C, **kwargs)
+
+
+def running_tensor_decode_(
+    q: Sequence[torch.Tensor],
+    k: Sequence[torch.Tensor],
+    v: torch.Tensor,
+    g: torch.Tensor | None = None,
+    beta: torch.Tensor | None = None,
+    *,
+    state_cache: torch.Tensor,
+    state_indices: torch.Tensor,
+    scale: float | None = None,
+    l2norm: bool = False,
+    validate: bool = True,
+    variant=None,
+) -> torch.Tensor:
+    """One decode step per sequence on the Triton kernel, updating ``state_cache`` in place.
+
+    ``q``/``k``: o-1 factors ``[N, 1, H, d_i]``; ``v`` ``[N, 1, H, d_v]``; ``g``/``beta``
+    ``[N, 1, H]``; ``state_cache`` ``[slots, H, d_1, ..., d_v]``; ``state_indices`` int32 ``[N]``
+    (negative = padding). ``validate`` checks the indices (one device sync); pass False inside
+    CUDA graphs. Under torch.compile the call is the custom op ``rtcompile::running_tensor_decode_``.
+    Returns o ``[N, 1, H, d_v]``.
+    """
+    if torch.compiler.is_compiling():
+        from .kernels.ops import running_tensor_decode_op, variant_to_json
+
+        return running_tensor_decode_op(
+            list(q), list(k), v, g, beta, state_cache, state_indices,
+            float(scale) if scale is not None else _default_scale(q), l2norm, variant_to_json(variant),
+        )
+    from .kernels.triton_fwd import running_tensor_decode_ as launch
+
+    return launch(q, k, v, g, beta, state_cache=state_cache, state_indices=state_indices, scale=scale,
+                  l2norm=l2norm, validate=validate, variant=variant)
+
+
+def _default_scale(q: Sequence[torch.Tensor]) -> float:
+    key_dim = 1
+    for x in q:  # a plain loop: dynamo cannot trace math.prod over a generator
+        key_dim *= x.shape[-1]
+    return key_dim**-0.5

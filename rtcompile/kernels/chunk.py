@@ -1,0 +1,237 @@
+"""Chunk-parallel prefill kernels.
+
+Per chunk of C tokens (local cumulative log decay c, Gamma = exp(c), D_ij = exp(c_i - c_j)):
+
+    P  = (prod_i Q_i K_i^T) * D * causal          the scores, as products of per-axis Grams
+    Ai = (I + tril(diag(b) (prod_i K_i K_i^T) * D, -1))^-1          (delta rule only)
+    U  = Ai diag(b) (V - diag(Gamma) phi(K) S)         (U = V without the delta rule)
+    O  = scale (diag(Gamma) phi(Q) S + P U)
+    S' = Gamma_C S + (phi(K) * Gamma_C / Gamma)^T U
+
+``chunk_prepare_running_tensor_kernel`` computes P and Ai for all chunks in parallel into a
+[B, H, T, C] workspace; ``chunk_running_tensor_fwd_kernel`` walks the chunks of one
+(sequence, head, value block) in order. With FUSE_PREPARE the second kernel computes P and Ai
+itself (no workspace). phi(Q) and phi(K) are built on chip from the factors, tile by tile.
+When BK covers K the [K, BV] state stays in registers (RESIDENT); otherwise it lives in the
+final-state buffer, read twice and written once per chunk, so the workspace never grows
+with T / C.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .triton_common import factor_tile, phi_gather, phi_inv_norm, unit_lower_inverse
+
+
+@triton.jit
+def _dot(a, b, LOWP: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+    """a @ b: 16-bit operands in their own type (tensor cores), else fp32 at precision PREC."""
+    if LOWP:
+        return tl.dot(a.to(DT), b.to(DT))
+    else:
+        return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _chunk_scores(q1, q2, q3, k1, k2, k3, beta, r, m_t, b_c,
+                  NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+                  BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, C: tl.constexpr,
+                  USE_BETA: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr):
+    """P = prod Q_i K_i^T * decay * causal, and Ai = (I + A)^-1 (identity without beta).
+
+    Gram products are fp32 at PREC: they multiply o-1 times, so tf32 rounding compounds.
+    """
+    o_c = tl.arange(0, C)
+    b_q = factor_tile(q1, r, m_t, D1, BD1, L2NORM)
+    b_k = factor_tile(k1, r, m_t, D1, BD1, L2NORM)
+    b_qk = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+    if USE_BETA:
+        b_kk = tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
+    if NF > 1:
+        b_q = factor_tile(q2, r, m_t, D2, BD2, L2NORM)
+        b_k = factor_tile(k2, r, m_t, D2, BD2, L2NORM)
+        b_qk *= tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+        if USE_BETA:
+            b_kk *= tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
+    if NF > 2:
+        b_q = factor_tile(q3, r, m_t, D3, BD3, L2NORM)
+        b_k = factor_tile(k3, r, m_t, D3, BD3, L2NORM)
+        b_qk *= tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+        if USE_BETA:
+            b_kk *= tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
+    # exp of a masked difference: only j <= i is kept, where c_i - c_j <= 0 (no overflow)
+    m_incl = o_c[:, None] >= o_c[None, :]
+    b_decay = tl.exp(tl.where(m_incl, b_c[:, None] - b_c[None, :], float("-inf")))
+    b_P = b_qk * b_decay
+    if USE_BETA:
+        b_b = tl.load(beta + r, mask=m_t, other=0.0).to(tl.float32)
+        b_A = tl.where(o_c[:, None] > o_c[None, :], b_b[:, None] * b_kk * b_decay, 0.0)
+        b_Ai = unit_lower_inverse(b_A, C)
+    else:
+        b_Ai = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)
+    return b_P, b_Ai
+
+
+@triton.jit
+def _chunk_log_decay(g, r, m_t, USE_G: tl.constexpr, C: tl.constexpr):
+    """Cumulative log decay within the chunk; padded rows add 0, so the last row is c_C."""
+    if USE_G:
+        return tl.cumsum(tl.load(g + r, mask=m_t, other=0.0).to(tl.float32), axis=0)
+    else:
+        return tl.zeros([C], dtype=tl.float32)
+
+
+@triton.jit
+def chunk_prepare_running_tensor_kernel(
+    q1, q2, q3, k1, k2, k3, g, beta, P, Ai, cu_seqlens, chunk_indices, T,
+    H: tl.constexpr, NF: tl.constexpr,
+    D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+    BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, C: tl.constexpr,
+    USE_G: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    i_c, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        i_s = tl.load(chunk_indices + 2 * i_c).to(tl.int64)
+        i_c = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_s).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_s + 1).to(tl.int64)
+        i_b = 0
+    else:
+        bos = 0
+        eos = T
+        i_b = i_n.to(tl.int64)
+    o_c = tl.arange(0, C)
+    tok = bos + i_c * C + o_c
+    m_t = tok < eos
+    r = (i_b * T + tok) * H + i_h
+    b_c = _chunk_log_decay(g, r, m_t, USE_G, C)
+    b_P, b_Ai = _chunk_scores(
+        q1, q2, q3, k1, k2, k3, beta, r, m_t, b_c,
+        NF, D1, D2, D3, BD1, BD2, BD3, C, USE_BETA, L2NORM, PREC,
+    )
+    # workspace [B, H, T, C]: row = token, as the sequential kernel reads it
+    off_w = ((i_b * H + i_h) * T + tok)[:, None] * C + o_c[None, :]
+    tl.store(P + off_w, b_P, mask=m_t[:, None])
+    if USE_BETA:
+        tl.store(Ai + off_w, b_Ai, mask=m_t[:, None])
+
+
+@triton.jit
+def _state_tile(h0, ht, off, m, first, USE_H0: tl.constexpr):
+    if first:
+        if USE_H0:
+            b_s = tl.load(h0 + off, mask=m, other=0.0).to(tl.float32)
+        else:
+            b_s = tl.zeros(off.shape, dtype=tl.float32)
+    else:
+        b_s = tl.load(ht + off, mask=m, other=0.0).to(tl.float32)
+    return b_s
+
+
+@triton.jit
+def chunk_running_tensor_fwd_kernel(
+    q1, q2, q3, k1, k2, k3, v, g, beta, o, h0, ht, P, Ai, cu_seqlens,
+    scale, T,
+    H: tl.constexpr, NF: tl.constexpr,
+    D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+    BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr,
+    USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
+    FUSE_PREPARE: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        i_b = 0
+    else:
+        bos = 0
+        eos = T
+        i_b = i_n.to(tl.int64)
+    DT: tl.constexpr = q1.dtype.element_ty
+    NK: tl.constexpr = (K + BK - 1) // BK
+    o_c = tl.arange(0, C)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    p_state = (i_n.to(tl.int64) * H + i_h) * K * V
+    if NK == 1:
+        o_k = tl.arange(0, BK)
+        m_k = o_k < K
+        off_s = p_state + o_k[:, None] * V + o_v[None, :]
+        m_s = m_k[:, None] & m_v[None, :]
+        b_s = _state_tile(h0, ht, off_s, m_s, True, USE_H0)
+    for i_c in range(0, tl.cdiv(eos - bos, C)):
+        tok = bos + i_c * C + o_c
+        m_t = tok < eos
+        r = (i_b * T + tok) * H + i_h
+        b_c = _chunk_log_decay(g, r, m_t, USE_G, C)
+        if FUSE_PREPARE:
+            b_P, b_Ai = _chunk_scores(
+                q1, q2, q3, k1, k2, k3, beta, r, m_t, b_c,
+                NF, D1, D2, D3, BD1, BD2, BD3, C, USE_BETA, L2NORM, PREC,
+            )
+        else:
+            off_w = ((i_b * H + i_h) * T + tok)[:, None] * C + o_c[None, :]
+            b_P = tl.load(P + off_w, mask=m_t[:, None], other=0.0)
+            if USE_BETA:
+                b_Ai = tl.load(Ai + off_w, mask=m_t[:, None], other=0.0)
+        b_gam = tl.exp(b_c)
+        b_last = tl.sum(tl.where(o_c == C - 1, b_c, 0.0), axis=0)
+        b_ratio = tl.exp(b_last - b_c)  # Gamma_C / Gamma_i <= 1
+        r_q = tl.full([C], 1.0, tl.float32)
+        r_k = tl.full([C], 1.0, tl.float32)
+        if L2NORM:  # ||phi|| = prod ||x_i||: one scale per row instead of normalising phi
+            r_q = phi_inv_norm(q1, q2, q3, r[:, None], m_t[:, None], D1, D2, D3, BD1, BD2, BD3, NF)
+            r_k = phi_inv_norm(k1, k2, k3, r[:, None], m_t[:, None], D1, D2, D3, BD1, BD2, BD3, NF)
+        b_v = tl.load(v + r[:, None] * V + o_v[None, :],
+                      mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        if NK == 1:
+            b_k = phi_gather(k1, k2, k3, r[:, None], o_k[None, :], m_t[:, None] & m_k[None, :], D1, D2, D3, NF) * r_k[:, None]
+            b_q = phi_gather(q1, q2, q3, r[:, None], o_k[None, :], m_t[:, None] & m_k[None, :], D1, D2, D3, NF) * r_q[:, None]
+            b_ks = _dot(b_k, b_s, LOWP, DT, PREC)
+            b_qs = _dot(b_q, b_s, LOWP, DT, PREC)
+        else:
+            b_ks = tl.zeros([C, BV], dtype=tl.float32)
+            b_qs = tl.zeros([C, BV], dtype=tl.float32)
+            for i_k in range(NK):
+                o_k = i_k * BK + tl.arange(0, BK)
+                m_k = o_k < K
+                off_s = p_state + o_k[:, None] * V + o_v[None, :]
+                b_s = _state_tile(h0, ht, off_s, m_k[:, None] & m_v[None, :], i_c == 0, USE_H0)
+                m_tk = m_t[:, None] & m_k[None, :]
+                b_k = phi_gather(k1, k2, k3, r[:, None], o_k[None, :], m_tk, D1, D2, D3, NF)
+                b_q = phi_gather(q1, q2, q3, r[:, None], o_k[None, :], m_tk, D1, D2, D3, NF)
+                b_ks += _dot(b_k, b_s, LOWP, DT, PREC)
+                b_qs += _dot(b_q, b_s, LOWP, DT, PREC)
+            b_ks = b_ks * r_k[:, None]
+            b_qs = b_qs * r_q[:, None]
+        if USE_BETA:
+            b_b = tl.load(beta + r, mask=m_t, other=0.0).to(tl.float32)
+            b_u = _dot(b_Ai, b_b[:, None] * (b_v - b_gam[:, None] * b_ks), False, DT, PREC)
+        else:
+            b_u = b_v
+        b_o = scale * (b_gam[:, None] * b_qs + _dot(b_P, b_u, False, DT, PREC))
+        tl.store(o + r[:, None] * V + o_v[None, :],
+                 b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+        if NK == 1:
+            b_s = tl.exp(b_last) * b_s + _dot(tl.trans(b_k * b_ratio[:, None]), b_u, LOWP, DT, PREC)
+        else:
+            for i_k in range(NK):
+                o_k = i_k * BK + tl.arange(0, BK)
+                m_k = o_k < K
+                off_s = p_state + o_k[:, None] * V + o_v[None, :]
+                m_s = m_k[:, None] & m_v[None, :]
+                b_s = _state_tile(h0, ht, off_s, m_s, i_c == 0, USE_H0)
+                b_k = phi_gather(k1, k2, k3, r[:, None], o_k[None, :], m_t[:, None] & m_k[None, :], D1, D2, D3, NF)
+                b_k = b_k * (r_k * b_ratio)[:, None]
+                b_s = tl.exp(b_last) * b_s + _dot(tl.trans(b_k), b_u, LOWP, DT, PREC)
+                tl.store(ht + off_s, b_s.to(ht.dtype.element_ty), mask=m_s)
+    if NK == 1:
+        if STORE_HT:
+            tl.store(ht + off_s, b_s.to(ht.dtype.element_ty), mask=m_s)

@@ -1,0 +1,133 @@
+"""Fused recurrent kernel: the decode step (T = 1) and the multi-token recurrent scan.
+
+One program owns one (sequence, head, value block) slab of the state, [K, BV], and walks the
+sequence's tokens. Both reductions of a step read S_{t-1}:
+
+    pred = a <S, phi(k)>,   read = a <S, phi(q)>,   u = b (v - pred)   (u = v without delta)
+    S'   = a S + phi(k) (x) u,    o = scale (read + (phi(k) . phi(q)) u)
+
+so a step can read the state once and write it once. When BK covers K the slab stays in
+registers for the whole sequence (RESIDENT); otherwise it is streamed tile by tile, twice per
+token (reductions, then update), the second read usually from L2.
+
+State indexing follows the serving convention: with ``state_indices`` the state of sequence
+n lives at row ``state_indices[n]`` of a cache ``[slots, H, K, V]`` and is updated in place; a
+negative index marks a padding entry whose state is neither read nor written (vLLM's
+PAD_SLOT_ID).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .triton_common import phi_gather, phi_inv_norm
+
+
+@triton.jit
+def _load_state(h0, ht, off, m, first, USE_H0: tl.constexpr):
+    """The state tile before a step: h0 at the first token, the running buffer ht after."""
+    if first:
+        if USE_H0:
+            b_s = tl.load(h0 + off, mask=m, other=0.0).to(tl.float32)
+        else:
+            b_s = tl.zeros(off.shape, dtype=tl.float32)
+    else:
+        b_s = tl.load(ht + off, mask=m, other=0.0).to(tl.float32)
+    return b_s
+
+
+@triton.jit
+def fused_recurrent_running_tensor_fwd_kernel(
+    q1, q2, q3, k1, k2, k3, v, g, beta, o, h0, ht, state_indices, cu_seqlens,
+    scale, T,
+    H: tl.constexpr, NF: tl.constexpr,
+    D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+    BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr,
+    USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr, USE_INDICES: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_n = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+        i_b = 0
+    else:
+        bos = 0
+        T_n = T
+        i_b = i_n.to(tl.int64)
+    if USE_INDICES:
+        slot = tl.load(state_indices + i_n).to(tl.int64)
+    else:
+        slot = i_n.to(tl.int64)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    # state mask: padding slots (< 0) are neither read nor written (a vector compare: the
+    # interpreter rejects masks built from scalar compares)
+    m_sv = m_v & ((tl.zeros([BV], dtype=tl.int64) + slot) >= 0)
+    p_state = (slot * H + i_h) * K * V
+    NK: tl.constexpr = (K + BK - 1) // BK
+
+    if NK == 1:
+        o_k = tl.arange(0, BK)
+        m_k = o_k < K
+        off_s = p_state + o_k[:, None] * V + o_v[None, :]
+        m_s = m_k[:, None] & m_sv[None, :]
+        b_s = _load_state(h0, ht, off_s, m_s, True, USE_H0)
+    for t in range(0, T_n):
+        r = (i_b * T + bos + t) * H + i_h
+        b_v = tl.load(v + r * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_a = 1.0
+        if USE_G:
+            b_a = tl.exp(tl.load(g + r).to(tl.float32))
+        r_q = 1.0
+        r_k = 1.0
+        if L2NORM:
+            r_q = phi_inv_norm(q1, q2, q3, r, True, D1, D2, D3, BD1, BD2, BD3, NF)
+            r_k = phi_inv_norm(k1, k2, k3, r, True, D1, D2, D3, BD1, BD2, BD3, NF)
+        if NK == 1:
+            b_k = phi_gather(k1, k2, k3, r, o_k, m_k, D1, D2, D3, NF) * r_k
+            b_q = phi_gather(q1, q2, q3, r, o_k, m_k, D1, D2, D3, NF) * r_q
+            b_s = b_s * b_a
+            if USE_BETA:
+                b_u = tl.load(beta + r).to(tl.float32) * (b_v - tl.sum(b_s * b_k[:, None], axis=0))
+            else:
+                b_u = b_v
+            b_s += b_k[:, None] * b_u[None, :]
+            b_o = tl.sum(b_s * b_q[:, None], axis=0) * scale
+        else:
+            # pass 1: both reductions on S_{t-1}, and phi(k) . phi(q)
+            b_pred = tl.zeros([BV], dtype=tl.float32)
+            b_read = tl.zeros([BV], dtype=tl.float32)
+            b_kq = 0.0
+            for i_k in range(NK):
+                o_k = i_k * BK + tl.arange(0, BK)
+                m_k = o_k < K
+                off_s = p_state + o_k[:, None] * V + o_v[None, :]
+                b_s = _load_state(h0, ht, off_s, m_k[:, None] & m_sv[None, :], t == 0, USE_H0)
+                b_k = phi_gather(k1, k2, k3, r, o_k, m_k, D1, D2, D3, NF)
+                b_q = phi_gather(q1, q2, q3, r, o_k, m_k, D1, D2, D3, NF)
+                b_pred += tl.sum(b_s * b_k[:, None], axis=0)
+                b_read += tl.sum(b_s * b_q[:, None], axis=0)
+                b_kq += tl.sum(b_k * b_q, axis=0)
+            if USE_BETA:
+                b_u = tl.load(beta + r).to(tl.float32) * (b_v - b_a * r_k * b_pred)
+            else:
+                b_u = b_v
+            b_o = scale * r_q * (b_a * b_read + r_k * b_kq * b_u)
+            # pass 2: S' = a S + phi(k) (x) u, written to the running buffer
+            for i_k in range(NK):
+                o_k = i_k * BK + tl.arange(0, BK)
+                m_k = o_k < K
+                off_s = p_state + o_k[:, None] * V + o_v[None, :]
+                m_s = m_k[:, None] & m_sv[None, :]
+                b_s = _load_state(h0, ht, off_s, m_s, t == 0, USE_H0)
+                b_k = phi_gather(k1, k2, k3, r, o_k, m_k, D1, D2, D3, NF) * r_k
+                b_s = b_s * b_a + b_k[:, None] * b_u[None, :]
+                tl.store(ht + off_s, b_s.to(ht.dtype.element_ty), mask=m_s)
+        tl.store(o + r * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+    if NK == 1:
+        if STORE_HT:
+            tl.store(ht + off_s, b_s.to(ht.dtype.element_ty), mask=m_s)

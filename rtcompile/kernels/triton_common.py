@@ -1,0 +1,77 @@
+"""Triton helpers shared by the recurrent and chunk kernels.
+
+The Kronecker feature phi(x) = x1 (x) x2 (x) x3 is never stored in HBM: kernels gather the
+narrow factors (width d_i) for a tile of flattened key indices kk and multiply them on chip.
+With row-major phi (x1's index major), factor i of kk is ``(kk // DIV_i) % D_i`` where DIV_i is
+the product of the widths after i. Kernels take up to three factors (orders 2 to 4); unused
+factor pointers are never dereferenced (``NF`` is a constexpr).
+
+Per-token tensors are contiguous ``[B, T, H, d]``, so every one of them is addressed by the
+token-head row ``r = (b T + t) H + h``: factor i at ``r * D_i``, v and o at ``r * V``, g and
+beta at ``r``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+L2NORM_EPS = 1e-6  # same as the references and flash-linear-attention
+
+
+@triton.jit
+def phi_gather(p1, p2, p3, r, kk, m, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+               NF: tl.constexpr):
+    """Raw phi at flattened key indices ``kk`` for the token-head rows ``r`` (broadcastable)."""
+    b_phi = tl.load(p1 + r * D1 + kk // (D2 * D3), mask=m, other=0.0).to(tl.float32)
+    if NF > 1:
+        b_phi *= tl.load(p2 + r * D2 + (kk // D3) % D2, mask=m, other=0.0).to(tl.float32)
+    if NF > 2:
+        b_phi *= tl.load(p3 + r * D3 + kk % D3, mask=m, other=0.0).to(tl.float32)
+    return b_phi
+
+
+@triton.jit
+def factor_inv_norm(p, r, m, D: tl.constexpr, BD: tl.constexpr):
+    """1 / ||x|| of the factor at token-head row ``r``: a scalar or a [C, 1] column."""
+    o_d = tl.arange(0, BD)
+    b_x = tl.load(p + r * D + o_d, mask=m & (o_d < D), other=0.0).to(tl.float32)
+    return tl.rsqrt(tl.sum(b_x * b_x, axis=-1) + 1e-6)
+
+
+@triton.jit
+def phi_inv_norm(p1, p2, p3, r, m, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+                 BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, NF: tl.constexpr):
+    """1 / ||phi|| = prod_i 1 / ||x_i||: one scale per token instead of normalising phi."""
+    b_r = factor_inv_norm(p1, r, m, D1, BD1)
+    if NF > 1:
+        b_r *= factor_inv_norm(p2, r, m, D2, BD2)
+    if NF > 2:
+        b_r *= factor_inv_norm(p3, r, m, D3, BD3)
+    return b_r
+
+
+@triton.jit
+def factor_tile(p, r, m_t, D: tl.constexpr, BD: tl.constexpr, L2NORM: tl.constexpr):
+    """[C, BD] tile of one factor for the token-head rows ``r`` ([C]), optionally normalised."""
+    o_d = tl.arange(0, BD)
+    b_x = tl.load(p + r[:, None] * D + o_d[None, :], mask=m_t[:, None] & (o_d < D)[None, :], other=0.0)
+    b_x = b_x.to(tl.float32)
+    if L2NORM:
+        b_x = b_x * tl.rsqrt(tl.sum(b_x * b_x, axis=1) + 1e-6)[:, None]
+    return b_x
+
+
+@triton.jit
+def unit_lower_inverse(b_A, C: tl.constexpr):
+    """(I + A)^-1 for a strictly lower-triangular [C, C] tile, by forward substitution.
+
+    Row i of X = (I + A)^-1 is e_i - sum_{j<i} A[i, j] X[j, :]; rows are final in order.
+    """
+    o_c = tl.arange(0, C)
+    b_X = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)
+    for i in range(1, C):
+        b_a = tl.sum(tl.where(o_c[:, None] == i, b_A, 0.0), axis=0)
+        b_row = tl.where(o_c == i, 1.0, 0.0) - tl.sum(b_a[:, None] * b_X, axis=0)
+        b_X = tl.where(o_c[:, None] == i, b_row[None, :], b_X)
+    return b_X

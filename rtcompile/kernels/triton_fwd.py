@@ -1,0 +1,276 @@
+"""Launchers of the Triton forward kernels: prefill (chunk or recurrent) and the decode step.
+
+Every argument is validated before anything is allocated or launched (``check_inputs`` plus
+the layout rules of the kernels below). Block sizes, warps, stages and the chunk size come
+from a variant (``variants.py``): the caller's, else the default for the shape. The launchers
+hold no tuning constant of their own.
+
+Layout rule: every tensor is contiguous (as in flash-linear-attention), so one token-head row
+index addresses all per-token inputs; a strided view is refused with a message, never copied
+behind the caller's back. Kernels take up to three factors (orders 2 to 4).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import torch
+import triton
+
+from .chunk import chunk_prepare_running_tensor_kernel, chunk_running_tensor_fwd_kernel
+from .inputs import Problem, check_inputs
+from .recurrent import fused_recurrent_running_tensor_fwd_kernel
+from .variants import ChunkVariant, KernelShape, RecurrentVariant, next_pow2
+
+MAX_FACTORS = 3  # orders 2..4
+MODES = ("chunk", "recurrent")
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Every output and workspace is allocated through this function, so tests can poison them
+# (fill with NaN) and prove that every element a kernel should write is written.
+_empty = torch.empty
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _lowp_dots(dtype: torch.dtype) -> bool:
+    """Use 16-bit tl.dot operands? Not bf16 under the interpreter (it returns garbage there)."""
+    if dtype == torch.float16:
+        return True
+    return dtype == torch.bfloat16 and not _interpreting()
+
+
+def _check_layout(p: Problem, q, k, v, g, beta, initial_state, cu_seqlens) -> None:
+    if len(q) > MAX_FACTORS:
+        raise ValueError(
+            f"q: {len(q)} factors (order {len(q) + 1}); allowed: the Triton kernels take orders 2-4 "
+            "(1-3 factors); use the reference (backend='reference') for higher orders"
+        )
+    if v.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"v: dtype {v.dtype}; allowed for the Triton kernels: float16, bfloat16, float32")
+    named = [(f"q[{i}]", x) for i, x in enumerate(q)] + [(f"k[{i}]", x) for i, x in enumerate(k)]
+    named += [("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state), ("cu_seqlens", cu_seqlens)]
+    for name, x in named:
+        if x is not None and not x.is_contiguous():
+            raise ValueError(
+                f"{name}: strides {x.stride()} are not contiguous; allowed: contiguous tensors (call .contiguous())"
+            )
+    if initial_state is not None and initial_state.dtype not in STATE_DTYPES:
+        raise ValueError(f"initial_state: dtype {initial_state.dtype}; allowed: float32, bfloat16, float16")
+    if cu_seqlens is not None and cu_seqlens.device != v.device:
+        raise ValueError(f"cu_seqlens: on {cu_seqlens.device}, v on {v.device}; allowed: the same device")
+    if v.device.type != "cuda" and not _interpreting():
+        raise ValueError(
+            f"v: on {v.device}; the Triton kernels need a CUDA device (or TRITON_INTERPRET=1 on the CPU)"
+        )
+
+
+def _factor_args(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Three factor pointers; missing ones repeat the first (never read: NF is a constexpr)."""
+    return list(xs) + [xs[0]] * (MAX_FACTORS - len(xs))
+
+
+def _width_args(widths: tuple[int, ...], min_block: int) -> dict[str, int]:
+    ws = list(widths) + [1] * (MAX_FACTORS - len(widths))
+    out = {f"D{i + 1}": w for i, w in enumerate(ws)}
+    out.update({f"BD{i + 1}": max(min_block, next_pow2(w)) for i, w in enumerate(ws)})
+    return out
+
+
+def kernel_shape(p: Problem) -> KernelShape:
+    return KernelShape(p.key_widths, p.value_width, torch.empty((), dtype=p.dtype).element_size())
+
+
+def _resolve_variant(cls, variant, shape: KernelShape, **overrides):
+    if variant is None:
+        variant = cls.default(shape)
+        if overrides:
+            variant = type(variant)(**{**variant.__dict__, **overrides})
+    elif not isinstance(variant, cls):
+        raise TypeError(f"variant: expected {cls.__name__}, got {type(variant).__name__}")
+    reason = variant.check(shape)
+    if reason is not None:
+        raise ValueError(f"variant: {variant} cannot run K={shape.key_dim}, d_v={shape.value_width}: {reason}")
+    return variant
+
+
+def _launch_recurrent(p: Problem, q, k, v, g, beta, *, h0, ht, state_indices, cu_seqlens, l2norm,
+                      store_ht: bool, variant: RecurrentVariant) -> torch.Tensor:
+    B, T, H, V = v.shape
+    o = _empty(B, T, H, V, dtype=v.dtype, device=v.device)
+    grid = (triton.cdiv(V, variant.block_v), p.num_seqs * H)
+    dummy = v
+    fused_recurrent_running_tensor_fwd_kernel[grid](
+        *_factor_args(q), *_factor_args(k), v,
+        g if g is not None else dummy, beta if beta is not None else dummy, o,
+        h0 if h0 is not None else ht if ht is not None else dummy,
+        ht if ht is not None else dummy,
+        state_indices if state_indices is not None else dummy,
+        cu_seqlens if cu_seqlens is not None else dummy,
+        p.scale, T,
+        H=H, NF=len(q), **_width_args(p.key_widths, 1), K=p.key_dim, V=V,
+        BK=variant.block_k, BV=variant.block_v,
+        USE_G=g is not None, USE_BETA=beta is not None, L2NORM=l2norm,
+        USE_H0=h0 is not None, STORE_HT=store_ht, IS_VARLEN=cu_seqlens is not None,
+        USE_INDICES=state_indices is not None,
+        num_warps=variant.num_warps, num_stages=variant.num_stages,
+    )
+    return o
+
+
+def _chunk_indices(p: Problem, C: int, device: torch.device) -> torch.Tensor:
+    pairs = [(n, c) for n, (lo, hi) in enumerate(p.seq_bounds) for c in range(triton.cdiv(hi - lo, C))]
+    return torch.tensor(pairs, dtype=torch.int32).to(device)
+
+
+def _launch_chunk(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm, store_ht: bool,
+                  variant: ChunkVariant) -> torch.Tensor:
+    B, T, H, V = v.shape
+    C = variant.chunk_size
+    o = _empty(B, T, H, V, dtype=v.dtype, device=v.device)
+    dummy = v
+    widths = _width_args(p.key_widths, 16)  # tl.dot needs >= 16 on every axis
+    common = dict(H=H, NF=len(q), **widths, USE_G=g is not None, USE_BETA=beta is not None,
+                  L2NORM=l2norm, IS_VARLEN=cu_seqlens is not None, PREC=variant.dot_precision)
+    g_arg = g if g is not None else dummy
+    beta_arg = beta if beta is not None else dummy
+    cu_arg = cu_seqlens if cu_seqlens is not None else dummy
+    P = Ai = dummy
+    if not variant.fuse_prepare:
+        P = _empty(B, H, T, C, dtype=torch.float32, device=v.device)
+        Ai = _empty(B, H, T, C, dtype=torch.float32, device=v.device) if beta is not None else dummy
+        if cu_seqlens is not None:
+            idx = _chunk_indices(p, C, v.device)
+            grid = (idx.shape[0], H)
+        else:
+            idx = dummy
+            grid = (triton.cdiv(T, C), B * H)
+        chunk_prepare_running_tensor_kernel[grid](
+            *_factor_args(q), *_factor_args(k), g_arg, beta_arg, P, Ai, cu_arg, idx, T, C=C, **common,
+            num_warps=variant.num_warps, num_stages=variant.num_stages,
+        )
+    grid = (triton.cdiv(V, variant.block_v), p.num_seqs * H)
+    chunk_running_tensor_fwd_kernel[grid](
+        *_factor_args(q), *_factor_args(k), v, g_arg, beta_arg, o,
+        h0 if h0 is not None else dummy, ht if ht is not None else dummy, P, Ai, cu_arg,
+        p.scale, T,
+        K=p.key_dim, V=V, C=C, BK=variant.block_k, BV=variant.block_v,
+        USE_H0=h0 is not None, STORE_HT=store_ht, FUSE_PREPARE=variant.fuse_prepare,
+        LOWP=_lowp_dots(v.dtype), **common,
+        num_warps=variant.num_warps, num_stages=variant.num_stages,
+    )
+    return o
+
+
+def running_tensor_fwd(
+    q: Sequence[torch.Tensor],
+    k: Sequence[torch.Tensor],
+    v: torch.Tensor,
+    g: torch.Tensor | None = None,
+    beta: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    l2norm: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    mode: str = "chunk",
+    chunk_size: int | None = None,
+    variant: ChunkVariant | RecurrentVariant | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Prefill with the Triton kernels; same contract as :func:`rtcompile.running_tensor`.
+
+    ``mode="chunk"`` runs the chunk-parallel kernels with a :class:`ChunkVariant`,
+    ``mode="recurrent"`` the fused recurrent scan with a :class:`RecurrentVariant`. The final
+    state is fp32 (the initial state may be fp32, bf16 or fp16).
+    """
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(f"mode: got {mode!r}; allowed: {', '.join(MODES)}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)):
+        raise TypeError(f"chunk_size: expected an int or None, got {type(chunk_size).__name__}")
+    p = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    _check_layout(p, q, k, v, g, beta, initial_state, cu_seqlens)
+    shape = kernel_shape(p)
+    if mode == "chunk":
+        over = {} if chunk_size is None else {"chunk_size": chunk_size}
+        var = _resolve_variant(ChunkVariant, variant, shape, **over)
+        if chunk_size is not None and var.chunk_size != chunk_size:
+            raise ValueError(f"chunk_size: {chunk_size} conflicts with the variant's {var.chunk_size}; give one")
+        streamed = not var.resident(shape)
+    else:
+        var = _resolve_variant(RecurrentVariant, variant, shape)
+        streamed = var.block_k < shape.key_dim
+    # A streamed state lives in the final-state buffer while the kernel runs.
+    need_ht = output_final_state or streamed
+    ht = _empty(p.state_shape, dtype=torch.float32, device=v.device) if need_ht else None
+    kw = dict(h0=initial_state, ht=ht, cu_seqlens=cu_seqlens, l2norm=l2norm, store_ht=need_ht, variant=var)
+    if mode == "chunk":
+        o = _launch_chunk(p, q, k, v, g, beta, **kw)
+    else:
+        o = _launch_recurrent(p, q, k, v, g, beta, state_indices=None, **kw)
+    return o, (ht if output_final_state else None)
+
+
+def running_tensor_decode_(
+    q: Sequence[torch.Tensor],
+    k: Sequence[torch.Tensor],
+    v: torch.Tensor,
+    g: torch.Tensor | None = None,
+    beta: torch.Tensor | None = None,
+    *,
+    state_cache: torch.Tensor,
+    state_indices: torch.Tensor,
+    scale: float | None = None,
+    l2norm: bool = False,
+    validate: bool = True,
+    variant: RecurrentVariant | None = None,
+) -> torch.Tensor:
+    """One decode step for N sequences, updating ``state_cache`` in place.
+
+    Args:
+        q, k, v, g, beta: as :func:`running_tensor_fwd` with B = N sequences and T = 1.
+        state_cache: ``[slots, H, d_1, ..., d_{o-1}, d_v]`` (fp32, bf16 or fp16), contiguous.
+        state_indices: int32 ``[N]``: the cache row of each sequence; a negative entry is
+            padding (its state is neither read nor written, its output is meaningless).
+        validate: check that indices are in range and distinct (one device sync). Turn off
+            inside CUDA graphs and hot loops whose indices are known good.
+
+    Returns:
+        o ``[N, 1, H, d_v]`` in v's dtype.
+    """
+    if not isinstance(state_cache, torch.Tensor):
+        raise TypeError(f"state_cache: expected a torch.Tensor, got {type(state_cache).__name__}")
+    if not isinstance(state_indices, torch.Tensor):
+        raise TypeError(f"state_indices: expected a torch.Tensor, got {type(state_indices).__name__}")
+    p = check_inputs(q, k, v, g, beta, scale, None, None)
+    if p.seq_len != 1:
+        raise ValueError(f"v: T = {p.seq_len}; allowed: T = 1 for a decode step (use running_tensor_fwd for more)")
+    _check_layout(p, q, k, v, g, beta, None, None)
+    want = (p.heads, *p.key_widths, p.value_width)
+    if state_cache.dim() != len(want) + 1 or tuple(state_cache.shape[1:]) != want:
+        raise ValueError(f"state_cache: expected shape [slots, {', '.join(map(str, want))}], got {list(state_cache.shape)}")
+    if state_cache.dtype not in STATE_DTYPES:
+        raise ValueError(f"state_cache: dtype {state_cache.dtype}; allowed: float32, bfloat16, float16")
+    if not state_cache.is_contiguous() or state_cache.device != v.device:
+        raise ValueError("state_cache: must be contiguous and on v's device")
+    if state_indices.dtype != torch.int32:
+        raise TypeError(f"state_indices: dtype {state_indices.dtype}; allowed: torch.int32")
+    if tuple(state_indices.shape) != (p.batch,) or state_indices.device != v.device:
+        raise ValueError(f"state_indices: expected shape [{p.batch}] on {v.device}, got {list(state_indices.shape)} on {state_indices.device}")
+    if validate:
+        idx = state_indices.tolist()
+        slots = state_cache.shape[0]
+        bad = [i for i in idx if i >= slots]
+        if bad:
+            raise ValueError(f"state_indices: {bad[0]} out of range; allowed: 0 <= index < slots = {slots}, or < 0 for padding")
+        used = [i for i in idx if i >= 0]
+        if len(set(used)) != len(used):
+            raise ValueError("state_indices: repeated slot; allowed: distinct slots (each sequence owns its state)")
+    var = _resolve_variant(RecurrentVariant, variant, kernel_shape(p))
+    return _launch_recurrent(
+        p, q, k, v, g, beta, h0=state_cache, ht=state_cache, state_indices=state_indices,
+        cu_seqlens=None, l2norm=l2norm, store_ht=True, variant=var,
+    )

@@ -1,0 +1,218 @@
+"""Kernel variants: every tunable parameter of every kernel, and the constraints between them.
+
+The tuner searches exactly these spaces, and the launchers take a variant as data: no tuning
+constant lives in a launcher. A variant is a frozen dataclass; ``check`` returns the reason a
+variant cannot run a shape (``None`` when it can), from estimates of registers and shared
+memory, before anything is compiled.
+
+Shapes are described by :class:`KernelShape` (what the variant's validity depends on).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any, ClassVar, Iterator
+
+DOT_PRECISIONS = ("ieee", "tf32x3", "tf32")
+# Registers: 64K 32-bit registers per SM on every NVIDIA GPU since Volta; a program of W warps
+# may use at most 255 per thread. We budget the live fp32 tiles of a program against
+# 255 * 32 * W and refuse variants over it (they would spill to local memory: DESIGN.md saw
+# 2-3x slowdowns for badly shaped decode tiles).
+MAX_REGS_PER_THREAD = 255
+# Shared memory per SM on H100/H200 is 228 KiB, on A100 164 KiB, on L4/L40S/4090 100 KiB: the
+# smallest of these is the portable bound for a variant that has no target yet.
+DEFAULT_SMEM_BYTES = 100 * 1024
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class KernelShape:
+    """What a variant's validity depends on: widths, value width and the input element size."""
+
+    key_widths: tuple[int, ...]
+    value_width: int
+    input_bytes: int = 2
+
+    @property
+    def key_dim(self) -> int:
+        return math.prod(self.key_widths)
+
+    @property
+    def key_dim_pow2(self) -> int:
+        return next_pow2(self.key_dim)
+
+
+@dataclass(frozen=True)
+class _Variant:
+    kernel: ClassVar[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kernel": self.kernel, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "_Variant":
+        data = {k: v for k, v in data.items() if k != "kernel"}
+        names = {f.name for f in fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise ValueError(f"{cls.__name__}: unknown parameters {sorted(unknown)}; allowed: {sorted(names)}")
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class RecurrentVariant(_Variant):
+    """The fused recurrent kernel (decode step and multi-token scan).
+
+    ``block_k`` is the key tile: when it covers K (``block_k >= K``) the [K, block_v] state
+    tile stays in registers for the whole sequence (one read, one write); otherwise the state
+    is streamed in ``ceil(K / block_k)`` tiles twice per token (the second read usually hits
+    L2). ``block_k`` and ``block_v`` are powers of two.
+    """
+
+    kernel: ClassVar[str] = "recurrent"
+    block_k: int
+    block_v: int
+    num_warps: int = 4
+    num_stages: int = 1
+
+    def check(self, shape: KernelShape) -> str | None:
+        for name in ("block_k", "block_v", "num_warps"):
+            val = getattr(self, name)
+            if val < 1 or val & (val - 1):
+                return f"{name}={val} is not a power of two"
+        if self.block_k > shape.key_dim_pow2:
+            return f"block_k={self.block_k} exceeds K rounded up ({shape.key_dim_pow2})"
+        if self.block_v > next_pow2(shape.value_width):
+            return f"block_v={self.block_v} exceeds d_v rounded up ({next_pow2(shape.value_width)})"
+        if self.estimate_registers(shape) > MAX_REGS_PER_THREAD:
+            return f"~{self.estimate_registers(shape)} registers per thread (> {MAX_REGS_PER_THREAD})"
+        return None
+
+    def estimate_registers(self, shape: KernelShape) -> int:
+        # live fp32 tiles: the state tile and one temporary of the same size, plus phi(k), phi(q)
+        tile = self.block_k * self.block_v
+        live = 2 * tile + 2 * self.block_k
+        return 32 + math.ceil(live / (32 * self.num_warps))
+
+    def estimate_smem(self, shape: KernelShape) -> int:
+        return 0  # register-only: no tl.dot, no staged loads
+
+    @classmethod
+    def space(cls, shape: KernelShape) -> dict[str, list[int]]:
+        kp = shape.key_dim_pow2
+        return {
+            "block_k": sorted({min(kp, b) for b in (32, 64, 128, 256, 512, 1024, kp)}),
+            "block_v": [b for b in (4, 8, 16, 32, 64) if b <= next_pow2(shape.value_width)],
+            "num_warps": [1, 2, 4, 8, 16],
+            "num_stages": [1, 2, 3],
+        }
+
+    @classmethod
+    def default(cls, shape: KernelShape) -> "RecurrentVariant":
+        # DESIGN.md: a [K, 16] register tile reached 90-98% of a same-size copy for K <= 256 and
+        # rows narrower than 16 values were 2-3x slower; at K = 1024 the one-pass tile fell to
+        # 79%, so large K streams 256-row tiles (second read from L2).
+        bv = min(16, next_pow2(shape.value_width))
+        bk = shape.key_dim_pow2 if shape.key_dim_pow2 <= 512 else 256
+        warps = 4 if bk * bv <= 4096 else 8
+        return cls(block_k=bk, block_v=bv, num_warps=warps, num_stages=1)
+
+
+@dataclass(frozen=True)
+class ChunkVariant(_Variant):
+    """The chunk-parallel prefill kernels.
+
+    ``chunk_size`` C: tokens per chunk (the C x C scores and the (I + A)^-1 solve);
+    ``block_k``/``block_v``: the state tile; when ``block_k`` covers K the state stays in
+    registers across chunks, otherwise it is streamed from the final-state buffer (read twice,
+    written once per chunk: workspace independent of T). ``fuse_prepare``: compute the scores
+    and the triangular inverse inside the sequential kernel (no [T, C] workspace) instead of in
+    a separate chunk-parallel kernel. ``dot_precision``: how fp32 operands enter ``tl.dot``
+    (16-bit inputs always use their own type).
+    """
+
+    kernel: ClassVar[str] = "chunk"
+    chunk_size: int
+    block_k: int
+    block_v: int
+    num_warps: int = 4
+    num_stages: int = 2
+    fuse_prepare: bool = False
+    dot_precision: str = "ieee"
+
+    def check(self, shape: KernelShape) -> str | None:
+        for name in ("chunk_size", "block_k", "block_v", "num_warps"):
+            val = getattr(self, name)
+            if val < 1 or val & (val - 1):
+                return f"{name}={val} is not a power of two"
+        if not 16 <= self.chunk_size <= 128:
+            return f"chunk_size={self.chunk_size} outside [16, 128] (tl.dot needs 16; the solve is O(C^3))"
+        if self.block_k < 16 or self.block_v < 16:
+            return "block_k and block_v must be >= 16 (tl.dot operand minimum)"
+        if self.block_k > max(16, shape.key_dim_pow2):
+            return f"block_k={self.block_k} exceeds K rounded up ({shape.key_dim_pow2})"
+        if self.block_v > max(16, next_pow2(shape.value_width)):
+            return f"block_v={self.block_v} exceeds d_v rounded up"
+        if self.dot_precision not in DOT_PRECISIONS:
+            return f"dot_precision={self.dot_precision!r}; allowed: {', '.join(DOT_PRECISIONS)}"
+        if self.estimate_registers(shape) > MAX_REGS_PER_THREAD:
+            return f"~{self.estimate_registers(shape)} registers per thread (> {MAX_REGS_PER_THREAD})"
+        if self.estimate_smem(shape) > DEFAULT_SMEM_BYTES:
+            return f"~{self.estimate_smem(shape)} bytes of shared memory (> {DEFAULT_SMEM_BYTES})"
+        return None
+
+    def resident(self, shape: KernelShape) -> bool:
+        """True when the whole [K, block_v] state tile lives in registers across chunks."""
+        return self.block_k >= shape.key_dim
+
+    def estimate_registers(self, shape: KernelShape) -> int:
+        C, bk, bv = self.chunk_size, self.block_k, self.block_v
+        # fp32 tiles live at once: state tile, phi(K) and phi(Q) tiles, C x C scores and
+        # inverse, C x block_v values/updates/outputs (x3)
+        live = bk * bv + 2 * C * bk + 2 * C * C + 3 * C * bv
+        return 32 + math.ceil(live / (32 * self.num_warps))
+
+    def estimate_smem(self, shape: KernelShape) -> int:
+        # tl.dot stages its operands through shared memory: the largest product is
+        # [C, block_k] x [block_k, block_v] (and its transpose), in 4-byte elements at worst
+        C, bk, bv = self.chunk_size, self.block_k, self.block_v
+        return max(1, self.num_stages) * 4 * (C * bk + bk * bv)
+
+    @classmethod
+    def space(cls, shape: KernelShape) -> dict[str, list]:
+        kp = max(16, shape.key_dim_pow2)
+        return {
+            "chunk_size": [16, 32, 64, 128],
+            "block_k": sorted({min(kp, b) for b in (16, 32, 64, 128, 256, kp)}),
+            "block_v": [b for b in (16, 32, 64) if b <= max(16, next_pow2(shape.value_width))],
+            "num_warps": [2, 4, 8],
+            "num_stages": [1, 2, 3],
+            "fuse_prepare": [False, True],
+            "dot_precision": list(DOT_PRECISIONS),
+        }
+
+    @classmethod
+    def default(cls, shape: KernelShape) -> "ChunkVariant":
+        kp = max(16, shape.key_dim_pow2)
+        bv = min(16, max(16, next_pow2(shape.value_width)))
+        # K <= 128: whole state tile in registers; larger K streams 64-row tiles so the
+        # [C, block_k] phi tiles stay small.
+        bk = kp if kp <= 128 else 64
+        C = 64 if kp <= 128 else 32
+        return cls(chunk_size=C, block_k=bk, block_v=bv, num_warps=4, num_stages=2)
+
+
+def iter_space(cls: type[_Variant], shape: KernelShape) -> Iterator[_Variant]:
+    """Every variant of ``cls``'s space for ``shape`` that passes ``check``."""
+    import itertools
+
+    space = cls.space(shape)
+    names = list(space)
+    for values in itertools.product(*(space[n] for n in names)):
+        v = cls(**dict(zip(names, values)))
+        if v.check(shape) is None:
+            yield v

@@ -1,0 +1,92 @@
+"""Bad input to the Triton launchers: a clear error before any allocation or launch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rtcompile.kernels import triton_fwd
+from rtcompile.kernels.triton_fwd import running_tensor_decode_, running_tensor_fwd
+from rtcompile.kernels.variants import ChunkVariant, RecurrentVariant
+
+from conftest import make_inputs
+
+
+@pytest.fixture(autouse=True)
+def no_allocation(monkeypatch):
+    """Errors must come before any output is allocated (and so before any launch)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+    def refuse(*a, **kw):
+        raise AssertionError("allocated before validation finished")
+
+    monkeypatch.setattr(triton_fwd, "_empty", refuse)
+
+
+def _args(B=2, T=5, widths=(3, 4)):
+    q, k, v, g, beta, _ = make_inputs(B, T, 2, widths, 4, dtype=torch.float32)
+    return q, k, v, g, beta
+
+
+def test_non_contiguous_factor():
+    q, k, v, g, beta = _args()
+    q[1] = torch.randn(2, 5, 4, 2).transpose(2, 3)  # [B, T, H=2, d=4] view, not contiguous
+    with pytest.raises(ValueError, match=r"q\[1\]: strides .* not contiguous"):
+        running_tensor_fwd(q, k, v, g, beta)
+
+
+def test_order_too_high_for_kernels():
+    q, k, v, g, beta = _args(widths=(2, 2, 2, 2))
+    with pytest.raises(ValueError, match="orders 2-4"):
+        running_tensor_fwd(q, k, v, g, beta)
+
+
+def test_cpu_without_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="CUDA device"):
+        running_tensor_fwd(*_args())
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, needle",
+    [
+        (dict(mode="fast"), ValueError, "mode"),
+        (dict(variant=ChunkVariant(chunk_size=24, block_k=16, block_v=16)), ValueError, "not a power of two"),
+        (dict(variant=RecurrentVariant(block_k=16, block_v=4)), TypeError, "expected ChunkVariant"),
+        (dict(chunk_size=32, variant=ChunkVariant(chunk_size=16, block_k=16, block_v=16)), ValueError, "conflicts"),
+        (dict(chunk_size=16.0), TypeError, "chunk_size"),
+        (dict(mode="recurrent", variant=RecurrentVariant(block_k=64, block_v=4)), ValueError, "exceeds K"),
+    ],
+    ids=["mode", "chunk-24", "wrong-variant-type", "chunk-conflict", "chunk-float", "block-k-too-big"],
+)
+def test_bad_options(kwargs, exc, needle):
+    with pytest.raises(exc, match=needle):
+        running_tensor_fwd(*_args(), **kwargs)
+
+
+def _decode(idx, cache_shape=(4, 2, 3, 4, 4), T=1, idx_dtype=torch.int32):
+    q, k, v, g, beta = _args(B=len(idx), T=T)
+    return running_tensor_decode_(q, k, v, g, beta, state_cache=torch.zeros(cache_shape),
+                                  state_indices=torch.tensor(idx, dtype=idx_dtype))
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, needle",
+    [
+        (dict(idx=[0, 4]), ValueError, "out of range"),
+        (dict(idx=[1, 1]), ValueError, "repeated slot"),
+        (dict(idx=[0, 1], idx_dtype=torch.int64), TypeError, "int32"),
+        (dict(idx=[0, 1], cache_shape=(4, 2, 4, 3, 4)), ValueError, "state_cache: expected shape"),
+        (dict(idx=[0, 1], T=2), ValueError, "T = 1"),
+    ],
+    ids=["slot-out-of-range", "repeated-slot", "int64-indices", "cache-shape", "two-tokens"],
+)
+def test_bad_decode(kwargs, exc, needle):
+    with pytest.raises(exc, match=needle):
+        _decode(**kwargs)
+
+
+def test_padding_slots_are_allowed_by_validation():
+    # -1 entries are padding (vLLM's PAD_SLOT_ID): validation passes and we reach allocation
+    with pytest.raises(AssertionError, match="allocated"):
+        _decode([-1, 2])

@@ -1,0 +1,206 @@
+"""Triton kernels (through the interpreter on CPU) against the float64 reference."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+import rtcompile
+from rtcompile.kernels import running_tensor_recurrent_ref, triton_fwd
+from rtcompile.kernels.triton_fwd import running_tensor_decode_, running_tensor_fwd
+from rtcompile.kernels.variants import ChunkVariant, RecurrentVariant
+
+from conftest import make_inputs, rel_err
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="needs TRITON_INTERPRET=1 (CPU) or a CUDA GPU",
+)
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+FP32_TOL = 2e-5  # fp32 kernels vs float64: observed 2e-7 - 1e-6 on these shapes
+
+
+@pytest.fixture(autouse=True)
+def poison_outputs(monkeypatch):
+    """Every output/workspace the launchers allocate starts as NaN: an unwritten element fails."""
+
+    def nan_empty(*shape, dtype=None, device=None):
+        t = torch.empty(*shape, dtype=dtype, device=device)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(triton_fwd, "_empty", nan_empty)
+
+
+def _to(xs, dtype=None):
+    conv = lambda x: None if x is None else x.to(device=DEVICE, dtype=dtype or x.dtype)
+    return [conv(x) for x in xs] if isinstance(xs, list) else conv(xs)
+
+
+def _case(B, T, H, widths, V, dtype=torch.float32, **kw):
+    q, k, v, g, beta, s0 = make_inputs(B, T, H, widths, V, dtype=torch.float64, **kw)
+    low = lambda x: x if x is None else x.to(dtype)
+    q16, k16, v16 = [low(x) for x in q], [low(x) for x in k], low(v)
+    g16, b16 = (None if g is None else g.float()), (None if beta is None else beta.float())
+    # the reference sees exactly the (rounded) inputs the kernel sees, upcast to float64
+    up = lambda x: None if x is None else x.double()
+    ref_in = ([up(x) for x in q16], [up(x) for x in k16], up(v16), up(g16), up(b16))
+    dev_in = (_to(q16), _to(k16), _to(v16), _to(g16), _to(b16))
+    return dev_in, ref_in, s0
+
+
+WIDTHS = {"o2-d5": (5,), "o3-3x4": (3, 4), "o4-2x3x2": (2, 3, 2)}
+FEATURES = {
+    "plain": dict(gate=False, delta=False, l2norm=False),
+    "gate": dict(gate=True, delta=False, l2norm=False),
+    "delta-l2": dict(gate=False, delta=True, l2norm=True),
+    "gated-delta-l2": dict(gate=True, delta=True, l2norm=True),
+}
+VARIANTS = {
+    "chunk16": ("chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16)),
+    "chunk16-fused": ("chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16, fuse_prepare=True)),
+    "recurrent": ("recurrent", None),
+}
+
+
+@pytest.mark.parametrize("widths", WIDTHS.values(), ids=WIDTHS.keys())
+@pytest.mark.parametrize("feat", FEATURES.keys())
+@pytest.mark.parametrize("impl", VARIANTS.keys())
+@pytest.mark.parametrize("h0", [True, False], ids=["h0", "no-h0"])
+def test_prefill_matches_float64(widths, feat, impl, h0):
+    f = FEATURES[feat]
+    # T = 21: one full chunk of 16 and a partial one; V = 6 is not a power of two
+    dev, ref, s0 = _case(2, 21, 2, widths, 6, gate=f["gate"], delta=f["delta"], state=h0)
+    mode, variant = VARIANTS[impl]
+    o, s = running_tensor_fwd(*dev, initial_state=_to(s0, torch.float32), output_final_state=True,
+                              l2norm=f["l2norm"], mode=mode, variant=variant)
+    o_ref, s_ref = running_tensor_recurrent_ref(*ref, initial_state=s0, output_final_state=True, l2norm=f["l2norm"])
+    assert o.shape == (2, 21, 2, 6) and s.shape == (2, 2, *widths, 6) and s.dtype == torch.float32
+    assert rel_err(o.cpu(), o_ref) < FP32_TOL
+    assert rel_err(s.cpu(), s_ref) < FP32_TOL
+
+
+STREAMED = {
+    # K = 20 and 27 with 16-row tiles: the state is streamed, not held in registers
+    "chunk-o3-4x5": ((4, 5), "chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16)),
+    "chunk-o4-3x3x3-fused": ((3, 3, 3), "chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16, fuse_prepare=True)),
+    "recurrent-o3-4x5": ((4, 5), "recurrent", RecurrentVariant(block_k=8, block_v=4)),
+}
+
+
+@pytest.mark.parametrize("case", STREAMED.keys())
+def test_streamed_state_matches_float64(case):
+    widths, mode, variant = STREAMED[case]
+    dev, ref, s0 = _case(1, 19, 2, widths, 5, state=True)
+    o, s = running_tensor_fwd(*dev, initial_state=_to(s0, torch.float32), output_final_state=True,
+                              l2norm=True, mode=mode, variant=variant)
+    o_ref, s_ref = running_tensor_recurrent_ref(*ref, initial_state=s0, output_final_state=True, l2norm=True)
+    assert rel_err(o.cpu(), o_ref) < FP32_TOL and rel_err(s.cpu(), s_ref) < FP32_TOL
+    # without output_final_state the streamed state still has a buffer, and o is unchanged
+    o2, s2 = running_tensor_fwd(*dev, initial_state=_to(s0, torch.float32), l2norm=True, mode=mode, variant=variant)
+    assert s2 is None and torch.equal(o2, o)
+
+
+@pytest.mark.parametrize("widths", [(5,), (3, 4), (2, 3, 2)], ids=["o2", "o3", "o4"])
+@pytest.mark.parametrize("impl", ["chunk16", "recurrent"])
+def test_varlen_uneven_lengths(widths, impl):
+    offsets = [0, 5, 6, 23, 30]  # lengths 5, 1, 17, 7
+    N = len(offsets) - 1
+    dev, ref, s0 = _case(1, offsets[-1], 2, widths, 3, state=True, num_seqs=N)
+    cu = torch.tensor(offsets, dtype=torch.int32)
+    mode, variant = VARIANTS[impl]
+    o, s = running_tensor_fwd(*dev, initial_state=_to(s0, torch.float32), output_final_state=True, l2norm=True,
+                              cu_seqlens=_to(cu), mode=mode, variant=variant)
+    o_ref, s_ref = running_tensor_recurrent_ref(*ref, initial_state=s0, output_final_state=True, l2norm=True, cu_seqlens=cu)
+    assert s.shape == (N, 2, *widths, 3)
+    assert rel_err(o.cpu(), o_ref) < FP32_TOL and rel_err(s.cpu(), s_ref) < FP32_TOL
+
+
+@pytest.mark.parametrize("impl", ["chunk16", "recurrent"])
+def test_single_token(impl):
+    dev, ref, s0 = _case(3, 1, 2, (3, 4), 5, state=True)
+    mode, variant = VARIANTS[impl]
+    o, s = running_tensor_fwd(*dev, initial_state=_to(s0, torch.float32), output_final_state=True, l2norm=True,
+                              mode=mode, variant=variant)
+    o_ref, s_ref = running_tensor_recurrent_ref(*ref, initial_state=s0, output_final_state=True, l2norm=True)
+    assert rel_err(o.cpu(), o_ref) < FP32_TOL and rel_err(s.cpu(), s_ref) < FP32_TOL
+
+
+def test_default_variants_run():
+    # the defaults chosen from the shapes (C = 64 here): T = 70 covers a partial second chunk
+    dev, ref, s0 = _case(1, 70, 1, (4, 4), 16, state=True)
+    o_ref, s_ref = running_tensor_recurrent_ref(*ref, initial_state=s0, output_final_state=True, l2norm=True)
+    for mode in ("chunk", "recurrent"):
+        o, s = running_tensor_fwd(*dev, initial_state=_to(s0, torch.float32), output_final_state=True,
+                                  l2norm=True, mode=mode)
+        assert rel_err(o.cpu(), o_ref) < FP32_TOL and rel_err(s.cpu(), s_ref) < FP32_TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("impl", ["chunk16", "recurrent"])
+def test_half_inputs(dtype, impl):
+    dev, ref, s0 = _case(2, 21, 2, (3, 4), 6, dtype=dtype, state=True)
+    mode, variant = VARIANTS[impl]
+    o, s = running_tensor_fwd(*dev, initial_state=_to(s0, torch.float32), output_final_state=True, l2norm=True,
+                              mode=mode, variant=variant)
+    o_ref, s_ref = running_tensor_recurrent_ref(*ref, initial_state=s0, output_final_state=True, l2norm=True)
+    assert o.dtype == dtype
+    # 16-bit output rounding (2^-8 for bf16) dominates; the fp32 state stays close
+    assert rel_err(o.cpu(), o_ref) < (1e-2 if dtype == torch.bfloat16 else 2e-3)
+    assert rel_err(s.cpu(), s_ref) < 1e-2
+
+
+@pytest.mark.parametrize("widths", [(5,), (3, 4), (2, 3, 2)], ids=["o2", "o3", "o4"])
+@pytest.mark.parametrize("variant", [None, RecurrentVariant(block_k=4, block_v=4)], ids=["resident", "streamed"])
+def test_decode_in_place_slots(widths, variant):
+    slots, H, V = 6, 2, 5
+    idx = [4, 0, -1, 2]  # -1: padding entry, reads and writes nothing
+    dev, ref, _ = _case(len(idx), 1, H, widths, V, state=False)
+    cache = torch.randn(slots, H, *widths, V, dtype=torch.float32)
+    before = cache.clone()
+    cache_dev = _to(cache)
+    o = running_tensor_decode_(*dev, state_cache=cache_dev, state_indices=_to(torch.tensor(idx, dtype=torch.int32)),
+                               l2norm=True, variant=variant)
+    cache_after = cache_dev.cpu()
+    for n, slot in enumerate(idx):
+        if slot < 0:
+            continue
+        one = lambda x: None if x is None else x[n : n + 1]
+        o_ref, s_ref = running_tensor_recurrent_ref(
+            [one(x) for x in ref[0]], [one(x) for x in ref[1]], one(ref[2]), one(ref[3]), one(ref[4]),
+            initial_state=before[slot : slot + 1].double(), output_final_state=True, l2norm=True,
+        )
+        assert rel_err(o[n : n + 1].cpu(), o_ref) < FP32_TOL
+        assert rel_err(cache_after[slot : slot + 1], s_ref) < FP32_TOL
+    for slot in {1, 3, 5}:  # untouched slots are bit-identical
+        assert torch.equal(cache_after[slot], before[slot])
+
+
+def test_decode_matches_plain_form():
+    dev, ref, s0 = _case(3, 1, 2, (3, 4), 5, state=True)
+    s0 = s0.float()
+    o_plain, s_plain = running_tensor_fwd(*dev, initial_state=_to(s0), output_final_state=True, l2norm=True, mode="recurrent")
+    cache = _to(s0.clone())
+    o = running_tensor_decode_(*dev, state_cache=cache, state_indices=_to(torch.arange(3, dtype=torch.int32)), l2norm=True)
+    assert torch.equal(o, o_plain) and torch.equal(cache, s_plain)
+
+
+def test_public_api_dispatches_to_triton(monkeypatch):
+    calls = []
+    real = triton_fwd.running_tensor_fwd
+    monkeypatch.setattr(triton_fwd, "running_tensor_fwd", lambda *a, **kw: calls.append(kw["mode"]) or real(*a, **kw))
+    dev, ref, s0 = _case(1, 20, 2, (3, 4), 4)
+    o, _ = rtcompile.running_tensor(*dev, l2norm=True, mode="chunk", chunk_size=16)
+    assert calls == ["chunk"]
+    o_ref, _ = running_tensor_recurrent_ref(*ref, l2norm=True)
+    assert rel_err(o.cpu(), o_ref) < FP32_TOL
+    # inputs that require grad: 'auto' falls back to the (differentiable) reference ...
+    q = [x.clone().requires_grad_() for x in dev[0]]
+    o2, _ = rtcompile.running_tensor(q, *dev[1:], l2norm=True, mode="chunk", chunk_size=16)
+    assert calls == ["chunk"] and o2.requires_grad
+    # ... and 'triton' refuses before launching anything
+    with pytest.raises(ValueError, match="backend: 'triton' is forward-only"):
+        rtcompile.running_tensor(q, *dev[1:], backend="triton")
+    assert calls == ["chunk"]

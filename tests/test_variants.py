@@ -1,0 +1,62 @@
+"""Variant spaces: defaults are valid, the space holds only valid variants, checks explain."""
+
+from __future__ import annotations
+
+import pytest
+
+from rtcompile.kernels.variants import ChunkVariant, KernelShape, RecurrentVariant, iter_space
+
+SHAPES = {
+    "o2-64": KernelShape((64,), 64),
+    "o3-16x16": KernelShape((16, 16), 64),
+    "o3-32x32": KernelShape((32, 32), 64),
+    "o3-64x64": KernelShape((64, 64), 64),
+    "o4-16x16x16": KernelShape((16, 16, 16), 64),
+    "o3-3x5-v6": KernelShape((3, 5), 6),
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+@pytest.mark.parametrize("cls", [ChunkVariant, RecurrentVariant], ids=["chunk", "recurrent"])
+def test_default_is_valid_and_in_space(cls, shape):
+    default = cls.default(shape)
+    assert default.check(shape) is None
+    space = cls.space(shape)
+    for name, value in default.to_dict().items():
+        if name != "kernel":
+            assert value in space[name], (name, value)
+    variants = list(iter_space(cls, shape))
+    assert variants and all(v.check(shape) is None for v in variants)
+
+
+def test_large_state_defaults_stream():
+    big = SHAPES["o3-64x64"]
+    assert not ChunkVariant.default(big).resident(big)
+    assert RecurrentVariant.default(big).block_k < big.key_dim
+    small = SHAPES["o3-16x16"]
+    assert RecurrentVariant.default(small).block_k == 256  # one [K, 16] register tile (DESIGN.md)
+
+
+@pytest.mark.parametrize(
+    "variant, needle",
+    [
+        (ChunkVariant(chunk_size=48, block_k=16, block_v=16), "not a power of two"),
+        (ChunkVariant(chunk_size=256, block_k=16, block_v=16), "outside [16, 128]"),
+        (ChunkVariant(chunk_size=64, block_k=8, block_v=16), ">= 16"),
+        (ChunkVariant(chunk_size=64, block_k=4096, block_v=64, num_warps=2), "registers"),
+        (ChunkVariant(chunk_size=64, block_k=16, block_v=16, dot_precision="fp8"), "dot_precision"),
+        (RecurrentVariant(block_k=4096, block_v=64, num_warps=1), "registers"),
+        (RecurrentVariant(block_k=8192, block_v=16), "exceeds K"),
+    ],
+    ids=["chunk-48", "chunk-256", "block-k-8", "chunk-registers", "precision", "rec-registers", "rec-block-k"],
+)
+def test_check_explains(variant, needle):
+    reason = variant.check(SHAPES["o3-64x64"])
+    assert reason is not None and needle in reason
+
+
+def test_dict_round_trip_and_unknown_keys():
+    v = ChunkVariant(chunk_size=32, block_k=64, block_v=16, fuse_prepare=True)
+    assert ChunkVariant.from_dict(v.to_dict()) == v
+    with pytest.raises(ValueError, match="unknown parameters"):
+        ChunkVariant.from_dict({**v.to_dict(), "block_z": 4})
