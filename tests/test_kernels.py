@@ -87,6 +87,11 @@ STREAMED = {
     "chunk-o3-4x5": ((4, 5), "chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16)),
     "chunk-o4-3x3x3-fused": ((3, 3, 3), "chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16, fuse_prepare=True)),
     "recurrent-o3-4x5": ((4, 5), "recurrent", RecurrentVariant(block_k=8, block_v=4)),
+    # power-of-two widths: phi blocks are outer products of factor tiles (phi_tile_outer)
+    "outer-o3-4x8-streamed": ((4, 8), "chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16)),
+    "outer-o4-2x4x4-streamed": ((2, 4, 4), "chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16)),
+    "outer-o3-2x4-resident": ((2, 4), "chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16)),
+    "outer-o2-8-fused": ((8,), "chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16, fuse_prepare=True)),
 }
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import factor_tile, phi_gather, phi_inv_norm, unit_lower_inverse
+from .triton_common import factor_tile, phi_gather, phi_inv_norm, phi_tile_outer, unit_lower_inverse
 
 
 @triton.jit
@@ -32,6 +32,18 @@ def _dot(a, b, LOWP: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
         return tl.dot(a.to(DT), b.to(DT))
     else:
         return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _phi_block(p1, p2, p3, r, m_t, i_k, C: tl.constexpr, BK: tl.constexpr, NF: tl.constexpr,
+               D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, K: tl.constexpr, OUTER: tl.constexpr):
+    """Raw [C, BK] block ``i_k`` of phi: outer products when OUTER, else gathers."""
+    if OUTER:
+        b_phi = phi_tile_outer(p1, p2, p3, r, m_t, i_k, C, BK, NF, D1, D2, D3)
+    else:
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_phi = phi_gather(p1, p2, p3, r[:, None], o_k[None, :], m_t[:, None] & (o_k < K)[None, :], D1, D2, D3, NF)
+    return b_phi
 
 
 @triton.jit
@@ -142,7 +154,7 @@ def chunk_running_tensor_fwd_kernel(
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
-    FUSE_PREPARE: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+    FUSE_PREPARE: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr, OUTER: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -192,8 +204,8 @@ def chunk_running_tensor_fwd_kernel(
         b_v = tl.load(v + r[:, None] * V + o_v[None, :],
                       mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
         if NK == 1:
-            b_k = phi_gather(k1, k2, k3, r[:, None], o_k[None, :], m_t[:, None] & m_k[None, :], D1, D2, D3, NF) * r_k[:, None]
-            b_q = phi_gather(q1, q2, q3, r[:, None], o_k[None, :], m_t[:, None] & m_k[None, :], D1, D2, D3, NF) * r_q[:, None]
+            b_k = _phi_block(k1, k2, k3, r, m_t, 0, C, BK, NF, D1, D2, D3, K, OUTER) * r_k[:, None]
+            b_q = _phi_block(q1, q2, q3, r, m_t, 0, C, BK, NF, D1, D2, D3, K, OUTER) * r_q[:, None]
             b_ks = _dot(b_k, b_s, LOWP, DT, PREC)
             b_qs = _dot(b_q, b_s, LOWP, DT, PREC)
         else:
@@ -204,9 +216,8 @@ def chunk_running_tensor_fwd_kernel(
                 m_k = o_k < K
                 off_s = p_state + o_k[:, None] * V + o_v[None, :]
                 b_s = _state_tile(h0, ht, off_s, m_k[:, None] & m_v[None, :], i_c == 0, USE_H0)
-                m_tk = m_t[:, None] & m_k[None, :]
-                b_k = phi_gather(k1, k2, k3, r[:, None], o_k[None, :], m_tk, D1, D2, D3, NF)
-                b_q = phi_gather(q1, q2, q3, r[:, None], o_k[None, :], m_tk, D1, D2, D3, NF)
+                b_k = _phi_block(k1, k2, k3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER)
+                b_q = _phi_block(q1, q2, q3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER)
                 b_ks += _dot(b_k, b_s, LOWP, DT, PREC)
                 b_qs += _dot(b_q, b_s, LOWP, DT, PREC)
             b_ks = b_ks * r_k[:, None]
@@ -228,7 +239,7 @@ def chunk_running_tensor_fwd_kernel(
                 off_s = p_state + o_k[:, None] * V + o_v[None, :]
                 m_s = m_k[:, None] & m_v[None, :]
                 b_s = _state_tile(h0, ht, off_s, m_s, i_c == 0, USE_H0)
-                b_k = phi_gather(k1, k2, k3, r[:, None], o_k[None, :], m_t[:, None] & m_k[None, :], D1, D2, D3, NF)
+                b_k = _phi_block(k1, k2, k3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER)
                 b_k = b_k * (r_k * b_ratio)[:, None]
                 b_s = tl.exp(b_last) * b_s + _dot(tl.trans(b_k), b_u, LOWP, DT, PREC)
                 tl.store(ht + off_s, b_s.to(ht.dtype.element_ty), mask=m_s)

@@ -75,3 +75,28 @@ def unit_lower_inverse(b_A, C: tl.constexpr):
         b_row = tl.where(o_c == i, 1.0, 0.0) - tl.sum(b_a[:, None] * b_X, axis=0)
         b_X = tl.where(o_c[:, None] == i, b_row[None, :], b_X)
     return b_X
+
+
+@triton.jit
+def phi_tile_outer(p1, p2, p3, r, m_t, i_k, C: tl.constexpr, BK: tl.constexpr, NF: tl.constexpr,
+                   D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
+    """Block ``i_k`` ([C, BK]) of phi for the rows ``r``, as an outer product of factor tiles.
+
+    Needs power-of-two widths and ``BK`` a multiple of D2 * D3: the block then covers
+    M1 = BK / (D2 D3) consecutive indices of axis 1 and all of axes 2 and 3, so it is
+    reshape(x1[:, M1 block] (x) x2 (x) x3). Coalesced row loads and register products replace
+    the per-element gathers of :func:`phi_gather` (which serve the other widths).
+    """
+    M1: tl.constexpr = BK // (D2 * D3)
+    o_1 = i_k * M1 + tl.arange(0, M1)
+    b_phi = tl.load(p1 + r[:, None] * D1 + o_1[None, :], mask=m_t[:, None] & (o_1 < D1)[None, :], other=0.0)
+    b_phi = b_phi.to(tl.float32)
+    if NF > 1:
+        o_2 = tl.arange(0, D2)
+        b_2 = tl.load(p2 + r[:, None] * D2 + o_2[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
+        if NF > 2:
+            o_3 = tl.arange(0, D3)
+            b_3 = tl.load(p3 + r[:, None] * D3 + o_3[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
+            b_2 = tl.reshape(b_2[:, :, None] * b_3[:, None, :], [C, D2 * D3])
+        b_phi = tl.reshape(b_phi[:, :, None] * b_2[:, None, :], [C, BK])
+    return b_phi

@@ -12,6 +12,8 @@ behind the caller's back. Kernels take up to three factors (orders 2 to 4).
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 from typing import Sequence
 
@@ -84,14 +86,22 @@ def kernel_shape(p: Problem) -> KernelShape:
     return KernelShape(p.key_widths, p.value_width, torch.empty((), dtype=p.dtype).element_size())
 
 
-def _resolve_variant(cls, variant, shape: KernelShape, **overrides):
+@functools.lru_cache(maxsize=None)
+def _smem_limit(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+
+
+def _resolve_variant(cls, variant, shape: KernelShape, device: torch.device | None = None, **overrides):
     if variant is None:
         variant = cls.default(shape)
         if overrides:
             variant = type(variant)(**{**variant.__dict__, **overrides})
     elif not isinstance(variant, cls):
         raise TypeError(f"variant: expected {cls.__name__}, got {type(variant).__name__}")
-    reason = variant.check(shape)
+    if device is not None and device.type == "cuda":
+        reason = variant.check(shape, smem_limit=_smem_limit(device.index or 0))
+    else:
+        reason = variant.check(shape)
     if reason is not None:
         raise ValueError(f"variant: {variant} cannot run K={shape.key_dim}, d_v={shape.value_width}: {reason}")
     return variant
@@ -119,6 +129,13 @@ def _launch_recurrent(p: Problem, q, k, v, g, beta, *, h0, ht, state_indices, cu
         num_warps=variant.num_warps, num_stages=variant.num_stages,
     )
     return o
+
+
+def _outer_phi(widths: tuple[int, ...], block_k: int) -> bool:
+    """Can phi blocks be built as outer products of factor tiles (see ``phi_tile_outer``)?"""
+    trailing = math.prod(widths[1:])
+    pow2 = all(w & (w - 1) == 0 for w in widths)
+    return pow2 and block_k % trailing == 0
 
 
 def _chunk_indices(p: Problem, C: int, device: torch.device) -> torch.Tensor:
@@ -159,7 +176,7 @@ def _launch_chunk(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm, s
         p.scale, T,
         K=p.key_dim, V=V, C=C, BK=variant.block_k, BV=variant.block_v,
         USE_H0=h0 is not None, STORE_HT=store_ht, FUSE_PREPARE=variant.fuse_prepare,
-        LOWP=_lowp_dots(v.dtype), **common,
+        LOWP=_lowp_dots(v.dtype), OUTER=_outer_phi(p.key_widths, variant.block_k), **common,
         num_warps=variant.num_warps, num_stages=variant.num_stages,
     )
     return o
@@ -196,12 +213,12 @@ def running_tensor_fwd(
     shape = kernel_shape(p)
     if mode == "chunk":
         over = {} if chunk_size is None else {"chunk_size": chunk_size}
-        var = _resolve_variant(ChunkVariant, variant, shape, **over)
+        var = _resolve_variant(ChunkVariant, variant, shape, v.device, **over)
         if chunk_size is not None and var.chunk_size != chunk_size:
             raise ValueError(f"chunk_size: {chunk_size} conflicts with the variant's {var.chunk_size}; give one")
         streamed = not var.resident(shape)
     else:
-        var = _resolve_variant(RecurrentVariant, variant, shape)
+        var = _resolve_variant(RecurrentVariant, variant, shape, v.device)
         streamed = var.block_k < shape.key_dim
     # A streamed state lives in the final-state buffer while the kernel runs.
     need_ht = output_final_state or streamed
@@ -269,7 +286,7 @@ def running_tensor_decode_(
         used = [i for i in idx if i >= 0]
         if len(set(used)) != len(used):
             raise ValueError("state_indices: repeated slot; allowed: distinct slots (each sequence owns its state)")
-    var = _resolve_variant(RecurrentVariant, variant, kernel_shape(p))
+    var = _resolve_variant(RecurrentVariant, variant, kernel_shape(p), v.device)
     return _launch_recurrent(
         p, q, k, v, g, beta, h0=state_cache, ht=state_cache, state_indices=state_indices,
         cu_seqlens=None, l2norm=l2norm, store_ht=True, variant=var,
