@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Sequence
 
@@ -91,6 +92,56 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_at_least(lo: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {value}")
+        return value
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
+    return value
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from . import bench
+
+    opts = bench.BenchOptions(
+        phase=args.phase, quick=args.quick, out=Path(args.out) if args.out else None,
+        repeats=args.repeats, budget_s=args.budget_s,
+    )
+    if args.dry_run:
+        print("\n".join(bench.dry_run_lines(opts)))
+        return 0
+    reason = bench.cuda_unavailable_reason()
+    if reason is not None:
+        raise UsageError(f"rtcompile bench: {reason}")
+    if opts.out is not None:
+        # Fail before minutes of measuring, not after: the folder must be creatable and writable.
+        try:
+            opts.out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"rtcompile bench: --out {str(opts.out)!r}: cannot create ({exc.strerror})") from None
+        if not os.access(opts.out, os.W_OK):
+            raise UsageError(f"rtcompile bench: --out {str(opts.out)!r}: not writable")
+    bench.run_bench(opts)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="rtcompile",
@@ -102,6 +153,23 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("spec", help="model spec file (.toml or .json)")
     info.add_argument("--json", action="store_true", help="print the figures as JSON")
     info.set_defaults(func=_cmd_info)
+    # bench imports only the standard library and our spec/figures at module level (no torch).
+    from .bench import DEFAULT_BUDGET_S, DEFAULT_REPEATS, MIN_REPEATS, PHASES
+
+    bench = sub.add_parser(
+        "bench",
+        help="time our kernels, the PyTorch reference and fla on one CUDA GPU (see benchmarks/README.md)",
+    )
+    bench.add_argument("--phase", choices=PHASES, default="all", help="what to measure (default all)")
+    bench.add_argument("--quick", action="store_true", help="T=1024 and fewer cases (a smoke run)")
+    bench.add_argument("--out", metavar="DIR", help="write bench.json and bench.csv into DIR (rewritten after every case)")
+    bench.add_argument("--dry-run", action="store_true", help="list the cases a run would measure; needs no GPU")
+    bench.add_argument("--repeats", type=_int_at_least(MIN_REPEATS), default=DEFAULT_REPEATS, metavar="N",
+                       help=f"timed repeats per measurement, median reported (default {DEFAULT_REPEATS})")
+    bench.add_argument("--budget-s", type=_positive_float, default=DEFAULT_BUDGET_S, metavar="S",
+                       help="soft time budget: once spent, the remaining implementations are recorded as skipped "
+                       f"(default {DEFAULT_BUDGET_S:.0f})")
+    bench.set_defaults(func=_cmd_bench)
     return parser
 
 

@@ -55,6 +55,13 @@ def test_check_explains(variant, needle):
     assert reason is not None and needle in reason
 
 
+@pytest.mark.parametrize("cls", [ChunkVariant, RecurrentVariant], ids=["chunk", "recurrent"])
+def test_fields_list_every_parameter(cls):
+    import dataclasses
+
+    assert cls.FIELDS == tuple(f.name for f in dataclasses.fields(cls))
+
+
 def test_dict_round_trip_and_unknown_keys():
     v = ChunkVariant(chunk_size=32, block_k=64, block_v=16, fuse_prepare=True)
     assert ChunkVariant.from_dict(v.to_dict()) == v

@@ -19,9 +19,23 @@ from .variants import ChunkVariant, RecurrentVariant
 _VARIANTS = {"chunk": ChunkVariant, "recurrent": RecurrentVariant}
 
 
-@torch.compiler.assume_constant_result  # variants are frozen: the text is a trace-time constant
 def variant_to_json(variant) -> str:
-    return "" if variant is None else json.dumps(variant.to_dict(), sort_keys=True)
+    """The variant as JSON text, built from plain attribute reads and string formatting so
+    that dynamo folds it to a constant (json.dumps and frozen-dataclass reconstruction both
+    break a fullgraph trace, the latter on torch 2.11)."""
+    if variant is None:
+        return ""
+    items = [f'"kernel": "{variant.kernel}"']
+    for name in variant.FIELDS:
+        value = getattr(variant, name)
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, str):
+            text = f'"{value}"'
+        else:
+            text = str(int(value))
+        items.append(f'"{name}": {text}')
+    return "{" + ", ".join(items) + "}"
 
 
 def variant_from_json(text: str):

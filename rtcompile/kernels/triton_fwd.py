@@ -92,26 +92,39 @@ def _smem_limit(device_index: int) -> int:
 
 
 def _resolve_variant(cls, variant, shape: KernelShape, device: torch.device | None = None, **overrides):
+    limit = _smem_limit(device.index or 0) if device is not None and device.type == "cuda" else None
     if variant is None:
-        variant = cls.default(shape)
+        variant = cls.default(shape) if limit is None else cls.default(shape, limit)
         if overrides:
             variant = type(variant)(**{**variant.__dict__, **overrides})
     elif not isinstance(variant, cls):
         raise TypeError(f"variant: expected {cls.__name__}, got {type(variant).__name__}")
-    if device is not None and device.type == "cuda":
-        reason = variant.check(shape, smem_limit=_smem_limit(device.index or 0))
-    else:
-        reason = variant.check(shape)
+    reason = variant.check(shape) if limit is None else variant.check(shape, limit)
     if reason is not None:
         raise ValueError(f"variant: {variant} cannot run K={shape.key_dim}, d_v={shape.value_width}: {reason}")
     return variant
 
 
+def _recurrent_consts(p: Problem, g, beta, *, use_h0: bool, store_ht: bool, varlen: bool,
+                      indices: bool, l2norm: bool, variant: RecurrentVariant) -> tuple[tuple, dict]:
+    """The grid and the constexpr/launch options of the recurrent kernel for a problem."""
+    grid = (triton.cdiv(p.value_width, variant.block_v), p.num_seqs * p.heads)
+    consts = dict(
+        H=p.heads, NF=len(p.key_widths), **_width_args(p.key_widths, 1), K=p.key_dim, V=p.value_width,
+        BK=variant.block_k, BV=variant.block_v,
+        USE_G=g is not None, USE_BETA=beta is not None, L2NORM=l2norm,
+        USE_H0=use_h0, STORE_HT=store_ht, IS_VARLEN=varlen, USE_INDICES=indices,
+        num_warps=variant.num_warps, num_stages=variant.num_stages,
+    )
+    return grid, consts
+
+
 def _launch_recurrent(p: Problem, q, k, v, g, beta, *, h0, ht, state_indices, cu_seqlens, l2norm,
                       store_ht: bool, variant: RecurrentVariant) -> torch.Tensor:
-    B, T, H, V = v.shape
-    o = _empty(B, T, H, V, dtype=v.dtype, device=v.device)
-    grid = (triton.cdiv(V, variant.block_v), p.num_seqs * H)
+    grid, consts = _recurrent_consts(p, g, beta, use_h0=h0 is not None, store_ht=store_ht,
+                                     varlen=cu_seqlens is not None, indices=state_indices is not None,
+                                     l2norm=l2norm, variant=variant)
+    o = _empty(v.shape, dtype=v.dtype, device=v.device)
     dummy = v
     fused_recurrent_running_tensor_fwd_kernel[grid](
         *_factor_args(q), *_factor_args(k), v,
@@ -120,13 +133,7 @@ def _launch_recurrent(p: Problem, q, k, v, g, beta, *, h0, ht, state_indices, cu
         ht if ht is not None else dummy,
         state_indices if state_indices is not None else dummy,
         cu_seqlens if cu_seqlens is not None else dummy,
-        p.scale, T,
-        H=H, NF=len(q), **_width_args(p.key_widths, 1), K=p.key_dim, V=V,
-        BK=variant.block_k, BV=variant.block_v,
-        USE_G=g is not None, USE_BETA=beta is not None, L2NORM=l2norm,
-        USE_H0=h0 is not None, STORE_HT=store_ht, IS_VARLEN=cu_seqlens is not None,
-        USE_INDICES=state_indices is not None,
-        num_warps=variant.num_warps, num_stages=variant.num_stages,
+        p.scale, p.seq_len, **consts,
     )
     return o
 
@@ -258,6 +265,58 @@ def running_tensor_decode_(
     Returns:
         o ``[N, 1, H, d_v]`` in v's dtype.
     """
+    key = _decode_key(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, variant)
+    plan = _DECODE_PLANS.get(key) if key is not None else None
+    if plan is None:
+        plan = _plan_decode(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, variant)
+        if key is not None:
+            if len(_DECODE_PLANS) >= _MAX_DECODE_PLANS:
+                _DECODE_PLANS.clear()
+            _DECODE_PLANS[key] = plan
+    if validate:
+        _check_indices(state_indices, state_cache.shape[0])
+    grid, consts, eff_scale = plan
+    o = _empty(v.shape, dtype=v.dtype, device=v.device)
+    fused_recurrent_running_tensor_fwd_kernel[grid](
+        *_factor_args(q), *_factor_args(k), v, g if g is not None else v, beta if beta is not None else v, o,
+        state_cache, state_cache, state_indices, v, eff_scale, 1, **consts,
+    )
+    return o
+
+
+# Decode is called once per token with the same shapes: after the first call, a signature of
+# the arguments (shape, dtype, device, contiguity of every tensor) finds the validated launch
+# plan, so the eager path skips re-validation (DESIGN.md: fla's wrapper spends 110-130 us per
+# step in Python).
+_DECODE_PLANS: dict = {}
+_MAX_DECODE_PLANS = 1024
+
+
+def _sig(x):
+    return None if x is None else (x.shape, x.dtype, x.device, x.is_contiguous())
+
+
+def _decode_key(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, variant):
+    """The plan-cache key, or None when an argument is not what a plan can describe."""
+    try:
+        return (tuple(map(_sig, q)), tuple(map(_sig, k)), _sig(v), _sig(g), _sig(beta), _sig(state_cache),
+                _sig(state_indices), scale, bool(l2norm), variant, _interpreting())
+    except (AttributeError, TypeError):  # not tensors / unhashable: the full checks will say why
+        return None
+
+
+def _check_indices(state_indices: torch.Tensor, slots: int) -> None:
+    idx = state_indices.tolist()
+    bad = [i for i in idx if i >= slots]
+    if bad:
+        raise ValueError(f"state_indices: {bad[0]} out of range; allowed: 0 <= index < slots = {slots}, or < 0 for padding")
+    used = [i for i in idx if i >= 0]
+    if len(set(used)) != len(used):
+        raise ValueError("state_indices: repeated slot; allowed: distinct slots (each sequence owns its state)")
+
+
+def _plan_decode(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, variant):
+    """Validate a decode call completely and return its (grid, constexprs, scale)."""
     if not isinstance(state_cache, torch.Tensor):
         raise TypeError(f"state_cache: expected a torch.Tensor, got {type(state_cache).__name__}")
     if not isinstance(state_indices, torch.Tensor):
@@ -277,17 +336,7 @@ def running_tensor_decode_(
         raise TypeError(f"state_indices: dtype {state_indices.dtype}; allowed: torch.int32")
     if tuple(state_indices.shape) != (p.batch,) or state_indices.device != v.device:
         raise ValueError(f"state_indices: expected shape [{p.batch}] on {v.device}, got {list(state_indices.shape)} on {state_indices.device}")
-    if validate:
-        idx = state_indices.tolist()
-        slots = state_cache.shape[0]
-        bad = [i for i in idx if i >= slots]
-        if bad:
-            raise ValueError(f"state_indices: {bad[0]} out of range; allowed: 0 <= index < slots = {slots}, or < 0 for padding")
-        used = [i for i in idx if i >= 0]
-        if len(set(used)) != len(used):
-            raise ValueError("state_indices: repeated slot; allowed: distinct slots (each sequence owns its state)")
     var = _resolve_variant(RecurrentVariant, variant, kernel_shape(p), v.device)
-    return _launch_recurrent(
-        p, q, k, v, g, beta, h0=state_cache, ht=state_cache, state_indices=state_indices,
-        cu_seqlens=None, l2norm=l2norm, store_ht=True, variant=var,
-    )
+    grid, consts = _recurrent_consts(p, g, beta, use_h0=True, store_ht=True, varlen=False, indices=True,
+                                     l2norm=l2norm, variant=var)
+    return grid, consts, p.scale

@@ -74,6 +74,7 @@ class RecurrentVariant(_Variant):
     """
 
     kernel: ClassVar[str] = "recurrent"
+    FIELDS: ClassVar[tuple[str, ...]] = ("block_k", "block_v", "num_warps", "num_stages")
     block_k: int
     block_v: int
     num_warps: int = 4
@@ -112,13 +113,16 @@ class RecurrentVariant(_Variant):
         }
 
     @classmethod
-    def default(cls, shape: KernelShape) -> "RecurrentVariant":
-        # DESIGN.md: a [K, 16] register tile reached 90-98% of a same-size copy for K <= 256 and
-        # rows narrower than 16 values were 2-3x slower; at K = 1024 the one-pass tile fell to
-        # 79%, so large K streams 256-row tiles (second read from L2).
-        bv = min(16, next_pow2(shape.value_width))
-        bk = shape.key_dim_pow2 if shape.key_dim_pow2 <= 512 else 256
-        warps = 4 if bk * bv <= 4096 else 8
+    def default(cls, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> "RecurrentVariant":
+        # Measured on an H200 (benchmarks/RESULTS.md, probe of 2026-11-29): at K = 256 a
+        # [256, 32] register tile with 4 warps moved 86% of the large-copy bandwidth at B256
+        # and 92% of a same-size copy at B32 (block_v 16: 77% / 91%; block_v 8: 66%); at
+        # K = 1024 B32 one [1024, 16] tile with 8 warps reached 74%, streaming 256-row tiles
+        # 53-70%. Beyond K = 1024 the tile no longer fits registers: stream 1024-row tiles.
+        kp = shape.key_dim_pow2
+        bv = min(32 if kp <= 256 else 16, next_pow2(shape.value_width))
+        bk = min(kp, 1024)
+        warps = 4 if bk * bv <= 8192 else 8
         return cls(block_k=bk, block_v=bv, num_warps=warps, num_stages=1)
 
 
@@ -136,6 +140,9 @@ class ChunkVariant(_Variant):
     """
 
     kernel: ClassVar[str] = "chunk"
+    FIELDS: ClassVar[tuple[str, ...]] = (
+        "chunk_size", "block_k", "block_v", "num_warps", "num_stages", "fuse_prepare", "dot_precision",
+    )
     chunk_size: int
     block_k: int
     block_v: int
@@ -199,14 +206,30 @@ class ChunkVariant(_Variant):
         }
 
     @classmethod
-    def default(cls, shape: KernelShape) -> "ChunkVariant":
+    def default(cls, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> "ChunkVariant":
+        """The first candidate, in order of preference, that passes :meth:`check`.
+
+        Preferences from an H200 probe (B8 T4096 H8 V64 bf16, 2026-11-29): K <= 256 keeps
+        the state in registers with C = 32 (16x16: 1.16 ms; C = 64 with 64-row tiles 7.2 ms);
+        K = 1024 streams 128-row tiles with C = 32 (32x32: 3.8 ms, against 10.5 ms for
+        C = 64 / 64 rows); K = 4096 streams 128-row tiles with C = 64 and 8 warps (64x64:
+        18 ms, 20-25 ms otherwise). Power-of-two widths build phi blocks as outer products
+        when block_k covers the trailing axes, so block_k is at least their product.
+        """
         kp = max(16, shape.key_dim_pow2)
-        bv = min(16, max(16, next_pow2(shape.value_width)))
-        # K <= 128: whole state tile in registers; larger K streams 64-row tiles so the
-        # [C, block_k] phi tiles stay small.
-        bk = kp if kp <= 128 else 64
-        C = 64 if kp <= 128 else 32
-        return cls(chunk_size=C, block_k=bk, block_v=bv, num_warps=4, num_stages=1)
+        bv = max(16, min(16, next_pow2(shape.value_width)))
+        trailing = next_pow2(math.prod(shape.key_widths[1:]))
+        if kp <= 256:
+            prefs = [(32, kp, 4), (16, kp, 4), (32, min(kp, 128), 4)]
+        else:
+            bk = min(kp, max(128, trailing))
+            prefs = [(64, bk, 8), (32, bk, 4), (16, bk, 4)] if kp >= 4096 and bk <= 128 else [(32, bk, 4), (16, bk, 4)]
+            prefs += [(32, 128, 4), (16, 64, 4)]
+        for C, bk, warps in prefs + [(16, 16, 4)]:
+            v = cls(chunk_size=C, block_k=bk, block_v=bv, num_warps=warps, num_stages=1)
+            if v.check(shape, smem_limit) is None:
+                return v
+        return v
 
 
 def iter_space(cls: type[_Variant], shape: KernelShape) -> Iterator[_Variant]:
