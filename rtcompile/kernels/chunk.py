@@ -50,29 +50,31 @@ def _phi_block(p1, p2, p3, r, m_t, i_k, C: tl.constexpr, BK: tl.constexpr, NF: t
 def _chunk_scores(q1, q2, q3, k1, k2, k3, beta, r, m_t, b_c,
                   NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
                   BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, C: tl.constexpr,
-                  USE_BETA: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr):
+                  USE_BETA: tl.constexpr, L2NORM: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr):
     """P = prod Q_i K_i^T * decay * causal, and Ai = (I + A)^-1 (identity without beta).
 
-    Gram products are fp32 at PREC: they multiply o-1 times, so tf32 rounding compounds.
+    Gram blocks take the (normalised) factors in the input type when it is 16-bit (tensor
+    cores; at K = 256 order 2 the fp32 Grams made the prepare step dominate), else fp32 at PREC.
     """
+    DT: tl.constexpr = q1.dtype.element_ty
     o_c = tl.arange(0, C)
     b_q = factor_tile(q1, r, m_t, D1, BD1, L2NORM)
     b_k = factor_tile(k1, r, m_t, D1, BD1, L2NORM)
-    b_qk = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+    b_qk = _dot(b_q, tl.trans(b_k), LOWP, DT, PREC)
     if USE_BETA:
-        b_kk = tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
+        b_kk = _dot(b_k, tl.trans(b_k), LOWP, DT, PREC)
     if NF > 1:
         b_q = factor_tile(q2, r, m_t, D2, BD2, L2NORM)
         b_k = factor_tile(k2, r, m_t, D2, BD2, L2NORM)
-        b_qk *= tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+        b_qk *= _dot(b_q, tl.trans(b_k), LOWP, DT, PREC)
         if USE_BETA:
-            b_kk *= tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
+            b_kk *= _dot(b_k, tl.trans(b_k), LOWP, DT, PREC)
     if NF > 2:
         b_q = factor_tile(q3, r, m_t, D3, BD3, L2NORM)
         b_k = factor_tile(k3, r, m_t, D3, BD3, L2NORM)
-        b_qk *= tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+        b_qk *= _dot(b_q, tl.trans(b_k), LOWP, DT, PREC)
         if USE_BETA:
-            b_kk *= tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
+            b_kk *= _dot(b_k, tl.trans(b_k), LOWP, DT, PREC)
     # exp of a masked difference: only j <= i is kept, where c_i - c_j <= 0 (no overflow)
     m_incl = o_c[:, None] >= o_c[None, :]
     b_decay = tl.exp(tl.where(m_incl, b_c[:, None] - b_c[None, :], float("-inf")))
@@ -102,7 +104,7 @@ def chunk_prepare_running_tensor_kernel(
     D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
     BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, C: tl.constexpr,
     USE_G: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PREC: tl.constexpr,
+    LOWP: tl.constexpr, PREC: tl.constexpr,
 ):
     i_c, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -123,7 +125,7 @@ def chunk_prepare_running_tensor_kernel(
     b_c = _chunk_log_decay(g, r, m_t, USE_G, C)
     b_P, b_Ai = _chunk_scores(
         q1, q2, q3, k1, k2, k3, beta, r, m_t, b_c,
-        NF, D1, D2, D3, BD1, BD2, BD3, C, USE_BETA, L2NORM, PREC,
+        NF, D1, D2, D3, BD1, BD2, BD3, C, USE_BETA, L2NORM, LOWP, PREC,
     )
     # workspace [B, H, T, C]: row = token, as the sequential kernel reads it
     off_w = ((i_b * H + i_h) * T + tok)[:, None] * C + o_c[None, :]
@@ -186,7 +188,7 @@ def chunk_running_tensor_fwd_kernel(
         if FUSE_PREPARE:
             b_P, b_Ai = _chunk_scores(
                 q1, q2, q3, k1, k2, k3, beta, r, m_t, b_c,
-                NF, D1, D2, D3, BD1, BD2, BD3, C, USE_BETA, L2NORM, PREC,
+                NF, D1, D2, D3, BD1, BD2, BD3, C, USE_BETA, L2NORM, LOWP, PREC,
             )
         else:
             off_w = ((i_b * H + i_h) * T + tok)[:, None] * C + o_c[None, :]
@@ -224,10 +226,10 @@ def chunk_running_tensor_fwd_kernel(
             b_qs = b_qs * r_q[:, None]
         if USE_BETA:
             b_b = tl.load(beta + r, mask=m_t, other=0.0).to(tl.float32)
-            b_u = _dot(b_Ai, b_b[:, None] * (b_v - b_gam[:, None] * b_ks), False, DT, PREC)
+            b_u = _dot(b_Ai, b_b[:, None] * (b_v - b_gam[:, None] * b_ks), LOWP, DT, PREC)
         else:
             b_u = b_v
-        b_o = scale * (b_gam[:, None] * b_qs + _dot(b_P, b_u, False, DT, PREC))
+        b_o = scale * (b_gam[:, None] * b_qs + _dot(b_P, b_u, LOWP, DT, PREC))
         tl.store(o + r[:, None] * V + o_v[None, :],
                  b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
         if NK == 1:

@@ -158,7 +158,8 @@ def _launch_chunk(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm, s
     dummy = v
     widths = _width_args(p.key_widths, 16)  # tl.dot needs >= 16 on every axis
     common = dict(H=H, NF=len(q), **widths, USE_G=g is not None, USE_BETA=beta is not None,
-                  L2NORM=l2norm, IS_VARLEN=cu_seqlens is not None, PREC=variant.dot_precision)
+                  L2NORM=l2norm, IS_VARLEN=cu_seqlens is not None, LOWP=_lowp_dots(v.dtype),
+                  PREC=variant.dot_precision)
     g_arg = g if g is not None else dummy
     beta_arg = beta if beta is not None else dummy
     cu_arg = cu_seqlens if cu_seqlens is not None else dummy
@@ -183,7 +184,7 @@ def _launch_chunk(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm, s
         p.scale, T,
         K=p.key_dim, V=V, C=C, BK=variant.block_k, BV=variant.block_v,
         USE_H0=h0 is not None, STORE_HT=store_ht, FUSE_PREPARE=variant.fuse_prepare,
-        LOWP=_lowp_dots(v.dtype), OUTER=_outer_phi(p.key_widths, variant.block_k), **common,
+        OUTER=_outer_phi(p.key_widths, variant.block_k), **common,
         num_warps=variant.num_warps, num_stages=variant.num_stages,
     )
     return o
