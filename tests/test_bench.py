@@ -408,3 +408,13 @@ def test_import_does_not_touch_a_device():
             "assert 'torch' not in sys.modules, 'torch imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_variant_names_survive_rich_markup():
+    import io
+
+    from rtcompile.bench import _print_table
+
+    buf = io.StringIO()
+    _print_table("t", ["impl"], [["rtcompile[fused]"]], buf)
+    assert "rtcompile[fused]" in buf.getvalue()

@@ -156,7 +156,8 @@ def chunk_running_tensor_fwd_kernel(
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
-    FUSE_PREPARE: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr, OUTER: tl.constexpr,
+    FUSE_PREPARE: tl.constexpr, LOWP: tl.constexpr, LOWP_SCORES: tl.constexpr, PREC: tl.constexpr,
+    OUTER: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -188,7 +189,7 @@ def chunk_running_tensor_fwd_kernel(
         if FUSE_PREPARE:
             b_P, b_Ai = _chunk_scores(
                 q1, q2, q3, k1, k2, k3, beta, r, m_t, b_c,
-                NF, D1, D2, D3, BD1, BD2, BD3, C, USE_BETA, L2NORM, LOWP, PREC,
+                NF, D1, D2, D3, BD1, BD2, BD3, C, USE_BETA, L2NORM, LOWP_SCORES, PREC,
             )
         else:
             off_w = ((i_b * H + i_h) * T + tok)[:, None] * C + o_c[None, :]
@@ -226,10 +227,10 @@ def chunk_running_tensor_fwd_kernel(
             b_qs = b_qs * r_q[:, None]
         if USE_BETA:
             b_b = tl.load(beta + r, mask=m_t, other=0.0).to(tl.float32)
-            b_u = _dot(b_Ai, b_b[:, None] * (b_v - b_gam[:, None] * b_ks), LOWP, DT, PREC)
+            b_u = _dot(b_Ai, b_b[:, None] * (b_v - b_gam[:, None] * b_ks), LOWP_SCORES, DT, PREC)
         else:
             b_u = b_v
-        b_o = scale * (b_gam[:, None] * b_qs + _dot(b_P, b_u, LOWP, DT, PREC))
+        b_o = scale * (b_gam[:, None] * b_qs + _dot(b_P, b_u, LOWP_SCORES, DT, PREC))
         tl.store(o + r[:, None] * V + o_v[None, :],
                  b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
         if NK == 1:
