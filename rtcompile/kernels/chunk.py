@@ -22,7 +22,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import factor_tile, phi_gather, phi_inv_norm, phi_tile_outer, unit_lower_inverse
+from .triton_common import (
+    factor_tile, load_state_tile, phi_gather, phi_inv_norm, phi_tile_outer, unit_lower_inverse,
+)
 
 
 @triton.jit
@@ -135,18 +137,6 @@ def chunk_prepare_running_tensor_kernel(
 
 
 @triton.jit
-def _state_tile(h0, ht, off, m, first, USE_H0: tl.constexpr):
-    if first:
-        if USE_H0:
-            b_s = tl.load(h0 + off, mask=m, other=0.0).to(tl.float32)
-        else:
-            b_s = tl.zeros(off.shape, dtype=tl.float32)
-    else:
-        b_s = tl.load(ht + off, mask=m, other=0.0).to(tl.float32)
-    return b_s
-
-
-@triton.jit
 def chunk_running_tensor_fwd_kernel(
     q1, q2, q3, k1, k2, k3, v, g, beta, o, h0, ht, P, Ai, cu_seqlens,
     scale, T,
@@ -180,7 +170,7 @@ def chunk_running_tensor_fwd_kernel(
         m_k = o_k < K
         off_s = p_state + o_k[:, None] * V + o_v[None, :]
         m_s = m_k[:, None] & m_v[None, :]
-        b_s = _state_tile(h0, ht, off_s, m_s, True, USE_H0)
+        b_s = load_state_tile(h0, ht, off_s, m_s, True, USE_H0)
     for i_c in range(0, tl.cdiv(eos - bos, C)):
         tok = bos + i_c * C + o_c
         m_t = tok < eos
@@ -218,7 +208,7 @@ def chunk_running_tensor_fwd_kernel(
                 o_k = i_k * BK + tl.arange(0, BK)
                 m_k = o_k < K
                 off_s = p_state + o_k[:, None] * V + o_v[None, :]
-                b_s = _state_tile(h0, ht, off_s, m_k[:, None] & m_v[None, :], i_c == 0, USE_H0)
+                b_s = load_state_tile(h0, ht, off_s, m_k[:, None] & m_v[None, :], i_c == 0, USE_H0)
                 b_k = _phi_block(k1, k2, k3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER)
                 b_q = _phi_block(q1, q2, q3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER)
                 b_ks += _dot(b_k, b_s, LOWP, DT, PREC)
@@ -241,7 +231,7 @@ def chunk_running_tensor_fwd_kernel(
                 m_k = o_k < K
                 off_s = p_state + o_k[:, None] * V + o_v[None, :]
                 m_s = m_k[:, None] & m_v[None, :]
-                b_s = _state_tile(h0, ht, off_s, m_s, i_c == 0, USE_H0)
+                b_s = load_state_tile(h0, ht, off_s, m_s, i_c == 0, USE_H0)
                 b_k = _phi_block(k1, k2, k3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER)
                 b_k = b_k * (r_k * b_ratio)[:, None]
                 b_s = tl.exp(b_last) * b_s + _dot(tl.trans(b_k), b_u, LOWP, DT, PREC)

@@ -21,20 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import phi_gather, phi_inv_norm
-
-
-@triton.jit
-def _load_state(h0, ht, off, m, first, USE_H0: tl.constexpr):
-    """The state tile before a step: h0 at the first token, the running buffer ht after."""
-    if first:
-        if USE_H0:
-            b_s = tl.load(h0 + off, mask=m, other=0.0).to(tl.float32)
-        else:
-            b_s = tl.zeros(off.shape, dtype=tl.float32)
-    else:
-        b_s = tl.load(ht + off, mask=m, other=0.0).to(tl.float32)
-    return b_s
+from .triton_common import load_state_tile, phi_gather, phi_inv_norm
 
 
 @triton.jit
@@ -75,7 +62,7 @@ def fused_recurrent_running_tensor_fwd_kernel(
         m_k = o_k < K
         off_s = p_state + o_k[:, None] * V + o_v[None, :]
         m_s = m_k[:, None] & m_sv[None, :]
-        b_s = _load_state(h0, ht, off_s, m_s, True, USE_H0)
+        b_s = load_state_tile(h0, ht, off_s, m_s, True, USE_H0)
     for t in range(0, T_n):
         r = (i_b * T + bos + t) * H + i_h
         b_v = tl.load(v + r * V + o_v, mask=m_v, other=0.0).to(tl.float32)
@@ -106,7 +93,7 @@ def fused_recurrent_running_tensor_fwd_kernel(
                 o_k = i_k * BK + tl.arange(0, BK)
                 m_k = o_k < K
                 off_s = p_state + o_k[:, None] * V + o_v[None, :]
-                b_s = _load_state(h0, ht, off_s, m_k[:, None] & m_sv[None, :], t == 0, USE_H0)
+                b_s = load_state_tile(h0, ht, off_s, m_k[:, None] & m_sv[None, :], t == 0, USE_H0)
                 b_k = phi_gather(k1, k2, k3, r, o_k, m_k, D1, D2, D3, NF)
                 b_q = phi_gather(q1, q2, q3, r, o_k, m_k, D1, D2, D3, NF)
                 b_pred += tl.sum(b_s * b_k[:, None], axis=0)
@@ -123,7 +110,7 @@ def fused_recurrent_running_tensor_fwd_kernel(
                 m_k = o_k < K
                 off_s = p_state + o_k[:, None] * V + o_v[None, :]
                 m_s = m_k[:, None] & m_sv[None, :]
-                b_s = _load_state(h0, ht, off_s, m_s, t == 0, USE_H0)
+                b_s = load_state_tile(h0, ht, off_s, m_s, t == 0, USE_H0)
                 b_k = phi_gather(k1, k2, k3, r, o_k, m_k, D1, D2, D3, NF) * r_k
                 b_s = b_s * b_a + b_k[:, None] * b_u[None, :]
                 tl.store(ht + off_s, b_s.to(ht.dtype.element_ty), mask=m_s)

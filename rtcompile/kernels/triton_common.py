@@ -100,3 +100,17 @@ def phi_tile_outer(p1, p2, p3, r, m_t, i_k, C: tl.constexpr, BK: tl.constexpr, N
             b_2 = tl.reshape(b_2[:, :, None] * b_3[:, None, :], [C, D2 * D3])
         b_phi = tl.reshape(b_phi[:, :, None] * b_2[:, None, :], [C, BK])
     return b_phi
+
+
+@triton.jit
+def load_state_tile(h0, ht, off, m, first, USE_H0: tl.constexpr):
+    """A state tile before a step or chunk: the initial state (or zeros) the first time, the
+    running buffer ``ht`` after that. ``first`` may be a runtime condition."""
+    if first:
+        if USE_H0:
+            b_s = tl.load(h0 + off, mask=m, other=0.0).to(tl.float32)
+        else:
+            b_s = tl.zeros(off.shape, dtype=tl.float32)
+    else:
+        b_s = tl.load(ht + off, mask=m, other=0.0).to(tl.float32)
+    return b_s
