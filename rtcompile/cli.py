@@ -14,6 +14,17 @@ from typing import Sequence
 from . import __version__
 from .spec import SpecError, SpecFileError, SpecTypeError
 
+
+class _NoStoreError(Exception):
+    pass
+
+
+def _store_error() -> type:
+    """The tuning store's error type, without importing optuna for commands that never touch it."""
+    mod = sys.modules.get("rtcompile.tuning.store")
+    return mod.StoreError if mod is not None else _NoStoreError
+
+
 # Errors that mean "your input is wrong": reported as one line. Anything else is a bug and
 # keeps its traceback.
 INPUT_ERRORS = (SpecError, SpecTypeError, SpecFileError)
@@ -170,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="soft time budget: once spent, the remaining implementations are recorded as skipped "
                        f"(default {DEFAULT_BUDGET_S:.0f})")
     bench.set_defaults(func=_cmd_bench)
+    from . import tune_cmd
+
+    tune_cmd.add_parser(sub)
     return parser
 
 
@@ -183,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_USAGE
-    except INPUT_ERRORS as exc:
+    except (*INPUT_ERRORS, _store_error()) as exc:
         print(f"rtcompile: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return EXIT_USAGE
 

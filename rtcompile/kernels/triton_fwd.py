@@ -20,6 +20,7 @@ from typing import Sequence
 import torch
 import triton
 
+from . import tuned
 from .chunk import chunk_prepare_running_tensor_kernel, chunk_running_tensor_fwd_kernel
 from .inputs import Problem, check_inputs
 from .recurrent import fused_recurrent_running_tensor_fwd_kernel
@@ -91,8 +92,36 @@ def _smem_limit(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
 
 
-def _resolve_variant(cls, variant, shape: KernelShape, device: torch.device | None = None, **overrides):
+@functools.lru_cache(maxsize=None)
+def device_name(device: torch.device) -> str:
+    """The GPU's name as tuned entries record it ("cpu-interpreter" off the GPU)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device.index or 0)
+    return "cpu-interpreter"
+
+
+def _tuned_variant(cls, p: Problem | None, shape: KernelShape, device: torch.device | None):
+    """The tuned table's variant for this call, or None (no entry, or one that cannot run)."""
+    if p is None or device is None:
+        return None
+    entry = tuned.lookup(cls.kernel, p.key_widths, p.value_width, p.heads, str(p.dtype).removeprefix("torch."),
+                         device_name(device), p.batch, p.seq_len)
+    if entry is None:
+        return None
+    try:
+        return cls.from_dict(entry)
+    except (TypeError, ValueError):
+        return None
+
+
+def _resolve_variant(cls, variant, shape: KernelShape, device: torch.device | None = None,
+                     problem: Problem | None = None, **overrides):
+    """The caller's variant, else the tuned table's for this shape bucket, else the default."""
     limit = _smem_limit(device.index or 0) if device is not None and device.type == "cuda" else None
+    if variant is None and not overrides:  # an explicit chunk_size asks for the default's family
+        variant = _tuned_variant(cls, problem, shape, device)
+        if variant is not None and (variant.check(shape) if limit is None else variant.check(shape, limit)):
+            variant = None  # an entry that cannot run here: the table is advice, not a contract
     if variant is None:
         variant = cls.default(shape) if limit is None else cls.default(shape, limit)
         if overrides:
@@ -225,12 +254,12 @@ def running_tensor_fwd(
     shape = kernel_shape(p)
     if mode == "chunk":
         over = {} if chunk_size is None else {"chunk_size": chunk_size}
-        var = _resolve_variant(ChunkVariant, variant, shape, v.device, **over)
+        var = _resolve_variant(ChunkVariant, variant, shape, v.device, p, **over)
         if chunk_size is not None and var.chunk_size != chunk_size:
             raise ValueError(f"chunk_size: {chunk_size} conflicts with the variant's {var.chunk_size}; give one")
         streamed = not var.resident(shape)
     else:
-        var = _resolve_variant(RecurrentVariant, variant, shape, v.device)
+        var = _resolve_variant(RecurrentVariant, variant, shape, v.device, p)
         streamed = var.block_k < shape.key_dim
     # A streamed state lives in the final-state buffer while the kernel runs.
     need_ht = output_final_state or streamed
@@ -341,7 +370,7 @@ def _plan_decode(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, va
         raise TypeError(f"state_indices: dtype {state_indices.dtype}; allowed: torch.int32")
     if tuple(state_indices.shape) != (p.batch,) or state_indices.device != v.device:
         raise ValueError(f"state_indices: expected shape [{p.batch}] on {v.device}, got {list(state_indices.shape)} on {state_indices.device}")
-    var = _resolve_variant(RecurrentVariant, variant, kernel_shape(p), v.device)
+    var = _resolve_variant(RecurrentVariant, variant, kernel_shape(p), v.device, p)
     grid, consts = _recurrent_consts(p, g, beta, use_h0=True, store_ht=True, varlen=False, indices=True,
                                      l2norm=l2norm, variant=var)
     return grid, consts, p.scale

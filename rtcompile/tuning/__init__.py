@@ -1,4 +1,14 @@
-"""Autotuning (Optuna studies over the kernels' variant spaces, the tuned-config store).
+"""Autotuning: Optuna studies over the kernels' variant spaces, and the tuned-config store.
 
-Not built yet: see the tracker's autotuner issue. Nothing here is imported by the rest.
+``tune_bucket`` runs (or resumes, or skips) the study of one kernel and shape bucket with
+worker processes; each trial is checked against the float64 reference and timed in a child
+process. Winners go to the tuned-config table that the launchers read
+(:mod:`rtcompile.kernels.tuned`). Loading a model or a bundle never runs a study.
 """
+
+from .keys import Bucket, Machine, study_name
+from .store import StoreError, default_url, open_storage
+from .study import BucketResult, TuneOptions, list_studies, tune_bucket
+
+__all__ = ["Bucket", "BucketResult", "Machine", "StoreError", "TuneOptions", "default_url", "list_studies",
+           "open_storage", "study_name", "tune_bucket"]

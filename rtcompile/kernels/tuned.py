@@ -1,0 +1,103 @@
+"""Tuned kernel configurations, read as data at run time.
+
+The tuner (``rtcompile.tuning``) writes a JSON table of winners; the launchers ask
+:func:`lookup` for a variant when the caller gives none. Nothing here runs a study or imports
+the tuner. An entry matches on kernel, kernel source hash, widths, value width, heads, dtype,
+GPU name and Triton/package versions; among matches the nearest shape bucket (log distance in
+B and T) wins; with no match the caller falls back to the variant's default.
+
+The table file is ``$RTCOMPILE_TUNED`` if set, else ``tuned.json`` in the rtcompile cache
+directory (``$XDG_CACHE_HOME/rtcompile`` or ``~/.cache/rtcompile``). It is read once per
+process and on :func:`reload`.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+FORMAT_VERSION = 1
+_SOURCES = {
+    "chunk": ("chunk.py", "triton_common.py"),
+    "recurrent": ("recurrent.py", "triton_common.py"),
+}
+_table: list[dict[str, Any]] | None = None
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "rtcompile"
+
+
+def table_path() -> Path:
+    return Path(os.environ.get("RTCOMPILE_TUNED") or cache_dir() / "tuned.json")
+
+
+@functools.lru_cache(maxsize=None)
+def source_hash(kernel: str) -> str:
+    """sha256 (first 16 hex digits) of the kernel's Triton source: a tuned entry is only valid
+    for the code it was measured on."""
+    h = hashlib.sha256()
+    here = Path(__file__).parent
+    for name in _SOURCES[kernel]:
+        h.update((here / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def reload(path: str | os.PathLike | None = None) -> list[dict[str, Any]]:
+    """(Re)read the table; a missing file is an empty table, a malformed one an error."""
+    global _table
+    p = Path(path) if path is not None else table_path()
+    if not p.exists():
+        _table = []
+        return _table
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"tuned-config table {str(p)!r}: unreadable ({str(exc).splitlines()[0]}); "
+                         "delete it or re-run `rtcompile tune`") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT_VERSION or not isinstance(data.get("entries"), list):
+        raise ValueError(f"tuned-config table {str(p)!r}: not a format-{FORMAT_VERSION} table; "
+                         "delete it or re-run `rtcompile tune`")
+    _table = data["entries"]
+    return _table
+
+
+def entries() -> list[dict[str, Any]]:
+    return _table if _table is not None else reload()
+
+
+def match_fields(kernel: str, key_widths, value_width: int, heads: int, dtype: str, gpu: str) -> dict[str, Any]:
+    """The fields an entry must equal to serve a call (everything but the shape bucket)."""
+    import triton
+
+    from .. import __version__
+
+    return {
+        "kernel": kernel, "source": source_hash(kernel), "key_widths": list(key_widths),
+        "value_width": value_width, "heads": heads, "dtype": dtype, "gpu": gpu,
+        "triton": triton.__version__, "package": __version__,
+    }
+
+
+def lookup(kernel: str, key_widths, value_width: int, heads: int, dtype: str, gpu: str,
+           batch: int, seq_len: int) -> dict[str, Any] | None:
+    """The tuned variant (as a dict) for the nearest bucket, or None."""
+    table = entries()
+    if not table:
+        return None
+    want = match_fields(kernel, key_widths, value_width, heads, dtype, gpu)
+    best, best_d = None, math.inf
+    for e in table:
+        if any(e.get(k) != v for k, v in want.items()):
+            continue
+        d = abs(math.log2(max(1, e["batch"])) - math.log2(max(1, batch)))
+        d += abs(math.log2(max(1, e["seq_len"])) - math.log2(max(1, seq_len)))
+        if d < best_d:
+            best, best_d = e, d
+    return None if best is None else dict(best["variant"])

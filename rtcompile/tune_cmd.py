@@ -1,0 +1,160 @@
+"""``rtcompile tune``: tune a spec's kernels for this machine, or list what the store holds."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
+
+
+def _positive_int(text: str) -> int:
+    v = _int_list(text)
+    if len(v) != 1:
+        raise argparse.ArgumentTypeError(f"expected one positive integer, got {text!r}")
+    return v[0]
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return v
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("tune", help="autotune a spec's kernels for this GPU (Optuna; results kept in a store)")
+    p.add_argument("spec", nargs="?", help="model spec file (.toml or .json); omit with --list")
+    p.add_argument("--list", action="store_true", help="list the studies the store holds")
+    p.add_argument("--target", default="auto", choices=["auto"],
+                   help="tune for the GPU present (named targets come with the planner)")
+    p.add_argument("--storage", metavar="URL",
+                   help="Optuna storage: a SQLAlchemy URL (sqlite:///f.db, postgresql://...) or journal:PATH "
+                        "(default: a SQLite file in the rtcompile cache)")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--trials", type=_positive_int, metavar="N", help="trials per kernel and bucket (default 20)")
+    budget.add_argument("--seconds", type=_positive_float, metavar="S", help="seconds per kernel and bucket")
+    p.add_argument("--workers", type=_positive_int, metavar="N",
+                   help="worker processes (default: one per visible GPU, 1 on the CPU)")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="continue studies (after a crash, or for more trials)")
+    again.add_argument("--retune", action="store_true", help="delete this machine's studies for the spec and start over")
+    p.add_argument("--phase", choices=["prefill", "decode", "all"], default="all",
+                   help="tune the chunk (prefill) kernel, the recurrent (decode) kernel, or both")
+    p.add_argument("--batch", type=_int_list, metavar="B,..", help="prefill batch buckets (GPU default 8; CPU 1)")
+    p.add_argument("--seq-len", type=_int_list, metavar="T,..", help="prefill length buckets (GPU default 4096; CPU 32)")
+    p.add_argument("--decode-batch", type=_int_list, metavar="B,..", help="decode batch buckets (GPU default 32,256; CPU 2)")
+    p.add_argument("--timeout", type=_positive_float, default=300.0, metavar="S",
+                   help="per-trial limit: compile, check and time (default 300)")
+    p.add_argument("--impl", help=argparse.SUPPRESS)  # test hook: "module:function" replacing the kernel call
+    p.set_defaults(func=run)
+
+
+def _buckets(spec, args, on_gpu: bool):
+    from .tuning import Bucket
+
+    batch = args.batch or ([8] if on_gpu else [1])
+    seq = args.seq_len or ([4096] if on_gpu else [32])
+    dec = args.decode_batch or ([32, 256] if on_gpu else [2])
+    common = dict(key_widths=spec.key_widths, value_width=spec.value_width, heads=spec.heads, dtype=spec.input_dtype)
+    out = []
+    if args.phase in ("prefill", "all"):
+        out += [Bucket("chunk", batch=b, seq_len=t, **common) for b in batch for t in seq]
+    if args.phase in ("decode", "all"):
+        out += [Bucket("recurrent", batch=b, seq_len=1, **common) for b in dec]
+    return list(dict.fromkeys(out))
+
+
+def _list(args) -> int:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    from .tuning import list_studies
+
+    rows = list_studies(args.storage)
+    table = Table(title=f"tuning store: {args.storage or 'default'}", header_style="bold")
+    for c in ("study", "trials", "best ms", "default ms", "best variant"):
+        table.add_column(c)
+    for r in rows:
+        ms = lambda s: f"{s * 1e3:.4g}" if s else "-"
+        v = r["best_variant"]
+        vt = " ".join(f"{k}={x}" for k, x in v.items() if k != "kernel") if v else "(not finished)"
+        table.add_row(escape(r["study"]), str(r["trials"]), ms(r["best_seconds"]), ms(r["default_seconds"]), escape(vt))
+    Console(width=200).print(table)
+    if not rows:
+        print("the store holds no rtcompile studies", file=sys.stderr)
+    return 0
+
+
+def run(args) -> int:
+    from .cli import UsageError
+
+    if args.list:
+        return _list(args)
+    if not args.spec:
+        raise UsageError("rtcompile tune: give a SPEC file, or --list")
+    import torch
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from .spec import load_spec
+    from .tuning import TuneOptions, tune_bucket
+
+    spec = load_spec(args.spec)
+    on_gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    err = Console(stderr=True)
+    if not on_gpu:
+        os.environ["TRITON_INTERPRET"] = "1"  # workers and trials inherit it
+        err.print("[yellow]no CUDA GPU: tuning runs the Triton interpreter on the CPU with small shapes; "
+                  "CPU timings are not GPU timings[/]")
+    if len(spec.key_widths) > 3:
+        raise UsageError(f"rtcompile tune: order {spec.order}; the Triton kernels take orders 2-4")
+    workers = args.workers or (max(1, torch.cuda.device_count()) if on_gpu else 1)
+    opts = TuneOptions(storage=args.storage, trials=None if args.seconds else (args.trials or 20),
+                       seconds=args.seconds, workers=workers, resume=args.resume, retune=args.retune,
+                       device="cuda" if on_gpu else "cpu", trial_timeout=args.timeout, impl=args.impl,
+                       repeats=20 if on_gpu else 3)
+    results = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=False) as bar:
+        tasks: dict[str, int] = {}
+
+        def progress(label: str, done: int, total: int) -> None:
+            if label not in tasks:
+                tasks[label] = bar.add_task(escape(label), total=total or None)
+            bar.update(tasks[label], completed=done)
+
+        for bucket in _buckets(spec, args, on_gpu):
+            results.append(tune_bucket(bucket, opts, progress))
+    table = Table(title=f"tuned {spec.name or args.spec} on {'GPU' if on_gpu else 'CPU (interpreter timings)'}",
+                  header_style="bold")
+    for c in ("bucket", "trials run", "ok", "pruned", "rejected", "failed", "best ms", "default ms", "speed-up", "best variant"):
+        table.add_column(c)
+    for r in results:
+        c = r.counts
+        ms = lambda s: f"{s * 1e3:.4g}" if s else "-"
+        v = r.best_variant or {}
+        vt = " ".join(f"{k}={x}" for k, x in v.items() if k != "kernel")
+        ran = "already tuned (0)" if r.already_tuned else str(r.trials_run)
+        table.add_row(escape(r.bucket.label), ran, str(c.get("ok", 0)), str(c.get("pruned", 0)), str(c.get("rejected", 0)),
+                      str(c.get("failed", 0) + c.get("stale", 0)), ms(r.best_seconds), ms(r.default_seconds),
+                      f"{r.speedup:.2f}x" if r.speedup else "-", escape(vt))
+    Console(width=200).print(table)
+    if all(r.already_tuned for r in results):
+        print("already tuned for this machine: 0 trials run (--resume to continue, --retune to start over)")
+    return 0

@@ -1,0 +1,90 @@
+"""The tuning store: Optuna's storages, opened safely, and the tuned-config table.
+
+URLs: any SQLAlchemy URL Optuna's RDB storage takes (``sqlite:///path``,
+``postgresql://user@host/db``), or ``journal:PATH`` for Optuna's journal file storage. The
+default is a SQLite file in the rtcompile cache directory. Creating a SQLite store is
+serialised with a file lock, because Optuna's schema creation races when several processes
+create the same file at once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from ..kernels import tuned
+
+
+class StoreError(ValueError):
+    """The store cannot be opened or read: a one-line message naming the URL."""
+
+
+def default_url() -> str:
+    return f"sqlite:///{tuned.cache_dir() / 'tuning.db'}"
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def open_storage(url: str | None = None):
+    """An Optuna storage for ``url`` (default: the cache's SQLite file)."""
+    import optuna
+    import sqlalchemy.exc
+
+    url = url or default_url()
+    if url.startswith("journal:"):
+        from optuna.storages.journal import JournalFileBackend
+
+        path = Path(url[len("journal:"):])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
+        except Exception as exc:  # noqa: BLE001 -- any failure to read the log is a store error
+            raise StoreError(f"storage {url!r}: cannot open the journal ({str(exc).splitlines()[0]})") from None
+    try:
+        if url.startswith("sqlite:///"):
+            db = Path(url[len("sqlite:///"):])
+            if db.exists() and not os.access(db, os.R_OK | os.W_OK):
+                raise StoreError(f"storage {url!r}: the file is not readable and writable")
+            with _file_lock(db.with_name(db.name + ".lock")):
+                # SQLite waits up to 60 s for a lock held by another worker instead of failing
+                return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}})
+        return optuna.storages.RDBStorage(url)
+    except StoreError:
+        raise
+    except (sqlalchemy.exc.SQLAlchemyError, RuntimeError, ValueError, ImportError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise StoreError(f"storage {url!r}: cannot open ({first}); check the URL, or move a corrupted file away") from None
+
+
+def write_tuned(entries: list[dict[str, Any]], path: Path | None = None) -> Path:
+    """Merge ``entries`` into the tuned-config table (same key: replaced), atomically."""
+    path = Path(path) if path is not None else tuned.table_path()
+    keys = ("kernel", "source", "key_widths", "value_width", "heads", "dtype", "gpu", "triton",
+            "package", "batch", "seq_len")
+    with _file_lock(path.with_name(path.name + ".lock")):
+        try:
+            old = tuned.reload(path) if path.exists() else []
+        except ValueError as exc:
+            raise StoreError(str(exc)) from None
+        new_keys = {tuple(json.dumps(e[k]) for k in keys) for e in entries}
+        merged = [e for e in old if tuple(json.dumps(e.get(k)) for k in keys) not in new_keys] + list(entries)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump({"format": tuned.FORMAT_VERSION, "entries": merged}, fh, indent=1)
+        os.replace(tmp, path)
+    tuned.reload(path)
+    return path

@@ -1,0 +1,323 @@
+"""Optuna studies over a kernel's variant space, run by worker processes.
+
+Budget and distribution: in trials mode the coordinator enqueues exactly the budget as WAITING
+trials (no fixed parameters: the sampler still chooses them), and workers claim WAITING trials
+through the storage's atomic state change (Optuna's own mechanism for enqueued trials), so any
+number of workers on any number of hosts sharing one storage run exactly the budget, none
+twice. In seconds mode workers ask for new trials until the deadline.
+
+Trial outcome (user attribute ``status``): ``ok`` (COMPLETE, value = median seconds),
+``pruned`` (the variant's resource estimate refuses it before compiling), ``rejected`` (wrong
+result), ``failed`` (compile error, launch failure, crash or timeout), ``stale`` (its worker
+died; marked by ``--resume`` and replaced by a new WAITING trial).
+
+Finishing a study re-measures the best few variants and the default, then records the winner
+in the study's user attributes and in the tuned-config table the kernels read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+from ..kernels import tuned
+from ..kernels.variants import DEFAULT_SMEM_BYTES, ChunkVariant, KernelShape, RecurrentVariant
+from .keys import Bucket, Machine, key_attrs, study_name
+from .store import open_storage, write_tuned
+
+DEFAULT_SEED = 20261129  # recorded in every study; TPE's choices are reproducible from it
+RESULT_ATTRS = ("best_variant", "best_seconds", "default_seconds")
+
+
+@dataclass
+class TuneOptions:
+    """How to run studies. ``trials`` xor ``seconds`` is the budget per bucket."""
+
+    storage: str | None = None
+    trials: int | None = 20
+    seconds: float | None = None
+    workers: int = 1
+    resume: bool = False
+    retune: bool = False
+    seed: int = DEFAULT_SEED
+    device: str = "cpu"
+    repeats: int = 5
+    trial_timeout: float = 300.0
+    top_k: int = 3
+    impl: str | None = None  # "module:function" replacing the kernel call (tests plant wrong variants)
+    table: str | None = None  # tuned-config table path (default: the kernels' own)
+
+
+@dataclass
+class BucketResult:
+    bucket: Bucket
+    study: str
+    trials_run: int
+    already_tuned: bool
+    counts: dict[str, int] = field(default_factory=dict)
+    best_variant: dict | None = None
+    best_seconds: float | None = None
+    default_seconds: float | None = None
+
+    @property
+    def speedup(self) -> float | None:
+        if self.best_seconds and self.default_seconds:
+            return self.default_seconds / self.best_seconds
+        return None
+
+
+def variant_class(kernel: str):
+    return ChunkVariant if kernel == "chunk" else RecurrentVariant
+
+
+def _shape(bucket: Bucket) -> KernelShape:
+    return KernelShape(bucket.key_widths, bucket.value_width)
+
+
+def _smem_limit(device: str) -> int:
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_properties(torch.device(device)).shared_memory_per_block_optin
+    return DEFAULT_SMEM_BYTES
+
+
+def run_objective(bucket: Bucket, variant: dict | None, opts: TuneOptions, seed: int) -> dict[str, Any]:
+    """Evaluate one variant in a child process with a timeout (see ``objective``)."""
+    request = {"bucket": asdict(bucket), "variant": variant, "device": opts.device, "seed": seed,
+               "repeats": opts.repeats, "impl": opts.impl}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "rtcompile.tuning.objective"], input=json.dumps(request),
+                              capture_output=True, text=True, timeout=opts.trial_timeout)
+    except subprocess.TimeoutExpired:
+        return {"status": "failed", "reason": f"timeout after {opts.trial_timeout:.0f} s (hang or slow compile)"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
+        return {"status": "failed", "reason": f"trial process exited {proc.returncode}: {tail}"}
+    return json.loads(lines[-1])
+
+
+def _counts(study) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for t in study.get_trials(deepcopy=False):
+        key = t.user_attrs.get("status") or t.state.name.lower()
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+def _pid_alive(pid: int) -> bool:
+    """Is a process of this host still running? A zombie (killed, not yet reaped) is not."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def mark_stale(study, timeout: float) -> int:
+    """Fail RUNNING trials whose worker is gone (same host, dead pid) or that outlived twice the
+    trial timeout, and enqueue one WAITING replacement for each. Returns how many."""
+    import optuna
+
+    host, now, n = socket.gethostname(), time.time(), 0
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        owner_host, pid = t.user_attrs.get("host"), t.user_attrs.get("pid")
+        started = t.datetime_start.timestamp() if t.datetime_start else now
+        dead = owner_host == host and isinstance(pid, int) and not _pid_alive(pid)
+        if dead or now - started > 2 * timeout or owner_host is None and now - started > 60:
+            study._storage.set_trial_user_attr(t._trial_id, "status", "stale")
+            study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
+            study.enqueue_trial({}, user_attrs={"replaces": t.number})
+            n += 1
+    return n
+
+
+def claim(study):
+    """Take one WAITING trial (atomically: a trial another worker took is skipped), or None."""
+    import optuna
+
+    storage = study._storage
+    for t in storage.get_all_trials(study._study_id, deepcopy=False, states=(optuna.trial.TrialState.WAITING,)):
+        try:
+            if storage.set_trial_state_values(t._trial_id, state=optuna.trial.TrialState.RUNNING):
+                return optuna.Trial(study, t._trial_id)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            continue
+    return None
+
+
+def run_worker(storage_url: str | None, name: str, bucket: Bucket, opts: TuneOptions, index: int,
+               deadline: float | None) -> int:
+    """One worker's loop: claim (or, in seconds mode, ask), evaluate, tell. Returns trials run."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    sampler = optuna.samplers.TPESampler(seed=opts.seed + index)
+    study = optuna.load_study(study_name=name, storage=open_storage(storage_url), sampler=sampler)
+    cls, shape = variant_class(bucket.kernel), _shape(bucket)
+    space, limit = cls.space(shape), _smem_limit(opts.device)
+    done = 0
+    while True:
+        if deadline is not None and time.time() >= deadline:
+            break
+        trial = claim(study) if deadline is None else study.ask()
+        if trial is None:
+            break
+        trial.set_user_attr("host", socket.gethostname())
+        trial.set_user_attr("pid", os.getpid())
+        params = {n: trial.suggest_categorical(n, choices) for n, choices in space.items()}
+        variant = cls(**params)
+        reason = variant.check(shape, limit)
+        if reason is not None:
+            trial.set_user_attr("status", "pruned")
+            trial.set_user_attr("reason", reason)
+            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+        else:
+            result = run_objective(bucket, variant.to_dict(), opts, seed=opts.seed + trial.number)
+            trial.set_user_attr("status", result["status"])
+            for key in ("reason", "error"):
+                if key in result:
+                    trial.set_user_attr(key, result[key])
+            if result["status"] == "ok":
+                study.tell(trial, result["seconds"])
+            else:
+                study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        done += 1
+    return done
+
+
+def _spawn_workers(storage_url: str, name: str, bucket: Bucket, opts: TuneOptions,
+                   deadline: float | None) -> list[subprocess.Popen]:
+    payload = json.dumps({"storage": storage_url, "study": name, "bucket": asdict(bucket),
+                          "options": asdict(opts), "deadline": deadline})
+    procs = []
+    for i in range(opts.workers):
+        p = subprocess.Popen([sys.executable, "-m", "rtcompile.tuning.worker", str(i)], stdin=subprocess.PIPE,
+                             text=True)
+        p.stdin.write(payload)
+        p.stdin.close()
+        procs.append(p)
+    return procs
+
+
+def tune_bucket(bucket: Bucket, opts: TuneOptions,
+                progress: Callable[[str, int, int], None] | None = None) -> BucketResult:
+    """Run (or resume, or skip when already tuned) the study of one bucket."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    url = opts.storage
+    storage = open_storage(url)
+    machine = Machine.current(opts.device)
+    source = tuned.source_hash(bucket.kernel)
+    name = study_name(bucket, machine, source)
+    exists = name in {s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)}
+    if exists and opts.retune:
+        optuna.delete_study(study_name=name, storage=storage)
+        exists = False
+    study = optuna.create_study(study_name=name, storage=storage, direction="minimize", load_if_exists=True,
+                                sampler=optuna.samplers.TPESampler(seed=opts.seed))
+    if exists and "best_variant" in study.user_attrs and not opts.resume:
+        return _result_from(study, bucket, 0, already=True)
+    for k, v in {**key_attrs(bucket, machine, source), "seed": opts.seed}.items():
+        study.set_user_attr(k, v)
+    if opts.resume:
+        mark_stale(study, opts.trial_timeout)
+    deadline = None
+    if opts.seconds is not None:
+        deadline = time.time() + opts.seconds
+    else:
+        counted = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("status") != "stale"]
+        for _ in range(max(0, opts.trials - len(counted))):
+            study.enqueue_trial({})
+    before = _finished(study)
+    procs = _spawn_workers(url or _default_url(), name, bucket, opts, deadline)
+    total = opts.trials or 0
+    while any(p.poll() is None for p in procs):
+        if progress:
+            progress(bucket.label, _finished(study), total)
+        time.sleep(0.5)
+    if progress:
+        progress(bucket.label, _finished(study), total)
+    bad = [p.returncode for p in procs if p.returncode != 0]
+    if bad:
+        raise RuntimeError(f"tuning workers exited with {bad}: see their output above")
+    ran = _finished(study) - before
+    _finish(study, bucket, machine, source, opts)
+    return _result_from(study, bucket, ran, already=False)
+
+
+def _default_url() -> str:
+    from .store import default_url
+
+    return default_url()
+
+
+def _finished(study) -> int:
+    import optuna
+
+    st = optuna.trial.TrialState
+    return sum(1 for t in study.get_trials(deepcopy=False, states=(st.COMPLETE, st.PRUNED, st.FAIL))
+               if t.user_attrs.get("status") != "stale")
+
+
+def _finish(study, bucket: Bucket, machine: Machine, source: str, opts: TuneOptions) -> None:
+    """Re-measure the best few and the default; record the winner in the study and the table."""
+    import optuna
+
+    done = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))]
+    done.sort(key=lambda t: t.value)
+    cls = variant_class(bucket.kernel)
+    default = cls.default(_shape(bucket), _smem_limit(opts.device))
+    candidates = [cls(**t.params) for t in done[: opts.top_k]]
+    timed = []
+    for i, v in enumerate(dict.fromkeys(candidates + [default])):
+        r = run_objective(bucket, v.to_dict(), opts, seed=opts.seed + 10_000 + i)
+        if r["status"] == "ok":
+            timed.append((r["seconds"], v))
+    default_s = next((s for s, v in timed if v == default), None)
+    if not timed:
+        return
+    best_s, best = min(timed, key=lambda sv: sv[0])
+    study.set_user_attr("best_variant", best.to_dict())
+    study.set_user_attr("best_seconds", best_s)
+    study.set_user_attr("default_seconds", default_s)
+    entry = {**tuned.match_fields(bucket.kernel, bucket.key_widths, bucket.value_width, bucket.heads, bucket.dtype,
+                                  machine.gpu),
+             "batch": bucket.batch, "seq_len": bucket.seq_len, "variant": best.to_dict(), "seconds": best_s,
+             "study": study.study_name}
+    write_tuned([entry], opts.table)
+
+
+def _result_from(study, bucket: Bucket, ran: int, already: bool) -> BucketResult:
+    a = study.user_attrs
+    return BucketResult(bucket, study.study_name, ran, already, _counts(study), a.get("best_variant"),
+                        a.get("best_seconds"), a.get("default_seconds"))
+
+
+def list_studies(storage_url: str | None = None) -> list[dict[str, Any]]:
+    """What the store holds: one row per rtcompile study."""
+    import optuna
+
+    storage = open_storage(storage_url)
+    rows = []
+    for s in optuna.get_all_study_summaries(storage, include_best_trial=False):
+        if not s.study_name.startswith("rtcompile:"):
+            continue
+        a = s.user_attrs
+        rows.append({"study": s.study_name, "trials": s.n_trials, "best_variant": a.get("best_variant"),
+                     "best_seconds": a.get("best_seconds"), "default_seconds": a.get("default_seconds")})
+    return rows

@@ -1,0 +1,26 @@
+"""A tuning worker process: ``python -m rtcompile.tuning.worker INDEX`` with a JSON job on stdin.
+
+Several run at once on one study (and may run on other hosts against the same storage URL).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from .keys import Bucket
+from .study import TuneOptions, run_worker
+
+
+def main() -> int:
+    index = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+    job = json.loads(sys.stdin.read())
+    b = job["bucket"]
+    bucket = Bucket(**{**b, "key_widths": tuple(b["key_widths"])})
+    opts = TuneOptions(**job["options"])
+    run_worker(job["storage"], job["study"], bucket, opts, index, job.get("deadline"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

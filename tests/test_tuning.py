@@ -1,0 +1,159 @@
+"""The autotuner on the CPU: correctness gate, exact budgets with several workers, crash and
+resume, reload without tuning, and store errors. Trials run the Triton interpreter."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rtcompile.cli import main
+from rtcompile.kernels import tuned
+from rtcompile.kernels.inputs import check_inputs
+from rtcompile.kernels.triton_fwd import _resolve_variant, kernel_shape
+from rtcompile.kernels.variants import ChunkVariant
+from rtcompile.tuning import Bucket, StoreError, TuneOptions, open_storage, tune_bucket
+
+TESTS = Path(__file__).resolve().parent
+TINY = Bucket("chunk", (2, 4), 8, 1, 1, 32, "float32")
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    """A private cache (store + tuned table); trial processes can import tests/tuning_impls."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("RTCOMPILE_TUNED", str(tmp_path / "cache" / "tuned.json"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    tuned.reload()
+    yield
+    tuned.reload()
+
+
+def _trials(url, bucket=TINY):
+    import optuna
+
+    storage = open_storage(url)
+    (summary,) = [s for s in optuna.get_all_study_summaries(storage, False) if bucket.label in s.study_name]
+    return optuna.load_study(study_name=summary.study_name, storage=storage).get_trials(deepcopy=False)
+
+
+def test_planted_wrong_variant_is_never_selected(tmp_path):
+    url = f"sqlite:///{tmp_path / 'planted.db'}"
+    r = tune_bucket(TINY, TuneOptions(storage=url, trials=6, workers=2, repeats=2, impl="tuning_impls:planted_wrong"))
+    rejected = [t for t in _trials(url) if t.user_attrs.get("status") == "rejected"]
+    assert rejected, "the planted variant was never tried: the test proves nothing"
+    assert all(t.params["fuse_prepare"] for t in rejected)
+    assert all("against float64" in t.user_attrs["reason"] for t in rejected)
+    assert r.best_variant is not None and r.best_variant["fuse_prepare"] is False
+    (entry,) = tuned.entries()
+    assert entry["variant"]["fuse_prepare"] is False
+
+
+def test_two_workers_run_exactly_the_budget_then_reload_runs_none(tmp_path):
+    url = f"sqlite:///{tmp_path / 'fresh.db'}"  # does not exist yet: both workers open it
+    r = tune_bucket(TINY, TuneOptions(storage=url, trials=5, workers=2, repeats=2))
+    trials = _trials(url)
+    assert len(trials) == 5 and r.trials_run == 5
+    assert len({t.number for t in trials}) == 5
+    assert all(t.state.name in ("COMPLETE", "PRUNED", "FAIL") for t in trials)
+    assert r.best_variant is not None and r.best_seconds > 0 and r.default_seconds > 0
+    again = tune_bucket(TINY, TuneOptions(storage=url, trials=5, workers=2))
+    assert again.already_tuned and again.trials_run == 0 and len(_trials(url)) == 5
+    # the launcher now takes the tuned variant for this bucket (and a nearby shape) by itself
+    q = [torch.randn(1, 20, 1, w) for w in (2, 4)]
+    k = [torch.randn(1, 20, 1, w) for w in (2, 4)]
+    p = check_inputs(q, k, torch.randn(1, 20, 1, 8), None, None, None, None, None)
+    chosen = _resolve_variant(ChunkVariant, None, kernel_shape(p), torch.device("cpu"), p)
+    assert chosen.to_dict() == r.best_variant
+
+
+def test_killed_study_resumes_and_keeps_finished_trials(tmp_path):
+    url = f"sqlite:///{tmp_path / 'killed.db'}"
+    spec = tmp_path / "tiny.toml"
+    spec.write_text('order = 3\nkey_widths = [2, 4]\nvalue_width = 8\nheads = 1\nmodel_width = 16\n'
+                    'input_dtype = "float32"\n')
+    argv = [str(spec), "--phase", "prefill", "--trials", "4", "--workers", "1", "--storage", url,
+            "--impl", "tuning_impls:slow"]
+    proc = subprocess.Popen([sys.executable, "-m", "rtcompile.cli", "tune", *argv], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    finished = []
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            finished = [t for t in _trials(url) if t.state.name == "COMPLETE"]
+        except (ValueError, StoreError):
+            finished = []
+        if finished and any(t.state.name == "RUNNING" for t in _trials(url)):
+            break
+        time.sleep(0.3)
+    assert proc.poll() is None and finished, "the study finished (or never started) before the kill"
+    os.killpg(proc.pid, signal.SIGKILL)  # coordinator, worker and trial process at once
+    proc.wait()
+    kept = {t.number: t.value for t in _trials(url) if t.state.name == "COMPLETE"}
+    assert main(["tune", *argv[:-2], "--resume"]) == 0
+    trials = _trials(url)
+    stale = [t for t in trials if t.user_attrs.get("status") == "stale"]
+    counted = [t for t in trials if t.user_attrs.get("status") != "stale"]
+    assert len(stale) == 1 and len(counted) == 4
+    assert all(t.state.name in ("COMPLETE", "PRUNED", "FAIL") for t in counted)
+    assert all({t.number: t.value for t in trials}[n] == v for n, v in kept.items())
+    assert tuned.entries(), "the resumed study recorded no winner"
+
+
+def test_journal_storage(tmp_path):
+    url = f"journal:{tmp_path / 'journal.log'}"
+    r = tune_bucket(Bucket("recurrent", (2, 4), 8, 1, 2, 1, "float32"),
+                    TuneOptions(storage=url, trials=3, workers=2, repeats=2))
+    assert r.trials_run == 3 and r.best_variant is not None
+
+
+@pytest.mark.parametrize("content", [b"garbage, not a database", b""], ids=["garbage", "empty-dir"])
+def test_corrupted_store_is_a_clear_error(tmp_path, capsys, content):
+    db = tmp_path / "bad.db"
+    if content:
+        db.write_bytes(content)
+    else:
+        db.mkdir()  # a directory where the database file should be
+    assert main(["tune", "--list", "--storage", f"sqlite:///{db}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "storage" in err[0] and "Traceback" not in err[0]
+
+
+def test_corrupted_tuned_table_is_a_clear_error(tmp_path):
+    path = tmp_path / "cache" / "tuned.json"
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="tuned-config table .* unreadable"):
+        tuned.reload(path)
+    path.write_text(json.dumps({"format": 99, "entries": []}))
+    with pytest.raises(ValueError, match="not a format-1 table"):
+        tuned.reload(path)
+    path.unlink()
+
+
+def test_postgresql_two_workers(tmp_path):
+    url = os.environ.get("RTCOMPILE_TEST_POSTGRES")
+    if not url:
+        if os.environ.get("CI"):
+            pytest.fail("CI must provide RTCOMPILE_TEST_POSTGRES (.ci/run starts PostgreSQL)")
+        pytest.skip("set RTCOMPILE_TEST_POSTGRES=postgresql://... to run against a real server")
+    bucket = Bucket("chunk", (2, 4), 8, 1, 1, 16, "float32")
+    r = tune_bucket(bucket, TuneOptions(storage=url, trials=4, workers=2, repeats=2, retune=True))
+    trials = _trials(url, bucket)
+    assert r.trials_run == 4 and len(trials) == 4 and len({t.number for t in trials}) == 4
+
+
+def test_cli_usage_errors(capsys):
+    assert main(["tune"]) == 2
+    assert main(["tune", "x.toml", "--trials", "0"]) == 2
+    assert main(["tune", "x.toml", "--trials", "3", "--seconds", "2"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 3 and all(line.startswith("rtcompile") for line in lines)
