@@ -157,3 +157,25 @@ def test_cli_usage_errors(capsys):
     assert main(["tune", "x.toml", "--trials", "3", "--seconds", "2"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 3 and all(line.startswith("rtcompile") for line in lines)
+
+
+def test_concurrent_creation_of_a_fresh_sqlite_store(tmp_path):
+    """Several processes opening one new SQLite file at once all succeed (Optuna's schema
+    creation races without the store's lock)."""
+    url = f"sqlite:///{tmp_path / 'race.db'}"
+    code = ("import sys; from rtcompile.tuning import open_storage; import optuna; "
+            f"s = open_storage({url!r}); optuna.create_study(storage=s, study_name='p' + sys.argv[1])")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(i)], stderr=subprocess.PIPE, text=True) for i in range(6)]
+    errors = [p.communicate()[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), errors
+    import optuna
+
+    names = {s.study_name for s in optuna.get_all_study_summaries(open_storage(url), False)}
+    assert names == {f"p{i}" for i in range(6)}
+
+
+def test_workers_spread_over_visible_gpus(monkeypatch):
+    from rtcompile.tuning.study import _visible_gpus
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert _visible_gpus("cuda") == ["0", "1"] and _visible_gpus("cpu") == []

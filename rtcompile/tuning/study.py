@@ -203,14 +203,30 @@ def _spawn_workers(storage_url: str, name: str, bucket: Bucket, opts: TuneOption
                    deadline: float | None) -> list[subprocess.Popen]:
     payload = json.dumps({"storage": storage_url, "study": name, "bucket": asdict(bucket),
                           "options": asdict(opts), "deadline": deadline})
+    gpus = _visible_gpus(opts.device)
     procs = []
     for i in range(opts.workers):
+        env = dict(os.environ)
+        if gpus:  # one GPU per worker (round robin): trials on one GPU never share it
+            env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
         p = subprocess.Popen([sys.executable, "-m", "rtcompile.tuning.worker", str(i)], stdin=subprocess.PIPE,
-                             text=True)
+                             text=True, env=env)
         p.stdin.write(payload)
         p.stdin.close()
         procs.append(p)
     return procs
+
+
+def _visible_gpus(device: str) -> list[str]:
+    """The GPU ids workers are spread over (none off the GPU)."""
+    if not device.startswith("cuda"):
+        return []
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed:
+        return [x.strip() for x in listed.split(",") if x.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
 
 
 def tune_bucket(bucket: Bucket, opts: TuneOptions,
