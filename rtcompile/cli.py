@@ -19,10 +19,15 @@ class _NoStoreError(Exception):
     pass
 
 
-def _store_error() -> type:
-    """The tuning store's error type, without importing optuna for commands that never touch it."""
-    mod = sys.modules.get("rtcompile.tuning.store")
-    return mod.StoreError if mod is not None else _NoStoreError
+def _lazy_errors() -> tuple[type, ...]:
+    """Input-error types of modules a command may have loaded (the tuning store, targets,
+    plans), without importing them for commands that never touch them."""
+    found = []
+    for mod, name in (("rtcompile.tuning.store", "StoreError"), ("rtcompile.target", "TargetError"),
+                      ("rtcompile.plan", "PlanError")):
+        m = sys.modules.get(mod)
+        found.append(getattr(m, name) if m is not None else _NoStoreError)
+    return tuple(found)
 
 
 # Errors that mean "your input is wrong": reported as one line. Anything else is a bug and
@@ -181,9 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="soft time budget: once spent, the remaining implementations are recorded as skipped "
                        f"(default {DEFAULT_BUDGET_S:.0f})")
     bench.set_defaults(func=_cmd_bench)
-    from . import tune_cmd
+    from . import plan_cmd, tune_cmd
 
     tune_cmd.add_parser(sub)
+    plan_cmd.add_parsers(sub)
     return parser
 
 
@@ -197,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_USAGE
-    except (*INPUT_ERRORS, _store_error()) as exc:
+    except (*INPUT_ERRORS, *_lazy_errors()) as exc:
         print(f"rtcompile: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return EXIT_USAGE
 

@@ -42,6 +42,7 @@ def running_tensor(
     chunk_size: int | None = None,
     backend: str = "auto",
     variant=None,
+    plan=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """RunningTensor state mixer of order o = len(q) + 1.
 
@@ -64,6 +65,8 @@ def running_tensor(
             else the reference.
             The Triton kernels are forward-only: ``"triton"`` with inputs that require grad
             raises.
+        plan: a :class:`~rtcompile.plan.Plan`: with ``mode="auto"`` the call follows the plan's
+            prefill decision for the nearest (B, T) bucket (mode and, on Triton, the variant).
         variant: a :class:`~rtcompile.kernels.variants.ChunkVariant` or
             :class:`~rtcompile.kernels.variants.RecurrentVariant` for the Triton backend
             (default: the variant chosen from the shapes).
@@ -91,6 +94,14 @@ def running_tensor(
         p = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
         order, seq_len, eff_scale = p.order, p.seq_len, p.scale
     C = chunk_size or DEFAULT_CHUNK
+    if mode == "auto" and plan is not None:
+        decision = plan.decision_for("prefill", v.shape[0], seq_len)
+        mode = decision.mode
+        if variant is None and chunk_size is None:
+            from .kernels.variants import ChunkVariant, RecurrentVariant
+
+            variant = (ChunkVariant if mode == "chunk" else RecurrentVariant).from_dict(decision.variant)
+            C = getattr(variant, "chunk_size", C)
     if mode == "auto":
         # Until the planner measures the crossover: a sequence shorter than one chunk gains
         # nothing from the chunk form.
@@ -105,6 +116,8 @@ def running_tensor(
         # float64 stays on the reference: the kernels accumulate in fp32
         usable = _triton_available(v) and order <= MAX_TRITON_ORDER and not grad and v.dtype != torch.float64
         backend = "triton" if usable else "reference"
+    if backend != "triton":
+        variant = None  # a plan's kernel variant means nothing to the reference
     if backend == "triton":
         from .kernels.ops import running_tensor_fwd_op, variant_to_json
 

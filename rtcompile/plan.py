@@ -1,0 +1,262 @@
+"""The planner: how each phase runs on a target, and why.
+
+For prefill over T buckets it compares the chunk-parallel kernels (default and fused-prepare
+variants) with the recurrent scan, and finds the crossover length below which the scan is
+faster (searched, not hard-coded); decode over batch buckets runs the recurrent step; train
+runs chunk-parallel. Costs come from tuned measurements for this GPU where the tuned-config
+table has them, else from the cost model (calibrated by those measurements). Every decision
+keeps its alternatives and their costs. A plan whose state plus workspace cannot fit the
+target's memory at the requested batch is refused before anything is allocated.
+
+Plan files are versioned JSON (``PLAN_FORMAT``); a file from a newer format is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+from .costmodel import (Calibration, Cost, calibrate, chunk_cost, chunk_workspace_bytes, recurrent_cost, shape_of,
+                        with_measured)
+from .kernels.variants import ChunkVariant, RecurrentVariant
+from .spec import DTYPE_BYTES, ModelSpec
+from .target import Target
+
+PLAN_FORMAT = 1
+PREFILL_SEQ_LENS = (16, 64, 256, 1024, 4096, 16384, 65536)
+PREFILL_BATCHES = (1, 8)
+DECODE_BATCHES = (1, 8, 32, 128, 256)
+TRAIN_BACKWARD_FACTOR = 3.0  # forward + backward ~ 3x forward (two more passes of the same work)
+
+
+class PlanError(ValueError):
+    """A plan cannot be made (memory) or read (format, file)."""
+
+
+@dataclass
+class Decision:
+    phase: str
+    batch: int
+    seq_len: int
+    mode: str
+    variant: dict[str, Any]
+    cost: dict[str, Any]
+    alternatives: list[dict[str, Any]]
+    reason: str
+
+    @property
+    def chunk_size(self) -> int | None:
+        return self.variant.get("chunk_size")
+
+
+@dataclass
+class Plan:
+    spec: dict[str, Any]
+    target: dict[str, Any]
+    decisions: list[Decision]
+    crossover: dict[str, Any]
+    memory: dict[str, Any]
+    calibration: dict[str, float]
+    versions: dict[str, str] = field(default_factory=dict)
+    format: int = PLAN_FORMAT
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Plan":
+        if not isinstance(data, dict) or not isinstance(data.get("format"), int):
+            raise PlanError("plan: not a plan file (no integer 'format')")
+        if data["format"] > PLAN_FORMAT:
+            raise PlanError(f"plan: format {data['format']} is newer than this rtcompile reads ({PLAN_FORMAT}); "
+                            "upgrade rtcompile or re-plan")
+        try:
+            decisions = [Decision(**d) for d in data["decisions"]]
+            return cls(**{**data, "decisions": decisions})
+        except (KeyError, TypeError) as exc:
+            raise PlanError(f"plan: malformed ({exc})") from None
+
+    def save(self, path: str | os.PathLike) -> None:
+        p = Path(path)
+        fd, tmp = tempfile.mkstemp(dir=p.parent if str(p.parent) else ".", prefix=f".{p.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(self.to_dict(), fh, indent=1)
+        os.replace(tmp, p)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Plan":
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise PlanError(f"plan file {str(path)!r}: no such file") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise PlanError(f"plan file {str(path)!r}: unreadable ({str(exc).splitlines()[0]})") from None
+        return cls.from_dict(data)
+
+    def decision_for(self, phase: str, batch: int, seq_len: int) -> Decision:
+        """The decision of the nearest bucket (log distance in B and T) for ``phase``."""
+        cands = [d for d in self.decisions if d.phase == phase]
+        if not cands:
+            raise PlanError(f"plan: no decision for phase {phase!r}; allowed: {sorted({d.phase for d in self.decisions})}")
+        dist = lambda d: abs(math.log2(d.batch) - math.log2(max(1, batch))) + abs(math.log2(d.seq_len) - math.log2(max(1, seq_len)))
+        return min(cands, key=dist)
+
+
+def _measured_seconds(spec: ModelSpec, target: Target) -> dict[tuple[str, int, int], tuple[dict, float]]:
+    """Tuned winners for this spec on this target's GPU: (kernel, B, T) -> (variant, seconds)."""
+    from .kernels import tuned
+    from .target import _profile_for
+
+    try:
+        entries = tuned.entries()
+    except ValueError:
+        return {}
+    out = {}
+    for e in entries:
+        prof = _profile_for(e.get("gpu", ""))
+        same_gpu = e.get("gpu") == target.name or (prof is not None and prof.name == target.name)
+        if not same_gpu or tuple(e.get("key_widths", ())) != spec.key_widths:
+            continue
+        if e.get("value_width") != spec.value_width or e.get("heads") != spec.heads or e.get("dtype") != spec.input_dtype:
+            continue
+        out[(e["kernel"], e["batch"], e["seq_len"])] = (e["variant"], e["seconds"])
+    return out
+
+
+def _memory(spec: ModelSpec, batch: int, seq_len: int, workspace: int) -> dict[str, int]:
+    ib = DTYPE_BYTES[spec.input_dtype]
+    acts = batch * seq_len * spec.heads * (2 * sum(spec.key_widths) + 2 * spec.value_width) * ib
+    return {"state": spec.state_bytes_per_sequence * batch, "workspace": workspace, "activations": acts}
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.3g} GB"
+
+
+def check_memory(spec: ModelSpec, target: Target, batch: int, seq_len: int) -> dict[str, int]:
+    """Refuse (PlanError) when the model's state plus the smallest prefill workspace and one
+    layer's activations exceed the target's memory at this batch; return the figures."""
+    fused = ChunkVariant.default(shape_of(spec), target.smem_per_sm)
+    need = _memory(spec, batch, seq_len, chunk_workspace_bytes(spec, batch, seq_len,
+                                                              dataclasses.replace(fused, fuse_prepare=True)))
+    total = sum(need.values())
+    if total > target.memory_bytes:
+        raise PlanError(
+            f"plan: does not fit {target.name} ({_gb(target.memory_bytes)}) at batch {batch}, T {seq_len}: "
+            f"state {_gb(need['state'])} ({spec.layers} layers x {spec.heads} heads x "
+            f"{spec.state_bytes_per_head} B per sequence) + workspace {_gb(need['workspace'])} + activations "
+            f"{_gb(need['activations'])} = {_gb(total)}; reduce batch, widths, order, heads or layers"
+        )
+    return need
+
+
+def _prefill(spec: ModelSpec, target: Target, B: int, T: int, cal: Calibration, measured) -> Decision:
+    shape = shape_of(spec)
+    chunk_default = ChunkVariant.default(shape, target.smem_per_sm)
+    chunk_fused = dataclasses.replace(chunk_default, fuse_prepare=True)
+    rec = RecurrentVariant.default(shape, target.smem_per_sm)
+    options = [
+        ("chunk", chunk_default, chunk_cost(spec, target, B, T, chunk_default, cal)),
+        ("chunk", chunk_fused, chunk_cost(spec, target, B, T, chunk_fused, cal)),
+        ("recurrent", rec, recurrent_cost(spec, target, B, T, rec, cal)),
+    ]
+    hit = measured.get(("chunk", B, T))
+    if hit:
+        v = ChunkVariant.from_dict(hit[0])
+        options.append(("chunk", v, with_measured(chunk_cost(spec, target, B, T, v, cal), hit[1])))
+    # The workspace must fit beside the state: drop variants that would not.
+    free = target.memory_bytes - sum(_memory(spec, B, T, 0).values())
+    fits = [o for o in options if o[0] != "chunk" or chunk_workspace_bytes(spec, B, T, o[1]) <= free]
+    mode, variant, cost = min(fits, key=lambda o: o[2].seconds)
+    reason = f"fastest of {len(fits)} ({cost.source}, {cost.bound}-bound)"
+    if len(fits) < len(options):
+        reason += f"; {len(options) - len(fits)} refused for workspace beyond free memory"
+    alts = [{"mode": m, "variant": v.to_dict(), "cost": c.to_dict()} for m, v, c in options]
+    return Decision("prefill", B, T, mode, variant.to_dict(), cost.to_dict(), alts, reason)
+
+
+def _decode(spec: ModelSpec, target: Target, B: int, cal: Calibration, measured) -> Decision:
+    shape = shape_of(spec)
+    rec = RecurrentVariant.default(shape, target.smem_per_sm)
+    cost = recurrent_cost(spec, target, B, 1, rec, cal)
+    hit = measured.get(("recurrent", B, 1))
+    if hit:
+        rec = RecurrentVariant.from_dict(hit[0])
+        cost = with_measured(recurrent_cost(spec, target, B, 1, rec, cal), hit[1])
+    chunk = ChunkVariant.default(shape, target.smem_per_sm)
+    alt = chunk_cost(spec, target, B, 1, chunk, cal)
+    alts = [{"mode": "recurrent", "variant": rec.to_dict(), "cost": cost.to_dict()},
+            {"mode": "chunk", "variant": chunk.to_dict(), "cost": alt.to_dict()}]
+    mode, variant, chosen = ("recurrent", rec, cost) if cost.seconds <= alt.seconds else ("chunk", chunk, alt)
+    reason = f"one token per sequence: the step reads and writes the state once ({chosen.source}, {chosen.bound}-bound)"
+    return Decision("decode", B, 1, mode, variant.to_dict(), chosen.to_dict(), alts, reason)
+
+
+def _train(spec: ModelSpec, target: Target, B: int, T: int, cal: Calibration) -> Decision:
+    shape = shape_of(spec)
+    chunk = ChunkVariant.default(shape, target.smem_per_sm)
+    rec = RecurrentVariant.default(shape, target.smem_per_sm)
+    c = chunk_cost(spec, target, B, T, chunk, cal)
+    r = recurrent_cost(spec, target, B, T, rec, cal)
+    scale = lambda x: dataclasses.replace(x, seconds=x.seconds * TRAIN_BACKWARD_FACTOR)
+    c, r = scale(c), scale(r)
+    mode, variant, chosen = ("chunk", chunk, c) if c.seconds <= r.seconds else ("recurrent", rec, r)
+    alts = [{"mode": "chunk", "variant": chunk.to_dict(), "cost": c.to_dict()},
+            {"mode": "recurrent", "variant": rec.to_dict(), "cost": r.to_dict()}]
+    reason = (f"forward + backward ~ {TRAIN_BACKWARD_FACTOR:g}x forward ({chosen.bound}-bound); the Triton kernels "
+              "are forward-only so far: training runs the PyTorch reference's autograd")
+    return Decision("train", B, T, mode, variant.to_dict(), chosen.to_dict(), alts, reason)
+
+
+def crossover(spec: ModelSpec, target: Target, batch: int, cal: Calibration = Calibration()) -> int | None:
+    """The shortest prompt length from which chunk-parallel prefill is no slower than the scan
+    (None if the scan wins up to 2^20 tokens)."""
+    shape = shape_of(spec)
+    chunk = ChunkVariant.default(shape, target.smem_per_sm)
+    rec = RecurrentVariant.default(shape, target.smem_per_sm)
+    wins = lambda T: chunk_cost(spec, target, batch, T, chunk, cal).seconds <= recurrent_cost(spec, target, batch, T, rec, cal).seconds
+    lo, hi = 1, 2
+    if wins(1):
+        return 1
+    while not wins(hi):
+        lo, hi = hi, hi * 2
+        if hi > 1 << 20:
+            return None
+    while hi - lo > 1:  # first T where chunk wins, in (lo, hi]
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if wins(mid) else (mid, hi)
+    return hi
+
+
+def make_plan(spec: ModelSpec, target: Target, *, batches=PREFILL_BATCHES, seq_lens=PREFILL_SEQ_LENS,
+              decode_batches=DECODE_BATCHES, use_measurements: bool = True) -> Plan:
+    """Plan every phase of ``spec`` on ``target`` (refuses what cannot fit; see module doc)."""
+    import torch
+    import triton
+
+    memory = {f"B{B}_T{T}": check_memory(spec, target, B, T) for B in batches for T in seq_lens}
+    memory.update({f"decode_B{B}": check_memory(spec, target, B, 1) for B in decode_batches})
+    measured = _measured_seconds(spec, target) if use_measurements else {}
+    # calibrate the latency terms on what was measured, then plan every bucket with them
+    pred: dict[str, list[float]] = {"chunk": [], "recurrent": []}
+    meas: dict[str, list[float]] = {"chunk": [], "recurrent": []}
+    for (kernel, B, T), (vdict, secs) in measured.items():
+        if kernel == "chunk":
+            pred["chunk"].append(chunk_cost(spec, target, B, T, ChunkVariant.from_dict(vdict)).seconds)
+        else:
+            pred["recurrent"].append(recurrent_cost(spec, target, B, T, RecurrentVariant.from_dict(vdict)).seconds)
+        meas[kernel].append(secs)
+    cal = calibrate(pred, meas)
+    decisions = [_prefill(spec, target, B, T, cal, measured) for B in batches for T in seq_lens]
+    decisions += [_decode(spec, target, B, cal, measured) for B in decode_batches]
+    decisions += [_train(spec, target, B, max(seq_lens), cal) for B in batches]
+    cross = {f"B{B}": crossover(spec, target, B, cal) for B in batches}
+    versions = {"rtcompile": __version__, "torch": torch.__version__, "triton": triton.__version__}
+    return Plan(spec.to_dict(), target.to_dict(), decisions, cross, memory, dataclasses.asdict(cal), versions)

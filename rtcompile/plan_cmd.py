@@ -1,0 +1,177 @@
+"""``rtcompile plan`` (decide how each phase runs on a target) and ``rtcompile build`` (the main
+job: plan, tune where a GPU is present, plan again from the measurements, validate, write)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .tune_cmd import _int_list, _positive_int
+
+
+def _common(p) -> None:
+    from .target import DEFAULT_TARGET
+
+    p.add_argument("spec", help="model spec file (.toml or .json)")
+    p.add_argument("--target", default=None, metavar="NAME",
+                   help=f"GPU profile (auto, h100-sxm, h200, a100-80gb, l40s, l4, rtx-4090, b200); default: auto "
+                        f"on a GPU, {DEFAULT_TARGET} without one")
+    p.add_argument("--batch", type=_int_list, metavar="B,..", help="prefill batches to plan (default 1,8)")
+    p.add_argument("--seq-len", type=_int_list, metavar="T,..", help="prefill lengths to plan (default 16 to 65536)")
+    p.add_argument("--decode-batch", type=_int_list, metavar="B,..", help="decode batches (default 1,8,32,128,256)")
+    p.add_argument("--out", metavar="FILE", help="write the plan as JSON (atomically)")
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("plan", help="choose recurrent or chunk execution, chunk size and variants per phase")
+    _common(p)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=run_plan)
+    b = sub.add_parser("build", help="main job: plan, tune (GPU), re-plan from measurements, validate kernels")
+    _common(b)
+    b.add_argument("--trials", type=_positive_int, default=10, metavar="N",
+                   help="tuning trials per kernel and bucket on a GPU (default 10)")
+    b.add_argument("--storage", metavar="URL", help="tuning store (see rtcompile tune)")
+    b.set_defaults(func=run_build)
+
+
+def _on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
+def _make(args, target_name: str):
+    from .plan import DECODE_BATCHES, PREFILL_BATCHES, PREFILL_SEQ_LENS, make_plan
+    from .spec import load_spec
+    from .target import get_target
+
+    spec = load_spec(args.spec)
+    target = get_target(target_name)
+    plan = make_plan(spec, target, batches=tuple(args.batch or PREFILL_BATCHES),
+                     seq_lens=tuple(args.seq_len or PREFILL_SEQ_LENS),
+                     decode_batches=tuple(args.decode_batch or DECODE_BATCHES))
+    return spec, target, plan
+
+
+def _target_name(args) -> str:
+    from .target import DEFAULT_TARGET
+
+    if args.target:
+        return args.target
+    return "auto" if _on_gpu() else DEFAULT_TARGET
+
+
+def _print(plan, spec, target) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    ms = lambda s: f"{s * 1e3:.4g}"
+    t = Table(title=f"plan: {spec.name or 'spec'} on {target.name} ({'measured' if target.measured else 'profile'} rates)",
+              header_style="bold")
+    for c in ("phase", "B", "T", "mode", "C", "variant", "ms/layer", "bound", "source", "alternatives (ms)"):
+        t.add_column(c)
+    for d in plan.decisions:
+        v = d.variant
+        vt = f"BK{v.get('block_k')} BV{v.get('block_v')} w{v.get('num_warps')}" + (" fused" if v.get("fuse_prepare") else "")
+        alts = ", ".join(f"{a['mode']}{' fused' if a['variant'].get('fuse_prepare') else ''} {ms(a['cost']['seconds'])}"
+                         for a in d.alternatives)
+        t.add_row(d.phase, str(d.batch), str(d.seq_len), d.mode, str(d.chunk_size or "-"), vt, ms(d.cost["seconds"]),
+                  d.cost["bound"], d.cost["source"], alts)
+    con = Console(width=220)
+    con.print(t)
+    cross = ", ".join(f"{k}: {v if v is not None else 'never'}" for k, v in plan.crossover.items())
+    con.print(f"chunk-parallel prefill is no slower than the recurrent scan from T = {cross} tokens")
+
+
+def run_plan(args) -> int:
+    spec, target, plan = _make(args, _target_name(args))
+    if args.out:
+        plan.save(args.out)
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=1))
+    else:
+        _print(plan, spec, target)
+        if args.out:
+            print(f"plan written to {args.out}")
+    return 0
+
+
+def _validate_kernels(spec) -> list[tuple[str, float, bool]]:
+    """Run every kernel at a small shape of the spec's order (interpreter off the GPU) against
+    the float64 reference; returns (kernel, relative error, passed)."""
+    import torch
+
+    from .kernels.reference import running_tensor_recurrent_ref
+    from .kernels.triton_fwd import running_tensor_decode_, running_tensor_fwd
+    from .kernels.variants import ChunkVariant
+
+    dev = "cuda" if _on_gpu() else "cpu"
+    widths = tuple(min(w, 4) for w in spec.key_widths)
+    V, H, T = min(spec.value_width, 8), 1, 40
+    gen = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
+    q, k, v = [r(2, T, H, w) for w in widths], [r(2, T, H, w) for w in widths], r(2, T, H, V)
+    g = torch.nn.functional.logsigmoid(r(2, T, H)) if spec.features.forget_gate else None
+    beta = torch.sigmoid(r(2, T, H)) if spec.features.delta_rule else None
+    f32 = lambda x: None if x is None else x.float().to(dev)
+    l2 = spec.features.l2norm
+    o_ref, s_ref = running_tensor_recurrent_ref(q, k, v, g, beta, output_final_state=True, l2norm=l2)
+    err = lambda a, b: float((a.double().cpu() - b).norm() / b.norm())
+    out = []
+    for name, kw in (("chunk", dict(mode="chunk", variant=ChunkVariant(16, 16, 16))), ("recurrent", dict(mode="recurrent"))):
+        o, s = running_tensor_fwd([f32(x) for x in q], [f32(x) for x in k], f32(v), f32(g), f32(beta),
+                                  output_final_state=True, l2norm=l2, **kw)
+        e = max(err(o, o_ref), err(s, s_ref))
+        out.append((name, e, e < 1e-4))
+    one = lambda x: None if x is None else x[:, :1]
+    o1, s1 = running_tensor_recurrent_ref([one(x) for x in q], [one(x) for x in k], one(v), one(g), one(beta),
+                                          output_final_state=True, l2norm=l2)
+    cache = torch.zeros(3, H, *widths, V, device=dev)
+    idx = torch.tensor([2, 0], dtype=torch.int32, device=dev)
+    o = running_tensor_decode_([f32(one(x)) for x in q], [f32(one(x)) for x in k], f32(one(v)), f32(one(g)),
+                               f32(one(beta)), state_cache=cache, state_indices=idx, l2norm=l2)
+    e = max(err(o, o1), err(cache[[2, 0]], s1))
+    out.append(("decode", e, e < 1e-4))
+    return out
+
+
+def run_build(args) -> int:
+    from rich.console import Console
+
+    err = Console(stderr=True)
+    on_gpu = _on_gpu()
+    if not on_gpu:
+        os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
+    target_name = _target_name(args)
+    spec, target, plan = _make(args, target_name)
+    if on_gpu:
+        from .target import measure
+        from .tuning import Bucket, TuneOptions, tune_bucket
+
+        target = measure()
+        err.print(f"measured {target.name}: copy {target.hbm_bytes_per_s / 1e9:.0f} GB/s, "
+                  f"bf16 matmul {target.bf16_flops / 1e12:.0f} TFLOP/s")
+        opts = TuneOptions(storage=args.storage, trials=args.trials, device="cuda", repeats=20)
+        common = dict(key_widths=spec.key_widths, value_width=spec.value_width, heads=spec.heads, dtype=spec.input_dtype)
+        for bucket in [Bucket("chunk", batch=8, seq_len=4096, **common),
+                       Bucket("recurrent", batch=32, seq_len=1, **common), Bucket("recurrent", batch=256, seq_len=1, **common)]:
+            res = tune_bucket(bucket, opts)
+            err.print(f"tuned {bucket.label}: {'already tuned' if res.already_tuned else f'{res.trials_run} trials'}")
+        spec, target, plan = _make(args, "auto")
+    else:
+        err.print(f"no CUDA GPU: planning for {target.name} with the cost model (no tuning); validating the kernels "
+                  "through the Triton interpreter at small shapes")
+    checks = _validate_kernels(spec)
+    _print(plan, spec, target)
+    for name, e, ok in checks:
+        print(f"kernel check {name}: relative error {e:.1e} against float64 -> {'ok' if ok else 'FAILED'}")
+    out = args.out or "plan.json"
+    if not all(ok for _, _, ok in checks):
+        print("kernel validation failed: no plan written", file=sys.stderr)
+        return 1
+    plan.save(out)
+    print(f"plan written to {out}")
+    return 0

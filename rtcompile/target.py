@@ -1,0 +1,157 @@
+"""Target GPU profiles: what the cost model and the planner plan for.
+
+Figures are per GPU, dense (no structured sparsity), from the vendors' public datasheets and
+architecture whitepapers; each profile names its source. They are leads: ``auto`` detects the
+GPU present and can measure its copy bandwidth and matmul rate (:func:`measure`), which the
+planner then prefers. Nothing here imports torch until ``auto`` or ``measure`` is used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+GB = 10**9
+TB = 10**12
+MiB = 1 << 20
+KiB = 1 << 10
+
+
+@dataclass(frozen=True)
+class Target:
+    """One GPU. Rates in bytes/s and FLOP/s; sizes in bytes."""
+
+    name: str
+    memory_bytes: int
+    hbm_bytes_per_s: float
+    bf16_flops: float
+    fp16_flops: float
+    fp32_flops: float
+    sms: int
+    smem_per_sm: int
+    l2_bytes: int
+    source: str
+    launch_s: float = 4e-6  # one kernel launch under CUDA graphs (DESIGN.md: graphs for small calls)
+    measured: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+PROFILES: dict[str, Target] = {
+    t.name: t
+    for t in (
+        Target("h100-sxm", 80 * GB, 3.35 * TB, 989e12, 989e12, 67e12, 132, 228 * KiB, 50 * MiB,
+               "NVIDIA H100 Tensor Core GPU datasheet (SXM5), Hopper architecture whitepaper"),
+        Target("h200", 141 * GB, 4.8 * TB, 989e12, 989e12, 67e12, 132, 228 * KiB, 60 * MiB,
+               "NVIDIA H200 datasheet (SXM); L2 as torch reports it on the device machine (60 MiB); "
+               "measured there: copy 4.26 TB/s, bf16 matmul 0.77-0.80 PFLOP/s (DESIGN.md, benchmarks/RESULTS.md)"),
+        Target("a100-80gb", 80 * GB, 2.039 * TB, 312e12, 312e12, 19.5e12, 108, 164 * KiB, 40 * MiB,
+               "NVIDIA A100 datasheet (80GB SXM), Ampere architecture whitepaper"),
+        Target("l40s", 48 * GB, 864 * GB, 362e12, 362e12, 91.6e12, 142, 100 * KiB, 96 * MiB,
+               "NVIDIA L40S datasheet, Ada Lovelace architecture whitepaper"),
+        Target("l4", 24 * GB, 300 * GB, 121e12, 121e12, 30.3e12, 58, 100 * KiB, 48 * MiB,
+               "NVIDIA L4 datasheet, Ada Lovelace architecture whitepaper"),
+        Target("rtx-4090", 24 * GB, 1008 * GB, 165e12, 165e12, 82.6e12, 128, 100 * KiB, 72 * MiB,
+               "NVIDIA Ada Lovelace architecture whitepaper (GeForce RTX 4090; bf16 with fp32 accumulate)"),
+        Target("b200", 180 * GB, 8 * TB, 2250e12, 2250e12, 75e12, 148, 228 * KiB, 126 * MiB,
+               "NVIDIA HGX B200 datasheet (per GPU); SM count and L2 from Blackwell architecture reports"),
+    )
+}
+DEFAULT_TARGET = "h200"
+
+
+class TargetError(ValueError):
+    """Unknown target name, or no GPU for ``auto``."""
+
+
+def _cache_file() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "rtcompile" / "targets.json"
+
+
+def get_target(name: str) -> Target:
+    """A profile by name, or ``auto`` for the GPU present (with its measured rates if kept)."""
+    if not isinstance(name, str):
+        raise TypeError(f"target: expected a name, got {type(name).__name__}")
+    key = name.lower()
+    if key == "auto":
+        return detect()
+    if key not in PROFILES:
+        raise TargetError(f"target: unknown {name!r}; allowed: auto, {', '.join(PROFILES)}")
+    return PROFILES[key]
+
+
+def _profile_for(device_name: str) -> Target | None:
+    n = device_name.lower().replace(" ", "").replace("-", "")
+    for key, prof in (("h200", "h200"), ("h100", "h100-sxm"), ("a100", "a100-80gb"), ("l40s", "l40s"),
+                      ("l4", "l4"), ("4090", "rtx-4090"), ("b200", "b200")):
+        if key in n:
+            return PROFILES[prof]
+    return None
+
+
+def detect() -> Target:
+    """The profile of the GPU present, with rates measured earlier on it (see :func:`measure`)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise TargetError(f"target: 'auto' needs a CUDA GPU; allowed without one: {', '.join(PROFILES)}")
+    dev = torch.cuda.get_device_name(0)
+    base = _profile_for(dev)
+    props = torch.cuda.get_device_properties(0)
+    if base is None:
+        base = Target(dev, props.total_memory, 1 * TB, 100e12, 100e12, 20e12, props.multi_processor_count,
+                      100 * KiB, 40 * MiB, "detected; rates unknown until measured (rtcompile build measures them)")
+    kept = _load_measured().get(dev)
+    if kept:
+        base = replace(base, hbm_bytes_per_s=kept["hbm_bytes_per_s"], bf16_flops=kept["bf16_flops"], measured=True,
+                       source=base.source + f"; measured here {kept['date']}")
+    return replace(base, memory_bytes=props.total_memory, sms=props.multi_processor_count)
+
+
+def _load_measured() -> dict:
+    try:
+        return json.loads(_cache_file().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def measure() -> Target:
+    """Measure this GPU's copy bandwidth (read + write) and bf16 matmul rate once; keep them."""
+    import datetime
+    import statistics
+
+    import torch
+
+    def timed(fn, reps=10):
+        fn()
+        torch.cuda.synchronize()
+        out = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b) / 1e3)
+        return statistics.median(out)
+
+    n = 1 << 29  # 2 GiB of fp32: far beyond L2
+    src, dst = torch.randn(n, device="cuda"), torch.empty(n, device="cuda")
+    bw = 2 * 4 * n / timed(lambda: dst.copy_(src))
+    del src, dst
+    m = 8192
+    a, b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16), torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    rate = 2 * m**3 / timed(lambda: a @ b)
+    data = _load_measured()
+    data[torch.cuda.get_device_name(0)] = {"hbm_bytes_per_s": bw, "bf16_flops": rate,
+                                           "date": datetime.date.today().isoformat()}
+    path = _cache_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+    return detect()

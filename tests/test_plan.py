@@ -1,0 +1,147 @@
+"""Targets, the cost model and the planner (CPU: cost model only)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import rtcompile
+import rtcompile.functional
+from rtcompile.cli import main
+from rtcompile.costmodel import calibrate, chunk_cost, recurrent_cost
+from rtcompile.kernels import tuned
+from rtcompile.kernels.variants import ChunkVariant, RecurrentVariant
+from rtcompile.plan import PLAN_FORMAT, Plan, PlanError, crossover, make_plan
+from rtcompile.spec import ModelSpec, load_spec
+from rtcompile.target import PROFILES, TargetError, get_target
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "examples").glob("*.*"))
+
+
+def _spec(widths=(16, 16), **kw):
+    return ModelSpec(order=len(widths) + 1, key_widths=widths, value_width=64, heads=8, model_width=512, layers=2, **kw)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+@pytest.mark.parametrize("target", sorted(PROFILES))
+def test_every_example_plans_on_every_target(path, target):
+    plan = make_plan(load_spec(path), get_target(target))
+    phases = {d.phase for d in plan.decisions}
+    assert phases == {"prefill", "decode", "train"}
+    for d in plan.decisions:
+        assert d.cost["seconds"] > 0 and len(d.alternatives) >= 2 and d.reason
+        assert d.mode in ("chunk", "recurrent")
+
+
+def test_profiles_name_their_sources_and_unknown_targets_list_the_known():
+    assert all(t.source and t.memory_bytes > 0 and t.hbm_bytes_per_s > 0 for t in PROFILES.values())
+    with pytest.raises(TargetError, match="allowed: auto, h100-sxm, h200"):
+        get_target("h300")
+
+
+def test_memory_refusal_names_the_numbers():
+    with pytest.raises(PlanError, match=r"does not fit l4 \(24 GB\) at batch 100000.*state .* GB"):
+        make_plan(_spec((64, 64)), get_target("l4"), batches=(100000,), seq_lens=(16,), decode_batches=(1,))
+
+
+def test_decisions_move_in_the_expected_directions():
+    h200 = get_target("h200")
+    small, wide = _spec((16, 16)), _spec((64, 64))
+    plan = make_plan(small, h200, seq_lens=(1, 4, 4096, 65536))
+    by = {(d.phase, d.batch, d.seq_len): d for d in plan.decisions}
+    assert all(d.mode == "recurrent" for d in plan.decisions if d.phase == "decode")  # decode: always recurrent
+    assert by[("prefill", 8, 4096)].mode == "chunk" and by[("prefill", 8, 65536)].mode == "chunk"
+    assert by[("prefill", 1, 1)].mode == "recurrent"  # one token: the scan
+    # the crossover is searched, and it moves with width and with order
+    c_small, c_wide = crossover(small, h200, 8), crossover(wide, h200, 8)
+    c_o4 = crossover(_spec((16, 16, 16)), h200, 8)
+    assert c_small is not None and c_wide is not None and c_wide != c_small and c_o4 != c_small
+    # cost grows with T and with B; decode cost with the state size
+    cv = ChunkVariant(32, 256, 16)
+    assert chunk_cost(small, h200, 8, 8192, cv).seconds > chunk_cost(small, h200, 8, 1024, cv).seconds
+    r16 = RecurrentVariant(256, 32, 4)
+    assert recurrent_cost(small, h200, 256, 1, r16).seconds > recurrent_cost(small, h200, 32, 1, r16).seconds
+    assert recurrent_cost(wide, h200, 32, 1, RecurrentVariant(1024, 16, 8)).seconds > recurrent_cost(small, h200, 32, 1, r16).seconds
+
+
+def test_slower_gpu_is_slower():
+    s = _spec()
+    fast = make_plan(s, get_target("h200"), batches=(8,), seq_lens=(4096,), decode_batches=(256,))
+    slow = make_plan(s, get_target("l4"), batches=(8,), seq_lens=(4096,), decode_batches=(256,))
+    dec = lambda p: next(d for d in p.decisions if d.phase == "decode").cost["seconds"]
+    assert dec(slow) > 3 * dec(fast)  # 300 GB/s against 4.8 TB/s
+
+
+def test_plan_file_round_trip_and_newer_format_refused(tmp_path):
+    plan = make_plan(_spec(), get_target("h200"), batches=(1,), seq_lens=(64, 4096), decode_batches=(32,))
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    again = Plan.load(path)
+    assert again.to_dict() == json.loads(path.read_text()) == plan.to_dict()
+    data = plan.to_dict()
+    data["format"] = PLAN_FORMAT + 1
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanError, match="newer than this rtcompile reads"):
+        Plan.load(path)
+    path.write_text("{}")
+    with pytest.raises(PlanError, match="not a plan file"):
+        Plan.load(path)
+
+
+def test_measurements_calibrate_and_override(tmp_path, monkeypatch):
+    spec = _spec()
+    h200 = get_target("h200")
+    v = ChunkVariant(32, 256, 16)
+    predicted = chunk_cost(spec, h200, 8, 4096, v).seconds
+    table = tmp_path / "tuned.json"
+    entry = {**tuned.match_fields("chunk", spec.key_widths, 64, 8, spec.input_dtype, "NVIDIA H200"),
+             "batch": 8, "seq_len": 4096, "variant": v.to_dict(), "seconds": 2 * predicted}
+    table.write_text(json.dumps({"format": 1, "entries": [entry]}))
+    monkeypatch.setenv("RTCOMPILE_TUNED", str(table))
+    tuned.reload()
+    try:
+        plan = make_plan(spec, h200, batches=(8,), seq_lens=(1024, 4096), decode_batches=(32,))
+    finally:
+        monkeypatch.delenv("RTCOMPILE_TUNED")
+        tuned.reload()
+    d = next(d for d in plan.decisions if d.phase == "prefill" and d.seq_len == 4096)
+    assert any(a["cost"]["source"] == "measured (tuned)" for a in d.alternatives)
+    assert plan.calibration["chunk"] == pytest.approx(2.0, rel=1e-6)
+    cal = calibrate({"chunk": [1.0, 2.0]}, {"chunk": [3.0, 12.0]})  # geometric mean of 3 and 6
+    assert cal.chunk == pytest.approx(18**0.5) and cal.recurrent == 1.0
+
+
+def test_running_tensor_follows_a_plan(monkeypatch):
+    spec = ModelSpec(order=3, key_widths=(2, 4), value_width=8, heads=1, model_width=16)
+    plan = make_plan(spec, get_target("h200"), batches=(1,), seq_lens=(1, 4096), decode_batches=(1,))
+    short = plan.decision_for("prefill", 1, 1)
+    long_ = plan.decision_for("prefill", 1, 3000)
+    assert short.mode == "recurrent" and long_.mode == "chunk"
+    modes = []
+    monkeypatch.setattr(rtcompile.functional, "running_tensor_recurrent_ref",
+                        lambda *a, **kw: modes.append("recurrent") or (a[2], None))
+    monkeypatch.setattr(rtcompile.functional, "running_tensor_chunk_ref",
+                        lambda *a, **kw: modes.append("chunk") or (a[2], None))
+    for T in (1, 3000):
+        q = [torch.randn(1, T, 1, w, dtype=torch.float64) for w in (2, 4)]
+        rtcompile.running_tensor(q, q, torch.randn(1, T, 1, 8, dtype=torch.float64), plan=plan, backend="reference")
+    assert modes == ["recurrent", "chunk"]
+
+
+def test_cli_plan_and_build(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    spec = str(ROOT / "examples" / "order3_16x16.toml")
+    out = tmp_path / "p.json"
+    assert main(["plan", spec, "--target", "a100-80gb", "--out", str(out), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["target"]["name"] == "a100-80gb" and Plan.load(out).to_dict() == data
+    assert main(["plan", spec, "--target", "nope"]) == 2
+    assert "allowed: auto" in capsys.readouterr().err
+    built = tmp_path / "built.json"
+    assert main(["build", spec, "--out", str(built)]) == 0
+    text = capsys.readouterr().out
+    assert text.count("-> ok") == 3 and Plan.load(built).target["name"] == "h200"
