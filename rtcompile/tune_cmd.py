@@ -24,17 +24,9 @@ def _positive_int(text: str) -> int:
     return v[0]
 
 
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return v
-
-
 def add_parser(sub) -> None:
+    from .cli import _positive_float  # one parser of positive numbers for every command
+
     p = sub.add_parser("tune", help="autotune a spec's kernels for this GPU (Optuna; results kept in a store)")
     p.add_argument("spec", nargs="?", help="model spec file (.toml or .json); omit with --list")
     p.add_argument("--list", action="store_true", help="list the studies the store holds")

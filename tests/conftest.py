@@ -1,7 +1,16 @@
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
+
+# Hermetic: no test reads or writes the user's tuning store or tuned-config table (the
+# launchers consult the table whenever no variant is given).
+_CACHE = tempfile.mkdtemp(prefix="rtcompile-tests-")
+os.environ["XDG_CACHE_HOME"] = _CACHE
+os.environ["RTCOMPILE_TUNED"] = os.path.join(_CACHE, "rtcompile", "tuned.json")
 
 
 def make_inputs(B, T, H, widths, V, *, gate=True, delta=True, state=False, num_seqs=None,
