@@ -1,0 +1,149 @@
+"""RunningTensor modules built from a spec: one layer, and a small causal LM.
+
+A layer: input projection (``dense``: one linear map to the query factors, key factors and
+values, then a short causal depthwise convolution with SiLU; ``conconlyc``: each stream tiles
+the model channels to its width and applies a depthwise causal convolution whose D x w weights
+are tied across the tiles), forget gate (log-sigmoid), beta (sigmoid), query-skip gates (each
+query factor blended with the all-ones vector per token), the state mixer
+(:func:`rtcompile.running_tensor`), output gate (SiLU) with RMS norm, output projection. Its
+parameter count is :func:`rtcompile.figures.parameters_per_layer` exactly.
+
+``forward`` runs a prompt (prefill) and returns the state cache; ``step`` runs one token per
+sequence from a cache. A cache is a list (one per layer) of dicts with the mixer state
+``[B, H, d_1, ..., d_v]`` (fp32) and the convolution tail ``[B, channels, w - 1]``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .functional import running_tensor
+from .spec import ModelSpec
+
+
+class _CausalDepthwise(nn.Module):
+    """Depthwise causal 1-D convolution over [B, T, C] with a carried tail of w - 1 inputs."""
+
+    def __init__(self, weight_channels: int, width: int):
+        super().__init__()
+        self.width = width
+        self.weight = nn.Parameter(torch.randn(weight_channels, width) / math.sqrt(width))
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None):
+        B, T, C = x.shape
+        xt = x.transpose(1, 2)  # [B, C, T]
+        if tail is None:
+            tail = xt.new_zeros(B, C, self.width - 1)
+        full = torch.cat([tail, xt], dim=2)
+        y = F.conv1d(full, weight.unsqueeze(1), groups=C)
+        return y.transpose(1, 2), full[:, :, full.shape[2] - (self.width - 1):]
+
+
+class RunningTensorLayer(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        f = spec.features
+        D, H, V = spec.model_width, spec.heads, spec.value_width
+        self.widths = [H * w for w in spec.key_widths] * 2 + [H * V]  # q factors, k factors, v
+        channels = sum(self.widths)
+        if f.projection == "dense":
+            self.proj = nn.Linear(D, channels, bias=False)
+            self.conv = _CausalDepthwise(channels, f.short_conv) if f.short_conv else None
+        else:
+            self.proj = None
+            self.conv = nn.ModuleList(_CausalDepthwise(D, f.short_conv) for _ in self.widths)
+        self.forget = nn.Linear(D, H) if f.forget_gate else None
+        self.beta = nn.Linear(D, H) if f.delta_rule else None
+        self.skip = nn.Linear(D, H * len(spec.key_widths)) if f.query_skip else None
+        if f.output_gate:
+            self.gate = nn.Linear(D, H * V, bias=False)
+            self.norm_weight = nn.Parameter(torch.ones(V))
+        self.out = nn.Linear(H * V, D, bias=False)
+
+    def _streams(self, x: torch.Tensor, tails):
+        """The q factors, k factors and v as [B, T, channels] streams, and the new conv tails."""
+        f = self.spec.features
+        if self.proj is not None:
+            y = self.proj(x)
+            if self.conv is None:
+                return list(y.split(self.widths, dim=-1)), None
+            y, tail = self.conv(y, self.conv.weight, None if tails is None else tails[0])
+            return list(F.silu(y).split(self.widths, dim=-1)), [tail]
+        outs, new = [], []
+        D = x.shape[-1]
+        for i, (conv, width) in enumerate(zip(self.conv, self.widths)):
+            reps = math.ceil(width / D)
+            xi = x.repeat(1, 1, reps)[..., :width]
+            wi = conv.weight.repeat(reps, 1)[:width]  # tied across the tiles
+            y, tail = conv(xi, wi, None if tails is None else tails[i])
+            outs.append(y)
+            new.append(tail)
+        return outs, new
+
+    def forward(self, x: torch.Tensor, cache: dict | None = None, *, plan=None, backend: str = "auto"):
+        """x [B, T, D] -> (y [B, T, D], new cache)."""
+        spec, f = self.spec, self.spec.features
+        B, T, _ = x.shape
+        H, o1 = spec.heads, len(spec.key_widths)
+        streams, tails = self._streams(x, None if cache is None else cache.get("conv"))
+        heads = lambda t, w: t.reshape(B, T, H, w)
+        q = [heads(s, w) for s, w in zip(streams[:o1], spec.key_widths)]
+        k = [heads(s, w) for s, w in zip(streams[o1:2 * o1], spec.key_widths)]
+        v = heads(streams[-1], spec.value_width)
+        if self.skip is not None:
+            s = torch.sigmoid(self.skip(x)).reshape(B, T, H, o1)
+            q = [s[..., i : i + 1] * qi + (1 - s[..., i : i + 1]) for i, qi in enumerate(q)]
+        g = F.logsigmoid(self.forget(x)).float() if self.forget is not None else None
+        beta = torch.sigmoid(self.beta(x)) if self.beta is not None else None
+        o, state = running_tensor(
+            [qi.contiguous() for qi in q], [ki.contiguous() for ki in k], v.contiguous(), g,
+            None if beta is None else beta.contiguous(), scale=spec.scale,
+            initial_state=None if cache is None else cache["state"], output_final_state=True,
+            l2norm=f.l2norm, plan=plan, backend=backend,
+        )
+        if f.output_gate:
+            o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm_weight
+            o = o * F.silu(heads(self.gate(x), spec.value_width))
+        y = self.out(o.reshape(B, T, H * spec.value_width))
+        return y, {"state": state, "conv": tails}
+
+
+class RunningTensorLM(nn.Module):
+    """Embedding, ``spec.layers`` pre-norm blocks (mixer, then an optional MLP), norm, head."""
+
+    def __init__(self, spec: ModelSpec, vocab_size: int = 256, mlp: bool = True):
+        super().__init__()
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
+            raise ValueError(f"vocab_size: got {vocab_size!r}; allowed: an integer >= 2")
+        self.spec = spec
+        D = spec.model_width
+        self.embed = nn.Embedding(vocab_size, D)
+        self.mixers = nn.ModuleList(RunningTensorLayer(spec) for _ in range(spec.layers))
+        self.norms = nn.ModuleList(nn.RMSNorm(D) for _ in range(spec.layers))
+        self.mlps = nn.ModuleList(
+            nn.Sequential(nn.RMSNorm(D), nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D)) for _ in range(spec.layers)
+        ) if mlp else None
+        self.final = nn.RMSNorm(D)
+        self.head = nn.Linear(D, vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor, cache: list | None = None, *, plan=None, backend: str = "auto"):
+        """tokens [B, T] -> (logits [B, T, vocab], cache): a prompt, or T tokens after a cache."""
+        x = self.embed(tokens)
+        new = []
+        for i, mixer in enumerate(self.mixers):
+            y, c = mixer(self.norms[i](x), None if cache is None else cache[i], plan=plan, backend=backend)
+            x = x + y
+            if self.mlps is not None:
+                x = x + self.mlps[i](x)
+            new.append(c)
+        return self.head(self.final(x)), new
+
+    def step(self, tokens: torch.Tensor, cache: list, *, backend: str = "auto"):
+        """One token per sequence: tokens [B] -> (logits [B, vocab], cache)."""
+        logits, cache = self.forward(tokens[:, None], cache, backend=backend)
+        return logits[:, 0], cache
