@@ -21,12 +21,20 @@ __all__ = [
     "load_spec",
     "running_tensor",
     "running_tensor_decode_",
+    "load",
     "save_spec",
     "__version__",
 ]
 
 if TYPE_CHECKING:
     from .functional import running_tensor, running_tensor_decode_
+
+
+def load(path):
+    """Load a bundle written by ``rtcompile export``: a ready model, its plan pinned, no tuning."""
+    from .export.bundle import load_bundle
+
+    return load_bundle(path)
 
 
 def __getattr__(name: str) -> Any:

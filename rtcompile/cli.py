@@ -24,7 +24,7 @@ def _lazy_errors() -> tuple[type, ...]:
     plans), without importing them for commands that never touch them."""
     found = []
     for mod, name in (("rtcompile.tuning.store", "StoreError"), ("rtcompile.target", "TargetError"),
-                      ("rtcompile.plan", "PlanError")):
+                      ("rtcompile.plan", "PlanError"), ("rtcompile.export.bundle", "BundleError")):
         m = sys.modules.get(mod)
         found.append(getattr(m, name) if m is not None else _NoStoreError)
     return tuple(found)
@@ -186,10 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="soft time budget: once spent, the remaining implementations are recorded as skipped "
                        f"(default {DEFAULT_BUDGET_S:.0f})")
     bench.set_defaults(func=_cmd_bench)
-    from . import plan_cmd, tune_cmd
+    from . import export_cmd, plan_cmd, tune_cmd
 
     tune_cmd.add_parser(sub)
     plan_cmd.add_parsers(sub)
+    export_cmd.add_parsers(sub)
     return parser
 
 

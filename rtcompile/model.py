@@ -130,10 +130,12 @@ class RunningTensorLM(nn.Module):
         ) if mlp else None
         self.final = nn.RMSNorm(D)
         self.head = nn.Linear(D, vocab_size, bias=False)
+        self.plan = None  # a Plan to follow (set by rtcompile.load from the bundle)
 
     def forward(self, tokens: torch.Tensor, cache: list | None = None, *, plan=None, backend: str = "auto"):
         """tokens [B, T] -> (logits [B, T, vocab], cache): a prompt, or T tokens after a cache."""
         x = self.embed(tokens)
+        plan = plan if plan is not None else self.plan
         new = []
         for i, mixer in enumerate(self.mixers):
             y, c = mixer(self.norms[i](x), None if cache is None else cache[i], plan=plan, backend=backend)

@@ -1,0 +1,139 @@
+"""Bundles: a directory a deployment loads without running anything from it.
+
+Layout: ``manifest.json`` (format version, spec, plan, target, tool/torch/triton/onnx versions,
+sha256 and size of every other file), ``weights.safetensors``. Writing goes to a temporary
+directory beside the destination, renamed into place at the end, so a reader never sees half a
+bundle. Loading checks the format, that every listed file is inside the bundle, exists and has
+its hash, before reading any weight; it reads JSON and safetensors only (no pickle), and never
+tunes: the plan's variants are pinned as they were exported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+BUNDLE_FORMAT = 1
+MANIFEST = "manifest.json"
+WEIGHTS = "weights.safetensors"
+
+
+class BundleError(ValueError):
+    """A bundle cannot be written or is refused on load (one line, naming the file)."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _versions() -> dict[str, str]:
+    import torch
+
+    from .. import __version__
+
+    out = {"rtcompile": __version__, "torch": torch.__version__}
+    for name in ("triton", "onnx", "onnxruntime", "safetensors"):
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            out[name] = "not installed"
+    return out
+
+
+def export_bundle(model, out: str | os.PathLike, *, plan=None, vocab_size: int | None = None,
+                  overwrite: bool = False) -> Path:
+    """Write ``model`` (a :class:`~rtcompile.model.RunningTensorLM`) as a bundle at ``out``."""
+    from safetensors.torch import save_file
+
+    dest = Path(out)
+    if dest.exists() and not overwrite:
+        raise BundleError(f"bundle {str(dest)!r}: already exists; allowed: a new path, or overwrite=True (--force)")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}."))
+    try:
+        state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+        save_file(state, str(tmp / WEIGHTS))
+        files = {WEIGHTS: {"sha256": _sha256(tmp / WEIGHTS), "bytes": (tmp / WEIGHTS).stat().st_size}}
+        manifest = {
+            "format": BUNDLE_FORMAT,
+            "spec": model.spec.to_dict(),
+            "model": {"class": "RunningTensorLM", "vocab_size": model.head.out_features, "mlp": model.mlps is not None},
+            "plan": None if plan is None else plan.to_dict(),
+            "target": None if plan is None else plan.target.get("name"),
+            "versions": _versions(),
+            "files": files,
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """The verified manifest: format, file list inside the bundle, hashes. Reads no weights."""
+    root = Path(path)
+    mf = root / MANIFEST
+    try:
+        manifest = json.loads(mf.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise BundleError(f"bundle {str(root)!r}: no {MANIFEST}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BundleError(f"bundle {str(root)!r}: {MANIFEST} unreadable ({str(exc).splitlines()[0]})") from None
+    fmt = manifest.get("format") if isinstance(manifest, dict) else None
+    if not isinstance(fmt, int):
+        raise BundleError(f"bundle {str(root)!r}: {MANIFEST} has no integer 'format'")
+    if fmt > BUNDLE_FORMAT:
+        raise BundleError(f"bundle {str(root)!r}: format {fmt} is newer than this rtcompile reads ({BUNDLE_FORMAT})")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or WEIGHTS not in files:
+        raise BundleError(f"bundle {str(root)!r}: {MANIFEST} lists no {WEIGHTS}")
+    base = root.resolve()
+    for name in files:  # every entry first: nothing outside the bundle is ever opened
+        if base not in (root / name).resolve().parents:
+            raise BundleError(f"bundle {str(root)!r}: manifest entry {name!r} points outside the bundle")
+    for name, meta in files.items():
+        target = (root / name).resolve()
+        if not target.is_file():
+            raise BundleError(f"bundle {str(root)!r}: {name} is missing")
+        if not isinstance(meta, dict) or _sha256(target) != meta.get("sha256"):
+            raise BundleError(f"bundle {str(root)!r}: {name} does not match its sha256 in the manifest (tampered or corrupted)")
+    return manifest
+
+
+def load_bundle(path: str | os.PathLike):
+    """A ready :class:`~rtcompile.model.RunningTensorLM` (eval mode) and its plan, or BundleError."""
+    from safetensors.torch import load_file
+
+    from ..model import RunningTensorLM
+    from ..plan import Plan, PlanError
+    from ..spec import ModelSpec, SpecError, SpecTypeError
+
+    manifest = read_manifest(path)
+    try:
+        spec = ModelSpec.from_dict(manifest["spec"])
+        info = manifest["model"]
+        plan = None if manifest.get("plan") is None else Plan.from_dict(manifest["plan"])
+    except (KeyError, TypeError, SpecError, SpecTypeError, PlanError) as exc:
+        raise BundleError(f"bundle {str(path)!r}: manifest: {exc}") from None
+    model = RunningTensorLM(spec, vocab_size=int(info["vocab_size"]), mlp=bool(info["mlp"]))
+    weights = load_file(str(Path(path) / WEIGHTS))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise BundleError(f"bundle {str(path)!r}: weights do not fit the spec (missing {missing[:3]}, "
+                          f"unexpected {unexpected[:3]})")
+    model.eval()
+    model.plan = plan
+    return model

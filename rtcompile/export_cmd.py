@@ -1,0 +1,77 @@
+"""``rtcompile export`` (write a bundle) and ``rtcompile inspect`` (summarise one)."""
+
+from __future__ import annotations
+
+import json
+
+
+def add_parsers(sub) -> None:
+    e = sub.add_parser("export", help="write a bundle: manifest, safetensors weights, plan")
+    e.add_argument("spec", help="model spec file (.toml or .json)")
+    e.add_argument("--out", required=True, metavar="DIR", help="bundle directory (written atomically)")
+    e.add_argument("--weights", metavar="FILE", help="safetensors state dict of a RunningTensorLM (default: seeded init)")
+    e.add_argument("--plan", metavar="FILE", help="plan file to pin into the bundle (rtcompile plan/build)")
+    e.add_argument("--vocab", type=int, default=256, metavar="N", help="vocabulary size (default 256)")
+    e.add_argument("--force", action="store_true", help="replace an existing bundle")
+    e.set_defaults(func=run_export)
+    i = sub.add_parser("inspect", help="summarise a bundle (verifies its manifest and hashes)")
+    i.add_argument("bundle", metavar="DIR")
+    i.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    i.set_defaults(func=run_inspect)
+
+
+def run_export(args) -> int:
+    import torch
+
+    from .export import BundleError, export_bundle
+    from .model import RunningTensorLM
+    from .plan import Plan
+    from .spec import load_spec
+
+    spec = load_spec(args.spec)
+    plan = Plan.load(args.plan) if args.plan else None
+    if args.vocab < 2:
+        raise BundleError(f"--vocab: got {args.vocab}; allowed: an integer >= 2")
+    torch.manual_seed(0)
+    model = RunningTensorLM(spec, vocab_size=args.vocab)
+    if args.weights:
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            weights = load_file(args.weights)
+        except (OSError, SafetensorError) as exc:
+            raise BundleError(f"--weights {args.weights!r}: unreadable ({str(exc).splitlines()[0]})") from None
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        if missing or unexpected:
+            raise BundleError(f"--weights {args.weights!r}: does not fit the spec (missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]})")
+    path = export_bundle(model, args.out, plan=plan, overwrite=args.force)
+    print(f"bundle written to {path}")
+    return 0
+
+
+def run_inspect(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .export import read_manifest
+
+    m = read_manifest(args.bundle)
+    if args.json:
+        print(json.dumps(m, indent=1))
+        return 0
+    t = Table(title=f"bundle {args.bundle}", header_style="bold")
+    t.add_column("field")
+    t.add_column("value")
+    s = m["spec"]
+    t.add_row("format", str(m["format"]))
+    t.add_row("spec", f"{s.get('name') or '-'}: order {s['order']}, key axes {s['key_widths']}, d_v {s['value_width']}, "
+                      f"{s['heads']} heads, {s['layers']} layers")
+    t.add_row("model", json.dumps(m["model"]))
+    t.add_row("plan", "none" if m.get("plan") is None else f"for {m.get('target')} ({len(m['plan']['decisions'])} decisions)")
+    t.add_row("versions", ", ".join(f"{k} {v}" for k, v in m["versions"].items()))
+    for name, meta in m["files"].items():
+        t.add_row(name, f"{meta['bytes']} bytes, sha256 {meta['sha256'][:16]}... (verified)")
+    Console(width=160).print(t)
+    return 0

@@ -1,0 +1,98 @@
+"""Bundles: written atomically, loaded without tuning or pickle, refused when tampered."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import rtcompile
+from rtcompile.cli import main
+from rtcompile.export import BUNDLE_FORMAT, BundleError, export_bundle, load_bundle
+from rtcompile.model import RunningTensorLM
+from rtcompile.plan import make_plan
+from rtcompile.spec import ModelSpec
+from rtcompile.target import get_target
+
+SPEC = ModelSpec(order=3, key_widths=(2, 4), value_width=5, heads=2, model_width=12, layers=2)
+
+
+@pytest.fixture
+def bundle(tmp_path):
+    torch.manual_seed(0)
+    model = RunningTensorLM(SPEC, vocab_size=11)
+    plan = make_plan(SPEC, get_target("h200"), batches=(1,), seq_lens=(1, 4096), decode_batches=(1,))
+    return model, export_bundle(model, tmp_path / "b", plan=plan), plan
+
+
+def test_round_trip_runs_the_same_model(bundle):
+    model, path, plan = bundle
+    loaded = rtcompile.load(path)
+    tokens = torch.randint(0, 11, (2, 7))
+    with torch.no_grad():
+        a, _ = model(tokens, backend="reference")
+        b, _ = loaded(tokens, backend="reference")
+    assert torch.equal(a, b)
+    assert loaded.plan.to_dict() == plan.to_dict() and not loaded.training
+    assert sorted(p.name for p in path.iterdir()) == ["manifest.json", "weights.safetensors"]
+    assert not any(p.name.startswith(".") for p in path.parent.iterdir())  # no temporary left
+
+
+def _edit_manifest(path: Path, fn):
+    m = json.loads((path / "manifest.json").read_text())
+    fn(m)
+    (path / "manifest.json").write_text(json.dumps(m))
+
+
+def test_refusals(bundle, tmp_path):
+    _, path, _ = bundle
+    # tampered weights
+    data = bytearray((path / "weights.safetensors").read_bytes())
+    data[-1] ^= 1
+    (path / "weights.safetensors").write_bytes(bytes(data))
+    with pytest.raises(BundleError, match="does not match its sha256"):
+        load_bundle(path)
+    # missing file
+    (path / "weights.safetensors").unlink()
+    with pytest.raises(BundleError, match="weights.safetensors is missing"):
+        load_bundle(path)
+    # newer format
+    _edit_manifest(path, lambda m: m.update(format=BUNDLE_FORMAT + 1))
+    with pytest.raises(BundleError, match="newer than this rtcompile reads"):
+        load_bundle(path)
+    # an entry pointing outside the bundle
+    outside = tmp_path / "secret.bin"
+    outside.write_bytes(b"x")
+    _edit_manifest(path, lambda m: (m.update(format=BUNDLE_FORMAT), m["files"].update({"../secret.bin": {"sha256": "0"}})))
+    with pytest.raises(BundleError, match="points outside the bundle"):
+        load_bundle(path)
+
+
+def test_loading_never_unpickles(bundle, monkeypatch):
+    _, path, _ = bundle
+    import pickle
+
+    def refuse(*a, **kw):
+        raise AssertionError("pickle used while loading a bundle")
+
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+    rtcompile.load(path)
+
+
+def test_cli_export_and_inspect(tmp_path, capsys):
+    spec = tmp_path / "s.toml"
+    spec.write_text('order = 3\nkey_widths = [2, 4]\nvalue_width = 5\nheads = 2\nmodel_width = 12\n')
+    out = tmp_path / "bundle"
+    assert main(["export", str(spec), "--out", str(out), "--vocab", "13"]) == 0
+    assert main(["inspect", str(out)]) == 0
+    assert "verified" in capsys.readouterr().out
+    assert main(["export", str(spec), "--out", str(out)]) == 2  # exists: refused without --force
+    assert "already exists" in capsys.readouterr().err
+    (out / "weights.safetensors").write_bytes(b"junk")
+    assert main(["inspect", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "sha256" in err[0]
