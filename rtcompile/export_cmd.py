@@ -18,6 +18,11 @@ def add_parsers(sub) -> None:
     i.add_argument("bundle", metavar="DIR")
     i.add_argument("--json", action="store_true", help="print the manifest as JSON")
     i.set_defaults(func=run_inspect)
+    r = sub.add_parser("run", help="run a bundle's ONNX graphs in onnxruntime: prefill a prompt, then greedy decode")
+    r.add_argument("bundle", metavar="DIR")
+    r.add_argument("--tokens", default="1,2,3", help="prompt token ids, comma-separated (default 1,2,3)")
+    r.add_argument("--steps", type=int, default=8, help="tokens to decode greedily (default 8)")
+    r.set_defaults(func=run_onnx)
 
 
 def run_export(args) -> int:
@@ -74,4 +79,26 @@ def run_inspect(args) -> int:
     for name, meta in m["files"].items():
         t.add_row(name, f"{meta['bytes']} bytes, sha256 {meta['sha256'][:16]}... (verified)")
     Console(width=160).print(t)
+    return 0
+
+
+def run_onnx(args) -> int:
+    import numpy as np
+
+    from .export import BundleError, read_manifest
+    from .export.onnx_model import run_greedy
+
+    m = read_manifest(args.bundle)  # verifies hashes before anything is loaded
+    if "prefill.onnx" not in m["files"] or "decode.onnx" not in m["files"]:
+        raise BundleError(f"bundle {args.bundle!r}: has no ONNX graphs (exported with --no-onnx?)")
+    try:
+        prompt = [int(x) for x in args.tokens.split(",") if x.strip()]
+    except ValueError:
+        raise BundleError(f"--tokens: got {args.tokens!r}; allowed: comma-separated integers") from None
+    vocab = int(m["model"]["vocab_size"])
+    if not prompt or any(not 0 <= t < vocab for t in prompt) or args.steps < 0:
+        raise BundleError(f"--tokens/--steps: token ids in [0, {vocab}) and steps >= 0 required")
+    out = run_greedy(args.bundle, np.array([prompt], dtype=np.int64), args.steps)
+    print("prompt ", prompt)
+    print("decoded", out[0].tolist())
     return 0

@@ -100,12 +100,18 @@ class RunningTensorLayer(nn.Module):
             q = [s[..., i : i + 1] * qi + (1 - s[..., i : i + 1]) for i, qi in enumerate(q)]
         g = F.logsigmoid(self.forget(x)).float() if self.forget is not None else None
         beta = torch.sigmoid(self.beta(x)) if self.beta is not None else None
-        o, state = running_tensor(
-            [qi.contiguous() for qi in q], [ki.contiguous() for ki in k], v.contiguous(), g,
-            None if beta is None else beta.contiguous(), scale=spec.scale,
-            initial_state=None if cache is None else cache["state"], output_final_state=True,
-            l2norm=f.l2norm, plan=plan, backend=backend,
-        )
+        q, k, v = [qi.contiguous() for qi in q], [ki.contiguous() for ki in k], v.contiguous()
+        beta = None if beta is None else beta.contiguous()
+        if backend == "onnx":  # export: one custom op that becomes the ai.rtcompile::RunningTensor node
+            from .export.onnx_model import mixer_onnx
+
+            past = cache["state"] if cache is not None else v.new_zeros(B, H, *spec.key_widths, spec.value_width)
+            o, state = mixer_onnx(q, k, v, past.to(v.dtype), None if g is None else g.to(v.dtype), beta,
+                                  spec.effective_scale, f.l2norm)
+        else:
+            o, state = running_tensor(q, k, v, g, beta, scale=spec.scale,
+                                      initial_state=None if cache is None else cache["state"],
+                                      output_final_state=True, l2norm=f.l2norm, plan=plan, backend=backend)
         if f.output_gate:
             o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm_weight
             o = o * F.silu(heads(self.gate(x), spec.value_width))

@@ -24,7 +24,7 @@ def bundle(tmp_path):
     torch.manual_seed(0)
     model = RunningTensorLM(SPEC, vocab_size=11)
     plan = make_plan(SPEC, get_target("h200"), batches=(1,), seq_lens=(1, 4096), decode_batches=(1,))
-    return model, export_bundle(model, tmp_path / "b", plan=plan), plan
+    return model, export_bundle(model, tmp_path / "b", plan=plan, onnx=False), plan
 
 
 def test_round_trip_runs_the_same_model(bundle):
@@ -88,6 +88,9 @@ def test_cli_export_and_inspect(tmp_path, capsys):
     spec.write_text('order = 3\nkey_widths = [2, 4]\nvalue_width = 5\nheads = 2\nmodel_width = 12\n')
     out = tmp_path / "bundle"
     assert main(["export", str(spec), "--out", str(out), "--vocab", "13"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["decode.onnx", "manifest.json", "prefill.onnx", "weights.safetensors"]
+    assert main(["run", str(out), "--tokens", "1,2,3", "--steps", "4"]) == 0
+    assert "decoded" in capsys.readouterr().out
     assert main(["inspect", str(out)]) == 0
     assert "verified" in capsys.readouterr().out
     assert main(["export", str(spec), "--out", str(out)]) == 2  # exists: refused without --force

@@ -1,7 +1,6 @@
-"""Export: bundles (manifest, safetensors weights, plan) that load without tuning or pickle,
-and the ONNX form of the state mixer (``ai.rtcompile::RunningTensor`` with a model-local
-function body that plain onnxruntime runs). Whole-model ONNX graphs (prefill.onnx,
-decode.onnx) are the next step of the model-and-export issue; bundles do not carry them yet.
+"""Export: bundles (manifest, safetensors weights, plan, prefill.onnx, decode.onnx) that load
+without tuning or pickle. The state mixer is one ONNX node ``ai.rtcompile::RunningTensor``
+carrying a model-local function body that plain onnxruntime runs.
 """
 
 from .bundle import BUNDLE_FORMAT, BundleError, export_bundle, load_bundle, read_manifest

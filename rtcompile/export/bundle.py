@@ -1,7 +1,8 @@
 """Bundles: a directory a deployment loads without running anything from it.
 
 Layout: ``manifest.json`` (format version, spec, plan, target, tool/torch/triton/onnx versions,
-sha256 and size of every other file), ``weights.safetensors``. Writing goes to a temporary
+sha256 and size of every other file), ``weights.safetensors``, ``prefill.onnx`` and
+``decode.onnx`` (see ``onnx_model``). Writing goes to a temporary
 directory beside the destination, renamed into place at the end, so a reader never sees half a
 bundle. Loading checks the format, that every listed file is inside the bundle, exists and has
 its hash, before reading any weight; it reads JSON and safetensors only (no pickle), and never
@@ -49,9 +50,9 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def export_bundle(model, out: str | os.PathLike, *, plan=None, vocab_size: int | None = None,
-                  overwrite: bool = False) -> Path:
-    """Write ``model`` (a :class:`~rtcompile.model.RunningTensorLM`) as a bundle at ``out``."""
+def export_bundle(model, out: str | os.PathLike, *, plan=None, overwrite: bool = False, onnx: bool = True) -> Path:
+    """Write ``model`` (a :class:`~rtcompile.model.RunningTensorLM`) as a bundle at ``out``:
+    manifest, weights and (``onnx``) ``prefill.onnx`` / ``decode.onnx``."""
     from safetensors.torch import save_file
 
     dest = Path(out)
@@ -62,7 +63,15 @@ def export_bundle(model, out: str | os.PathLike, *, plan=None, vocab_size: int |
     try:
         state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
         save_file(state, str(tmp / WEIGHTS))
-        files = {WEIGHTS: {"sha256": _sha256(tmp / WEIGHTS), "bytes": (tmp / WEIGHTS).stat().st_size}}
+        names = [WEIGHTS]
+        if onnx:
+            import copy
+
+            from .onnx_model import export_onnx
+
+            export_onnx(copy.deepcopy(model), tmp)
+            names += ["prefill.onnx", "decode.onnx"]
+        files = {n: {"sha256": _sha256(tmp / n), "bytes": (tmp / n).stat().st_size} for n in names}
         manifest = {
             "format": BUNDLE_FORMAT,
             "spec": model.spec.to_dict(),

@@ -115,7 +115,7 @@ def input_names(order: int, update_rule: str) -> list[str]:
     return names
 
 
-def running_tensor_function(order: int, update_rule: str, l2norm: bool):
+def running_tensor_function(order: int, update_rule: str, l2norm: bool, opset: int = OPSET):
     """The FunctionProto ``ai.rtcompile::RunningTensor`` for one order / rule / normalisation."""
     from onnx import AttributeProto
     from onnx import helper as h
@@ -153,7 +153,7 @@ def running_tensor_function(order: int, update_rule: str, l2norm: bool):
     nodes.append(h.make_node("Shape", ["past_state"], ["state_shape"]))
     nodes.append(h.make_node("Reshape", ["S_final", "state_shape"], ["present_state"]))
     return h.make_function(DOMAIN, "RunningTensor", names, ["o", "present_state"], nodes,
-                           opset_imports=[h.make_opsetid("", OPSET)],
+                           opset_imports=[h.make_opsetid("", opset)],
                            attributes=["scale", "order", "update_rule", "chunk_size", "variant"])
 
 

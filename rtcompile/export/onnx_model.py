@@ -1,0 +1,191 @@
+"""Whole-model ONNX graphs: ``prefill.onnx`` and ``decode.onnx`` for a RunningTensorLM.
+
+The model is exported with ``torch.onnx.export(dynamo=True)``; each layer's state mixer goes
+through the custom op ``rtcompile::mixer_onnx``, which a custom translation turns into one
+``ai.rtcompile::RunningTensor`` node (its schema registered with onnx), and the model carries
+the node's function body (``onnx_mixer.running_tensor_function``) so plain onnxruntime runs
+it. ``decode.onnx`` carries the state explicitly, as ONNX's LinearAttention and the
+onnxruntime LLM exports do: inputs ``past_state.{layer}`` (and ``past_conv.{layer}.{i}`` for
+the short convolution), outputs ``present_state.{layer}`` / ``present_conv.{layer}.{i}``.
+Batch and sequence axes are dynamic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .onnx_mixer import DOMAIN, running_tensor_function
+
+_SCHEMA_DONE = False
+
+
+@torch.library.custom_op("rtcompile::mixer_onnx", mutates_args=())
+def mixer_onnx(q: list[torch.Tensor], k: list[torch.Tensor], v: torch.Tensor, past_state: torch.Tensor,
+               decay: torch.Tensor | None, beta: torch.Tensor | None, scale: float,
+               l2norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mixer as the exporter sees it (computed by the reference when run)."""
+    from ..kernels.reference import running_tensor_recurrent_ref
+
+    o, s = running_tensor_recurrent_ref(q, k, v, decay, beta, scale=scale, initial_state=past_state,
+                                        output_final_state=True, l2norm=l2norm)
+    return o, s.to(past_state.dtype)
+
+
+@mixer_onnx.register_fake
+def _(q, k, v, past_state, decay, beta, scale, l2norm):
+    return torch.empty_like(v), torch.empty_like(past_state)
+
+
+def _register_schema() -> None:
+    """Declare ai.rtcompile::RunningTensor to onnx (the exporter needs a schema to emit it)."""
+    global _SCHEMA_DONE
+    import onnx
+    from onnx.defs import OpSchema
+
+    if _SCHEMA_DONE or onnx.defs.has("RunningTensor", DOMAIN):
+        _SCHEMA_DONE = True
+        return
+    A = OpSchema.AttrType
+    schema = OpSchema(
+        "RunningTensor", DOMAIN, 1,
+        doc="RunningTensor state mixer (order-o tensor state); see rtcompile.export.onnx_mixer",
+        inputs=[OpSchema.FormalParameter("inputs", "T", param_option=OpSchema.FormalParameterOption.Variadic,
+                                         is_homogeneous=True, min_arity=4)],
+        outputs=[OpSchema.FormalParameter("o", "T"), OpSchema.FormalParameter("present_state", "T")],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "float tensors")],
+        attributes=[OpSchema.Attribute("scale", A.FLOAT, ""), OpSchema.Attribute("order", A.INT, ""),
+                    OpSchema.Attribute("update_rule", A.STRING, ""), OpSchema.Attribute("chunk_size", A.INT, ""),
+                    OpSchema.Attribute("variant", A.STRING, "")],
+    )
+    onnx.defs.register_schema(schema)
+    _SCHEMA_DONE = True
+
+
+def _translation(spec):
+    import onnxscript
+
+    rt = onnxscript.values.Opset(DOMAIN, 1)
+    rule = spec.features.update_rule
+
+    def mixer(q, k, v, past_state, decay, beta, scale: float, l2norm: bool):
+        extra = [x for x in (decay, beta) if x is not None]
+        return rt.RunningTensor(*q, *k, v, past_state, *extra, scale=scale, order=len(q) + 1, update_rule=rule,
+                                chunk_size=int(spec.resolved_chunk_size), variant="")
+
+    return mixer
+
+
+class _Prefill(torch.nn.Module):
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, tokens):
+        logits, cache = self.lm(tokens, backend="onnx")
+        return (logits, *flatten_cache(cache))
+
+
+class _Decode(torch.nn.Module):
+    def __init__(self, lm, conv_count: int):
+        super().__init__()
+        self.lm, self.conv_count = lm, conv_count
+
+    def forward(self, tokens, *state):
+        logits, cache = self.lm(tokens, unflatten_cache(list(state), len(self.lm.mixers), self.conv_count),
+                                backend="onnx")
+        return (logits, *flatten_cache(cache))
+
+
+def flatten_cache(cache) -> list[torch.Tensor]:
+    out = []
+    for c in cache:
+        out.append(c["state"])
+        out.extend(c["conv"] or [])
+    return out
+
+
+def unflatten_cache(flat: list[torch.Tensor], layers: int, conv_count: int) -> list[dict]:
+    per = 1 + conv_count
+    return [{"state": flat[i * per], "conv": flat[i * per + 1 : (i + 1) * per] or None} for i in range(layers)]
+
+
+def cache_names(layers: int, conv_count: int, prefix: str) -> list[str]:
+    names = []
+    for i in range(layers):
+        names.append(f"{prefix}_state.{i}")
+        names.extend(f"{prefix}_conv.{i}.{j}" for j in range(conv_count))
+    return names
+
+
+def _finish(program, spec, opset: int):
+    """The exported ModelProto with the mixer's function attached, checked."""
+    import onnx
+
+    model = program.model_proto
+    default = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    model.functions.append(running_tensor_function(spec.order, spec.features.update_rule, spec.features.l2norm,
+                                                   opset=default))
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def export_onnx(lm, out_dir, *, opset: int | None = None) -> tuple[str, str]:
+    """Write ``prefill.onnx`` and ``decode.onnx`` for ``lm`` (fp32) into ``out_dir``."""
+    import os
+
+    import onnx
+
+    _register_schema()
+    spec = lm.spec
+    lm = lm.float().eval()
+    with torch.no_grad():
+        tokens = torch.randint(0, lm.head.out_features, (2, 5))
+        _, cache = lm(tokens, backend="reference")
+    flat = flatten_cache(cache)
+    conv_count = len(cache[0]["conv"] or [])
+    table = {torch.ops.rtcompile.mixer_onnx.default: _translation(spec)}
+    L = len(lm.mixers)
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    seq = torch.export.Dim("seq", min=2, max=1 << 20)
+    pre = torch.onnx.export(
+        _Prefill(lm), (tokens,), dynamo=True, custom_translation_table=table, verbose=False,
+        input_names=["tokens"], output_names=["logits", *cache_names(L, conv_count, "present")],
+        dynamic_shapes=({0: batch, 1: seq},), optimize=True,
+    )
+    step_tokens = tokens[:, :1]
+    dec = torch.onnx.export(
+        _Decode(lm, conv_count), (step_tokens, *flat), dynamo=True, custom_translation_table=table, verbose=False,
+        input_names=["tokens", *cache_names(L, conv_count, "past")],
+        output_names=["logits", *cache_names(L, conv_count, "present")],
+        dynamic_shapes=({0: batch}, tuple({0: batch} for _ in flat)), optimize=True,
+    )
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for name, prog in (("prefill.onnx", pre), ("decode.onnx", dec)):
+        model = _finish(prog, spec, opset)
+        path = os.path.join(out_dir, name)
+        onnx.save(model, path)
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def run_greedy(bundle_dir, prompt, steps: int):
+    """Prefill ``prompt`` [B, T] (int64) with prefill.onnx, then decode ``steps`` tokens greedily
+    with decode.onnx, feeding each present_* output back as past_*. Returns [B, steps]."""
+    import os
+
+    import numpy as np
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    pre = ort.InferenceSession(os.path.join(bundle_dir, "prefill.onnx"), opts, providers=["CPUExecutionProvider"])
+    dec = ort.InferenceSession(os.path.join(bundle_dir, "decode.onnx"), opts, providers=["CPUExecutionProvider"])
+    outs = pre.run(None, {"tokens": prompt})
+    names = [i.name for i in dec.get_inputs()][1:]
+    state, tok, got = outs[1:], outs[0][:, -1].argmax(-1), []
+    for _ in range(steps):
+        got.append(tok)
+        o = dec.run(None, {"tokens": tok[:, None].astype(np.int64), **dict(zip(names, state))})
+        state, tok = o[1:], o[0][:, 0].argmax(-1)
+    return np.stack(got, axis=1) if got else np.zeros((prompt.shape[0], 0), dtype=np.int64)
