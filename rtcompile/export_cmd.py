@@ -13,6 +13,10 @@ def add_parsers(sub) -> None:
     e.add_argument("--plan", metavar="FILE", help="plan file to pin into the bundle (rtcompile plan/build)")
     e.add_argument("--vocab", type=int, default=256, metavar="N", help="vocabulary size (default 256)")
     e.add_argument("--force", action="store_true", help="replace an existing bundle")
+    e.add_argument("--opset27", action="store_true",
+                   help="emit ONNX's standard LinearAttention (opset 27) on materialised Kronecker features "
+                        "instead of the ai.rtcompile::RunningTensor node")
+    e.add_argument("--no-onnx", action="store_true", help="weights and manifest only")
     e.set_defaults(func=run_export)
     i = sub.add_parser("inspect", help="summarise a bundle (verifies its manifest and hashes)")
     i.add_argument("bundle", metavar="DIR")
@@ -51,7 +55,8 @@ def run_export(args) -> int:
         if missing or unexpected:
             raise BundleError(f"--weights {args.weights!r}: does not fit the spec (missing {missing[:3]}, "
                               f"unexpected {unexpected[:3]})")
-    path = export_bundle(model, args.out, plan=plan, overwrite=args.force)
+    path = export_bundle(model, args.out, plan=plan, overwrite=args.force, onnx=not args.no_onnx,
+                         opset27=args.opset27)
     print(f"bundle written to {path}")
     return 0
 

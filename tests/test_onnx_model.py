@@ -55,3 +55,27 @@ def test_onnxruntime_prefill_and_greedy_decode(order, rule, tmp_path):
             lg, cache = lm.step(torch.from_numpy(tok), cache, backend="reference")
         assert rel(o[0][:, 0], lg.numpy()) < 1e-4
         state, tok = o[1:], o[0][:, 0].argmax(-1)
+
+
+@pytest.mark.parametrize("rule", ["gated_delta", "linear"])
+def test_opset27_linear_attention(rule, tmp_path):
+    gate, delta = RULES[rule]
+    spec = ModelSpec(order=3, key_widths=(2, 4), value_width=5, heads=2, model_width=12, layers=1,
+                     features=Features(forget_gate=gate, delta_rule=delta, short_conv=2))
+    torch.manual_seed(5)
+    lm = RunningTensorLM(spec, vocab_size=11).float().eval()
+    pre_path, dec_path = export_onnx(lm, tmp_path, opset27=True)
+    model = onnx.load(pre_path)
+    assert any(n.op_type == "LinearAttention" and n.domain == "" for n in model.graph.node)
+    assert all(n.domain != DOMAIN for n in model.graph.node)
+    tokens = torch.randint(0, 11, (2, 7))
+    with torch.no_grad():
+        ref, cache = lm(tokens, backend="reference")
+    outs = _session(pre_path).run(None, {"tokens": tokens.numpy()})
+    assert float(np.abs(outs[0] - ref.numpy()).max() / np.abs(ref.numpy()).max()) < 1e-4
+    dec = _session(dec_path)
+    tok = outs[0][:, -1].argmax(-1)
+    o = dec.run(None, {"tokens": tok[:, None].astype(np.int64), **dict(zip([i.name for i in dec.get_inputs()][1:], outs[1:]))})
+    with torch.no_grad():
+        lg, _ = lm.step(torch.from_numpy(tok), cache, backend="reference")
+    assert float(np.abs(o[0][:, 0] - lg.numpy()).max() / np.abs(lg.numpy()).max()) < 1e-4

@@ -50,7 +50,8 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def export_bundle(model, out: str | os.PathLike, *, plan=None, overwrite: bool = False, onnx: bool = True) -> Path:
+def export_bundle(model, out: str | os.PathLike, *, plan=None, overwrite: bool = False, onnx: bool = True,
+                  opset27: bool = False) -> Path:
     """Write ``model`` (a :class:`~rtcompile.model.RunningTensorLM`) as a bundle at ``out``:
     manifest, weights and (``onnx``) ``prefill.onnx`` / ``decode.onnx``."""
     from safetensors.torch import save_file
@@ -69,7 +70,7 @@ def export_bundle(model, out: str | os.PathLike, *, plan=None, overwrite: bool =
 
             from .onnx_model import export_onnx
 
-            export_onnx(copy.deepcopy(model), tmp)
+            export_onnx(copy.deepcopy(model), tmp, opset27=opset27)
             names += ["prefill.onnx", "decode.onnx"]
         files = {n: {"sha256": _sha256(tmp / n), "bytes": (tmp / n).stat().st_size} for n in names}
         manifest = {
@@ -78,6 +79,7 @@ def export_bundle(model, out: str | os.PathLike, *, plan=None, overwrite: bool =
             "model": {"class": "RunningTensorLM", "vocab_size": model.head.out_features, "mlp": model.mlps is not None},
             "plan": None if plan is None else plan.to_dict(),
             "target": None if plan is None else plan.target.get("name"),
+            "onnx": None if not onnx else {"mixer": "LinearAttention (opset 27)" if opset27 else "ai.rtcompile::RunningTensor"},
             "versions": _versions(),
             "files": files,
         }

@@ -75,6 +75,41 @@ def _translation(spec):
     return mixer
 
 
+def _translation_opset27(spec):
+    """The mixer as ONNX opset 27's standard LinearAttention on materialised Kronecker features
+    phi(q), phi(k) (width K = prod d_i), for runtimes that implement that operator."""
+    import onnxscript
+    from onnxscript import opset18 as op
+
+    op27 = onnxscript.values.Opset("", 27)
+    rule, H, V = spec.features.update_rule, spec.heads, spec.value_width
+    K = spec.key_dim
+
+    def normed(x, l2norm: bool):
+        if not l2norm:
+            return x
+        ss = op.ReduceSum(op.Mul(x, x), op.Constant(value_ints=[-1]), keepdims=1)
+        return op.Div(x, op.Sqrt(op.Add(ss, op.Constant(value_float=1e-6))))
+
+    def kron(xs, l2norm: bool):
+        phi = normed(xs[0], l2norm)
+        for x in xs[1:]:
+            outer = op.Mul(op.Unsqueeze(phi, op.Constant(value_ints=[-1])),
+                           op.Unsqueeze(normed(x, l2norm), op.Constant(value_ints=[-2])))
+            phi = op.Reshape(outer, op.Constant(value_ints=[0, 0, 0, -1]))
+        return phi
+
+    def mixer(q, k, v, past_state, decay, beta, scale: float, l2norm: bool):
+        pack = op.Constant(value_ints=[0, 0, -1])
+        Q, Kf, Vp = op.Reshape(kron(q, l2norm), pack), op.Reshape(kron(k, l2norm), pack), op.Reshape(v, pack)
+        S = op.Reshape(past_state, op.Constant(value_ints=[0, H, K, V]))
+        o, st = op27.LinearAttention(Q, Kf, Vp, S, decay, beta, q_num_heads=H, kv_num_heads=H, scale=scale,
+                                     update_rule=rule)
+        return op.Reshape(o, op.Constant(value_ints=[0, 0, H, V])), op.Reshape(st, op.Shape(past_state))
+
+    return mixer
+
+
 class _Prefill(torch.nn.Module):
     def __init__(self, lm):
         super().__init__()
@@ -117,7 +152,20 @@ def cache_names(layers: int, conv_count: int, prefix: str) -> list[str]:
     return names
 
 
-def _finish(program, spec, opset: int):
+def _finish27(program):
+    """The exporter writes opset 18 around the opset-27 node: declare 27 (the ops it emits keep
+    their meaning there) and check."""
+    import onnx
+
+    model = program.model_proto
+    for o in model.opset_import:
+        if o.domain in ("", "ai.onnx"):
+            o.version = 27
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _finish(program, spec):
     """The exported ModelProto with the mixer's function attached, checked."""
     import onnx
 
@@ -129,8 +177,11 @@ def _finish(program, spec, opset: int):
     return model
 
 
-def export_onnx(lm, out_dir, *, opset: int | None = None) -> tuple[str, str]:
-    """Write ``prefill.onnx`` and ``decode.onnx`` for ``lm`` (fp32) into ``out_dir``."""
+def export_onnx(lm, out_dir, *, opset27: bool = False) -> tuple[str, str]:
+    """Write ``prefill.onnx`` and ``decode.onnx`` for ``lm`` (fp32) into ``out_dir``.
+
+    ``opset27``: emit ONNX's standard LinearAttention (opset 27) on materialised Kronecker
+    features instead of the ai.rtcompile node (K = prod d_i wide: only for small states)."""
     import os
 
     import onnx
@@ -143,14 +194,15 @@ def export_onnx(lm, out_dir, *, opset: int | None = None) -> tuple[str, str]:
         _, cache = lm(tokens, backend="reference")
     flat = flatten_cache(cache)
     conv_count = len(cache[0]["conv"] or [])
-    table = {torch.ops.rtcompile.mixer_onnx.default: _translation(spec)}
+    translate = _translation_opset27(spec) if opset27 else _translation(spec)
+    table = {torch.ops.rtcompile.mixer_onnx.default: translate}
     L = len(lm.mixers)
     batch = torch.export.Dim("batch", min=1, max=4096)
     seq = torch.export.Dim("seq", min=2, max=1 << 20)
     pre = torch.onnx.export(
         _Prefill(lm), (tokens,), dynamo=True, custom_translation_table=table, verbose=False,
         input_names=["tokens"], output_names=["logits", *cache_names(L, conv_count, "present")],
-        dynamic_shapes=({0: batch, 1: seq},), optimize=True,
+        dynamic_shapes=({0: batch, 1: seq},), optimize=True, opset_version=27 if opset27 else None,
     )
     step_tokens = tokens[:, :1]
     dec = torch.onnx.export(
@@ -158,11 +210,12 @@ def export_onnx(lm, out_dir, *, opset: int | None = None) -> tuple[str, str]:
         input_names=["tokens", *cache_names(L, conv_count, "past")],
         output_names=["logits", *cache_names(L, conv_count, "present")],
         dynamic_shapes=({0: batch}, tuple({0: batch} for _ in flat)), optimize=True,
+        opset_version=27 if opset27 else None,
     )
     os.makedirs(out_dir, exist_ok=True)
     paths = []
     for name, prog in (("prefill.onnx", pre), ("decode.onnx", dec)):
-        model = _finish(prog, spec, opset)
+        model = _finish27(prog) if opset27 else _finish(prog, spec)
         path = os.path.join(out_dir, name)
         onnx.save(model, path)
         paths.append(path)
