@@ -122,22 +122,10 @@ def _load_measured() -> dict:
 def measure() -> Target:
     """Measure this GPU's copy bandwidth (read + write) and bf16 matmul rate once; keep them."""
     import datetime
-    import statistics
 
     import torch
 
-    def timed(fn, reps=10):
-        fn()
-        torch.cuda.synchronize()
-        out = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            out.append(a.elapsed_time(b) / 1e3)
-        return statistics.median(out)
+    from .timing import median_seconds as timed
 
     n = 1 << 29  # 2 GiB of fp32: far beyond L2
     src, dst = torch.randn(n, device="cuda"), torch.empty(n, device="cuda")

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import importlib
 import json
-import statistics
 import sys
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..timing import median_seconds
 from .keys import Bucket
 
 # relative RMS error against float64 that a variant may not exceed (the kernel tests' own
@@ -93,27 +92,6 @@ def rel_rms(a, b) -> float:
     return float(((a - b).pow(2).mean() / b.pow(2).mean().clamp_min(1e-300)).sqrt())
 
 
-def time_call(fn: Callable[[], Any], device: str, repeats: int) -> float:
-    """Median seconds of ``fn`` after one warm-up call."""
-    import torch
-
-    fn()
-    samples = []
-    for _ in range(repeats):
-        if device.startswith("cuda"):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            samples.append(a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
-
-
 def _load_impl(path: str | None) -> Callable:
     if not path:
         return run_kernel
@@ -139,7 +117,7 @@ def evaluate(request: dict[str, Any]) -> dict[str, Any]:
             return {"status": "rejected", "error": err,
                     "reason": f"relative RMS error {err:.2e} > {TOLERANCE[bucket.dtype]:.0e} against float64"}
         timing_inp = make_inputs(bucket, device, int(request.get("seed", 0)) + 1)  # fresh data
-        seconds = time_call(lambda: impl(bucket, variant, timing_inp), device, int(request.get("repeats", 5)))
+        seconds = median_seconds(lambda: impl(bucket, variant, timing_inp), device, int(request.get("repeats", 5)))
         return {"status": "ok", "seconds": seconds, "error": err}
     except Exception as exc:  # noqa: BLE001 -- any failure of one variant fails that trial only
         first = str(exc).splitlines()[0] if str(exc) else ""
