@@ -75,8 +75,8 @@ def running_tensor(
         ``(o, final_state)``: o ``[B, T, H, d_v]`` in v's dtype; final_state or ``None``.
 
     Order 2 (one factor) is gated (delta) linear attention with flash-linear-attention's
-    conventions. ``mode="auto"`` will follow the planner (a later release); today it picks
-    chunk for sequences of at least one chunk.
+    conventions. ``mode="auto"`` follows ``plan`` when given; without one it picks chunk for
+    sequences of at least one chunk.
     """
     if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"mode: got {mode!r}; allowed: {', '.join(MODES)}")
@@ -94,6 +94,7 @@ def running_tensor(
         p = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
         order, seq_len, eff_scale = p.order, p.seq_len, p.scale
     C = chunk_size or DEFAULT_CHUNK
+    plan_variant = False
     if mode == "auto" and plan is not None:
         decision = plan.decision_for("prefill", v.shape[0], seq_len)
         mode = decision.mode
@@ -102,6 +103,7 @@ def running_tensor(
 
             variant = (ChunkVariant if mode == "chunk" else RecurrentVariant).from_dict(decision.variant)
             C = getattr(variant, "chunk_size", C)
+            plan_variant = True
     if mode == "auto":
         # Until the planner measures the crossover: a sequence shorter than one chunk gains
         # nothing from the chunk form.
@@ -118,6 +120,15 @@ def running_tensor(
         backend = "triton" if usable else "reference"
     if backend != "triton":
         variant = None  # a plan's kernel variant means nothing to the reference
+    elif plan_variant and not torch.compiler.is_compiling():
+        from .kernels.triton_fwd import _smem_limit, kernel_shape
+
+        # a plan made for another GPU may name a variant this device cannot run: then the
+        # launcher's own choice (tuned table or default) serves instead
+        limit = _smem_limit(v.device.index or 0) if v.device.type == "cuda" else None
+        shape = kernel_shape(p)
+        if (variant.check(shape) if limit is None else variant.check(shape, limit)) is not None:
+            variant = None
     if backend == "triton":
         from .kernels.ops import running_tensor_fwd_op, variant_to_json
 

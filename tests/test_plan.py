@@ -11,7 +11,7 @@ import torch
 import rtcompile
 import rtcompile.functional
 from rtcompile.cli import main
-from rtcompile.costmodel import calibrate, chunk_cost, recurrent_cost
+from rtcompile.costmodel import calibrate, chunk_cost, recurrent_cost, shape_of
 from rtcompile.kernels import tuned
 from rtcompile.kernels.variants import ChunkVariant, RecurrentVariant
 from rtcompile.plan import PLAN_FORMAT, Plan, PlanError, crossover, make_plan
@@ -145,3 +145,20 @@ def test_cli_plan_and_build(tmp_path, capsys, monkeypatch):
     assert main(["build", spec, "--out", str(built)]) == 0
     text = capsys.readouterr().out
     assert text.count("-> ok") == 3 and Plan.load(built).target["name"] == "h200"
+
+
+def test_plan_variant_that_cannot_run_here_falls_back(monkeypatch):
+    """An H200 plan may name a variant over this device's shared memory: the call still runs."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the Triton path through the interpreter")
+    spec = ModelSpec(order=3, key_widths=(16, 16), value_width=16, heads=1, model_width=16)
+    plan = make_plan(spec, get_target("h200"), batches=(1,), seq_lens=(64,), decode_batches=(1,))
+    d = plan.decision_for("prefill", 1, 64)
+    big = ChunkVariant(64, 256, 16, num_warps=4, num_stages=3)  # over the portable 99 KiB estimate
+    assert big.check(shape_of(spec)) is not None
+    d.mode, d.variant = "chunk", big.to_dict()
+    q = [torch.randn(1, 64, 1, 16) for _ in range(2)]
+    o, _ = rtcompile.running_tensor(q, q, torch.randn(1, 64, 1, 16), plan=plan, backend="triton")
+    assert o.shape == (1, 64, 1, 16) and torch.isfinite(o).all()
