@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from rtcompile.kernels.reference import kron_features, running_tensor_recurrent_ref, running_tensor_chunk_ref
+from rtcompile.kernels.reference import kron_features, running_tensor_chunk_ref
 from rtcompile.kernels.triton_fwd import running_tensor_decode_, running_tensor_fwd
-from rtcompile.kernels.variants import ChunkVariant, KernelShape, RecurrentVariant
+from rtcompile.kernels.variants import ChunkVariant, RecurrentVariant
 
 DEV = "cuda"
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from .figures import _io_bytes_per_token, chunk_figures
+from .figures import _io_bytes_per_token, chunk_figures, recurrent_figures
 from .kernels.variants import ChunkVariant, KernelShape, RecurrentVariant
 from .spec import DTYPE_BYTES, ModelSpec
 from .target import Target
@@ -76,8 +76,8 @@ def _waves(programs: int, target: Target) -> int:
 
 
 def _pick(memory: float, compute: float, latency: float) -> tuple[float, str]:
-    best = max((memory, "memory"), (compute, "compute"), (latency, "latency"))
-    return best
+    """The largest floor and its name."""
+    return max((memory, "memory"), (compute, "compute"), (latency, "latency"))
 
 
 def chunk_workspace_bytes(spec: ModelSpec, batch: int, seq_len: int, variant: ChunkVariant) -> int:
@@ -121,9 +121,6 @@ def recurrent_cost(spec: ModelSpec, target: Target, batch: int, seq_len: int, va
     state = spec.state_bytes_per_layer * batch
     io = _io_bytes_per_token(spec) * batch * seq_len
     nbytes = io + (2 * state if resident else 3 * state * seq_len)
-    flops = 0.0
-    from .figures import recurrent_figures
-
     flops = recurrent_figures(spec).flops_per_token * batch * seq_len
     programs = batch * spec.heads * math.ceil(spec.value_width / variant.block_v)
     fill = min(1.0, programs / target.sms)

@@ -67,7 +67,6 @@ class RunningTensorLayer(nn.Module):
 
     def _streams(self, x: torch.Tensor, tails):
         """The q factors, k factors and v as [B, T, channels] streams, and the new conv tails."""
-        f = self.spec.features
         if self.proj is not None:
             y = self.proj(x)
             if self.conv is None:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
-from .costmodel import (Calibration, Cost, calibrate, chunk_cost, chunk_workspace_bytes, recurrent_cost, shape_of,
+from .costmodel import (Calibration, calibrate, chunk_cost, chunk_workspace_bytes, recurrent_cost, shape_of,
                         with_measured)
 from .kernels.variants import ChunkVariant, RecurrentVariant
 from .spec import DTYPE_BYTES, ModelSpec

@@ -3,7 +3,6 @@ job: plan, tune where a GPU is present, plan again from the measurements, valida
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys

@@ -30,7 +30,6 @@ def _const_i64(h, name: str, values: Sequence[int]):
 
 def _step_body(order: int, update_rule: str, l2norm: bool):
     """The Scan body: (state [B,H,K,V], q_i, k_i, v, g?, beta?) per token -> (state, o_t)."""
-    import onnx
     from onnx import TensorProto
     from onnx import helper as h
 
