@@ -139,12 +139,17 @@ def test_corrupted_tuned_table_is_a_clear_error(tmp_path):
     path.unlink()
 
 
-def test_postgresql_two_workers(tmp_path):
+def _postgres_url() -> str:
     url = os.environ.get("RTCOMPILE_TEST_POSTGRES")
     if not url:
         if os.environ.get("CI"):
             pytest.fail("CI must provide RTCOMPILE_TEST_POSTGRES (.ci/run starts PostgreSQL)")
         pytest.skip("set RTCOMPILE_TEST_POSTGRES=postgresql://... to run against a real server")
+    return url
+
+
+def test_postgresql_two_workers(tmp_path):
+    url = _postgres_url()
     bucket = Bucket("chunk", (2, 4), 8, 1, 1, 16, "float32")
     r = tune_bucket(bucket, TuneOptions(storage=url, trials=4, workers=2, repeats=2, retune=True))
     trials = _trials(url, bucket)
@@ -179,3 +184,37 @@ def test_workers_spread_over_visible_gpus(monkeypatch):
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     assert _visible_gpus("cuda") == ["0", "1"] and _visible_gpus("cpu") == []
+
+
+_CLAIMER = """
+import json, sys, time
+import optuna
+from rtcompile.tuning.store import open_storage
+from rtcompile.tuning.study import claim
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+url, name, start = sys.argv[1], sys.argv[2], float(sys.argv[3])
+study = optuna.load_study(study_name=name, storage=open_storage(url))
+while time.time() < start:
+    time.sleep(0.001)
+got = []
+while (t := claim(study, url)) is not None:
+    got.append(t.number)
+print(json.dumps(got))
+"""
+
+
+@pytest.mark.parametrize("store", ["sqlite", "journal", "postgresql"])
+def test_concurrent_claims_never_hand_one_trial_to_two_workers(tmp_path, store):
+    import optuna
+
+    url = {"sqlite": f"sqlite:///{tmp_path / 'claims.db'}", "journal": f"journal:{tmp_path / 'claims.log'}",
+           "postgresql": None}[store] or _postgres_url()
+    name = f"claims-{tmp_path.name}-{os.getpid()}"
+    study = optuna.create_study(study_name=name, storage=open_storage(url))
+    for _ in range(60):
+        study.enqueue_trial({})
+    start = time.time() + 3  # all four claimers start together, after their imports
+    procs = [subprocess.Popen([sys.executable, "-c", _CLAIMER, url, name, str(start)], stdout=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    claimed = [n for p in procs for n in json.loads(p.communicate(timeout=120)[0])]
+    assert sorted(claimed) == list(range(60)), "a trial was claimed twice (or never)"

@@ -29,7 +29,7 @@ from typing import Any, Callable
 from ..kernels import tuned
 from ..kernels.variants import DEFAULT_SMEM_BYTES, ChunkVariant, KernelShape, RecurrentVariant
 from .keys import Bucket, Machine, key_attrs, study_name
-from .store import open_storage, write_tuned
+from .store import claim_lock, open_storage, write_tuned
 
 DEFAULT_SEED = 20261129  # recorded in every study; TPE's choices are reproducible from it
 RESULT_ATTRS = ("best_variant", "best_seconds", "default_seconds")
@@ -145,17 +145,20 @@ def mark_stale(study, timeout: float) -> int:
     return n
 
 
-def claim(study):
-    """Take one WAITING trial (atomically: a trial another worker took is skipped), or None."""
+def claim(study, storage_url: str | None = None):
+    """Take one WAITING trial, or None. Atomic: no two workers ever get the same trial (the
+    storage's own compare-and-set, plus ``claim_lock`` where the storage's is not atomic)."""
     import optuna
 
     storage = study._storage
-    for t in storage.get_all_trials(study._study_id, deepcopy=False, states=(optuna.trial.TrialState.WAITING,)):
-        try:
-            if storage.set_trial_state_values(t._trial_id, state=optuna.trial.TrialState.RUNNING):
-                return optuna.Trial(study, t._trial_id)
-        except optuna.exceptions.UpdateFinishedTrialError:
-            continue
+    with claim_lock(storage_url):
+        for t in storage.get_all_trials(study._study_id, deepcopy=False,
+                                        states=(optuna.trial.TrialState.WAITING,)):
+            try:
+                if storage.set_trial_state_values(t._trial_id, state=optuna.trial.TrialState.RUNNING):
+                    return optuna.Trial(study, t._trial_id)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                continue
     return None
 
 
@@ -173,7 +176,7 @@ def run_worker(storage_url: str | None, name: str, bucket: Bucket, opts: TuneOpt
     while True:
         if deadline is not None and time.time() >= deadline:
             break
-        trial = claim(study) if deadline is None else study.ask()
+        trial = claim(study, storage_url) if deadline is None else study.ask()
         if trial is None:
             break
         trial.set_user_attr("host", socket.gethostname())
