@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, replace
 
 from .figures import _io_bytes_per_token, chunk_figures, recurrent_figures
-from .kernels.variants import ChunkVariant, KernelShape, RecurrentVariant
+from .kernels.variants import SOLVE_BLOCK, ChunkVariant, KernelShape, RecurrentVariant
 from .spec import DTYPE_BYTES, ModelSpec
 from .target import Target
 
@@ -89,6 +89,14 @@ def chunk_workspace_bytes(spec: ModelSpec, batch: int, seq_len: int, variant: Ch
     return per * (2 if spec.features.delta_rule else 1)
 
 
+def _solve_rows(variant: ChunkVariant) -> float:
+    """Serial steps of the fused solve, in forward-substitution rows. The blocked solve's
+    C x C dots (2 log2(C / 16)) are counted as one row each: a guess, not yet measured."""
+    if variant.solve != "blocks":
+        return variant.chunk_size
+    return SOLVE_BLOCK - 1 + 2 * math.log2(variant.chunk_size // SOLVE_BLOCK)
+
+
 def chunk_cost(spec: ModelSpec, target: Target, batch: int, seq_len: int, variant: ChunkVariant,
                cal: Calibration = Calibration()) -> Cost:
     shape = shape_of(spec)
@@ -106,7 +114,7 @@ def chunk_cost(spec: ModelSpec, target: Target, batch: int, seq_len: int, varian
     tiles = 0 if resident else 2 * math.ceil(shape.key_dim / variant.block_k)
     per_iter = CHUNK_ITER_S + tiles * CHUNK_TILE_S * (C * variant.block_k) / (64 * 128)
     if variant.fuse_prepare:
-        per_iter += C * FUSED_ROW_S
+        per_iter += _solve_rows(variant) * FUSED_ROW_S
     latency = _waves(programs, target) * n_chunks * per_iter * cal.chunk
     seconds, bound = _pick(nbytes / (target.hbm_bytes_per_s * fill), flops / (_rate(spec, target) * fill), latency)
     launches = 1 if variant.fuse_prepare else 2

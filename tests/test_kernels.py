@@ -6,9 +6,12 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import rtcompile
 from rtcompile.kernels import running_tensor_recurrent_ref, triton_fwd
+from rtcompile.kernels.triton_common import unit_lower_inverse_blocked
 from rtcompile.kernels.triton_fwd import running_tensor_decode_, running_tensor_fwd
 from rtcompile.kernels.variants import ChunkVariant, RecurrentVariant
 
@@ -105,6 +108,42 @@ def test_streamed_state_matches_float64(case):
     # without output_final_state the streamed state still has a buffer, and o is unchanged
     o2, s2 = running_tensor_fwd(*dev, initial_state=_to(s0, torch.float32), l2norm=True, mode=mode, variant=variant)
     assert s2 is None and torch.equal(o2, o)
+
+
+BLOCKED_SOLVE = {
+    # (I + A)^-1 by diagonal blocks of 16 rows: 2, 4 and 8 blocks; T leaves a partial chunk
+    "c32-2blocks": ((3, 4), 70, ChunkVariant(chunk_size=32, block_k=16, block_v=16, solve="blocks")),
+    "c64-4blocks-fused": ((2, 3, 2), 77, ChunkVariant(chunk_size=64, block_k=16, block_v=16, fuse_prepare=True,
+                                                      solve="blocks")),
+    "c64-4blocks": ((5,), 130, ChunkVariant(chunk_size=64, block_k=16, block_v=16, num_warps=8, solve="blocks")),
+}
+
+
+@pytest.mark.parametrize("case", BLOCKED_SOLVE.keys())
+def test_blocked_solve_matches_float64(case):
+    widths, T, variant = BLOCKED_SOLVE[case]
+    dev, ref, s0 = _case(1, T, 1, widths, 5, state=True)
+    o, s = running_tensor_fwd(*dev, initial_state=_to(s0, torch.float32), output_final_state=True,
+                              l2norm=True, mode="chunk", variant=variant)
+    o_ref, s_ref = running_tensor_recurrent_ref(*ref, initial_state=s0, output_final_state=True, l2norm=True)
+    assert rel_err(o.cpu(), o_ref) < FP32_TOL and rel_err(s.cpu(), s_ref) < FP32_TOL
+
+
+@triton.jit
+def _invert_kernel(A, X, C: tl.constexpr):
+    o = tl.arange(0, C)
+    b_X = unit_lower_inverse_blocked(tl.load(A + o[:, None] * C + o[None, :]), C, 16, "ieee")
+    tl.store(X + o[:, None] * C + o[None, :], b_X)
+
+
+@pytest.mark.parametrize("C", [32, 64, 128])
+def test_unit_lower_inverse_blocked_is_the_inverse(C):
+    # entries of size 1 (beta ~ 1, near-parallel keys) make the inverse's entries grow along chains
+    A = (torch.rand(C, C, dtype=torch.float64) * 2 - 1).tril(-1)
+    X = torch.full((C, C), float("nan"), device=DEVICE)
+    _invert_kernel[(1,)](A.float().to(DEVICE), X, C=C)
+    ref = torch.linalg.inv(torch.eye(C, dtype=torch.float64) + A.float().double())
+    assert rel_err(X.cpu(), ref) < 1e-4
 
 
 @pytest.mark.parametrize("widths", [(5,), (3, 4), (2, 3, 2)], ids=["o2", "o3", "o4"])

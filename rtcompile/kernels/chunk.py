@@ -24,6 +24,7 @@ import triton.language as tl
 
 from .triton_common import (
     factor_tile, load_state_tile, phi_gather, phi_inv_norm, phi_tile_outer, unit_lower_inverse,
+    unit_lower_inverse_blocked,
 )
 
 
@@ -52,8 +53,11 @@ def _phi_block(p1, p2, p3, r, m_t, i_k, C: tl.constexpr, BK: tl.constexpr, NF: t
 def _chunk_scores(q1, q2, q3, k1, k2, k3, beta, r, m_t, b_c,
                   NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
                   BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, C: tl.constexpr,
-                  USE_BETA: tl.constexpr, L2NORM: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr):
+                  USE_BETA: tl.constexpr, L2NORM: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+                  SOLVE_BLOCK: tl.constexpr):
     """P = prod Q_i K_i^T * decay * causal, and Ai = (I + A)^-1 (identity without beta).
+
+    The solve goes row by row, or by diagonal blocks of SOLVE_BLOCK rows when that is not 0.
 
     Gram blocks take the (normalised) factors in the input type when it is 16-bit (tensor
     cores; at K = 256 order 2 the fp32 Grams made the prepare step dominate), else fp32 at PREC.
@@ -84,7 +88,10 @@ def _chunk_scores(q1, q2, q3, k1, k2, k3, beta, r, m_t, b_c,
     if USE_BETA:
         b_b = tl.load(beta + r, mask=m_t, other=0.0).to(tl.float32)
         b_A = tl.where(o_c[:, None] > o_c[None, :], b_b[:, None] * b_kk * b_decay, 0.0)
-        b_Ai = unit_lower_inverse(b_A, C)
+        if SOLVE_BLOCK > 0:
+            b_Ai = unit_lower_inverse_blocked(b_A, C, SOLVE_BLOCK, PREC)
+        else:
+            b_Ai = unit_lower_inverse(b_A, C)
     else:
         b_Ai = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)
     return b_P, b_Ai
@@ -106,7 +113,7 @@ def chunk_prepare_running_tensor_kernel(
     D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
     BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, C: tl.constexpr,
     USE_G: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
-    LOWP: tl.constexpr, PREC: tl.constexpr,
+    LOWP: tl.constexpr, PREC: tl.constexpr, SOLVE_BLOCK: tl.constexpr,
 ):
     i_c, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -127,7 +134,7 @@ def chunk_prepare_running_tensor_kernel(
     b_c = _chunk_log_decay(g, r, m_t, USE_G, C)
     b_P, b_Ai = _chunk_scores(
         q1, q2, q3, k1, k2, k3, beta, r, m_t, b_c,
-        NF, D1, D2, D3, BD1, BD2, BD3, C, USE_BETA, L2NORM, LOWP, PREC,
+        NF, D1, D2, D3, BD1, BD2, BD3, C, USE_BETA, L2NORM, LOWP, PREC, SOLVE_BLOCK,
     )
     # workspace [B, H, T, C]: row = token, as the sequential kernel reads it
     off_w = ((i_b * H + i_h) * T + tok)[:, None] * C + o_c[None, :]
@@ -147,7 +154,7 @@ def chunk_running_tensor_fwd_kernel(
     USE_G: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
     FUSE_PREPARE: tl.constexpr, LOWP: tl.constexpr, LOWP_SCORES: tl.constexpr, PREC: tl.constexpr,
-    OUTER: tl.constexpr,
+    OUTER: tl.constexpr, SOLVE_BLOCK: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -179,7 +186,7 @@ def chunk_running_tensor_fwd_kernel(
         if FUSE_PREPARE:
             b_P, b_Ai = _chunk_scores(
                 q1, q2, q3, k1, k2, k3, beta, r, m_t, b_c,
-                NF, D1, D2, D3, BD1, BD2, BD3, C, USE_BETA, L2NORM, LOWP_SCORES, PREC,
+                NF, D1, D2, D3, BD1, BD2, BD3, C, USE_BETA, L2NORM, LOWP_SCORES, PREC, SOLVE_BLOCK,
             )
         else:
             off_w = ((i_b * H + i_h) * T + tok)[:, None] * C + o_c[None, :]

@@ -24,7 +24,7 @@ from . import tuned
 from .chunk import chunk_prepare_running_tensor_kernel, chunk_running_tensor_fwd_kernel
 from .inputs import Problem, check_inputs
 from .recurrent import fused_recurrent_running_tensor_fwd_kernel
-from .variants import ChunkVariant, KernelShape, RecurrentVariant, next_pow2
+from .variants import SOLVE_BLOCK, ChunkVariant, KernelShape, RecurrentVariant, next_pow2
 
 MAX_FACTORS = 3  # orders 2..4
 MODES = ("chunk", "recurrent")
@@ -188,7 +188,8 @@ def _launch_chunk(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm, s
     widths = _width_args(p.key_widths, 16)  # tl.dot needs >= 16 on every axis
     common = dict(H=H, NF=len(q), **widths, USE_G=g is not None, USE_BETA=beta is not None,
                   L2NORM=l2norm, IS_VARLEN=cu_seqlens is not None, LOWP=_lowp_dots(v.dtype),
-                  PREC=variant.dot_precision)
+                  PREC=variant.dot_precision,
+                  SOLVE_BLOCK=SOLVE_BLOCK if variant.solve == "blocks" else 0)
     g_arg = g if g is not None else dummy
     beta_arg = beta if beta is not None else dummy
     cu_arg = cu_seqlens if cu_seqlens is not None else dummy

@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar, Iterator
 
 DOT_PRECISIONS = ("ieee", "tf32x3", "tf32")
+SOLVES = ("rows", "blocks")
+SOLVE_BLOCK = 16  # rows per diagonal block of the blocked solve: the tl.dot minimum
 # Registers: 64K 32-bit registers per SM on every NVIDIA GPU since Volta; a program of W warps
 # may use at most 255 per thread. We budget the live fp32 tiles of a program against
 # 255 * 32 * W and refuse variants over it (they would spill to local memory: DESIGN.md saw
@@ -136,12 +138,14 @@ class ChunkVariant(_Variant):
     written once per chunk: workspace independent of T). ``fuse_prepare``: compute the scores
     and the triangular inverse inside the sequential kernel (no [T, C] workspace) instead of in
     a separate chunk-parallel kernel. ``dot_precision``: how fp32 operands enter ``tl.dot``
-    (16-bit inputs always use their own type).
+    (16-bit inputs always use their own type). ``solve``: the (I + A)^-1 of the delta rule row
+    by row (``"rows"``, C - 1 serial steps) or by diagonal blocks of 16 rows and products
+    (``"blocks"``, 15 steps and up to six C x C dots; needs C >= 32).
     """
 
     kernel: ClassVar[str] = "chunk"
     FIELDS: ClassVar[tuple[str, ...]] = (
-        "chunk_size", "block_k", "block_v", "num_warps", "num_stages", "fuse_prepare", "dot_precision",
+        "chunk_size", "block_k", "block_v", "num_warps", "num_stages", "fuse_prepare", "dot_precision", "solve",
     )
     chunk_size: int
     block_k: int
@@ -150,6 +154,7 @@ class ChunkVariant(_Variant):
     num_stages: int = 2
     fuse_prepare: bool = False
     dot_precision: str = "ieee"
+    solve: str = "rows"
 
     def check(self, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> str | None:
         for name in ("chunk_size", "block_k", "block_v", "num_warps"):
@@ -166,6 +171,10 @@ class ChunkVariant(_Variant):
             return f"block_v={self.block_v} exceeds d_v rounded up"
         if self.dot_precision not in DOT_PRECISIONS:
             return f"dot_precision={self.dot_precision!r}; allowed: {', '.join(DOT_PRECISIONS)}"
+        if self.solve not in SOLVES:
+            return f"solve={self.solve!r}; allowed: {', '.join(SOLVES)}"
+        if self.solve == "blocks" and self.chunk_size < 2 * SOLVE_BLOCK:
+            return f"solve='blocks' needs chunk_size >= {2 * SOLVE_BLOCK} (blocks of {SOLVE_BLOCK} rows)"
         if self.estimate_registers(shape) > MAX_REGS_PER_THREAD:
             return f"~{self.estimate_registers(shape)} registers per thread (> {MAX_REGS_PER_THREAD})"
         if self.estimate_smem(shape) > smem_limit:
@@ -181,6 +190,8 @@ class ChunkVariant(_Variant):
         # fp32 tiles live at once: state tile, phi(K) and phi(Q) tiles, C x C scores and
         # inverse, C x block_v values/updates/outputs (x3)
         live = bk * bv + 2 * C * bk + 2 * C * C + 3 * C * bv
+        if self.solve == "blocks":  # the blocked solve's A_d, E, X, N, Y tiles, C x C each
+            live += 3 * C * C
         return 32 + math.ceil(live / (32 * self.num_warps))
 
     def estimate_smem(self, shape: KernelShape) -> int:
@@ -203,6 +214,7 @@ class ChunkVariant(_Variant):
             "num_stages": [1, 2, 3],
             "fuse_prepare": [False, True],
             "dot_precision": list(DOT_PRECISIONS),
+            "solve": list(SOLVES),
         }
 
     @classmethod
