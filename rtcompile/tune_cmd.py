@@ -24,6 +24,20 @@ def _positive_int(text: str) -> int:
     return v[0]
 
 
+def _fixed(text: str) -> tuple[str, object]:
+    """NAME=VALUE, the value read as an integer, true/false, or kept as text."""
+    name, sep, raw = text.partition("=")
+    if not sep or not name.strip() or not raw.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    raw = raw.strip()
+    value: object = raw
+    if raw.lower() in ("true", "false"):
+        value = raw.lower() == "true"
+    elif raw.lstrip("-").isdigit():
+        value = int(raw)
+    return name.strip(), value
+
+
 def add_parser(sub) -> None:
     from .cli import _positive_float  # one parser of positive numbers for every command
 
@@ -38,8 +52,14 @@ def add_parser(sub) -> None:
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--trials", type=_positive_int, metavar="N", help="trials per kernel and bucket (default 20)")
     budget.add_argument("--seconds", type=_positive_float, metavar="S", help="seconds per kernel and bucket")
+    budget.add_argument("--exhaustive", action="store_true",
+                        help="one trial per valid variant of the space (a separate study: the reference a "
+                             "TPE study is judged against)")
+    p.add_argument("--fix", type=_fixed, action="append", default=[], metavar="NAME=VALUE",
+                   help="hold a variant parameter at one value (repeatable): tune a sub-space")
     p.add_argument("--workers", type=_positive_int, metavar="N",
-                   help="worker processes (default: one per visible GPU, 1 on the CPU)")
+                   help="worker processes (default: one per visible GPU, 1 on the CPU); more workers than "
+                        "GPUs overlap their compiles, while timings stay one at a time per GPU")
     again = p.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true", help="continue studies (after a crash, or for more trials)")
     again.add_argument("--retune", action="store_true", help="delete this machine's studies for the spec and start over")
@@ -105,7 +125,7 @@ def run(args) -> int:
     from rich.table import Table
 
     from .spec import load_spec
-    from .tuning import TuneOptions, tune_bucket
+    from .tuning import TuneOptions, search_space, tune_bucket
 
     spec = load_spec(args.spec)
     on_gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
@@ -120,7 +140,13 @@ def run(args) -> int:
     opts = TuneOptions(storage=args.storage, trials=None if args.seconds else (args.trials or 20),
                        seconds=args.seconds, workers=workers, resume=args.resume, retune=args.retune,
                        device="cuda" if on_gpu else "cpu", trial_timeout=args.timeout, impl=args.impl,
-                       repeats=20 if on_gpu else 3)
+                       repeats=20 if on_gpu else 3, fixed=dict(args.fix), exhaustive=args.exhaustive)
+    buckets = _buckets(spec, args, on_gpu)
+    for bucket in buckets:  # a bad --fix is a usage error before any study starts
+        try:
+            search_space(bucket, opts)
+        except ValueError as exc:
+            raise UsageError(f"rtcompile tune: --fix: {exc}") from None
     results = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=False) as bar:
@@ -131,7 +157,7 @@ def run(args) -> int:
                 tasks[label] = bar.add_task(escape(label), total=total or None)
             bar.update(tasks[label], completed=done)
 
-        for bucket in _buckets(spec, args, on_gpu):
+        for bucket in buckets:
             results.append(tune_bucket(bucket, opts, progress))
     table = Table(title=f"tuned {spec.name or args.spec} on {'GPU' if on_gpu else 'CPU (interpreter timings)'}",
                   header_style="bold")

@@ -218,3 +218,52 @@ def test_concurrent_claims_never_hand_one_trial_to_two_workers(tmp_path, store):
              for _ in range(4)]
     claimed = [n for p in procs for n in json.loads(p.communicate(timeout=120)[0])]
     assert sorted(claimed) == list(range(60)), "a trial was claimed twice (or never)"
+
+
+def test_timed_sections_of_parallel_workers_never_overlap(tmp_path, monkeypatch):
+    log = tmp_path / "intervals.txt"
+    monkeypatch.setenv("RTCOMPILE_TEST_INTERVALS", str(log))
+    url = f"sqlite:///{tmp_path / 'lock.db'}"
+    tune_bucket(TINY, TuneOptions(storage=url, trials=4, workers=2, repeats=3, impl="tuning_impls:interval_log"))
+    rows = sorted((float(a), float(b), int(p)) for p, a, b in (ln.split() for ln in log.read_text().splitlines()))
+    assert len({p for _, _, p in rows}) >= 2, "the timed calls came from one process: nothing was tested"
+    for (a0, a1, pa), (b0, b1, pb) in zip(rows, rows[1:]):
+        assert pa == pb or b0 >= a1, "two trials timed on one device at the same time"
+
+
+def test_exhaustive_sweep_runs_each_valid_variant_once_in_its_own_study(tmp_path):
+    from rtcompile.tuning.study import exhaustive_variants
+
+    url = f"sqlite:///{tmp_path / 'sweep.db'}"
+    fixed = {"chunk_size": 16, "num_stages": 1, "dot_precision": "ieee"}
+    opts = TuneOptions(storage=url, workers=2, repeats=2, fixed=fixed, exhaustive=True)
+    expected = exhaustive_variants(TINY, opts)
+    assert len(expected) == 6  # num_warps 2/4/8 x fuse_prepare; solve='blocks' needs C >= 32
+    r = tune_bucket(TINY, opts)
+    import optuna
+
+    storage = open_storage(url)
+    (name,) = [s.study_name for s in optuna.get_all_study_summaries(storage, False)]
+    assert name.endswith(":exhaustive") and "fixed chunk_size=16" in name
+    trials = optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
+    seen = [ChunkVariant(**t.params) for t in trials]
+    assert r.trials_run == 6 and sorted(map(repr, seen)) == sorted(map(repr, expected))
+    assert ChunkVariant.from_dict(r.best_variant) in expected
+    again = tune_bucket(TINY, opts)
+    assert again.already_tuned and again.trials_run == 0
+
+
+def test_cli_fix_errors_name_the_parameter(tmp_path, capsys):
+    spec = tmp_path / "tiny.toml"
+    spec.write_text('order = 3\nkey_widths = [2, 4]\nvalue_width = 8\nheads = 1\nmodel_width = 16\n')
+    url = f"sqlite:///{tmp_path / 'never.db'}"
+    assert main(["tune", str(spec), "--phase", "prefill", "--storage", url, "--fix", "blocksize=16"]) == 2
+    assert main(["tune", str(spec), "--phase", "prefill", "--storage", url, "--fix", "chunk_size=24"]) == 2
+    assert main(["tune", str(spec), "--phase", "prefill", "--storage", url, "--fix", "chunk_size"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    errors = [ln for ln in lines if ln.startswith("rtcompile")]
+    assert len(errors) == 3
+    assert "'blocksize'" in errors[0] and "chunk_size" in errors[0]
+    assert "chunk_size=24" in errors[1] and "16, 32, 64, 128" in errors[1]
+    assert "NAME=VALUE" in errors[2]
+    assert not (tmp_path / "never.db").exists(), "the store was created before the input was checked"

@@ -21,3 +21,19 @@ def slow(bucket, variant, inp):
     """A correct kernel that takes long enough to be killed mid-study."""
     time.sleep(1.0)
     return run_kernel(bucket, variant, inp)
+
+
+def interval_log(bucket, variant, inp):
+    """Appends (pid, start, end) of every call made while the trial holds the device lock to the
+    file named by RTCOMPILE_TEST_INTERVALS, and takes long enough for two workers to collide."""
+    import os
+
+    from rtcompile.tuning import store
+
+    t0 = time.time()
+    time.sleep(0.05)
+    out = run_kernel(bucket, variant, inp)
+    if store.HELD_DEVICE is not None:
+        with open(os.environ["RTCOMPILE_TEST_INTERVALS"], "a") as fh:
+            fh.write(f"{os.getpid()} {t0} {time.time()}\n")
+    return out

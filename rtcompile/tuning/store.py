@@ -29,7 +29,7 @@ def default_url() -> str:
 
 
 @contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
@@ -37,6 +37,34 @@ def _file_lock(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+HELD_DEVICE: str | None = None  # the device this process holds under device_lock (tests read it)
+
+
+@contextmanager
+def device_lock(device: str) -> Iterator[None]:
+    """A context manager held while a trial uses its device for measurement (this host only).
+
+    Workers may outnumber the GPUs: their trial processes then import, compile and check in
+    parallel (CPU work, several seconds each), and only the timed section waits here, so
+    timings never overlap on one device. GPUs are told apart by UUID, because each worker sees
+    its own through CUDA_VISIBLE_DEVICES as device 0.
+    """
+    name = "cpu"
+    if str(device).startswith("cuda"):
+        import torch
+
+        dev = torch.device(device)
+        props = torch.cuda.get_device_properties(dev)
+        name = f"cuda-{getattr(props, 'uuid', dev.index or 0)}"
+    global HELD_DEVICE
+    with file_lock(tuned.cache_dir() / "locks" / f"{name}.lock"):
+        HELD_DEVICE = name
+        try:
+            yield
+        finally:
+            HELD_DEVICE = None
 
 
 def claim_lock(url: str | None = None):
@@ -52,7 +80,7 @@ def claim_lock(url: str | None = None):
     url = url or default_url()
     if url.startswith("sqlite:///"):
         db = Path(url[len("sqlite:///"):])
-        return _file_lock(db.with_name(db.name + ".claim.lock"))
+        return file_lock(db.with_name(db.name + ".claim.lock"))
     return nullcontext()
 
 
@@ -76,7 +104,7 @@ def open_storage(url: str | None = None):
             db = Path(url[len("sqlite:///"):])
             if db.exists() and not os.access(db, os.R_OK | os.W_OK):
                 raise StoreError(f"storage {url!r}: the file is not readable and writable")
-            with _file_lock(db.with_name(db.name + ".lock")):
+            with file_lock(db.with_name(db.name + ".lock")):
                 # SQLite waits up to 60 s for a lock held by another worker instead of failing
                 return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}})
         return optuna.storages.RDBStorage(url)
@@ -92,7 +120,7 @@ def write_tuned(entries: list[dict[str, Any]], path: Path | None = None) -> Path
     path = Path(path) if path is not None else tuned.table_path()
     keys = ("kernel", "source", "key_widths", "value_width", "heads", "dtype", "gpu", "triton",
             "package", "batch", "seq_len")
-    with _file_lock(path.with_name(path.name + ".lock")):
+    with file_lock(path.with_name(path.name + ".lock")):
         try:
             old = tuned.reload(path) if path.exists() else []
         except ValueError as exc:

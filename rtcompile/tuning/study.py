@@ -52,6 +52,8 @@ class TuneOptions:
     top_k: int = 3
     impl: str | None = None  # "module:function" replacing the kernel call (tests plant wrong variants)
     table: str | None = None  # tuned-config table path (default: the kernels' own)
+    fixed: dict[str, Any] = field(default_factory=dict)  # parameters held at one value (a sub-space)
+    exhaustive: bool = False  # one trial per valid variant of the (sub-)space instead of TPE's picks
 
 
 @dataclass
@@ -88,10 +90,52 @@ def _smem_limit(device: str) -> int:
     return DEFAULT_SMEM_BYTES
 
 
+def search_space(bucket: Bucket, opts: TuneOptions) -> dict[str, list]:
+    """The kernel's declared space with ``opts.fixed`` applied; a ValueError names a fixed
+    parameter that the kernel does not have or a value its space does not hold."""
+    cls = variant_class(bucket.kernel)
+    space = dict(cls.space(_shape(bucket)))
+    for name, value in opts.fixed.items():
+        if name not in space:
+            raise ValueError(f"fixed parameter {name!r}: the {bucket.kernel} kernel has {', '.join(space)}")
+        if value not in space[name]:
+            raise ValueError(f"fixed {name}={value!r}: allowed values for this shape are "
+                             f"{', '.join(map(str, space[name]))}")
+        space[name] = [value]
+    return space
+
+
+def exhaustive_variants(bucket: Bucket, opts: TuneOptions) -> list:
+    """Every variant of the (sub-)space that passes ``check`` on this device, in space order."""
+    import itertools
+
+    cls, shape, limit = variant_class(bucket.kernel), _shape(bucket), _smem_limit(opts.device)
+    space = search_space(bucket, opts)
+    names = list(space)
+    out = []
+    for values in itertools.product(*(space[n] for n in names)):
+        v = cls(**dict(zip(names, values)))
+        if v.check(shape, limit) is None:
+            out.append(v)
+    return out
+
+
+def _study_name(bucket: Bucket, machine: Machine, source: str, opts: TuneOptions) -> str:
+    """The study key, plus the sub-space and the search when they differ from the plain study,
+    so an exhaustive sweep never mixes its trials into the TPE study it is compared with."""
+    name = study_name(bucket, machine, source)
+    if opts.fixed:
+        name += ":fixed " + ",".join(f"{k}={v}" for k, v in sorted(opts.fixed.items()))
+    if opts.exhaustive:
+        name += ":exhaustive"
+    return name
+
+
 def run_objective(bucket: Bucket, variant: dict | None, opts: TuneOptions, seed: int) -> dict[str, Any]:
-    """Evaluate one variant in a child process with a timeout (see ``objective``)."""
+    """Evaluate one variant in a child process with a timeout (see ``objective``): checked on
+    the study's inputs (``opts.seed``), timed on the trial's own (``seed``)."""
     request = {"bucket": asdict(bucket), "variant": variant, "device": opts.device, "seed": seed,
-               "repeats": opts.repeats, "impl": opts.impl}
+               "check_seed": opts.seed, "repeats": opts.repeats, "impl": opts.impl}
     try:
         proc = subprocess.run([sys.executable, "-m", "rtcompile.tuning.objective"], input=json.dumps(request),
                               capture_output=True, text=True, timeout=opts.trial_timeout)
@@ -140,7 +184,7 @@ def mark_stale(study, timeout: float) -> int:
         if dead or now - started > 2 * timeout or owner_host is None and now - started > 60:
             study._storage.set_trial_user_attr(t._trial_id, "status", "stale")
             study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
-            study.enqueue_trial({}, user_attrs={"replaces": t.number})
+            study.enqueue_trial(t.system_attrs.get("fixed_params", {}), user_attrs={"replaces": t.number})
             n += 1
     return n
 
@@ -171,7 +215,7 @@ def run_worker(storage_url: str | None, name: str, bucket: Bucket, opts: TuneOpt
     sampler = optuna.samplers.TPESampler(seed=opts.seed + index)
     study = optuna.load_study(study_name=name, storage=open_storage(storage_url), sampler=sampler)
     cls, shape = variant_class(bucket.kernel), _shape(bucket)
-    space, limit = cls.space(shape), _smem_limit(opts.device)
+    space, limit = search_space(bucket, opts), _smem_limit(opts.device)
     done = 0
     while True:
         if deadline is not None and time.time() >= deadline:
@@ -238,11 +282,12 @@ def tune_bucket(bucket: Bucket, opts: TuneOptions,
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    search_space(bucket, opts)  # a bad fixed parameter fails here, before the store is touched
     url = opts.storage
     storage = open_storage(url)
     machine = Machine.current(opts.device)
     source = tuned.source_hash(bucket.kernel)
-    name = study_name(bucket, machine, source)
+    name = _study_name(bucket, machine, source, opts)
     exists = name in {s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)}
     if exists and opts.retune:
         optuna.delete_study(study_name=name, storage=storage)
@@ -260,11 +305,18 @@ def tune_bucket(bucket: Bucket, opts: TuneOptions,
         deadline = time.time() + opts.seconds
     else:
         counted = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("status") != "stale"]
-        for _ in range(max(0, opts.trials - len(counted))):
-            study.enqueue_trial({})
+        if opts.exhaustive:  # every valid variant once: the ones this study has not enqueued yet
+            have = [t.system_attrs.get("fixed_params") for t in counted]
+            for v in exhaustive_variants(bucket, opts):
+                params = {k: x for k, x in v.to_dict().items() if k != "kernel"}
+                if params not in have:
+                    study.enqueue_trial(params)
+        else:
+            for _ in range(max(0, opts.trials - len(counted))):
+                study.enqueue_trial({})
     before = _finished(study)
     procs = _spawn_workers(url or _default_url(), name, bucket, opts, deadline)
-    total = opts.trials or 0
+    total = len(exhaustive_variants(bucket, opts)) if opts.exhaustive else opts.trials or 0
     while any(p.poll() is None for p in procs):
         if progress:
             progress(bucket.label, _finished(study), total)
