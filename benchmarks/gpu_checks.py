@@ -1,0 +1,263 @@
+"""The planner's regret (issue 5) and the bundle check on the GPU (issue 6), in one script.
+
+    python benchmarks/gpu_checks.py regret --out DIR     # both modes measured at >= 12 points
+    python benchmarks/gpu_checks.py bundle --out DIR     # a bundle on the GPU vs ONNX Runtime (CPU)
+
+``regret``: for each example spec and each (phase, shape) point, the plan's decision is compared
+with a measurement of every alternative the planner considered (chunk default, chunk fused,
+recurrent; median of CUDA-event repeats on fresh random inputs). Regret = time of the chosen
+alternative / fastest measured - 1. The cost model's error is |log(predicted / measured)|,
+reported uncalibrated and after ``costmodel.calibrate`` fitted on the even-numbered points and
+evaluated on the odd-numbered ones (held out), so calibration is not judged on its own data.
+
+``bundle``: exports a bundle (weights, plan, ONNX graphs) from a seeded model, loads it with
+``rtcompile.load`` and runs the torch module on the Triton kernels (the plan's pinned variants)
+in bf16 and in fp32, against ONNX Runtime on the CPU in fp32: prefill logits and 16 decode
+steps fed the same tokens (ONNX Runtime's greedy choice) on both sides.
+
+``--quick`` runs tiny shapes (with ``TRITON_INTERPRET=1`` on a CPU machine): the tests use it
+so the script cannot rot; its numbers mean nothing. Each subcommand writes ``DIR/<name>.json``
+and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from rtcompile.costmodel import Calibration, calibrate, chunk_cost, recurrent_cost  # noqa: E402
+from rtcompile.kernels.triton_fwd import running_tensor_decode_, running_tensor_fwd  # noqa: E402
+from rtcompile.kernels.variants import ChunkVariant, RecurrentVariant  # noqa: E402
+from rtcompile.plan import make_plan  # noqa: E402
+from rtcompile.spec import Features, ModelSpec, load_spec  # noqa: E402
+from rtcompile.target import get_target  # noqa: E402
+from rtcompile.timing import median_seconds  # noqa: E402
+
+TINY = ModelSpec(order=3, key_widths=(2, 4), value_width=8, heads=2, model_width=16, layers=1,
+                 features=Features(short_conv=3))
+
+
+def _device() -> str:
+    on_gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+    return "cuda" if on_gpu else "cpu"
+
+
+def _inputs(spec: ModelSpec, B: int, T: int, device: str, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    dt = getattr(torch, spec.input_dtype)
+    r = lambda *s: torch.randn(*s, generator=gen)
+    H, V = spec.heads, spec.value_width
+    q = [r(B, T, H, w).to(device, dt) for w in spec.key_widths]
+    k = [r(B, T, H, w).to(device, dt) for w in spec.key_widths]
+    v = r(B, T, H, V).to(device, dt)
+    g = torch.nn.functional.logsigmoid(r(B, T, H)).to(device)
+    beta = torch.sigmoid(r(B, T, H)).to(device, dt)
+    s0 = r(B, H, *spec.key_widths, V).to(device)
+    return q, k, v, g, beta, s0
+
+
+def _call(spec: ModelSpec, phase: str, mode: str, variant: dict, B: int, T: int, device: str, seed: int):
+    """A zero-argument call running one alternative on fresh inputs (decode: in place on slots)."""
+    q, k, v, g, beta, s0 = _inputs(spec, B, T, device, seed)
+    if phase == "decode" and mode == "recurrent":
+        idx = torch.randperm(B, generator=torch.Generator().manual_seed(seed)).to(device, torch.int32)
+        rv = RecurrentVariant.from_dict(variant)
+        return lambda: running_tensor_decode_(q, k, v, g, beta, state_cache=s0, state_indices=idx, l2norm=True,
+                                              validate=False, variant=rv)
+    cls = ChunkVariant if mode == "chunk" else RecurrentVariant
+    var = cls.from_dict(variant)
+    return lambda: running_tensor_fwd(q, k, v, g, beta, initial_state=s0, output_final_state=True, l2norm=True,
+                                      mode=mode, variant=var)
+
+
+def _predict(spec, target, d_phase, mode, variant, B, T, cal):
+    if mode == "chunk":
+        return chunk_cost(spec, target, B, T, ChunkVariant.from_dict(variant), cal).seconds
+    return recurrent_cost(spec, target, B, T, RecurrentVariant.from_dict(variant), cal).seconds
+
+
+def _label(alt: dict) -> str:
+    return alt["mode"] + (" fused" if alt["variant"].get("fuse_prepare") else "")
+
+
+def regret(args) -> dict:
+    device = _device()
+    target = get_target(args.target or ("auto" if device == "cuda" else "h200"))
+    if args.quick:
+        specs = [("tiny", TINY)]
+        batches, seqs, decode = (1,), (8, 40), (2,)
+    else:
+        specs = [(Path(p).stem, load_spec(ROOT / p)) for p in ("examples/order3_16x16.toml", "examples/order3_64x64.toml")]
+        batches, seqs, decode = (1, 8), (16, 256, 4096), (1, 32, 256)
+    rows = []
+    for name, spec in specs:
+        plan = make_plan(spec, target, batches=batches, seq_lens=seqs, decode_batches=decode)
+        for d in plan.decisions:
+            if d.phase == "train":
+                continue  # forward-only kernels: nothing to measure for train yet
+            alts = []
+            for i, a in enumerate(d.alternatives):
+                call = _call(spec, d.phase, a["mode"], a["variant"], d.batch, d.seq_len, device, seed=1000 + i)
+                try:
+                    secs = median_seconds(call, device, repeats=3 if args.quick else 10)
+                except Exception as exc:  # noqa: BLE001 -- one failing alternative is a row, not a crash
+                    secs, err = None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+                else:
+                    err = None
+                alts.append({**a, "measured_s": secs, "error": err})
+            ok = [a for a in alts if a["measured_s"] is not None]
+            chosen = next((a for a in alts if a["mode"] == d.mode and a["variant"] == d.variant), None)
+            best = min(ok, key=lambda a: a["measured_s"]) if ok else None
+            reg = None
+            if chosen and chosen["measured_s"] and best:
+                reg = chosen["measured_s"] / best["measured_s"] - 1
+            rows.append({"spec": name, "phase": d.phase, "batch": d.batch, "seq_len": d.seq_len, "chosen": d.mode,
+                         "chosen_label": _label(chosen) if chosen else d.mode,
+                         "best": best["mode"] if best else None, "best_label": _label(best) if best else None,
+                         "regret": reg, "alternatives": alts, "spec_dict": spec.to_dict()})
+    # cost model: uncalibrated error everywhere; calibrated on even rows, judged on odd rows
+    def errors(cal: Calibration, which):
+        out = []
+        for j, r in enumerate(rows):
+            if not which(j):
+                continue
+            spec = ModelSpec.from_dict(r["spec_dict"])
+            for a in r["alternatives"]:
+                if a["measured_s"]:
+                    p = _predict(spec, target, r["phase"], a["mode"], a["variant"], r["batch"], r["seq_len"], cal)
+                    out.append(abs(math.log(p / a["measured_s"])))
+        return out
+
+    pred, meas = {"chunk": [], "recurrent": []}, {"chunk": [], "recurrent": []}
+    for j, r in enumerate(rows):
+        if j % 2:
+            continue
+        spec = ModelSpec.from_dict(r["spec_dict"])
+        for a in r["alternatives"]:
+            if a["measured_s"]:
+                pred[a["mode"]].append(_predict(spec, target, r["phase"], a["mode"], a["variant"], r["batch"],
+                                                r["seq_len"], Calibration()))
+                meas[a["mode"]].append(a["measured_s"])
+    cal = calibrate(pred, meas)
+    held_out = lambda j: j % 2 == 1
+    before, after = errors(Calibration(), held_out), errors(cal, held_out)
+    summary = {
+        "points": len(rows),
+        "max_regret": max((r["regret"] for r in rows if r["regret"] is not None), default=None),
+        "within_5pct": sum(1 for r in rows if r["regret"] is not None and r["regret"] <= 0.05),
+        "calibration": {"chunk": cal.chunk, "recurrent": cal.recurrent},
+        "cost_error_median_before": statistics.median(before) if before else None,
+        "cost_error_median_after": statistics.median(after) if after else None,
+        "cost_error_max_before": max(before, default=None),
+        "cost_error_max_after": max(after, default=None),
+        "target": target.name, "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+        "quick": args.quick,
+    }
+    for r in rows:
+        r.pop("spec_dict")
+    return {"summary": summary, "rows": rows}
+
+
+def _rel_rms(a, b) -> float:
+    a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
+    return float(((a - b).pow(2).mean() / b.pow(2).mean().clamp_min(1e-300)).sqrt())
+
+
+def bundle(args) -> dict:
+    import numpy as np
+    import onnxruntime as ort
+
+    import rtcompile
+    from rtcompile.export import export_bundle
+    from rtcompile.model import RunningTensorLM
+
+    device = _device()
+    target = get_target(args.target or ("auto" if device == "cuda" else "h200"))
+    spec = TINY if args.quick else load_spec(ROOT / "examples/order3_16x16.toml")
+    B, T, steps = (2, 9, 4) if args.quick else (2, 128, 16)
+    torch.manual_seed(0)
+    model = RunningTensorLM(spec, vocab_size=64 if args.quick else 256).float().eval()
+    plan = make_plan(spec, target, batches=(B,), seq_lens=(T,), decode_batches=(B,))
+    out = Path(args.out) / "bundle"
+    export_bundle(model, out, plan=plan, overwrite=True, onnx=True)
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    pre = ort.InferenceSession(str(out / "prefill.onnx"), opts, providers=["CPUExecutionProvider"])
+    dec = ort.InferenceSession(str(out / "decode.onnx"), opts, providers=["CPUExecutionProvider"])
+    names = [i.name for i in dec.get_inputs()][1:]
+    tokens = torch.randint(0, model.head.out_features, (B, T), generator=torch.Generator().manual_seed(1))
+    ort_out = pre.run(None, {"tokens": tokens.numpy()})
+    ort_logits, state = [ort_out[0]], ort_out[1:]
+    fed, tok = [], ort_out[0][:, -1].argmax(-1)
+    for _ in range(steps):  # ONNX Runtime's greedy tokens are fed to both sides
+        fed.append(tok)
+        o = dec.run(None, {"tokens": tok[:, None].astype(np.int64), **dict(zip(names, state))})
+        ort_logits.append(o[0][:, 0])
+        state, tok = o[1:], o[0][:, 0].argmax(-1)
+    results = {}
+    dtypes = ("float32",) if args.quick else ("float32", "bfloat16")
+    for dt in dtypes:
+        loaded = rtcompile.load(out).to(device=device, dtype=getattr(torch, dt))
+        backend = "triton"
+        with torch.no_grad():
+            logits, cache = loaded(tokens.to(device), backend=backend)
+            errs = [_rel_rms(logits.float().cpu(), ort_logits[0])]
+            for i, t in enumerate(fed):
+                lg, cache = loaded.step(torch.from_numpy(t).to(device), cache, backend=backend)
+                errs.append(_rel_rms(lg.float().cpu(), ort_logits[i + 1]))
+        results[dt] = {"prefill_rel_rms": errs[0], "decode_rel_rms_max": max(errs[1:]), "steps": len(fed)}
+    summary = {"spec": spec.to_dict(), "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+               "batch": B, "prompt": T, "results": results, "pinned_variants": [
+                   {"phase": d.phase, "mode": d.mode, "variant": d.variant} for d in plan.decisions
+                   if d.phase != "train"], "quick": args.quick}
+    return {"summary": summary}
+
+
+def _table(name: str, data: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=name, header_style="bold")
+    if name == "regret":
+        for c in ("spec", "phase", "B", "T", "chosen", "best", "regret", "ms per alternative"):
+            t.add_column(c)
+        for r in data["rows"]:
+            alts = ", ".join(f"{a['mode']}{' fused' if a['variant'].get('fuse_prepare') else ''} "
+                             f"{a['measured_s'] * 1e3:.3g}" if a["measured_s"] else f"{a['mode']} failed"
+                             for a in r["alternatives"])
+            reg = f"{r['regret'] * 100:.1f}%" if r["regret"] is not None else "-"
+            t.add_row(r["spec"], r["phase"], str(r["batch"]), str(r["seq_len"]), r["chosen_label"], str(r["best_label"]),
+                      reg, alts)
+    Console(width=200).print(t)
+    print(json.dumps(data["summary"], indent=1))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("check", choices=["regret", "bundle"])
+    ap.add_argument("--out", required=True, help="directory for <check>.json (and the bundle)")
+    ap.add_argument("--target", help="target profile (default: auto on a GPU, h200 on the CPU)")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes, for the CPU tests")
+    args = ap.parse_args(argv)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    data = regret(args) if args.check == "regret" else bundle(args)
+    path = Path(args.out) / f"{args.check}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    os.replace(tmp, path)
+    _table(args.check, data)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""benchmarks/gpu_checks.py runs end to end at tiny shapes (its GPU numbers live in RESULTS.md)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import gpu_checks  # noqa: E402
+
+
+def test_regret_measures_every_alternative_and_holds_out_calibration(tmp_path):
+    assert gpu_checks.main(["regret", "--quick", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "regret.json").read_text())
+    rows, summary = data["rows"], data["summary"]
+    assert len(rows) == summary["points"] == 3  # 2 prefill lengths and one decode batch
+    for r in rows:
+        assert all(a["measured_s"] and a["measured_s"] > 0 for a in r["alternatives"]), r
+        assert r["regret"] is not None and r["regret"] >= 0
+    assert summary["cost_error_median_before"] is not None and summary["cost_error_median_after"] is not None
+
+
+def test_bundle_on_the_triton_kernels_matches_onnxruntime(tmp_path):
+    assert gpu_checks.main(["bundle", "--quick", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "bundle.json").read_text())["summary"]["results"]["float32"]
+    assert res["steps"] == 4
+    assert res["prefill_rel_rms"] < 1e-4 and res["decode_rel_rms_max"] < 1e-4
