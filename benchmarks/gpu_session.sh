@@ -1,0 +1,95 @@
+# One GPU session's measurements, in steps that each fit one 10-minute device call.
+#
+#   bash benchmarks/gpu_session.sh STEP        (STEP: tests | bench | sweep | tuned-bench | checks)
+#
+# Run from the project root on the device machine, after installing the carried wheels (see
+# benchmarks/README.md). Everything lands under $OUT/<step>; the tuning store and the tuned
+# table live under $OUT/cache so later steps of the same call can read them (a later call
+# starts on a bare machine: `sweep` and `tuned-bench` are therefore one step apart only in name,
+# run them in one call as `sweep tuned-bench`).
+#
+# Budgets, from the H200 runs of 2026-11-29: tests ~75 s; bench ~270 s; a sweep bucket of
+# ~90 variants with 8 workers ~2-3 min (estimated: trial = import + compile ~5 s in parallel,
+# timing <= 0.6 s under the device lock), not yet measured.
+set -euo pipefail
+: "${OUT:?set OUT (the device tool sets it)}"
+export RTCOMPILE_COMMIT="${RTCOMPILE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+export XDG_CACHE_HOME="$OUT/cache"
+export RTCOMPILE_TUNED="$OUT/cache/rtcompile/tuned.json"
+mkdir -p "$OUT/cache"
+# A sub-space small enough to sweep exhaustively (86 chunk / 90-115 decode variants at these
+# shapes); the TPE study searches the same sub-space with 20% of the exhaustive trial count.
+CHUNK_FIX=(--fix fuse_prepare=false --fix solve=rows --fix dot_precision=ieee --fix num_stages=1)
+DECODE_FIX=(--fix num_stages=1)
+
+step_tests() {
+  python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_ops.py tests/test_kernel_inputs.py \
+    2>&1 | tail -5 | tee "$OUT/tests.txt"
+}
+
+step_bench() {
+  python3 -m rtcompile.cli bench --out "$OUT/bench" --budget-s 380
+}
+
+sweep_one() {  # spec phase batches fixes... : TPE at 20% of the exhaustive count, then exhaustive
+  local spec=$1 phase=$2 batches=$3; shift 3
+  local db="sqlite:///$OUT/cache/sweep.db" bflag=--batch
+  [ "$phase" = decode ] && bflag=--decode-batch
+  local n
+  n=$(python3 - "$spec" "$phase" "$batches" "$@" <<'EOF'
+import sys
+from rtcompile.spec import load_spec
+from rtcompile.tuning import Bucket, TuneOptions
+from rtcompile.tuning.study import exhaustive_variants
+from rtcompile.tune_cmd import _fixed
+spec, phase, b = load_spec(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+fixed = dict(_fixed(a) for a in sys.argv[4:] if a != "--fix")
+kernel, T = ("chunk", 4096) if phase == "prefill" else ("recurrent", 1)
+bucket = Bucket(kernel, spec.key_widths, spec.value_width, spec.heads, b, T, spec.input_dtype)
+print(max(1, round(0.2 * len(exhaustive_variants(bucket, TuneOptions(device="cuda", fixed=fixed))))))
+EOF
+)
+  # TPE first, then the sweep: both write the bucket's tuned entry and the last one stays, and
+  # the exhaustive best is the better of the two by construction
+  local t0=$(date +%s)
+  python3 -m rtcompile.cli tune "$spec" --phase "$phase" $bflag "$batches" --storage "$db" --workers 8 --trials "$n" "$@"
+  local t1=$(date +%s)
+  python3 -m rtcompile.cli tune "$spec" --phase "$phase" $bflag "$batches" --storage "$db" --workers 8 --exhaustive "$@"
+  local t2=$(date +%s)
+  echo "$spec $phase B$batches tpe_trials=$n tpe_wall_s=$((t1 - t0)) exhaustive_wall_s=$((t2 - t1))" | tee -a "$OUT/sweep_walltime.txt"
+}
+
+step_sweep() {
+  sweep_one examples/order3_16x16.toml prefill 8 "${CHUNK_FIX[@]}"
+  sweep_one examples/order3_16x16.toml decode 256 "${DECODE_FIX[@]}"
+  python3 -m rtcompile.cli tune --list --storage "sqlite:///$OUT/cache/sweep.db" > "$OUT/sweep_list.txt"
+  # first call after a reload: the tuned entry is found, nothing is tuned, only compiled
+  python3 - <<'EOF' | tee "$OUT/first_call.txt"
+import time, torch
+t0 = time.perf_counter()
+from rtcompile.kernels.triton_fwd import running_tensor_fwd
+B, T, H, V = 8, 4096, 8, 64
+q = [torch.randn(B, T, H, 16, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+k = [torch.randn(B, T, H, 16, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+v = torch.randn(B, T, H, V, device="cuda", dtype=torch.bfloat16)
+g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device="cuda"))
+beta = torch.rand(B, T, H, device="cuda", dtype=torch.bfloat16)
+t1 = time.perf_counter()
+running_tensor_fwd(q, k, v, g, beta, l2norm=True, output_final_state=True, mode="chunk")
+torch.cuda.synchronize()
+print(f"first chunk call after reload: {time.perf_counter() - t1:.2f} s (imports and inputs {t1 - t0:.2f} s)")
+EOF
+}
+
+step_tuned_bench() {  # the bench again, now reading the tuned table the sweep wrote
+  python3 -m rtcompile.cli bench --out "$OUT/bench_tuned" --budget-s 380 --phase prefill
+}
+
+step_checks() {
+  python3 benchmarks/gpu_checks.py bundle --out "$OUT/checks"
+  python3 benchmarks/gpu_checks.py regret --out "$OUT/checks"
+}
+
+for s in "$@"; do
+  "step_${s//-/_}"
+done
