@@ -27,8 +27,9 @@ step_tests() {
     2>&1 | tail -5 | tee "$OUT/tests.txt"
 }
 
-step_bench() {
-  python3 -m rtcompile.cli bench --out "$OUT/bench" --budget-s 380
+step_bench() {  # decode first (about a minute), so a long prefill run cannot starve it of budget
+  python3 -m rtcompile.cli bench --out "$OUT/bench_decode" --phase decode --budget-s 120
+  python3 -m rtcompile.cli bench --out "$OUT/bench_prefill" --phase prefill --budget-s 330
 }
 
 sweep_one() {  # spec phase batches fixes... : TPE at 20% of the exhaustive count, then exhaustive

@@ -119,6 +119,32 @@ BLOCKED_SOLVE = {
 }
 
 
+PREFETCH = {
+    # the next chunk's inputs loaded ahead: widths >= 16 (power of two), state in registers
+    "o3-16x16-c16": ((16, 16), 37, ChunkVariant(chunk_size=16, block_k=256, block_v=16, num_warps=8, num_stages=1,
+                                                       prefetch=True)),
+    "o2-32-c32-fused-blocks": ((32,), 70, ChunkVariant(chunk_size=32, block_k=32, block_v=16, fuse_prepare=True,
+                                                         solve="blocks", prefetch=True)),
+    "o4-16x16x16-refused": ((16, 16, 16), 5, None),
+}
+
+
+@pytest.mark.parametrize("feat", ["plain", "gated-delta-l2"])
+@pytest.mark.parametrize("case", PREFETCH.keys())
+def test_prefetch_matches_float64(case, feat):
+    widths, T, variant = PREFETCH[case]
+    f = FEATURES[feat]
+    dev, ref, s0 = _case(2, T, 1, widths, 6, gate=f["gate"], delta=f["delta"], state=True)
+    if variant is None:  # K = 4096 cannot keep its state in registers: refused before launch
+        with pytest.raises(ValueError, match="prefetch needs the state in registers"):
+            running_tensor_fwd(*dev, mode="chunk", variant=ChunkVariant(16, 64, 16, prefetch=True))
+        return
+    o, s = running_tensor_fwd(*dev, initial_state=_to(s0, torch.float32), output_final_state=True,
+                              l2norm=f["l2norm"], mode="chunk", variant=variant)
+    o_ref, s_ref = running_tensor_recurrent_ref(*ref, initial_state=s0, output_final_state=True, l2norm=f["l2norm"])
+    assert rel_err(o.cpu(), o_ref) < FP32_TOL and rel_err(s.cpu(), s_ref) < FP32_TOL
+
+
 @pytest.mark.parametrize("case", BLOCKED_SOLVE.keys())
 def test_blocked_solve_matches_float64(case):
     widths, T, variant = BLOCKED_SOLVE[case]
@@ -146,14 +172,22 @@ def test_unit_lower_inverse_blocked_is_the_inverse(C):
     assert rel_err(X.cpu(), ref) < 1e-4
 
 
-@pytest.mark.parametrize("widths", [(5,), (3, 4), (2, 3, 2)], ids=["o2", "o3", "o4"])
-@pytest.mark.parametrize("impl", ["chunk16", "recurrent"])
-def test_varlen_uneven_lengths(widths, impl):
+VARLEN_PREFETCH = ChunkVariant(chunk_size=16, block_k=16, block_v=16, num_stages=1, prefetch=True)
+
+
+VARLEN = {f"{impl}-{name}": (w, impl) for impl in ("chunk16", "recurrent")
+          for name, w in (("o2", (5,)), ("o3", (3, 4)), ("o4", (2, 3, 2)))}
+VARLEN["chunk16-prefetch-o2-16"] = ((16,), "chunk16-prefetch")  # prefetch takes widths >= 16 only
+
+
+@pytest.mark.parametrize("case", VARLEN.keys())
+def test_varlen_uneven_lengths(case):
+    widths, impl = VARLEN[case]
     offsets = [0, 5, 6, 23, 30]  # lengths 5, 1, 17, 7
     N = len(offsets) - 1
     dev, ref, s0 = _case(1, offsets[-1], 2, widths, 3, state=True, num_seqs=N)
     cu = torch.tensor(offsets, dtype=torch.int32)
-    mode, variant = VARIANTS[impl]
+    mode, variant = ("chunk", VARLEN_PREFETCH) if impl == "chunk16-prefetch" else VARIANTS[impl]
     o, s = running_tensor_fwd(*dev, initial_state=_to(s0, torch.float32), output_final_state=True, l2norm=True,
                               cu_seqlens=_to(cu), mode=mode, variant=variant)
     o_ref, s_ref = running_tensor_recurrent_ref(*ref, initial_state=s0, output_final_state=True, l2norm=True, cu_seqlens=cu)

@@ -50,43 +50,35 @@ def _phi_block(p1, p2, p3, r, m_t, i_k, C: tl.constexpr, BK: tl.constexpr, NF: t
 
 
 @triton.jit
-def _chunk_scores(q1, q2, q3, k1, k2, k3, beta, r, m_t, b_c,
-                  NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
-                  BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, C: tl.constexpr,
-                  USE_BETA: tl.constexpr, L2NORM: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
-                  SOLVE_BLOCK: tl.constexpr):
-    """P = prod Q_i K_i^T * decay * causal, and Ai = (I + A)^-1 (identity without beta).
+def _scores_from_tiles(q1, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_b, b_c,
+                       NF: tl.constexpr, C: tl.constexpr, USE_BETA: tl.constexpr, LOWP: tl.constexpr,
+                       PREC: tl.constexpr, SOLVE_BLOCK: tl.constexpr):
+    """P = prod Q_i K_i^T * decay * causal, and Ai = (I + A)^-1 (identity without beta), from
+    the chunk's (normalised) [C, BD_i] factor tiles, its beta ``b_b`` and log decay ``b_c``.
 
-    The solve goes row by row, or by diagonal blocks of SOLVE_BLOCK rows when that is not 0.
-
-    Gram blocks take the (normalised) factors in the input type when it is 16-bit (tensor
-    cores; at K = 256 order 2 the fp32 Grams made the prepare step dominate), else fp32 at PREC.
+    Gram blocks take the factors in the input type when it is 16-bit (tensor cores; at K = 256
+    order 2 the fp32 Grams made the prepare step dominate), else fp32 at PREC. The solve goes
+    row by row, or by diagonal blocks of SOLVE_BLOCK rows when that is not 0. ``q1`` only
+    names the input type.
     """
     DT: tl.constexpr = q1.dtype.element_ty
     o_c = tl.arange(0, C)
-    b_q = factor_tile(q1, r, m_t, D1, BD1, L2NORM)
-    b_k = factor_tile(k1, r, m_t, D1, BD1, L2NORM)
-    b_qk = _dot(b_q, tl.trans(b_k), LOWP, DT, PREC)
+    b_qk = _dot(b_q1, tl.trans(b_k1), LOWP, DT, PREC)
     if USE_BETA:
-        b_kk = _dot(b_k, tl.trans(b_k), LOWP, DT, PREC)
+        b_kk = _dot(b_k1, tl.trans(b_k1), LOWP, DT, PREC)
     if NF > 1:
-        b_q = factor_tile(q2, r, m_t, D2, BD2, L2NORM)
-        b_k = factor_tile(k2, r, m_t, D2, BD2, L2NORM)
-        b_qk *= _dot(b_q, tl.trans(b_k), LOWP, DT, PREC)
+        b_qk *= _dot(b_q2, tl.trans(b_k2), LOWP, DT, PREC)
         if USE_BETA:
-            b_kk *= _dot(b_k, tl.trans(b_k), LOWP, DT, PREC)
+            b_kk *= _dot(b_k2, tl.trans(b_k2), LOWP, DT, PREC)
     if NF > 2:
-        b_q = factor_tile(q3, r, m_t, D3, BD3, L2NORM)
-        b_k = factor_tile(k3, r, m_t, D3, BD3, L2NORM)
-        b_qk *= _dot(b_q, tl.trans(b_k), LOWP, DT, PREC)
+        b_qk *= _dot(b_q3, tl.trans(b_k3), LOWP, DT, PREC)
         if USE_BETA:
-            b_kk *= _dot(b_k, tl.trans(b_k), LOWP, DT, PREC)
+            b_kk *= _dot(b_k3, tl.trans(b_k3), LOWP, DT, PREC)
     # exp of a masked difference: only j <= i is kept, where c_i - c_j <= 0 (no overflow)
     m_incl = o_c[:, None] >= o_c[None, :]
     b_decay = tl.exp(tl.where(m_incl, b_c[:, None] - b_c[None, :], float("-inf")))
     b_P = b_qk * b_decay
     if USE_BETA:
-        b_b = tl.load(beta + r, mask=m_t, other=0.0).to(tl.float32)
         b_A = tl.where(o_c[:, None] > o_c[None, :], b_b[:, None] * b_kk * b_decay, 0.0)
         if SOLVE_BLOCK > 0:
             b_Ai = unit_lower_inverse_blocked(b_A, C, SOLVE_BLOCK, PREC)
@@ -95,6 +87,83 @@ def _chunk_scores(q1, q2, q3, k1, k2, k3, beta, r, m_t, b_c,
     else:
         b_Ai = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)
     return b_P, b_Ai
+
+
+@triton.jit
+def _chunk_scores(q1, q2, q3, k1, k2, k3, beta, r, m_t, b_c,
+                  NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+                  BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, C: tl.constexpr,
+                  USE_BETA: tl.constexpr, L2NORM: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+                  SOLVE_BLOCK: tl.constexpr):
+    """:func:`_scores_from_tiles` on the factor tiles of the token-head rows ``r``."""
+    b_q1 = factor_tile(q1, r, m_t, D1, BD1, L2NORM)
+    b_k1 = factor_tile(k1, r, m_t, D1, BD1, L2NORM)
+    b_q2 = b_q1
+    b_k2 = b_k1
+    b_q3 = b_q1
+    b_k3 = b_k1
+    if NF > 1:
+        b_q2 = factor_tile(q2, r, m_t, D2, BD2, L2NORM)
+        b_k2 = factor_tile(k2, r, m_t, D2, BD2, L2NORM)
+    if NF > 2:
+        b_q3 = factor_tile(q3, r, m_t, D3, BD3, L2NORM)
+        b_k3 = factor_tile(k3, r, m_t, D3, BD3, L2NORM)
+    b_b = tl.zeros([C], dtype=tl.float32)
+    if USE_BETA:
+        b_b = tl.load(beta + r, mask=m_t, other=0.0).to(tl.float32)
+    return _scores_from_tiles(q1, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_b, b_c,
+                              NF, C, USE_BETA, LOWP, PREC, SOLVE_BLOCK)
+
+
+@triton.jit
+def _load_chunk(q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, r, m_t, o_v, m_v, off_w,
+                NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, C: tl.constexpr,
+                V: tl.constexpr, USE_G: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr,
+                FUSE_PREPARE: tl.constexpr):
+    """Every input of one chunk that does not depend on the state, in registers: the (normalised)
+    [C, D_i] factor tiles (each D_i a power of two >= 16, so a tile is exactly its factor), values,
+    log-decay increments, beta, and the prepared P and Ai unless FUSE_PREPARE. Slots a flag turns
+    off hold a small placeholder that is never read. Issued one chunk ahead (PREFETCH), these
+    loads wait behind the current chunk's arithmetic instead of in front of it."""
+    b_q1 = factor_tile(q1, r, m_t, D1, D1, L2NORM)
+    b_k1 = factor_tile(k1, r, m_t, D1, D1, L2NORM)
+    b_q2 = b_q1
+    b_k2 = b_k1
+    b_q3 = b_q1
+    b_k3 = b_k1
+    if NF > 1:
+        b_q2 = factor_tile(q2, r, m_t, D2, D2, L2NORM)
+        b_k2 = factor_tile(k2, r, m_t, D2, D2, L2NORM)
+    if NF > 2:
+        b_q3 = factor_tile(q3, r, m_t, D3, D3, L2NORM)
+        b_k3 = factor_tile(k3, r, m_t, D3, D3, L2NORM)
+    b_v = tl.load(v + r[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+    b_g = tl.zeros([C], dtype=tl.float32)
+    if USE_G:
+        b_g = tl.load(g + r, mask=m_t, other=0.0).to(tl.float32)
+    b_b = tl.zeros([C], dtype=tl.float32)
+    if USE_BETA:
+        b_b = tl.load(beta + r, mask=m_t, other=0.0).to(tl.float32)
+    b_P = tl.zeros([C, C], dtype=tl.float32)
+    b_Ai = tl.zeros([C, C], dtype=tl.float32)
+    if not FUSE_PREPARE:
+        b_P = tl.load(P + off_w, mask=m_t[:, None], other=0.0)
+        if USE_BETA:
+            b_Ai = tl.load(Ai + off_w, mask=m_t[:, None], other=0.0)
+    return b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_v, b_g, b_b, b_P, b_Ai
+
+
+@triton.jit
+def _phi_from_tiles(b_x1, b_x2, b_x3, NF: tl.constexpr, C: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
+                    D3: tl.constexpr):
+    """The whole [C, K] phi as the row-wise outer product of the factor tiles."""
+    b_phi = b_x1
+    if NF > 1:
+        b_23 = b_x2
+        if NF > 2:
+            b_23 = tl.reshape(b_x2[:, :, None] * b_x3[:, None, :], [C, D2 * D3])
+        b_phi = tl.reshape(b_x1[:, :, None] * b_23[:, None, :], [C, D1 * D2 * D3])
+    return b_phi
 
 
 @triton.jit
@@ -154,7 +223,7 @@ def chunk_running_tensor_fwd_kernel(
     USE_G: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
     FUSE_PREPARE: tl.constexpr, LOWP: tl.constexpr, LOWP_SCORES: tl.constexpr, PREC: tl.constexpr,
-    OUTER: tl.constexpr, SOLVE_BLOCK: tl.constexpr,
+    OUTER: tl.constexpr, SOLVE_BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -178,34 +247,66 @@ def chunk_running_tensor_fwd_kernel(
         off_s = p_state + o_k[:, None] * V + o_v[None, :]
         m_s = m_k[:, None] & m_v[None, :]
         b_s = load_state_tile(h0, ht, off_s, m_s, True, USE_H0)
+    if PREFETCH:  # chunk 0's inputs; every iteration then issues the next chunk's loads first
+        tok = bos + o_c
+        m_t = tok < eos
+        r = (i_b * T + tok) * H + i_h
+        off_w = ((i_b * H + i_h) * T + tok)[:, None] * C + o_c[None, :]
+        n_q1, n_q2, n_q3, n_k1, n_k2, n_k3, n_v, n_g, n_b, n_P, n_Ai = _load_chunk(
+            q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, r, m_t, o_v, m_v, off_w,
+            NF, D1, D2, D3, C, V, USE_G, USE_BETA, L2NORM, FUSE_PREPARE,
+        )
     for i_c in range(0, tl.cdiv(eos - bos, C)):
         tok = bos + i_c * C + o_c
         m_t = tok < eos
         r = (i_b * T + tok) * H + i_h
-        b_c = _chunk_log_decay(g, r, m_t, USE_G, C)
-        if FUSE_PREPARE:
-            b_P, b_Ai = _chunk_scores(
-                q1, q2, q3, k1, k2, k3, beta, r, m_t, b_c,
-                NF, D1, D2, D3, BD1, BD2, BD3, C, USE_BETA, L2NORM, LOWP_SCORES, PREC, SOLVE_BLOCK,
+        r_q = tl.full([C], 1.0, tl.float32)
+        r_k = tl.full([C], 1.0, tl.float32)
+        if PREFETCH:
+            b_q1, b_q2, b_q3, b_k1, b_k2, b_k3 = n_q1, n_q2, n_q3, n_k1, n_k2, n_k3
+            b_v, b_g, b_b, b_P, b_Ai = n_v, n_g, n_b, n_P, n_Ai
+            tok_n = tok + C  # past the end: every load is masked off
+            r_n = (i_b * T + tok_n) * H + i_h
+            off_n = ((i_b * H + i_h) * T + tok_n)[:, None] * C + o_c[None, :]
+            n_q1, n_q2, n_q3, n_k1, n_k2, n_k3, n_v, n_g, n_b, n_P, n_Ai = _load_chunk(
+                q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, r_n, tok_n < eos, o_v, m_v, off_n,
+                NF, D1, D2, D3, C, V, USE_G, USE_BETA, L2NORM, FUSE_PREPARE,
             )
+            b_c = tl.zeros([C], dtype=tl.float32)
+            if USE_G:
+                b_c = tl.cumsum(b_g, axis=0)
+            if FUSE_PREPARE:
+                b_P, b_Ai = _scores_from_tiles(q1, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_b, b_c,
+                                               NF, C, USE_BETA, LOWP_SCORES, PREC, SOLVE_BLOCK)
         else:
-            off_w = ((i_b * H + i_h) * T + tok)[:, None] * C + o_c[None, :]
-            b_P = tl.load(P + off_w, mask=m_t[:, None], other=0.0)
+            b_c = _chunk_log_decay(g, r, m_t, USE_G, C)
+            if FUSE_PREPARE:
+                b_P, b_Ai = _chunk_scores(
+                    q1, q2, q3, k1, k2, k3, beta, r, m_t, b_c,
+                    NF, D1, D2, D3, BD1, BD2, BD3, C, USE_BETA, L2NORM, LOWP_SCORES, PREC, SOLVE_BLOCK,
+                )
+            else:
+                off_w = ((i_b * H + i_h) * T + tok)[:, None] * C + o_c[None, :]
+                b_P = tl.load(P + off_w, mask=m_t[:, None], other=0.0)
+                if USE_BETA:
+                    b_Ai = tl.load(Ai + off_w, mask=m_t[:, None], other=0.0)
+            if L2NORM:  # ||phi|| = prod ||x_i||: one scale per row instead of normalising phi
+                r_q = phi_inv_norm(q1, q2, q3, r[:, None], m_t[:, None], D1, D2, D3, BD1, BD2, BD3, NF)
+                r_k = phi_inv_norm(k1, k2, k3, r[:, None], m_t[:, None], D1, D2, D3, BD1, BD2, BD3, NF)
+            b_v = tl.load(v + r[:, None] * V + o_v[None, :],
+                          mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
             if USE_BETA:
-                b_Ai = tl.load(Ai + off_w, mask=m_t[:, None], other=0.0)
+                b_b = tl.load(beta + r, mask=m_t, other=0.0).to(tl.float32)
         b_gam = tl.exp(b_c)
         b_last = tl.sum(tl.where(o_c == C - 1, b_c, 0.0), axis=0)
         b_ratio = tl.exp(b_last - b_c)  # Gamma_C / Gamma_i <= 1
-        r_q = tl.full([C], 1.0, tl.float32)
-        r_k = tl.full([C], 1.0, tl.float32)
-        if L2NORM:  # ||phi|| = prod ||x_i||: one scale per row instead of normalising phi
-            r_q = phi_inv_norm(q1, q2, q3, r[:, None], m_t[:, None], D1, D2, D3, BD1, BD2, BD3, NF)
-            r_k = phi_inv_norm(k1, k2, k3, r[:, None], m_t[:, None], D1, D2, D3, BD1, BD2, BD3, NF)
-        b_v = tl.load(v + r[:, None] * V + o_v[None, :],
-                      mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
         if NK == 1:
-            b_k = _phi_block(k1, k2, k3, r, m_t, 0, C, BK, NF, D1, D2, D3, K, OUTER) * r_k[:, None]
-            b_q = _phi_block(q1, q2, q3, r, m_t, 0, C, BK, NF, D1, D2, D3, K, OUTER) * r_q[:, None]
+            if PREFETCH:  # the tiles are normalised already: r_q = r_k = 1
+                b_k = _phi_from_tiles(b_k1, b_k2, b_k3, NF, C, D1, D2, D3)
+                b_q = _phi_from_tiles(b_q1, b_q2, b_q3, NF, C, D1, D2, D3)
+            else:
+                b_k = _phi_block(k1, k2, k3, r, m_t, 0, C, BK, NF, D1, D2, D3, K, OUTER) * r_k[:, None]
+                b_q = _phi_block(q1, q2, q3, r, m_t, 0, C, BK, NF, D1, D2, D3, K, OUTER) * r_q[:, None]
             b_ks = _dot(b_k, b_s, LOWP, DT, PREC)
             b_qs = _dot(b_q, b_s, LOWP, DT, PREC)
         else:
@@ -223,7 +324,6 @@ def chunk_running_tensor_fwd_kernel(
             b_ks = b_ks * r_k[:, None]
             b_qs = b_qs * r_q[:, None]
         if USE_BETA:
-            b_b = tl.load(beta + r, mask=m_t, other=0.0).to(tl.float32)
             b_u = _dot(b_Ai, b_b[:, None] * (b_v - b_gam[:, None] * b_ks), LOWP_SCORES, DT, PREC)
         else:
             b_u = b_v

@@ -214,7 +214,7 @@ def _launch_chunk(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm, s
         p.scale, T,
         K=p.key_dim, V=V, C=C, BK=variant.block_k, BV=variant.block_v,
         USE_H0=h0 is not None, STORE_HT=store_ht, FUSE_PREPARE=variant.fuse_prepare,
-        OUTER=_outer_phi(p.key_widths, variant.block_k),
+        OUTER=_outer_phi(p.key_widths, variant.block_k), PREFETCH=variant.prefetch,
         # The fused prepare keeps its Grams, solve and score products in fp32: with 16-bit
         # operands there, (C=64, BK=128, 8 warps, order 3 64x64) returned wrong results and then
         # an illegal address on an H200 (Triton 3.6, 2026-11-29); fp32 was verified there.

@@ -140,12 +140,17 @@ class ChunkVariant(_Variant):
     a separate chunk-parallel kernel. ``dot_precision``: how fp32 operands enter ``tl.dot``
     (16-bit inputs always use their own type). ``solve``: the (I + A)^-1 of the delta rule row
     by row (``"rows"``, C - 1 serial steps) or by diagonal blocks of 16 rows and products
-    (``"blocks"``, 15 steps and up to six C x C dots; needs C >= 32).
+    (``"blocks"``, 15 steps and up to six C x C dots; needs C >= 32). ``prefetch``: load the
+    next chunk's inputs (factor tiles, values, gates, prepared scores) before computing the
+    current one, so their latency overlaps the arithmetic of the sequential loop; needs the
+    state in registers and power-of-two key widths >= 16 (each factor tile is then exactly one
+    load and phi their outer product).
     """
 
     kernel: ClassVar[str] = "chunk"
     FIELDS: ClassVar[tuple[str, ...]] = (
         "chunk_size", "block_k", "block_v", "num_warps", "num_stages", "fuse_prepare", "dot_precision", "solve",
+        "prefetch",
     )
     chunk_size: int
     block_k: int
@@ -155,6 +160,7 @@ class ChunkVariant(_Variant):
     fuse_prepare: bool = False
     dot_precision: str = "ieee"
     solve: str = "rows"
+    prefetch: bool = False
 
     def check(self, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> str | None:
         for name in ("chunk_size", "block_k", "block_v", "num_warps"):
@@ -175,6 +181,10 @@ class ChunkVariant(_Variant):
             return f"solve={self.solve!r}; allowed: {', '.join(SOLVES)}"
         if self.solve == "blocks" and self.chunk_size < 2 * SOLVE_BLOCK:
             return f"solve='blocks' needs chunk_size >= {2 * SOLVE_BLOCK} (blocks of {SOLVE_BLOCK} rows)"
+        if self.prefetch and not self.resident(shape):
+            return f"prefetch needs the state in registers: block_k >= K ({shape.key_dim})"
+        if self.prefetch and not all(w >= 16 and w & (w - 1) == 0 for w in shape.key_widths):
+            return f"prefetch needs power-of-two key widths >= 16, got {shape.key_widths}"
         if self.estimate_registers(shape) > MAX_REGS_PER_THREAD:
             return f"~{self.estimate_registers(shape)} registers per thread (> {MAX_REGS_PER_THREAD})"
         if self.estimate_smem(shape) > smem_limit:
@@ -192,6 +202,8 @@ class ChunkVariant(_Variant):
         live = bk * bv + 2 * C * bk + 2 * C * C + 3 * C * bv
         if self.solve == "blocks":  # the blocked solve's A_d, E, X, N, Y tiles, C x C each
             live += 3 * C * C
+        if self.prefetch:  # the next chunk's factor tiles, values and (prepared) P and Ai
+            live += 2 * C * sum(shape.key_widths) + C * bv + 2 * C * C
         return 32 + math.ceil(live / (32 * self.num_warps))
 
     def estimate_smem(self, shape: KernelShape) -> int:
@@ -215,6 +227,7 @@ class ChunkVariant(_Variant):
             "fuse_prepare": [False, True],
             "dot_precision": list(DOT_PRECISIONS),
             "solve": list(SOLVES),
+            "prefetch": [False, True],
         }
 
     @classmethod
