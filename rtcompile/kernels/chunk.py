@@ -90,12 +90,10 @@ def _scores_from_tiles(q1, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_b, b_c,
 
 
 @triton.jit
-def _chunk_scores(q1, q2, q3, k1, k2, k3, beta, r, m_t, b_c,
-                  NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
-                  BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, C: tl.constexpr,
-                  USE_BETA: tl.constexpr, L2NORM: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
-                  SOLVE_BLOCK: tl.constexpr):
-    """:func:`_scores_from_tiles` on the factor tiles of the token-head rows ``r``."""
+def _factor_tiles(q1, q2, q3, k1, k2, k3, r, m_t, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
+                  D3: tl.constexpr, BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, L2NORM: tl.constexpr):
+    """The [C, BD_i] tiles of every query and key factor (optionally normalised); the slots of
+    factors beyond NF repeat the first tile and are never read."""
     b_q1 = factor_tile(q1, r, m_t, D1, BD1, L2NORM)
     b_k1 = factor_tile(k1, r, m_t, D1, BD1, L2NORM)
     b_q2 = b_q1
@@ -108,6 +106,18 @@ def _chunk_scores(q1, q2, q3, k1, k2, k3, beta, r, m_t, b_c,
     if NF > 2:
         b_q3 = factor_tile(q3, r, m_t, D3, BD3, L2NORM)
         b_k3 = factor_tile(k3, r, m_t, D3, BD3, L2NORM)
+    return b_q1, b_q2, b_q3, b_k1, b_k2, b_k3
+
+
+@triton.jit
+def _chunk_scores(q1, q2, q3, k1, k2, k3, beta, r, m_t, b_c,
+                  NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+                  BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, C: tl.constexpr,
+                  USE_BETA: tl.constexpr, L2NORM: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+                  SOLVE_BLOCK: tl.constexpr):
+    """:func:`_scores_from_tiles` on the factor tiles of the token-head rows ``r``."""
+    b_q1, b_q2, b_q3, b_k1, b_k2, b_k3 = _factor_tiles(q1, q2, q3, k1, k2, k3, r, m_t, NF, D1, D2, D3,
+                                                       BD1, BD2, BD3, L2NORM)
     b_b = tl.zeros([C], dtype=tl.float32)
     if USE_BETA:
         b_b = tl.load(beta + r, mask=m_t, other=0.0).to(tl.float32)
@@ -125,18 +135,8 @@ def _load_chunk(q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, r, m_t, o_v, m_v, off
     log-decay increments, beta, and the prepared P and Ai unless FUSE_PREPARE. Slots a flag turns
     off hold a small placeholder that is never read. Issued one chunk ahead (PREFETCH), these
     loads wait behind the current chunk's arithmetic instead of in front of it."""
-    b_q1 = factor_tile(q1, r, m_t, D1, D1, L2NORM)
-    b_k1 = factor_tile(k1, r, m_t, D1, D1, L2NORM)
-    b_q2 = b_q1
-    b_k2 = b_k1
-    b_q3 = b_q1
-    b_k3 = b_k1
-    if NF > 1:
-        b_q2 = factor_tile(q2, r, m_t, D2, D2, L2NORM)
-        b_k2 = factor_tile(k2, r, m_t, D2, D2, L2NORM)
-    if NF > 2:
-        b_q3 = factor_tile(q3, r, m_t, D3, D3, L2NORM)
-        b_k3 = factor_tile(k3, r, m_t, D3, D3, L2NORM)
+    b_q1, b_q2, b_q3, b_k1, b_k2, b_k3 = _factor_tiles(q1, q2, q3, k1, k2, k3, r, m_t, NF, D1, D2, D3,
+                                                       D1, D2, D3, L2NORM)
     b_v = tl.load(v + r[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
     b_g = tl.zeros([C], dtype=tl.float32)
     if USE_G:
