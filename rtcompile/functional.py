@@ -129,6 +129,14 @@ def running_tensor(
         shape = kernel_shape(p)
         if (variant.check(shape) if limit is None else variant.check(shape, limit)) is not None:
             variant = None
+    if backend == "triton" and not _tracing(v):
+        # Eager: straight to the launcher; the custom op's dispatch adds Python overhead and
+        # nothing else when no graph is being captured (the op remains for compile and export).
+        from .kernels.triton_fwd import running_tensor_fwd as launch
+
+        return launch(q, k, v, g, beta, scale=eff_scale, initial_state=initial_state,
+                      output_final_state=output_final_state, l2norm=l2norm, cu_seqlens=cu_seqlens, mode=mode,
+                      chunk_size=chunk_size, variant=variant)
     if backend == "triton":
         from .kernels.ops import running_tensor_fwd_op, variant_to_json
 
@@ -179,6 +187,14 @@ def running_tensor_decode_(
 
     return launch(q, k, v, g, beta, state_cache=state_cache, state_indices=state_indices, scale=scale,
                   l2norm=l2norm, validate=validate, variant=variant)
+
+
+def _tracing(v: torch.Tensor) -> bool:
+    """Is a graph being captured (torch.compile, torch.export in either mode, make_fx)? Then
+    calls must go through the custom ops, whose fake implementations tracing runs. A plain
+    eager tensor is exactly ``torch.Tensor``; tracers hand in subclasses (fake, functional)."""
+    exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+    return torch.compiler.is_compiling() or exporting() or type(v) is not torch.Tensor
 
 
 def _default_scale(q: Sequence[torch.Tensor]) -> float:

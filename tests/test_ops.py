@@ -60,11 +60,18 @@ class _Mixer(torch.nn.Module):
         return o * 2.0, s
 
 
-def test_compile_fullgraph_and_export():
+def test_compile_fullgraph_and_export(monkeypatch):
     q, k, v, g, beta, s0 = _inputs()
     args = (*q, *k, v, g, beta, s0)
     m = _Mixer()
+    from rtcompile.kernels import ops
+
+    calls = []
+    real = ops.running_tensor_fwd_op
+    monkeypatch.setattr(ops, "running_tensor_fwd_op", lambda *a: calls.append(1) or real(*a))
     eager = m(*args)
+    assert not calls, "an eager call went through the custom op's dispatch"
+    monkeypatch.setattr(ops, "running_tensor_fwd_op", real)
     compiled = torch.compile(m, fullgraph=True, backend="aot_eager")(*args)
     assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
     ep = torch.export.export(m, args)
