@@ -122,11 +122,13 @@ def chunk_cost(spec: ModelSpec, target: Target, batch: int, seq_len: int, varian
 
 
 def recurrent_cost(spec: ModelSpec, target: Target, batch: int, seq_len: int, variant: RecurrentVariant,
-                   cal: Calibration = Calibration()) -> Cost:
-    """The fused recurrent kernel over ``seq_len`` tokens (decode: seq_len = 1)."""
+                   cal: Calibration = Calibration(), state_dtype: str | None = None) -> Cost:
+    """The fused recurrent kernel over ``seq_len`` tokens (decode: seq_len = 1), with the state
+    stored as ``state_dtype`` (default: the spec's; fp32 for "auto")."""
     shape = shape_of(spec)
     resident = variant.block_k >= shape.key_dim
-    state = spec.state_bytes_per_layer * batch
+    per_elem = DTYPE_BYTES[state_dtype] if state_dtype else spec.state_bytes_per_head // spec.state_elements_per_head
+    state = spec.state_elements_per_head * spec.heads * per_elem * batch
     io = _io_bytes_per_token(spec) * batch * seq_len
     nbytes = io + (2 * state if resident else 3 * state * seq_len)
     flops = recurrent_figures(spec).flops_per_token * batch * seq_len

@@ -108,16 +108,7 @@ def running_tensor(
         # Until the planner measures the crossover: a sequence shorter than one chunk gains
         # nothing from the chunk form.
         mode = "chunk" if seq_len >= C else "recurrent"
-    grad = _needs_grad(*q, *k, v, g, beta, initial_state)
-    if backend == "triton" and grad:
-        raise ValueError(
-            "backend: 'triton' is forward-only in this release and an input requires grad; "
-            "allowed: backend='reference' (or 'auto', which falls back to it), or torch.no_grad()"
-        )
-    if backend == "auto":
-        # float64 stays on the reference: the kernels accumulate in fp32
-        usable = _triton_available(v) and order <= MAX_TRITON_ORDER and not grad and v.dtype != torch.float64
-        backend = "triton" if usable else "reference"
+    backend = resolve_backend(backend, v, order, _needs_grad(*q, *k, v, g, beta, initial_state))
     if backend != "triton":
         variant = None  # a plan's kernel variant means nothing to the reference
     elif plan_variant and not torch.compiler.is_compiling():
@@ -187,6 +178,21 @@ def running_tensor_decode_(
 
     return launch(q, k, v, g, beta, state_cache=state_cache, state_indices=state_indices, scale=scale,
                   l2norm=l2norm, validate=validate, variant=variant)
+
+
+def resolve_backend(backend: str, v: torch.Tensor, order: int, grad: bool) -> str:
+    """``"triton"`` or ``"reference"`` for a call with values ``v`` (see :func:`running_tensor`'s
+    ``backend``); ``"triton"`` with an input that requires grad is a ValueError."""
+    if backend == "triton" and grad:
+        raise ValueError(
+            "backend: 'triton' is forward-only in this release and an input requires grad; "
+            "allowed: backend='reference' (or 'auto', which falls back to it), or torch.no_grad()"
+        )
+    if backend == "auto":
+        # float64 stays on the reference: the kernels accumulate in fp32
+        usable = _triton_available(v) and order <= MAX_TRITON_ORDER and not grad and v.dtype != torch.float64
+        return "triton" if usable else "reference"
+    return backend
 
 
 def _tracing(v: torch.Tensor) -> bool:

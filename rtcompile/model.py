@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .functional import running_tensor
+from .functional import _needs_grad, resolve_backend, running_tensor, running_tensor_decode_
 from .spec import ModelSpec
 
 
@@ -84,8 +84,15 @@ class RunningTensorLayer(nn.Module):
             new.append(tail)
         return outs, new
 
-    def forward(self, x: torch.Tensor, cache: dict | None = None, *, plan=None, backend: str = "auto"):
-        """x [B, T, D] -> (y [B, T, D], new cache)."""
+    def forward(self, x: torch.Tensor, cache: dict | None = None, *, plan=None, backend: str = "auto",
+                update_cache: bool = False):
+        """x [B, T, D] -> (y [B, T, D], new cache).
+
+        ``update_cache`` (T = 1 with a cache: the serving step) updates the cache's state in
+        place, kept in the decode decision's state dtype (:func:`decode_state_dtype`), through
+        the Triton decode kernel's slot update where it runs; the returned cache holds that
+        same state tensor (converted once when its dtype or layout differs, e.g. after prefill).
+        """
         spec, f = self.spec, self.spec.features
         B, T, _ = x.shape
         H, o1 = spec.heads, len(spec.key_widths)
@@ -107,6 +114,8 @@ class RunningTensorLayer(nn.Module):
             past = cache["state"] if cache is not None else v.new_zeros(B, H, *spec.key_widths, spec.value_width)
             o, state = mixer_onnx(q, k, v, past.to(v.dtype), None if g is None else g.to(v.dtype), beta,
                                   spec.effective_scale, f.l2norm)
+        elif update_cache and cache is not None and T == 1:
+            o, state = self._step_in_place(q, k, v, g, beta, cache["state"], plan, backend)
         else:
             o, state = running_tensor(q, k, v, g, beta, scale=spec.scale,
                                       initial_state=None if cache is None else cache["state"],
@@ -116,6 +125,41 @@ class RunningTensorLayer(nn.Module):
             o = o * F.silu(heads(self.gate(x), spec.value_width))
         y = self.out(o.reshape(B, T, H * spec.value_width))
         return y, {"state": state, "conv": tails}
+
+    def _step_in_place(self, q, k, v, g, beta, state: torch.Tensor, plan, backend: str):
+        spec = self.spec
+        B = v.shape[0]
+        # a float64 model (the reference, for checking) keeps a float64 state throughout
+        dtype = torch.float64 if v.dtype == torch.float64 else decode_state_dtype(spec, plan, B)
+        if state.dtype != dtype or not state.is_contiguous():
+            state = state.to(dtype).contiguous()
+        grad = _needs_grad(*q, *k, v, g, beta, state)
+        if resolve_backend(backend, v, spec.order, grad) == "triton":
+            slots = torch.arange(B, dtype=torch.int32, device=v.device)
+            o = running_tensor_decode_(q, k, v, g, beta, state_cache=state, state_indices=slots, scale=spec.scale,
+                                       l2norm=spec.features.l2norm, validate=False)
+        else:  # the same semantics on the reference: fp32 step, state rounded to its dtype in place
+            wide = torch.float64 if v.dtype == torch.float64 else torch.float32
+            o, new = running_tensor(q, k, v, g, beta, scale=spec.scale, initial_state=state.to(wide),
+                                    output_final_state=True, l2norm=spec.features.l2norm, mode="recurrent",
+                                    backend="reference")
+            with torch.no_grad():
+                state.copy_(new)
+        return o, state
+
+
+def decode_state_dtype(spec: ModelSpec, plan, batch: int) -> torch.dtype:
+    """The dtype a decode cache keeps its state in: the plan's decode decision for the nearest
+    batch, else the spec's ``state_dtype`` (fp32 for "auto" without a plan)."""
+    name = "float32" if spec.state_dtype == "auto" else spec.state_dtype
+    if plan is not None:
+        from .plan import PlanError
+
+        try:
+            name = plan.decision_for("decode", batch, 1).state_dtype
+        except PlanError:
+            pass  # a plan without decode decisions leaves the spec's choice
+    return getattr(torch, name)
 
 
 class RunningTensorLM(nn.Module):
@@ -137,13 +181,16 @@ class RunningTensorLM(nn.Module):
         self.head = nn.Linear(D, vocab_size, bias=False)
         self.plan = None  # a Plan to follow (set by rtcompile.load from the bundle)
 
-    def forward(self, tokens: torch.Tensor, cache: list | None = None, *, plan=None, backend: str = "auto"):
-        """tokens [B, T] -> (logits [B, T, vocab], cache): a prompt, or T tokens after a cache."""
+    def forward(self, tokens: torch.Tensor, cache: list | None = None, *, plan=None, backend: str = "auto",
+                update_cache: bool = False):
+        """tokens [B, T] -> (logits [B, T, vocab], cache): a prompt, or T tokens after a cache.
+        ``update_cache``: see :meth:`RunningTensorLayer.forward` (T = 1 only)."""
         x = self.embed(tokens)
         plan = plan if plan is not None else self.plan
         new = []
         for i, mixer in enumerate(self.mixers):
-            y, c = mixer(self.norms[i](x), None if cache is None else cache[i], plan=plan, backend=backend)
+            y, c = mixer(self.norms[i](x), None if cache is None else cache[i], plan=plan, backend=backend,
+                         update_cache=update_cache)
             x = x + y
             if self.mlps is not None:
                 x = x + self.mlps[i](x)
@@ -151,6 +198,7 @@ class RunningTensorLM(nn.Module):
         return self.head(self.final(x)), new
 
     def step(self, tokens: torch.Tensor, cache: list, *, backend: str = "auto"):
-        """One token per sequence: tokens [B] -> (logits [B, vocab], cache)."""
-        logits, cache = self.forward(tokens[:, None], cache, backend=backend)
+        """One token per sequence: tokens [B] -> (logits [B, vocab], cache). The cache's states
+        are updated in place (``update_cache``): keep a copy to branch from an earlier point."""
+        logits, cache = self.forward(tokens[:, None], cache, backend=backend, update_cache=True)
         return logits[:, 0], cache

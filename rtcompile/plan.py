@@ -2,8 +2,10 @@
 
 For prefill over T buckets it compares the chunk-parallel kernels (default and fused-prepare
 variants) with the recurrent scan, and finds the crossover length below which the scan is
-faster (searched, not hard-coded); decode over batch buckets runs the recurrent step; train
-runs chunk-parallel. Costs come from tuned measurements for this GPU where the tuned-config
+faster (searched, not hard-coded); decode over batch buckets runs the recurrent step, and
+where the spec leaves the state dtype to the planner (``state_dtype = "auto"``) keeps the
+decode cache in bf16 when that is predicted at least STATE_DTYPE_MIN_GAIN faster; train runs
+chunk-parallel. Costs come from tuned measurements for this GPU where the tuned-config
 table has them, else from the cost model (calibrated by those measurements). Every decision
 keeps its alternatives and their costs. A plan whose state plus workspace cannot fit the
 target's memory at the requested batch is refused before anything is allocated.
@@ -33,6 +35,9 @@ PLAN_FORMAT = 1
 PREFILL_SEQ_LENS = (16, 64, 256, 1024, 4096, 16384, 65536)
 PREFILL_BATCHES = (1, 8)
 DECODE_BATCHES = (1, 8, 32, 128, 256)
+# A 16-bit state cache rounds the state at every step (bf16: 2^-8 relative); it is taken only
+# for a real gain. Decode is memory-bound, so halving the state bytes predicts ~1.9x there.
+STATE_DTYPE_MIN_GAIN = 1.10
 TRAIN_BACKWARD_FACTOR = 3.0  # forward + backward ~ 3x forward (two more passes of the same work)
 
 
@@ -50,6 +55,7 @@ class Decision:
     cost: dict[str, Any]
     alternatives: list[dict[str, Any]]
     reason: str
+    state_dtype: str = "float32"  # how the state is stored between calls (decode: the cache)
 
     @property
     def chunk_size(self) -> int | None:
@@ -185,18 +191,42 @@ def _prefill(spec: ModelSpec, target: Target, B: int, T: int, cal: Calibration, 
 def _decode(spec: ModelSpec, target: Target, B: int, cal: Calibration, measured) -> Decision:
     shape = shape_of(spec)
     rec = RecurrentVariant.default(shape, target.smem_per_sm)
-    cost = recurrent_cost(spec, target, B, 1, rec, cal)
     hit = measured.get(("recurrent", B, 1))
     if hit:
         rec = RecurrentVariant.from_dict(hit[0])
-        cost = with_measured(recurrent_cost(spec, target, B, 1, rec, cal), hit[1])
+
+    def step_cost(dtype: str):
+        """The step with the cache in ``dtype``. Tuning measures an fp32 cache; other dtypes
+        scale that measurement by the model's ratio of the two."""
+        c = recurrent_cost(spec, target, B, 1, rec, cal, state_dtype=dtype)
+        if not hit:
+            return c
+        ratio = c.seconds / recurrent_cost(spec, target, B, 1, rec, cal, state_dtype="float32").seconds
+        return with_measured(c, hit[1] * ratio)
+
+    fixed = spec.state_dtype if spec.state_dtype != "auto" else "float32"
+    cost = step_cost(fixed)
     chunk = ChunkVariant.default(shape, target.smem_per_sm)
     alt = chunk_cost(spec, target, B, 1, chunk, cal)
-    alts = [{"mode": "recurrent", "variant": rec.to_dict(), "cost": cost.to_dict()},
-            {"mode": "chunk", "variant": chunk.to_dict(), "cost": alt.to_dict()}]
-    mode, variant, chosen = ("recurrent", rec, cost) if cost.seconds <= alt.seconds else ("chunk", chunk, alt)
-    reason = f"one token per sequence: the step reads and writes the state once ({chosen.source}, {chosen.bound}-bound)"
-    return Decision("decode", B, 1, mode, variant.to_dict(), chosen.to_dict(), alts, reason)
+    alts = [{"mode": "recurrent", "variant": rec.to_dict(), "cost": cost.to_dict(), "state_dtype": fixed},
+            {"mode": "chunk", "variant": chunk.to_dict(), "cost": alt.to_dict(), "state_dtype": "float32"}]
+    if cost.seconds <= alt.seconds:
+        mode, variant, chosen, dtype = "recurrent", rec, cost, fixed
+    else:
+        mode, variant, chosen, dtype = "chunk", chunk, alt, "float32"
+    why_dtype = ""
+    if spec.state_dtype == "auto" and mode == "recurrent":
+        half = step_cost("bfloat16")
+        alts.append({"mode": "recurrent", "variant": rec.to_dict(), "cost": half.to_dict(), "state_dtype": "bfloat16"})
+        gain = cost.seconds / half.seconds
+        if gain >= STATE_DTYPE_MIN_GAIN:
+            chosen, dtype = half, "bfloat16"
+            why_dtype = f"; state dtype auto: a bf16 cache, {gain:.2f}x faster than fp32 (>= {STATE_DTYPE_MIN_GAIN}x)"
+        else:
+            why_dtype = f"; state dtype auto: fp32 kept, a bf16 cache only {gain:.2f}x faster (< {STATE_DTYPE_MIN_GAIN}x)"
+    reason = (f"one token per sequence: the step reads and writes the state once ({chosen.source}, "
+              f"{chosen.bound}-bound){why_dtype}")
+    return Decision("decode", B, 1, mode, variant.to_dict(), chosen.to_dict(), alts, reason, dtype)
 
 
 def _train(spec: ModelSpec, target: Target, B: int, T: int, cal: Calibration) -> Decision:

@@ -70,15 +70,17 @@ def _print(plan, spec, target) -> None:
     ms = lambda s: f"{s * 1e3:.4g}"
     t = Table(title=f"plan: {spec.name or 'spec'} on {target.name} ({'measured' if target.measured else 'profile'} rates)",
               header_style="bold")
-    for c in ("phase", "B", "T", "mode", "C", "variant", "ms/layer", "bound", "source", "alternatives (ms)"):
+    for c in ("phase", "B", "T", "mode", "C", "variant", "state", "ms/layer", "bound", "source", "alternatives (ms)"):
         t.add_column(c)
     for d in plan.decisions:
         v = d.variant
         vt = f"BK{v.get('block_k')} BV{v.get('block_v')} w{v.get('num_warps')}" + (" fused" if v.get("fuse_prepare") else "")
-        alts = ", ".join(f"{a['mode']}{' fused' if a['variant'].get('fuse_prepare') else ''} {ms(a['cost']['seconds'])}"
+        short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+        alts = ", ".join(f"{a['mode']}{' fused' if a['variant'].get('fuse_prepare') else ''}"
+                         f"{' ' + short[a['state_dtype']] if 'state_dtype' in a else ''} {ms(a['cost']['seconds'])}"
                          for a in d.alternatives)
-        t.add_row(d.phase, str(d.batch), str(d.seq_len), d.mode, str(d.chunk_size or "-"), vt, ms(d.cost["seconds"]),
-                  d.cost["bound"], d.cost["source"], alts)
+        t.add_row(d.phase, str(d.batch), str(d.seq_len), d.mode, str(d.chunk_size or "-"), vt, short[d.state_dtype],
+                  ms(d.cost["seconds"]), d.cost["bound"], d.cost["source"], alts)
     con = Console(width=220)
     con.print(t)
     cross = ", ".join(f"{k}: {v if v is not None else 'never'}" for k, v in plan.crossover.items())

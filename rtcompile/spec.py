@@ -35,7 +35,9 @@ MAX_WIDTH = 65536
 CHUNK_SIZES = (16, 32, 64, 128, 256)
 DEFAULT_CHUNK = 64  # what "auto" assumes for figures until the planner decides (issue 5)
 INPUT_DTYPES = ("float32", "float16", "bfloat16")
-STATE_DTYPES = ("float32", "float16", "bfloat16")
+# The dtype the decode cache keeps the state in between steps (every kernel accumulates in
+# fp32); "auto" lets the planner choose per decode batch (rtcompile.plan).
+STATE_DTYPES = ("float32", "float16", "bfloat16", "auto")
 PROJECTIONS = ("dense", "conconlyc")
 MAX_SHORT_CONV = 16
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -221,7 +223,9 @@ class ModelSpec:
 
     @property
     def state_bytes_per_head(self) -> int:
-        return self.state_elements_per_head * DTYPE_BYTES[self.state_dtype]
+        """Bytes of one head's state; with ``state_dtype="auto"`` the fp32 bound."""
+        dtype = "float32" if self.state_dtype == "auto" else self.state_dtype
+        return self.state_elements_per_head * DTYPE_BYTES[dtype]
 
     @property
     def state_bytes_per_layer(self) -> int:

@@ -63,3 +63,65 @@ def test_triton_backend_matches_reference():
 def test_bad_vocab():
     with pytest.raises(ValueError, match="vocab_size"):
         RunningTensorLM(_spec((2, 4), Features()), vocab_size=1)
+
+
+def _stepped(lm, tokens, backend, plan=None):
+    """Prefill 3 tokens, then step the rest; the logits of every step and the final cache."""
+    lm.plan = plan
+    with torch.no_grad():
+        _, cache = lm(tokens[:, :3], backend=backend)
+        out = []
+        for t in range(3, tokens.shape[1]):
+            lg, cache = lm.step(tokens[:, t], cache, backend=backend)
+            out.append(lg)
+    return torch.stack(out, 1), cache
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_step_updates_the_state_in_place_in_the_spec_dtype(backend):
+    torch.manual_seed(2)
+    spec32 = _spec((2, 4), Features(query_skip=True), layers=1)
+    spec16 = ModelSpec(**{**spec32.to_dict(), "state_dtype": "bfloat16", "features": spec32.features})
+    lm = RunningTensorLM(spec32, vocab_size=9)
+    tokens = torch.randint(0, 9, (2, 9))
+    with torch.no_grad():
+        full, _ = lm(tokens, backend="reference")
+    ref32, cache32 = _stepped(lm, tokens, backend)
+    assert cache32[0]["state"].dtype == torch.float32
+    assert float((ref32 - full[:, 3:]).abs().max() / full.abs().max()) < 1e-4
+    lm16 = RunningTensorLM(spec16, vocab_size=9)
+    lm16.load_state_dict(lm.state_dict())
+    got16, cache16 = _stepped(lm16, tokens, backend)
+    assert cache16[0]["state"].dtype == torch.bfloat16
+    err = float((got16 - ref32).abs().max() / ref32.abs().max())
+    assert 0 < err < 2e-2, err  # rounded (so not equal), within bf16's reach
+    # the step writes into the cache it is given: same storage before and after
+    state = cache16[0]["state"]
+    with torch.no_grad():
+        _, again = lm16.step(tokens[:, 0], cache16, backend=backend)
+    assert again[0]["state"].data_ptr() == state.data_ptr()
+
+
+def test_auto_state_dtype_follows_the_plan():
+    import dataclasses
+
+    from rtcompile.plan import make_plan
+    from rtcompile.target import get_target
+
+    big = ModelSpec(order=3, key_widths=(16, 16), value_width=64, heads=8, model_width=512, state_dtype="auto")
+    plan = make_plan(big, get_target("h200"), batches=(1,), seq_lens=(16,), decode_batches=(256,))
+    (d,) = [d for d in plan.decisions if d.phase == "decode"]
+    assert d.state_dtype == "bfloat16" and "bf16 cache" in d.reason  # memory-bound: half the bytes
+    tiny = ModelSpec(order=3, key_widths=(2, 4), value_width=5, heads=2, model_width=12, state_dtype="auto")
+    plan = make_plan(tiny, get_target("h200"), batches=(1,), seq_lens=(16,), decode_batches=(2,))
+    (d,) = [d for d in plan.decisions if d.phase == "decode"]
+    assert d.state_dtype == "float32" and "fp32 kept" in d.reason  # latency-bound: nothing to gain
+    torch.manual_seed(3)
+    lm = RunningTensorLM(tiny, vocab_size=9)
+    tokens = torch.randint(0, 9, (2, 5))
+    _, cache = _stepped(lm, tokens, "triton", plan=plan)
+    assert cache[0]["state"].dtype == torch.float32
+    bf16 = dataclasses.replace(plan, decisions=[dataclasses.replace(x, state_dtype="bfloat16") if x.phase == "decode"
+                                                else x for x in plan.decisions])
+    _, cache = _stepped(lm, tokens, "triton", plan=bf16)
+    assert cache[0]["state"].dtype == torch.bfloat16
