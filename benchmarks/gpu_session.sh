@@ -67,6 +67,7 @@ step_sweep() {
   sweep_one examples/order3_16x16.toml prefill 8 "${CHUNK_FIX[@]}"
   sweep_one examples/order3_16x16.toml decode 256 "${DECODE_FIX[@]}"
   python3 -m rtcompile.cli tune --list --storage "sqlite:///$OUT/cache/sweep.db" > "$OUT/sweep_list.txt"
+  python3 benchmarks/gpu_checks.py sweep --storage "sqlite:///$OUT/cache/sweep.db" --out "$OUT/sweep"
   rm -rf "$OUT/cache/rtcompile/references"  # the float64 check outputs: large, not results
   # first call after a reload: the tuned entry is found, nothing is tuned, only compiled (an
   # empty Triton cache, so the compile is really paid)
