@@ -282,6 +282,8 @@ def tune_bucket(bucket: Bucket, opts: TuneOptions,
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if opts.exhaustive and opts.seconds is not None:
+        raise ValueError("exhaustive: one trial per valid variant is its own budget; allowed: seconds=None")
     search_space(bucket, opts)  # a bad fixed parameter fails here, before the store is touched
     url = opts.storage
     storage = open_storage(url)
