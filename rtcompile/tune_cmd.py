@@ -159,7 +159,9 @@ def run(args) -> int:
 
         for bucket in buckets:
             results.append(tune_bucket(bucket, opts, progress))
-    table = Table(title=f"tuned {spec.name or args.spec} on {'GPU' if on_gpu else 'CPU (interpreter timings)'}",
+    how = ("exhaustive sweep" if args.exhaustive else "tuned") + (f" (fixed: {', '.join(f'{k}={v}' for k, v in args.fix)})"
+                                                                   if args.fix else "")
+    table = Table(title=f"{how} {spec.name or args.spec} on {'GPU' if on_gpu else 'CPU (interpreter timings)'}",
                   header_style="bold")
     for c in ("bucket", "trials run", "ok", "pruned", "rejected", "failed", "best ms", "default ms", "speed-up", "best variant"):
         table.add_column(c)
