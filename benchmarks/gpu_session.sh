@@ -18,7 +18,7 @@ export RTCOMPILE_COMMIT="${RTCOMPILE_COMMIT:-$(git rev-parse --short HEAD 2>/dev
 export XDG_CACHE_HOME="$OUT/cache"
 export RTCOMPILE_TUNED="$OUT/cache/rtcompile/tuned.json"
 mkdir -p "$OUT/cache"
-# A sub-space small enough to sweep exhaustively (86 chunk / 90-115 decode variants at these
+# A sub-space small enough to sweep exhaustively (92 chunk / 90-115 decode variants at these
 # shapes); the TPE study searches the same sub-space with 20% of the exhaustive trial count.
 CHUNK_FIX=(--fix fuse_prepare=false --fix solve=rows --fix dot_precision=ieee --fix num_stages=1)
 DECODE_FIX=(--fix num_stages=1)

@@ -263,17 +263,20 @@ def _default_with(**changes: Any) -> Callable[["Case"], dict[str, Any]]:
     return variant
 
 
-ERROR_VARIANTS = ("fused", "prefetch")  # the named variants whose error the error cases report
+ERROR_VARIANTS = ("fused", "prefetch", "wy")  # the named variants whose error the error cases report
 
 # Named extra implementations timed beside the default: name -> kwargs, or a function of the
 # case returning kwargs (for variants that depend on the shape). "fused": no [T, C] workspace,
 # so its extra memory does not grow with T (the planner's low-memory choice); "fused-blocks"
-# the same with the blocked solve; "prefetch": the next chunk's loads issued ahead.
+# the same with the blocked solve; "prefetch": the next chunk's loads issued ahead; "wy": the
+# solve applied in the parallel prepare kernel (two products on the sequential chain).
 DEFAULT_VARIANTS: dict[str, Any] = {
     "fused": _default_with(fuse_prepare=True),
     "fused-blocks": _default_with(fuse_prepare=True, solve="blocks"),
     "prefetch": _default_with(prefetch=True),
     "prefetch-fused-blocks": _default_with(prefetch=True, fuse_prepare=True, solve="blocks"),
+    "wy": _default_with(wy=True),
+    "prefetch-wy": _default_with(prefetch=True, wy=True),
 }
 
 

@@ -81,12 +81,14 @@ def _pick(memory: float, compute: float, latency: float) -> tuple[float, str]:
 
 
 def chunk_workspace_bytes(spec: ModelSpec, batch: int, seq_len: int, variant: ChunkVariant) -> int:
-    """Extra memory of the chunk kernels: the [B, H, T, C] scores (and inverse) in fp32, or,
-    fused, nothing beyond the final-state buffer (counted as output)."""
+    """Extra memory of the chunk kernels: the [B, H, T, C] scores (and inverse) in fp32 (wy: the
+    scores, W and U0), or, fused, nothing beyond the final-state buffer (counted as output)."""
     if variant.fuse_prepare:
         return 0
-    per = batch * spec.heads * seq_len * variant.chunk_size * 4
-    return per * (2 if spec.features.delta_rule else 1)
+    rows = batch * spec.heads * seq_len
+    if variant.wy and spec.features.delta_rule:  # P, and W [T, K] (input type) + U0 [T, V] (fp32)
+        return rows * (variant.chunk_size * 4 + spec.key_dim * DTYPE_BYTES[spec.input_dtype] + spec.value_width * 4)
+    return rows * variant.chunk_size * 4 * (2 if spec.features.delta_rule else 1)
 
 
 def _solve_rows(variant: ChunkVariant) -> float:

@@ -145,6 +145,28 @@ def test_prefetch_matches_float64(case, feat):
     assert rel_err(o.cpu(), o_ref) < FP32_TOL and rel_err(s.cpu(), s_ref) < FP32_TOL
 
 
+WY = {
+    # the solve applied in the prepare kernel; K = 12 pads to a 16-row state tile, 256 is outer-product phi
+    "o3-3x4-c16": ((3, 4), 37, ChunkVariant(chunk_size=16, block_k=16, block_v=16, wy=True)),
+    "o4-2x3x2-c32-blocks": ((2, 3, 2), 70, ChunkVariant(chunk_size=32, block_k=16, block_v=16, solve="blocks",
+                                                          wy=True)),
+    "o3-16x16-c16-prefetch": ((16, 16), 37, ChunkVariant(chunk_size=16, block_k=256, block_v=16, num_warps=8,
+                                                          num_stages=1, prefetch=True, wy=True)),
+}
+
+
+@pytest.mark.parametrize("feat", ["gate", "gated-delta-l2"])
+@pytest.mark.parametrize("case", WY.keys())
+def test_wy_matches_float64(case, feat):
+    widths, T, variant = WY[case]
+    f = FEATURES[feat]  # without the delta rule wy has no solve to move: the plain path runs
+    dev, ref, s0 = _case(2, T, 1, widths, 6, gate=f["gate"], delta=f["delta"], state=True)
+    o, s = running_tensor_fwd(*dev, initial_state=_to(s0, torch.float32), output_final_state=True,
+                              l2norm=f["l2norm"], mode="chunk", variant=variant)
+    o_ref, s_ref = running_tensor_recurrent_ref(*ref, initial_state=s0, output_final_state=True, l2norm=f["l2norm"])
+    assert rel_err(o.cpu(), o_ref) < FP32_TOL and rel_err(s.cpu(), s_ref) < FP32_TOL
+
+
 @pytest.mark.parametrize("case", BLOCKED_SOLVE.keys())
 def test_blocked_solve_matches_float64(case):
     widths, T, variant = BLOCKED_SOLVE[case]
@@ -178,6 +200,7 @@ VARLEN_PREFETCH = ChunkVariant(chunk_size=16, block_k=16, block_v=16, num_stages
 VARLEN = {f"{impl}-{name}": (w, impl) for impl in ("chunk16", "recurrent")
           for name, w in (("o2", (5,)), ("o3", (3, 4)), ("o4", (2, 3, 2)))}
 VARLEN["chunk16-prefetch-o2-16"] = ((16,), "chunk16-prefetch")  # prefetch takes widths >= 16 only
+VARLEN["chunk16-wy-o3"] = ((3, 4), "chunk16-wy")
 
 
 @pytest.mark.parametrize("case", VARLEN.keys())
@@ -187,7 +210,9 @@ def test_varlen_uneven_lengths(case):
     N = len(offsets) - 1
     dev, ref, s0 = _case(1, offsets[-1], 2, widths, 3, state=True, num_seqs=N)
     cu = torch.tensor(offsets, dtype=torch.int32)
-    mode, variant = ("chunk", VARLEN_PREFETCH) if impl == "chunk16-prefetch" else VARIANTS[impl]
+    mode, variant = {"chunk16-prefetch": ("chunk", VARLEN_PREFETCH),
+                     "chunk16-wy": ("chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16, wy=True))}.get(
+        impl) or VARIANTS[impl]
     o, s = running_tensor_fwd(*dev, initial_state=_to(s0, torch.float32), output_final_state=True, l2norm=True,
                               cu_seqlens=_to(cu), mode=mode, variant=variant)
     o_ref, s_ref = running_tensor_recurrent_ref(*ref, initial_state=s0, output_final_state=True, l2norm=True, cu_seqlens=cu)

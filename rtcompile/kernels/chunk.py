@@ -126,13 +126,13 @@ def _chunk_scores(q1, q2, q3, k1, k2, k3, beta, r, m_t, b_c,
 
 
 @triton.jit
-def _load_chunk(q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, r, m_t, o_v, m_v, off_w,
+def _load_chunk(q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, W, U0, r, m_t, o_v, m_v, off_w, p_row,
                 NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, C: tl.constexpr,
-                V: tl.constexpr, USE_G: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr,
-                FUSE_PREPARE: tl.constexpr):
+                K: tl.constexpr, BK: tl.constexpr, V: tl.constexpr, USE_G: tl.constexpr, USE_BETA: tl.constexpr,
+                L2NORM: tl.constexpr, FUSE_PREPARE: tl.constexpr, WY: tl.constexpr):
     """Every input of one chunk that does not depend on the state, in registers: the (normalised)
     [C, D_i] factor tiles (each D_i a power of two >= 16, so a tile is exactly its factor), values,
-    log-decay increments, beta, and the prepared P and Ai unless FUSE_PREPARE. Slots a flag turns
+    log-decay increments, beta, and the prepared P and Ai (WY: W and U0) unless FUSE_PREPARE. Slots a flag turns
     off hold a small placeholder that is never read. Issued one chunk ahead (PREFETCH), these
     loads wait behind the current chunk's arithmetic instead of in front of it."""
     b_q1, b_q2, b_q3, b_k1, b_k2, b_k3 = _factor_tiles(q1, q2, q3, k1, k2, k3, r, m_t, NF, D1, D2, D3,
@@ -146,11 +146,25 @@ def _load_chunk(q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, r, m_t, o_v, m_v, off
         b_b = tl.load(beta + r, mask=m_t, other=0.0).to(tl.float32)
     b_P = tl.zeros([C, C], dtype=tl.float32)
     b_Ai = tl.zeros([C, C], dtype=tl.float32)
+    b_W = tl.zeros([C, 16], dtype=tl.float32)
+    b_U0 = tl.zeros([C, 16], dtype=tl.float32)
     if not FUSE_PREPARE:
         b_P = tl.load(P + off_w, mask=m_t[:, None], other=0.0)
-        if USE_BETA:
+        if WY:
+            b_W, b_U0 = _load_wy(W, U0, p_row, m_t, o_v, m_v, K, BK, V)
+        elif USE_BETA:
             b_Ai = tl.load(Ai + off_w, mask=m_t[:, None], other=0.0)
-    return b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_v, b_g, b_b, b_P, b_Ai
+    return b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_v, b_g, b_b, b_P, b_Ai, b_W, b_U0
+
+
+@triton.jit
+def _load_wy(W, U0, p_row, m_t, o_v, m_v, K: tl.constexpr, BK: tl.constexpr, V: tl.constexpr):
+    """The chunk's [C, BK] rows of W (BK >= K) and [C, BV] block of U0 (see the WY prepare)."""
+    o_k = tl.arange(0, BK)
+    b_W = tl.load(W + p_row[:, None] * K + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :],
+                  other=0.0).to(tl.float32)
+    b_U0 = tl.load(U0 + p_row[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+    return b_W, b_U0
 
 
 @triton.jit
@@ -177,12 +191,13 @@ def _chunk_log_decay(g, r, m_t, USE_G: tl.constexpr, C: tl.constexpr):
 
 @triton.jit
 def chunk_prepare_running_tensor_kernel(
-    q1, q2, q3, k1, k2, k3, g, beta, P, Ai, cu_seqlens, chunk_indices, T,
+    q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, W, U0, cu_seqlens, chunk_indices, T,
     H: tl.constexpr, NF: tl.constexpr,
     D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
     BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, C: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
-    LOWP: tl.constexpr, PREC: tl.constexpr, SOLVE_BLOCK: tl.constexpr,
+    LOWP: tl.constexpr, PREC: tl.constexpr, SOLVE_BLOCK: tl.constexpr, WY: tl.constexpr, OUTER: tl.constexpr,
 ):
     i_c, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -208,13 +223,30 @@ def chunk_prepare_running_tensor_kernel(
     # workspace [B, H, T, C]: row = token, as the sequential kernel reads it
     off_w = ((i_b * H + i_h) * T + tok)[:, None] * C + o_c[None, :]
     tl.store(P + off_w, b_P, mask=m_t[:, None])
-    if USE_BETA:
+    if WY:  # the solve applied here, in parallel: W = Ai diag(b Gamma / ||phi(k)||) phi(K), U0 = Ai diag(b) V
+        DT: tl.constexpr = q1.dtype.element_ty
+        b_b = tl.load(beta + r, mask=m_t, other=0.0).to(tl.float32)
+        b_scale = b_b * tl.exp(b_c)
+        if L2NORM:
+            b_scale *= phi_inv_norm(k1, k2, k3, r[:, None], m_t[:, None], D1, D2, D3, BD1, BD2, BD3, NF)
+        b_phi = _phi_block(k1, k2, k3, r, m_t, 0, C, BK, NF, D1, D2, D3, K, OUTER)
+        b_w = _dot(b_Ai, b_phi * b_scale[:, None], LOWP, DT, PREC)
+        o_k = tl.arange(0, BK)
+        p_row = (i_b * H + i_h) * T + tok
+        tl.store(W + p_row[:, None] * K + o_k[None, :], b_w.to(W.dtype.element_ty),
+                 mask=m_t[:, None] & (o_k < K)[None, :])
+        o_v = tl.arange(0, BV)
+        m_v = (o_v < V)[None, :]
+        b_v = tl.load(v + r[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v, other=0.0).to(tl.float32)
+        b_u0 = _dot(b_Ai, b_b[:, None] * b_v, LOWP, DT, PREC)
+        tl.store(U0 + p_row[:, None] * V + o_v[None, :], b_u0, mask=m_t[:, None] & m_v)
+    elif USE_BETA:
         tl.store(Ai + off_w, b_Ai, mask=m_t[:, None])
 
 
 @triton.jit
 def chunk_running_tensor_fwd_kernel(
-    q1, q2, q3, k1, k2, k3, v, g, beta, o, h0, ht, P, Ai, cu_seqlens,
+    q1, q2, q3, k1, k2, k3, v, g, beta, o, h0, ht, P, Ai, W, U0, cu_seqlens,
     scale, T,
     H: tl.constexpr, NF: tl.constexpr,
     D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
@@ -223,7 +255,7 @@ def chunk_running_tensor_fwd_kernel(
     USE_G: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
     FUSE_PREPARE: tl.constexpr, LOWP: tl.constexpr, LOWP_SCORES: tl.constexpr, PREC: tl.constexpr,
-    OUTER: tl.constexpr, SOLVE_BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
+    OUTER: tl.constexpr, SOLVE_BLOCK: tl.constexpr, PREFETCH: tl.constexpr, WY: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -251,10 +283,10 @@ def chunk_running_tensor_fwd_kernel(
         tok = bos + o_c
         m_t = tok < eos
         r = (i_b * T + tok) * H + i_h
-        off_w = ((i_b * H + i_h) * T + tok)[:, None] * C + o_c[None, :]
-        n_q1, n_q2, n_q3, n_k1, n_k2, n_k3, n_v, n_g, n_b, n_P, n_Ai = _load_chunk(
-            q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, r, m_t, o_v, m_v, off_w,
-            NF, D1, D2, D3, C, V, USE_G, USE_BETA, L2NORM, FUSE_PREPARE,
+        p_row = (i_b * H + i_h) * T + tok
+        n_q1, n_q2, n_q3, n_k1, n_k2, n_k3, n_v, n_g, n_b, n_P, n_Ai, n_W, n_U0 = _load_chunk(
+            q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, W, U0, r, m_t, o_v, m_v, p_row[:, None] * C + o_c[None, :],
+            p_row, NF, D1, D2, D3, C, K, BK, V, USE_G, USE_BETA, L2NORM, FUSE_PREPARE, WY,
         )
     for i_c in range(0, tl.cdiv(eos - bos, C)):
         tok = bos + i_c * C + o_c
@@ -264,13 +296,14 @@ def chunk_running_tensor_fwd_kernel(
         r_k = tl.full([C], 1.0, tl.float32)
         if PREFETCH:
             b_q1, b_q2, b_q3, b_k1, b_k2, b_k3 = n_q1, n_q2, n_q3, n_k1, n_k2, n_k3
-            b_v, b_g, b_b, b_P, b_Ai = n_v, n_g, n_b, n_P, n_Ai
+            b_v, b_g, b_b, b_P, b_Ai, b_W, b_U0 = n_v, n_g, n_b, n_P, n_Ai, n_W, n_U0
             tok_n = tok + C  # past the end: every load is masked off
             r_n = (i_b * T + tok_n) * H + i_h
-            off_n = ((i_b * H + i_h) * T + tok_n)[:, None] * C + o_c[None, :]
-            n_q1, n_q2, n_q3, n_k1, n_k2, n_k3, n_v, n_g, n_b, n_P, n_Ai = _load_chunk(
-                q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, r_n, tok_n < eos, o_v, m_v, off_n,
-                NF, D1, D2, D3, C, V, USE_G, USE_BETA, L2NORM, FUSE_PREPARE,
+            p_row = (i_b * H + i_h) * T + tok_n
+            n_q1, n_q2, n_q3, n_k1, n_k2, n_k3, n_v, n_g, n_b, n_P, n_Ai, n_W, n_U0 = _load_chunk(
+                q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, W, U0, r_n, tok_n < eos, o_v, m_v,
+                p_row[:, None] * C + o_c[None, :], p_row, NF, D1, D2, D3, C, K, BK, V, USE_G, USE_BETA, L2NORM,
+                FUSE_PREPARE, WY,
             )
             b_c = tl.zeros([C], dtype=tl.float32)
             if USE_G:
@@ -286,10 +319,12 @@ def chunk_running_tensor_fwd_kernel(
                     NF, D1, D2, D3, BD1, BD2, BD3, C, USE_BETA, L2NORM, LOWP_SCORES, PREC, SOLVE_BLOCK,
                 )
             else:
-                off_w = ((i_b * H + i_h) * T + tok)[:, None] * C + o_c[None, :]
-                b_P = tl.load(P + off_w, mask=m_t[:, None], other=0.0)
-                if USE_BETA:
-                    b_Ai = tl.load(Ai + off_w, mask=m_t[:, None], other=0.0)
+                p_row = (i_b * H + i_h) * T + tok
+                b_P = tl.load(P + p_row[:, None] * C + o_c[None, :], mask=m_t[:, None], other=0.0)
+                if WY:
+                    b_W, b_U0 = _load_wy(W, U0, p_row, m_t, o_v, m_v, K, BK, V)
+                elif USE_BETA:
+                    b_Ai = tl.load(Ai + p_row[:, None] * C + o_c[None, :], mask=m_t[:, None], other=0.0)
             if L2NORM:  # ||phi|| = prod ||x_i||: one scale per row instead of normalising phi
                 r_q = phi_inv_norm(q1, q2, q3, r[:, None], m_t[:, None], D1, D2, D3, BD1, BD2, BD3, NF)
                 r_k = phi_inv_norm(k1, k2, k3, r[:, None], m_t[:, None], D1, D2, D3, BD1, BD2, BD3, NF)
@@ -307,7 +342,10 @@ def chunk_running_tensor_fwd_kernel(
             else:
                 b_k = _phi_block(k1, k2, k3, r, m_t, 0, C, BK, NF, D1, D2, D3, K, OUTER) * r_k[:, None]
                 b_q = _phi_block(q1, q2, q3, r, m_t, 0, C, BK, NF, D1, D2, D3, K, OUTER) * r_q[:, None]
-            b_ks = _dot(b_k, b_s, LOWP, DT, PREC)
+            if WY:  # the delta's prediction, Ai diag(b Gamma) phi(K) S, in one product
+                b_ws = _dot(b_W, b_s, LOWP, DT, PREC)
+            else:
+                b_ks = _dot(b_k, b_s, LOWP, DT, PREC)
             b_qs = _dot(b_q, b_s, LOWP, DT, PREC)
         else:
             b_ks = tl.zeros([C, BV], dtype=tl.float32)
@@ -323,7 +361,9 @@ def chunk_running_tensor_fwd_kernel(
                 b_qs += _dot(b_q, b_s, LOWP, DT, PREC)
             b_ks = b_ks * r_k[:, None]
             b_qs = b_qs * r_q[:, None]
-        if USE_BETA:
+        if WY:
+            b_u = b_U0 - b_ws
+        elif USE_BETA:
             b_u = _dot(b_Ai, b_b[:, None] * (b_v - b_gam[:, None] * b_ks), LOWP_SCORES, DT, PREC)
         else:
             b_u = b_v

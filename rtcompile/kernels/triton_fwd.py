@@ -193,10 +193,16 @@ def _launch_chunk(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm, s
     g_arg = g if g is not None else dummy
     beta_arg = beta if beta is not None else dummy
     cu_arg = cu_seqlens if cu_seqlens is not None else dummy
-    P = Ai = dummy
+    P = Ai = W = U0 = dummy
+    wy = variant.wy and beta is not None  # without the delta rule there is no solve to move
+    outer = _outer_phi(p.key_widths, variant.block_k)
     if not variant.fuse_prepare:
         P = _empty(B, H, T, C, dtype=torch.float32, device=v.device)
-        Ai = _empty(B, H, T, C, dtype=torch.float32, device=v.device) if beta is not None else dummy
+        if wy:  # W in the dot operand type (16-bit inputs: their own), U0 in fp32
+            W = _empty(B, H, T, p.key_dim, dtype=v.dtype if common["LOWP"] else torch.float32, device=v.device)
+            U0 = _empty(B, H, T, V, dtype=torch.float32, device=v.device)
+        elif beta is not None:
+            Ai = _empty(B, H, T, C, dtype=torch.float32, device=v.device)
         if cu_seqlens is not None:
             idx = _chunk_indices(p, C, v.device)
             grid = (idx.shape[0], H)
@@ -204,17 +210,18 @@ def _launch_chunk(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm, s
             idx = dummy
             grid = (triton.cdiv(T, C), B * H)
         chunk_prepare_running_tensor_kernel[grid](
-            *_factor_args(q), *_factor_args(k), g_arg, beta_arg, P, Ai, cu_arg, idx, T, C=C, **common,
+            *_factor_args(q), *_factor_args(k), v, g_arg, beta_arg, P, Ai, W, U0, cu_arg, idx, T, C=C,
+            K=p.key_dim, V=V, BK=variant.block_k, BV=max(16, next_pow2(V)), WY=wy, OUTER=outer, **common,
             num_warps=variant.num_warps, num_stages=variant.num_stages,
         )
     grid = (triton.cdiv(V, variant.block_v), p.num_seqs * H)
     chunk_running_tensor_fwd_kernel[grid](
         *_factor_args(q), *_factor_args(k), v, g_arg, beta_arg, o,
-        h0 if h0 is not None else dummy, ht if ht is not None else dummy, P, Ai, cu_arg,
+        h0 if h0 is not None else dummy, ht if ht is not None else dummy, P, Ai, W, U0, cu_arg,
         p.scale, T,
         K=p.key_dim, V=V, C=C, BK=variant.block_k, BV=variant.block_v,
         USE_H0=h0 is not None, STORE_HT=store_ht, FUSE_PREPARE=variant.fuse_prepare,
-        OUTER=_outer_phi(p.key_widths, variant.block_k), PREFETCH=variant.prefetch,
+        OUTER=outer, PREFETCH=variant.prefetch, WY=wy,
         # The fused prepare keeps its Grams, solve and score products in fp32: with 16-bit
         # operands there, (C=64, BK=128, 8 warps, order 3 64x64) returned wrong results and then
         # an illegal address on an H200 (Triton 3.6, 2026-11-29); fp32 was verified there.

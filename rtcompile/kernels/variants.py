@@ -144,13 +144,16 @@ class ChunkVariant(_Variant):
     next chunk's inputs (factor tiles, values, gates, prepared scores) before computing the
     current one, so their latency overlaps the arithmetic of the sequential loop; needs the
     state in registers and power-of-two key widths >= 16 (each factor tile is then exactly one
-    load and phi their outer product).
+    load and phi their outer product). ``wy``: the delta rule's solve applied in the parallel
+    prepare kernel (W = Ai diag(b Gamma) phi(K), U0 = Ai diag(b) V, stored [T, K] and [T, V]),
+    so the sequential loop's chain is two products (W S, then the update) instead of three;
+    needs the state in registers and the two-kernel form; its workspace grows with T * K.
     """
 
     kernel: ClassVar[str] = "chunk"
     FIELDS: ClassVar[tuple[str, ...]] = (
         "chunk_size", "block_k", "block_v", "num_warps", "num_stages", "fuse_prepare", "dot_precision", "solve",
-        "prefetch",
+        "prefetch", "wy",
     )
     chunk_size: int
     block_k: int
@@ -161,6 +164,7 @@ class ChunkVariant(_Variant):
     dot_precision: str = "ieee"
     solve: str = "rows"
     prefetch: bool = False
+    wy: bool = False
 
     def check(self, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> str | None:
         for name in ("chunk_size", "block_k", "block_v", "num_warps"):
@@ -185,6 +189,10 @@ class ChunkVariant(_Variant):
             return f"prefetch needs the state in registers: block_k >= K ({shape.key_dim})"
         if self.prefetch and not all(w >= 16 and w & (w - 1) == 0 for w in shape.key_widths):
             return f"prefetch needs power-of-two key widths >= 16, got {shape.key_widths}"
+        if self.wy and self.fuse_prepare:
+            return "wy applies the solve in the prepare kernel: it needs fuse_prepare=False"
+        if self.wy and not self.resident(shape):
+            return f"wy needs the state in registers: block_k >= K ({shape.key_dim})"
         if self.estimate_registers(shape) > MAX_REGS_PER_THREAD:
             return f"~{self.estimate_registers(shape)} registers per thread (> {MAX_REGS_PER_THREAD})"
         if self.estimate_smem(shape) > smem_limit:
@@ -204,6 +212,8 @@ class ChunkVariant(_Variant):
             live += 3 * C * C
         if self.prefetch:  # the next chunk's factor tiles, values and (prepared) P and Ai
             live += 2 * C * sum(shape.key_widths) + C * bv + 2 * C * C
+        if self.wy:  # the W rows and U0 block (twice with prefetch: this chunk's and the next)
+            live += (C * bk + C * bv) * (2 if self.prefetch else 1)
         return 32 + math.ceil(live / (32 * self.num_warps))
 
     def estimate_smem(self, shape: KernelShape) -> int:
@@ -228,6 +238,7 @@ class ChunkVariant(_Variant):
             "dot_precision": list(DOT_PRECISIONS),
             "solve": list(SOLVES),
             "prefetch": [False, True],
+            "wy": [False, True],
         }
 
     @classmethod
