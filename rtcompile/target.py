@@ -127,10 +127,11 @@ def measure() -> Target:
 
     from .timing import median_seconds as timed
 
-    n = 1 << 29  # 2 GiB of fp32: far beyond L2
-    src, dst = torch.randn(n, device="cuda"), torch.empty(n, device="cuda")
-    bw = 2 * 4 * n / timed(lambda: dst.copy_(src))
-    del src, dst
+    def copy_rate(n: int = 1 << 29) -> float:  # 2 GiB of fp32: far beyond L2; freed on return
+        src, dst = torch.randn(n, device="cuda"), torch.empty(n, device="cuda")
+        return 2 * 4 * n / timed(lambda: dst.copy_(src))
+
+    bw = copy_rate()
     m = 8192
     a, b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16), torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
     rate = 2 * m**3 / timed(lambda: a @ b)

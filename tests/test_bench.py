@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from rtcompile import bench
+from rtcompile.bench import measure, report
 from rtcompile.bench import (
     IMPL_COPY, IMPL_FLA, IMPL_REF, IMPL_RT, IMPL_RT_RECURRENT, BenchOptions, Case, Ceilings, Deadline,
     Outcome, Row, Work,
@@ -147,9 +148,9 @@ def test_rel_rms():
     assert bench.rel_rms(e, e) == 0
     assert bench.rel_rms(e + torch.tensor([0.3, 0.4]), e) == pytest.approx(0.1)
     assert bench.rel_rms(torch.tensor([float("nan"), 1.0]), e) == float("inf")
-    out = bench._error_outcome(0.05, 1e-3, "bfloat16")
+    out = measure._error_outcome(0.05, 1e-3, "bfloat16")
     assert out.rel_rms_err == 0.05 and "check" in out.note
-    assert bench._error_outcome(float("inf"), None, "float32").rel_rms_err is None
+    assert measure._error_outcome(float("inf"), None, "float32").rel_rms_err is None
 
 
 # ----- result files -------------------------------------------------------------------------------
@@ -310,11 +311,12 @@ def fakes(monkeypatch):
     mod.running_tensor_decode_ = kernels.running_tensor_decode_
     monkeypatch.setitem(sys.modules, "rtcompile.kernels.triton_fwd", mod)
     fla = _fake_fla_module()
-    monkeypatch.setattr(bench, "_fla_ops", lambda: fla)
-    monkeypatch.setattr(bench, "fla_version", lambda: "0.6.0-fake")
-    monkeypatch.setattr(bench, "EAGER_CALLS", 3)
-    monkeypatch.setattr(bench, "EAGER_TRIALS", 2)
-    monkeypatch.setattr(bench, "EAGER_WARMUP", 1)
+    monkeypatch.setattr(measure, "_fla_ops", lambda: fla)
+    for module in (measure, report):  # each holds its own name for it
+        monkeypatch.setattr(module, "fla_version", lambda: "0.6.0-fake")
+    monkeypatch.setattr(measure, "EAGER_CALLS", 3)
+    monkeypatch.setattr(measure, "EAGER_TRIALS", 2)
+    monkeypatch.setattr(measure, "EAGER_WARMUP", 1)
     return kernels
 
 
@@ -381,8 +383,8 @@ def test_cpu_run_records_a_broken_kernel(fakes, monkeypatch, tmp_path):
 
 def test_ceilings_on_cpu():
     ctx = bench.BenchContext(torch.device("cpu"), repeats=3, l2_bytes=0)
-    copy = bench._measure_big_copy(ctx, nbytes=1 << 20)
-    mm = bench._measure_matmul(ctx, n=32)
+    copy = measure._measure_big_copy(ctx, nbytes=1 << 20)
+    mm = measure._measure_matmul(ctx, n=32)
     assert copy.seconds > 0 and copy.work.nbytes == 2 << 20
     assert mm.seconds > 0 and mm.work.flops == 2 * 32**3
     rows = bench.run_case(bench.CEILING_CASE, {bench.IMPL_BIG_COPY: lambda: copy, bench.IMPL_MATMUL: lambda: mm})
@@ -413,7 +415,7 @@ def test_import_does_not_touch_a_device():
 def test_variant_names_survive_rich_markup():
     import io
 
-    from rtcompile.bench import _print_table
+    from rtcompile.bench.report import _print_table
 
     buf = io.StringIO()
     _print_table("t", ["impl"], [["rtcompile[fused]"]], buf)
