@@ -14,7 +14,10 @@ Per chunk of C tokens (local cumulative log decay c, Gamma = exp(c), D_ij = exp(
 itself (no workspace). phi(Q) and phi(K) are built on chip from the factors, tile by tile.
 When BK covers K the [K, BV] state stays in registers (RESIDENT); otherwise it lives in the
 final-state buffer, read twice and written once per chunk, so the workspace never grows
-with T / C.
+with T / C. Two more flags shorten the sequential loop for a resident state: PREFETCH issues
+the next chunk's loads before the current chunk's arithmetic, and WY has the prepare kernel
+apply the solve (W = Ai diag(b Gamma) phi(K), U0 = Ai diag(b) V), so U = U0 - W S and the
+loop's dependency chain is two products (W S, then the state update) instead of three.
 """
 
 from __future__ import annotations
