@@ -29,8 +29,8 @@ step_tests() {
 }
 
 step_bench() {  # decode first (about a minute), so a long prefill run cannot starve it of budget
-  python3 -m rtcompile.cli bench --out "$OUT/bench_decode" --phase decode --budget-s 120
-  python3 -m rtcompile.cli bench --out "$OUT/bench_prefill" --phase prefill --budget-s 330
+  python3 -m rtcompile.cli bench --out "$OUT/bench_decode" --phase decode --budget-s 100
+  python3 -m rtcompile.cli bench --out "$OUT/bench_prefill" --phase prefill --budget-s 300
 }
 
 sweep_one() {  # spec phase batches fixes... : TPE at 20% of the exhaustive count, then exhaustive
