@@ -87,7 +87,7 @@ def _call(spec: ModelSpec, phase: str, mode: str, variant: dict, B: int, T: int,
                                       mode=mode, variant=var)
 
 
-def _predict(spec, target, d_phase, mode, variant, B, T, cal):
+def _predict(spec, target, mode, variant, B, T, cal):
     if mode == "chunk":
         return chunk_cost(spec, target, B, T, ChunkVariant.from_dict(variant), cal).seconds
     return recurrent_cost(spec, target, B, T, RecurrentVariant.from_dict(variant), cal).seconds
@@ -141,7 +141,7 @@ def regret(args) -> dict:
             spec = ModelSpec.from_dict(r["spec_dict"])
             for a in r["alternatives"]:
                 if a["measured_s"]:
-                    p = _predict(spec, target, r["phase"], a["mode"], a["variant"], r["batch"], r["seq_len"], cal)
+                    p = _predict(spec, target, a["mode"], a["variant"], r["batch"], r["seq_len"], cal)
                     out.append(abs(math.log(p / a["measured_s"])))
         return out
 
@@ -152,7 +152,7 @@ def regret(args) -> dict:
         spec = ModelSpec.from_dict(r["spec_dict"])
         for a in r["alternatives"]:
             if a["measured_s"]:
-                pred[a["mode"]].append(_predict(spec, target, r["phase"], a["mode"], a["variant"], r["batch"],
+                pred[a["mode"]].append(_predict(spec, target, a["mode"], a["variant"], r["batch"],
                                                 r["seq_len"], Calibration()))
                 meas[a["mode"]].append(a["measured_s"])
     cal = calibrate(pred, meas)

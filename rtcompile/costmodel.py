@@ -129,8 +129,9 @@ def recurrent_cost(spec: ModelSpec, target: Target, batch: int, seq_len: int, va
     stored as ``state_dtype`` (default: the spec's; fp32 for "auto")."""
     shape = shape_of(spec)
     resident = variant.block_k >= shape.key_dim
-    per_elem = DTYPE_BYTES[state_dtype] if state_dtype else spec.state_bytes_per_head // spec.state_elements_per_head
-    state = spec.state_elements_per_head * spec.heads * per_elem * batch
+    if state_dtype is None:
+        state_dtype = "float32" if spec.state_dtype == "auto" else spec.state_dtype
+    state = spec.state_elements_per_head * spec.heads * DTYPE_BYTES[state_dtype] * batch
     io = _io_bytes_per_token(spec) * batch * seq_len
     nbytes = io + (2 * state if resident else 3 * state * seq_len)
     flops = recurrent_figures(spec).flops_per_token * batch * seq_len

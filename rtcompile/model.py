@@ -126,6 +126,15 @@ class RunningTensorLayer(nn.Module):
         y = self.out(o.reshape(B, T, H * spec.value_width))
         return y, {"state": state, "conv": tails}
 
+    def _slots(self, batch: int, device: torch.device) -> torch.Tensor:
+        """Slot i for sequence i, made once per (batch, device): an arange per layer and step
+        would be one more launch on the decode hot path."""
+        cache = self.__dict__.setdefault("_slot_cache", {})
+        key = (batch, device)
+        if key not in cache:
+            cache[key] = torch.arange(batch, dtype=torch.int32, device=device)
+        return cache[key]
+
     def _step_in_place(self, q, k, v, g, beta, state: torch.Tensor, plan, backend: str):
         spec = self.spec
         B = v.shape[0]
@@ -135,9 +144,8 @@ class RunningTensorLayer(nn.Module):
             state = state.to(dtype).contiguous()
         grad = _needs_grad(*q, *k, v, g, beta, state)
         if resolve_backend(backend, v, spec.order, grad) == "triton":
-            slots = torch.arange(B, dtype=torch.int32, device=v.device)
-            o = running_tensor_decode_(q, k, v, g, beta, state_cache=state, state_indices=slots, scale=spec.scale,
-                                       l2norm=spec.features.l2norm, validate=False)
+            o = running_tensor_decode_(q, k, v, g, beta, state_cache=state, state_indices=self._slots(B, v.device),
+                                       scale=spec.scale, l2norm=spec.features.l2norm, validate=False)
         else:  # the same semantics on the reference: fp32 step, state rounded to its dtype in place
             wide = torch.float64 if v.dtype == torch.float64 else torch.float32
             o, new = running_tensor(q, k, v, g, beta, scale=spec.scale, initial_state=state.to(wide),
