@@ -184,7 +184,7 @@ def _invert_kernel(A, X, C: tl.constexpr):
     tl.store(X + o[:, None] * C + o[None, :], b_X)
 
 
-@pytest.mark.parametrize("C", [32, 64, 128])
+@pytest.mark.parametrize("C", [32, 64])
 def test_unit_lower_inverse_blocked_is_the_inverse(C):
     # entries of size 1 (beta ~ 1, near-parallel keys) make the inverse's entries grow along chains
     A = (torch.rand(C, C, dtype=torch.float64) * 2 - 1).tril(-1)

@@ -47,14 +47,15 @@ def test_large_state_defaults_stream():
         (ChunkVariant(chunk_size=64, block_k=16, block_v=16, dot_precision="fp8"), "dot_precision"),
         (RecurrentVariant(block_k=4096, block_v=64, num_warps=1), "registers"),
         (RecurrentVariant(block_k=8192, block_v=16), "exceeds K"),
-        (ChunkVariant(chunk_size=16, block_k=16, block_v=16, solve="blocks"), "needs chunk_size >= 32"),
+        (ChunkVariant(chunk_size=16, block_k=16, block_v=16, solve="blocks"), "needs chunk_size in [32, 64]"),
+        (ChunkVariant(chunk_size=128, block_k=16, block_v=16, solve="blocks"), "needs chunk_size in [32, 64]"),
         (ChunkVariant(chunk_size=32, block_k=16, block_v=16, solve="lu"), "allowed: rows, blocks"),
         (ChunkVariant(chunk_size=32, block_k=128, block_v=16, prefetch=True), "prefetch needs the state in registers"),
         (ChunkVariant(chunk_size=32, block_k=128, block_v=16, wy=True), "wy needs the state in registers"),
         (ChunkVariant(chunk_size=32, block_k=128, block_v=16, wy=True, fuse_prepare=True), "fuse_prepare=False"),
     ],
     ids=["chunk-48", "chunk-256", "block-k-8", "chunk-registers", "precision", "rec-registers", "rec-block-k",
-         "blocks-c16", "solve-name", "prefetch-streamed", "wy-streamed", "wy-fused"],
+         "blocks-c16", "blocks-c128", "solve-name", "prefetch-streamed", "wy-streamed", "wy-fused"],
 )
 def test_check_explains(variant, needle):
     reason = variant.check(SHAPES["o3-64x64"])
