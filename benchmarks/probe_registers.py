@@ -3,7 +3,7 @@
 ``ChunkVariant.check`` refuses a variant whose *estimated* live fp32 elements per thread exceed
 255, so the bench's ``prefetch`` / ``wy`` rows at o3 16x16 read "refused: ~256 registers". This
 probe lifts that one limit (every other check stays), compiles each variant on the bench's
-prefill shape (B8 T4096 H2 d_v 64, bf16, gate + delta + l2norm), and prints the compiler's
+prefill shape (B8 T4096 H8 d_v 64, bf16, gate + delta + l2norm), and prints the compiler's
 registers and spills beside the estimate and the median time, so the estimate can be fitted to
 what ptxas does. The output of each variant is compared with the default variant's (relative
 RMS): a variant that computes something else is flagged, not timed as a win.
@@ -45,26 +45,32 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--widths", type=int, nargs="+", default=[16, 16])
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--only", nargs="+", default=None, metavar="C:BV:WARPS:PF:WY",
+                    help="probe only these variants, e.g. 32:16:4:1:1; and time fla and the default beside them")
     ap.add_argument("--dry-run", action="store_true", help="T=40 under TRITON_INTERPRET=1, no timing (CPU check)")
     args = ap.parse_args(argv)
     dev = "cpu" if args.dry_run else "cuda"
     if not args.dry_run and not torch.cuda.is_available():
         print("probe_registers: needs a CUDA GPU (or --dry-run)", file=sys.stderr)
         return 2
-    case = Case("probe", "prefill", tuple(args.widths), 1 if args.dry_run else 8, 40 if args.dry_run else 4096, H=2)
+    case = Case("probe", "prefill", tuple(args.widths), 1 if args.dry_run else 8, 40 if args.dry_run else 4096,
+                H=args.heads)
     shape = V.KernelShape(case.key_widths, case.V)
     inp = make_inputs(case, dev, seed=7)
     common = {"scale": inp.scale, "output_final_state": True, "l2norm": True, "mode": "chunk"}
     run = lambda v: running_tensor_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, variant=v, **common)
-    limit = V.DEFAULT_SMEM_BYTES if args.dry_run else torch.cuda.get_device_properties(0).shared_memory_per_block_optin
+    limit = 232448 if args.dry_run else  torch.cuda.get_device_properties(0).shared_memory_per_block_optin
     default = V.ChunkVariant.default(shape, limit)
     o_ref, s_ref = run(default)
     V.MAX_REGS_PER_THREAD = 10**9  # lift only the register estimate; every other check stays
     rows = []
     K = shape.key_dim
     # the combinations the estimate refuses first: the run is cut off by the call's time limit
-    for (pf, wy), C, bv, warps in itertools.product(((True, True), (True, False), (False, True), (False, False)),
-                                                    (16, 32), (16, 32, 64), (4, 8)):
+    grid = [((bool(int(pf)), bool(int(wy))), int(C), int(bv), int(w))
+            for C, bv, w, pf, wy in (o.split(":") for o in args.only)] if args.only else \
+        itertools.product(((True, True), (True, False), (False, True), (False, False)), (16, 32), (16, 32, 64), (4, 8))
+    for (pf, wy), C, bv, warps in grid:
         v = V.ChunkVariant(chunk_size=C, block_k=max(16, triton.next_power_of_2(K)), block_v=bv, num_warps=warps,
                            num_stages=1, prefetch=pf, wy=wy)
         est = v.estimate_registers(shape)
@@ -72,6 +78,7 @@ def main(argv=None) -> int:
         row = {"C": C, "block_v": bv, "warps": warps, "prefetch": pf, "wy": wy, "est": est}
         if reason is not None:
             rows.append({**row, "note": reason})
+            print(f"C{C:<3} bv{bv:<3} w{warps} pf={int(pf)} wy={int(wy)} est {est:>4} refused: {reason}", flush=True)
             continue
         before = set(_compiled())
         try:
@@ -82,6 +89,7 @@ def main(argv=None) -> int:
                                                                      return_mode="median")
         except Exception as exc:  # noqa: BLE001 -- one variant's failure is a row
             rows.append({**row, "note": f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"})
+            print(f"C{C:<3} bv{bv:<3} w{warps} pf={int(pf)} wy={int(wy)} failed: {rows[-1]['note']}", flush=True)
             continue
         new = {k: r for k, r in _compiled().items() if k not in before}
         fwd = [r for (name, _), r in new.items() if name == chunk_running_tensor_fwd_kernel.__name__]
@@ -91,6 +99,14 @@ def main(argv=None) -> int:
         r = rows[-1]
         print(f"C{C:<3} bv{bv:<3} w{warps} pf={int(pf)} wy={int(wy)} est {est:>4} regs {r['regs']} "
               f"spills {r['spills']} {ms:.3f} ms err {err:.1e} {r['note']}", flush=True)
+    if args.only and not args.dry_run:  # fla on the same inputs, its keys the explicit Kronecker products
+        from rtcompile.bench.measure import IMPL_FLA, _prefill_call, kronify
+
+        try:
+            fla = _prefill_call(IMPL_FLA, case, kronify(inp))
+            print(f"fla chunk_gated_delta_rule: {triton.testing.do_bench(fla, return_mode='median'):.3f} ms")
+        except Exception as exc:  # noqa: BLE001 -- fla absent or refusing the shape
+            print(f"fla: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
     if not args.dry_run:
         print(f"default {default}: {triton.testing.do_bench(lambda: run(default), return_mode='median'):.3f} ms")
     if args.out:
