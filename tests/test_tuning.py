@@ -61,12 +61,36 @@ def test_two_workers_run_exactly_the_budget_then_reload_runs_none(tmp_path):
     url = f"sqlite:///{tmp_path / 'fresh.db'}"  # does not exist yet: both workers open it
     r = tune_bucket(TINY, TuneOptions(storage=url, trials=5, workers=2, repeats=2))
     trials = _trials(url)
-    assert len(trials) == 5 and r.trials_run == 5
-    assert len({t.number for t in trials}) == 5
+    ran = [t for t in trials if t.state.name != "PRUNED"]  # pruned ones compile nothing: not budget
+    assert len(ran) == 5 and r.trials_run == 5
+    assert len({t.number for t in trials}) == len(trials)
     assert all(t.state.name in ("COMPLETE", "PRUNED", "FAIL") for t in trials)
     assert r.best_variant is not None and r.best_seconds > 0 and r.default_seconds > 0
     again = tune_bucket(TINY, TuneOptions(storage=url, trials=5, workers=2))
-    assert again.already_tuned and again.trials_run == 0 and len(_trials(url)) == 5
+    assert again.already_tuned and again.trials_run == 0 and len(_trials(url)) == len(trials)
+
+
+def test_pruned_trials_are_replaced_until_the_budget_has_run(tmp_path):
+    # at widths (2, 4) every prefetch variant is refused (it needs widths >= 16): with prefetch
+    # left to the sampler about half the draws are pruned, and each must give its slot back
+    url = f"sqlite:///{tmp_path / 'pruned.db'}"
+    r = tune_bucket(TINY, TuneOptions(storage=url, trials=4, workers=2, repeats=2, fixed={"chunk_size": 16}))
+    trials = _trials(url)
+    pruned = [t for t in trials if t.state.name == "PRUNED"]
+    assert pruned, "no trial was pruned: the replacement was not exercised"
+    assert all("needs" in t.user_attrs["reason"] for t in pruned)
+    assert len(trials) - len(pruned) == 4 and r.trials_run == 4
+
+
+def test_an_all_refused_space_stops_at_the_prune_cap(tmp_path):
+    from rtcompile.tuning.study import MAX_PRUNED_PER_TRIAL
+
+    url = f"sqlite:///{tmp_path / 'refused.db'}"
+    r = tune_bucket(TINY, TuneOptions(storage=url, trials=2, workers=2, repeats=2, fixed={"prefetch": True}))
+    trials = _trials(url)
+    assert r.trials_run == 0 and all(t.state.name == "PRUNED" for t in trials)
+    assert r.best_variant is not None and r.best_variant["prefetch"] is False  # the default, timed at the finish
+    assert 2 * MAX_PRUNED_PER_TRIAL <= len(trials) <= 2 * MAX_PRUNED_PER_TRIAL + 2  # + the claims in flight
     # the launcher now takes the tuned variant for this bucket (and a nearby shape) by itself
     q = [torch.randn(1, 20, 1, w) for w in (2, 4)]
     k = [torch.randn(1, 20, 1, w) for w in (2, 4)]
@@ -101,7 +125,7 @@ def test_killed_study_resumes_and_keeps_finished_trials(tmp_path):
     assert main(["tune", *argv[:-2], "--resume"]) == 0
     trials = _trials(url)
     stale = [t for t in trials if t.user_attrs.get("status") == "stale"]
-    counted = [t for t in trials if t.user_attrs.get("status") != "stale"]
+    counted = [t for t in trials if t.user_attrs.get("status") not in ("stale", "pruned")]
     assert len(stale) == 1 and len(counted) == 4
     assert all(t.state.name in ("COMPLETE", "PRUNED", "FAIL") for t in counted)
     assert all({t.number: t.value for t in trials}[n] == v for n, v in kept.items())

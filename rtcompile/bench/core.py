@@ -225,20 +225,22 @@ def _default_with(**changes: Any) -> Callable[["Case"], dict[str, Any]]:
     return variant
 
 
-ERROR_VARIANTS = ("fused", "prefetch", "wy")  # the named variants whose error the error cases report
+ERROR_VARIANTS = ("plain", "fused", "prefetch", "wy")  # the named variants whose error the error cases report
 
 # Named extra implementations timed beside the default: name -> kwargs, or a function of the
-# case returning kwargs (for variants that depend on the shape). "fused": no [T, C] workspace,
-# so its extra memory does not grow with T (the planner's low-memory choice); "fused-blocks"
-# the same with the blocked solve; "prefetch": the next chunk's loads issued ahead; "wy": the
-# solve applied in the parallel prepare kernel (two products on the sequential chain).
+# case returning kwargs (for variants that depend on the shape). Where the state fits registers
+# the default issues the next chunk's loads ahead and applies the solve in the prepare kernel
+# (prefetch + wy); "plain" is the default without either (the default before 2026-11-30),
+# "prefetch" and "wy" each one alone. "fused": no [T, C] workspace, so its extra memory does not
+# grow with T (the planner's low-memory choice); "fused-blocks" the same with the blocked solve.
+_PLAIN = {"prefetch": False, "wy": False}
 DEFAULT_VARIANTS: dict[str, Any] = {
-    "fused": _default_with(fuse_prepare=True),
-    "fused-blocks": _default_with(fuse_prepare=True, solve="blocks"),
-    "prefetch": _default_with(prefetch=True),
-    "prefetch-fused-blocks": _default_with(prefetch=True, fuse_prepare=True, solve="blocks"),
-    "wy": _default_with(wy=True),
-    "prefetch-wy": _default_with(prefetch=True, wy=True),
+    "plain": _default_with(**_PLAIN),
+    "prefetch": _default_with(prefetch=True, wy=False),
+    "wy": _default_with(prefetch=False, wy=True),
+    "fused": _default_with(fuse_prepare=True, **_PLAIN),
+    "fused-blocks": _default_with(fuse_prepare=True, solve="blocks", **_PLAIN),
+    "prefetch-fused-blocks": _default_with(prefetch=True, wy=False, fuse_prepare=True, solve="blocks"),
 }
 
 

@@ -22,6 +22,14 @@ SOLVE_BLOCK = 16  # rows per diagonal block of the blocked solve: the tl.dot min
 # 255 * 32 * W and refuse variants over it (they would spill to local memory: DESIGN.md saw
 # 2-3x slowdowns for badly shaped decode tiles).
 MAX_REGS_PER_THREAD = 255
+# The chunk kernel's estimate (live fp32 tile elements per thread + 32) is a ranking, not a
+# count: ptxas caps at 255 and spills. On the H200 probe of 2026-11-30 (48 o3 16x16 variants,
+# B8 T4096 H2, benchmarks/results/2026-11-30_9952878/probe_registers.json) the fastest variant
+# had an estimate of 392 (C32, block_v 16, 4 warps, prefetch + wy: 2 spills, 0.354 ms against
+# 0.596 for the then default) and all four estimated at 400 or more spilled 86-372 registers
+# and ran 1.15-2.7x slower than the default. So chunk variants are refused above 392 only;
+# between 255 and 392 the tuner's timing decides.
+CHUNK_MAX_EST_REGS = 392
 # Shared memory per block (opt-in) on H100/H200 is 227 KiB, on A100 163 KiB, on L4/L40S/4090
 # 99 KiB: the smallest is the portable bound when the caller does not name the device's.
 DEFAULT_SMEM_BYTES = 99 * 1024
@@ -196,8 +204,8 @@ class ChunkVariant(_Variant):
             return "wy applies the solve in the prepare kernel: it needs fuse_prepare=False"
         if self.wy and not self.resident(shape):
             return f"wy needs the state in registers: block_k >= K ({shape.key_dim})"
-        if self.estimate_registers(shape) > MAX_REGS_PER_THREAD:
-            return f"~{self.estimate_registers(shape)} registers per thread (> {MAX_REGS_PER_THREAD})"
+        if self.estimate_registers(shape) > CHUNK_MAX_EST_REGS:
+            return f"~{self.estimate_registers(shape)} registers per thread estimated (> {CHUNK_MAX_EST_REGS})"
         if self.estimate_smem(shape) > smem_limit:
             return f"~{self.estimate_smem(shape)} bytes of shared memory (> {smem_limit})"
         return None
@@ -254,18 +262,26 @@ class ChunkVariant(_Variant):
         C = 64 / 64 rows); K = 4096 streams 128-row tiles with C = 64 and 8 warps (64x64:
         18 ms, 20-25 ms otherwise). Power-of-two widths build phi blocks as outer products
         when block_k covers the trailing axes, so block_k is at least their product.
+
+        A state that fits registers (K <= 256, power-of-two widths >= 16) first tries the next
+        chunk's loads issued ahead plus the solve applied in the prepare kernel (prefetch + wy),
+        measured on the H200 on 2026-11-30: o2 64 B8 T4096 H8 0.415 ms against 0.731 for the
+        plain C = 32 variant (bench), o3 16x16 B8 T4096 H2 0.354 against 0.596 (register probe).
+        Its price is the W [T, K] and U0 [T, V] workspace (o2 64 B8 T4096: 128 MiB, not 64).
         """
         kp = max(16, shape.key_dim_pow2)
         bv = max(16, min(16, next_pow2(shape.value_width)))
         trailing = next_pow2(math.prod(shape.key_widths[1:]))
+        ahead = {"prefetch": True, "wy": True}
         if kp <= 256:
-            prefs = [(32, kp, 4), (16, kp, 4), (32, min(kp, 128), 4)]
+            prefs = [(32, kp, 4, ahead), (16, kp, 4, ahead), (32, kp, 4, {}), (16, kp, 4, {}), (32, min(kp, 128), 4, {})]
         else:
             bk = min(kp, max(128, trailing))
-            prefs = [(64, bk, 8), (32, bk, 4), (16, bk, 4)] if kp >= 4096 and bk <= 128 else [(32, bk, 4), (16, bk, 4)]
-            prefs += [(32, 128, 4), (16, 64, 4)]
-        for C, bk, warps in prefs + [(16, 16, 4)]:
-            v = cls(chunk_size=C, block_k=bk, block_v=bv, num_warps=warps, num_stages=1)
+            prefs = [(64, bk, 8, {}), (32, bk, 4, {}), (16, bk, 4, {})] if kp >= 4096 and bk <= 128 else \
+                [(32, bk, 4, {}), (16, bk, 4, {})]
+            prefs += [(32, 128, 4, {}), (16, 64, 4, {})]
+        for C, bk, warps, extra in prefs + [(16, 16, 4, {})]:
+            v = cls(chunk_size=C, block_k=bk, block_v=bv, num_warps=warps, num_stages=1, **extra)
             if v.check(shape, smem_limit) is None:
                 return v
         return v
