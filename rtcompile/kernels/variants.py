@@ -24,7 +24,7 @@ SOLVE_BLOCK = 16  # rows per diagonal block of the blocked solve: the tl.dot min
 MAX_REGS_PER_THREAD = 255
 # The chunk kernel's estimate (live fp32 tile elements per thread + 32) is a ranking, not a
 # count: ptxas caps at 255 and spills. On the H200 probe of 2026-11-30 (48 o3 16x16 variants,
-# B8 T4096 H2, benchmarks/results/2026-11-30_9952878/probe_registers.json) the fastest variant
+# B8 T4096 H2, benchmarks/results/2026-11-30_h200/probe_registers.json) the fastest variant
 # had an estimate of 392 (C32, block_v 16, 4 warps, prefetch + wy: 2 spills, 0.354 ms against
 # 0.596 for the then default) and all four estimated at 400 or more spilled 86-372 registers
 # and ran 1.15-2.7x slower than the default. So chunk variants are refused above 392 only;
@@ -263,25 +263,31 @@ class ChunkVariant(_Variant):
         18 ms, 20-25 ms otherwise). Power-of-two widths build phi blocks as outer products
         when block_k covers the trailing axes, so block_k is at least their product.
 
-        A state that fits registers (K <= 256, power-of-two widths >= 16) first tries the next
-        chunk's loads issued ahead plus the solve applied in the prepare kernel (prefetch + wy),
-        measured on the H200 on 2026-11-30: o2 64 B8 T4096 H8 0.415 ms against 0.731 for the
-        plain C = 32 variant (bench), o3 16x16 B8 T4096 H2 0.354 against 0.596 (register probe).
-        Its price is the W [T, K] and U0 [T, V] workspace (o2 64 B8 T4096: 128 MiB, not 64).
+        A state that fits registers (K <= 256, power-of-two widths >= 16) first issues the
+        next chunk's loads ahead (prefetch), measured on the H200 on 2026-11-30 (B8 T4096 V64
+        bf16; benchmarks/results/2026-11-30_h200): at o3 16x16 H8 the exhaustive sweep's
+        re-measured best was C = 16, block_v = 32, prefetch: 0.77 ms against 1.19 for the plain
+        C = 32 default, and applying the solve in the prepare kernel too (wy) did not help there
+        (1.05 against 0.89 ms in the sweep's trials: W is as wide as phi(K)); at o2 64 H8 the
+        bench timed prefetch + wy at 0.415 ms, prefetch alone 0.574, plain 0.731, so up to
+        K = 64 both are on (wy's price: a W [T, K] and U0 [T, V] workspace, 128 MiB there).
         """
         kp = max(16, shape.key_dim_pow2)
         bv = max(16, min(16, next_pow2(shape.value_width)))
         trailing = next_pow2(math.prod(shape.key_widths[1:]))
-        ahead = {"prefetch": True, "wy": True}
+        ahead = {"prefetch": True, "wy": kp <= 64}
         if kp <= 256:
-            prefs = [(32, kp, 4, ahead), (16, kp, 4, ahead), (32, kp, 4, {}), (16, kp, 4, {}), (32, min(kp, 128), 4, {})]
+            first = (32, kp, 16, 4, ahead) if kp <= 64 else (16, kp, 32, 4, ahead)
+            prefs = [first, (16, kp, 16, 4, ahead), (32, kp, bv, 4, {}), (16, kp, bv, 4, {}),
+                     (32, min(kp, 128), bv, 4, {})]
         else:
             bk = min(kp, max(128, trailing))
-            prefs = [(64, bk, 8, {}), (32, bk, 4, {}), (16, bk, 4, {})] if kp >= 4096 and bk <= 128 else \
-                [(32, bk, 4, {}), (16, bk, 4, {})]
-            prefs += [(32, 128, 4, {}), (16, 64, 4, {})]
-        for C, bk, warps, extra in prefs + [(16, 16, 4, {})]:
-            v = cls(chunk_size=C, block_k=bk, block_v=bv, num_warps=warps, num_stages=1, **extra)
+            prefs = [(64, bk, bv, 8, {}), (32, bk, bv, 4, {}), (16, bk, bv, 4, {})] if kp >= 4096 and bk <= 128 else \
+                [(32, bk, bv, 4, {}), (16, bk, bv, 4, {})]
+            prefs += [(32, 128, bv, 4, {}), (16, 64, bv, 4, {})]
+        for C, bk, bv_, warps, extra in prefs + [(16, 16, bv, 4, {})]:
+            v = cls(chunk_size=C, block_k=bk, block_v=min(bv_, max(16, next_pow2(shape.value_width))),
+                    num_warps=warps, num_stages=1, **extra)
             if v.check(shape, smem_limit) is None:
                 return v
         return v
