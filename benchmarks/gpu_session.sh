@@ -4,28 +4,36 @@
 #
 # Run from the project root on the device machine, after installing the carried wheels (see
 # benchmarks/README.md). Everything lands under $OUT/<step>; the tuning store and the tuned
-# table live under $OUT/cache. A later device call starts on a bare machine: to run
-# `tuned-bench` in another call than `sweep`, copy the tuned table the sweep returned into the
-# working tree and point TUNED at it (tuned entries are keyed by GPU name and kernel source
-# hash, so they hold on any machine of the same kind at the same commit).
+# table live outside $OUT and come back as $OUT/cache/{sweep.db,tuned.json}. A later device
+# call starts on a bare machine: to run `tuned-bench` in another call than `sweep`, copy the
+# tuned table the sweep returned into the working tree and point TUNED at it (tuned entries
+# are keyed by GPU name and kernel source hash, so they hold on any machine of the same kind
+# at the same commit).
 #
-# Budgets, from the H200 runs of 2026-11-29: tests ~75 s; bench ~270 s; a sweep bucket of
-# ~90 variants with 8 workers ~2-3 min (estimated: trial = import + compile ~5 s in parallel,
-# timing <= 0.6 s under the device lock), not yet measured.
+# Budgets, from the H200 runs of 2026-11-30: tests ~60 s when nothing hangs; bench decode
+# 27 s; bench prefill ~230 s reached o2 64 of its 6 widths (give it 400 s for all, with the
+# error cases); the o3 16x16 prefill sweep: TPE 25 trials 54 s, exhaustive 127 variants 168 s
+# with 8 workers (the register bound has since grown the space: expect more). Each device
+# call also pays ~30 s of start-up and transfer.
 set -euo pipefail
 : "${OUT:?set OUT (the device tool sets it)}"
 export RTCOMPILE_COMMIT="${RTCOMPILE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
-export XDG_CACHE_HOME="$OUT/cache"
-export RTCOMPILE_TUNED="$OUT/cache/rtcompile/tuned.json"
-mkdir -p "$OUT/cache"
+# The store and caches live outside $OUT (the device tool returns a limited number of files:
+# on 2026-11-30 the JSON results were left out behind cache files); `finish` copies back the
+# sweep database and the tuned table.
+export XDG_CACHE_HOME="${XDG_CACHE_HOME_RUN:-/tmp/rtcompile-run-cache}"
+export RTCOMPILE_TUNED="$XDG_CACHE_HOME/rtcompile/tuned.json"
+mkdir -p "$XDG_CACHE_HOME" "$OUT/cache"
 # A sub-space small enough to sweep exhaustively (92 chunk / 90-115 decode variants at these
 # shapes); the TPE study searches the same sub-space with 20% of the exhaustive trial count.
 CHUNK_FIX=(--fix fuse_prepare=false --fix solve=rows --fix dot_precision=ieee --fix num_stages=1)
 DECODE_FIX=(--fix num_stages=1)
 
-step_tests() {
-  python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_ops.py tests/test_kernel_inputs.py \
-    2>&1 | tail -5 | tee "$OUT/tests.txt"
+step_tests() {  # -v into a file, not through a pipe: a hung compile left an empty log on 2026-11-30
+  # (600 s lost); faulthandler prints the stack of any test still running after 60 s
+  timeout 300 python3 -m pytest -v -p no:cacheprovider -o faulthandler_timeout=60 --durations=10 \
+    tests/test_kernels.py tests/test_ops.py tests/test_kernel_inputs.py > "$OUT/tests.txt" 2>&1 || true
+  tail -5 "$OUT/tests.txt"
 }
 
 step_bench() {  # decode first (about a minute), so a long prefill run cannot starve it of budget
@@ -35,7 +43,7 @@ step_bench() {  # decode first (about a minute), so a long prefill run cannot st
 
 sweep_one() {  # spec phase batches fixes... : TPE at 20% of the exhaustive count, then exhaustive
   local spec=$1 phase=$2 batches=$3; shift 3
-  local db="sqlite:///$OUT/cache/sweep.db" bflag=--batch
+  local db="sqlite:///$XDG_CACHE_HOME/sweep.db" bflag=--batch
   [ "$phase" = decode ] && bflag=--decode-batch
   local n
   n=$(python3 - "$spec" "$phase" "$batches" "$@" <<'EOF'
@@ -66,9 +74,9 @@ EOF
 step_sweep() {
   sweep_one examples/order3_16x16.toml prefill 8 "${CHUNK_FIX[@]}"
   sweep_one examples/order3_16x16.toml decode 256 "${DECODE_FIX[@]}"
-  python3 -m rtcompile.cli tune --list --storage "sqlite:///$OUT/cache/sweep.db" > "$OUT/sweep_list.txt"
-  python3 benchmarks/gpu_checks.py sweep --storage "sqlite:///$OUT/cache/sweep.db" --out "$OUT/sweep"
-  rm -rf "$OUT/cache/rtcompile/references"  # the float64 check outputs: large, not results
+  python3 -m rtcompile.cli tune --list --storage "sqlite:///$XDG_CACHE_HOME/sweep.db" > "$OUT/sweep_list.txt"
+  python3 benchmarks/gpu_checks.py sweep --storage "sqlite:///$XDG_CACHE_HOME/sweep.db" --out "$OUT/sweep"
+  step_finish
   # first call after a reload: the tuned entry is found, nothing is tuned, only compiled (an
   # empty Triton cache, so the compile is really paid)
   TRITON_CACHE_DIR="$(mktemp -d)" python3 - <<'EOF' | tee "$OUT/first_call.txt"
@@ -91,6 +99,11 @@ EOF
 step_tuned_bench() {  # the prefill bench again, reading the tuned table (TUNED, or the sweep's)
   RTCOMPILE_TUNED="${TUNED:-$RTCOMPILE_TUNED}" python3 -m rtcompile.cli bench --out "$OUT/bench_tuned" \
     --budget-s 380 --phase prefill
+}
+
+step_finish() {  # the sweep database and the tuned table, nothing else of the caches
+  cp "$XDG_CACHE_HOME/sweep.db" "$OUT/cache/" 2>/dev/null || true
+  cp "$RTCOMPILE_TUNED" "$OUT/cache/" 2>/dev/null || true
 }
 
 step_checks() {
