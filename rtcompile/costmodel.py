@@ -8,7 +8,7 @@ A kernel's time is the largest of three floors, plus launches:
 * latency: the sequential part. The chunk kernel walks T / C chunks per program and the
   recurrent kernel T tokens, in waves of programs over the SMs; one step costs a fixed latency
   plus a per-tile cost for each state tile streamed (twice per step when the state does not
-  fit registers).
+  fit registers). A chunk program alone on its SM steps twice as fast as one of two.
 
 The latency constants were fitted to one H200 run (benchmarks/RESULTS.md, 2026-11-29, B8
 T4096 H8 V64 bf16, 256 programs = one wave of 2 per SM): o3 16x16 chunk (C 32, state in
@@ -16,14 +16,19 @@ registers) 1.19 ms = 128 chunks x 9.3 us; o3 64x64 (C 64, 2 x 32 streamed [128, 
 chunk) 10.4 ms = 64 x 162 us, so 2.4 us per tile visit at C x BK = 64 x 128 (the 32x32 run,
 C x BK = 32 x 128, then predicts 3.6 ms against 3.17 measured); the fused prepare added 11.7 us
 per 32-row chunk at 16x16 (0.37 us per row of the forward substitution); the 16x16 scan took
-4.87 ms for 4096 tokens. They are not rescaled per GPU: :func:`calibrate` rescales them from
-tuned measurements of the GPU at hand.
+4.87 ms for 4096 tokens. They are not rescaled per GPU: :func:`calibrate` rescales the kernel
+time from tuned measurements of the GPU at hand.
+
+A call also costs its host: an eager call spends a fixed time in Python, the allocator and the
+launcher before its kernels start. The model adds it per kind of call (chunk prefill, recurrent
+prefill, decode step) on top of the kernels' time; :class:`Calibration` refits both, per kind,
+as measured ~ scale x kernel time + call overhead.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 from .figures import _io_bytes_per_token, chunk_figures, recurrent_figures
 from .kernels.variants import SOLVE_BLOCK, ChunkVariant, KernelShape, RecurrentVariant
@@ -38,6 +43,30 @@ SCAN_TILE_S = 0.3e-6  # each streamed tile visit of a scan step (not measured: a
 PROGRAMS_PER_SM = 2  # resident programs per SM these kernels reach (registers: ~200 per thread)
 DECODE_BW_EFFICIENCY = 0.8  # decode reached 70-87% of copy bandwidth on the H200
 
+# Host overhead of one eager call, fitted to the H200 regret run of 2026-11-30
+# (benchmarks/results/2026-11-30_regret_measured.json: one public-API call between two CUDA
+# events, median of 10): the median of measured - modelled kernel time over the calls whose
+# kernels the model puts under a quarter of the measurement. It dwarfs target.launch_s (4 us,
+# one launch under CUDA graphs) and the kernels of every short call.
+CHUNK_CALL_S = 200e-6  # chunk prefill: input checks, variant lookup, workspace and final-state
+#   allocations, 2 launches. Median of 7 calls, 0.152-0.248 ms beyond the kernels (o3 16x16 T16
+#   B1 / B8: 0.196 / 0.265 ms measured, decode-size B1 / B32: 0.184 / 0.248 ms). The fused
+#   variant (1 launch, no workspace) shares it: its two host-dominated calls (0.217 and 0.177 ms
+#   at T16 B1 / B8) bracket the default's
+RECURRENT_CALL_S = 150e-6  # recurrent prefill: the same checks, 2 allocations, 1 launch. o3 16x16
+#   T16 took 0.183 / 0.164 ms at B1 / B8 for 0.023 ms of modelled kernel: 0.160 / 0.141 beyond
+DECODE_CALL_S = 68e-6  # the in-place decode step: a cached launch plan, 1 allocation, 1 launch.
+#   o3 16x16 B1 / B32 took 0.083 / 0.072 ms for 0.006 / 0.013 ms of modelled kernel
+KINDS = ("chunk", "recurrent", "decode")  # the calls the overhead and the calibration tell apart
+
+# Calibration fit (see :func:`calibrate`).
+MIN_AFFINE_POINTS = 2  # a scale and an overhead need two measurements at least
+MIN_KERNEL_SPREAD = 2.0  # longest / shortest kernel time needed to separate scale from overhead:
+#   below it the slope is set by host noise (two chunk calls of near-zero kernel time at o3 16x16
+#   T16 measured 0.196 and 0.265 ms, 35% apart)
+HUBER_REL = 0.2  # relative misses beyond 20% weigh less (that same host noise)
+FIT_ITERATIONS = 20  # reweighting rounds of the robust fit; 2 x 2 solves, converged well before
+
 
 @dataclass(frozen=True)
 class Cost:
@@ -49,18 +78,43 @@ class Cost:
     programs: int
     bound: str
     source: str = "cost model"
+    host_s: float = 0.0  # the call's fixed host overhead, included in ``seconds``
+    kind: str = "chunk"  # which call: chunk, recurrent (prefill) or decode (the in-place step)
+
+    @property
+    def kernel_s(self) -> float:
+        """The device part of ``seconds``: what the calibration's scale multiplies."""
+        return self.seconds - self.host_s
 
     def to_dict(self) -> dict:
         return {"seconds": self.seconds, "bytes": self.bytes, "flops": self.flops, "programs": self.programs,
-                "bound": self.bound, "source": self.source}
+                "bound": self.bound, "source": self.source, "host_s": self.host_s, "kind": self.kind}
 
 
 @dataclass(frozen=True)
 class Calibration:
-    """Multipliers on the model's latency terms, from measurements (1.0: uncalibrated)."""
+    """Per kind of call (:data:`KINDS`): measured ~ scale x modelled kernel time + call overhead.
+
+    The scales are the fields named by the kinds (1.0: uncalibrated), the overheads the
+    ``*_call_s`` fields (default: the model's constants). ``fits`` says how each kind was fitted.
+    """
 
     chunk: float = 1.0
     recurrent: float = 1.0
+    decode: float = 1.0
+    chunk_call_s: float = CHUNK_CALL_S
+    recurrent_call_s: float = RECURRENT_CALL_S
+    decode_call_s: float = DECODE_CALL_S
+    fits: str = "uncalibrated"
+
+    def scale(self, kind: str) -> float:
+        return getattr(self, kind)
+
+    def call_s(self, kind: str) -> float:
+        return getattr(self, f"{kind}_call_s")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 def shape_of(spec: ModelSpec) -> KernelShape:
@@ -78,6 +132,22 @@ def _waves(programs: int, target: Target) -> int:
 def _pick(memory: float, compute: float, latency: float) -> tuple[float, str]:
     """The largest floor and its name."""
     return max((memory, "memory"), (compute, "compute"), (latency, "latency"))
+
+
+def _per_sm_share(programs: int, target: Target) -> float:
+    """The share of an SM's issue slots one resident program gets, relative to the
+    PROGRAMS_PER_SM the latency constants were fitted at. With one program per SM the chunk
+    loop ran about twice as fast: at T4096 B1 (32 programs) against B8 (256 programs), o3 16x16
+    took 0.677 against 1.18 ms and o3 64x64 4.1 against 9.29 ms (H200 regret run, 2026-11-30)."""
+    per_sm = min(PROGRAMS_PER_SM, math.ceil(programs / target.sms))
+    return per_sm / PROGRAMS_PER_SM
+
+
+def _finish(kernel_s: float, nbytes: float, flops: float, programs: int, bound: str, kind: str,
+            cal: Calibration) -> Cost:
+    """The call's cost: the calibrated kernel time plus the call's host overhead."""
+    host = cal.call_s(kind)
+    return Cost(cal.scale(kind) * kernel_s + host, nbytes, flops, programs, bound, host_s=host, kind=kind)
 
 
 def chunk_workspace_bytes(spec: ModelSpec, batch: int, seq_len: int, variant: ChunkVariant) -> int:
@@ -117,16 +187,17 @@ def chunk_cost(spec: ModelSpec, target: Target, batch: int, seq_len: int, varian
     per_iter = CHUNK_ITER_S + tiles * CHUNK_TILE_S * (C * variant.block_k) / (64 * 128)
     if variant.fuse_prepare:
         per_iter += _solve_rows(variant) * FUSED_ROW_S
-    latency = _waves(programs, target) * n_chunks * per_iter * cal.chunk
+    latency = _waves(programs, target) * n_chunks * per_iter * _per_sm_share(programs, target)
     seconds, bound = _pick(nbytes / (target.hbm_bytes_per_s * fill), flops / (_rate(spec, target) * fill), latency)
     launches = 1 if variant.fuse_prepare else 2
-    return Cost(seconds + launches * target.launch_s, nbytes, flops, programs, bound)
+    return _finish(seconds + launches * target.launch_s, nbytes, flops, programs, bound, "chunk", cal)
 
 
 def recurrent_cost(spec: ModelSpec, target: Target, batch: int, seq_len: int, variant: RecurrentVariant,
-                   cal: Calibration = Calibration(), state_dtype: str | None = None) -> Cost:
-    """The fused recurrent kernel over ``seq_len`` tokens (decode: seq_len = 1), with the state
-    stored as ``state_dtype`` (default: the spec's; fp32 for "auto")."""
+                   cal: Calibration = Calibration(), state_dtype: str | None = None, step: bool = False) -> Cost:
+    """The fused recurrent kernel over ``seq_len`` tokens, with the state stored as
+    ``state_dtype`` (default: the spec's; fp32 for "auto"). ``step``: called as the in-place
+    decode step (seq_len = 1), whose host path is shorter than a prefill call's."""
     shape = shape_of(spec)
     resident = variant.block_k >= shape.key_dim
     if state_dtype is None:
@@ -138,21 +209,81 @@ def recurrent_cost(spec: ModelSpec, target: Target, batch: int, seq_len: int, va
     programs = batch * spec.heads * math.ceil(spec.value_width / variant.block_v)
     fill = min(1.0, programs / target.sms)
     tiles = 0 if resident else 2 * math.ceil(shape.key_dim / variant.block_k)
-    latency = _waves(programs, target) * seq_len * (SCAN_STEP_S + tiles * SCAN_TILE_S) * cal.recurrent
+    # SCAN_STEP_S was fitted at one program per SM (128 programs): no per-SM share here, the scan
+    # was not measured with two
+    latency = _waves(programs, target) * seq_len * (SCAN_STEP_S + tiles * SCAN_TILE_S)
     memory = nbytes / (target.hbm_bytes_per_s * DECODE_BW_EFFICIENCY * fill)
     seconds, bound = _pick(memory, flops / (target.fp32_flops * fill), latency)
-    return Cost(seconds + target.launch_s, nbytes, flops, programs, bound)
+    kind = "decode" if step else "recurrent"
+    return _finish(seconds + target.launch_s, nbytes, flops, programs, bound, kind, cal)
 
 
-def calibrate(predicted: dict[str, list[float]], measured: dict[str, list[float]]) -> Calibration:
-    """Scale factors (geometric mean of measured / predicted per kernel) from matched pairs."""
-    def factor(k: str) -> float:
-        pairs = [(m, p) for m, p in zip(measured.get(k, []), predicted.get(k, [])) if m > 0 and p > 0]
-        if not pairs:
-            return 1.0
-        return math.exp(sum(math.log(m / p) for m, p in pairs) / len(pairs))
+def _huber_weight(rel: float) -> float:
+    return 1.0 if abs(rel) <= HUBER_REL else HUBER_REL / abs(rel)
 
-    return Calibration(chunk=factor("chunk"), recurrent=factor("recurrent"))
+
+def _weighted_fit(points: list[tuple[float, float]], weights: list[float],
+                  call_s: float | None) -> tuple[float, float]:
+    """Weighted least squares of measured ~ scale x kernel + call over (kernel, measured)
+    points: both fitted when ``call_s`` is None (the call held at 0 if it would go negative),
+    else the scale alone with the call fixed."""
+    swdd = sum(w * d * d for (d, _), w in zip(points, weights))
+    if call_s is not None:
+        return sum(w * d * (m - call_s) for (d, m), w in zip(points, weights)) / swdd, call_s
+    sw = sum(weights)
+    swd = sum(w * d for (d, _), w in zip(points, weights))
+    swm = sum(w * m for (_, m), w in zip(points, weights))
+    swdm = sum(w * d * m for (d, m), w in zip(points, weights))
+    det = swdd * sw - swd * swd
+    scale, call = (swdm * sw - swd * swm) / det, (swdd * swm - swd * swdm) / det
+    if call < 0:  # the non-negative optimum is on the boundary
+        return _weighted_fit(points, weights, 0.0)
+    return scale, call
+
+
+def _robust_fit(points: list[tuple[float, float]], call_s: float | None) -> tuple[float, float]:
+    """:func:`_weighted_fit` on relative misses (weights 1 / measured^2), Huber-reweighted."""
+    weights = [1.0 / (m * m) for _, m in points]
+    scale, call = _weighted_fit(points, weights, call_s)
+    for _ in range(FIT_ITERATIONS):
+        weights = [_huber_weight((scale * d + call - m) / m) / (m * m) for d, m in points]
+        scale, call = _weighted_fit(points, weights, call_s)
+    return scale, call
+
+
+def fit_kind(points: list[tuple[float, float]], default_call_s: float) -> tuple[float, float, str]:
+    """(scale, call overhead, how) for one kind from (modelled kernel s, measured s) points.
+
+    Affine when there are MIN_AFFINE_POINTS whose kernel times spread by MIN_KERNEL_SPREAD and
+    the scale comes out positive; else the scale alone, the overhead kept at the model's;
+    else (no points, or measurements below the overhead alone) 1.0 and the model's overhead.
+    """
+    points = [(d, m) for d, m in points if d > 0 and m > 0]
+    n = len(points)
+    if n >= MIN_AFFINE_POINTS and max(d for d, _ in points) >= MIN_KERNEL_SPREAD * min(d for d, _ in points):
+        scale, call = _robust_fit(points, None)
+        if scale > 0:
+            return scale, call, f"affine ({n} points)"
+    if n:
+        scale, call = _robust_fit(points, default_call_s)
+        if scale > 0:
+            return scale, call, f"scale only ({n} point{'s' * (n > 1)})"
+    return 1.0, default_call_s, f"none ({n} points)"
+
+
+def calibrate(predicted: dict[str, list[Cost]], measured: dict[str, list[float]]) -> Calibration:
+    """Fit a :class:`Calibration` from matched pairs per kind (:data:`KINDS`): ``predicted``
+    holds uncalibrated costs (their ``kernel_s`` is what the scale multiplies), ``measured``
+    the seconds measured for the same calls."""
+    base = Calibration()
+    fields: dict = {}
+    how = []
+    for kind in KINDS:
+        points = [(c.kernel_s, m) for c, m in zip(predicted.get(kind, []), measured.get(kind, []))]
+        scale, call, fit = fit_kind(points, base.call_s(kind))
+        fields[kind], fields[f"{kind}_call_s"] = scale, call
+        how.append(f"{kind}: {fit}")
+    return Calibration(**fields, fits="; ".join(how))
 
 
 def with_measured(cost: Cost, seconds: float) -> Cost:

@@ -6,7 +6,8 @@ faster (searched, not hard-coded); decode over batch buckets runs the recurrent 
 where the spec leaves the state dtype to the planner (``state_dtype = "auto"``) keeps the
 decode cache in bf16 when that is predicted at least STATE_DTYPE_MIN_GAIN faster; train runs
 chunk-parallel. Costs come from tuned measurements for this GPU where the tuned-config
-table has them, else from the cost model (calibrated by those measurements). Every decision
+table has them, else from the cost model (calibrated by those measurements: a scale on the
+kernel time and a host overhead per kind of call, see :class:`Calibration`). Every decision
 keeps its alternatives and their costs. A plan whose state plus workspace cannot fit the
 target's memory at the requested batch is refused before anything is allocated.
 
@@ -69,7 +70,7 @@ class Plan:
     decisions: list[Decision]
     crossover: dict[str, Any]
     memory: dict[str, Any]
-    calibration: dict[str, float]
+    calibration: dict[str, Any]  # Calibration.to_dict(); files before the overheads hold the scales only
     versions: dict[str, str] = field(default_factory=dict)
     format: int = PLAN_FORMAT
 
@@ -146,12 +147,18 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.3g} GB"
 
 
+def _fused(v: ChunkVariant) -> ChunkVariant:
+    """The low-memory sibling of a chunk variant: one kernel, no [T, C] workspace. Without wy
+    (its solve lives in the separate prepare kernel) and without prefetch (no gain fused: o2 64
+    on the H200, 2026-11-30, 3.09 ms with it against 3.00 without)."""
+    return dataclasses.replace(v, fuse_prepare=True, prefetch=False, wy=False)
+
+
 def check_memory(spec: ModelSpec, target: Target, batch: int, seq_len: int) -> dict[str, int]:
     """Refuse (PlanError) when the model's state plus the smallest prefill workspace and one
     layer's activations exceed the target's memory at this batch; return the figures."""
     fused = ChunkVariant.default(shape_of(spec), target.smem_per_sm)
-    need = _memory(spec, batch, seq_len, chunk_workspace_bytes(spec, batch, seq_len,
-                                                              dataclasses.replace(fused, fuse_prepare=True)))
+    need = _memory(spec, batch, seq_len, chunk_workspace_bytes(spec, batch, seq_len, _fused(fused)))
     total = sum(need.values())
     if total > target.memory_bytes:
         raise PlanError(
@@ -166,7 +173,7 @@ def check_memory(spec: ModelSpec, target: Target, batch: int, seq_len: int) -> d
 def _prefill(spec: ModelSpec, target: Target, B: int, T: int, cal: Calibration, measured) -> Decision:
     shape = shape_of(spec)
     chunk_default = ChunkVariant.default(shape, target.smem_per_sm)
-    chunk_fused = dataclasses.replace(chunk_default, fuse_prepare=True)
+    chunk_fused = _fused(chunk_default)
     rec = RecurrentVariant.default(shape, target.smem_per_sm)
     options = [
         ("chunk", chunk_default, chunk_cost(spec, target, B, T, chunk_default, cal)),
@@ -198,10 +205,10 @@ def _decode(spec: ModelSpec, target: Target, B: int, cal: Calibration, measured)
     def step_cost(dtype: str):
         """The step with the cache in ``dtype``. Tuning measures an fp32 cache; other dtypes
         scale that measurement by the model's ratio of the two."""
-        c = recurrent_cost(spec, target, B, 1, rec, cal, state_dtype=dtype)
+        c = recurrent_cost(spec, target, B, 1, rec, cal, state_dtype=dtype, step=True)
         if not hit:
             return c
-        ratio = c.seconds / recurrent_cost(spec, target, B, 1, rec, cal, state_dtype="float32").seconds
+        ratio = c.seconds / recurrent_cost(spec, target, B, 1, rec, cal, state_dtype="float32", step=True).seconds
         return with_measured(c, hit[1] * ratio)
 
     fixed = spec.state_dtype if spec.state_dtype != "auto" else "float32"
@@ -265,28 +272,39 @@ def crossover(spec: ModelSpec, target: Target, batch: int, cal: Calibration = Ca
     return hi
 
 
+def _fit_calibration(spec: ModelSpec, target: Target, measured) -> Calibration:
+    """The cost model calibrated on the tuned measurements: chunk entries are prefill calls,
+    recurrent entries (T = 1) decode steps."""
+    pred: dict[str, list] = {"chunk": [], "decode": []}
+    meas: dict[str, list[float]] = {"chunk": [], "decode": []}
+    for (kernel, B, T), (vdict, secs) in measured.items():
+        if kernel == "chunk":
+            pred["chunk"].append(chunk_cost(spec, target, B, T, ChunkVariant.from_dict(vdict)))
+            meas["chunk"].append(secs)
+        else:
+            pred["decode"].append(recurrent_cost(spec, target, B, T, RecurrentVariant.from_dict(vdict), step=True))
+            meas["decode"].append(secs)
+    return calibrate(pred, meas)
+
+
 def make_plan(spec: ModelSpec, target: Target, *, batches=PREFILL_BATCHES, seq_lens=PREFILL_SEQ_LENS,
-              decode_batches=DECODE_BATCHES, use_measurements: bool = True) -> Plan:
-    """Plan every phase of ``spec`` on ``target`` (refuses what cannot fit; see module doc)."""
+              decode_batches=DECODE_BATCHES, use_measurements: bool = True,
+              calibration: Calibration | None = None) -> Plan:
+    """Plan every phase of ``spec`` on ``target`` (refuses what cannot fit; see module doc).
+
+    ``calibration``: plan with this one instead of the fit to the tuned measurements (replays of
+    measured runs compare the two)."""
     import torch
     import triton
 
     memory = {f"B{B}_T{T}": check_memory(spec, target, B, T) for B in batches for T in seq_lens}
     memory.update({f"decode_B{B}": check_memory(spec, target, B, 1) for B in decode_batches})
     measured = _measured_seconds(spec, target) if use_measurements else {}
-    # calibrate the latency terms on what was measured, then plan every bucket with them
-    pred: dict[str, list[float]] = {"chunk": [], "recurrent": []}
-    meas: dict[str, list[float]] = {"chunk": [], "recurrent": []}
-    for (kernel, B, T), (vdict, secs) in measured.items():
-        if kernel == "chunk":
-            pred["chunk"].append(chunk_cost(spec, target, B, T, ChunkVariant.from_dict(vdict)).seconds)
-        else:
-            pred["recurrent"].append(recurrent_cost(spec, target, B, T, RecurrentVariant.from_dict(vdict)).seconds)
-        meas[kernel].append(secs)
-    cal = calibrate(pred, meas)
+    # calibrate the model on what was measured, then plan every bucket with it
+    cal = calibration if calibration is not None else _fit_calibration(spec, target, measured)
     decisions = [_prefill(spec, target, B, T, cal, measured) for B in batches for T in seq_lens]
     decisions += [_decode(spec, target, B, cal, measured) for B in decode_batches]
     decisions += [_train(spec, target, B, max(seq_lens), cal) for B in batches]
     cross = {f"B{B}": crossover(spec, target, B, cal) for B in batches}
     versions = {"rtcompile": __version__, "torch": torch.__version__, "triton": triton.__version__}
-    return Plan(spec.to_dict(), target.to_dict(), decisions, cross, memory, dataclasses.asdict(cal), versions)
+    return Plan(spec.to_dict(), target.to_dict(), decisions, cross, memory, cal.to_dict(), versions)

@@ -11,7 +11,13 @@ import torch
 import rtcompile
 import rtcompile.functional
 from rtcompile.cli import main
-from rtcompile.costmodel import calibrate, chunk_cost, recurrent_cost, shape_of
+from rtcompile.costmodel import (
+    CHUNK_CALL_S,
+    Calibration,
+    chunk_cost,
+    recurrent_cost,
+    shape_of,
+)
 from rtcompile.kernels import tuned
 from rtcompile.kernels.variants import ChunkVariant, RecurrentVariant
 from rtcompile.plan import PLAN_FORMAT, Plan, PlanError, crossover, make_plan
@@ -32,9 +38,13 @@ def test_every_example_plans_on_every_target(path, target):
     plan = make_plan(load_spec(path), get_target(target))
     phases = {d.phase for d in plan.decisions}
     assert phases == {"prefill", "decode", "train"}
+    spec, t = load_spec(path), get_target(target)
     for d in plan.decisions:
         assert d.cost["seconds"] > 0 and len(d.alternatives) >= 2 and d.reason
         assert d.mode in ("chunk", "recurrent")
+        for a in d.alternatives:  # every alternative costed is one the kernels accept here
+            cls = ChunkVariant if a["mode"] == "chunk" else RecurrentVariant
+            assert cls.from_dict(a["variant"]).check(shape_of(spec), t.smem_per_sm) is None, a
 
 
 def test_profiles_name_their_sources_and_unknown_targets_list_the_known():
@@ -110,9 +120,12 @@ def test_measurements_calibrate_and_override(tmp_path, monkeypatch):
         tuned.reload()
     d = next(d for d in plan.decisions if d.phase == "prefill" and d.seq_len == 4096)
     assert any(a["cost"]["source"] == "measured (tuned)" for a in d.alternatives)
-    assert plan.calibration["chunk"] == pytest.approx(2.0, rel=1e-6)
-    cal = calibrate({"chunk": [1.0, 2.0]}, {"chunk": [3.0, 12.0]})  # geometric mean of 3 and 6
-    assert cal.chunk == pytest.approx(18**0.5) and cal.recurrent == 1.0
+    # one measurement: the scale alone, the host overhead kept at the model's; the calibrated
+    # model then reproduces the measurement
+    cal = Calibration(**{k: v for k, v in plan.calibration.items()})
+    assert cal.fits.startswith("chunk: scale only (1 point)") and cal.chunk_call_s == CHUNK_CALL_S
+    assert chunk_cost(spec, h200, 8, 4096, v, cal).seconds == pytest.approx(2 * predicted, rel=1e-6)
+    assert cal.recurrent == cal.decode == 1.0
 
 
 def test_running_tensor_follows_a_plan(monkeypatch):
