@@ -86,33 +86,10 @@ def _per_call_times(calls: Sequence[Callable[[], Any]], ctx: BenchContext, n: in
 
 def _graph_timing(calls: Sequence[Callable[[], Any]], est_s: float, ctx: BenchContext) -> Timing:
     """Capture ``graph_calls_count`` calls in one CUDA graph; median replay / calls per graph."""
-    import torch
+    from ..timing import graph_replay_seconds
 
     n = graph_calls_count(est_s, len(calls))
-    # Warm up on a side stream first, as torch.cuda.graphs asks, so lazy initialisation
-    # (cuBLAS workspaces, Triton module loads) happens outside the capture.
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(n):
-            calls[i % len(calls)]()
-    graph.replay()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(ctx.repeats)]
-    for start, end in events:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    per_call = median(start.elapsed_time(end) / 1e3 / n for start, end in events)
-    del graph
+    per_call = graph_replay_seconds(calls, n, ctx.repeats)
     return Timing(per_call, f"graph x{n} calls ({len(calls)} sets), median of {ctx.repeats} replays")
 
 

@@ -8,8 +8,12 @@ Invariants: a variant whose output differs from the float64 reference by more th
 dtype's tolerance is ``rejected`` and never timed; inputs are fresh random data (seeded): the
 check inputs come from the study's seed (their float64 reference is computed once per study
 and cached), the timing inputs from the trial's;
-times are medians of repeats after a warm-up (CUDA events on the GPU, the wall clock on the
-CPU, where they are interpreter timings, not GPU timings). Only the timed section holds the
+times are medians of repeats after a warm-up: on the GPU, replays of the call captured in a
+CUDA graph (device time without the eager call's host time, which on the H200 on 2026-11-30
+added ~0.15-0.2 ms to every prefill call and varied with the other workers' compiles: the
+sweep's trial values moved 10-20% when re-measured), or CUDA events around eager calls where
+capture fails (the trial records which); on the CPU the wall clock, interpreter timings, not
+GPU timings. Only the timed section holds the
 device (``store.device_lock``): compiling and checking run outside it, in parallel across
 workers.
 """
@@ -23,7 +27,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..timing import median_seconds
+from ..timing import kernel_seconds
 from .keys import Bucket
 from .store import device_lock
 
@@ -154,9 +158,11 @@ def evaluate(request: dict[str, Any]) -> dict[str, Any]:
             return {"status": "rejected", "error": err,
                     "reason": f"relative RMS error {err:.2e} > {TOLERANCE[bucket.dtype]:.0e} against float64"}
         timing_inp = make_inputs(bucket, device, int(request.get("seed", 0)) + 1)  # fresh data
-        with device_lock(device):
-            seconds = median_seconds(lambda: impl(bucket, variant, timing_inp), device, int(request.get("repeats", 5)))
-        return {"status": "ok", "seconds": seconds, "error": err}
+        call = lambda: impl(bucket, variant, timing_inp)  # noqa: E731
+        with device_lock(device):  # the warm-up too: any launch would disturb another's timing
+            call()
+            seconds, method = kernel_seconds(call, device, int(request.get("repeats", 5)))
+        return {"status": "ok", "seconds": seconds, "error": err, "timing": method}
     except Exception as exc:  # noqa: BLE001 -- any failure of one variant fails that trial only
         first = str(exc).splitlines()[0] if str(exc) else ""
         return {"status": "failed", "reason": f"{type(exc).__name__}: {first}"[:300]}

@@ -252,7 +252,7 @@ def run_worker(storage_url: str | None, name: str, bucket: Bucket, opts: TuneOpt
         else:
             result = run_objective(bucket, variant.to_dict(), opts, seed=opts.seed + trial.number)
             trial.set_user_attr("status", result["status"])
-            for key in ("reason", "error"):
+            for key in ("reason", "error", "timing"):
                 if key in result:
                     trial.set_user_attr(key, result[key])
             if result["status"] == "ok":
