@@ -115,7 +115,9 @@ def test_killed_study_resumes_and_keeps_finished_trials(tmp_path):
             finished = [t for t in _trials(url) if t.state.name == "COMPLETE"]
         except (ValueError, StoreError):
             finished = []
-        if finished and any(t.state.name == "RUNNING" for t in _trials(url)):
+        # a trial whose worker has recorded itself (pid): killed between the claim and that
+        # record, a trial is only found stale after 60 s, longer than this test waits
+        if finished and any(t.state.name == "RUNNING" and "pid" in t.user_attrs for t in _trials(url)):
             break
         time.sleep(0.3)
     assert proc.poll() is None and finished, "the study finished (or never started) before the kill"
