@@ -123,11 +123,10 @@ def running_tensor(
     if backend == "triton" and not _tracing(v):
         # Eager: straight to the launcher; the custom op's dispatch adds Python overhead and
         # nothing else when no graph is being captured (the op remains for compile and export).
-        from .kernels.triton_fwd import running_tensor_fwd as launch
+        from .kernels.triton_fwd import fwd_checked
 
-        return launch(q, k, v, g, beta, scale=eff_scale, initial_state=initial_state,
-                      output_final_state=output_final_state, l2norm=l2norm, cu_seqlens=cu_seqlens, mode=mode,
-                      chunk_size=chunk_size, variant=variant)
+        return fwd_checked(p, q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
+                           l2norm=l2norm, cu_seqlens=cu_seqlens, mode=mode, chunk_size=chunk_size, variant=variant)
     if backend == "triton":
         from .kernels.ops import running_tensor_fwd_op, variant_to_json
 

@@ -291,8 +291,8 @@ def test_decode_matches_plain_form():
 
 def test_public_api_dispatches_to_triton(monkeypatch):
     calls = []
-    real = triton_fwd.running_tensor_fwd
-    monkeypatch.setattr(triton_fwd, "running_tensor_fwd", lambda *a, **kw: calls.append(kw["mode"]) or real(*a, **kw))
+    real = triton_fwd.fwd_checked  # the launcher after the public API's own argument checks
+    monkeypatch.setattr(triton_fwd, "fwd_checked", lambda *a, **kw: calls.append(kw["mode"]) or real(*a, **kw))
     dev, ref, s0 = _case(1, 20, 2, (3, 4), 4)
     o, _ = rtcompile.running_tensor(*dev, l2norm=True, mode="chunk", chunk_size=16)
     assert calls == ["chunk"]
