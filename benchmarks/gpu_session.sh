@@ -37,8 +37,8 @@ step_tests() {  # -v into a file, not through a pipe: a hung compile left an emp
 }
 
 step_bench() {  # decode first (about a minute), so a long prefill run cannot starve it of budget
-  python3 -m rtcompile.cli bench --out "$OUT/bench_decode" --phase decode --budget-s 100
-  python3 -m rtcompile.cli bench --out "$OUT/bench_prefill" --phase prefill --budget-s 300
+  python3 -m rtcompile.cli bench --out "$OUT/bench_decode" --phase decode --budget-s 60
+  python3 -m rtcompile.cli bench --out "$OUT/bench_prefill" --phase prefill --budget-s 360
 }
 
 sweep_one() {  # spec phase batches fixes... : TPE at 20% of the exhaustive count, then exhaustive
@@ -64,9 +64,13 @@ EOF
   # TPE first, then the sweep: both write the bucket's tuned entry and the last one stays, and
   # the exhaustive best is the better of the two by construction
   local t0=$(date +%s)
-  python3 -m rtcompile.cli tune "$spec" --phase "$phase" $bflag "$batches" --storage "$db" --workers 8 --trials "$n" "$@"
+  # each study under a time limit (timeout signals the whole process group, workers included),
+  # so a slow sweep still leaves the call time to copy back what it stored
+  timeout "${TUNE_LIMIT_S:-120}" python3 -m rtcompile.cli tune "$spec" --phase "$phase" $bflag "$batches" \
+    --storage "$db" --workers 8 --trials "$n" "$@" || echo "TPE study stopped (exit $?)"
   local t1=$(date +%s)
-  python3 -m rtcompile.cli tune "$spec" --phase "$phase" $bflag "$batches" --storage "$db" --workers 8 --exhaustive "$@"
+  timeout "${TUNE_LIMIT_S:-200}" python3 -m rtcompile.cli tune "$spec" --phase "$phase" $bflag "$batches" \
+    --storage "$db" --workers 8 --exhaustive "$@" || echo "exhaustive sweep stopped (exit $?)"
   local t2=$(date +%s)
   echo "$spec $phase B$batches tpe_trials=$n tpe_wall_s=$((t1 - t0)) exhaustive_wall_s=$((t2 - t1))" | tee -a "$OUT/sweep_walltime.txt"
 }
