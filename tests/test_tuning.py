@@ -65,6 +65,8 @@ def test_two_workers_run_exactly_the_budget_then_reload_runs_none(tmp_path):
     assert len(ran) == 5 and r.trials_run == 5
     assert len({t.number for t in trials}) == len(trials)
     assert all(t.state.name in ("COMPLETE", "PRUNED", "FAIL") for t in trials)
+    # each timed trial says how it was timed (off the GPU: the wall clock)
+    assert all(t.user_attrs.get("timing") == "wall" for t in trials if t.state.name == "COMPLETE")
     assert r.best_variant is not None and r.best_seconds > 0 and r.default_seconds > 0
     again = tune_bucket(TINY, TuneOptions(storage=url, trials=5, workers=2))
     assert again.already_tuned and again.trials_run == 0 and len(_trials(url)) == len(trials)
@@ -296,3 +298,11 @@ def test_cli_fix_errors_name_the_parameter(tmp_path, capsys):
     assert "chunk_size=24" in errors[1] and "16, 32, 64, 128" in errors[1]
     assert "NAME=VALUE" in errors[2]
     assert not (tmp_path / "never.db").exists(), "the store was created before the input was checked"
+
+
+def test_kernel_seconds_off_the_gpu_is_the_wall_clock_median():
+    from rtcompile.timing import kernel_seconds
+
+    calls = []
+    seconds, method = kernel_seconds(lambda: calls.append(time.perf_counter()), "cpu", repeats=7)
+    assert method == "wall" and len(calls) == 7 and 0 <= seconds < 0.01
