@@ -147,18 +147,11 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.3g} GB"
 
 
-def _fused(v: ChunkVariant) -> ChunkVariant:
-    """The low-memory sibling of a chunk variant: one kernel, no [T, C] workspace. Without wy
-    (its solve lives in the separate prepare kernel) and without prefetch (no gain fused: o2 64
-    on the H200, 2026-11-30, 3.09 ms with it against 3.00 without)."""
-    return dataclasses.replace(v, fuse_prepare=True, prefetch=False, wy=False)
-
-
 def check_memory(spec: ModelSpec, target: Target, batch: int, seq_len: int) -> dict[str, int]:
     """Refuse (PlanError) when the model's state plus the smallest prefill workspace and one
     layer's activations exceed the target's memory at this batch; return the figures."""
-    fused = ChunkVariant.default(shape_of(spec), target.smem_per_sm)
-    need = _memory(spec, batch, seq_len, chunk_workspace_bytes(spec, batch, seq_len, _fused(fused)))
+    fused = ChunkVariant.default(shape_of(spec), target.smem_per_sm).fused()
+    need = _memory(spec, batch, seq_len, chunk_workspace_bytes(spec, batch, seq_len, fused))
     total = sum(need.values())
     if total > target.memory_bytes:
         raise PlanError(
@@ -173,7 +166,7 @@ def check_memory(spec: ModelSpec, target: Target, batch: int, seq_len: int) -> d
 def _prefill(spec: ModelSpec, target: Target, B: int, T: int, cal: Calibration, measured) -> Decision:
     shape = shape_of(spec)
     chunk_default = ChunkVariant.default(shape, target.smem_per_sm)
-    chunk_fused = _fused(chunk_default)
+    chunk_fused = chunk_default.fused()
     rec = RecurrentVariant.default(shape, target.smem_per_sm)
     options = [
         ("chunk", chunk_default, chunk_cost(spec, target, B, T, chunk_default, cal)),

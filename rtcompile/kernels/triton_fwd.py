@@ -88,7 +88,6 @@ def kernel_shape(p: Problem) -> KernelShape:
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def _smem_limit(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
 
