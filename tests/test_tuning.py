@@ -106,7 +106,10 @@ def test_killed_study_resumes_and_keeps_finished_trials(tmp_path):
     spec = tmp_path / "tiny.toml"
     spec.write_text('order = 3\nkey_widths = [2, 4]\nvalue_width = 8\nheads = 1\nmodel_width = 16\n'
                     'input_dtype = "float32"\n')
-    argv = [str(spec), "--phase", "prefill", "--trials", "4", "--workers", "1", "--storage", url,
+    # a sub-space with no refused variant: a pruned trial's instant claim-and-release would let
+    # the kill land between a claim and its owner record (found stale only after 60 s)
+    fixes = ["--fix", "chunk_size=16", "--fix", "prefetch=false", "--fix", "wy=false", "--fix", "solve=rows"]
+    argv = [str(spec), "--phase", "prefill", "--trials", "4", "--workers", "1", "--storage", url, *fixes,
             "--impl", "tuning_impls:slow"]
     proc = subprocess.Popen([sys.executable, "-m", "rtcompile.cli", "tune", *argv], start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
