@@ -41,7 +41,7 @@ step_bench() {  # decode first (about a minute), so a long prefill run cannot st
   python3 -m rtcompile.cli bench --out "$OUT/bench_prefill" --phase prefill --budget-s 360
 }
 
-sweep_one() {  # spec phase batches fixes... : TPE at 20% of the exhaustive count, then exhaustive
+sweep_one() {  # spec phase batch fixes... : TPE at 20% of the exhaustive count, then exhaustive
   local spec=$1 phase=$2 batches=$3; shift 3
   local db="sqlite:///$XDG_CACHE_HOME/sweep.db" bflag=--batch
   [ "$phase" = decode ] && bflag=--decode-batch
@@ -58,45 +58,82 @@ kernel, T = ("chunk", 4096) if phase == "prefill" else ("recurrent", 1)
 bucket = Bucket(kernel, spec.key_widths, spec.value_width, spec.heads, b, T, spec.input_dtype)
 import torch
 device = "cuda" if torch.cuda.is_available() else "cpu"
-print(max(1, round(0.2 * len(exhaustive_variants(bucket, TuneOptions(device=device, fixed=fixed))))))
+print(max(1, int(0.2 * len(exhaustive_variants(bucket, TuneOptions(device=device, fixed=fixed))))))
 EOF
 )
-  # TPE first, then the sweep: both write the bucket's tuned entry and the last one stays, and
-  # the exhaustive best is the better of the two by construction
+  # TPE first (one worker per GPU, the CLI's default), then the sweep (8 workers per GPU: their
+  # compiles overlap, timings stay serial per GPU); both write the bucket's tuned entry and the
+  # last one stays, and the exhaustive best is the better of the two by construction
   local t0=$(date +%s)
   # each study under a time limit (timeout signals the whole process group, workers included),
   # so a slow sweep still leaves the call time to copy back what it stored
   timeout "${TUNE_LIMIT_S:-120}" python3 -m rtcompile.cli tune "$spec" --phase "$phase" $bflag "$batches" \
-    --storage "$db" --workers 8 --trials "$n" "$@" || echo "TPE study stopped (exit $?)"
+    --storage "$db" --trials "$n" "$@" || echo "TPE study stopped (exit $?)"
   local t1=$(date +%s)
-  timeout "${TUNE_LIMIT_S:-200}" python3 -m rtcompile.cli tune "$spec" --phase "$phase" $bflag "$batches" \
-    --storage "$db" --workers 8 --exhaustive "$@" || echo "exhaustive sweep stopped (exit $?)"
+  timeout "${SWEEP_LIMIT_S:-200}" python3 -m rtcompile.cli tune "$spec" --phase "$phase" $bflag "$batches" \
+    --storage "$db" --workers $((8 * NGPU)) --exhaustive "$@" || echo "exhaustive sweep stopped (exit $?)"
   local t2=$(date +%s)
-  echo "$spec $phase B$batches tpe_trials=$n tpe_wall_s=$((t1 - t0)) exhaustive_wall_s=$((t2 - t1))" | tee -a "$OUT/sweep_walltime.txt"
+  echo "$spec $phase B$batches gpus=$NGPU tpe_trials=$n tpe_wall_s=$((t1 - t0)) exhaustive_wall_s=$((t2 - t1))" | tee -a "$OUT/sweep_walltime.txt"
 }
 
-step_sweep() {
-  sweep_one examples/order3_16x16.toml prefill 8 "${CHUNK_FIX[@]}"
+_ngpu() { NGPU=$(python3 -c "import torch; print(max(1, torch.cuda.device_count()))"); }
+
+step_sweep_decode() {  # two batch buckets of the decode kernel (issue 4)
+  _ngpu
   sweep_one examples/order3_16x16.toml decode 256 "${DECODE_FIX[@]}"
+  sweep_one examples/order3_16x16.toml decode 32 "${DECODE_FIX[@]}"
+}
+
+step_sweep_prefill() {  # two batch buckets of the chunk kernel
+  _ngpu
+  sweep_one examples/order3_16x16.toml prefill 8 "${CHUNK_FIX[@]}"
+  sweep_one examples/order3_16x16.toml prefill 1 "${CHUNK_FIX[@]}"
+}
+
+step_one_worker() {  # the decode B32 TPE study again with one worker, in its own store: the
+  # multi-GPU wall-time speed-up (compare with its line in sweep_walltime.txt)
+  local t0=$(date +%s)
+  timeout 120 python3 -m rtcompile.cli tune examples/order3_16x16.toml --phase decode --decode-batch 32 \
+    --storage "sqlite:///$XDG_CACHE_HOME/one_worker.db" --workers 1 --trials 18 "${DECODE_FIX[@]}" \
+    > /dev/null || echo "one-worker study stopped (exit $?)"
+  echo "one-worker TPE decode B32 18 trials wall_s=$(( $(date +%s) - t0 ))" | tee -a "$OUT/sweep_walltime.txt"
+}
+
+step_sweep() {  # everything of issue 4 in one go (about 9 minutes on two GPUs)
+  step_sweep_decode
+  step_sweep_prefill
+  [ "$NGPU" -gt 1 ] && step_one_worker
+  step_sweep_report
+}
+
+step_sweep_report() {  # the store's studies, TPE against exhaustive, then the first call after a reload
   python3 -m rtcompile.cli tune --list --storage "sqlite:///$XDG_CACHE_HOME/sweep.db" > "$OUT/sweep_list.txt"
   python3 benchmarks/gpu_checks.py sweep --storage "sqlite:///$XDG_CACHE_HOME/sweep.db" --out "$OUT/sweep"
   step_finish
-  # first call after a reload: the tuned entry is found, nothing is tuned, only compiled (an
-  # empty Triton cache, so the compile is really paid)
+  # first calls after a reload: the tuned entries are found, nothing is tuned, only compiled
+  # (an empty Triton cache, so the compile is really paid)
   TRITON_CACHE_DIR="$(mktemp -d)" python3 - <<'EOF' | tee "$OUT/first_call.txt"
 import time, torch
 t0 = time.perf_counter()
-from rtcompile.kernels.triton_fwd import running_tensor_fwd
-B, T, H, V = 8, 4096, 8, 64
-q = [torch.randn(B, T, H, 16, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-k = [torch.randn(B, T, H, 16, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-v = torch.randn(B, T, H, V, device="cuda", dtype=torch.bfloat16)
-g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device="cuda"))
-beta = torch.rand(B, T, H, device="cuda", dtype=torch.bfloat16)
+from rtcompile.kernels.triton_fwd import running_tensor_decode_, running_tensor_fwd
+H, V, dev, bf = 8, 64, "cuda", torch.bfloat16
+def factors(B, T):
+    return [torch.randn(B, T, H, 16, device=dev, dtype=bf) for _ in range(2)]
+q, k, v = factors(8, 4096), factors(8, 4096), torch.randn(8, 4096, H, V, device=dev, dtype=bf)
+g = torch.nn.functional.logsigmoid(torch.randn(8, 4096, H, device=dev))
+beta = torch.rand(8, 4096, H, device=dev, dtype=bf)
+cache = torch.zeros(256, H, 16, 16, V, device=dev)
+idx = torch.arange(256, device=dev, dtype=torch.int32)
+qd, kd, vd = factors(256, 1), factors(256, 1), torch.randn(256, 1, H, V, device=dev, dtype=bf)
 t1 = time.perf_counter()
 running_tensor_fwd(q, k, v, g, beta, l2norm=True, output_final_state=True, mode="chunk")
 torch.cuda.synchronize()
-print(f"first chunk call after reload: {time.perf_counter() - t1:.2f} s (imports and inputs {t1 - t0:.2f} s)")
+t2 = time.perf_counter()
+running_tensor_decode_(qd, kd, vd, state_cache=cache, state_indices=idx, l2norm=True)
+torch.cuda.synchronize()
+t3 = time.perf_counter()
+print(f"first chunk call after reload (B8 T4096, empty Triton cache): {t2 - t1:.2f} s; "
+      f"first decode call (B256): {t3 - t2:.2f} s; imports and inputs {t1 - t0:.2f} s")
 EOF
 }
 
