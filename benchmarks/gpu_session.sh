@@ -68,8 +68,10 @@ EOF
   # each study under a time limit (timeout signals the whole process group, workers included),
   # so a slow sweep still leaves the call time to copy back what it stored
   timeout "${TUNE_LIMIT_S:-120}" python3 -m rtcompile.cli tune "$spec" --phase "$phase" $bflag "$batches" \
-    --storage "$db" --trials "$n" "$@" || echo "TPE study stopped (exit $?)"
+    --storage "$db" --trials "$n" --workers "${TPE_WORKERS:-$NGPU}" ${TPE_ONLY:+--retune} "$@" \
+    || echo "TPE study stopped (exit $?)"
   local t1=$(date +%s)
+  [ -n "${TPE_ONLY:-}" ] && { echo "$spec $phase B$batches TPE again: trials=$n workers=${TPE_WORKERS:-$NGPU} wall_s=$((t1 - t0))" | tee -a "$OUT/sweep_walltime.txt"; return 0; }
   timeout "${SWEEP_LIMIT_S:-200}" python3 -m rtcompile.cli tune "$spec" --phase "$phase" $bflag "$batches" \
     --storage "$db" --workers $((8 * NGPU)) --exhaustive "$@" || echo "exhaustive sweep stopped (exit $?)"
   local t2=$(date +%s)
@@ -88,6 +90,17 @@ step_sweep_prefill() {  # two batch buckets of the chunk kernel
   _ngpu
   sweep_one examples/order3_16x16.toml prefill 8 "${CHUNK_FIX[@]}"
   sweep_one examples/order3_16x16.toml prefill 1 "${CHUNK_FIX[@]}"
+}
+
+step_tpe_again() {  # the prefill TPE studies again (--retune) against the exhaustive sweeps kept in
+  # a stored store (SWEEP_DB, e.g. benchmarks/results/2026-11-30b_h200/sweep.db): valid while the
+  # chunk kernel's source hash is the same; TPE_WORKERS workers (default one per GPU)
+  _ngpu
+  cp "${SWEEP_DB:?set SWEEP_DB}" "$XDG_CACHE_HOME/sweep.db"
+  TPE_ONLY=1 sweep_one examples/order3_16x16.toml prefill 8 "${CHUNK_FIX[@]}"
+  TPE_ONLY=1 sweep_one examples/order3_16x16.toml prefill 1 "${CHUNK_FIX[@]}"
+  python3 benchmarks/gpu_checks.py sweep --storage "sqlite:///$XDG_CACHE_HOME/sweep.db" --out "$OUT/sweep"
+  step_finish
 }
 
 step_one_worker() {  # the decode B32 TPE study again with one worker, in its own store: the

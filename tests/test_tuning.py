@@ -68,8 +68,10 @@ def test_two_workers_run_exactly_the_budget_then_reload_runs_none(tmp_path):
     # each timed trial says how it was timed (off the GPU: the wall clock)
     assert all(t.user_attrs.get("timing") == "wall" for t in trials if t.state.name == "COMPLETE")
     assert r.best_variant is not None and r.best_seconds > 0 and r.default_seconds > 0
-    # the budget's first trial is the default variant (the warm start); TPE picks the rest
-    (start,) = [t for t in trials if t.user_attrs.get("warm_start")]
+    # the budget's first trial is the default variant (warm start 0; a budget of 5 leaves room
+    # for one: a quarter at most); TPE picks the rest
+    (start,) = [t for t in trials if "warm_start" in t.user_attrs]
+    assert start.user_attrs["warm_start"] == 0
     default = ChunkVariant.default(KernelShape(TINY.key_widths, TINY.value_width)).to_dict()
     assert {"kernel": "chunk", **start.params} == default and start.state.name == "COMPLETE"
     again = tune_bucket(TINY, TuneOptions(storage=url, trials=5, workers=2))

@@ -81,3 +81,25 @@ def test_prefetch_needs_wide_power_of_two_factors():
     assert "power-of-two key widths >= 16" in v.check(KernelShape((2, 8), 16))
     assert ChunkVariant(chunk_size=16, block_k=256, block_v=16, num_warps=8, num_stages=1,
                         prefetch=True).check(KernelShape((16, 16), 16)) is None
+
+
+@pytest.mark.parametrize("widths", [(16, 16), (64,), (32, 32), (16, 16, 16), (2, 4), (3, 5)], ids=str)
+def test_chunk_candidates_are_valid_distinct_and_start_with_the_default(widths):
+    shape = KernelShape(widths, 64)
+    found = ChunkVariant.candidates(shape, 232448)
+    assert found and found[0] == ChunkVariant.default(shape, 232448)
+    assert len(set(found)) == len(found) and all(v.check(shape, 232448) is None for v in found)
+
+
+def test_warm_starts_apply_fixed_parameters_and_a_quarter_of_the_budget():
+    from rtcompile.tuning import Bucket, TuneOptions
+    from rtcompile.tuning.study import _warm_starts
+
+    b = Bucket("chunk", (16, 16), 64, 8, 8, 4096, "bfloat16")
+    every = _warm_starts(b, TuneOptions(device="cpu"), None)
+    assert len(every) >= 3 and every[0]["prefetch"] and not every[0]["wy"]  # the default first
+    assert len(_warm_starts(b, TuneOptions(device="cpu"), 8)) == 2
+    fixed = _warm_starts(b, TuneOptions(device="cpu", fixed={"chunk_size": 32}), None)
+    assert fixed and all(p["chunk_size"] == 32 for p in fixed)
+    # a fixed value that makes every candidate invalid leaves nothing to start from
+    assert _warm_starts(b, TuneOptions(device="cpu", fixed={"block_k": 16, "prefetch": True}), None) == []

@@ -135,6 +135,11 @@ class RecurrentVariant(_Variant):
         warps = 4 if bk * bv <= 8192 else 8
         return cls(block_k=bk, block_v=bv, num_warps=warps, num_stages=1)
 
+    @classmethod
+    def candidates(cls, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> list["RecurrentVariant"]:
+        """The variants a TPE study starts from: the default alone."""
+        return [cls.default(shape, smem_limit)]
+
 
 @dataclass(frozen=True)
 class ChunkVariant(_Variant):
@@ -278,24 +283,38 @@ class ChunkVariant(_Variant):
         bench timed prefetch + wy at 0.415 ms, prefetch alone 0.574, plain 0.731, so up to
         K = 64 both are on (wy's price: a W [T, K] and U0 [T, V] workspace, 128 MiB there).
         """
+        found = cls.candidates(shape, smem_limit)
+        return found[0] if found else cls(chunk_size=16, block_k=16, block_v=16, num_warps=4, num_stages=1)
+
+    @classmethod
+    def candidates(cls, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> list["ChunkVariant"]:
+        """The default's candidates that pass :meth:`check`, best first (see :meth:`default`);
+        a TPE study starts from them. For 64 < K <= 256 the second is C = 32, block_v 16,
+        prefetch + wy: the fastest where few programs run (H200, B8 T4096 V64 bf16: 0.354 ms
+        at H2 in the 2026-11-30 register probe; 0.312 ms against 0.429 for the first candidate
+        at B1 H8 in the sweep of 2026-11-30b), while at B8 H8 the first wins (0.610 against
+        0.673 ms)."""
         kp = max(16, shape.key_dim_pow2)
         max_bv = max(16, next_pow2(shape.value_width))  # block_v never exceeds d_v rounded up
         trailing = next_pow2(math.prod(shape.key_widths[1:]))
         ahead = {"prefetch": True, "wy": kp <= 64}
+        if kp <= 64:
+            prefs = [(32, kp, 16, 4, ahead), (16, kp, 16, 4, ahead)]
+        elif kp <= 256:
+            prefs = [(16, kp, 32, 4, ahead), (32, kp, 16, 4, {"prefetch": True, "wy": True}), (16, kp, 16, 4, ahead)]
         if kp <= 256:
-            first = (32, kp, 16, 4, ahead) if kp <= 64 else (16, kp, 32, 4, ahead)
-            prefs = [first, (16, kp, 16, 4, ahead), (32, kp, 16, 4, {}), (16, kp, 16, 4, {}),
-                     (32, min(kp, 128), 16, 4, {})]
+            prefs += [(32, kp, 16, 4, {}), (16, kp, 16, 4, {}), (32, min(kp, 128), 16, 4, {})]
         else:
             bk = min(kp, max(128, trailing))
             prefs = [(64, bk, 16, 8, {}), (32, bk, 16, 4, {}), (16, bk, 16, 4, {})] if kp >= 4096 and bk <= 128 else \
                 [(32, bk, 16, 4, {}), (16, bk, 16, 4, {})]
             prefs += [(32, 128, 16, 4, {}), (16, 64, 16, 4, {})]
+        out = []
         for C, bk, bv, warps, extra in prefs + [(16, 16, 16, 4, {})]:
             v = cls(chunk_size=C, block_k=bk, block_v=min(bv, max_bv), num_warps=warps, num_stages=1, **extra)
-            if v.check(shape, smem_limit) is None:
-                return v
-        return v
+            if v.check(shape, smem_limit) is None and v not in out:
+                out.append(v)
+        return out
 
 
 def iter_space(cls: type[_Variant], shape: KernelShape) -> Iterator[_Variant]:

@@ -9,7 +9,8 @@ compile, so its worker enqueues a replacement (up to MAX_PRUNED_PER_TRIAL per bu
 On the H200 sweep of 2026-11-30 (o3 16x16 prefill, 127 valid variants) 21 of TPE's 25 trials
 were pruned when they counted, leaving 4 timed variants and a best 40% behind the exhaustive
 one. In seconds mode workers ask for new trials until the deadline. A TPE study (either
-budget) runs the default variant as its first trial (user attribute ``warm_start``).
+budget) first runs the kernel's default candidates, the default first (user attribute
+``warm_start``: 0, 1, ...), at most a quarter of a trial budget.
 
 Trial outcome (user attribute ``status``): ``ok`` (COMPLETE, value = median seconds),
 ``pruned`` (the variant's resource estimate refuses it before compiling), ``rejected`` (wrong
@@ -125,20 +126,25 @@ def exhaustive_variants(bucket: Bucket, opts: TuneOptions) -> list:
     return out
 
 
-def _warm_start(bucket: Bucket, opts: TuneOptions) -> dict | None:
-    """The default variant's parameters (``opts.fixed`` applied), or None when that variant is
-    not valid for the shape. A TPE study runs it as its first trial, so the study's best is never
-    worse than the default and TPE's model starts from a good point instead of from random
-    draws alone: on the H200 sweep of 2026-11-30 (o3 16x16 prefill, 127 valid variants) only one
-    variant was within 3% of the best, a needle that 25 random-then-TPE picks rarely hit."""
+def _warm_starts(bucket: Bucket, opts: TuneOptions, budget: int | None) -> list[dict]:
+    """The parameters of the kernel's default candidates (``candidates``, best first, with
+    ``opts.fixed`` applied; invalid and repeated ones dropped), at most a quarter of ``budget``
+    (all of them when None) and at least the default. A TPE study runs them first, so its best
+    is never worse than the default and TPE's model starts from measured good points instead
+    of random draws alone: on the H200 sweep of 2026-11-30 (o3 16x16 prefill, 127 valid
+    variants) only one variant was within 3% of the best, a needle that 25 random-then-TPE
+    picks rarely hit."""
     cls, shape = variant_class(bucket.kernel), _shape(bucket)
     limit = _smem_limit(opts.device)
-    params = {k: x for k, x in cls.default(shape, limit).to_dict().items() if k != "kernel"}
-    params.update(opts.fixed)
-    if cls(**params).check(shape, limit) is not None:
-        return None
     space = search_space(bucket, opts)
-    return params if all(params[n] in choices for n, choices in space.items()) else None
+    out: list[dict] = []
+    for v in cls.candidates(shape, limit):
+        params = {k: x for k, x in v.to_dict().items() if k != "kernel"}
+        params.update(opts.fixed)
+        if (cls(**params).check(shape, limit) is None and params not in out
+                and all(params[n] in choices for n, choices in space.items())):
+            out.append(params)
+    return out if budget is None else out[: max(1, budget // 4)]
 
 
 def _study_name(bucket: Bucket, machine: Machine, source: str, opts: TuneOptions) -> str:
@@ -339,8 +345,9 @@ def tune_bucket(bucket: Bucket, opts: TuneOptions,
     deadline = None
     if opts.seconds is not None:
         deadline = time.time() + opts.seconds
-        if not study.get_trials(deepcopy=False) and (start := _warm_start(bucket, opts)) is not None:
-            study.enqueue_trial(start, user_attrs={"warm_start": "default"})  # study.ask() takes it first
+        if not study.get_trials(deepcopy=False):  # study.ask() takes enqueued trials first
+            for i, params in enumerate(_warm_starts(bucket, opts, None)):
+                study.enqueue_trial(params, user_attrs={"warm_start": i})
     else:
         counted = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("status") not in ("stale", "pruned")]
         if opts.exhaustive:  # every valid variant once: the ones this study has not enqueued yet
@@ -351,10 +358,10 @@ def tune_bucket(bucket: Bucket, opts: TuneOptions,
                     study.enqueue_trial(params)
         else:
             missing = max(0, opts.trials - len(counted))
-            start = _warm_start(bucket, opts) if not counted and missing else None
-            if start is not None:
-                study.enqueue_trial(start, user_attrs={"warm_start": "default"})
-                missing -= 1
+            if not counted:
+                for i, params in enumerate(_warm_starts(bucket, opts, missing)):
+                    study.enqueue_trial(params, user_attrs={"warm_start": i})  # 0: the default
+                    missing -= 1
             for _ in range(missing):
                 study.enqueue_trial({})
     before = _finished(study)
