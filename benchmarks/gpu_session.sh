@@ -1,6 +1,7 @@
 # One GPU session's measurements, in steps that each fit one 10-minute device call.
 #
-#   bash benchmarks/gpu_session.sh STEP        (STEP: tests | bench | sweep | tuned-bench | checks)
+#   bash benchmarks/gpu_session.sh STEP...     (STEP: tests | bench | sweep-decode | sweep-prefill |
+#        sweep-report | one-worker | tpe-again | sweep | tuned-bench | checks | finish)
 #
 # Run from the project root on the device machine, after installing the carried wheels (see
 # benchmarks/README.md). Everything lands under $OUT/<step>; the tuning store and the tuned
@@ -10,11 +11,9 @@
 # are keyed by GPU name and kernel source hash, so they hold on any machine of the same kind
 # at the same commit).
 #
-# Budgets, from the H200 runs of 2026-11-30: tests ~60 s when nothing hangs; bench decode
-# 27 s; bench prefill ~230 s reached o2 64 of its 6 widths (give it 400 s for all, with the
-# error cases); the o3 16x16 prefill sweep: TPE 25 trials 54 s, exhaustive 127 variants 168 s
-# with 8 workers (the register bound has since grown the space: expect more). Each device
-# call also pays ~30 s of start-up and transfer.
+# Durations, from the H200 runs of 2026-11-30b (benchmarks/README.md has the list): tests ~110 s;
+# sweep-decode ~5 min and sweep-prefill ~7 min on two GPUs; sweep-report ~60 s; bench decode
+# 35 s + prefill 140 s budgets reach o4 16x16x16. Each device call also pays ~30 s of start-up.
 set -euo pipefail
 : "${OUT:?set OUT (the device tool sets it)}"
 export RTCOMPILE_COMMIT="${RTCOMPILE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"

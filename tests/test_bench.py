@@ -394,14 +394,17 @@ def test_ceilings_on_cpu():
     assert rows[0].order is None and rows[0].phase == "ceiling"
 
 
-def test_git_commit_falls_back_to_env(monkeypatch):
+def test_git_commit_prefers_env_then_git_then_unknown(monkeypatch):
+    monkeypatch.setenv("RTCOMPILE_COMMIT", "feedbeef")  # named by the caller: wins over a stale checkout
+    assert bench.git_commit() == ("feedbeef", None)
+    monkeypatch.delenv("RTCOMPILE_COMMIT")
+    commit, _ = bench.git_commit()
+    assert len(commit) == 40 and commit != "feedbeef"  # this repository's HEAD
+
     def no_git(*a, **k):
         raise FileNotFoundError("git")
 
     monkeypatch.setattr(bench.subprocess, "run", no_git)
-    monkeypatch.setenv("RTCOMPILE_COMMIT", "feedbeef")
-    assert bench.git_commit() == ("feedbeef", None)
-    monkeypatch.delenv("RTCOMPILE_COMMIT")
     assert bench.git_commit() == ("unknown", None)
 
 

@@ -50,7 +50,11 @@ if TYPE_CHECKING:
 
 # ----- header and files ----------------------------------------------------------------------------
 def git_commit() -> tuple[str, bool | None]:
-    """(commit, dirty): ``git rev-parse HEAD`` of this checkout, else $RTCOMPILE_COMMIT, else unknown."""
+    """(commit, dirty): $RTCOMPILE_COMMIT when set, else ``git rev-parse HEAD`` of this checkout,
+    else unknown. The variable comes first: the GPU machine's copy of the tree carried a stale
+    ``.git`` on 2026-11-30 (its bench header read c12a73d, dirty, for a run of e6bb863)."""
+    if os.environ.get("RTCOMPILE_COMMIT"):
+        return os.environ["RTCOMPILE_COMMIT"], None
     here = Path(__file__).resolve().parent
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
@@ -61,7 +65,7 @@ def git_commit() -> tuple[str, bool | None]:
             return head.stdout.strip(), dirty
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("RTCOMPILE_COMMIT") or "unknown", None
+    return "unknown", None
 
 
 def collect_header(options: BenchOptions, ctx: BenchContext) -> dict[str, Any]:
