@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from rtcompile.costmodel import Calibration, Cost, calibrate, chunk_cost, recurrent_cost  # noqa: E402
+from rtcompile.kernels.inputs import random_inputs  # noqa: E402
 from rtcompile.kernels.triton_fwd import running_tensor_decode_, running_tensor_fwd  # noqa: E402
 from rtcompile.kernels.variants import ChunkVariant, RecurrentVariant  # noqa: E402
 from rtcompile.plan import make_plan  # noqa: E402
@@ -62,17 +63,9 @@ def _device() -> str:
 
 
 def _inputs(spec: ModelSpec, B: int, T: int, device: str, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    dt = getattr(torch, spec.input_dtype)
-    r = lambda *s: torch.randn(*s, generator=gen)
-    H, V = spec.heads, spec.value_width
-    q = [r(B, T, H, w).to(device, dt) for w in spec.key_widths]
-    k = [r(B, T, H, w).to(device, dt) for w in spec.key_widths]
-    v = r(B, T, H, V).to(device, dt)
-    g = torch.nn.functional.logsigmoid(r(B, T, H)).to(device)
-    beta = torch.sigmoid(r(B, T, H)).to(device, dt)
-    s0 = r(B, H, *spec.key_widths, V).to(device)
-    return q, k, v, g, beta, s0
+    *qkvgb, gen = random_inputs(B, T, spec.heads, spec.key_widths, spec.value_width, spec.input_dtype, device, seed)
+    s0 = torch.randn(B, spec.heads, *spec.key_widths, spec.value_width, generator=gen).to(device)
+    return (*qkvgb, s0)
 
 
 def _call(spec: ModelSpec, phase: str, mode: str, variant: dict, B: int, T: int, device: str, seed: int):

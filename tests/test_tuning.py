@@ -112,9 +112,9 @@ def test_killed_study_resumes_and_keeps_finished_trials(tmp_path):
     spec = tmp_path / "tiny.toml"
     spec.write_text('order = 3\nkey_widths = [2, 4]\nvalue_width = 8\nheads = 1\nmodel_width = 16\n'
                     'input_dtype = "float32"\n')
-    # a sub-space with no refused variant: a pruned trial's instant claim-and-release would let
-    # the kill land between a claim and its owner record (found stale only after 60 s)
-    fixes = ["--fix", "chunk_size=16", "--fix", "prefetch=false", "--fix", "wy=false", "--fix", "solve=rows"]
+    # refused variants included: a pruned trial's instant claim-and-release may be where the
+    # kill lands, and the resume must still find every orphan (see the next test)
+    fixes = ["--fix", "chunk_size=16"]
     argv = [str(spec), "--phase", "prefill", "--trials", "4", "--workers", "1", "--storage", url, *fixes,
             "--impl", "tuning_impls:slow"]
     proc = subprocess.Popen([sys.executable, "-m", "rtcompile.cli", "tune", *argv], start_new_session=True,
@@ -126,8 +126,6 @@ def test_killed_study_resumes_and_keeps_finished_trials(tmp_path):
             finished = [t for t in _trials(url) if t.state.name == "COMPLETE"]
         except (ValueError, StoreError):
             finished = []
-        # a trial whose worker has recorded itself (pid): killed between the claim and that
-        # record, a trial is only found stale after 60 s, longer than this test waits
         if finished and any(t.state.name == "RUNNING" and "pid" in t.user_attrs for t in _trials(url)):
             break
         time.sleep(0.3)
@@ -143,6 +141,34 @@ def test_killed_study_resumes_and_keeps_finished_trials(tmp_path):
     assert all(t.state.name in ("COMPLETE", "PRUNED", "FAIL") for t in counted)
     assert all({t.number: t.value for t in trials}[n] == v for n, v in kept.items())
     assert tuned.entries(), "the resumed study recorded no winner"
+
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "journal"])
+def test_a_trial_orphaned_between_claim_and_owner_record(tmp_path, kind):
+    """A worker killed after moving a trial to RUNNING but before recording itself leaves an
+    ownerless RUNNING trial. Under SQLite's claim lock that is certainly an orphan (stale at
+    once); without a real lock (journal, PostgreSQL) it gets 60 s."""
+    import optuna
+
+    from rtcompile.tuning.study import claim, mark_stale
+
+    url = f"sqlite:///{tmp_path / 'o.db'}" if kind == "sqlite" else f"journal:{tmp_path / 'o.log'}"
+    study = optuna.create_study(study_name="s", storage=open_storage(url))
+    study.enqueue_trial({"x": 1})
+    study.enqueue_trial({"x": 2})
+    owned = claim(study, url)  # a live claim records its owner at once
+    assert owned.user_attrs["pid"] == os.getpid()
+    (waiting,) = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
+    study._storage.set_trial_state_values(waiting._trial_id, optuna.trial.TrialState.RUNNING)  # no owner
+    n = mark_stale(study, timeout=300, storage_url=url)
+    states = {t.number: (t.state.name, t.user_attrs.get("status")) for t in study.get_trials(deepcopy=False)}
+    assert states[owned.number] == ("RUNNING", None)  # alive: left alone
+    if kind == "sqlite":
+        assert n == 1 and states[waiting.number] == ("FAIL", "stale")
+        assert sum(1 for st, _ in states.values() if st == "WAITING") == 1  # its replacement
+    else:
+        assert n == 0 and states[waiting.number] == ("RUNNING", None)
 
 
 def test_journal_storage(tmp_path):

@@ -212,23 +212,13 @@ class Inputs:
 
 
 def make_inputs(case: Case, device: Any, seed: int) -> Inputs:
-    """Fresh random inputs for ``case`` in ``case.dtype``; the same seed gives the same values
-    (drawn in fp32, then cast, so bf16 and fp32 cases of one seed share their underlying draws)."""
-    import torch
+    """Fresh random inputs for ``case`` in ``case.dtype`` (``kernels.inputs.random_inputs``, drawn
+    on the device: benchmark sizes); the same seed gives the same values."""
+    from ..kernels.inputs import random_inputs
 
-    dt = getattr(torch, case.dtype)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    B, T, H = case.B, case.T, case.H
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32)
-
-    q = [randn(B, T, H, d).to(dt) for d in case.key_widths]
-    k = [randn(B, T, H, d).to(dt) for d in case.key_widths]
-    v = randn(B, T, H, case.V).to(dt)
-    g = torch.nn.functional.logsigmoid(randn(B, T, H))  # fp32, g <= 0 (fla's convention)
-    beta = torch.sigmoid(randn(B, T, H)).to(dt)
-    return Inputs(q, k, v, g, beta, case.K ** -0.5)
+    *qkvgb, _ = random_inputs(case.B, case.T, case.H, case.key_widths, case.V, case.dtype, device, seed,
+                              draw_on="device")
+    return Inputs(*qkvgb, case.K ** -0.5)
 
 
 def kronify(inp: Inputs) -> Inputs:

@@ -149,3 +149,32 @@ def check_inputs(
         if initial_state.device != v.device:
             raise ValueError(f"initial_state: on {initial_state.device}, v on {v.device}; allowed: all on one device")
     return problem
+
+
+def random_inputs(batch: int, seq_len: int, heads: int, key_widths: Sequence[int], value_width: int,
+                  dtype: str | torch.dtype, device, seed: int, *, draw_on: str = "cpu"):
+    """Seeded random ``(q, k, v, g, beta, generator)`` for tests, tuning trials and benchmarks.
+
+    Factors and values ~ N(0, 1) in ``dtype``; ``g = logsigmoid(N(0, 1))`` <= 0 in fp32 (fla's
+    log-decay convention); ``beta = sigmoid(N(0, 1))`` in ``dtype``. Everything is drawn in fp32
+    and then cast, so the fp32 and bf16 problems of one seed share their draws. ``draw_on="cpu"``
+    draws on the CPU and moves the tensors (the same values on every machine: the tuner checks
+    every trial of a study on one seed); ``"device"`` draws on ``device`` (fast for benchmark
+    sizes; values differ between CPU and GPU). The generator is returned for further draws
+    (state caches, slot permutations) in a fixed order after these."""
+    if draw_on not in ("cpu", "device"):
+        raise ValueError(f"draw_on={draw_on!r}; allowed: 'cpu', 'device'")
+    dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    gen = torch.Generator(device="cpu" if draw_on == "cpu" else device).manual_seed(seed)
+    where = "cpu" if draw_on == "cpu" else device
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=where, dtype=torch.float32)
+
+    B, T, H = batch, seq_len, heads
+    q = [randn(B, T, H, w).to(device=device, dtype=dt) for w in key_widths]
+    k = [randn(B, T, H, w).to(device=device, dtype=dt) for w in key_widths]
+    v = randn(B, T, H, value_width).to(device=device, dtype=dt)
+    g = torch.nn.functional.logsigmoid(randn(B, T, H)).to(device)
+    beta = torch.sigmoid(randn(B, T, H)).to(device=device, dtype=dt)
+    return q, k, v, g, beta, gen

@@ -48,20 +48,17 @@ class Inputs:
 
 
 def make_inputs(bucket: Bucket, device: str, seed: int) -> Inputs:
+    """The bucket's problem (drawn on the CPU: one study checks every trial on the same values),
+    plus a state cache and a slot permutation for the decode kernel."""
     import torch
 
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    dt = getattr(torch, bucket.dtype)
-    B, T, H, V = bucket.batch, bucket.seq_len, bucket.heads, bucket.value_width
-    r = lambda *s: torch.randn(*s, generator=gen)
-    q = [r(B, T, H, w).to(device=device, dtype=dt) for w in bucket.key_widths]
-    k = [r(B, T, H, w).to(device=device, dtype=dt) for w in bucket.key_widths]
-    v = r(B, T, H, V).to(device=device, dtype=dt)
-    g = torch.nn.functional.logsigmoid(r(B, T, H)).to(device)
-    beta = torch.sigmoid(r(B, T, H)).to(device=device, dtype=dt)
-    inp = Inputs(q, k, v, g, beta)
+    from ..kernels.inputs import random_inputs
+
+    B, H, V = bucket.batch, bucket.heads, bucket.value_width
+    *qkvgb, gen = random_inputs(B, bucket.seq_len, H, bucket.key_widths, V, bucket.dtype, device, seed)
+    inp = Inputs(*qkvgb)
     if bucket.kernel == "recurrent":
-        inp.cache = r(B, H, *bucket.key_widths, V).to(device)
+        inp.cache = torch.randn(B, H, *bucket.key_widths, V, generator=gen).to(device)
         inp.indices = torch.randperm(B, generator=gen).to(device=device, dtype=torch.int32)
     return inp
 

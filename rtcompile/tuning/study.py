@@ -198,27 +198,43 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
-def mark_stale(study, timeout: float) -> int:
-    """Fail RUNNING trials whose worker is gone (same host, dead pid) or that outlived twice the
-    trial timeout, and enqueue one WAITING replacement for each. Returns how many."""
+def mark_stale(study, timeout: float, storage_url: str | None = None) -> int:
+    """Fail RUNNING trials whose worker is gone (same host, dead pid), that outlived twice the
+    trial timeout, or that have no owner, and enqueue one WAITING replacement for each.
+    Returns how many.
+
+    A worker records its owner (host, pid) in the same ``claim_lock`` section that moves the
+    trial to RUNNING (:func:`claim`, :func:`_ask`), and this scan holds that lock too: where the
+    lock is real (SQLite) an ownerless RUNNING trial is one whose worker died between those two
+    writes, stale at once. Elsewhere (PostgreSQL, journal) the lock is a no-op, so an ownerless
+    trial is given 60 s, ample for the next write of a live worker."""
     import optuna
 
+    serialised = (storage_url or _default_url()).startswith("sqlite:///")
     host, now, n = socket.gethostname(), time.time(), 0
-    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-        owner_host, pid = t.user_attrs.get("host"), t.user_attrs.get("pid")
-        started = t.datetime_start.timestamp() if t.datetime_start else now
-        dead = owner_host == host and isinstance(pid, int) and not _pid_alive(pid)
-        if dead or now - started > 2 * timeout or owner_host is None and now - started > 60:
-            study._storage.set_trial_user_attr(t._trial_id, "status", "stale")
-            study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
-            study.enqueue_trial(t.system_attrs.get("fixed_params", {}), user_attrs={"replaces": t.number})
-            n += 1
+    with claim_lock(storage_url):
+        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+            owner_host, pid = t.user_attrs.get("host"), t.user_attrs.get("pid")
+            started = t.datetime_start.timestamp() if t.datetime_start else now
+            dead = owner_host == host and isinstance(pid, int) and not _pid_alive(pid)
+            ownerless = owner_host is None and (serialised or now - started > 60)
+            if dead or ownerless or now - started > 2 * timeout:
+                study._storage.set_trial_user_attr(t._trial_id, "status", "stale")
+                study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
+                study.enqueue_trial(t.system_attrs.get("fixed_params", {}), user_attrs={"replaces": t.number})
+                n += 1
     return n
 
 
+def _own(storage, trial_id: int) -> None:
+    storage.set_trial_user_attr(trial_id, "host", socket.gethostname())
+    storage.set_trial_user_attr(trial_id, "pid", os.getpid())
+
+
 def claim(study, storage_url: str | None = None):
-    """Take one WAITING trial, or None. Atomic: no two workers ever get the same trial (the
-    storage's own compare-and-set, plus ``claim_lock`` where the storage's is not atomic)."""
+    """Take one WAITING trial and record this process as its owner, or None. Atomic: no two
+    workers ever get the same trial (the storage's own compare-and-set, plus ``claim_lock``
+    where the storage's is not atomic)."""
     import optuna
 
     storage = study._storage
@@ -227,10 +243,19 @@ def claim(study, storage_url: str | None = None):
                                         states=(optuna.trial.TrialState.WAITING,)):
             try:
                 if storage.set_trial_state_values(t._trial_id, state=optuna.trial.TrialState.RUNNING):
+                    _own(storage, t._trial_id)  # before the lock is released: see mark_stale
                     return optuna.Trial(study, t._trial_id)
             except optuna.exceptions.UpdateFinishedTrialError:
                 continue
     return None
+
+
+def _ask(study, storage_url: str | None = None):
+    """``study.ask()`` (seconds mode) with its owner recorded under ``claim_lock``, as in :func:`claim`."""
+    with claim_lock(storage_url):
+        trial = study.ask()
+        _own(study._storage, trial._trial_id)
+    return trial
 
 
 # TPE treats pruned trials as the worst, so it leaves refused regions after a few; the cap only
@@ -258,11 +283,9 @@ def run_worker(storage_url: str | None, name: str, bucket: Bucket, opts: TuneOpt
     while True:
         if deadline is not None and time.time() >= deadline:
             break
-        trial = claim(study, storage_url) if deadline is None else study.ask()
+        trial = claim(study, storage_url) if deadline is None else _ask(study, storage_url)
         if trial is None:
             break
-        trial.set_user_attr("host", socket.gethostname())
-        trial.set_user_attr("pid", os.getpid())
         params = {n: trial.suggest_categorical(n, choices) for n, choices in space.items()}
         variant = cls(**params)
         reason = variant.check(shape, limit)
@@ -341,7 +364,7 @@ def tune_bucket(bucket: Bucket, opts: TuneOptions,
     for k, v in {**key_attrs(bucket, machine, source), "seed": opts.seed}.items():
         study.set_user_attr(k, v)
     if opts.resume:
-        mark_stale(study, opts.trial_timeout)
+        mark_stale(study, opts.trial_timeout, url)
     deadline = None
     if opts.seconds is not None:
         deadline = time.time() + opts.seconds
