@@ -341,3 +341,43 @@ def test_kernel_seconds_off_the_gpu_is_the_wall_clock_median():
     calls = []
     seconds, method = kernel_seconds(lambda: calls.append(time.perf_counter()), "cpu", repeats=7)
     assert method == "wall" and len(calls) == 7 and 0 <= seconds < 0.01
+
+
+def _request(variant: ChunkVariant, impl: str) -> dict:
+    from dataclasses import asdict
+
+    return {"bucket": asdict(TINY), "variant": variant.to_dict(), "device": "cpu", "seed": 3, "check_seed": 1,
+            "repeats": 1, "impl": impl}
+
+
+C16 = ChunkVariant(chunk_size=16, block_k=16, block_v=16, num_stages=1)
+C32 = ChunkVariant(chunk_size=32, block_k=16, block_v=16, num_stages=1)
+
+
+@pytest.mark.parametrize("impl, reason", [("tuning_impls:hang_at_c32", "timeout after"),
+                                          ("tuning_impls:crash_at_c32", "trial process exited 3")],
+                         ids=["hang", "crash"])
+def test_a_hung_or_crashed_trial_fails_alone_and_the_next_gets_a_fresh_process(impl, reason):
+    from rtcompile.tuning.study import TrialRunner
+
+    with TrialRunner(timeout=60 if "crash" in impl else 20) as runner:
+        first = runner.evaluate(_request(C16, impl))
+        assert first["status"] == "ok", first
+        bad = runner.evaluate(_request(C32, impl))
+        assert bad["status"] == "failed" and reason in bad["reason"], bad
+        assert runner._proc is None  # killed or reaped: nothing left behind
+        again = runner.evaluate(_request(C16, impl))
+        assert again["status"] == "ok", again
+
+
+def test_one_trial_process_serves_a_workers_trials():
+    from rtcompile.tuning.study import TrialRunner
+
+    results, pids = [], []
+    with TrialRunner(timeout=120) as runner:
+        for v in (C16, C32, C16):
+            results.append(runner.evaluate(_request(v, "tuning_impls:pid_tagged")))
+            pids.append(runner._proc.pid)
+    assert [r["status"] for r in results] == ["ok"] * 3  # the printed pid lines are not results
+    assert len(set(pids)) == 1  # one process for all three
+    assert results[0]["error"] == results[2]["error"]  # the same check inputs, kept between trials

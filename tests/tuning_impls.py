@@ -37,3 +37,27 @@ def interval_log(bucket, variant, inp):
         with open(os.environ["RTCOMPILE_TEST_INTERVALS"], "a") as fh:
             fh.write(f"{os.getpid()} {t0} {time.time()}\n")
     return out
+
+
+def hang_at_c32(bucket, variant, inp):
+    """Chunk size 32 hangs (a stuck compile or kernel): the trial must time out alone."""
+    if variant is not None and variant.chunk_size == 32:
+        time.sleep(3600)
+    return run_kernel(bucket, variant, inp)
+
+
+def crash_at_c32(bucket, variant, inp):
+    """Chunk size 32 kills its process (as a CUDA fault would): that trial fails, the next runs."""
+    import os
+
+    if variant is not None and variant.chunk_size == 32:
+        os._exit(3)
+    return run_kernel(bucket, variant, inp)
+
+
+def pid_tagged(bucket, variant, inp):
+    """A correct kernel that prints the trial process's pid (the runner must skip such lines)."""
+    import os
+
+    print(f"pid {os.getpid()}", flush=True)
+    return run_kernel(bucket, variant, inp)

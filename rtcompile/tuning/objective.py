@@ -1,8 +1,9 @@
 """The measured objective of one trial: run a variant, check it, time it.
 
-Runs in a worker's child process (``python -m rtcompile.tuning.objective``, a JSON request on
-stdin, a JSON result on stdout), so a compile error, an out-of-resources launch, an illegal
-memory access or a hang ends that process, not the study.
+Runs in a worker's child process (``python -m rtcompile.tuning.objective``: JSON requests on
+stdin, one line each, JSON results on stdout), so a compile error, an out-of-resources launch,
+an illegal memory access or a hang ends that process, not the study. The process serves a
+worker's trials one after another until one fails or hangs (``study.TrialRunner``).
 
 Invariants: a variant whose output differs from the float64 reference by more than the
 dtype's tolerance is ``rejected`` and never timed; inputs are fresh random data (seeded): the
@@ -24,7 +25,7 @@ import importlib
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from ..timing import kernel_seconds
@@ -136,6 +137,25 @@ def _load_impl(path: str | None) -> Callable:
     return getattr(importlib.import_module(module), name)
 
 
+# A long-lived trial process keeps the last study's check inputs and reference (one bucket and
+# seed at a time): building B8 T4096 inputs on the CPU and loading the reference would repeat
+# for every trial of the study.
+_CHECK: dict[str, Any] = {}
+
+
+def _check_problem(bucket: Bucket, device: str, check_seed: int):
+    key = f"{bucket.label}|{device}|{check_seed}"
+    if _CHECK.get("key") != key:
+        _CHECK.clear()
+        inp = make_inputs(bucket, device, check_seed)
+        ref = cached_reference(bucket, inp, check_seed, device)
+        _CHECK.update(key=key, inp=inp, ref=ref)
+    inp = _CHECK["inp"]
+    if inp.cache is not None:  # decode updates its cache in place: each trial gets its own copy
+        inp = replace(inp, cache=inp.cache.clone())
+    return inp, _CHECK["ref"]
+
+
 def evaluate(request: dict[str, Any]) -> dict[str, Any]:
     """Check then time one variant; the result's ``status`` is ok, rejected or failed."""
     from ..kernels.variants import ChunkVariant, RecurrentVariant
@@ -147,8 +167,7 @@ def evaluate(request: dict[str, Any]) -> dict[str, Any]:
     impl = _load_impl(request.get("impl"))
     try:
         check_seed = int(request.get("check_seed", request.get("seed", 0)))
-        inp = make_inputs(bucket, device, check_seed)
-        o_ref, s_ref = cached_reference(bucket, inp, check_seed, device)  # first: decode updates inp.cache
+        inp, (o_ref, s_ref) = _check_problem(bucket, device, check_seed)
         o, s = impl(bucket, variant, inp)
         err = max(rel_rms(o, o_ref), rel_rms(s, s_ref))
         if not err <= TOLERANCE[bucket.dtype]:
@@ -165,9 +184,15 @@ def evaluate(request: dict[str, Any]) -> dict[str, Any]:
         return {"status": "failed", "reason": f"{type(exc).__name__}: {first}"[:300]}
 
 
+# Each result line starts with this: Triton, torch or a kernel stand-in may print lines of their own.
+RESULT_PREFIX = "rtcompile-trial-result "
+
+
 def main() -> int:
-    request = json.loads(sys.stdin.read())
-    print(json.dumps(evaluate(request)))
+    """Serve requests, one JSON line each on stdin, until EOF (see ``study.TrialRunner``)."""
+    for line in sys.stdin:
+        if line.strip():
+            print(RESULT_PREFIX + json.dumps(evaluate(json.loads(line))), flush=True)
     return 0
 
 

@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -158,21 +161,107 @@ def _study_name(bucket: Bucket, machine: Machine, source: str, opts: TuneOptions
     return name
 
 
-def run_objective(bucket: Bucket, variant: dict | None, opts: TuneOptions, seed: int) -> dict[str, Any]:
-    """Evaluate one variant in a child process with a timeout (see ``objective``): checked on
-    the study's inputs (``opts.seed``), timed on the trial's own (``seed``)."""
+class TrialRunner:
+    """A trial process (``python -m rtcompile.tuning.objective``) that evaluates one worker's
+    trials one after another, so Python, the torch and Triton imports and the CUDA context are
+    paid once per worker rather than once per trial (a fresh process per trial made a decode
+    trial take 6-8 s on the H200 sweep of 2026-11-30b, its kernel a few microseconds).
+
+    Isolation stays where it matters: a trial that outlives ``timeout`` (a hang, a stuck
+    compile) is killed with its process, a process that dies (a CUDA fault, a crash) fails only
+    its trial, and after any failed trial the next one starts a fresh process, since a CUDA
+    error poisons the context for everything after it. Not thread-safe: one per worker.
+    """
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self._proc: subprocess.Popen | None = None
+        self._lines: queue.Queue | None = None
+        self._stderr = None
+
+    def _start(self) -> None:
+        self._stderr = tempfile.TemporaryFile(mode="w+")
+        self._proc = subprocess.Popen([sys.executable, "-m", "rtcompile.tuning.objective"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=self._stderr, text=True, bufsize=1)
+        # a reader thread, so a process that prints half a line and then hangs cannot block the timeout
+        self._lines = queue.Queue()
+        threading.Thread(target=self._read, args=(self._proc.stdout, self._lines), daemon=True).start()
+
+    @staticmethod
+    def _read(stream, lines: queue.Queue) -> None:
+        for line in stream:
+            lines.put(line)
+        lines.put(None)  # end of file: the process is gone
+
+    def _stderr_tail(self) -> str:
+        self._stderr.seek(0)
+        tail = [ln for ln in self._stderr.read().strip().splitlines() if ln.strip()]
+        return tail[-1][:200] if tail else "no output"
+
+    def evaluate(self, request: dict[str, Any]) -> dict[str, Any]:
+        """One trial's result (see ``objective.evaluate``), ``failed`` with the reason when the
+        process hangs past the timeout or dies."""
+        from .objective import RESULT_PREFIX
+
+        if self._proc is None or self._proc.poll() is not None:
+            self.close()
+            self._start()
+        try:
+            self._proc.stdin.write(json.dumps(request) + "\n")
+            self._proc.stdin.flush()
+        except OSError as exc:
+            self.close()
+            return {"status": "failed", "reason": f"trial process unreachable: {exc}"}
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self.close()
+                return {"status": "failed", "reason": f"timeout after {self.timeout:.0f} s (hang or slow compile)"}
+            if line is None:
+                rc = self._proc.wait()
+                reason = f"trial process exited {rc}: {self._stderr_tail()}"
+                self.close()
+                return {"status": "failed", "reason": reason}
+            if line.startswith(RESULT_PREFIX):
+                result = json.loads(line[len(RESULT_PREFIX):])
+                if result.get("status") == "failed":
+                    self.close()
+                return result
+
+    def close(self) -> None:
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._proc.kill()
+            self._proc.wait()
+            for stream in (self._proc.stdin, self._proc.stdout):
+                try:
+                    stream.close()
+                except OSError:
+                    pass
+        if self._stderr is not None:
+            self._stderr.close()
+        self._proc = self._lines = self._stderr = None
+
+    def __enter__(self) -> "TrialRunner":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def run_objective(bucket: Bucket, variant: dict | None, opts: TuneOptions, seed: int,
+                  runner: TrialRunner | None = None) -> dict[str, Any]:
+    """Evaluate one variant in a trial process with a timeout (see ``objective``): checked on
+    the study's inputs (``opts.seed``), timed on the trial's own (``seed``). Without a runner,
+    a process of its own."""
     request = {"bucket": asdict(bucket), "variant": variant, "device": opts.device, "seed": seed,
                "check_seed": opts.seed, "repeats": opts.repeats, "impl": opts.impl}
-    try:
-        proc = subprocess.run([sys.executable, "-m", "rtcompile.tuning.objective"], input=json.dumps(request),
-                              capture_output=True, text=True, timeout=opts.trial_timeout)
-    except subprocess.TimeoutExpired:
-        return {"status": "failed", "reason": f"timeout after {opts.trial_timeout:.0f} s (hang or slow compile)"}
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
-        return {"status": "failed", "reason": f"trial process exited {proc.returncode}: {tail}"}
-    return json.loads(lines[-1])
+    if runner is not None:
+        return runner.evaluate(request)
+    with TrialRunner(opts.trial_timeout) as own:
+        return own.evaluate(request)
 
 
 def _counts(study) -> dict[str, int]:
@@ -279,33 +368,32 @@ def run_worker(storage_url: str | None, name: str, bucket: Bucket, opts: TuneOpt
     study = optuna.load_study(study_name=name, storage=open_storage(storage_url), sampler=sampler)
     cls, shape = variant_class(bucket.kernel), _shape(bucket)
     space, limit = search_space(bucket, opts), _smem_limit(opts.device)
-    done = 0
-    while True:
-        if deadline is not None and time.time() >= deadline:
-            break
-        trial = claim(study, storage_url) if deadline is None else _ask(study, storage_url)
-        if trial is None:
-            break
-        params = {n: trial.suggest_categorical(n, choices) for n, choices in space.items()}
-        variant = cls(**params)
-        reason = variant.check(shape, limit)
-        if reason is not None:
-            trial.set_user_attr("status", "pruned")
-            trial.set_user_attr("reason", reason)
-            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
-            if deadline is None and opts.trials and _pruned(study) < MAX_PRUNED_PER_TRIAL * opts.trials:
-                study.enqueue_trial({})  # nothing was run: the budget slot goes back to the queue
-        else:
-            result = run_objective(bucket, variant.to_dict(), opts, seed=opts.seed + trial.number)
-            trial.set_user_attr("status", result["status"])
-            for key in ("reason", "error", "timing"):
-                if key in result:
-                    trial.set_user_attr(key, result[key])
-            if result["status"] == "ok":
-                study.tell(trial, result["seconds"])
+    with TrialRunner(opts.trial_timeout) as runner:  # one trial process for the worker's trials
+        done = 0
+        while deadline is None or time.time() < deadline:
+            trial = claim(study, storage_url) if deadline is None else _ask(study, storage_url)
+            if trial is None:
+                break
+            params = {n: trial.suggest_categorical(n, choices) for n, choices in space.items()}
+            variant = cls(**params)
+            reason = variant.check(shape, limit)
+            if reason is not None:
+                trial.set_user_attr("status", "pruned")
+                trial.set_user_attr("reason", reason)
+                study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                if deadline is None and opts.trials and _pruned(study) < MAX_PRUNED_PER_TRIAL * opts.trials:
+                    study.enqueue_trial({})  # nothing was run: the budget slot goes back to the queue
             else:
-                study.tell(trial, state=optuna.trial.TrialState.FAIL)
-        done += 1
+                result = run_objective(bucket, variant.to_dict(), opts, seed=opts.seed + trial.number, runner=runner)
+                trial.set_user_attr("status", result["status"])
+                for key in ("reason", "error", "timing"):
+                    if key in result:
+                        trial.set_user_attr(key, result[key])
+                if result["status"] == "ok":
+                    study.tell(trial, result["seconds"])
+                else:
+                    study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            done += 1
     return done
 
 
@@ -429,10 +517,11 @@ def _finish(study, bucket: Bucket, machine: Machine, source: str, opts: TuneOpti
     default = cls.default(_shape(bucket), _smem_limit(opts.device))
     candidates = [cls(**t.params) for t in done[: opts.top_k]]
     timed = []
-    for i, v in enumerate(dict.fromkeys(candidates + [default])):
-        r = run_objective(bucket, v.to_dict(), opts, seed=opts.seed + 10_000 + i)
-        if r["status"] == "ok":
-            timed.append((r["seconds"], v))
+    with TrialRunner(opts.trial_timeout) as runner:
+        for i, v in enumerate(dict.fromkeys(candidates + [default])):
+            r = run_objective(bucket, v.to_dict(), opts, seed=opts.seed + 10_000 + i, runner=runner)
+            if r["status"] == "ok":
+                timed.append((r["seconds"], v))
     default_s = next((s for s, v in timed if v == default), None)
     if not timed:
         return
