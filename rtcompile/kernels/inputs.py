@@ -165,8 +165,8 @@ def random_inputs(batch: int, seq_len: int, heads: int, key_widths: Sequence[int
     if draw_on not in ("cpu", "device"):
         raise ValueError(f"draw_on={draw_on!r}; allowed: 'cpu', 'device'")
     dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    gen = torch.Generator(device="cpu" if draw_on == "cpu" else device).manual_seed(seed)
     where = "cpu" if draw_on == "cpu" else device
+    gen = torch.Generator(device=where).manual_seed(seed)
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, device=where, dtype=torch.float32)

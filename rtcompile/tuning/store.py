@@ -78,10 +78,15 @@ def claim_lock(url: str | None = None):
     ordered log are atomic already, so they need none.
     """
     url = url or default_url()
-    if url.startswith("sqlite:///"):
+    if serialises_claims(url):
         db = Path(url[len("sqlite:///"):])
         return file_lock(db.with_name(db.name + ".claim.lock"))
     return nullcontext()
+
+
+def serialises_claims(url: str | None = None) -> bool:
+    """True when :func:`claim_lock` is a real lock for this storage (SQLite), not a no-op."""
+    return (url or default_url()).startswith("sqlite:///")
 
 
 def open_storage(url: str | None = None):

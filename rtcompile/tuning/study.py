@@ -38,7 +38,7 @@ from typing import Any, Callable
 from ..kernels import tuned
 from ..kernels.variants import DEFAULT_SMEM_BYTES, ChunkVariant, KernelShape, RecurrentVariant
 from .keys import Bucket, Machine, key_attrs, study_name
-from .store import claim_lock, open_storage, write_tuned
+from .store import claim_lock, open_storage, serialises_claims, write_tuned
 
 DEFAULT_SEED = 20261129  # recorded in every study; TPE's choices are reproducible from it
 RESULT_ATTRS = ("best_variant", "best_seconds", "default_seconds")
@@ -176,6 +176,7 @@ class TrialRunner:
     def __init__(self, timeout: float):
         self.timeout = timeout
         self._proc: subprocess.Popen | None = None
+        self._reader: threading.Thread | None = None
         self._lines: queue.Queue | None = None
         self._stderr = None
 
@@ -185,7 +186,8 @@ class TrialRunner:
                                       stdout=subprocess.PIPE, stderr=self._stderr, text=True, bufsize=1)
         # a reader thread, so a process that prints half a line and then hangs cannot block the timeout
         self._lines = queue.Queue()
-        threading.Thread(target=self._read, args=(self._proc.stdout, self._lines), daemon=True).start()
+        self._reader = threading.Thread(target=self._read, args=(self._proc.stdout, self._lines), daemon=True)
+        self._reader.start()
 
     @staticmethod
     def _read(stream, lines: queue.Queue) -> None:
@@ -235,6 +237,9 @@ class TrialRunner:
             if self._proc.poll() is None:
                 self._proc.kill()
             self._proc.wait()
+            # the reader sees end of file once the process is gone; its stream is closed after it
+            # stops, so it never reads a closed file
+            self._reader.join(timeout=5)
             for stream in (self._proc.stdin, self._proc.stdout):
                 try:
                     stream.close()
@@ -242,7 +247,7 @@ class TrialRunner:
                     pass
         if self._stderr is not None:
             self._stderr.close()
-        self._proc = self._lines = self._stderr = None
+        self._proc = self._reader = self._lines = self._stderr = None
 
     def __enter__(self) -> "TrialRunner":
         return self
@@ -299,7 +304,7 @@ def mark_stale(study, timeout: float, storage_url: str | None = None) -> int:
     trial is given 60 s, ample for the next write of a live worker."""
     import optuna
 
-    serialised = (storage_url or _default_url()).startswith("sqlite:///")
+    serialised = serialises_claims(storage_url)
     host, now, n = socket.gethostname(), time.time(), 0
     with claim_lock(storage_url):
         for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
