@@ -138,8 +138,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     opts = bench.BenchOptions(
         phase=args.phase, quick=args.quick, out=Path(args.out) if args.out else None,
-        repeats=args.repeats, budget_s=args.budget_s,
+        repeats=args.repeats, budget_s=args.budget_s, only=tuple(args.only or ()),
     )
+    if opts.only and not bench.plan(opts.phase, opts.quick, opts.variants, opts.only):
+        raise UsageError(f"rtcompile bench: --only {' '.join(opts.only)!r}: no case of phase {opts.phase} matches; "
+                         "allowed: parts of the case names that --dry-run lists")
     if args.dry_run:
         print("\n".join(bench.dry_run_lines(opts)))
         return 0
@@ -185,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--budget-s", type=_positive_float, default=DEFAULT_BUDGET_S, metavar="S",
                        help="soft time budget: once spent, the remaining implementations are recorded as skipped "
                        f"(default {DEFAULT_BUDGET_S:.0f})")
+    bench.add_argument("--only", action="append", metavar="TEXT",
+                       help="measure only the cases whose name contains TEXT (repeatable; see --dry-run for names)")
     bench.set_defaults(func=_cmd_bench)
     from . import export_cmd, plan_cmd, tune_cmd
 

@@ -150,7 +150,8 @@ def _gb(n: float) -> str:
 def check_memory(spec: ModelSpec, target: Target, batch: int, seq_len: int) -> dict[str, int]:
     """Refuse (PlanError) when the model's state plus the smallest prefill workspace and one
     layer's activations exceed the target's memory at this batch; return the figures."""
-    fused = ChunkVariant.default(shape_of(spec), target.smem_per_sm).fused()
+    shape = shape_of(spec)
+    fused = ChunkVariant.default(shape, target.smem_per_sm).fused(shape)
     need = _memory(spec, batch, seq_len, chunk_workspace_bytes(spec, batch, seq_len, fused))
     total = sum(need.values())
     if total > target.memory_bytes:
@@ -166,7 +167,7 @@ def check_memory(spec: ModelSpec, target: Target, batch: int, seq_len: int) -> d
 def _prefill(spec: ModelSpec, target: Target, B: int, T: int, cal: Calibration, measured) -> Decision:
     shape = shape_of(spec)
     chunk_default = ChunkVariant.default(shape, target.smem_per_sm)
-    chunk_fused = chunk_default.fused()
+    chunk_fused = chunk_default.fused(shape)
     rec = RecurrentVariant.default(shape, target.smem_per_sm)
     options = [
         ("chunk", chunk_default, chunk_cost(spec, target, B, T, chunk_default, cal)),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -13,7 +14,7 @@ import rtcompile
 from rtcompile.kernels import running_tensor_recurrent_ref, triton_fwd
 from rtcompile.kernels.triton_common import unit_lower_inverse_blocked
 from rtcompile.kernels.triton_fwd import running_tensor_decode_, running_tensor_fwd
-from rtcompile.kernels.variants import ChunkVariant, RecurrentVariant
+from rtcompile.kernels.variants import ChunkVariant, KernelShape, RecurrentVariant
 
 from conftest import make_inputs, rel_err
 
@@ -125,7 +126,11 @@ PREFETCH = {
                                                        prefetch=True)),
     "o2-32-c32-fused-blocks": ((32,), 70, ChunkVariant(chunk_size=32, block_k=32, block_v=16, fuse_prepare=True,
                                                          solve="blocks", prefetch=True)),
-    "o4-16x16x16-refused": ((16, 16, 16), 5, None),
+    # with a streamed state: the next state tile loaded ahead (gathered and outer-product phi)
+    "o3-5x7-c16-streamed": ((5, 7), 37, ChunkVariant(chunk_size=16, block_k=16, block_v=16, prefetch=True)),
+    "o3-4x8-c32-streamed-fused": ((4, 8), 45, ChunkVariant(chunk_size=32, block_k=16, block_v=16, fuse_prepare=True,
+                                                           prefetch=True)),
+    "o3-3x5-refused": ((3, 5), 5, None),
 }
 
 
@@ -135,9 +140,9 @@ def test_prefetch_matches_float64(case, feat):
     widths, T, variant = PREFETCH[case]
     f = FEATURES[feat]
     dev, ref, s0 = _case(2, T, 1, widths, 6, gate=f["gate"], delta=f["delta"], state=True)
-    if variant is None:  # K = 4096 cannot keep its state in registers: refused before launch
-        with pytest.raises(ValueError, match="prefetch needs the state in registers"):
-            running_tensor_fwd(*dev, mode="chunk", variant=ChunkVariant(16, 64, 16, prefetch=True))
+    if variant is None:  # a state in registers loads whole factor tiles ahead: widths 3, 5 cannot
+        with pytest.raises(ValueError, match="prefetch with the state in registers needs power-of-two"):
+            running_tensor_fwd(*dev, mode="chunk", variant=ChunkVariant(16, 16, 16, prefetch=True))
         return
     o, s = running_tensor_fwd(*dev, initial_state=_to(s0, torch.float32), output_final_state=True,
                               l2norm=f["l2norm"], mode="chunk", variant=variant)
@@ -240,6 +245,32 @@ def test_default_variants_run():
         assert rel_err(o.cpu(), o_ref) < FP32_TOL and rel_err(s.cpu(), s_ref) < FP32_TOL
 
 
+OUTER_WIDTHS = {"o2-d8": (8,), "o3-2x4": (2, 4), "o4-2x2x4": (2, 2, 4)}
+
+
+@pytest.mark.parametrize("widths", OUTER_WIDTHS.values(), ids=OUTER_WIDTHS.keys())
+@pytest.mark.parametrize("tiles", ["resident", "streamed"])
+def test_recurrent_outer_phi(widths, tiles):
+    """phi from outer products of factor loads (power-of-two widths), with the state in
+    registers or streamed in tiles of exactly the trailing widths' product."""
+    K = math.prod(widths)
+    bk = K if tiles == "resident" else max(2, math.prod(widths[1:]))
+    variant = RecurrentVariant(block_k=bk, block_v=4, outer_phi=True)
+    dev, ref, s0 = _case(2, 5, 2, widths, 6, gate=True, delta=True, state=True)
+    o, s = running_tensor_fwd(*dev, initial_state=_to(s0, torch.float32), output_final_state=True, l2norm=True,
+                              mode="recurrent", variant=variant)
+    o_ref, s_ref = running_tensor_recurrent_ref(*ref, initial_state=s0, output_final_state=True, l2norm=True)
+    assert rel_err(o.cpu(), o_ref) < FP32_TOL and rel_err(s.cpu(), s_ref) < FP32_TOL
+
+
+def test_outer_phi_refused_where_it_cannot_run():
+    shape = KernelShape((3, 4), 8, 4)
+    assert "outer_phi needs power-of-two" in RecurrentVariant(block_k=16, block_v=8, outer_phi=True).check(shape)
+    shape = KernelShape((4, 8), 8, 4)  # block_k 4 does not cover the trailing width 8
+    assert "outer_phi" in RecurrentVariant(block_k=4, block_v=8, outer_phi=True).check(shape)
+    assert RecurrentVariant(block_k=8, block_v=8, outer_phi=True).check(shape) is None
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("impl", ["chunk16", "recurrent"])
 def test_half_inputs(dtype, impl):
@@ -287,6 +318,32 @@ def test_decode_matches_plain_form():
     cache = _to(s0.clone())
     o = running_tensor_decode_(*dev, state_cache=cache, state_indices=_to(torch.arange(3, dtype=torch.int32)), l2norm=True)
     assert torch.equal(o, o_plain) and torch.equal(cache, s_plain)
+
+
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "v-unaligned"])
+def test_decode_steps_reuse_the_plan(offset):
+    """Three steps with the same shapes (the second and third reuse the first's launch plan, on
+    a GPU its compiled launcher) equal the float64 token loop over the three tokens; a v whose
+    data pointer is not 16-byte aligned takes Triton's full path and is still right."""
+    N, H, widths, V = 3, 2, (3, 4), 5
+    dev, ref, s0 = _case(N, 3, H, widths, V, state=True)
+    cache = _to(s0.float().clone())
+    idx = _to(torch.arange(N, dtype=torch.int32))
+    o_ref, s_ref = running_tensor_recurrent_ref(*ref, initial_state=s0, output_final_state=True, l2norm=True)
+    for t in range(3):
+        one = lambda x, t=t: None if x is None else x[:, t : t + 1].contiguous()
+        q, k = [one(x) for x in dev[0]], [one(x) for x in dev[1]]
+        v = one(dev[2])
+        if offset:  # the same values at an address 4 bytes past a 16-byte boundary
+            buf = torch.empty(v.numel() + offset, dtype=v.dtype, device=v.device)
+            buf[offset:] = v.flatten()
+            v = buf[offset:].view(v.shape)
+        o = running_tensor_decode_(q, k, v, one(dev[3]), one(dev[4]), state_cache=cache, state_indices=idx,
+                                   l2norm=True)
+        assert rel_err(o.cpu(), o_ref[:, t : t + 1]) < FP32_TOL
+    assert rel_err(cache.cpu(), s_ref) < FP32_TOL
+    if DEVICE == "cuda" and not offset:  # the later steps took the compiled launcher
+        assert any(plan._runner is not None for plan in triton_fwd._DECODE_PLANS.values())
 
 
 def test_public_api_dispatches_to_triton(monkeypatch):

@@ -50,12 +50,11 @@ def test_large_state_defaults_stream():
         (ChunkVariant(chunk_size=16, block_k=16, block_v=16, solve="blocks"), "needs chunk_size in [32, 64]"),
         (ChunkVariant(chunk_size=128, block_k=16, block_v=16, solve="blocks"), "needs chunk_size in [32, 64]"),
         (ChunkVariant(chunk_size=32, block_k=16, block_v=16, solve="lu"), "allowed: rows, blocks"),
-        (ChunkVariant(chunk_size=32, block_k=128, block_v=16, prefetch=True), "prefetch needs the state in registers"),
         (ChunkVariant(chunk_size=32, block_k=128, block_v=16, wy=True), "wy needs the state in registers"),
         (ChunkVariant(chunk_size=32, block_k=128, block_v=16, wy=True, fuse_prepare=True), "fuse_prepare=False"),
     ],
     ids=["chunk-48", "chunk-256", "block-k-8", "chunk-registers", "precision", "rec-registers", "rec-block-k",
-         "blocks-c16", "blocks-c128", "solve-name", "prefetch-streamed", "wy-streamed", "wy-fused"],
+         "blocks-c16", "blocks-c128", "solve-name", "wy-streamed", "wy-fused"],
 )
 def test_check_explains(variant, needle):
     reason = variant.check(SHAPES["o3-64x64"])
@@ -102,4 +101,4 @@ def test_warm_starts_apply_fixed_parameters_and_a_quarter_of_the_budget():
     fixed = _warm_starts(b, TuneOptions(device="cpu", fixed={"chunk_size": 32}), None)
     assert fixed and all(p["chunk_size"] == 32 for p in fixed)
     # a fixed value that makes every candidate invalid leaves nothing to start from
-    assert _warm_starts(b, TuneOptions(device="cpu", fixed={"block_k": 16, "prefetch": True}), None) == []
+    assert _warm_starts(b, TuneOptions(device="cpu", fixed={"block_k": 16, "wy": True}), None) == []

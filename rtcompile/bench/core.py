@@ -202,21 +202,24 @@ class BenchOptions:
     repeats: int = DEFAULT_REPEATS
     budget_s: float = DEFAULT_BUDGET_S
     variants: Mapping[str, Any] = field(default_factory=lambda: dict(DEFAULT_VARIANTS), compare=False, hash=False)
+    only: tuple[str, ...] = ()  # keep the cases whose name contains one of these (all when empty)
 
 
-def _default_with(**changes: Any) -> Callable[["Case"], dict[str, Any]]:
-    """A function of the case: its default chunk variant with ``changes``; where the result
-    cannot run the shape, a NotImplementedError (the row reads ``refused: <reason>``)."""
+def _default_with(kernel: str = "chunk", **changes: Any) -> Callable[["Case"], dict[str, Any]]:
+    """A function of the case: its default variant of ``kernel`` ("chunk" or "recurrent") with
+    ``changes``; where the result cannot run the shape, a NotImplementedError (the row reads
+    ``refused: <reason>``)."""
     def variant(case: "Case") -> dict[str, Any]:
         import dataclasses
 
         import torch
 
-        from ..kernels.variants import ChunkVariant, KernelShape
+        from ..kernels.variants import ChunkVariant, KernelShape, RecurrentVariant
 
+        cls = {"chunk": ChunkVariant, "recurrent": RecurrentVariant}[kernel]
         shape = KernelShape(tuple(case.key_widths), case.V)
         limit = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
-        v = dataclasses.replace(ChunkVariant.default(shape, limit), **changes)
+        v = dataclasses.replace(cls.default(shape, limit), **changes)
         reason = v.check(shape, limit)
         if reason is not None:
             raise NotImplementedError(reason)
@@ -241,6 +244,11 @@ DEFAULT_VARIANTS: dict[str, Any] = {
     "fused": _default_with(fuse_prepare=True, **_PLAIN),
     "fused-blocks": _default_with(fuse_prepare=True, solve="blocks", **_PLAIN),
     "prefetch-fused-blocks": _default_with(prefetch=True, wy=False, fuse_prepare=True, solve="blocks"),
+}
+# Decode beside its default: phi from per-element gathers (the default before 2026-12-01 builds
+# it from factor outer products where the widths allow).
+DECODE_VARIANTS: dict[str, Any] = {
+    "gather": _default_with("recurrent", outer_phi=False),
 }
 
 
@@ -334,16 +342,18 @@ def eager_cases() -> list[Case]:
 
 
 def plan(phase: str = "all", quick: bool = False,
-         variants: Mapping[str, Mapping[str, Any]] | None = None) -> list[Case]:
-    """Every case of a run, in run order: prefill, its errors, decode, eager overhead."""
+         variants: Mapping[str, Mapping[str, Any]] | None = None, only: Sequence[str] = ()) -> list[Case]:
+    """Every case of a run, in run order: prefill, its errors, decode, eager overhead; with
+    ``only``, the cases whose name contains one of its strings. ``variants`` are chunk-kernel
+    variants (prefill and error cases); decode cases time DECODE_VARIANTS."""
     if phase not in PHASES:
         raise ValueError(f"phase: got {phase!r}; allowed: {', '.join(PHASES)}")
     cases: list[Case] = []
     if phase in ("prefill", "all"):
         cases += prefill_cases(quick, variants) + error_cases(quick, variants)
     if phase in ("decode", "all"):
-        cases += decode_cases(quick) + eager_cases()  # named variants are chunk-kernel variants
-    return cases
+        cases += decode_cases(quick, DECODE_VARIANTS) + eager_cases()
+    return [c for c in cases if not only or any(s in c.name for s in only)]
 
 
 # ----- arithmetic (pure) -----------------------------------------------------------------------

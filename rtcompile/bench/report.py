@@ -240,7 +240,7 @@ def dry_run_lines(options: BenchOptions) -> list[str]:
     lines = [f"rtcompile bench plan: phase {options.phase}, {'quick, ' if options.quick else ''}"
              f"repeats {options.repeats}, budget {options.budget_s:.0f} s, fla-core {fla or 'not installed'}",
              f"ceiling  copy {COPY_BYTES >> 30} GiB d2d; matmul bf16 {MATMUL_N}^3"]
-    for case in plan(options.phase, options.quick, options.variants):
+    for case in plan(options.phase, options.quick, options.variants, options.only):
         work = case_work(case)
         impls = list(case.impl_names())
         if IMPL_FLA in impls and case.phase in ("prefill", "error") and case.K > FLA_MAX_K:
@@ -303,7 +303,7 @@ def run_bench(options: BenchOptions, *, device: Any = None, cases: Sequence[Case
             if measure_ceilings:
                 ctx.ceilings = ceilings_from(run_case(CEILING_CASE, ceiling_measures(ctx), on_row=emit))
                 flush()
-            for case in cases if cases is not None else plan(options.phase, options.quick, options.variants):
+            for case in cases if cases is not None else plan(options.phase, options.quick, options.variants, options.only):
                 run_case(case, measures_for(case, ctx), ceilings=ctx.ceilings, deadline=ctx.deadline, on_row=emit)
                 flush()
     finally:

@@ -21,7 +21,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import load_state_tile, phi_gather, phi_inv_norm
+from .triton_common import load_state_tile, phi_gather, phi_inv_norm, phi_row_outer
+
+
+@triton.jit
+def _phi(p1, p2, p3, r, i_k, o_k, m_k, BK: tl.constexpr, NF: tl.constexpr,
+         D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, OUTER: tl.constexpr):
+    """Raw phi at the key tile ``i_k`` (indices ``o_k``): an outer product of contiguous factor
+    loads when OUTER, else per-element gathers (any widths)."""
+    if OUTER:
+        b_phi = phi_row_outer(p1, p2, p3, r, i_k, BK, NF, D1, D2, D3)
+    else:
+        b_phi = phi_gather(p1, p2, p3, r, o_k, m_k, D1, D2, D3, NF)
+    return b_phi
 
 
 @triton.jit
@@ -34,6 +46,7 @@ def fused_recurrent_running_tensor_fwd_kernel(
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr, USE_INDICES: tl.constexpr,
+    OUTER: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -75,8 +88,8 @@ def fused_recurrent_running_tensor_fwd_kernel(
             r_q = phi_inv_norm(q1, q2, q3, r, True, D1, D2, D3, BD1, BD2, BD3, NF)
             r_k = phi_inv_norm(k1, k2, k3, r, True, D1, D2, D3, BD1, BD2, BD3, NF)
         if NK == 1:
-            b_k = phi_gather(k1, k2, k3, r, o_k, m_k, D1, D2, D3, NF) * r_k
-            b_q = phi_gather(q1, q2, q3, r, o_k, m_k, D1, D2, D3, NF) * r_q
+            b_k = _phi(k1, k2, k3, r, 0, o_k, m_k, BK, NF, D1, D2, D3, OUTER) * r_k
+            b_q = _phi(q1, q2, q3, r, 0, o_k, m_k, BK, NF, D1, D2, D3, OUTER) * r_q
             b_s = b_s * b_a
             if USE_BETA:
                 b_u = tl.load(beta + r).to(tl.float32) * (b_v - tl.sum(b_s * b_k[:, None], axis=0))
@@ -94,8 +107,8 @@ def fused_recurrent_running_tensor_fwd_kernel(
                 m_k = o_k < K
                 off_s = p_state + o_k[:, None] * V + o_v[None, :]
                 b_s = load_state_tile(h0, ht, off_s, m_k[:, None] & m_sv[None, :], t == 0, USE_H0)
-                b_k = phi_gather(k1, k2, k3, r, o_k, m_k, D1, D2, D3, NF)
-                b_q = phi_gather(q1, q2, q3, r, o_k, m_k, D1, D2, D3, NF)
+                b_k = _phi(k1, k2, k3, r, i_k, o_k, m_k, BK, NF, D1, D2, D3, OUTER)
+                b_q = _phi(q1, q2, q3, r, i_k, o_k, m_k, BK, NF, D1, D2, D3, OUTER)
                 b_pred += tl.sum(b_s * b_k[:, None], axis=0)
                 b_read += tl.sum(b_s * b_q[:, None], axis=0)
                 b_kq += tl.sum(b_k * b_q, axis=0)
@@ -111,7 +124,7 @@ def fused_recurrent_running_tensor_fwd_kernel(
                 off_s = p_state + o_k[:, None] * V + o_v[None, :]
                 m_s = m_k[:, None] & m_sv[None, :]
                 b_s = load_state_tile(h0, ht, off_s, m_s, t == 0, USE_H0)
-                b_k = phi_gather(k1, k2, k3, r, o_k, m_k, D1, D2, D3, NF) * r_k
+                b_k = _phi(k1, k2, k3, r, i_k, o_k, m_k, BK, NF, D1, D2, D3, OUTER) * r_k
                 b_s = b_s * b_a + b_k[:, None] * b_u[None, :]
                 tl.store(ht + off_s, b_s.to(ht.dtype.element_ty), mask=m_s)
         tl.store(o + r * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)

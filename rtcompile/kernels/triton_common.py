@@ -144,6 +144,24 @@ def phi_tile_outer(p1, p2, p3, r, m_t, i_k, C: tl.constexpr, BK: tl.constexpr, N
 
 
 @triton.jit
+def phi_row_outer(p1, p2, p3, r, i_k, BK: tl.constexpr, NF: tl.constexpr,
+                  D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
+    """Block ``i_k`` ([BK]) of phi for one token-head row ``r``: the one-row form of
+    :func:`phi_tile_outer` (same conditions: power-of-two widths, BK a multiple of D2 * D3).
+    Contiguous factor loads and a register outer product replace BK gathered loads."""
+    M1: tl.constexpr = BK // (D2 * D3)
+    o_1 = i_k * M1 + tl.arange(0, M1)
+    b_phi = tl.load(p1 + r * D1 + o_1, mask=o_1 < D1, other=0.0).to(tl.float32)
+    if NF > 1:
+        b_2 = tl.load(p2 + r * D2 + tl.arange(0, D2)).to(tl.float32)
+        if NF > 2:
+            b_3 = tl.load(p3 + r * D3 + tl.arange(0, D3)).to(tl.float32)
+            b_2 = tl.reshape(b_2[:, None] * b_3[None, :], [D2 * D3])
+        b_phi = tl.reshape(b_phi[:, None] * b_2[None, :], [BK])
+    return b_phi
+
+
+@triton.jit
 def load_state_tile(h0, ht, off, m, first, USE_H0: tl.constexpr):
     """A state tile before a step or chunk: the initial state (or zeros) the first time, the
     running buffer ``ht`` after that. ``first`` may be a runtime condition."""

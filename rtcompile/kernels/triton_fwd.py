@@ -13,18 +13,18 @@ behind the caller's back. Kernels take up to three factors (orders 2 to 4).
 from __future__ import annotations
 
 import functools
-import math
 import os
 from typing import Sequence
 
 import torch
 import triton
+from triton.compiler import CompiledKernel
 
 from . import tuned
 from .chunk import chunk_prepare_running_tensor_kernel, chunk_running_tensor_fwd_kernel
 from .inputs import Problem, check_inputs
 from .recurrent import fused_recurrent_running_tensor_fwd_kernel
-from .variants import SOLVE_BLOCK, ChunkVariant, KernelShape, RecurrentVariant, next_pow2
+from .variants import SOLVE_BLOCK, ChunkVariant, KernelShape, RecurrentVariant, next_pow2, outer_phi_ok
 
 MAX_FACTORS = 3  # orders 2..4
 MODES = ("chunk", "recurrent")
@@ -155,7 +155,7 @@ def _recurrent_consts(p: Problem, g, beta, *, use_h0: bool, store_ht: bool, varl
         H=p.heads, NF=len(p.key_widths), **_width_args(p.key_widths, 1), K=p.key_dim, V=p.value_width,
         BK=variant.block_k, BV=variant.block_v,
         USE_G=g is not None, USE_BETA=beta is not None, L2NORM=l2norm,
-        USE_H0=use_h0, STORE_HT=store_ht, IS_VARLEN=varlen, USE_INDICES=indices,
+        USE_H0=use_h0, STORE_HT=store_ht, IS_VARLEN=varlen, USE_INDICES=indices, OUTER=variant.outer_phi,
         num_warps=variant.num_warps, num_stages=variant.num_stages,
     )
     return grid, consts
@@ -180,13 +180,6 @@ def _launch_recurrent(p: Problem, q, k, v, g, beta, *, h0, ht, state_indices, cu
     return o
 
 
-def _outer_phi(widths: tuple[int, ...], block_k: int) -> bool:
-    """Can phi blocks be built as outer products of factor tiles (see ``phi_tile_outer``)?"""
-    trailing = math.prod(widths[1:])
-    pow2 = all(w & (w - 1) == 0 for w in widths)
-    return pow2 and block_k % trailing == 0
-
-
 def _chunk_indices(p: Problem, C: int, device: torch.device) -> torch.Tensor:
     pairs = [(n, c) for n, (lo, hi) in enumerate(p.seq_bounds) for c in range(triton.cdiv(hi - lo, C))]
     return torch.tensor(pairs, dtype=torch.int32).to(device)
@@ -208,7 +201,8 @@ def _launch_chunk(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm, s
     cu_arg = cu_seqlens if cu_seqlens is not None else dummy
     P = Ai = W = U0 = dummy
     wy = variant.wy and beta is not None  # without the delta rule there is no solve to move
-    outer = _outer_phi(p.key_widths, variant.block_k)
+    outer = outer_phi_ok(p.key_widths, variant.block_k)
+    resident = variant.resident(kernel_shape(p))
     if not variant.fuse_prepare:
         P = _empty(B, H, T, C, dtype=torch.float32, device=v.device)
         if wy:  # W in the dot operand type (16-bit inputs: their own), U0 in fp32
@@ -234,7 +228,10 @@ def _launch_chunk(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm, s
         p.scale, T,
         K=p.key_dim, V=V, C=C, BK=variant.block_k, BV=variant.block_v,
         USE_H0=h0 is not None, STORE_HT=store_ht, FUSE_PREPARE=variant.fuse_prepare,
-        OUTER=outer, PREFETCH=variant.prefetch, WY=wy,
+        # prefetch means the next chunk's inputs with the state in registers, the next state
+        # tile with a streamed state
+        OUTER=outer, PREFETCH=variant.prefetch and resident, WY=wy,
+        PREFETCH_STATE=variant.prefetch and not resident,
         # The fused prepare keeps its Grams, solve and score products in fp32: with 16-bit
         # operands there, (C=64, BK=128, 8 warps, order 3 64x64) returned wrong results and then
         # an illegal address on an H200 (Triton 3.6, 2026-11-29); fp32 was verified there.
@@ -354,13 +351,43 @@ def running_tensor_decode_(
             _DECODE_PLANS[key] = plan
     if validate:
         _check_indices(state_indices, state_cache.shape[0])
-    grid, consts, eff_scale = plan
     o = _empty(v.shape, dtype=v.dtype, device=v.device)
-    fused_recurrent_running_tensor_fwd_kernel[grid](
-        *_factor_args(q), *_factor_args(k), v, g if g is not None else v, beta if beta is not None else v, o,
-        state_cache, state_cache, state_indices, v, eff_scale, 1, **consts,
-    )
+    plan.launch((*_factor_args(q), *_factor_args(k), v, g if g is not None else v,
+                 beta if beta is not None else v, o, state_cache, state_cache, state_indices, v, plan.scale, 1))
     return o
+
+
+class _DecodePlan:
+    """A validated decode launch: grid, constexprs, scale and, after the first launch on a GPU,
+    the compiled kernel's own launcher.
+
+    Triton's ``kernel[grid](...)`` binds and specialises all ~40 arguments on every call; with
+    it the eager decode step cost 65 us of host time on the H200 machine (benchmarks/RESULTS.md,
+    2026-11-30b). The compiled launcher skips that work, and is reused only while the
+    specialisation it was compiled for holds: the one integer argument (T = 1) is fixed by the
+    plan, floats are never specialised, and every pointer must be 16-byte aligned, as at the
+    first launch (checked per call; an unaligned call takes Triton's full path).
+    """
+
+    __slots__ = ("_runner", "_tail", "consts", "grid", "scale")
+
+    def __init__(self, grid: tuple, consts: dict, scale: float):
+        self.grid, self.consts, self.scale = grid, consts, scale
+        self._runner = None
+        self._tail: tuple = ()
+
+    def launch(self, args: tuple) -> None:
+        """Launch with the runtime arguments ``args`` (tensors, then scale and T)."""
+        aligned = all(t.data_ptr() % 16 == 0 for t in args[:-2])
+        if self._runner is not None and aligned:
+            self._runner(*args, *self._tail)
+            return
+        kernel = fused_recurrent_running_tensor_fwd_kernel
+        compiled = kernel[self.grid](*args, **self.consts)
+        if self._runner is None and aligned and isinstance(compiled, CompiledKernel) and not _interpreting():
+            # the launcher takes every parameter: the constexprs follow the runtime ones
+            self._tail = tuple(self.consts[name] for name in kernel.arg_names[len(args):])
+            self._runner = compiled[(*self.grid, 1, 1)[:3]]
 
 
 # Decode is called once per token with the same shapes: after the first call, a signature of
@@ -371,15 +398,18 @@ _DECODE_PLANS: dict = {}
 _MAX_DECODE_PLANS = 1024
 
 
-def _sig(x):
-    return None if x is None else (x.shape, x.dtype, x.device, x.is_contiguous())
-
-
 def _decode_key(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, variant):
-    """The plan-cache key, or None when an argument is not what a plan can describe."""
+    """The plan-cache key, or None when an argument is not what a plan can describe. One flat
+    tuple with the device as ``get_device()``: 5.5 us on the CPU machine against 12 us for
+    per-tensor tuples holding ``torch.device`` objects (11 tensors)."""
     try:
-        return (tuple(map(_sig, q)), tuple(map(_sig, k)), _sig(v), _sig(g), _sig(beta), _sig(state_cache),
-                _sig(state_indices), scale, bool(l2norm), variant, _interpreting())
+        out = [len(q), len(k), g is None, beta is None, scale, bool(l2norm), variant, _interpreting()]
+        for x in (*q, *k, v, g, beta, state_cache, state_indices):
+            if x is not None:
+                out += (x.shape, x.dtype, x.get_device(), x.is_contiguous())
+        key = tuple(out)
+        hash(key)
+        return key
     except (AttributeError, TypeError):  # not tensors / unhashable: the full checks will say why
         return None
 
@@ -395,7 +425,7 @@ def _check_indices(state_indices: torch.Tensor, slots: int) -> None:
 
 
 def _plan_decode(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, variant):
-    """Validate a decode call completely and return its (grid, constexprs, scale)."""
+    """Validate a decode call completely and return its launch plan."""
     if not isinstance(state_cache, torch.Tensor):
         raise TypeError(f"state_cache: expected a torch.Tensor, got {type(state_cache).__name__}")
     if not isinstance(state_indices, torch.Tensor):
@@ -418,4 +448,4 @@ def _plan_decode(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, va
     var = _resolve_variant(RecurrentVariant, variant, kernel_shape(p), v.device, p)
     grid, consts = _recurrent_consts(p, g, beta, use_h0=True, store_ht=True, varlen=False, indices=True,
                                      l2norm=l2norm, variant=var)
-    return grid, consts, p.scale
+    return _DecodePlan(grid, consts, p.scale)

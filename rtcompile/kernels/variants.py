@@ -35,6 +35,14 @@ CHUNK_MAX_EST_REGS = 392
 DEFAULT_SMEM_BYTES = 99 * 1024
 
 
+def outer_phi_ok(widths: tuple[int, ...], block_k: int) -> bool:
+    """Can a kernel build phi's key tiles of ``block_k`` as outer products of factor loads? Needs
+    power-of-two widths and ``block_k`` a multiple of the trailing widths' product (a tile then
+    covers consecutive indices of axis 1 and all of the others)."""
+    trailing = math.prod(widths[1:])
+    return all(w & (w - 1) == 0 for w in widths) and block_k % trailing == 0
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -80,15 +88,18 @@ class RecurrentVariant(_Variant):
     ``block_k`` is the key tile: when it covers K (``block_k >= K``) the [K, block_v] state
     tile stays in registers for the whole sequence (one read, one write); otherwise the state
     is streamed in ``ceil(K / block_k)`` tiles twice per token (the second read usually hits
-    L2). ``block_k`` and ``block_v`` are powers of two.
+    L2). ``block_k`` and ``block_v`` are powers of two. ``outer_phi``: build phi(k) and phi(q)
+    of a key tile as the outer product of contiguous factor loads instead of per-element
+    gathers (power-of-two widths, ``block_k`` a multiple of the trailing widths' product).
     """
 
     kernel: ClassVar[str] = "recurrent"
-    FIELDS: ClassVar[tuple[str, ...]] = ("block_k", "block_v", "num_warps", "num_stages")
+    FIELDS: ClassVar[tuple[str, ...]] = ("block_k", "block_v", "num_warps", "num_stages", "outer_phi")
     block_k: int
     block_v: int
     num_warps: int = 4
     num_stages: int = 1
+    outer_phi: bool = False
 
     def check(self, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> str | None:
         for name in ("block_k", "block_v", "num_warps"):
@@ -99,6 +110,9 @@ class RecurrentVariant(_Variant):
             return f"block_k={self.block_k} exceeds K rounded up ({shape.key_dim_pow2})"
         if self.block_v > next_pow2(shape.value_width):
             return f"block_v={self.block_v} exceeds d_v rounded up ({next_pow2(shape.value_width)})"
+        if self.outer_phi and not outer_phi_ok(shape.key_widths, self.block_k):
+            return (f"outer_phi needs power-of-two key widths and block_k a multiple of the trailing widths' "
+                    f"product, got widths {shape.key_widths}, block_k={self.block_k}")
         if self.estimate_registers(shape) > MAX_REGS_PER_THREAD:
             return f"~{self.estimate_registers(shape)} registers per thread (> {MAX_REGS_PER_THREAD})"
         return None
@@ -120,6 +134,7 @@ class RecurrentVariant(_Variant):
             "block_v": [b for b in (4, 8, 16, 32, 64) if b <= next_pow2(shape.value_width)],
             "num_warps": [1, 2, 4, 8, 16],
             "num_stages": [1, 2, 3],
+            "outer_phi": [False, True],
         }
 
     @classmethod
@@ -129,16 +144,22 @@ class RecurrentVariant(_Variant):
         # and 92% of a same-size copy at B32 (block_v 16: 77% / 91%; block_v 8: 66%); at
         # K = 1024 B32 one [1024, 16] tile with 8 warps reached 74%, streaming 256-row tiles
         # 53-70%. Beyond K = 1024 the tile no longer fits registers: stream 1024-row tiles.
+        # outer_phi where the widths allow it: unmeasured when chosen (2026-12-01); the GPU run
+        # of this session decides (benchmarks/RESULTS.md).
         kp = shape.key_dim_pow2
         bv = min(32 if kp <= 256 else 16, next_pow2(shape.value_width))
         bk = min(kp, 1024)
         warps = 4 if bk * bv <= 8192 else 8
-        return cls(block_k=bk, block_v=bv, num_warps=warps, num_stages=1)
+        return cls(block_k=bk, block_v=bv, num_warps=warps, num_stages=1,
+                   outer_phi=outer_phi_ok(shape.key_widths, bk))
 
     @classmethod
     def candidates(cls, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> list["RecurrentVariant"]:
-        """The variants a TPE study starts from: the default alone."""
-        return [cls.default(shape, smem_limit)]
+        """The variants a TPE study starts from: the default, and with outer_phi flipped when
+        both forms can run."""
+        first = cls.default(shape, smem_limit)
+        other = replace(first, outer_phi=not first.outer_phi)
+        return [first] + ([other] if other.check(shape, smem_limit) is None else [])
 
 
 @dataclass(frozen=True)
@@ -153,11 +174,12 @@ class ChunkVariant(_Variant):
     a separate chunk-parallel kernel. ``dot_precision``: how fp32 operands enter ``tl.dot``
     (16-bit inputs always use their own type). ``solve``: the (I + A)^-1 of the delta rule row
     by row (``"rows"``, C - 1 serial steps) or by diagonal blocks of 16 rows and products
-    (``"blocks"``, 15 steps and up to four C x C dots; needs C = 32 or 64). ``prefetch``: load the
-    next chunk's inputs (factor tiles, values, gates, prepared scores) before computing the
-    current one, so their latency overlaps the arithmetic of the sequential loop; needs the
-    state in registers and power-of-two key widths >= 16 (each factor tile is then exactly one
-    load and phi their outer product). ``wy``: the delta rule's solve applied in the parallel
+    (``"blocks"``, 15 steps and up to four C x C dots; needs C = 32 or 64). ``prefetch``: with the
+    state in registers, load the next chunk's inputs (factor tiles, values, gates, prepared
+    scores) before computing the current one, so their latency overlaps the arithmetic of the
+    sequential loop (needs power-of-two key widths >= 16: each factor tile is then exactly one
+    load and phi their outer product); with a streamed state, load the next state tile before
+    using the current one. ``wy``: the delta rule's solve applied in the parallel
     prepare kernel (W = Ai diag(b Gamma) phi(K), U0 = Ai diag(b) V, stored [T, K] and [T, V]),
     so the sequential loop's chain is two products (W S, then the update) instead of three;
     needs the state in registers and the two-kernel form; its workspace grows with T * K.
@@ -201,10 +223,8 @@ class ChunkVariant(_Variant):
         if self.solve == "blocks" and not 2 * SOLVE_BLOCK <= self.chunk_size <= 4 * SOLVE_BLOCK:
             return (f"solve='blocks' needs chunk_size in [{2 * SOLVE_BLOCK}, {4 * SOLVE_BLOCK}] "
                     f"(blocks of {SOLVE_BLOCK} rows; 8 blocks did not compile)")
-        if self.prefetch and not self.resident(shape):
-            return f"prefetch needs the state in registers: block_k >= K ({shape.key_dim})"
-        if self.prefetch and not all(w >= 16 and w & (w - 1) == 0 for w in shape.key_widths):
-            return f"prefetch needs power-of-two key widths >= 16, got {shape.key_widths}"
+        if self.prefetch and self.resident(shape) and not all(w >= 16 and w & (w - 1) == 0 for w in shape.key_widths):
+            return f"prefetch with the state in registers needs power-of-two key widths >= 16, got {shape.key_widths}"
         if self.wy and self.fuse_prepare:
             return "wy applies the solve in the prepare kernel: it needs fuse_prepare=False"
         if self.wy and not self.resident(shape):
@@ -219,11 +239,12 @@ class ChunkVariant(_Variant):
         """True when the whole [K, block_v] state tile lives in registers across chunks."""
         return self.block_k >= shape.key_dim
 
-    def fused(self) -> "ChunkVariant":
-        """The low-memory sibling: one kernel, no [T, C] workspace. Without wy (its solve lives
-        in the separate prepare kernel) and without prefetch (no gain fused: o2 64 on the H200,
-        2026-11-30, 3.09 ms with it against 3.00 without)."""
-        return replace(self, fuse_prepare=True, prefetch=False, wy=False)
+    def fused(self, shape: KernelShape) -> "ChunkVariant":
+        """The low-memory sibling for ``shape``: one kernel, no [T, C] workspace. Without wy (its
+        solve lives in the separate prepare kernel). A state in registers drops prefetch (no
+        gain fused: o2 64 on the H200, 2026-11-30, 3.09 ms with it against 3.00 without); a
+        streamed state keeps it (there it reads the next state tile ahead)."""
+        return replace(self, fuse_prepare=True, prefetch=self.prefetch and not self.resident(shape), wy=False)
 
     def estimate_registers(self, shape: KernelShape) -> int:
         C, bk, bv = self.chunk_size, self.block_k, self.block_v
@@ -232,8 +253,10 @@ class ChunkVariant(_Variant):
         live = bk * bv + 2 * C * bk + 2 * C * C + 3 * C * bv
         if self.solve == "blocks":  # the blocked solve's A_d, E, X, N, Y tiles, C x C each
             live += 3 * C * C
-        if self.prefetch:  # the next chunk's factor tiles, values and (prepared) P and Ai
+        if self.prefetch and self.resident(shape):  # the next chunk's factor tiles, values, P and Ai
             live += 2 * C * sum(shape.key_widths) + C * bv + 2 * C * C
+        elif self.prefetch:  # the next state tile
+            live += bk * bv
         if self.wy:  # the W rows and U0 block (twice with prefetch: this chunk's and the next)
             live += (C * bk + C * bv) * (2 if self.prefetch else 1)
         return 32 + math.ceil(live / (32 * self.num_warps))
