@@ -285,9 +285,22 @@ def test_half_inputs(dtype, impl):
     assert rel_err(s.cpu(), s_ref) < 1e-2
 
 
-@pytest.mark.parametrize("widths", [(5,), (3, 4), (2, 3, 2)], ids=["o2", "o3", "o4"])
-@pytest.mark.parametrize("variant", [None, RecurrentVariant(block_k=4, block_v=4)], ids=["resident", "streamed"])
-def test_decode_in_place_slots(widths, variant):
+DECODE_SLOTS = {
+    f"{o}-{kind}": (w, var)
+    for o, w in (("o2", (5,)), ("o3", (3, 4)), ("o4", (2, 3, 2)))
+    for kind, var in (("resident", None), ("streamed", RecurrentVariant(block_k=4, block_v=4)))
+}
+# power-of-two widths: the slab held factored ([d_1, ..., d_{o-1}, BV]) or streamed as outer products
+DECODE_SLOTS.update({
+    f"{o}-outer-{kind}": (w, RecurrentVariant(block_k=bk, block_v=4, outer_phi=True))
+    for o, w, K in (("o2", (8,), 8), ("o3", (2, 4), 8), ("o4", (2, 2, 4), 16))
+    for kind, bk in (("factored", K), ("streamed", K // 2))
+})
+
+
+@pytest.mark.parametrize("case", DECODE_SLOTS.keys())
+def test_decode_in_place_slots(case):
+    widths, variant = DECODE_SLOTS[case]
     slots, H, V = 6, 2, 5
     idx = [4, 0, -1, 2]  # -1: padding entry, reads and writes nothing
     dev, ref, _ = _case(len(idx), 1, H, widths, V, state=False)

@@ -8,7 +8,9 @@ sequence's tokens. Both reductions of a step read S_{t-1}:
 
 so a step can read the state once and write it once. When BK covers K the slab stays in
 registers for the whole sequence (RESIDENT); otherwise it is streamed tile by tile, twice per
-token (reductions, then update), the second read usually from L2.
+token (reductions, then update), the second read usually from L2. With OUTER (power-of-two
+widths) a resident slab is held factored, [d_1, ..., d_{o-1}, BV], so phi(k) and phi(q) are
+broadcasts of the factor vectors; a streamed tile builds them as reshaped outer products.
 
 State indexing follows the serving convention: with ``state_indices`` the state of sequence
 n lives at row ``state_indices[n]`` of a cache ``[slots, H, K, V]`` and is updated in place; a
@@ -34,6 +36,60 @@ def _phi(p1, p2, p3, r, i_k, o_k, m_k, BK: tl.constexpr, NF: tl.constexpr,
     else:
         b_phi = phi_gather(p1, p2, p3, r, o_k, m_k, D1, D2, D3, NF)
     return b_phi
+
+
+@triton.jit
+def _to_rank(x, NF: tl.constexpr):
+    """A [BV] vector as [1, ..., 1, BV] beside NF key axes."""
+    if NF == 1:
+        y = x[None, :]
+    elif NF == 2:
+        y = x[None, None, :]
+    else:
+        y = x[None, None, None, :]
+    return y
+
+
+@triton.jit
+def _key_index(NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
+    """The flat key index of a factored state tile [D1, (D2, (D3,)) 1] (row-major phi)."""
+    o_1 = tl.arange(0, D1)
+    if NF == 1:
+        idx = o_1[:, None]
+    elif NF == 2:
+        idx = (o_1[:, None] * D2 + tl.arange(0, D2)[None, :])[:, :, None]
+    else:
+        idx = (o_1[:, None, None] * D2 + tl.arange(0, D2)[None, :, None]) * D3 + tl.arange(0, D3)[None, None, :]
+        idx = idx[:, :, :, None]
+    return idx
+
+
+@triton.jit
+def _phi_factored(p1, p2, p3, r, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
+    """Raw phi of row ``r`` shaped like a factored state tile: the factors broadcast against
+    each other, so phi is never gathered, reshaped or moved between layouts."""
+    b_1 = tl.load(p1 + r * D1 + tl.arange(0, D1)).to(tl.float32)
+    if NF == 1:
+        b_phi = b_1[:, None]
+    elif NF == 2:
+        b_2 = tl.load(p2 + r * D2 + tl.arange(0, D2)).to(tl.float32)
+        b_phi = (b_1[:, None] * b_2[None, :])[:, :, None]
+    else:
+        b_2 = tl.load(p2 + r * D2 + tl.arange(0, D2)).to(tl.float32)
+        b_3 = tl.load(p3 + r * D3 + tl.arange(0, D3)).to(tl.float32)
+        b_phi = (b_1[:, None, None] * b_2[None, :, None] * b_3[None, None, :])[:, :, :, None]
+    return b_phi
+
+
+@triton.jit
+def _sum_keys(x, NF: tl.constexpr):
+    """Sum a factored tile over its NF key axes: [BV]."""
+    y = tl.sum(x, axis=0)
+    if NF > 1:
+        y = tl.sum(y, axis=0)
+    if NF > 2:
+        y = tl.sum(y, axis=0)
+    return y
 
 
 @triton.jit
@@ -71,10 +127,14 @@ def fused_recurrent_running_tensor_fwd_kernel(
     NK: tl.constexpr = (K + BK - 1) // BK
 
     if NK == 1:
-        o_k = tl.arange(0, BK)
-        m_k = o_k < K
-        off_s = p_state + o_k[:, None] * V + o_v[None, :]
-        m_s = m_k[:, None] & m_sv[None, :]
+        if OUTER:  # the tile as [D1, (D2, (D3,)) BV]: phi(k), phi(q) broadcast from the factors
+            off_s = p_state + _key_index(NF, D1, D2, D3) * V + _to_rank(o_v, NF)
+            m_s = (off_s >= 0) & _to_rank(m_sv, NF)
+        else:
+            o_k = tl.arange(0, BK)
+            m_k = o_k < K
+            off_s = p_state + o_k[:, None] * V + o_v[None, :]
+            m_s = m_k[:, None] & m_sv[None, :]
         b_s = load_state_tile(h0, ht, off_s, m_s, True, USE_H0)
     for t in range(0, T_n):
         r = (i_b * T + bos + t) * H + i_h
@@ -87,9 +147,19 @@ def fused_recurrent_running_tensor_fwd_kernel(
         if L2NORM:
             r_q = phi_inv_norm(q1, q2, q3, r, True, D1, D2, D3, BD1, BD2, BD3, NF)
             r_k = phi_inv_norm(k1, k2, k3, r, True, D1, D2, D3, BD1, BD2, BD3, NF)
-        if NK == 1:
-            b_k = _phi(k1, k2, k3, r, 0, o_k, m_k, BK, NF, D1, D2, D3, OUTER) * r_k
-            b_q = _phi(q1, q2, q3, r, 0, o_k, m_k, BK, NF, D1, D2, D3, OUTER) * r_q
+        if NK == 1 and OUTER:
+            b_k = _phi_factored(k1, k2, k3, r, NF, D1, D2, D3) * r_k
+            b_q = _phi_factored(q1, q2, q3, r, NF, D1, D2, D3) * r_q
+            b_s = b_s * b_a
+            if USE_BETA:
+                b_u = tl.load(beta + r).to(tl.float32) * (b_v - _sum_keys(b_s * b_k, NF))
+            else:
+                b_u = b_v
+            b_s += b_k * _to_rank(b_u, NF)
+            b_o = _sum_keys(b_s * b_q, NF) * scale
+        elif NK == 1:
+            b_k = phi_gather(k1, k2, k3, r, o_k, m_k, D1, D2, D3, NF) * r_k
+            b_q = phi_gather(q1, q2, q3, r, o_k, m_k, D1, D2, D3, NF) * r_q
             b_s = b_s * b_a
             if USE_BETA:
                 b_u = tl.load(beta + r).to(tl.float32) * (b_v - tl.sum(b_s * b_k[:, None], axis=0))

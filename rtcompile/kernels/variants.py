@@ -264,11 +264,13 @@ class ChunkVariant(_Variant):
     def estimate_smem(self, shape: KernelShape) -> int:
         # tl.dot stages operands and layout conversions through shared memory. Fitted to what
         # Triton 3.6 asked for on an H200: (C=64, BK=128, BV=32, 2 stages) needed 245760 bytes
-        # and failed; (C=32, BK=256, BV=16, 2 stages) and (C=64, BK=64, BV=16, 2 stages) ran.
+        # and failed; (C=32, BK=256, BV=16, 2 stages), (C=64, BK=64, BV=16, 2 stages) and
+        # (C=64, BK=256, BV=16, 1 stage) ran (the last, refused by the factor 1.5 used before
+        # 2026-12-01, was the fastest at o3 64x64 and o4 16x16x16 in probe_streamed.py).
         # A heuristic for pruning: the tuner's compile is the final word.
         C, bk, bv = self.chunk_size, self.block_k, self.block_v
         tiles = 2 * C * bk + bk * bv + C * C + C * bv
-        return int(4 * tiles * (max(1, self.num_stages) + 0.5))
+        return int(4 * tiles * (max(1, self.num_stages) + 0.25))
 
     @classmethod
     def space(cls, shape: KernelShape) -> dict[str, list]:
@@ -293,8 +295,10 @@ class ChunkVariant(_Variant):
         Preferences from an H200 probe (B8 T4096 H8 V64 bf16, 2026-11-29): K <= 256 keeps
         the state in registers with C = 32 (16x16: 1.16 ms; C = 64 with 64-row tiles 7.2 ms);
         K = 1024 streams 128-row tiles with C = 32 (32x32: 3.8 ms, against 10.5 ms for
-        C = 64 / 64 rows); K = 4096 streams 128-row tiles with C = 64 and 8 warps (64x64:
-        18 ms, 20-25 ms otherwise). Power-of-two widths build phi blocks as outer products
+        C = 64 / 64 rows; 3.17 ms on 2026-12-01, still ahead of every prefetch neighbour in
+        probe_streamed.py); K >= 4096 streams 256-row tiles with C = 64, 8 warps, each tile's
+        load issued one tile ahead (prefetch; probe_streamed.py, 2026-12-01: 64x64 8.49 ms
+        against 10.48 for the earlier 128-row default, o4 16x16x16 16.4 ms against 34.4). Power-of-two widths build phi blocks as outer products
         when block_k covers the trailing axes, so block_k is at least their product.
 
         A state that fits registers (K <= 256, power-of-two widths >= 16) first issues the
@@ -329,7 +333,8 @@ class ChunkVariant(_Variant):
             prefs += [(32, kp, 16, 4, {}), (16, kp, 16, 4, {}), (32, min(kp, 128), 16, 4, {})]
         else:
             bk = min(kp, max(128, trailing))
-            prefs = [(64, bk, 16, 8, {}), (32, bk, 16, 4, {}), (16, bk, 16, 4, {})] if kp >= 4096 and bk <= 128 else \
+            prefs = [(64, max(bk, 256), 16, 8, {"prefetch": True})] if kp >= 4096 else []
+            prefs += [(64, bk, 16, 8, {}), (32, bk, 16, 4, {}), (16, bk, 16, 4, {})] if kp >= 4096 and bk <= 128 else \
                 [(32, bk, 16, 4, {}), (16, bk, 16, 4, {})]
             prefs += [(32, 128, 16, 4, {}), (16, 64, 16, 4, {})]
         out = []

@@ -1,0 +1,73 @@
+"""Probe: where the host time of one eager decode call goes (o3 16x16, B1, H8, fp32 state).
+
+Times, per call and median of several rounds, the whole ``running_tensor_decode_`` call and
+its parts in isolation: the plan key, the output allocation, the alignment check, the compiled
+launcher alone and Triton's full ``kernel[grid](...)`` path. Exploration only: the recorded
+eager figure comes from ``rtcompile bench`` (its ``eager`` case).
+
+    python3 benchmarks/probe_host.py          (GPU only)
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+
+from rtcompile.kernels import triton_fwd
+from rtcompile.kernels.recurrent import fused_recurrent_running_tensor_fwd_kernel
+from rtcompile.kernels.triton_fwd import _DECODE_PLANS, _decode_key, running_tensor_decode_
+
+
+def per_call_us(fn, n=2000, rounds=7) -> float:
+    for _ in range(200):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - t0) / n * 1e6)
+    return statistics.median(out)
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("probe_host: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    dev, N, H, V = "cuda", 1, 8, 64
+    q = [torch.randn(N, 1, H, 16, device=dev, dtype=torch.bfloat16) for _ in range(2)]
+    k = [torch.randn(N, 1, H, 16, device=dev, dtype=torch.bfloat16) for _ in range(2)]
+    v = torch.randn(N, 1, H, V, device=dev, dtype=torch.bfloat16)
+    g = torch.nn.functional.logsigmoid(torch.randn(N, 1, H, device=dev))
+    beta = torch.rand(N, 1, H, device=dev)
+    cache = torch.zeros(4, H, 16, 16, V, device=dev)
+    idx = torch.arange(N, dtype=torch.int32, device=dev)
+    call = lambda: running_tensor_decode_(q, k, v, g, beta, state_cache=cache, state_indices=idx, l2norm=True,
+                                          validate=False)
+    call()
+    plan = next(iter(_DECODE_PLANS.values()))
+    o = torch.empty_like(v)
+    args = (*triton_fwd._factor_args(q), *triton_fwd._factor_args(k), v, g, beta, o, cache, cache, idx, v,
+            plan.scale, 1)
+    rows = {
+        "whole call (validate=False)": call,
+        "plan key": lambda: _decode_key(q, k, v, g, beta, cache, idx, None, True, None),
+        "plan key + lookup": lambda: _DECODE_PLANS.get(_decode_key(q, k, v, g, beta, cache, idx, None, True, None)),
+        "torch.empty output": lambda: torch.empty(v.shape, dtype=v.dtype, device=v.device),
+        "alignment check": lambda: all(t.data_ptr() % 16 == 0 for t in args[:-2]),
+        "plan.launch (check + compiled launcher)": lambda: plan.launch(args),
+        "compiled launcher alone": lambda: plan._runner(*args, *plan._tail),
+        "triton kernel[grid](...)": lambda: fused_recurrent_running_tensor_fwd_kernel[plan.grid](*args, **plan.consts),
+    }
+    print(f"{'part':42} us/call")
+    for name, fn in rows.items():
+        print(f"{name:42} {per_call_us(fn):7.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
