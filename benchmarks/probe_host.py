@@ -17,7 +17,11 @@ import torch
 
 from rtcompile.kernels import triton_fwd
 from rtcompile.kernels.recurrent import fused_recurrent_running_tensor_fwd_kernel
-from rtcompile.kernels.triton_fwd import _DECODE_PLANS, _decode_key, running_tensor_decode_
+from rtcompile.kernels.triton_fwd import (
+    _DECODE_PLANS,
+    _decode_key,
+    running_tensor_decode_,
+)
 
 
 def per_call_us(fn, n=2000, rounds=7) -> float:

@@ -75,7 +75,7 @@ def main(argv=None) -> int:
                 continue
             try:
                 o, s = _run_unchecked(run, v)
-                ms = 0.0 if args.dry_run else triton.testing.do_bench(lambda v=v: _run_unchecked(run, v), warmup=3,
+                ms = 0.0 if args.dry_run else triton.testing.do_bench(lambda v=v, run=run: _run_unchecked(run, v), warmup=3,
                                                                          rep=200, return_mode="median")
             except Exception as exc:  # noqa: BLE001 -- one variant's failure is a row
                 note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:90]}"

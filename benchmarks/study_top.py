@@ -1,5 +1,8 @@
 """Print the ten best timed trials of every study in an Optuna store: python3 benchmarks/study_top.py URL."""
-import sys, optuna
+import sys
+
+import optuna
+
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 url = sys.argv[1]
 for s in optuna.get_all_study_summaries(url):
