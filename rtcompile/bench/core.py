@@ -245,10 +245,10 @@ DEFAULT_VARIANTS: dict[str, Any] = {
     "fused-blocks": _default_with(fuse_prepare=True, solve="blocks", **_PLAIN),
     "prefetch-fused-blocks": _default_with(prefetch=True, wy=False, fuse_prepare=True, solve="blocks"),
 }
-# Decode beside its default: phi from per-element gathers (the default before 2026-12-01 builds
-# it from factor outer products where the widths allow).
+# Decode beside its default (phi gathered per element): the slab held factored, phi broadcast
+# from the factors (outer_phi; power-of-two widths).
 DECODE_VARIANTS: dict[str, Any] = {
-    "gather": _default_with("recurrent", outer_phi=False),
+    "outer-phi": _default_with("recurrent", outer_phi=True),
 }
 
 

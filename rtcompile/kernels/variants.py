@@ -144,14 +144,15 @@ class RecurrentVariant(_Variant):
         # and 92% of a same-size copy at B32 (block_v 16: 77% / 91%; block_v 8: 66%); at
         # K = 1024 B32 one [1024, 16] tile with 8 warps reached 74%, streaming 256-row tiles
         # 53-70%. Beyond K = 1024 the tile no longer fits registers: stream 1024-row tiles.
-        # outer_phi where the widths allow it: unmeasured when chosen (2026-12-01); the GPU run
-        # of this session decides (benchmarks/RESULTS.md).
+        # Gathered phi, not outer_phi: in the exhaustive sweeps of 2026-12-01 (H200, num_stages 1,
+        # 180 and 230 variants) the best outer_phi variant was 8% behind at o3 16x16 B256
+        # (80.6 against 74.5 us) and 5% at o3 32x32 B32 (46.2 against 43.9 us); the bench
+        # timed the factored slab at 32x32 B32 at 61% of copy bandwidth against 70% gathered.
         kp = shape.key_dim_pow2
         bv = min(32 if kp <= 256 else 16, next_pow2(shape.value_width))
         bk = min(kp, 1024)
         warps = 4 if bk * bv <= 8192 else 8
-        return cls(block_k=bk, block_v=bv, num_warps=warps, num_stages=1,
-                   outer_phi=outer_phi_ok(shape.key_widths, bk))
+        return cls(block_k=bk, block_v=bv, num_warps=warps, num_stages=1)
 
     @classmethod
     def candidates(cls, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> list["RecurrentVariant"]:
