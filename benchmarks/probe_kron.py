@@ -32,7 +32,8 @@ def main() -> int:
     for cfg in configs:
         args = [str(x) for x in cfg]
         try:
-            p = subprocess.run([sys.executable, "-c", CHILD, *args], capture_output=True, text=True, timeout=90)
+            p = subprocess.run([sys.executable, "-c", CHILD, *args], check=False, capture_output=True, text=True,
+                               timeout=90)
             out = p.stdout.strip().splitlines()[-1:] or [(p.stderr.strip().splitlines() or ["?"])[-1][:120]]
         except subprocess.TimeoutExpired:
             out = ["timeout"]
