@@ -51,6 +51,7 @@ def main(argv=None) -> int:
     ap.add_argument("--widths", type=int, nargs="+", action="append", default=None,
                     help="key widths of one case (repeatable; default: 64 64, 16 16 16, 32 32)")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--names", nargs="+", default=None, help="probe only these rows (default and all neighbours)")
     ap.add_argument("--dry-run", action="store_true", help="T=40 under TRITON_INTERPRET=1, no timing (CPU check)")
     args = ap.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
@@ -69,6 +70,8 @@ def main(argv=None) -> int:
                                                                    **common)
         o_ref, s_ref = run(default)
         for name, changes in (("default", {}), *NEIGHBOURS):
+            if args.names and name not in args.names:
+                continue
             changes = {k: (shape.key_widths[-1] if x == "last" else x) for k, x in changes.items()}
             v = dataclasses.replace(default, **changes)
             row = {"widths": widths, "name": name, "variant": v.to_dict()}

@@ -439,9 +439,13 @@ def chunk_running_tensor_fwd_kernel(
                     b_sn = _state_tile(h0, ht, p_state, i_k + 1, o_v, m_v, i_c == 0, K, BK, V, USE_H0)
                 else:
                     b_s = load_state_tile(h0, ht, off_s, m_s, i_c == 0, USE_H0)
-                if KRON:  # phi(K)_tile^T diag(w) U = X_last^T diag(lead w) U
+                if KRON:  # phi(K)_tile^T diag(w) U = (diag(lead w) X_last)^T U
+                    # The scaled copy, not tl.trans(b_xk): transposing the very tile pass 1 fed to
+                    # tl.dot gave wrong sums (errors 1.4-4.8e4) whenever it was a square 64 x 64 bf16
+                    # tile (C = 64, d_last = 64) on an H200 with Triton 3.6 (probe_kron.py,
+                    # 2026-12-01); C = 16/32 or d_last = 16 were right.
                     b_w = _lead_column(k1, k2, r, m_t, i_k, NF, D1, D2) * r_k * b_ratio
-                    b_s = tl.exp(b_last) * b_s + _dot(tl.trans(b_xk), b_w[:, None] * b_u, LOWP, DT, PREC)
+                    b_s = tl.exp(b_last) * b_s + _dot(tl.trans(b_xk * b_w[:, None]), b_u, LOWP, DT, PREC)
                 else:
                     b_k = _phi_block(k1, k2, k3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER)
                     b_k = b_k * (r_k * b_ratio)[:, None]
