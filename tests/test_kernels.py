@@ -180,6 +180,8 @@ def test_kron_refused_where_it_cannot_run():
     assert "kron needs" in ChunkVariant(16, 16, 16, kron=True).check(KernelShape((64,), 8, 4))  # order 2
     assert "streamed" in ChunkVariant(16, 16, 16, kron=True).check(KernelShape((1, 16), 8, 4))  # resident
     assert ChunkVariant(16, 16, 16, kron=True).check(shape) is None
+    assert "wrong sums" in ChunkVariant(64, 64, 16, kron=True).check(KernelShape((4, 64), 8, 4))
+    assert ChunkVariant(32, 64, 16, kron=True).check(KernelShape((4, 64), 8, 4)) is None
 
 
 WY = {

@@ -240,6 +240,13 @@ class ChunkVariant(_Variant):
                         f"block_k={self.block_k}")
             if self.resident(shape):
                 return f"kron tiles a streamed state: block_k < K ({shape.key_dim})"
+            # Wrong sums (relative errors 1-2, illegal addresses at B8 T4096) on an H200 with
+            # Triton 3.6 whenever C = 64 met a last width of 64 (o3 64x64, 4x64; probe_kron.py,
+            # 2026-12-01), with or without the transposed operand; C = 16/32 there and C = 64 with
+            # width 16 matched float64
+            if self.chunk_size >= 64 and last >= 64:
+                return f"kron with chunk_size {self.chunk_size} and a last key width of {last} computed wrong sums " \
+                       "on Triton 3.6 (H200); allowed: chunk_size <= 32 there"
         if self.wy and not self.resident(shape):
             return f"wy needs the state in registers: block_k >= K ({shape.key_dim})"
         if self.estimate_registers(shape) > CHUNK_MAX_EST_REGS:
