@@ -150,40 +150,6 @@ def test_prefetch_matches_float64(case, feat):
     assert rel_err(o.cpu(), o_ref) < FP32_TOL and rel_err(s.cpu(), s_ref) < FP32_TOL
 
 
-KRON = {
-    # a streamed state in tiles of one leading index: phi never built (last width 16)
-    "o3-3x16-c16": ((3, 16), 37, ChunkVariant(chunk_size=16, block_k=16, block_v=16, kron=True)),
-    "o4-2x3x16-c32-prefetch": ((2, 3, 16), 45, ChunkVariant(chunk_size=32, block_k=16, block_v=16, kron=True,
-                                                            prefetch=True)),
-    "o3-5x16-c16-fused": ((5, 16), 21, ChunkVariant(chunk_size=16, block_k=16, block_v=16, kron=True,
-                                                    fuse_prepare=True)),
-}
-
-
-@pytest.mark.parametrize("feat", ["plain", "gated-delta-l2"])
-@pytest.mark.parametrize("case", KRON.keys())
-def test_kron_tiles_match_float64(case, feat):
-    widths, T, variant = KRON[case]
-    f = FEATURES[feat]
-    dev, ref, s0 = _case(2, T, 1, widths, 6, gate=f["gate"], delta=f["delta"], state=True)
-    o, s = running_tensor_fwd(*dev, initial_state=_to(s0, torch.float32), output_final_state=True,
-                              l2norm=f["l2norm"], mode="chunk", variant=variant)
-    o_ref, s_ref = running_tensor_recurrent_ref(*ref, initial_state=s0, output_final_state=True, l2norm=f["l2norm"])
-    assert rel_err(o.cpu(), o_ref) < FP32_TOL and rel_err(s.cpu(), s_ref) < FP32_TOL
-
-
-def test_kron_refused_where_it_cannot_run():
-    shape = KernelShape((4, 12), 8, 4)  # last width not a power of two
-    assert "kron needs" in ChunkVariant(16, 16, 16, kron=True).check(shape)
-    shape = KernelShape((4, 16), 8, 4)
-    assert "kron needs" in ChunkVariant(16, 32, 16, kron=True).check(shape)  # block_k != last width
-    assert "kron needs" in ChunkVariant(16, 16, 16, kron=True).check(KernelShape((64,), 8, 4))  # order 2
-    assert "streamed" in ChunkVariant(16, 16, 16, kron=True).check(KernelShape((1, 16), 8, 4))  # resident
-    assert ChunkVariant(16, 16, 16, kron=True).check(shape) is None
-    assert "wrong sums" in ChunkVariant(64, 64, 16, kron=True).check(KernelShape((4, 64), 8, 4))
-    assert ChunkVariant(32, 64, 16, kron=True).check(KernelShape((4, 64), 8, 4)) is None
-
-
 WY = {
     # the solve applied in the prepare kernel; K = 12 pads to a 16-row state tile, 256 is outer-product phi
     "o3-3x4-c16": ((3, 4), 37, ChunkVariant(chunk_size=16, block_k=16, block_v=16, wy=True)),
@@ -240,7 +206,6 @@ VARLEN = {f"{impl}-{name}": (w, impl) for impl in ("chunk16", "recurrent")
           for name, w in (("o2", (5,)), ("o3", (3, 4)), ("o4", (2, 3, 2)))}
 VARLEN["chunk16-prefetch-o2-16"] = ((16,), "chunk16-prefetch")  # prefetch takes widths >= 16 only
 VARLEN["chunk16-wy-o3"] = ((3, 4), "chunk16-wy")
-VARLEN["chunk16-kron-o4"] = ((2, 3, 16), "chunk16-kron")  # streamed tiles of one leading index
 
 
 @pytest.mark.parametrize("case", VARLEN.keys())
@@ -251,9 +216,7 @@ def test_varlen_uneven_lengths(case):
     dev, ref, s0 = _case(1, offsets[-1], 2, widths, 3, state=True, num_seqs=N)
     cu = torch.tensor(offsets, dtype=torch.int32)
     mode, variant = {"chunk16-prefetch": ("chunk", VARLEN_PREFETCH),
-                     "chunk16-wy": ("chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16, wy=True)),
-                     "chunk16-kron": ("chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16, kron=True,
-                                                            prefetch=True))}.get(
+                     "chunk16-wy": ("chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16, wy=True))}.get(
         impl) or VARIANTS[impl]
     o, s = running_tensor_fwd(*dev, initial_state=_to(s0, torch.float32), output_final_state=True, l2norm=True,
                               cu_seqlens=_to(cu), mode=mode, variant=variant)

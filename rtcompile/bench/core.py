@@ -219,9 +219,7 @@ def _default_with(kernel: str = "chunk", **changes: Any) -> Callable[["Case"], d
         cls = {"chunk": ChunkVariant, "recurrent": RecurrentVariant}[kernel]
         shape = KernelShape(tuple(case.key_widths), case.V)
         limit = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
-        # block_k "last": the last key width (the kron tile: one index of the leading axes)
-        fixed = {k: (shape.key_widths[-1] if x == "last" else x) for k, x in changes.items()}
-        v = dataclasses.replace(cls.default(shape, limit), **fixed)
+        v = dataclasses.replace(cls.default(shape, limit), **changes)
         reason = v.check(shape, limit)
         if reason is not None:
             raise NotImplementedError(reason)
@@ -237,8 +235,7 @@ ERROR_VARIANTS = ("plain", "fused", "prefetch", "wy")  # the named variants whos
 # the default issues the next chunk's loads ahead and applies the solve in the prepare kernel
 # (prefetch + wy); "plain" is the default without either (the default before 2026-11-30),
 # "prefetch" and "wy" each one alone. "fused": no [T, C] workspace, so its extra memory does not
-# grow with T (the planner's low-memory choice); "fused-blocks" the same with the blocked solve;
-# "kron": a streamed state in tiles of one leading index, phi never built (orders >= 3).
+# grow with T (the planner's low-memory choice); "fused-blocks" the same with the blocked solve.
 _PLAIN = {"prefetch": False, "wy": False}
 DEFAULT_VARIANTS: dict[str, Any] = {
     "plain": _default_with(**_PLAIN),
@@ -247,7 +244,6 @@ DEFAULT_VARIANTS: dict[str, Any] = {
     "fused": _default_with(fuse_prepare=True, **_PLAIN),
     "fused-blocks": _default_with(fuse_prepare=True, solve="blocks", **_PLAIN),
     "prefetch-fused-blocks": _default_with(prefetch=True, wy=False, fuse_prepare=True, solve="blocks"),
-    "kron": _default_with(kron=True, prefetch=True, wy=False, block_k="last"),
 }
 # Decode beside its default (phi gathered per element): the slab held factored, phi broadcast
 # from the factors (outer_phi; power-of-two widths).

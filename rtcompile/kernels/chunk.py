@@ -16,10 +16,6 @@ When BK covers K the [K, BV] state stays in registers (RESIDENT); otherwise it l
 final-state buffer, read twice and written once per chunk, so the workspace never grows
 with T / C; there PREFETCH_STATE issues each state tile's load one tile ahead (without it,
 every tile waited for its own load: ~1.2 TB/s of state traffic at order 3 64x64 on an H200).
-With KRON a streamed tile is one index of the leading key axes ([d_last, BV] rows of S), and
-phi is never built: phi(K)_tile S = diag(lead) (X_last S), with X_last the [C, d_last] tile of
-the last factor and lead the [C] product of the leading factors at that index; the update
-is X_last^T (diag(lead) U) likewise (order >= 3, d_last a power of two >= 16).
 Two more flags shorten the sequential loop for a resident state: PREFETCH issues
 the next chunk's loads before the current chunk's arithmetic, and WY has the prepare kernel
 apply the solve (W = Ai diag(b Gamma) phi(K), U0 = Ai diag(b) V), so U = U0 - W S and the
@@ -200,28 +196,6 @@ def _state_tile(h0, ht, p_state, i_k, o_v, m_v, first, K: tl.constexpr, BK: tl.c
 
 
 @triton.jit
-def _last_factor(p1, p2, p3, r, m_t, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
-    """The raw [C, D_last] tile of the last factor (KRON: a power of two >= 16)."""
-    if NF == 2:
-        b_x = factor_tile(p2, r, m_t, D2, D2, False)
-    else:
-        b_x = factor_tile(p3, r, m_t, D3, D3, False)
-    return b_x
-
-
-@triton.jit
-def _lead_column(p1, p2, r, m_t, i_k, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr):
-    """KRON tile ``i_k`` is one index of the leading key axes: its [C] column of the leading
-    factors' product (x1[i] for order 3, x1[i // D2] x2[i % D2] for order 4)."""
-    if NF == 2:
-        b_l = tl.load(p1 + r * D1 + i_k, mask=m_t, other=0.0).to(tl.float32)
-    else:
-        b_l = tl.load(p1 + r * D1 + i_k // D2, mask=m_t, other=0.0).to(tl.float32)
-        b_l *= tl.load(p2 + r * D2 + i_k % D2, mask=m_t, other=0.0).to(tl.float32)
-    return b_l
-
-
-@triton.jit
 def _chunk_log_decay(g, r, m_t, USE_G: tl.constexpr, C: tl.constexpr):
     """Cumulative log decay within the chunk; padded rows add 0, so the last row is c_C."""
     if USE_G:
@@ -297,7 +271,7 @@ def chunk_running_tensor_fwd_kernel(
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
     FUSE_PREPARE: tl.constexpr, LOWP: tl.constexpr, LOWP_SCORES: tl.constexpr, PREC: tl.constexpr,
     OUTER: tl.constexpr, SOLVE_BLOCK: tl.constexpr, PREFETCH: tl.constexpr, WY: tl.constexpr,
-    PREFETCH_STATE: tl.constexpr, KRON: tl.constexpr,
+    PREFETCH_STATE: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -392,9 +366,6 @@ def chunk_running_tensor_fwd_kernel(
         else:
             b_ks = tl.zeros([C, BV], dtype=tl.float32)
             b_qs = tl.zeros([C, BV], dtype=tl.float32)
-            if KRON:  # the raw last factors, [C, BK]: every tile's products start from them
-                b_xk = _last_factor(k1, k2, k3, r, m_t, NF, D1, D2, D3)
-                b_xq = _last_factor(q1, q2, q3, r, m_t, NF, D1, D2, D3)
             if PREFETCH_STATE:
                 b_sn = _state_tile(h0, ht, p_state, 0, o_v, m_v, i_c == 0, K, BK, V, USE_H0)
             for i_k in range(NK):
@@ -405,14 +376,10 @@ def chunk_running_tensor_fwd_kernel(
                     b_sn = _state_tile(h0, ht, p_state, i_k + 1, o_v, m_v, i_c == 0, K, BK, V, USE_H0)
                 else:
                     b_s = _state_tile(h0, ht, p_state, i_k, o_v, m_v, i_c == 0, K, BK, V, USE_H0)
-                if KRON:  # phi(K)_tile S = diag(lead) X_last S: one dot with the last factor
-                    b_ks += _lead_column(k1, k2, r, m_t, i_k, NF, D1, D2)[:, None] * _dot(b_xk, b_s, LOWP, DT, PREC)
-                    b_qs += _lead_column(q1, q2, r, m_t, i_k, NF, D1, D2)[:, None] * _dot(b_xq, b_s, LOWP, DT, PREC)
-                else:
-                    b_k = _phi_block(k1, k2, k3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER)
-                    b_q = _phi_block(q1, q2, q3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER)
-                    b_ks += _dot(b_k, b_s, LOWP, DT, PREC)
-                    b_qs += _dot(b_q, b_s, LOWP, DT, PREC)
+                b_k = _phi_block(k1, k2, k3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER)
+                b_q = _phi_block(q1, q2, q3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER)
+                b_ks += _dot(b_k, b_s, LOWP, DT, PREC)
+                b_qs += _dot(b_q, b_s, LOWP, DT, PREC)
             b_ks = b_ks * r_k[:, None]
             b_qs = b_qs * r_q[:, None]
         if WY:
@@ -439,17 +406,9 @@ def chunk_running_tensor_fwd_kernel(
                     b_sn = _state_tile(h0, ht, p_state, i_k + 1, o_v, m_v, i_c == 0, K, BK, V, USE_H0)
                 else:
                     b_s = load_state_tile(h0, ht, off_s, m_s, i_c == 0, USE_H0)
-                if KRON:  # phi(K)_tile^T diag(w) U = (diag(lead w) X_last)^T U
-                    # The scaled copy, not tl.trans(b_xk): transposing the very tile pass 1 fed to
-                    # tl.dot gave wrong sums (errors 1.4-4.8e4) whenever it was a square 64 x 64 bf16
-                    # tile (C = 64, d_last = 64) on an H200 with Triton 3.6 (probe_kron.py,
-                    # 2026-12-01); C = 16/32 or d_last = 16 were right.
-                    b_w = _lead_column(k1, k2, r, m_t, i_k, NF, D1, D2) * r_k * b_ratio
-                    b_s = tl.exp(b_last) * b_s + _dot(tl.trans(b_xk * b_w[:, None]), b_u, LOWP, DT, PREC)
-                else:
-                    b_k = _phi_block(k1, k2, k3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER)
-                    b_k = b_k * (r_k * b_ratio)[:, None]
-                    b_s = tl.exp(b_last) * b_s + _dot(tl.trans(b_k), b_u, LOWP, DT, PREC)
+                b_k = _phi_block(k1, k2, k3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER)
+                b_k = b_k * (r_k * b_ratio)[:, None]
+                b_s = tl.exp(b_last) * b_s + _dot(tl.trans(b_k), b_u, LOWP, DT, PREC)
                 tl.store(ht + off_s, b_s.to(ht.dtype.element_ty), mask=m_s)
     if NK == 1:
         if STORE_HT:

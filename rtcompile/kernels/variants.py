@@ -184,15 +184,12 @@ class ChunkVariant(_Variant):
     prepare kernel (W = Ai diag(b Gamma) phi(K), U0 = Ai diag(b) V, stored [T, K] and [T, V]),
     so the sequential loop's chain is two products (W S, then the update) instead of three;
     needs the state in registers and the two-kernel form; its workspace grows with T * K.
-    ``kron``: a streamed state in tiles of one index of the leading key axes (``block_k`` =
-    the last key width, a power of two >= 16; order >= 3), whose products with phi are dots
-    with the last factor scaled by the leading factors, so phi is never built.
     """
 
     kernel: ClassVar[str] = "chunk"
     FIELDS: ClassVar[tuple[str, ...]] = (
         "chunk_size", "block_k", "block_v", "num_warps", "num_stages", "fuse_prepare", "dot_precision", "solve",
-        "prefetch", "wy", "kron",
+        "prefetch", "wy",
     )
     chunk_size: int
     block_k: int
@@ -204,7 +201,6 @@ class ChunkVariant(_Variant):
     solve: str = "rows"
     prefetch: bool = False
     wy: bool = False
-    kron: bool = False
 
     def check(self, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> str | None:
         for name in ("chunk_size", "block_k", "block_v", "num_warps"):
@@ -232,21 +228,6 @@ class ChunkVariant(_Variant):
             return f"prefetch with the state in registers needs power-of-two key widths >= 16, got {shape.key_widths}"
         if self.wy and self.fuse_prepare:
             return "wy applies the solve in the prepare kernel: it needs fuse_prepare=False"
-        if self.kron:
-            last = shape.key_widths[-1]
-            if len(shape.key_widths) < 2 or last < 16 or last & (last - 1) or self.block_k != last:
-                return (f"kron needs order >= 3, a last key width that is a power of two >= 16 and block_k equal "
-                        f"to it (one tile per index of the leading axes), got widths {shape.key_widths}, "
-                        f"block_k={self.block_k}")
-            if self.resident(shape):
-                return f"kron tiles a streamed state: block_k < K ({shape.key_dim})"
-            # Wrong sums (relative errors 1-2, illegal addresses at B8 T4096) on an H200 with
-            # Triton 3.6 whenever C = 64 met a last width of 64 (o3 64x64, 4x64; probe_kron.py,
-            # 2026-12-01), with or without the transposed operand; C = 16/32 there and C = 64 with
-            # width 16 matched float64
-            if self.chunk_size >= 64 and last >= 64:
-                return f"kron with chunk_size {self.chunk_size} and a last key width of {last} computed wrong sums " \
-                       "on Triton 3.6 (H200); allowed: chunk_size <= 32 there"
         if self.wy and not self.resident(shape):
             return f"wy needs the state in registers: block_k >= K ({shape.key_dim})"
         if self.estimate_registers(shape) > CHUNK_MAX_EST_REGS:
@@ -306,7 +287,6 @@ class ChunkVariant(_Variant):
             "solve": list(SOLVES),
             "prefetch": [False, True],
             "wy": [False, True],
-            "kron": [False, True],
         }
 
     @classmethod
