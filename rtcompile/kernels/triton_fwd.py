@@ -383,7 +383,7 @@ class _DecodePlan:
         if self._runner is not None and aligned:
             # raw addresses: the launcher then skips a data_ptr() call (and, on older Tritons, a
             # driver pointer query) per tensor; the compiled launcher alone cost 19 us per call
-            # with tensors on the H200 machine (benchmarks/probe_host.py, 2026-12-01)
+            # with tensors on the H200 machine (benchmarks/probe_host.py, 2026-11-30c)
             self._runner(*ptrs, *args[-2:], *self._tail)
             return
         kernel = fused_recurrent_running_tensor_fwd_kernel

@@ -144,7 +144,7 @@ class RecurrentVariant(_Variant):
         # and 92% of a same-size copy at B32 (block_v 16: 77% / 91%; block_v 8: 66%); at
         # K = 1024 B32 one [1024, 16] tile with 8 warps reached 74%, streaming 256-row tiles
         # 53-70%. Beyond K = 1024 the tile no longer fits registers: stream 1024-row tiles.
-        # Gathered phi, not outer_phi: in the exhaustive sweeps of 2026-12-01 (H200, num_stages 1,
+        # Gathered phi, not outer_phi: in the exhaustive sweeps of 2026-11-30c (H200, num_stages 1,
         # 180 and 230 variants) the best outer_phi variant was 8% behind at o3 16x16 B256
         # (80.6 against 74.5 us) and 5% at o3 32x32 B32 (46.2 against 43.9 us); the bench
         # timed the factored slab at 32x32 B32 at 61% of copy bandwidth against 70% gathered.
@@ -267,7 +267,7 @@ class ChunkVariant(_Variant):
         # Triton 3.6 asked for on an H200: (C=64, BK=128, BV=32, 2 stages) needed 245760 bytes
         # and failed; (C=32, BK=256, BV=16, 2 stages), (C=64, BK=64, BV=16, 2 stages) and
         # (C=64, BK=256, BV=16, 1 stage) ran (the last, refused by the factor 1.5 used before
-        # 2026-12-01, was the fastest at o3 64x64 and o4 16x16x16 in probe_streamed.py).
+        # 2026-11-30c, was the fastest at o3 64x64 and o4 16x16x16 in probe_streamed.py).
         # A heuristic for pruning: the tuner's compile is the final word.
         C, bk, bv = self.chunk_size, self.block_k, self.block_v
         tiles = 2 * C * bk + bk * bv + C * C + C * bv
@@ -296,11 +296,14 @@ class ChunkVariant(_Variant):
         Preferences from an H200 probe (B8 T4096 H8 V64 bf16, 2026-11-29): K <= 256 keeps
         the state in registers with C = 32 (16x16: 1.16 ms; C = 64 with 64-row tiles 7.2 ms);
         K = 1024 streams 128-row tiles with C = 32 (32x32: 3.8 ms, against 10.5 ms for
-        C = 64 / 64 rows; 3.17 ms on 2026-12-01, still ahead of every prefetch neighbour in
+        C = 64 / 64 rows; 3.17 ms on 2026-11-30c, still ahead of every prefetch neighbour in
         probe_streamed.py); K >= 4096 streams 256-row tiles with C = 64, 8 warps, each tile's
-        load issued one tile ahead (prefetch; probe_streamed.py, 2026-12-01: 64x64 8.49 ms
-        against 10.48 for the earlier 128-row default, o4 16x16x16 16.4 ms against 34.4). Power-of-two widths build phi blocks as outer products
-        when block_k covers the trailing axes, so block_k is at least their product.
+        load issued one tile ahead (prefetch; probe_streamed.py, 2026-11-30c: 64x64 8.49 ms
+        against 10.48 for the earlier C64 128-row default, o4 16x16x16 16.4 ms against 34.4 for
+        the earlier C32 default). At 64x64 the 256-row tile is the gain: a 24-trial TPE study
+        of the same run found 8.13 ms with the blocked solve and no prefetch, 8.48 with both.
+        Power-of-two widths build phi blocks as outer products when block_k covers the
+        trailing axes, so block_k is at least their product.
 
         A state that fits registers (K <= 256, power-of-two widths >= 16) first issues the
         next chunk's loads ahead (prefetch), measured on the H200 on 2026-11-30 (B8 T4096 V64
