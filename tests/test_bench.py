@@ -423,3 +423,18 @@ def test_variant_names_survive_rich_markup():
     buf = io.StringIO()
     _print_table("t", ["impl"], [["rtcompile[fused]"]], buf)
     assert "rtcompile[fused]" in buf.getvalue()
+
+
+def test_only_keeps_matching_cases(capsys):
+    assert main(["bench", "--dry-run", "--only", "64x64", "--only", "_eager"]) == 0
+    out = capsys.readouterr().out
+    assert "o3_64x64_B8_T4096" in out and "o3_64x64_B2_T256" in out and "o3_16x16_B1_eager" in out
+    assert "o3_16x16_B8_T4096" not in out and "o3_16x16_B256" not in out
+    names = {c.name for c in bench.plan("all", only=("64x64",))}
+    assert names == {"o3_64x64_B8_T4096", "o3_64x64_B2_T256"}
+
+
+def test_only_without_a_match_is_a_usage_error(capsys):
+    assert main(["bench", "--dry-run", "--phase", "decode", "--only", "64x64"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--only '64x64': no case of phase decode matches" in err[0]

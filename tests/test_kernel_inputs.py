@@ -90,3 +90,24 @@ def test_padding_slots_are_allowed_by_validation():
     # -1 entries are padding (vLLM's PAD_SLOT_ID): validation passes and we reach allocation
     with pytest.raises(AssertionError, match="allocated"):
         _decode([-1, 2])
+
+
+def test_decode_plan_cache_never_skips_validation():
+    """A cached launch plan is found by the arguments' shapes, dtypes, devices and contiguity:
+    a call that differs in any of them is validated afresh (and here refused) before allocating."""
+    q, k, v, g, beta = _args(B=2, T=1)
+    cache, idx = torch.zeros(4, 2, 3, 4, 4), torch.tensor([0, 1], dtype=torch.int32)
+    call = lambda q=q, k=k, v=v, g=g, beta=beta, cache=cache: running_tensor_decode_(
+        q, k, v, g, beta, state_cache=cache, state_indices=idx)
+    with pytest.raises(AssertionError, match="allocated"):  # valid: the plan is cached, then allocation
+        call()
+    strided_v = torch.randn(2, 1, 4, 2).transpose(2, 3)  # same shape [2, 1, 2, 4], not contiguous
+    with pytest.raises(ValueError, match="v: strides .* not contiguous"):
+        call(v=strided_v)
+    with pytest.raises(ValueError, match="differs from v.s torch.float64"):
+        call(v=v.double())
+    with pytest.raises(ValueError, match="state_cache: dtype"):
+        call(cache=cache.to(torch.int32))
+    strided_q = [q[0], torch.randn(2, 1, 4, 2).transpose(2, 3)]
+    with pytest.raises(ValueError, match=r"q\[1\]: strides"):
+        call(q=strided_q)
