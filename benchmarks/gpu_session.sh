@@ -1,7 +1,7 @@
 # One GPU session's measurements, in steps that each fit one 10-minute device call.
 #
-#   bash benchmarks/gpu_session.sh STEP...     (STEP: tests | bench | sweep-decode | sweep-prefill |
-#        sweep-report | one-worker | tpe-again | sweep | tuned-bench | checks | finish)
+#   bash benchmarks/gpu_session.sh STEP...     (STEP: tests | bench | errors | probes | sweep-decode |
+#        sweep-prefill | sweep-report | one-worker | tpe-again | sweep | tuned-bench | checks | finish)
 #
 # Run from the project root on the device machine, after installing the carried wheels (see
 # benchmarks/README.md). Everything lands under $OUT/<step>; the tuning store and the tuned
@@ -147,6 +147,16 @@ t3 = time.perf_counter()
 print(f"first chunk call after reload (B8 T4096, empty Triton cache): {t2 - t1:.2f} s; "
       f"first decode call (B256): {t3 - t2:.2f} s; imports and inputs {t1 - t0:.2f} s")
 EOF
+}
+
+step_errors() {  # the error cases alone (the prefill bench's budget seldom reaches them): ~140 s
+  python3 -m rtcompile.cli bench --out "$OUT/bench_error" --phase prefill --only _B2_T256 --budget-s 200
+}
+
+step_probes() {  # large-K chunk neighbours and the eager decode call's host time: ~4 min
+  timeout 260 python3 benchmarks/probe_streamed.py --out "$OUT" > "$OUT/probe_streamed.txt" 2>&1 || true
+  timeout 60 python3 benchmarks/probe_host.py > "$OUT/probe_host.txt" 2>&1 || true
+  tail -40 "$OUT/probe_streamed.txt" "$OUT/probe_host.txt"
 }
 
 step_tuned_bench() {  # the prefill bench again, reading the tuned table (TUNED, or the sweep's)
