@@ -369,8 +369,6 @@ def chunk_running_tensor_fwd_kernel(
             if PREFETCH_STATE:
                 b_sn = _state_tile(h0, ht, p_state, 0, o_v, m_v, i_c == 0, K, BK, V, USE_H0)
             for i_k in range(NK):
-                o_k = i_k * BK + tl.arange(0, BK)
-                m_k = o_k < K
                 if PREFETCH_STATE:  # the next tile's load flies while this one is used
                     b_s = b_sn
                     b_sn = _state_tile(h0, ht, p_state, i_k + 1, o_v, m_v, i_c == 0, K, BK, V, USE_H0)

@@ -186,7 +186,8 @@ def _chunk_indices(p: Problem, C: int, device: torch.device) -> torch.Tensor:
 
 
 def _launch_chunk(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm, store_ht: bool,
-                  variant: ChunkVariant) -> torch.Tensor:
+                  variant: ChunkVariant, resident: bool) -> torch.Tensor:
+    """``resident``: the variant keeps the state in registers at this shape (its caller knows)."""
     B, T, H, V = v.shape
     C = variant.chunk_size
     o = _empty(B, T, H, V, dtype=v.dtype, device=v.device)
@@ -202,7 +203,6 @@ def _launch_chunk(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm, s
     P = Ai = W = U0 = dummy
     wy = variant.wy and beta is not None  # without the delta rule there is no solve to move
     outer = outer_phi_ok(p.key_widths, variant.block_k)
-    resident = variant.resident(kernel_shape(p))
     if not variant.fuse_prepare:
         P = _empty(B, H, T, C, dtype=torch.float32, device=v.device)
         if wy:  # W in the dot operand type (16-bit inputs: their own), U0 in fp32
@@ -308,7 +308,7 @@ def fwd_checked(
     ht = _empty(p.state_shape, dtype=torch.float32, device=v.device) if need_ht else None
     kw = dict(h0=initial_state, ht=ht, cu_seqlens=cu_seqlens, l2norm=l2norm, store_ht=need_ht, variant=var)
     if mode == "chunk":
-        o = _launch_chunk(p, q, k, v, g, beta, **kw)
+        o = _launch_chunk(p, q, k, v, g, beta, resident=not streamed, **kw)
     else:
         o = _launch_recurrent(p, q, k, v, g, beta, state_indices=None, **kw)
     return o, (ht if output_final_state else None)
