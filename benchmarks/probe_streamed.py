@@ -39,6 +39,10 @@ NEIGHBOURS = (
     ("prefetch-bv32", {"prefetch": True, "block_v": 32}),
     ("prefetch-C64-bk256-w8", {"prefetch": True, "chunk_size": 64, "block_k": 256, "num_warps": 8}),
     ("prefetch-fused", {"prefetch": True, "fuse_prepare": True}),
+    ("prefetch-bv64", {"prefetch": True, "block_v": 64}),
+    ("prefetch-bv32-w8", {"prefetch": True, "block_v": 32, "num_warps": 8}),
+    ("prefetch-blocks", {"prefetch": True, "solve": "blocks"}),
+    ("blocks", {"solve": "blocks"}),
 )
 
 

@@ -271,6 +271,14 @@ def test_outer_phi_refused_where_it_cannot_run():
     assert RecurrentVariant(block_k=8, block_v=8, outer_phi=True).check(shape) is None
 
 
+def test_stream_hints_need_a_resident_slab():
+    shape = KernelShape((4, 8), 8, 4)
+    assert "stream_hints needs the state slab resident" in RecurrentVariant(16, 8, stream_hints=True).check(shape)
+    assert RecurrentVariant(32, 8, stream_hints=True).check(shape) is None
+    assert RecurrentVariant.default(shape).stream_hints
+    assert not RecurrentVariant.from_dict({"block_k": 32, "block_v": 8}).stream_hints  # stored before the field
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("impl", ["chunk16", "recurrent"])
 def test_half_inputs(dtype, impl):
@@ -285,10 +293,33 @@ def test_half_inputs(dtype, impl):
     assert rel_err(s.cpu(), s_ref) < 1e-2
 
 
+HALF_STREAMED = {
+    # 16-bit operands (tl.dot in fp16): the streamed phi blocks are built in the dot type, and the
+    # update's row scales ride on U; both pass 1 and pass 2 go through it
+    "o3-4x8-streamed": ((4, 8), ChunkVariant(chunk_size=16, block_k=16, block_v=16)),
+    "o4-2x4x4-streamed-prefetch": ((2, 4, 4), ChunkVariant(chunk_size=16, block_k=16, block_v=16, prefetch=True)),
+    "o3-5x7-gathered": ((5, 7), ChunkVariant(chunk_size=16, block_k=16, block_v=16)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", HALF_STREAMED.keys())
+def test_half_inputs_streamed_state(case, dtype):
+    widths, variant = HALF_STREAMED[case]
+    dev, ref, s0 = _case(2, 37, 2, widths, 6, dtype=dtype, state=True)
+    o, s = running_tensor_fwd(*dev, initial_state=_to(s0, torch.float32), output_final_state=True, l2norm=True,
+                              mode="chunk", variant=variant)
+    o_ref, s_ref = running_tensor_recurrent_ref(*ref, initial_state=s0, output_final_state=True, l2norm=True)
+    assert o.dtype == dtype
+    assert rel_err(o.cpu(), o_ref) < (1e-2 if dtype == torch.bfloat16 else 2e-3) and rel_err(s.cpu(), s_ref) < 1e-2
+
+
 DECODE_SLOTS = {
     f"{o}-{kind}": (w, var)
-    for o, w in (("o2", (5,)), ("o3", (3, 4)), ("o4", (2, 3, 2)))
-    for kind, var in (("resident", None), ("streamed", RecurrentVariant(block_k=4, block_v=4)))
+    for o, w, kp in (("o2", (5,), 8), ("o3", (3, 4), 16), ("o4", (2, 3, 2), 16))
+    for kind, var in (("resident", None),  # the default: stream hints on
+                      ("resident-nohints", RecurrentVariant(block_k=kp, block_v=4, stream_hints=False)),
+                      ("streamed", RecurrentVariant(block_k=4, block_v=4)))
 }
 # power-of-two widths: the slab held factored ([d_1, ..., d_{o-1}, BV]) or streamed as outer products
 DECODE_SLOTS.update({

@@ -44,10 +44,12 @@ def _dot(a, b, LOWP: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
 
 @triton.jit
 def _phi_block(p1, p2, p3, r, m_t, i_k, C: tl.constexpr, BK: tl.constexpr, NF: tl.constexpr,
-               D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, K: tl.constexpr, OUTER: tl.constexpr):
-    """Raw [C, BK] block ``i_k`` of phi: outer products when OUTER, else gathers."""
+               D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, K: tl.constexpr, OUTER: tl.constexpr,
+               OUT_DT: tl.constexpr = tl.float32):
+    """Raw [C, BK] block ``i_k`` of phi: outer products when OUTER (in ``OUT_DT``: the dot's
+    operand type when the block goes straight into a product), else gathers (fp32)."""
     if OUTER:
-        b_phi = phi_tile_outer(p1, p2, p3, r, m_t, i_k, C, BK, NF, D1, D2, D3)
+        b_phi = phi_tile_outer(p1, p2, p3, r, m_t, i_k, C, BK, NF, D1, D2, D3, OUT_DT)
     else:
         o_k = i_k * BK + tl.arange(0, BK)
         b_phi = phi_gather(p1, p2, p3, r[:, None], o_k[None, :], m_t[:, None] & (o_k < K)[None, :], D1, D2, D3, NF)
@@ -284,6 +286,7 @@ def chunk_running_tensor_fwd_kernel(
         eos = T
         i_b = i_n.to(tl.int64)
     DT: tl.constexpr = q1.dtype.element_ty
+    DOT_DT: tl.constexpr = DT if LOWP else tl.float32  # what _dot casts its operands to
     NK: tl.constexpr = (K + BK - 1) // BK
     o_c = tl.arange(0, C)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -374,8 +377,8 @@ def chunk_running_tensor_fwd_kernel(
                     b_sn = _state_tile(h0, ht, p_state, i_k + 1, o_v, m_v, i_c == 0, K, BK, V, USE_H0)
                 else:
                     b_s = _state_tile(h0, ht, p_state, i_k, o_v, m_v, i_c == 0, K, BK, V, USE_H0)
-                b_k = _phi_block(k1, k2, k3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER)
-                b_q = _phi_block(q1, q2, q3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER)
+                b_k = _phi_block(k1, k2, k3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
+                b_q = _phi_block(q1, q2, q3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
                 b_ks += _dot(b_k, b_s, LOWP, DT, PREC)
                 b_qs += _dot(b_q, b_s, LOWP, DT, PREC)
             b_ks = b_ks * r_k[:, None]
@@ -392,6 +395,9 @@ def chunk_running_tensor_fwd_kernel(
         if NK == 1:
             b_s = tl.exp(b_last) * b_s + _dot(tl.trans(b_k * b_ratio[:, None]), b_u, LOWP, DT, PREC)
         else:
+            # the rows' scale (1 / ||phi(k)||, Gamma_C / Gamma_i) on U ([C, BV], once per chunk)
+            # instead of on every [C, BK] block of phi(K)
+            b_us = b_u * (r_k * b_ratio)[:, None]
             if PREFETCH_STATE:
                 b_sn = _state_tile(h0, ht, p_state, 0, o_v, m_v, i_c == 0, K, BK, V, USE_H0)
             for i_k in range(NK):
@@ -404,9 +410,8 @@ def chunk_running_tensor_fwd_kernel(
                     b_sn = _state_tile(h0, ht, p_state, i_k + 1, o_v, m_v, i_c == 0, K, BK, V, USE_H0)
                 else:
                     b_s = load_state_tile(h0, ht, off_s, m_s, i_c == 0, USE_H0)
-                b_k = _phi_block(k1, k2, k3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER)
-                b_k = b_k * (r_k * b_ratio)[:, None]
-                b_s = tl.exp(b_last) * b_s + _dot(tl.trans(b_k), b_u, LOWP, DT, PREC)
+                b_k = _phi_block(k1, k2, k3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
+                b_s = tl.exp(b_last) * b_s + _dot(tl.trans(b_k), b_us, LOWP, DT, PREC)
                 tl.store(ht + off_s, b_s.to(ht.dtype.element_ty), mask=m_s)
     if NK == 1:
         if STORE_HT:

@@ -11,6 +11,8 @@ registers for the whole sequence (RESIDENT); otherwise it is streamed tile by ti
 token (reductions, then update), the second read usually from L2. With OUTER (power-of-two
 widths) a resident slab is held factored, [d_1, ..., d_{o-1}, BV], so phi(k) and phi(q) are
 broadcasts of the factor vectors; a streamed tile builds them as reshaped outer products.
+With STREAM_HINTS a resident slab is loaded evict-first and stored streaming (``.cs``): it is
+not touched again before the next step, so it should not displace lines that are.
 
 State indexing follows the serving convention: with ``state_indices`` the state of sequence
 n lives at row ``state_indices[n]`` of a cache ``[slots, H, K, V]`` and is updated in place; a
@@ -102,7 +104,7 @@ def fused_recurrent_running_tensor_fwd_kernel(
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr, USE_INDICES: tl.constexpr,
-    OUTER: tl.constexpr,
+    OUTER: tl.constexpr, STREAM_HINTS: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -135,7 +137,7 @@ def fused_recurrent_running_tensor_fwd_kernel(
             m_k = o_k < K
             off_s = p_state + o_k[:, None] * V + o_v[None, :]
             m_s = m_k[:, None] & m_sv[None, :]
-        b_s = load_state_tile(h0, ht, off_s, m_s, True, USE_H0)
+        b_s = load_state_tile(h0, ht, off_s, m_s, True, USE_H0, STREAM_HINTS)
     for t in range(0, T_n):
         r = (i_b * T + bos + t) * H + i_h
         b_v = tl.load(v + r * V + o_v, mask=m_v, other=0.0).to(tl.float32)
@@ -200,4 +202,7 @@ def fused_recurrent_running_tensor_fwd_kernel(
         tl.store(o + r * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
     if NK == 1:
         if STORE_HT:
-            tl.store(ht + off_s, b_s.to(ht.dtype.element_ty), mask=m_s)
+            if STREAM_HINTS:
+                tl.store(ht + off_s, b_s.to(ht.dtype.element_ty), mask=m_s, cache_modifier=".cs")
+            else:
+                tl.store(ht + off_s, b_s.to(ht.dtype.element_ty), mask=m_s)

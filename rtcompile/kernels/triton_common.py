@@ -120,13 +120,16 @@ def unit_lower_inverse_blocked(b_A, C: tl.constexpr, BS: tl.constexpr, PREC: tl.
 
 @triton.jit
 def phi_tile_outer(p1, p2, p3, r, m_t, i_k, C: tl.constexpr, BK: tl.constexpr, NF: tl.constexpr,
-                   D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
+                   D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, OUT_DT: tl.constexpr = tl.float32):
     """Block ``i_k`` ([C, BK]) of phi for the rows ``r``, as an outer product of factor tiles.
 
     Needs power-of-two widths and ``BK`` a multiple of D2 * D3: the block then covers
     M1 = BK / (D2 D3) consecutive indices of axis 1 and all of axes 2 and 3, so it is
     reshape(x1[:, M1 block] (x) x2 (x) x3). Coalesced row loads and register products replace
-    the per-element gathers of :func:`phi_gather` (which serve the other widths).
+    the per-element gathers of :func:`phi_gather` (which serve the other widths). The product
+    is exact in fp32 (16-bit factors) and cast to ``OUT_DT`` before the reshape, so a 16-bit
+    block moves half the bytes through whatever layout change the reshape needs and is
+    rounded exactly as a cast after it would round it.
     """
     M1: tl.constexpr = BK // (D2 * D3)
     o_1 = i_k * M1 + tl.arange(0, M1)
@@ -139,7 +142,9 @@ def phi_tile_outer(p1, p2, p3, r, m_t, i_k, C: tl.constexpr, BK: tl.constexpr, N
             o_3 = tl.arange(0, D3)
             b_3 = tl.load(p3 + r[:, None] * D3 + o_3[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
             b_2 = tl.reshape(b_2[:, :, None] * b_3[:, None, :], [C, D2 * D3])
-        b_phi = tl.reshape(b_phi[:, :, None] * b_2[:, None, :], [C, BK])
+        b_phi = tl.reshape((b_phi[:, :, None] * b_2[:, None, :]).to(OUT_DT), [C, BK])
+    else:
+        b_phi = b_phi.to(OUT_DT)
     return b_phi
 
 
@@ -162,14 +167,22 @@ def phi_row_outer(p1, p2, p3, r, i_k, BK: tl.constexpr, NF: tl.constexpr,
 
 
 @triton.jit
-def load_state_tile(h0, ht, off, m, first, USE_H0: tl.constexpr):
+def load_state_tile(h0, ht, off, m, first, USE_H0: tl.constexpr, EVICT_FIRST: tl.constexpr = False):
     """A state tile before a step or chunk: the initial state (or zeros) the first time, the
-    running buffer ``ht`` after that. ``first`` may be a runtime condition."""
+    running buffer ``ht`` after that. ``first`` may be a runtime condition. EVICT_FIRST: the
+    tile is read once here and not again before it is written back (a decode step), so its
+    lines need not stay in L2."""
     if first:
         if USE_H0:
-            b_s = tl.load(h0 + off, mask=m, other=0.0).to(tl.float32)
+            if EVICT_FIRST:
+                b_s = tl.load(h0 + off, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            else:
+                b_s = tl.load(h0 + off, mask=m, other=0.0).to(tl.float32)
         else:
             b_s = tl.zeros(off.shape, dtype=tl.float32)
     else:
-        b_s = tl.load(ht + off, mask=m, other=0.0).to(tl.float32)
+        if EVICT_FIRST:
+            b_s = tl.load(ht + off, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        else:
+            b_s = tl.load(ht + off, mask=m, other=0.0).to(tl.float32)
     return b_s

@@ -156,6 +156,7 @@ def _recurrent_consts(p: Problem, g, beta, *, use_h0: bool, store_ht: bool, varl
         BK=variant.block_k, BV=variant.block_v,
         USE_G=g is not None, USE_BETA=beta is not None, L2NORM=l2norm,
         USE_H0=use_h0, STORE_HT=store_ht, IS_VARLEN=varlen, USE_INDICES=indices, OUTER=variant.outer_phi,
+        STREAM_HINTS=variant.stream_hints,
         num_warps=variant.num_warps, num_stages=variant.num_stages,
     )
     return grid, consts

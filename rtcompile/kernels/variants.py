@@ -91,15 +91,19 @@ class RecurrentVariant(_Variant):
     L2). ``block_k`` and ``block_v`` are powers of two. ``outer_phi``: build phi(k) and phi(q)
     of a key tile as the outer product of contiguous factor loads instead of per-element
     gathers (power-of-two widths, ``block_k`` a multiple of the trailing widths' product).
+    ``stream_hints``: load the resident slab evict-first and store it streaming (``.cs``), since
+    nothing reads it again before the next step (needs ``block_k`` covering K). Off in stored
+    variants that predate it.
     """
 
     kernel: ClassVar[str] = "recurrent"
-    FIELDS: ClassVar[tuple[str, ...]] = ("block_k", "block_v", "num_warps", "num_stages", "outer_phi")
+    FIELDS: ClassVar[tuple[str, ...]] = ("block_k", "block_v", "num_warps", "num_stages", "outer_phi", "stream_hints")
     block_k: int
     block_v: int
     num_warps: int = 4
     num_stages: int = 1
     outer_phi: bool = False
+    stream_hints: bool = False
 
     def check(self, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> str | None:
         for name in ("block_k", "block_v", "num_warps"):
@@ -113,6 +117,9 @@ class RecurrentVariant(_Variant):
         if self.outer_phi and not outer_phi_ok(shape.key_widths, self.block_k):
             return (f"outer_phi needs power-of-two key widths and block_k a multiple of the trailing widths' "
                     f"product, got widths {shape.key_widths}, block_k={self.block_k}")
+        if self.stream_hints and self.block_k < shape.key_dim_pow2:
+            return (f"stream_hints needs the state slab resident (block_k >= {shape.key_dim_pow2}), "
+                    f"got block_k={self.block_k}")
         if self.estimate_registers(shape) > MAX_REGS_PER_THREAD:
             return f"~{self.estimate_registers(shape)} registers per thread (> {MAX_REGS_PER_THREAD})"
         return None
@@ -135,6 +142,7 @@ class RecurrentVariant(_Variant):
             "num_warps": [1, 2, 4, 8, 16],
             "num_stages": [1, 2, 3],
             "outer_phi": [False, True],
+            "stream_hints": [False, True],
         }
 
     @classmethod
@@ -148,18 +156,23 @@ class RecurrentVariant(_Variant):
         # 180 and 230 variants) the best outer_phi variant was 8% behind at o3 16x16 B256
         # (80.6 against 74.5 us) and 5% at o3 32x32 B32 (46.2 against 43.9 us); the bench
         # timed the factored slab at 32x32 B32 at 61% of copy bandwidth against 70% gathered.
+        # Stream hints on a resident slab (benchmarks/probe_decode.py, H200, 2026-11-30d): o3 16x16
+        # B32 10.69 against 11.53 us (92% of a same-size copy against 85%), o3 32x32 B32 43.7
+        # against 44.7 us; o3 16x16 B256 79.8 against 78.7 us (1.4% behind), so the small batches'
+        # gain decides; a tuned bucket may turn them off.
         kp = shape.key_dim_pow2
         bv = min(32 if kp <= 256 else 16, next_pow2(shape.value_width))
         bk = min(kp, 1024)
         warps = 4 if bk * bv <= 8192 else 8
-        return cls(block_k=bk, block_v=bv, num_warps=warps, num_stages=1)
+        return cls(block_k=bk, block_v=bv, num_warps=warps, num_stages=1, stream_hints=bk >= kp)
 
     @classmethod
     def candidates(cls, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> list["RecurrentVariant"]:
-        """The variants a TPE study starts from: the default, and with outer_phi flipped when
-        both forms can run."""
+        """The variants a TPE study starts from: the default, and with stream_hints flipped when
+        both forms can run (they split by batch on the H200: see :meth:`default`). outer_phi is
+        not flipped here: it lost at every measured shape; TPE still reaches it."""
         first = cls.default(shape, smem_limit)
-        other = replace(first, outer_phi=not first.outer_phi)
+        other = replace(first, stream_hints=not first.stream_hints)
         return [first] + ([other] if other.check(shape, smem_limit) is None else [])
 
 
