@@ -132,6 +132,44 @@ def decode_twopass_kernel(q1, q2, k1, k2, v, g, beta, o, cache, idx, scale,
 
 
 @triton.jit
+def decode_twopass_pipe_kernel(q1, q2, k1, k2, v, g, beta, o, cache, idx, scale,
+                               H: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, V: tl.constexpr,
+                               BK: tl.constexpr, BV: tl.constexpr, STAGES: tl.constexpr):
+    """twopass with runtime loops that Triton's software pipeliner may stage through shared
+    memory (``num_stages`` = STAGES): loads in flight without holding registers."""
+    K: tl.constexpr = D1 * D2
+    i_v, r = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = r // H, r % H
+    slot = tl.load(idx + i_n).to(tl.int64)
+    o_v = i_v * BV + tl.arange(0, BV)
+    p_0 = cache + (slot * H + i_h) * K * V + o_v[None, :]
+    b_pred = tl.zeros([BV], dtype=tl.float32)
+    b_read = tl.zeros([BV], dtype=tl.float32)
+    b_kq = tl.zeros([BK], dtype=tl.float32)
+    for i_k in tl.range(0, K // BK, num_stages=STAGES):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_s = tl.load(p_0 + o_k[:, None] * V, eviction_policy="evict_last")
+        b_k = _phi2(k1, k2, r, o_k, D1, D2)
+        b_q = _phi2(q1, q2, r, o_k, D1, D2)
+        b_pred += tl.sum(b_s * b_k[:, None], axis=0)
+        b_read += tl.sum(b_s * b_q[:, None], axis=0)
+        b_kq += b_k * b_q
+    r_k = _inv_norm2(k1, k2, r, D1, D2)
+    r_q = _inv_norm2(q1, q2, r, D1, D2)
+    b_v = tl.load(v + r * V + o_v).to(tl.float32)
+    b_a = tl.exp(tl.load(g + r).to(tl.float32))
+    b_u = tl.load(beta + r).to(tl.float32) * (b_v - b_a * r_k * b_pred)
+    b_o = scale * r_q * (b_a * b_read + r_k * tl.sum(b_kq, axis=0) * b_u)
+    tl.store(o + r * V + o_v, b_o.to(o.dtype.element_ty))
+    for i_k in tl.range(0, K // BK, num_stages=STAGES):
+        o_k = i_k * BK + tl.arange(0, BK)
+        p_s = p_0 + o_k[:, None] * V
+        b_s = tl.load(p_s, eviction_policy="evict_first")
+        b_k = _phi2(k1, k2, r, o_k, D1, D2) * r_k
+        tl.store(p_s, b_s * b_a + b_k[:, None] * b_u[None, :], cache_modifier=".cs")
+
+
+@triton.jit
 def decode_persist_kernel(q1, q2, k1, k2, v, g, beta, o, cache, idx, scale, N,
                           H: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                           STORE_HINT: tl.constexpr):
@@ -187,6 +225,18 @@ DESIGNS = (
     ("twopass-bk32-bv64-w2", {"BK": 32, "BV": 64, "num_warps": 2, "HINT1": 2, "HINT2": 1, "STORE_HINT": 1}),
     ("twopass-bk64-bv16-w4-nohint", {"BK": 64, "BV": 16, "num_warps": 4}),
     ("twopass-bk128-bv8-w4", {"BK": 128, "BV": 8, "num_warps": 4, "HINT1": 2, "HINT2": 1, "STORE_HINT": 1}),
+    ("pipe-bk128-bv16-w4-s3", {"BK": 128, "BV": 16, "num_warps": 4, "STAGES": 3}),
+    ("pipe-bk64-bv32-w4-s3", {"BK": 64, "BV": 32, "num_warps": 4, "STAGES": 3}),
+    ("pipe-bk64-bv16-w2-s4", {"BK": 64, "BV": 16, "num_warps": 2, "STAGES": 4}),
+    ("pipe-bk256-bv16-w4-s2", {"BK": 256, "BV": 16, "num_warps": 4, "STAGES": 2}),
+    ("pipe-bk128-bv32-w4-s2", {"BK": 128, "BV": 32, "num_warps": 4, "STAGES": 2}),
+    ("pipe-bk32-bv64-w4-s4", {"BK": 32, "BV": 64, "num_warps": 4, "STAGES": 4}),
+    ("onepass-bv32-w4-loadhint", {"BV": 32, "num_warps": 4, "LOAD_HINT": 1}),
+    ("onepass-bv32-w4-storehint", {"BV": 32, "num_warps": 4, "STORE_HINT": 1}),
+    ("onepass-bv32-w4-cg-cs", {"BV": 32, "num_warps": 4, "LOAD_HINT": 3, "STORE_HINT": 1}),
+    ("onepass-bv32-w2-hint", {"BV": 32, "num_warps": 2, "LOAD_HINT": 1, "STORE_HINT": 1}),
+    ("onepass-bv64-w8-hint", {"BV": 64, "num_warps": 8, "LOAD_HINT": 1, "STORE_HINT": 1}),
+    ("onepass-bv16-w16-hint", {"BV": 16, "num_warps": 16, "LOAD_HINT": 1, "STORE_HINT": 1}),
     ("persist-bv16-w4-x2", {"BV": 16, "num_warps": 4, "PER_SM": 2}),
     ("persist-bv16-w4-x4", {"BV": 16, "num_warps": 4, "PER_SM": 4}),
     ("persist-bv32-w4-x2", {"BV": 32, "num_warps": 4, "PER_SM": 2}),
@@ -219,6 +269,11 @@ def _launcher(name: str, opts: dict, s, cache, idx, o, n_sm: int):
         kw = dict(H=H, D1=D1, D2=D2, V=Vw, BV=BV, LOAD_HINT=opts.get("LOAD_HINT", 0),
                   STORE_HINT=opts.get("STORE_HINT", 0), num_warps=nw)
         return lambda: decode_onepass_kernel[(Vw // BV, N * H)](*args, **kw)
+    if name.startswith("pipe"):
+        if K % opts["BK"] or opts["BK"] >= K:
+            return None
+        kw = dict(H=H, D1=D1, D2=D2, V=Vw, BK=opts["BK"], BV=BV, STAGES=opts["STAGES"], num_warps=nw)
+        return lambda: decode_twopass_pipe_kernel[(Vw // BV, N * H)](*args, **kw)
     if name.startswith("twopass"):
         if K % opts["BK"] or opts["BK"] >= K:
             return None

@@ -43,6 +43,8 @@ NEIGHBOURS = (
     ("prefetch-bv32-w8", {"prefetch": True, "block_v": 32, "num_warps": 8}),
     ("prefetch-blocks", {"prefetch": True, "solve": "blocks"}),
     ("blocks", {"solve": "blocks"}),
+    ("bv16", {"block_v": 16}),
+    ("C32-bk128-bv16-w4", {"chunk_size": 32, "block_k": 128, "block_v": 16, "num_warps": 4, "prefetch": False}),
 )
 
 

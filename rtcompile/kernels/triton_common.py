@@ -138,11 +138,13 @@ def phi_tile_outer(p1, p2, p3, r, m_t, i_k, C: tl.constexpr, BK: tl.constexpr, N
     if NF > 1:
         o_2 = tl.arange(0, D2)
         b_2 = tl.load(p2 + r[:, None] * D2 + o_2[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
-        if NF > 2:
+        if NF > 2:  # one 4-d product and one reshape, not a reshape per factor pair
             o_3 = tl.arange(0, D3)
             b_3 = tl.load(p3 + r[:, None] * D3 + o_3[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
-            b_2 = tl.reshape(b_2[:, :, None] * b_3[:, None, :], [C, D2 * D3])
-        b_phi = tl.reshape((b_phi[:, :, None] * b_2[:, None, :]).to(OUT_DT), [C, BK])
+            b_phi = b_phi[:, :, None, None] * b_2[:, None, :, None] * b_3[:, None, None, :]
+            b_phi = tl.reshape(b_phi.to(OUT_DT), [C, BK])
+        else:
+            b_phi = tl.reshape((b_phi[:, :, None] * b_2[:, None, :]).to(OUT_DT), [C, BK])
     else:
         b_phi = b_phi.to(OUT_DT)
     return b_phi

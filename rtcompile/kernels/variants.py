@@ -280,11 +280,13 @@ class ChunkVariant(_Variant):
         # Triton 3.6 asked for on an H200: (C=64, BK=128, BV=32, 2 stages) needed 245760 bytes
         # and failed; (C=32, BK=256, BV=16, 2 stages), (C=64, BK=64, BV=16, 2 stages) and
         # (C=64, BK=256, BV=16, 1 stage) ran (the last, refused by the factor 1.5 used before
-        # 2026-11-30c, was the fastest at o3 64x64 and o4 16x16x16 in probe_streamed.py).
+        # 2026-11-30c, was the fastest at o3 64x64 and o4 16x16x16 in probe_streamed.py);
+        # on 2026-11-30d (C=64, BK=256, BV=32, 1 stage) ran too and was faster still, so the
+        # margin went from 0.25 to 0.2 stages (the failing case stays refused: 234291 bytes).
         # A heuristic for pruning: the tuner's compile is the final word.
         C, bk, bv = self.chunk_size, self.block_k, self.block_v
         tiles = 2 * C * bk + bk * bv + C * C + C * bv
-        return int(4 * tiles * (max(1, self.num_stages) + 0.25))
+        return int(4 * tiles * (max(1, self.num_stages) + 0.2))
 
     @classmethod
     def space(cls, shape: KernelShape) -> dict[str, list]:
@@ -315,6 +317,10 @@ class ChunkVariant(_Variant):
         against 10.48 for the earlier C64 128-row default, o4 16x16x16 16.4 ms against 34.4 for
         the earlier C32 default). At 64x64 the 256-row tile is the gain: a 24-trial TPE study
         of the same run found 8.13 ms with the blocked solve and no prefetch, 8.48 with both.
+        Once phi blocks were cast to the dot type before their reshape (2026-11-30d), 32-column
+        value tiles took over at K >= 4096 (probe_streamed.py: 64x64 7.36 against 8.15 ms,
+        o4 16x16x16 12.38 against 16.46; at 32x32 they lost, 4.9 against 3.0 ms): a phi block
+        then feeds twice the columns.
         Power-of-two widths build phi blocks as outer products when block_k covers the
         trailing axes, so block_k is at least their product.
 
@@ -350,7 +356,8 @@ class ChunkVariant(_Variant):
             prefs += [(32, kp, 16, 4, {}), (16, kp, 16, 4, {}), (32, min(kp, 128), 16, 4, {})]
         else:
             bk = min(kp, max(128, trailing))
-            prefs = [(64, max(bk, 256), 16, 8, {"prefetch": True})] if kp >= 4096 else []
+            prefs = [(64, max(bk, 256), 32, 8, {"prefetch": True}), (64, max(bk, 256), 16, 8, {"prefetch": True})] \
+                if kp >= 4096 else []
             prefs += [(64, bk, 16, 8, {}), (32, bk, 16, 4, {}), (16, bk, 16, 4, {})] if kp >= 4096 and bk <= 128 else \
                 [(32, bk, 16, 4, {}), (16, bk, 16, 4, {})]
             prefs += [(32, 128, 16, 4, {}), (16, 64, 16, 4, {})]
