@@ -44,6 +44,14 @@ NEIGHBOURS = (
     ("prefetch-blocks", {"prefetch": True, "solve": "blocks"}),
     ("blocks", {"solve": "blocks"}),
     ("bv16", {"block_v": 16}),
+    ("w4", {"num_warps": 4}),
+    ("bk512", {"block_k": 512}),
+    ("C32", {"chunk_size": 32}),
+    ("C64-bk256-bv32-w8-pf-blocks", {"chunk_size": 64, "block_k": 256, "block_v": 32, "num_warps": 8,
+                                     "prefetch": True, "solve": "blocks"}),
+    ("C64-bk128-bv32-w8-pf-blocks", {"chunk_size": 64, "block_k": 128, "block_v": 32, "num_warps": 8,
+                                     "prefetch": True, "solve": "blocks"}),
+    ("C32-bk256-bv16-w4", {"chunk_size": 32, "block_k": 256, "block_v": 16, "num_warps": 4}),
     ("C32-bk128-bv16-w4", {"chunk_size": 32, "block_k": 128, "block_v": 16, "num_warps": 4, "prefetch": False}),
 )
 
