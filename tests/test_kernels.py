@@ -95,6 +95,10 @@ STREAMED = {
     "outer-o4-2x4x4-streamed": ((2, 4, 4), "chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16)),
     "outer-o3-2x4-resident": ((2, 4), "chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16)),
     "outer-o2-8-fused": ((8,), "chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16, fuse_prepare=True)),
+    # merged passes: chunk c+1's products formed from each tile updated for chunk c
+    "merge-o3-4x5": ((4, 5), "chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16, merge_passes=True)),
+    "merge-outer-o4-2x4x4-fused": ((2, 4, 4), "chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16,
+                                                                      fuse_prepare=True, merge_passes=True)),
 }
 
 
@@ -131,6 +135,11 @@ PREFETCH = {
     "o3-4x8-c32-streamed-fused": ((4, 8), 45, ChunkVariant(chunk_size=32, block_k=16, block_v=16, fuse_prepare=True,
                                                            prefetch=True)),
     "o3-3x5-refused": ((3, 5), 5, None),
+    # merged passes with the state tile read ahead, and with the blocked solve
+    "o3-5x7-c16-streamed-merge": ((5, 7), 37, ChunkVariant(chunk_size=16, block_k=16, block_v=16, prefetch=True,
+                                                           merge_passes=True)),
+    "o4-2x4x4-c32-blocks-merge": ((2, 4, 4), 70, ChunkVariant(chunk_size=32, block_k=16, block_v=16, solve="blocks",
+                                                              prefetch=True, merge_passes=True)),
 }
 
 
@@ -206,6 +215,7 @@ VARLEN = {f"{impl}-{name}": (w, impl) for impl in ("chunk16", "recurrent")
           for name, w in (("o2", (5,)), ("o3", (3, 4)), ("o4", (2, 3, 2)))}
 VARLEN["chunk16-prefetch-o2-16"] = ((16,), "chunk16-prefetch")  # prefetch takes widths >= 16 only
 VARLEN["chunk16-wy-o3"] = ((3, 4), "chunk16-wy")
+VARLEN["chunk16-merge-o3"] = ((3, 7), "chunk16-merge")  # K = 21: streamed in 16-row tiles
 
 
 @pytest.mark.parametrize("case", VARLEN.keys())
@@ -216,7 +226,9 @@ def test_varlen_uneven_lengths(case):
     dev, ref, s0 = _case(1, offsets[-1], 2, widths, 3, state=True, num_seqs=N)
     cu = torch.tensor(offsets, dtype=torch.int32)
     mode, variant = {"chunk16-prefetch": ("chunk", VARLEN_PREFETCH),
-                     "chunk16-wy": ("chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16, wy=True))}.get(
+                     "chunk16-wy": ("chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16, wy=True)),
+                     "chunk16-merge": ("chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16, prefetch=True,
+                                                             merge_passes=True))}.get(
         impl) or VARIANTS[impl]
     o, s = running_tensor_fwd(*dev, initial_state=_to(s0, torch.float32), output_final_state=True, l2norm=True,
                               cu_seqlens=_to(cu), mode=mode, variant=variant)
@@ -271,6 +283,12 @@ def test_outer_phi_refused_where_it_cannot_run():
     assert RecurrentVariant(block_k=8, block_v=8, outer_phi=True).check(shape) is None
 
 
+def test_merge_passes_needs_a_streamed_state():
+    shape = KernelShape((4, 4), 8, 4)
+    assert "merge_passes needs a streamed state" in ChunkVariant(16, 16, 16, merge_passes=True).check(shape)
+    assert ChunkVariant(16, 16, 16, merge_passes=True).check(KernelShape((4, 8), 8, 4)) is None
+
+
 def test_stream_hints_need_a_resident_slab():
     shape = KernelShape((4, 8), 8, 4)
     assert "stream_hints needs the state slab resident" in RecurrentVariant(16, 8, stream_hints=True).check(shape)
@@ -299,6 +317,7 @@ HALF_STREAMED = {
     "o3-4x8-streamed": ((4, 8), ChunkVariant(chunk_size=16, block_k=16, block_v=16)),
     "o4-2x4x4-streamed-prefetch": ((2, 4, 4), ChunkVariant(chunk_size=16, block_k=16, block_v=16, prefetch=True)),
     "o3-5x7-gathered": ((5, 7), ChunkVariant(chunk_size=16, block_k=16, block_v=16)),
+    "o3-4x8-merge": ((4, 8), ChunkVariant(chunk_size=16, block_k=16, block_v=16, merge_passes=True)),
 }
 
 

@@ -262,6 +262,34 @@ def chunk_prepare_running_tensor_kernel(
 
 
 @triton.jit
+def _state_products(h0, ht, p_state, o_v, m_v, first, q1, q2, q3, k1, k2, k3, r, m_t,
+                    NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+                    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                    USE_H0: tl.constexpr, OUTER: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+                    PREFETCH_STATE: tl.constexpr):
+    """Raw phi(K) S and phi(Q) S ([C, BV] each) of the rows ``r`` over a streamed state, tile by
+    tile (a reading pass: nothing is written)."""
+    DT: tl.constexpr = q1.dtype.element_ty
+    DOT_DT: tl.constexpr = DT if LOWP else tl.float32
+    NK: tl.constexpr = (K + BK - 1) // BK
+    b_ks = tl.zeros([C, BV], dtype=tl.float32)
+    b_qs = tl.zeros([C, BV], dtype=tl.float32)
+    if PREFETCH_STATE:
+        b_sn = _state_tile(h0, ht, p_state, 0, o_v, m_v, first, K, BK, V, USE_H0)
+    for i_k in range(NK):
+        if PREFETCH_STATE:  # the next tile's load flies while this one is used
+            b_s = b_sn
+            b_sn = _state_tile(h0, ht, p_state, i_k + 1, o_v, m_v, first, K, BK, V, USE_H0)
+        else:
+            b_s = _state_tile(h0, ht, p_state, i_k, o_v, m_v, first, K, BK, V, USE_H0)
+        b_k = _phi_block(k1, k2, k3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
+        b_q = _phi_block(q1, q2, q3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
+        b_ks += _dot(b_k, b_s, LOWP, DT, PREC)
+        b_qs += _dot(b_q, b_s, LOWP, DT, PREC)
+    return b_ks, b_qs
+
+
+@triton.jit
 def chunk_running_tensor_fwd_kernel(
     q1, q2, q3, k1, k2, k3, v, g, beta, o, h0, ht, P, Ai, W, U0, cu_seqlens,
     scale, T,
@@ -273,7 +301,7 @@ def chunk_running_tensor_fwd_kernel(
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
     FUSE_PREPARE: tl.constexpr, LOWP: tl.constexpr, LOWP_SCORES: tl.constexpr, PREC: tl.constexpr,
     OUTER: tl.constexpr, SOLVE_BLOCK: tl.constexpr, PREFETCH: tl.constexpr, WY: tl.constexpr,
-    PREFETCH_STATE: tl.constexpr,
+    PREFETCH_STATE: tl.constexpr, MERGE_PASSES: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -307,6 +335,11 @@ def chunk_running_tensor_fwd_kernel(
             q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, W, U0, r, m_t, o_v, m_v, p_row[:, None] * C + o_c[None, :],
             p_row, NF, D1, D2, D3, C, K, BK, V, USE_G, USE_BETA, L2NORM, FUSE_PREPARE, WY,
         )
+    if NK > 1 and MERGE_PASSES:  # chunk 0's products; every later chunk's ride on the update pass
+        tok = bos + o_c
+        b_kn, b_qn = _state_products(h0, ht, p_state, o_v, m_v, True, q1, q2, q3, k1, k2, k3,
+                                     (i_b * T + tok) * H + i_h, tok < eos, NF, D1, D2, D3, K, V, C, BK, BV,
+                                     USE_H0, OUTER, LOWP, PREC, PREFETCH_STATE)
     for i_c in range(0, tl.cdiv(eos - bos, C)):
         tok = bos + i_c * C + o_c
         m_t = tok < eos
@@ -367,20 +400,12 @@ def chunk_running_tensor_fwd_kernel(
                 b_ks = _dot(b_k, b_s, LOWP, DT, PREC)
             b_qs = _dot(b_q, b_s, LOWP, DT, PREC)
         else:
-            b_ks = tl.zeros([C, BV], dtype=tl.float32)
-            b_qs = tl.zeros([C, BV], dtype=tl.float32)
-            if PREFETCH_STATE:
-                b_sn = _state_tile(h0, ht, p_state, 0, o_v, m_v, i_c == 0, K, BK, V, USE_H0)
-            for i_k in range(NK):
-                if PREFETCH_STATE:  # the next tile's load flies while this one is used
-                    b_s = b_sn
-                    b_sn = _state_tile(h0, ht, p_state, i_k + 1, o_v, m_v, i_c == 0, K, BK, V, USE_H0)
-                else:
-                    b_s = _state_tile(h0, ht, p_state, i_k, o_v, m_v, i_c == 0, K, BK, V, USE_H0)
-                b_k = _phi_block(k1, k2, k3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
-                b_q = _phi_block(q1, q2, q3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
-                b_ks += _dot(b_k, b_s, LOWP, DT, PREC)
-                b_qs += _dot(b_q, b_s, LOWP, DT, PREC)
+            if MERGE_PASSES:
+                b_ks, b_qs = b_kn, b_qn
+            else:
+                b_ks, b_qs = _state_products(h0, ht, p_state, o_v, m_v, i_c == 0, q1, q2, q3, k1, k2, k3, r, m_t,
+                                             NF, D1, D2, D3, K, V, C, BK, BV, USE_H0, OUTER, LOWP, PREC,
+                                             PREFETCH_STATE)
             b_ks = b_ks * r_k[:, None]
             b_qs = b_qs * r_q[:, None]
         if WY:
@@ -398,6 +423,11 @@ def chunk_running_tensor_fwd_kernel(
             # the rows' scale (1 / ||phi(k)||, Gamma_C / Gamma_i) on U ([C, BV], once per chunk)
             # instead of on every [C, BK] block of phi(K)
             b_us = b_u * (r_k * b_ratio)[:, None]
+            if MERGE_PASSES:  # the next chunk's rows (all masked off after the last chunk)
+                b_kn = tl.zeros([C, BV], dtype=tl.float32)
+                b_qn = tl.zeros([C, BV], dtype=tl.float32)
+                r_n = (i_b * T + tok + C) * H + i_h
+                m_tn = tok + C < eos
             if PREFETCH_STATE:
                 b_sn = _state_tile(h0, ht, p_state, 0, o_v, m_v, i_c == 0, K, BK, V, USE_H0)
             for i_k in range(NK):
@@ -413,6 +443,11 @@ def chunk_running_tensor_fwd_kernel(
                 b_k = _phi_block(k1, k2, k3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
                 b_s = tl.exp(b_last) * b_s + _dot(tl.trans(b_k), b_us, LOWP, DT, PREC)
                 tl.store(ht + off_s, b_s.to(ht.dtype.element_ty), mask=m_s)
+                if MERGE_PASSES:  # the updated tile is in registers: the next chunk's products now
+                    b_kx = _phi_block(k1, k2, k3, r_n, m_tn, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
+                    b_qx = _phi_block(q1, q2, q3, r_n, m_tn, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
+                    b_kn += _dot(b_kx, b_s, LOWP, DT, PREC)
+                    b_qn += _dot(b_qx, b_s, LOWP, DT, PREC)
     if NK == 1:
         if STORE_HT:
             tl.store(ht + off_s, b_s.to(ht.dtype.element_ty), mask=m_s)

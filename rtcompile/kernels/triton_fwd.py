@@ -232,7 +232,7 @@ def _launch_chunk(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm, s
         # prefetch means the next chunk's inputs with the state in registers, the next state
         # tile with a streamed state
         OUTER=outer, PREFETCH=variant.prefetch and resident, WY=wy,
-        PREFETCH_STATE=variant.prefetch and not resident,
+        PREFETCH_STATE=variant.prefetch and not resident, MERGE_PASSES=variant.merge_passes and not resident,
         # The fused prepare keeps its Grams, solve and score products in fp32: with 16-bit
         # operands there, (C=64, BK=128, 8 warps, order 3 64x64) returned wrong results and then
         # an illegal address on an H200 (Triton 3.6, 2026-11-29); fp32 was verified there.

@@ -197,12 +197,15 @@ class ChunkVariant(_Variant):
     prepare kernel (W = Ai diag(b Gamma) phi(K), U0 = Ai diag(b) V, stored [T, K] and [T, V]),
     so the sequential loop's chain is two products (W S, then the update) instead of three;
     needs the state in registers and the two-kernel form; its workspace grows with T * K.
+    ``merge_passes``: with a streamed state, the update pass of chunk c also forms chunk c+1's
+    products phi(K) S and phi(Q) S from each updated tile while it is in registers, so the state
+    is read once per chunk instead of twice (needs ``block_k`` < K).
     """
 
     kernel: ClassVar[str] = "chunk"
     FIELDS: ClassVar[tuple[str, ...]] = (
         "chunk_size", "block_k", "block_v", "num_warps", "num_stages", "fuse_prepare", "dot_precision", "solve",
-        "prefetch", "wy",
+        "prefetch", "wy", "merge_passes",
     )
     chunk_size: int
     block_k: int
@@ -214,6 +217,7 @@ class ChunkVariant(_Variant):
     solve: str = "rows"
     prefetch: bool = False
     wy: bool = False
+    merge_passes: bool = False
 
     def check(self, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> str | None:
         for name in ("chunk_size", "block_k", "block_v", "num_warps"):
@@ -243,6 +247,8 @@ class ChunkVariant(_Variant):
             return "wy applies the solve in the prepare kernel: it needs fuse_prepare=False"
         if self.wy and not self.resident(shape):
             return f"wy needs the state in registers: block_k >= K ({shape.key_dim})"
+        if self.merge_passes and self.resident(shape):
+            return f"merge_passes needs a streamed state: block_k < K ({shape.key_dim})"
         if self.estimate_registers(shape) > CHUNK_MAX_EST_REGS:
             return f"~{self.estimate_registers(shape)} registers per thread estimated (> {CHUNK_MAX_EST_REGS})"
         if self.estimate_smem(shape) > smem_limit:
@@ -302,6 +308,7 @@ class ChunkVariant(_Variant):
             "solve": list(SOLVES),
             "prefetch": [False, True],
             "wy": [False, True],
+            "merge_passes": [False, True],
         }
 
     @classmethod
