@@ -327,7 +327,11 @@ class ChunkVariant(_Variant):
         Once phi blocks were cast to the dot type before their reshape (2026-11-30d), 32-column
         value tiles took over at K >= 4096 (probe_streamed.py: 64x64 7.36 against 8.15 ms,
         o4 16x16x16 12.38 against 16.46; at 32x32 they lost, 4.9 against 3.0 ms): a phi block
-        then feeds twice the columns; the blocked solve took 2% more (7.20 and 7.75 ms).
+        then feeds twice the columns; the blocked solve took 2% more (7.20 and 7.75 ms). Merging
+        the update pass with the next chunk's products (merge_passes: the state read once per
+        chunk), without prefetch, took 64x64 to 6.49 ms and o4 to 7.10 (prefetch on: 6.79, 7.32).
+        At 32x32 the same probe put C = 64, 128-row tiles, 32 columns, 8 warps, prefetch and the
+        blocked solve first: 2.50 against 3.03 ms for the C = 32 default before (merged: 2.62-2.69).
         Power-of-two widths build phi blocks as outer products when block_k covers the
         trailing axes, so block_k is at least their product.
 
@@ -363,8 +367,10 @@ class ChunkVariant(_Variant):
             prefs += [(32, kp, 16, 4, {}), (16, kp, 16, 4, {}), (32, min(kp, 128), 16, 4, {})]
         else:
             bk = min(kp, max(128, trailing))
-            big = {"prefetch": True, "solve": "blocks"}
-            prefs = [(64, max(bk, 256), 32, 8, big), (64, max(bk, 256), 16, 8, big)] if kp >= 4096 else []
+            big = {"solve": "blocks", "merge_passes": True}
+            mid = {"prefetch": True, "solve": "blocks"}
+            prefs = [(64, max(bk, 256), 32, 8, big), (64, max(bk, 256), 16, 8, big)] if kp >= 4096 else \
+                [(64, bk, 32, 8, mid)]
             prefs += [(64, bk, 16, 8, {}), (32, bk, 16, 4, {}), (16, bk, 16, 4, {})] if kp >= 4096 and bk <= 128 else \
                 [(32, bk, 16, 4, {}), (16, bk, 16, 4, {})]
             prefs += [(32, 128, 16, 4, {}), (16, 64, 16, 4, {})]
