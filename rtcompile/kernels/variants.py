@@ -308,7 +308,8 @@ class ChunkVariant(_Variant):
             "solve": list(SOLVES),
             "prefetch": [False, True],
             "wy": [False, True],
-            "merge_passes": [False, True],
+            # only a streamed state (block_k < K, block_k >= 16) can merge its passes
+            "merge_passes": [False, True] if shape.key_dim > 16 else [False],
         }
 
     @classmethod
