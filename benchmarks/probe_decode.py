@@ -266,22 +266,23 @@ def _launcher(name: str, opts: dict, s, cache, idx, o, n_sm: int):
     nw = opts["num_warps"]
     args = (q1, q2, k1, k2, s.v, s.g, s.beta, o, cache, idx, s.scale)
     if name.startswith("onepass"):
-        kw = dict(H=H, D1=D1, D2=D2, V=Vw, BV=BV, LOAD_HINT=opts.get("LOAD_HINT", 0),
-                  STORE_HINT=opts.get("STORE_HINT", 0), num_warps=nw)
+        kw = {"H": H, "D1": D1, "D2": D2, "V": Vw, "BV": BV, "LOAD_HINT": opts.get("LOAD_HINT", 0),
+              "STORE_HINT": opts.get("STORE_HINT", 0), "num_warps": nw}
         return lambda: decode_onepass_kernel[(Vw // BV, N * H)](*args, **kw)
     if name.startswith("pipe"):
         if K % opts["BK"] or opts["BK"] >= K:
             return None
-        kw = dict(H=H, D1=D1, D2=D2, V=Vw, BK=opts["BK"], BV=BV, STAGES=opts["STAGES"], num_warps=nw)
+        kw = {"H": H, "D1": D1, "D2": D2, "V": Vw, "BK": opts["BK"], "BV": BV, "STAGES": opts["STAGES"],
+              "num_warps": nw}
         return lambda: decode_twopass_pipe_kernel[(Vw // BV, N * H)](*args, **kw)
     if name.startswith("twopass"):
         if K % opts["BK"] or opts["BK"] >= K:
             return None
-        kw = dict(H=H, D1=D1, D2=D2, V=Vw, BK=opts["BK"], BV=BV, HINT1=opts.get("HINT1", 0),
-                  HINT2=opts.get("HINT2", 0), STORE_HINT=opts.get("STORE_HINT", 0), num_warps=nw)
+        kw = {"H": H, "D1": D1, "D2": D2, "V": Vw, "BK": opts["BK"], "BV": BV, "HINT1": opts.get("HINT1", 0),
+              "HINT2": opts.get("HINT2", 0), "STORE_HINT": opts.get("STORE_HINT", 0), "num_warps": nw}
         return lambda: decode_twopass_kernel[(Vw // BV, N * H)](*args, **kw)
     grid = (min(N * H * (Vw // BV), opts["PER_SM"] * n_sm),)
-    kw = dict(H=H, D1=D1, D2=D2, V=Vw, BV=BV, STORE_HINT=opts.get("STORE_HINT", 0), num_warps=nw)
+    kw = {"H": H, "D1": D1, "D2": D2, "V": Vw, "BV": BV, "STORE_HINT": opts.get("STORE_HINT", 0), "num_warps": nw}
     return lambda: decode_persist_kernel[grid](*args, N, **kw)
 
 
@@ -295,7 +296,13 @@ def main(argv=None) -> int:
         print("probe_decode: needs a CUDA GPU (or --dry-run)", file=sys.stderr)
         return 2
     from rtcompile.bench.core import BenchContext, Case, rotation_count
-    from rtcompile.bench.measure import _measure_same_size_copy, make_inputs, rel_rms, time_calls, warm_up
+    from rtcompile.bench.measure import (
+        _measure_same_size_copy,
+        make_inputs,
+        rel_rms,
+        time_calls,
+        warm_up,
+    )
 
     dev = torch.device("cpu" if args.dry_run else "cuda")
     ctx = BenchContext(dev, l2_bytes=0 if args.dry_run else torch.cuda.get_device_properties(0).L2_cache_size)
@@ -341,7 +348,9 @@ def main(argv=None) -> int:
                 t = time_calls(calls, ctx).seconds
                 row |= {"us": t * 1e6, "GBps": nbytes / t / 1e9, "pct_same_copy": copy_s / t * 100}
             rows.append(row)
-            flag = "" if err < 1e-5 else "  WRONG"
+            # fp32 reductions in another order: up to 6e-5 relative RMS between the product
+            # kernel's own tilings on the H200 (2026-11-30d); a wrong formula is far above 1e-3
+            flag = "" if err < 1e-3 else "  WRONG"
             timing = "" if args.dry_run else f"{row['us']:8.2f} us {row['GBps']:6.0f} GB/s {row['pct_same_copy']:5.1f}% same"
             print(f"{case.name:14} {name:30} {timing} err {err:.1e}{flag}", flush=True)
         if copy_s:
