@@ -70,6 +70,23 @@ def _store_hint(p, x, HINT: tl.constexpr):
 
 
 @triton.jit
+def _step_resident(b_s, q1, q2, k1, k2, v, g, beta, o, r, o_k, o_v, scale,
+                   D1: tl.constexpr, D2: tl.constexpr, V: tl.constexpr):
+    """One gated delta step on a [K, BV] slab held in registers; stores o, returns the new slab."""
+    b_v = tl.load(v + r * V + o_v).to(tl.float32)
+    b_a = tl.exp(tl.load(g + r).to(tl.float32))
+    b_b = tl.load(beta + r).to(tl.float32)
+    b_k = _phi2(k1, k2, r, o_k, D1, D2) * _inv_norm2(k1, k2, r, D1, D2)
+    b_q = _phi2(q1, q2, r, o_k, D1, D2) * _inv_norm2(q1, q2, r, D1, D2)
+    b_s = b_s * b_a
+    b_u = b_b * (b_v - tl.sum(b_s * b_k[:, None], axis=0))
+    b_s += b_k[:, None] * b_u[None, :]
+    b_o = tl.sum(b_s * b_q[:, None], axis=0) * scale
+    tl.store(o + r * V + o_v, b_o.to(o.dtype.element_ty))
+    return b_s
+
+
+@triton.jit
 def decode_onepass_kernel(q1, q2, k1, k2, v, g, beta, o, cache, idx, scale,
                           H: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                           LOAD_HINT: tl.constexpr, STORE_HINT: tl.constexpr):
@@ -81,16 +98,7 @@ def decode_onepass_kernel(q1, q2, k1, k2, v, g, beta, o, cache, idx, scale,
     o_v = i_v * BV + tl.arange(0, BV)
     p_s = cache + (slot * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
     b_s = _load_hint(p_s, LOAD_HINT)
-    b_v = tl.load(v + r * V + o_v).to(tl.float32)
-    b_a = tl.exp(tl.load(g + r).to(tl.float32))
-    b_b = tl.load(beta + r).to(tl.float32)
-    b_k = _phi2(k1, k2, r, o_k, D1, D2) * _inv_norm2(k1, k2, r, D1, D2)
-    b_q = _phi2(q1, q2, r, o_k, D1, D2) * _inv_norm2(q1, q2, r, D1, D2)
-    b_s = b_s * b_a
-    b_u = b_b * (b_v - tl.sum(b_s * b_k[:, None], axis=0))
-    b_s += b_k[:, None] * b_u[None, :]
-    b_o = tl.sum(b_s * b_q[:, None], axis=0) * scale
-    tl.store(o + r * V + o_v, b_o.to(o.dtype.element_ty))
+    b_s = _step_resident(b_s, q1, q2, k1, k2, v, g, beta, o, r, o_k, o_v, scale, D1, D2, V)
     _store_hint(p_s, b_s, STORE_HINT)
 
 
@@ -195,16 +203,7 @@ def decode_persist_kernel(q1, q2, k1, k2, v, g, beta, o, cache, idx, scale, N,
         slot_n = tl.load(idx + tl.minimum(r_n, N * H - 1) // H).to(tl.int64)
         p_n = cache + (slot_n * H + r_n % H) * K * V + o_k[:, None] * V + ((w_n % NV) * BV + tl.arange(0, BV))[None, :]
         b_s_n = tl.load(p_n, mask=(tl.zeros([K, BV], dtype=tl.int32) + w_n) < total, other=0.0)
-        b_v = tl.load(v + r * V + o_v).to(tl.float32)
-        b_a = tl.exp(tl.load(g + r).to(tl.float32))
-        b_b = tl.load(beta + r).to(tl.float32)
-        b_k = _phi2(k1, k2, r, o_k, D1, D2) * _inv_norm2(k1, k2, r, D1, D2)
-        b_q = _phi2(q1, q2, r, o_k, D1, D2) * _inv_norm2(q1, q2, r, D1, D2)
-        b_s = b_s * b_a
-        b_u = b_b * (b_v - tl.sum(b_s * b_k[:, None], axis=0))
-        b_s += b_k[:, None] * b_u[None, :]
-        b_o = tl.sum(b_s * b_q[:, None], axis=0) * scale
-        tl.store(o + r * V + o_v, b_o.to(o.dtype.element_ty))
+        b_s = _step_resident(b_s, q1, q2, k1, k2, v, g, beta, o, r, o_k, o_v, scale, D1, D2, V)
         _store_hint(p_s, b_s, STORE_HINT)
 
 
