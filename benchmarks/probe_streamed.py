@@ -52,6 +52,8 @@ NEIGHBOURS = (
     ("C64-bk128-bv32-w8-pf-blocks", {"chunk_size": 64, "block_k": 128, "block_v": 32, "num_warps": 8,
                                      "prefetch": True, "solve": "blocks"}),
     ("C32-bk256-bv16-w4", {"chunk_size": 32, "block_k": 256, "block_v": 16, "num_warps": 4}),
+    ("rows", {"solve": "rows"}),
+    ("C128-rows", {"chunk_size": 128, "solve": "rows"}),
     ("merge", {"merge_passes": True}),
     ("merge-noprefetch", {"merge_passes": True, "prefetch": False}),
     ("merge-bv16", {"merge_passes": True, "block_v": 16}),
