@@ -127,3 +127,13 @@ def test_plan_json_keeps_the_calibration_and_reads_files_from_before_it(tmp_path
     loaded = Plan.load(path)
     assert loaded.calibration == {"chunk": 2.2, "recurrent": 1.7}
     assert loaded.decision_for("prefill", 1, 4096).mode == plan.decision_for("prefill", 1, 4096).mode
+
+
+def test_merged_passes_move_two_thirds_of_the_streamed_state_traffic():
+    spec = dataclasses.replace(_small(), key_widths=(64, 64))
+    two_pass = ChunkVariant(chunk_size=64, block_k=256, block_v=32, num_warps=8)
+    merged = dataclasses.replace(two_pass, merge_passes=True)
+    a = chunk_cost(spec, H200, 8, 4096, two_pass, NO_HOST)
+    b = chunk_cost(spec, H200, 8, 4096, merged, NO_HOST)
+    state = spec.state_bytes_per_layer * 8 * (4096 // 64)
+    assert a.bytes - b.bytes == pytest.approx(state)
