@@ -11,7 +11,10 @@ graph replay: the bench's method, through its own helpers). Designs, all one tok
   tiles re-read (from L2) and written: the DRAM sees one read and one write, and a program holds
   one small tile at a time, so many more programs are resident;
 * ``persist``: a grid of a few programs per SM, each walking slab tiles and loading the next
-  tile's state while it updates the current one (register double buffer).
+  tile's state while it updates the current one (register double buffer);
+* ``tma``: the slab loaded and stored through a TMA tensor descriptor, one slab per program or
+  (``tma-persist``) in a persistent loop that Triton's pipeliner may stage in shared memory
+  (not yet run on a GPU: written for the next session, checked with ``--dry-run``).
 
 Each design's output and new state are compared with the product kernel's from the same cache
 (relative RMS); a design that computes something else is flagged, not counted. Exploration
@@ -207,6 +210,37 @@ def decode_persist_kernel(q1, q2, k1, k2, v, g, beta, o, cache, idx, scale, N,
         _store_hint(p_s, b_s, STORE_HINT)
 
 
+@triton.jit
+def decode_tma_kernel(q1, q2, k1, k2, v, g, beta, o, desc, idx, scale, N,
+                      H: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                      KB: tl.constexpr, PERSIST: tl.constexpr, STAGES: tl.constexpr):
+    """The slab moved by the tensor-memory accelerator: ``desc`` views the cache as
+    [slots * H * K / KB, KB, V] (a TMA box side is at most 256), one [K / KB, KB, BV] box per
+    slab. PERSIST: a grid of a few programs per SM walks the slabs in a loop that Triton's
+    pipeliner may stage STAGES deep in shared memory (the next slab in flight without holding
+    registers)."""
+    K: tl.constexpr = D1 * D2
+    NB: tl.constexpr = K // KB
+    NV: tl.constexpr = V // BV
+    o_k = tl.arange(0, K)
+    if PERSIST:
+        pid, G = tl.program_id(0), tl.num_programs(0)
+        for w in tl.range(pid, N * H * NV, G, num_stages=STAGES):
+            r = w // NV
+            o_v = (w % NV) * BV + tl.arange(0, BV)
+            row = (tl.load(idx + r // H).to(tl.int32) * H + r % H) * NB
+            b_s = tl.reshape(desc.load([row, 0, (w % NV) * BV]), [K, BV])
+            b_s = _step_resident(b_s, q1, q2, k1, k2, v, g, beta, o, r, o_k, o_v, scale, D1, D2, V)
+            desc.store([row, 0, (w % NV) * BV], tl.reshape(b_s, [NB, KB, BV]))
+    else:
+        i_v, r = tl.program_id(0), tl.program_id(1)
+        o_v = i_v * BV + tl.arange(0, BV)
+        row = (tl.load(idx + r // H).to(tl.int32) * H + r % H) * NB
+        b_s = tl.reshape(desc.load([row, 0, i_v * BV]), [K, BV])
+        b_s = _step_resident(b_s, q1, q2, k1, k2, v, g, beta, o, r, o_k, o_v, scale, D1, D2, V)
+        desc.store([row, 0, i_v * BV], tl.reshape(b_s, [NB, KB, BV]))
+
+
 # (design, options): the rows probed at every shape (skipped where the tile does not divide)
 DESIGNS = (
     ("product-default", {}),
@@ -236,6 +270,12 @@ DESIGNS = (
     ("onepass-bv32-w2-hint", {"BV": 32, "num_warps": 2, "LOAD_HINT": 1, "STORE_HINT": 1}),
     ("onepass-bv64-w8-hint", {"BV": 64, "num_warps": 8, "LOAD_HINT": 1, "STORE_HINT": 1}),
     ("onepass-bv16-w16-hint", {"BV": 16, "num_warps": 16, "LOAD_HINT": 1, "STORE_HINT": 1}),
+    ("tma-bv32-w4", {"BV": 32, "num_warps": 4}),
+    ("tma-bv16-w8", {"BV": 16, "num_warps": 8}),
+    ("tma-bv64-w8", {"BV": 64, "num_warps": 8}),
+    ("tma-persist-bv32-w4-x2-s2", {"BV": 32, "num_warps": 4, "PER_SM": 2, "STAGES": 2}),
+    ("tma-persist-bv16-w8-x1-s2", {"BV": 16, "num_warps": 8, "PER_SM": 1, "STAGES": 2}),
+    ("tma-persist-bv16-w4-x2-s3", {"BV": 16, "num_warps": 4, "PER_SM": 2, "STAGES": 3}),
     ("persist-bv16-w4-x2", {"BV": 16, "num_warps": 4, "PER_SM": 2}),
     ("persist-bv16-w4-x4", {"BV": 16, "num_warps": 4, "PER_SM": 4}),
     ("persist-bv32-w4-x2", {"BV": 32, "num_warps": 4, "PER_SM": 2}),
@@ -268,6 +308,18 @@ def _launcher(name: str, opts: dict, s, cache, idx, o, n_sm: int):
         kw = {"H": H, "D1": D1, "D2": D2, "V": Vw, "BV": BV, "LOAD_HINT": opts.get("LOAD_HINT", 0),
               "STORE_HINT": opts.get("STORE_HINT", 0), "num_warps": nw}
         return lambda: decode_onepass_kernel[(Vw // BV, N * H)](*args, **kw)
+    if name.startswith("tma"):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        KB = min(K, 256)  # a TMA box side holds at most 256 elements
+        view = cache.view(-1, KB, Vw)
+        desc = TensorDescriptor.from_tensor(view, [K // KB, KB, BV])
+        persist = "PER_SM" in opts
+        grid = (min(N * H * (Vw // BV), opts["PER_SM"] * n_sm),) if persist else (Vw // BV, N * H)
+        kw = {"H": H, "D1": D1, "D2": D2, "V": Vw, "BV": BV, "KB": KB, "PERSIST": persist,
+              "STAGES": opts.get("STAGES", 1), "num_warps": nw}
+        targs = (q1, q2, k1, k2, s.v, s.g, s.beta, o, desc, idx, s.scale, N)
+        return lambda: decode_tma_kernel[grid](*targs, **kw)
     if name.startswith("pipe"):
         if K % opts["BK"] or opts["BK"] >= K:
             return None
@@ -306,7 +358,7 @@ def main(argv=None) -> int:
     dev = torch.device("cpu" if args.dry_run else "cuda")
     ctx = BenchContext(dev, l2_bytes=0 if args.dry_run else torch.cuda.get_device_properties(0).L2_cache_size)
     n_sm = 4 if args.dry_run else torch.cuda.get_device_properties(0).multi_processor_count
-    shapes = (((8, 16), 3),) if args.dry_run else SHAPES
+    shapes = (((8, 16), 3), ((32, 16), 2)) if args.dry_run else SHAPES  # K = 512: two TMA boxes a slab
     rows = []
     for widths, B in shapes:
         case = Case(f"o3_{widths[0]}x{widths[1]}_B{B}", "decode", widths, B, 1, H=2 if args.dry_run else 8,
