@@ -106,6 +106,21 @@ def decode_onepass_kernel(q1, q2, k1, k2, v, g, beta, o, cache, idx, scale,
 
 
 @triton.jit
+def _twopass_output(q1, q2, k1, k2, v, g, beta, o, r, o_v, b_pred, b_read, b_kq, scale,
+                    D1: tl.constexpr, D2: tl.constexpr, V: tl.constexpr):
+    """After the reading pass (raw <S, phi(k)>, <S, phi(q)>, phi(k) . phi(q)): store o, return
+    what the writing pass needs (1 / ||phi(k)||, the decay, u)."""
+    r_k = _inv_norm2(k1, k2, r, D1, D2)
+    r_q = _inv_norm2(q1, q2, r, D1, D2)
+    b_v = tl.load(v + r * V + o_v).to(tl.float32)
+    b_a = tl.exp(tl.load(g + r).to(tl.float32))
+    b_u = tl.load(beta + r).to(tl.float32) * (b_v - b_a * r_k * b_pred)
+    b_o = scale * r_q * (b_a * b_read + r_k * b_kq * b_u)
+    tl.store(o + r * V + o_v, b_o.to(o.dtype.element_ty))
+    return r_k, b_a, b_u
+
+
+@triton.jit
 def decode_twopass_kernel(q1, q2, k1, k2, v, g, beta, o, cache, idx, scale,
                           H: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                           BV: tl.constexpr, HINT1: tl.constexpr, HINT2: tl.constexpr, STORE_HINT: tl.constexpr):
@@ -127,13 +142,7 @@ def decode_twopass_kernel(q1, q2, k1, k2, v, g, beta, o, cache, idx, scale,
         b_pred += tl.sum(b_s * b_k[:, None], axis=0)
         b_read += tl.sum(b_s * b_q[:, None], axis=0)
         b_kq += tl.sum(b_k * b_q, axis=0)
-    r_k = _inv_norm2(k1, k2, r, D1, D2)
-    r_q = _inv_norm2(q1, q2, r, D1, D2)
-    b_v = tl.load(v + r * V + o_v).to(tl.float32)
-    b_a = tl.exp(tl.load(g + r).to(tl.float32))
-    b_u = tl.load(beta + r).to(tl.float32) * (b_v - b_a * r_k * b_pred)
-    b_o = scale * r_q * (b_a * b_read + r_k * b_kq * b_u)
-    tl.store(o + r * V + o_v, b_o.to(o.dtype.element_ty))
+    r_k, b_a, b_u = _twopass_output(q1, q2, k1, k2, v, g, beta, o, r, o_v, b_pred, b_read, b_kq, scale, D1, D2, V)
     for i_k in tl.static_range(NK):
         o_k = i_k * BK + tl.arange(0, BK)
         p_s = p_0 + o_k[:, None] * V
@@ -165,13 +174,8 @@ def decode_twopass_pipe_kernel(q1, q2, k1, k2, v, g, beta, o, cache, idx, scale,
         b_pred += tl.sum(b_s * b_k[:, None], axis=0)
         b_read += tl.sum(b_s * b_q[:, None], axis=0)
         b_kq += b_k * b_q
-    r_k = _inv_norm2(k1, k2, r, D1, D2)
-    r_q = _inv_norm2(q1, q2, r, D1, D2)
-    b_v = tl.load(v + r * V + o_v).to(tl.float32)
-    b_a = tl.exp(tl.load(g + r).to(tl.float32))
-    b_u = tl.load(beta + r).to(tl.float32) * (b_v - b_a * r_k * b_pred)
-    b_o = scale * r_q * (b_a * b_read + r_k * tl.sum(b_kq, axis=0) * b_u)
-    tl.store(o + r * V + o_v, b_o.to(o.dtype.element_ty))
+    r_k, b_a, b_u = _twopass_output(q1, q2, k1, k2, v, g, beta, o, r, o_v, b_pred, b_read, tl.sum(b_kq, axis=0),
+                                    scale, D1, D2, V)
     for i_k in tl.range(0, K // BK, num_stages=STAGES):
         o_k = i_k * BK + tl.arange(0, BK)
         p_s = p_0 + o_k[:, None] * V
