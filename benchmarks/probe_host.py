@@ -9,6 +9,7 @@ eager figure comes from ``rtcompile bench`` (its ``eager`` case).
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import sys
 import time
@@ -72,6 +73,25 @@ def main() -> int:
     print(f"{'part':42} us/call")
     for name, fn in rows.items():
         print(f"{name:42} {per_call_us(fn):7.2f}", flush=True)
+    # the bench's own eager call (its inputs, scale given, bf16 beta) and its own timer, beside
+    # this probe's timer: the two disagreed by 14 us in one process on 2026-11-30d
+    import gc
+
+    from rtcompile.bench.core import BenchContext, eager_cases
+    from rtcompile.bench.measure import IMPL_RT, _decode_calls, _decode_setup, wall_per_call
+
+    case = eager_cases()[0]
+    st = _decode_setup(dataclasses.replace(case, phase="decode"), BenchContext(torch.device(dev), l2_bytes=0))
+    bench_call = _decode_calls(IMPL_RT, case, st)[0][0]
+    ctx = BenchContext(torch.device(dev), l2_bytes=0)
+    print(f"{'bench call, this timer':42} {per_call_us(bench_call):7.2f}")
+    print(f"{'bench call, bench timer (wall_per_call)':42} {wall_per_call(bench_call, ctx) * 1e6:7.2f}")
+    print(f"{'this call, bench timer':42} {wall_per_call(call, ctx) * 1e6:7.2f}")
+    gc.freeze()
+    print(f"{'bench call, bench timer, gc.freeze()':42} {wall_per_call(bench_call, ctx) * 1e6:7.2f}")
+    gc.disable()
+    print(f"{'bench call, bench timer, gc off':42} {wall_per_call(bench_call, ctx) * 1e6:7.2f}")
+    gc.enable()
     return 0
 
 

@@ -8,6 +8,7 @@ compiler's refusal is the answer there), every other check stays. Exploration on
 recorded numbers come from ``rtcompile bench``.
 
     python3 benchmarks/probe_streamed.py [--widths 64 64] [--out DIR]      (GPU only)
+    python3 benchmarks/probe_streamed.py --names C128-rows-merge-bk128 --lift-registers  (spills allowed)
     python3 benchmarks/probe_streamed.py --dry-run                          (CPU, T=40, no timing)
 """
 from __future__ import annotations
@@ -60,6 +61,18 @@ NEIGHBOURS = (
     ("merge-C64-bk256-bv32-w8-pf-blocks", {"chunk_size": 64, "block_k": 256, "block_v": 32, "num_warps": 8,
                                            "prefetch": True, "solve": "blocks", "merge_passes": True}),
     ("C32-bk128-bv16-w4", {"chunk_size": 32, "block_k": 128, "block_v": 16, "num_warps": 4, "prefetch": False}),
+    # C = 128 halves the state traffic per token (the floor at K = 4096 is that traffic)
+    ("C128-rows-merge-bk128", {"chunk_size": 128, "solve": "rows", "block_k": 128, "merge_passes": True,
+                               "prefetch": False}),
+    ("C128-rows-merge-bk128-bv16", {"chunk_size": 128, "solve": "rows", "block_k": 128, "block_v": 16,
+                                    "merge_passes": True, "prefetch": False}),
+    ("C128-rows-merge-bk64", {"chunk_size": 128, "solve": "rows", "block_k": 64, "merge_passes": True,
+                              "prefetch": False}),
+    ("C128-rows-bk128-pf", {"chunk_size": 128, "solve": "rows", "block_k": 128, "merge_passes": False,
+                            "prefetch": True}),
+    ("C128-rows-merge-bk128-w16", {"chunk_size": 128, "solve": "rows", "block_k": 128, "merge_passes": True,
+                                   "prefetch": False, "num_warps": 16}),
+    ("merge-w16", {"merge_passes": True, "prefetch": False, "num_warps": 16}),
 )
 
 
@@ -69,12 +82,16 @@ def main(argv=None) -> int:
                     help="key widths of one case (repeatable; default: 64 64, 16 16 16, 32 32)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--names", nargs="+", default=None, help="probe only these rows (default and all neighbours)")
+    ap.add_argument("--lift-registers", action="store_true",
+                    help="lift the register estimate too (ptxas spills instead; the timing decides)")
     ap.add_argument("--dry-run", action="store_true", help="T=40 under TRITON_INTERPRET=1, no timing (CPU check)")
     args = ap.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print("probe_streamed: needs a CUDA GPU (or --dry-run)", file=sys.stderr)
         return 2
     dev = "cpu" if args.dry_run else "cuda"
+    if args.lift_registers:
+        V.CHUNK_MAX_EST_REGS = 10**6
     limit = V.DEFAULT_SMEM_BYTES if args.dry_run else torch.cuda.get_device_properties(0).shared_memory_per_block_optin
     rows = []
     for widths in args.widths or ([64, 64], [16, 16, 16], [32, 32]):

@@ -1,0 +1,78 @@
+"""Probe: where the device time of one prefill call goes, kernel by kernel.
+
+Runs the default chunk variant (and any probe_streamed.py neighbours named with --names) on the
+bench's prefill shape (B8 T4096 H8 d_v 64, bf16, gate + delta + l2norm) under the PyTorch
+profiler and prints each kernel's mean device time per call: the parallel prepare kernel
+against the sequential one, so effort goes where the time is. Exploration only: the recorded
+numbers come from ``rtcompile bench``.
+
+    python3 benchmarks/probe_split.py [--widths 16 16] [--names C128-rows ...]     (GPU only)
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections import defaultdict
+
+import torch
+
+from probe_streamed import NEIGHBOURS, _run_unchecked
+from rtcompile.bench.core import Case
+from rtcompile.bench.measure import make_inputs
+from rtcompile.kernels import variants as V
+from rtcompile.kernels.triton_fwd import running_tensor_fwd
+
+CALLS = 5
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--widths", type=int, nargs="+", action="append", default=None,
+                    help="key widths of one case (repeatable; default: 16 16, 32 32, 64 64, 16 16 16)")
+    ap.add_argument("--names", nargs="+", default=(), help="probe_streamed.py neighbours to split too")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("probe_split: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    limit = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
+    V.CHUNK_MAX_EST_REGS = 10**6  # exploration: ptxas spills instead, the timing decides
+    changes_of = dict(NEIGHBOURS)
+    print(f"{'case':9} {'variant':30} {'kernel':42} {'ms/call':>8}")
+    for widths in args.widths or ([16, 16], [32, 32], [64, 64], [16, 16, 16]):
+        case = Case("probe", "prefill", tuple(widths), 8, 4096)
+        shape = V.KernelShape(case.key_widths, case.V)
+        inp = make_inputs(case, "cuda", seed=11)
+        default = V.ChunkVariant.default(shape, limit)
+        for name in ("default", *args.names):
+            if name != "default" and name not in changes_of:
+                print(f"unknown neighbour {name!r}", file=sys.stderr)
+                return 2
+            v = dataclasses.replace(default, **changes_of.get(name, {}))
+            if (why := v.check(shape, 10**9)) is not None:
+                print(f"{'x'.join(map(str, widths)):9} {name:30} refused: {why}")
+                continue
+            run = lambda v=v: _run_unchecked(lambda vv: running_tensor_fwd(
+                inp.q, inp.k, inp.v, inp.g, inp.beta, variant=vv, scale=inp.scale, output_final_state=True,
+                l2norm=True, mode="chunk"), v)
+            try:
+                run()
+                torch.cuda.synchronize()
+            except Exception as exc:  # noqa: BLE001 -- one variant's failure is a row
+                print(f"{'x'.join(map(str, widths)):9} {name:30} failed: {type(exc).__name__}: {str(exc)[:90]}")
+                continue
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(CALLS):
+                    run()
+                torch.cuda.synchronize()
+            per = defaultdict(float)
+            for ev in prof.events():
+                if ev.device_type == torch.autograd.DeviceType.CUDA:
+                    per[ev.name[:42]] += ev.device_time_total / 1e3 / CALLS
+            for kname, ms in sorted(per.items(), key=lambda kv: -kv[1]):
+                print(f"{'x'.join(map(str, widths)):9} {name:30} {kname:42} {ms:8.3f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
