@@ -66,6 +66,9 @@ def main() -> int:
         "alignment check": lambda: not any(t.data_ptr() & 15 for t in args[:-2]),
         "compiled launcher, raw addresses": lambda: plan._runner(*[t.data_ptr() for t in args[:-2]], *args[-2:],
                                                                  *plan._tail),
+        "compiled launcher, raw addresses, stream=": lambda: plan._runner(
+            *[t.data_ptr() for t in args[:-2]], *args[-2:], *plan._tail,
+            stream=torch._C._cuda_getCurrentRawStream(0)),
         "plan.launch (check + compiled launcher)": lambda: plan.launch(args),
         "compiled launcher alone": lambda: plan._runner(*args, *plan._tail),
         "triton kernel[grid](...)": lambda: fused_recurrent_running_tensor_fwd_kernel[plan.grid](*args, **plan.consts),
@@ -78,7 +81,12 @@ def main() -> int:
     import gc
 
     from rtcompile.bench.core import BenchContext, eager_cases
-    from rtcompile.bench.measure import IMPL_RT, _decode_calls, _decode_setup, wall_per_call
+    from rtcompile.bench.measure import (
+        IMPL_RT,
+        _decode_calls,
+        _decode_setup,
+        wall_per_call,
+    )
 
     case = eager_cases()[0]
     st = _decode_setup(dataclasses.replace(case, phase="decode"), BenchContext(torch.device(dev), l2_bytes=0))

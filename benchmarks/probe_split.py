@@ -16,8 +16,8 @@ import sys
 from collections import defaultdict
 
 import torch
-
 from probe_streamed import NEIGHBOURS, _run_unchecked
+
 from rtcompile.bench.core import Case
 from rtcompile.bench.measure import make_inputs
 from rtcompile.kernels import variants as V
@@ -52,8 +52,8 @@ def main(argv=None) -> int:
             if (why := v.check(shape, 10**9)) is not None:
                 print(f"{'x'.join(map(str, widths)):9} {name:30} refused: {why}")
                 continue
-            run = lambda v=v: _run_unchecked(lambda vv: running_tensor_fwd(
-                inp.q, inp.k, inp.v, inp.g, inp.beta, variant=vv, scale=inp.scale, output_final_state=True,
+            run = lambda v=v, x=inp: _run_unchecked(lambda vv: running_tensor_fwd(
+                x.q, x.k, x.v, x.g, x.beta, variant=vv, scale=x.scale, output_final_state=True,
                 l2norm=True, mode="chunk"), v)
             try:
                 run()

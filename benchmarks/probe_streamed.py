@@ -73,6 +73,25 @@ NEIGHBOURS = (
     ("C128-rows-merge-bk128-w16", {"chunk_size": 128, "solve": "rows", "block_k": 128, "merge_passes": True,
                                    "prefetch": False, "num_warps": 16}),
     ("merge-w16", {"merge_passes": True, "prefetch": False, "num_warps": 16}),
+    # the prepare kernel: its own warps, smaller diagonal blocks in the solve
+    ("pw1", {"prepare_warps": 1}),
+    ("pw2", {"prepare_warps": 2}),
+    ("pw8", {"prepare_warps": 8}),
+    ("bs8", {"solve": "blocks", "solve_block": 8}),
+    ("bs4", {"solve": "blocks", "solve_block": 4}),
+    ("pw2-bs8", {"prepare_warps": 2, "solve": "blocks", "solve_block": 8}),
+    ("pw2-bs4", {"prepare_warps": 2, "solve": "blocks", "solve_block": 4}),
+    ("pw1-bs4", {"prepare_warps": 1, "solve": "blocks", "solve_block": 4}),
+    ("pw1-bs8", {"prepare_warps": 1, "solve": "blocks", "solve_block": 8}),
+    ("pw4-bs8", {"prepare_warps": 4, "solve": "blocks", "solve_block": 8}),
+    ("pw4-bs4", {"prepare_warps": 4, "solve": "blocks", "solve_block": 4}),
+    # kron: tiles of one axis-1 index, products on the trailing factors' tile with x1's column as row scale
+    ("kron", {"kron": True}),
+    ("kron-bk64", {"kron": True, "block_k": 64}),
+    ("kron-bk64-bv16", {"kron": True, "block_k": 64, "block_v": 16}),
+    ("kron-bk32", {"kron": True, "block_k": 32}),
+    ("kron-bk32-merge", {"kron": True, "block_k": 32, "merge_passes": True, "prefetch": False}),
+    ("kron-bk64-pf", {"kron": True, "block_k": 64, "merge_passes": False, "prefetch": True}),
 )
 
 

@@ -31,7 +31,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from .figures import _io_bytes_per_token, chunk_figures, recurrent_figures
-from .kernels.variants import SOLVE_BLOCK, ChunkVariant, KernelShape, RecurrentVariant
+from .kernels.variants import ChunkVariant, KernelShape, RecurrentVariant
 from .spec import DTYPE_BYTES, ModelSpec
 from .target import Target
 
@@ -163,10 +163,10 @@ def chunk_workspace_bytes(spec: ModelSpec, batch: int, seq_len: int, variant: Ch
 
 def _solve_rows(variant: ChunkVariant) -> float:
     """Serial steps of the fused solve, in forward-substitution rows. The blocked solve's
-    C x C dots (2 log2(C / 16)) are counted as one row each: a guess, not yet measured."""
+    C x C dots (2 log2(C / solve_block)) are counted as one row each: a guess, not yet measured."""
     if variant.solve != "blocks":
         return variant.chunk_size
-    return SOLVE_BLOCK - 1 + 2 * math.log2(variant.chunk_size // SOLVE_BLOCK)
+    return variant.solve_block - 1 + 2 * math.log2(variant.chunk_size // variant.solve_block)
 
 
 def chunk_cost(spec: ModelSpec, target: Target, batch: int, seq_len: int, variant: ChunkVariant,

@@ -99,6 +99,12 @@ STREAMED = {
     "merge-o3-4x5": ((4, 5), "chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16, merge_passes=True)),
     "merge-outer-o4-2x4x4-fused": ((2, 4, 4), "chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16,
                                                                       fuse_prepare=True, merge_passes=True)),
+    # kron: one index of axis 1 per tile, x1's column as a row scale on the trailing tile's products
+    "kron-o3-2x16": ((2, 16), "chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16, kron=True)),
+    "kron-merge-o4-4x2x8": ((4, 2, 8), "chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16, kron=True,
+                                                              merge_passes=True)),
+    "kron-merge-o4-2x4x4-fused": ((2, 4, 4), "chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16, kron=True,
+                                                                    fuse_prepare=True, merge_passes=True)),
 }
 
 
@@ -121,6 +127,16 @@ BLOCKED_SOLVE = {
     "c64-4blocks-fused": ((2, 3, 2), 77, ChunkVariant(chunk_size=64, block_k=16, block_v=16, fuse_prepare=True,
                                                       solve="blocks")),
     "c64-4blocks": ((5,), 130, ChunkVariant(chunk_size=64, block_k=16, block_v=16, num_warps=8, solve="blocks")),
+    # smaller diagonal blocks: 4 blocks of 4 at C = 16, 8 of 4 and 16 of 4 (N^2, N^4, N^8 factors),
+    # 8 of 8; a prepare kernel with its own warps
+    "c16-bs4-4blocks": ((3, 4), 37, ChunkVariant(chunk_size=16, block_k=16, block_v=16, solve="blocks", solve_block=4,
+                                                 prepare_warps=1)),
+    "c32-bs4-8blocks": ((3, 4), 70, ChunkVariant(chunk_size=32, block_k=16, block_v=16, solve="blocks", solve_block=4,
+                                                 prepare_warps=2)),
+    "c64-bs4-16blocks": ((5,), 130, ChunkVariant(chunk_size=64, block_k=16, block_v=16, solve="blocks", solve_block=4,
+                                                 prepare_warps=8)),
+    "c64-bs8-8blocks-fused": ((2, 3, 2), 77, ChunkVariant(chunk_size=64, block_k=16, block_v=16, fuse_prepare=True,
+                                                          solve="blocks", solve_block=8)),
 }
 
 
@@ -140,6 +156,8 @@ PREFETCH = {
                                                            merge_passes=True)),
     "o4-2x4x4-c32-blocks-merge": ((2, 4, 4), 70, ChunkVariant(chunk_size=32, block_k=16, block_v=16, solve="blocks",
                                                               prefetch=True, merge_passes=True)),
+    "o3-4x16-c32-kron-merge": ((4, 16), 70, ChunkVariant(chunk_size=32, block_k=16, block_v=16, solve="blocks",
+                                                         solve_block=8, prefetch=True, merge_passes=True, kron=True)),
 }
 
 
@@ -192,18 +210,19 @@ def test_blocked_solve_matches_float64(case):
 
 
 @triton.jit
-def _invert_kernel(A, X, C: tl.constexpr):
+def _invert_kernel(A, X, C: tl.constexpr, BS: tl.constexpr):
     o = tl.arange(0, C)
-    b_X = unit_lower_inverse_blocked(tl.load(A + o[:, None] * C + o[None, :]), C, 16, "ieee")
+    b_X = unit_lower_inverse_blocked(tl.load(A + o[:, None] * C + o[None, :]), C, BS, "ieee")
     tl.store(X + o[:, None] * C + o[None, :], b_X)
 
 
-@pytest.mark.parametrize("C", [32, 64])
-def test_unit_lower_inverse_blocked_is_the_inverse(C):
+@pytest.mark.parametrize("C, BS", [(32, 16), (64, 16), (16, 4), (32, 4), (64, 4), (64, 8)],
+                         ids=["c32-bs16", "c64-bs16", "c16-bs4", "c32-bs4", "c64-bs4", "c64-bs8"])
+def test_unit_lower_inverse_blocked_is_the_inverse(C, BS):
     # entries of size 1 (beta ~ 1, near-parallel keys) make the inverse's entries grow along chains
     A = (torch.rand(C, C, dtype=torch.float64) * 2 - 1).tril(-1)
     X = torch.full((C, C), float("nan"), device=DEVICE)
-    _invert_kernel[(1,)](A.float().to(DEVICE), X, C=C)
+    _invert_kernel[(1,)](A.float().to(DEVICE), X, C=C, BS=BS)
     ref = torch.linalg.inv(torch.eye(C, dtype=torch.float64) + A.float().double())
     assert rel_err(X.cpu(), ref) < 1e-4
 
@@ -216,6 +235,7 @@ VARLEN = {f"{impl}-{name}": (w, impl) for impl in ("chunk16", "recurrent")
 VARLEN["chunk16-prefetch-o2-16"] = ((16,), "chunk16-prefetch")  # prefetch takes widths >= 16 only
 VARLEN["chunk16-wy-o3"] = ((3, 4), "chunk16-wy")
 VARLEN["chunk16-merge-o3"] = ((3, 7), "chunk16-merge")  # K = 21: streamed in 16-row tiles
+VARLEN["chunk16-kron-o4"] = ((2, 2, 16), "chunk16-kron")  # K = 64: two 32-row tiles, one per x1 index
 
 
 @pytest.mark.parametrize("case", VARLEN.keys())
@@ -228,7 +248,9 @@ def test_varlen_uneven_lengths(case):
     mode, variant = {"chunk16-prefetch": ("chunk", VARLEN_PREFETCH),
                      "chunk16-wy": ("chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16, wy=True)),
                      "chunk16-merge": ("chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16, prefetch=True,
-                                                             merge_passes=True))}.get(
+                                                             merge_passes=True)),
+                     "chunk16-kron": ("chunk", ChunkVariant(chunk_size=16, block_k=32, block_v=16, kron=True,
+                                                            merge_passes=True))}.get(
         impl) or VARIANTS[impl]
     o, s = running_tensor_fwd(*dev, initial_state=_to(s0, torch.float32), output_final_state=True, l2norm=True,
                               cu_seqlens=_to(cu), mode=mode, variant=variant)

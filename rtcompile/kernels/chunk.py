@@ -57,6 +57,32 @@ def _phi_block(p1, p2, p3, r, m_t, i_k, C: tl.constexpr, BK: tl.constexpr, NF: t
 
 
 @triton.jit
+def _trailing_tile(p2, p3, r, m_t, C: tl.constexpr, NF: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+                   OUT_DT: tl.constexpr):
+    """[C, D2 * D3] raw outer product of the trailing factors of the rows ``r`` (NF >= 2).
+
+    With a key tile of exactly D2 * D3 rows (KRON), tile ``i`` of phi is this tile with row c
+    scaled by x1[c, i], and a row scale commutes with a product: phi_i S_i = x1[:, i] * (T S_i)
+    and phi_i^T U = T^T (x1[:, i] * U). So T is built once per chunk, not once per tile and
+    product, and no phi block is ever formed."""
+    o_2 = tl.arange(0, D2)
+    b_2 = tl.load(p2 + r[:, None] * D2 + o_2[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
+    if NF > 2:
+        o_3 = tl.arange(0, D3)
+        b_3 = tl.load(p3 + r[:, None] * D3 + o_3[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
+        b_t = tl.reshape((b_2[:, :, None] * b_3[:, None, :]).to(OUT_DT), [C, D2 * D3])
+    else:
+        b_t = b_2.to(OUT_DT)
+    return b_t
+
+
+@triton.jit
+def _lead_column(p1, r, m_t, i, D1: tl.constexpr):
+    """x1[:, i] of the rows ``r`` (raw, fp32): tile ``i``'s row scales under KRON."""
+    return tl.load(p1 + r * D1 + i, mask=m_t, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _scores_from_tiles(q1, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_b, b_c,
                        NF: tl.constexpr, C: tl.constexpr, USE_BETA: tl.constexpr, LOWP: tl.constexpr,
                        PREC: tl.constexpr, SOLVE_BLOCK: tl.constexpr):
@@ -266,7 +292,7 @@ def _state_products(h0, ht, p_state, o_v, m_v, first, q1, q2, q3, k1, k2, k3, r,
                     NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
                     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                     USE_H0: tl.constexpr, OUTER: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
-                    PREFETCH_STATE: tl.constexpr):
+                    PREFETCH_STATE: tl.constexpr, KRON: tl.constexpr):
     """Raw phi(K) S and phi(Q) S ([C, BV] each) of the rows ``r`` over a streamed state, tile by
     tile (a reading pass: nothing is written)."""
     DT: tl.constexpr = q1.dtype.element_ty
@@ -274,6 +300,9 @@ def _state_products(h0, ht, p_state, o_v, m_v, first, q1, q2, q3, k1, k2, k3, r,
     NK: tl.constexpr = (K + BK - 1) // BK
     b_ks = tl.zeros([C, BV], dtype=tl.float32)
     b_qs = tl.zeros([C, BV], dtype=tl.float32)
+    if KRON:
+        b_tk = _trailing_tile(k2, k3, r, m_t, C, NF, D2, D3, DOT_DT)
+        b_tq = _trailing_tile(q2, q3, r, m_t, C, NF, D2, D3, DOT_DT)
     if PREFETCH_STATE:
         b_sn = _state_tile(h0, ht, p_state, 0, o_v, m_v, first, K, BK, V, USE_H0)
     for i_k in range(NK):
@@ -282,10 +311,14 @@ def _state_products(h0, ht, p_state, o_v, m_v, first, q1, q2, q3, k1, k2, k3, r,
             b_sn = _state_tile(h0, ht, p_state, i_k + 1, o_v, m_v, first, K, BK, V, USE_H0)
         else:
             b_s = _state_tile(h0, ht, p_state, i_k, o_v, m_v, first, K, BK, V, USE_H0)
-        b_k = _phi_block(k1, k2, k3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
-        b_q = _phi_block(q1, q2, q3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
-        b_ks += _dot(b_k, b_s, LOWP, DT, PREC)
-        b_qs += _dot(b_q, b_s, LOWP, DT, PREC)
+        if KRON:
+            b_ks += _dot(b_tk, b_s, LOWP, DT, PREC) * _lead_column(k1, r, m_t, i_k, D1)[:, None]
+            b_qs += _dot(b_tq, b_s, LOWP, DT, PREC) * _lead_column(q1, r, m_t, i_k, D1)[:, None]
+        else:
+            b_k = _phi_block(k1, k2, k3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
+            b_q = _phi_block(q1, q2, q3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
+            b_ks += _dot(b_k, b_s, LOWP, DT, PREC)
+            b_qs += _dot(b_q, b_s, LOWP, DT, PREC)
     return b_ks, b_qs
 
 
@@ -301,7 +334,7 @@ def chunk_running_tensor_fwd_kernel(
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
     FUSE_PREPARE: tl.constexpr, LOWP: tl.constexpr, LOWP_SCORES: tl.constexpr, PREC: tl.constexpr,
     OUTER: tl.constexpr, SOLVE_BLOCK: tl.constexpr, PREFETCH: tl.constexpr, WY: tl.constexpr,
-    PREFETCH_STATE: tl.constexpr, MERGE_PASSES: tl.constexpr,
+    PREFETCH_STATE: tl.constexpr, MERGE_PASSES: tl.constexpr, KRON: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -339,7 +372,7 @@ def chunk_running_tensor_fwd_kernel(
         tok = bos + o_c
         b_kn, b_qn = _state_products(h0, ht, p_state, o_v, m_v, True, q1, q2, q3, k1, k2, k3,
                                      (i_b * T + tok) * H + i_h, tok < eos, NF, D1, D2, D3, K, V, C, BK, BV,
-                                     USE_H0, OUTER, LOWP, PREC, PREFETCH_STATE)
+                                     USE_H0, OUTER, LOWP, PREC, PREFETCH_STATE, KRON)
     for i_c in range(0, tl.cdiv(eos - bos, C)):
         tok = bos + i_c * C + o_c
         m_t = tok < eos
@@ -405,7 +438,7 @@ def chunk_running_tensor_fwd_kernel(
             else:
                 b_ks, b_qs = _state_products(h0, ht, p_state, o_v, m_v, i_c == 0, q1, q2, q3, k1, k2, k3, r, m_t,
                                              NF, D1, D2, D3, K, V, C, BK, BV, USE_H0, OUTER, LOWP, PREC,
-                                             PREFETCH_STATE)
+                                             PREFETCH_STATE, KRON)
             b_ks = b_ks * r_k[:, None]
             b_qs = b_qs * r_q[:, None]
         if WY:
@@ -428,6 +461,11 @@ def chunk_running_tensor_fwd_kernel(
                 b_qn = tl.zeros([C, BV], dtype=tl.float32)
                 r_n = (i_b * T + tok + C) * H + i_h
                 m_tn = tok + C < eos
+            if KRON:  # the chunk's trailing-factor tiles, shared by every key tile
+                b_tk = _trailing_tile(k2, k3, r, m_t, C, NF, D2, D3, DOT_DT)
+                if MERGE_PASSES:
+                    b_tkn = _trailing_tile(k2, k3, r_n, m_tn, C, NF, D2, D3, DOT_DT)
+                    b_tqn = _trailing_tile(q2, q3, r_n, m_tn, C, NF, D2, D3, DOT_DT)
             if PREFETCH_STATE:
                 b_sn = _state_tile(h0, ht, p_state, 0, o_v, m_v, i_c == 0, K, BK, V, USE_H0)
             for i_k in range(NK):
@@ -440,14 +478,22 @@ def chunk_running_tensor_fwd_kernel(
                     b_sn = _state_tile(h0, ht, p_state, i_k + 1, o_v, m_v, i_c == 0, K, BK, V, USE_H0)
                 else:
                     b_s = load_state_tile(h0, ht, off_s, m_s, i_c == 0, USE_H0)
-                b_k = _phi_block(k1, k2, k3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
-                b_s = tl.exp(b_last) * b_s + _dot(tl.trans(b_k), b_us, LOWP, DT, PREC)
+                if KRON:
+                    b_uk = b_us * _lead_column(k1, r, m_t, i_k, D1)[:, None]
+                    b_s = tl.exp(b_last) * b_s + _dot(tl.trans(b_tk), b_uk, LOWP, DT, PREC)
+                else:
+                    b_k = _phi_block(k1, k2, k3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
+                    b_s = tl.exp(b_last) * b_s + _dot(tl.trans(b_k), b_us, LOWP, DT, PREC)
                 tl.store(ht + off_s, b_s.to(ht.dtype.element_ty), mask=m_s)
                 if MERGE_PASSES:  # the updated tile is in registers: the next chunk's products now
-                    b_kx = _phi_block(k1, k2, k3, r_n, m_tn, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
-                    b_qx = _phi_block(q1, q2, q3, r_n, m_tn, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
-                    b_kn += _dot(b_kx, b_s, LOWP, DT, PREC)
-                    b_qn += _dot(b_qx, b_s, LOWP, DT, PREC)
+                    if KRON:
+                        b_kn += _dot(b_tkn, b_s, LOWP, DT, PREC) * _lead_column(k1, r_n, m_tn, i_k, D1)[:, None]
+                        b_qn += _dot(b_tqn, b_s, LOWP, DT, PREC) * _lead_column(q1, r_n, m_tn, i_k, D1)[:, None]
+                    else:
+                        b_kx = _phi_block(k1, k2, k3, r_n, m_tn, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
+                        b_qx = _phi_block(q1, q2, q3, r_n, m_tn, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
+                        b_kn += _dot(b_kx, b_s, LOWP, DT, PREC)
+                        b_qn += _dot(b_qx, b_s, LOWP, DT, PREC)
     if NK == 1:
         if STORE_HT:
             tl.store(ht + off_s, b_s.to(ht.dtype.element_ty), mask=m_s)

@@ -112,10 +112,16 @@ def unit_lower_inverse_blocked(b_A, C: tl.constexpr, BS: tl.constexpr, PREC: tl.
     b_X = tl.reshape(b_X, [C, C])
     b_N = tl.dot(b_X, tl.where(m_d, 0.0, b_A), input_precision=PREC)
     b_Y = b_X - tl.dot(b_N, b_X, input_precision=PREC)
-    if NB > 2:
+    if NB > 2:  # (I + N^2)
         b_N = tl.dot(b_N, b_N, input_precision=PREC)
         b_Y += tl.dot(b_N, b_Y, input_precision=PREC)
-    return b_Y  # NB <= 4: ChunkVariant.check refuses C = 128 (8 blocks did not compile)
+    if NB > 4:  # (I + N^4)
+        b_N = tl.dot(b_N, b_N, input_precision=PREC)
+        b_Y += tl.dot(b_N, b_Y, input_precision=PREC)
+    if NB > 8:  # (I + N^8); ChunkVariant.check allows at most 16 blocks
+        b_N = tl.dot(b_N, b_N, input_precision=PREC)
+        b_Y += tl.dot(b_N, b_Y, input_precision=PREC)
+    return b_Y
 
 
 @triton.jit

@@ -24,7 +24,7 @@ from . import tuned
 from .chunk import chunk_prepare_running_tensor_kernel, chunk_running_tensor_fwd_kernel
 from .inputs import Problem, check_inputs
 from .recurrent import fused_recurrent_running_tensor_fwd_kernel
-from .variants import SOLVE_BLOCK, ChunkVariant, KernelShape, RecurrentVariant, next_pow2, outer_phi_ok
+from .variants import ChunkVariant, KernelShape, RecurrentVariant, next_pow2, outer_phi_ok
 
 MAX_FACTORS = 3  # orders 2..4
 MODES = ("chunk", "recurrent")
@@ -197,7 +197,7 @@ def _launch_chunk(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm, s
     common = dict(H=H, NF=len(q), **widths, USE_G=g is not None, USE_BETA=beta is not None,
                   L2NORM=l2norm, IS_VARLEN=cu_seqlens is not None, LOWP=_lowp_dots(v.dtype),
                   PREC=variant.dot_precision,
-                  SOLVE_BLOCK=SOLVE_BLOCK if variant.solve == "blocks" else 0)
+                  SOLVE_BLOCK=variant.solve_block if variant.solve == "blocks" else 0)
     g_arg = g if g is not None else dummy
     beta_arg = beta if beta is not None else dummy
     cu_arg = cu_seqlens if cu_seqlens is not None else dummy
@@ -220,7 +220,7 @@ def _launch_chunk(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm, s
         chunk_prepare_running_tensor_kernel[grid](
             *_factor_args(q), *_factor_args(k), v, g_arg, beta_arg, P, Ai, W, U0, cu_arg, idx, T, C=C,
             K=p.key_dim, V=V, BK=variant.block_k, BV=max(16, next_pow2(V)), WY=wy, OUTER=outer, **common,
-            num_warps=variant.num_warps, num_stages=variant.num_stages,
+            num_warps=variant.prepare_warps, num_stages=variant.num_stages,
         )
     grid = (triton.cdiv(V, variant.block_v), p.num_seqs * H)
     chunk_running_tensor_fwd_kernel[grid](
@@ -233,10 +233,14 @@ def _launch_chunk(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm, s
         # tile with a streamed state
         OUTER=outer, PREFETCH=variant.prefetch and resident, WY=wy,
         PREFETCH_STATE=variant.prefetch and not resident, MERGE_PASSES=variant.merge_passes and not resident,
+        KRON=variant.kron and not resident,
         # The fused prepare keeps its Grams, solve and score products in fp32: with 16-bit
         # operands there, (C=64, BK=128, 8 warps, order 3 64x64) returned wrong results and then
         # an illegal address on an H200 (Triton 3.6, 2026-11-29); fp32 was verified there.
-        LOWP_SCORES=common["LOWP"] and not variant.fuse_prepare, **common,
+        LOWP_SCORES=common["LOWP"] and not variant.fuse_prepare,
+        # the solve runs here only when fused: otherwise one compiled sequential kernel serves
+        # every solve setting of the prepare kernel
+        **{**common, "SOLVE_BLOCK": common["SOLVE_BLOCK"] if variant.fuse_prepare else 0},
         num_warps=variant.num_warps, num_stages=variant.num_stages,
     )
     return o

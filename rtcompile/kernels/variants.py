@@ -16,7 +16,9 @@ from typing import Any, ClassVar, Iterator
 
 DOT_PRECISIONS = ("ieee", "tf32x3", "tf32")
 SOLVES = ("rows", "blocks")
-SOLVE_BLOCK = 16  # rows per diagonal block of the blocked solve: the tl.dot minimum
+SOLVE_BLOCK = 16  # the default rows per diagonal block of the blocked solve (ChunkVariant.solve_block)
+SOLVE_BLOCKS = (4, 8, 16)
+PREPARE_WARPS = (1, 2, 4, 8)
 # Registers: 64K 32-bit registers per SM on every NVIDIA GPU since Volta; a program of W warps
 # may use at most 255 per thread. We budget the live fp32 tiles of a program against
 # 255 * 32 * W and refuse variants over it (they would spill to local memory: DESIGN.md saw
@@ -199,13 +201,21 @@ class ChunkVariant(_Variant):
     needs the state in registers and the two-kernel form; its workspace grows with T * K.
     ``merge_passes``: with a streamed state, the update pass of chunk c also forms chunk c+1's
     products phi(K) S and phi(Q) S from each updated tile while it is in registers, so the state
-    is read once per chunk instead of twice (needs ``block_k`` < K).
+    is read once per chunk instead of twice (needs ``block_k`` < K). ``prepare_warps``: warps of
+    the separate prepare kernel (its programs are independent, so fewer warps each let more of
+    them share an SM; must stay at its default 4 with ``fuse_prepare``, where there is no such
+    kernel). ``solve_block``: rows per diagonal block of the blocked solve (4, 8 or 16; C /
+    solve_block blocks, 2 to 16; must stay 16 with ``solve="rows"``). ``kron``: with a streamed
+    state in tiles of exactly the trailing widths' product (one index i of axis 1 per tile), use
+    phi_i = diag(x1[:, i]) T, T the trailing factors' outer product: T is built once per chunk
+    and each tile's products take x1's column as a row scale (phi_i S = x1[:, i] * (T S),
+    phi_i^T U = T^T (x1[:, i] * U)), so no phi block is formed per tile.
     """
 
     kernel: ClassVar[str] = "chunk"
     FIELDS: ClassVar[tuple[str, ...]] = (
         "chunk_size", "block_k", "block_v", "num_warps", "num_stages", "fuse_prepare", "dot_precision", "solve",
-        "prefetch", "wy", "merge_passes",
+        "prefetch", "wy", "merge_passes", "prepare_warps", "solve_block", "kron",
     )
     chunk_size: int
     block_k: int
@@ -218,12 +228,25 @@ class ChunkVariant(_Variant):
     prefetch: bool = False
     wy: bool = False
     merge_passes: bool = False
+    prepare_warps: int = 4
+    solve_block: int = SOLVE_BLOCK
+    kron: bool = False
 
     def check(self, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> str | None:
         for name in ("chunk_size", "block_k", "block_v", "num_warps"):
             val = getattr(self, name)
             if val < 1 or val & (val - 1):
                 return f"{name}={val} is not a power of two"
+        if self.prepare_warps not in PREPARE_WARPS:
+            return f"prepare_warps={self.prepare_warps}; allowed: {', '.join(map(str, PREPARE_WARPS))}"
+        if self.solve_block not in SOLVE_BLOCKS:
+            return f"solve_block={self.solve_block}; allowed: {', '.join(map(str, SOLVE_BLOCKS))}"
+        if self.fuse_prepare and self.prepare_warps != 4:
+            return (f"prepare_warps={self.prepare_warps} needs fuse_prepare=False (it sets the separate prepare "
+                    "kernel; with fuse_prepare it must be 4, the default)")
+        if self.solve == "rows" and self.solve_block != SOLVE_BLOCK:
+            return (f"solve_block={self.solve_block} needs solve='blocks' (with solve='rows' it must be "
+                    f"{SOLVE_BLOCK}, the default)")
         if not 16 <= self.chunk_size <= 128:
             return f"chunk_size={self.chunk_size} outside [16, 128] (tl.dot needs 16; the solve is O(C^3))"
         if self.block_k < 16 or self.block_v < 16:
@@ -237,10 +260,11 @@ class ChunkVariant(_Variant):
         if self.solve not in SOLVES:
             return f"solve={self.solve!r}; allowed: {', '.join(SOLVES)}"
         # C = 128 (8 blocks, [8, 16, 128] tiles): Triton 3.6's LLVM lowering had not finished
-        # after 50 s on the H200 (2026-11-30), so the blocked solve stops at 4 blocks
-        if self.solve == "blocks" and not 2 * SOLVE_BLOCK <= self.chunk_size <= 4 * SOLVE_BLOCK:
-            return (f"solve='blocks' needs chunk_size in [{2 * SOLVE_BLOCK}, {4 * SOLVE_BLOCK}] "
-                    f"(blocks of {SOLVE_BLOCK} rows; 8 blocks did not compile)")
+        # after 50 s on the H200 (2026-11-30), so the blocked solve stops at C = 64
+        if self.solve == "blocks" and not (2 * self.solve_block <= self.chunk_size <= 64
+                                           and self.chunk_size <= 16 * self.solve_block):
+            return (f"solve='blocks' needs chunk_size in [{2 * self.solve_block}, 64] and at most 16 blocks "
+                    f"(blocks of solve_block={self.solve_block} rows; C = 128 did not compile)")
         if self.prefetch and self.resident(shape) and not all(w >= 16 and w & (w - 1) == 0 for w in shape.key_widths):
             return f"prefetch with the state in registers needs power-of-two key widths >= 16, got {shape.key_widths}"
         if self.wy and self.fuse_prepare:
@@ -249,11 +273,20 @@ class ChunkVariant(_Variant):
             return f"wy needs the state in registers: block_k >= K ({shape.key_dim})"
         if self.merge_passes and self.resident(shape):
             return f"merge_passes needs a streamed state: block_k < K ({shape.key_dim})"
+        if self.kron and not self.kron_ok(shape):
+            return (f"kron needs a streamed state of power-of-two widths in tiles of exactly the trailing widths' "
+                    f"product ({math.prod(shape.key_widths[1:])} rows, order >= 3), got block_k={self.block_k}")
         if self.estimate_registers(shape) > CHUNK_MAX_EST_REGS:
             return f"~{self.estimate_registers(shape)} registers per thread estimated (> {CHUNK_MAX_EST_REGS})"
         if self.estimate_smem(shape) > smem_limit:
             return f"~{self.estimate_smem(shape)} bytes of shared memory (> {smem_limit})"
         return None
+
+    def kron_ok(self, shape: KernelShape) -> bool:
+        """Can key tiles be one index of axis 1 each (see ``kron``)?"""
+        trailing = math.prod(shape.key_widths[1:])
+        return (len(shape.key_widths) >= 2 and self.block_k == trailing < shape.key_dim
+                and outer_phi_ok(shape.key_widths, self.block_k))
 
     def resident(self, shape: KernelShape) -> bool:
         """True when the whole [K, block_v] state tile lives in registers across chunks."""
@@ -310,6 +343,9 @@ class ChunkVariant(_Variant):
             "wy": [False, True],
             # only a streamed state (block_k < K, block_k >= 16) can merge its passes
             "merge_passes": [False, True] if shape.key_dim > 16 else [False],
+            "prepare_warps": list(PREPARE_WARPS),
+            "solve_block": list(SOLVE_BLOCKS),
+            "kron": [False, True] if len(shape.key_widths) >= 2 else [False],
         }
 
     @classmethod
