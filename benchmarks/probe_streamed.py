@@ -85,6 +85,11 @@ NEIGHBOURS = (
     ("pw1-bs8", {"prepare_warps": 1, "solve": "blocks", "solve_block": 8}),
     ("pw4-bs8", {"prepare_warps": 4, "solve": "blocks", "solve_block": 8}),
     ("pw4-bs4", {"prepare_warps": 4, "solve": "blocks", "solve_block": 4}),
+    ("pw16", {"prepare_warps": 16}),
+    ("pw16-bs8", {"prepare_warps": 16, "solve": "blocks", "solve_block": 8}),
+    ("pw16-bs4", {"prepare_warps": 16, "solve": "blocks", "solve_block": 4}),
+    ("pw8-bs8", {"prepare_warps": 8, "solve": "blocks", "solve_block": 8}),
+    ("pw8-bs4", {"prepare_warps": 8, "solve": "blocks", "solve_block": 4}),
     # kron: tiles of one axis-1 index, products on the trailing factors' tile with x1's column as row scale
     ("kron", {"kron": True}),
     ("kron-bk64", {"kron": True, "block_k": 64}),

@@ -340,6 +340,9 @@ HALF_STREAMED = {
     "o4-2x4x4-streamed-prefetch": ((2, 4, 4), ChunkVariant(chunk_size=16, block_k=16, block_v=16, prefetch=True)),
     "o3-5x7-gathered": ((5, 7), ChunkVariant(chunk_size=16, block_k=16, block_v=16)),
     "o3-4x8-merge": ((4, 8), ChunkVariant(chunk_size=16, block_k=16, block_v=16, merge_passes=True)),
+    # kron with square [C, 16] trailing tiles (C = 16) and the transposed tile of the update
+    "o3-4x16-kron-merge": ((4, 16), ChunkVariant(chunk_size=16, block_k=16, block_v=16, kron=True, merge_passes=True)),
+    "o4-2x4x4-kron": ((2, 4, 4), ChunkVariant(chunk_size=16, block_k=16, block_v=16, kron=True)),
 }
 
 

@@ -52,7 +52,7 @@ def test_large_state_defaults_stream():
         (ChunkVariant(chunk_size=128, block_k=16, block_v=16, solve="blocks", solve_block=8), "in [16, 64]"),
         (ChunkVariant(chunk_size=32, block_k=16, block_v=16, solve_block=8), "solve_block=8 needs solve='blocks'"),
         (ChunkVariant(chunk_size=32, block_k=16, block_v=16, solve="blocks", solve_block=2), "allowed: 4, 8, 16"),
-        (ChunkVariant(chunk_size=32, block_k=16, block_v=16, prepare_warps=3), "allowed: 1, 2, 4, 8"),
+        (ChunkVariant(chunk_size=32, block_k=16, block_v=16, prepare_warps=3), "allowed: 1, 2, 4, 8, 16"),
         (ChunkVariant(chunk_size=32, block_k=16, block_v=16, prepare_warps=2, fuse_prepare=True),
          "prepare_warps=2 needs fuse_prepare=False"),
         (ChunkVariant(chunk_size=64, block_k=256, block_v=16, kron=True), "kron needs a streamed state"),

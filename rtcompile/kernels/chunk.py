@@ -57,6 +57,24 @@ def _phi_block(p1, p2, p3, r, m_t, i_k, C: tl.constexpr, BK: tl.constexpr, NF: t
 
 
 @triton.jit
+def _trailing_tile_t(p2, p3, r, m_t, C: tl.constexpr, NF: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+                     OUT_DT: tl.constexpr):
+    """:func:`_trailing_tile` transposed ([D2 * D3, C]), built from transposed loads: the
+    update's operand. tl.trans of a square [64, 64] bf16 tile fed to tl.dot ended in an illegal
+    address on the H200 (Triton 3.6, order 3 64x64, 2026-11-30), as an earlier tile design's
+    wrong sums did."""
+    o_2 = tl.arange(0, D2)
+    b_2 = tl.load(p2 + r[None, :] * D2 + o_2[:, None], mask=m_t[None, :], other=0.0).to(tl.float32)
+    if NF > 2:
+        o_3 = tl.arange(0, D3)
+        b_3 = tl.load(p3 + r[None, :] * D3 + o_3[:, None], mask=m_t[None, :], other=0.0).to(tl.float32)
+        b_t = tl.reshape((b_2[:, None, :] * b_3[None, :, :]).to(OUT_DT), [D2 * D3, C])
+    else:
+        b_t = b_2.to(OUT_DT)
+    return b_t
+
+
+@triton.jit
 def _trailing_tile(p2, p3, r, m_t, C: tl.constexpr, NF: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
                    OUT_DT: tl.constexpr):
     """[C, D2 * D3] raw outer product of the trailing factors of the rows ``r`` (NF >= 2).
@@ -462,7 +480,7 @@ def chunk_running_tensor_fwd_kernel(
                 r_n = (i_b * T + tok + C) * H + i_h
                 m_tn = tok + C < eos
             if KRON:  # the chunk's trailing-factor tiles, shared by every key tile
-                b_tk = _trailing_tile(k2, k3, r, m_t, C, NF, D2, D3, DOT_DT)
+                b_tkt = _trailing_tile_t(k2, k3, r, m_t, C, NF, D2, D3, DOT_DT)
                 if MERGE_PASSES:
                     b_tkn = _trailing_tile(k2, k3, r_n, m_tn, C, NF, D2, D3, DOT_DT)
                     b_tqn = _trailing_tile(q2, q3, r_n, m_tn, C, NF, D2, D3, DOT_DT)
@@ -480,7 +498,7 @@ def chunk_running_tensor_fwd_kernel(
                     b_s = load_state_tile(h0, ht, off_s, m_s, i_c == 0, USE_H0)
                 if KRON:
                     b_uk = b_us * _lead_column(k1, r, m_t, i_k, D1)[:, None]
-                    b_s = tl.exp(b_last) * b_s + _dot(tl.trans(b_tk), b_uk, LOWP, DT, PREC)
+                    b_s = tl.exp(b_last) * b_s + _dot(b_tkt, b_uk, LOWP, DT, PREC)
                 else:
                     b_k = _phi_block(k1, k2, k3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
                     b_s = tl.exp(b_last) * b_s + _dot(tl.trans(b_k), b_us, LOWP, DT, PREC)

@@ -18,7 +18,7 @@ DOT_PRECISIONS = ("ieee", "tf32x3", "tf32")
 SOLVES = ("rows", "blocks")
 SOLVE_BLOCK = 16  # the default rows per diagonal block of the blocked solve (ChunkVariant.solve_block)
 SOLVE_BLOCKS = (4, 8, 16)
-PREPARE_WARPS = (1, 2, 4, 8)
+PREPARE_WARPS = (1, 2, 4, 8, 16)
 # Registers: 64K 32-bit registers per SM on every NVIDIA GPU since Volta; a program of W warps
 # may use at most 255 per thread. We budget the live fp32 tiles of a program against
 # 255 * 32 * W and refuse variants over it (they would spill to local memory: DESIGN.md saw
