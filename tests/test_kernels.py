@@ -100,7 +100,7 @@ STREAMED = {
     "merge-outer-o4-2x4x4-fused": ((2, 4, 4), "chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16,
                                                                       fuse_prepare=True, merge_passes=True)),
     # kron: one index of axis 1 per tile, x1's column as a row scale on the trailing tile's products
-    "kron-o3-2x16": ((2, 16), "chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16, kron=True)),
+    "kron-o4-2x2x8": ((2, 2, 8), "chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16, kron=True)),
     "kron-merge-o4-4x2x8": ((4, 2, 8), "chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16, kron=True,
                                                               merge_passes=True)),
     "kron-merge-o4-2x4x4-fused": ((2, 4, 4), "chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16, kron=True,
@@ -156,8 +156,9 @@ PREFETCH = {
                                                            merge_passes=True)),
     "o4-2x4x4-c32-blocks-merge": ((2, 4, 4), 70, ChunkVariant(chunk_size=32, block_k=16, block_v=16, solve="blocks",
                                                               prefetch=True, merge_passes=True)),
-    "o3-4x16-c32-kron-merge": ((4, 16), 70, ChunkVariant(chunk_size=32, block_k=16, block_v=16, solve="blocks",
-                                                         solve_block=8, prefetch=True, merge_passes=True, kron=True)),
+    "o4-4x2x8-c32-kron-merge": ((4, 2, 8), 70, ChunkVariant(chunk_size=32, block_k=16, block_v=16, solve="blocks",
+                                                            solve_block=8, prefetch=True, merge_passes=True,
+                                                            kron=True)),
 }
 
 
@@ -341,7 +342,8 @@ HALF_STREAMED = {
     "o3-5x7-gathered": ((5, 7), ChunkVariant(chunk_size=16, block_k=16, block_v=16)),
     "o3-4x8-merge": ((4, 8), ChunkVariant(chunk_size=16, block_k=16, block_v=16, merge_passes=True)),
     # kron with square [C, 16] trailing tiles (C = 16) and the transposed tile of the update
-    "o3-4x16-kron-merge": ((4, 16), ChunkVariant(chunk_size=16, block_k=16, block_v=16, kron=True, merge_passes=True)),
+    "o4-4x4x4-kron-merge": ((4, 4, 4), ChunkVariant(chunk_size=16, block_k=16, block_v=16, kron=True,
+                                                    merge_passes=True)),
     "o4-2x4x4-kron": ((2, 4, 4), ChunkVariant(chunk_size=16, block_k=16, block_v=16, kron=True)),
 }
 

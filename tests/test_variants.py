@@ -55,14 +55,14 @@ def test_large_state_defaults_stream():
         (ChunkVariant(chunk_size=32, block_k=16, block_v=16, prepare_warps=3), "allowed: 1, 2, 4, 8, 16"),
         (ChunkVariant(chunk_size=32, block_k=16, block_v=16, prepare_warps=2, fuse_prepare=True),
          "prepare_warps=2 needs fuse_prepare=False"),
-        (ChunkVariant(chunk_size=64, block_k=256, block_v=16, kron=True), "kron needs a streamed state"),
+        (ChunkVariant(chunk_size=64, block_k=64, block_v=16, kron=True), "kron needs order 4"),
         (ChunkVariant(chunk_size=32, block_k=16, block_v=16, solve="lu"), "allowed: rows, blocks"),
         (ChunkVariant(chunk_size=32, block_k=128, block_v=16, wy=True), "wy needs the state in registers"),
         (ChunkVariant(chunk_size=32, block_k=128, block_v=16, wy=True, fuse_prepare=True), "fuse_prepare=False"),
     ],
     ids=["chunk-48", "chunk-256", "block-k-8", "chunk-registers", "precision", "rec-registers", "rec-block-k",
          "blocks-c16", "blocks-c128", "blocks8-c128", "solve-block-rows", "solve-block-2", "prepare-warps-3",
-         "prepare-warps-fused", "kron-block-k", "solve-name", "wy-streamed", "wy-fused"],
+         "prepare-warps-fused", "kron-order-3", "solve-name", "wy-streamed", "wy-fused"],
 )
 def test_check_explains(variant, needle):
     reason = variant.check(SHAPES["o3-64x64"])

@@ -235,15 +235,17 @@ ERROR_VARIANTS = ("plain", "fused", "prefetch", "wy")  # the named variants whos
 # the default issues the next chunk's loads ahead and applies the solve in the prepare kernel
 # (prefetch + wy); "plain" is the default without either (the default before 2026-11-30),
 # "prefetch" and "wy" each one alone. "fused": no [T, C] workspace, so its extra memory does not
-# grow with T (the planner's low-memory choice); "fused-blocks" the same with the blocked solve.
+# grow with T (the planner's low-memory choice); "fused-blocks" the same with the blocked solve
+# (fused, there is no prepare kernel: its warps stay at the default 4).
 _PLAIN = {"prefetch": False, "wy": False}
 DEFAULT_VARIANTS: dict[str, Any] = {
     "plain": _default_with(**_PLAIN),
     "prefetch": _default_with(prefetch=True, wy=False),
     "wy": _default_with(prefetch=False, wy=True),
-    "fused": _default_with(fuse_prepare=True, **_PLAIN),
-    "fused-blocks": _default_with(fuse_prepare=True, solve="blocks", **_PLAIN),
-    "prefetch-fused-blocks": _default_with(prefetch=True, wy=False, fuse_prepare=True, solve="blocks"),
+    "fused": _default_with(fuse_prepare=True, prepare_warps=4, **_PLAIN),
+    "fused-blocks": _default_with(fuse_prepare=True, prepare_warps=4, solve="blocks", **_PLAIN),
+    "prefetch-fused-blocks": _default_with(prefetch=True, wy=False, fuse_prepare=True, prepare_warps=4,
+                                           solve="blocks"),
 }
 # Decode beside its default (phi gathered per element): the slab held factored, phi broadcast
 # from the factors (outer_phi; power-of-two widths).

@@ -274,8 +274,9 @@ class ChunkVariant(_Variant):
         if self.merge_passes and self.resident(shape):
             return f"merge_passes needs a streamed state: block_k < K ({shape.key_dim})"
         if self.kron and not self.kron_ok(shape):
-            return (f"kron needs a streamed state of power-of-two widths in tiles of exactly the trailing widths' "
-                    f"product ({math.prod(shape.key_widths[1:])} rows, order >= 3), got block_k={self.block_k}")
+            return (f"kron needs order 4 and a streamed state of power-of-two widths in tiles of exactly the "
+                    f"trailing widths' product ({math.prod(shape.key_widths[1:])} rows), got widths "
+                    f"{shape.key_widths}, block_k={self.block_k}")
         if self.estimate_registers(shape) > CHUNK_MAX_EST_REGS:
             return f"~{self.estimate_registers(shape)} registers per thread estimated (> {CHUNK_MAX_EST_REGS})"
         if self.estimate_smem(shape) > smem_limit:
@@ -283,9 +284,12 @@ class ChunkVariant(_Variant):
         return None
 
     def kron_ok(self, shape: KernelShape) -> bool:
-        """Can key tiles be one index of axis 1 each (see ``kron``)?"""
+        """Can key tiles be one index of axis 1 each (see ``kron``)? Order 4 only: at order 3
+        64x64 (64-row tiles, [64, 64] trailing tiles, bf16) the kernel ended in an illegal
+        address on the H200 (Triton 3.6, 2026-11-30), with the update's tile transposed by
+        tl.trans and with it loaded transposed; order 4 16x16x16 ran and matched."""
         trailing = math.prod(shape.key_widths[1:])
-        return (len(shape.key_widths) >= 2 and self.block_k == trailing < shape.key_dim
+        return (len(shape.key_widths) >= 3 and self.block_k == trailing < shape.key_dim
                 and outer_phi_ok(shape.key_widths, self.block_k))
 
     def resident(self, shape: KernelShape) -> bool:
@@ -297,7 +301,8 @@ class ChunkVariant(_Variant):
         solve lives in the separate prepare kernel). A state in registers drops prefetch (no
         gain fused: o2 64 on the H200, 2026-11-30, 3.09 ms with it against 3.00 without); a
         streamed state keeps it (there it reads the next state tile ahead)."""
-        return replace(self, fuse_prepare=True, prefetch=self.prefetch and not self.resident(shape), wy=False)
+        return replace(self, fuse_prepare=True, prefetch=self.prefetch and not self.resident(shape), wy=False,
+                       prepare_warps=4)  # no separate prepare kernel: its field at the default
 
     def estimate_registers(self, shape: KernelShape) -> int:
         C, bk, bv = self.chunk_size, self.block_k, self.block_v
@@ -345,7 +350,7 @@ class ChunkVariant(_Variant):
             "merge_passes": [False, True] if shape.key_dim > 16 else [False],
             "prepare_warps": list(PREPARE_WARPS),
             "solve_block": list(SOLVE_BLOCKS),
-            "kron": [False, True] if len(shape.key_widths) >= 2 else [False],
+            "kron": [False, True] if len(shape.key_widths) >= 3 else [False],
         }
 
     @classmethod
@@ -413,7 +418,13 @@ class ChunkVariant(_Variant):
             prefs += [(32, 128, 16, 4, {}), (16, 64, 16, 4, {})]
         out = []
         for C, bk, bv, warps, extra in prefs + [(16, 16, 16, 4, {})]:
-            v = cls(chunk_size=C, block_k=bk, block_v=min(bv, max_bv), num_warps=warps, num_stages=1, **extra)
+            # the prepare kernel's warps (H200, B8 T4096 H8, probe_split.py, 2026-11-30): at C = 16
+            # one warp (o3 16x16: 0.056 ms against 0.149 with 4); at C = 64 the blocked solve's
+            # [C, C] tiles want 8 (64x64: 1.35 ms; 2.67 with 4, 13.9 with 2, 4.2 with 16);
+            # C = 32 was not measured and keeps the sequential kernel's warps, as before
+            pw = 1 if C == 16 else warps
+            v = cls(chunk_size=C, block_k=bk, block_v=min(bv, max_bv), num_warps=warps, num_stages=1,
+                    prepare_warps=pw, **extra)
             if v.check(shape, smem_limit) is None and v not in out:
                 out.append(v)
         return out
