@@ -90,6 +90,9 @@ NEIGHBOURS = (
     ("pw16-bs4", {"prepare_warps": 16, "solve": "blocks", "solve_block": 4}),
     ("pw8-bs8", {"prepare_warps": 8, "solve": "blocks", "solve_block": 8}),
     ("pw8-bs4", {"prepare_warps": 8, "solve": "blocks", "solve_block": 4}),
+    ("diagonal", {"solve": "diagonal"}),
+    ("tf32", {"dot_precision": "tf32"}),
+    ("diagonal-tf32", {"solve": "diagonal", "dot_precision": "tf32"}),
     # kron: tiles of one axis-1 index, products on the trailing factors' tile with x1's column as row scale
     ("kron", {"kron": True}),
     ("kron-bk64", {"kron": True, "block_k": 64}),

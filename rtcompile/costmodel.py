@@ -164,7 +164,7 @@ def chunk_workspace_bytes(spec: ModelSpec, batch: int, seq_len: int, variant: Ch
 def _solve_rows(variant: ChunkVariant) -> float:
     """Serial steps of the fused solve, in forward-substitution rows. The blocked solve's
     C x C dots (2 log2(C / solve_block)) are counted as one row each: a guess, not yet measured."""
-    if variant.solve != "blocks":
+    if variant.solve == "rows":
         return variant.chunk_size
     return variant.solve_block - 1 + 2 * math.log2(variant.chunk_size // variant.solve_block)
 

@@ -12,7 +12,7 @@ import triton.language as tl
 
 import rtcompile
 from rtcompile.kernels import running_tensor_recurrent_ref, triton_fwd
-from rtcompile.kernels.triton_common import unit_lower_inverse_blocked
+from rtcompile.kernels.triton_common import unit_lower_inverse_blocked, unit_lower_inverse_diagonal
 from rtcompile.kernels.triton_fwd import running_tensor_decode_, running_tensor_fwd
 from rtcompile.kernels.variants import ChunkVariant, KernelShape, RecurrentVariant
 
@@ -137,6 +137,13 @@ BLOCKED_SOLVE = {
                                                  prepare_warps=8)),
     "c64-bs8-8blocks-fused": ((2, 3, 2), 77, ChunkVariant(chunk_size=64, block_k=16, block_v=16, fuse_prepare=True,
                                                           solve="blocks", solve_block=8)),
+    # the diagonal blocks inverted on their own tiles
+    "c64-diagonal": ((5,), 130, ChunkVariant(chunk_size=64, block_k=16, block_v=16, num_warps=8, solve="diagonal",
+                                             prepare_warps=8)),
+    "c32-diagonal-bs8-fused": ((3, 4), 70, ChunkVariant(chunk_size=32, block_k=16, block_v=16, fuse_prepare=True,
+                                                        solve="diagonal", solve_block=8)),
+    "c16-diagonal-bs4": ((2, 3, 2), 37, ChunkVariant(chunk_size=16, block_k=16, block_v=16, solve="diagonal",
+                                                     solve_block=4, prepare_warps=1)),
 }
 
 
@@ -211,19 +218,24 @@ def test_blocked_solve_matches_float64(case):
 
 
 @triton.jit
-def _invert_kernel(A, X, C: tl.constexpr, BS: tl.constexpr):
+def _invert_kernel(A, X, C: tl.constexpr, BS: tl.constexpr, DIAGONAL: tl.constexpr):
     o = tl.arange(0, C)
-    b_X = unit_lower_inverse_blocked(tl.load(A + o[:, None] * C + o[None, :]), C, BS, "ieee")
+    b_A = tl.load(A + o[:, None] * C + o[None, :])
+    if DIAGONAL:
+        b_X = unit_lower_inverse_diagonal(b_A, C, BS, "ieee")
+    else:
+        b_X = unit_lower_inverse_blocked(b_A, C, BS, "ieee")
     tl.store(X + o[:, None] * C + o[None, :], b_X)
 
 
+@pytest.mark.parametrize("diagonal", [False, True], ids=["strips", "diagonal"])
 @pytest.mark.parametrize("C, BS", [(32, 16), (64, 16), (16, 4), (32, 4), (64, 4), (64, 8)],
                          ids=["c32-bs16", "c64-bs16", "c16-bs4", "c32-bs4", "c64-bs4", "c64-bs8"])
-def test_unit_lower_inverse_blocked_is_the_inverse(C, BS):
+def test_unit_lower_inverse_blocked_is_the_inverse(C, BS, diagonal):
     # entries of size 1 (beta ~ 1, near-parallel keys) make the inverse's entries grow along chains
     A = (torch.rand(C, C, dtype=torch.float64) * 2 - 1).tril(-1)
     X = torch.full((C, C), float("nan"), device=DEVICE)
-    _invert_kernel[(1,)](A.float().to(DEVICE), X, C=C, BS=BS)
+    _invert_kernel[(1,)](A.float().to(DEVICE), X, C=C, BS=BS, DIAGONAL=diagonal)
     ref = torch.linalg.inv(torch.eye(C, dtype=torch.float64) + A.float().double())
     assert rel_err(X.cpu(), ref) < 1e-4
 

@@ -228,7 +228,8 @@ def _default_with(kernel: str = "chunk", **changes: Any) -> Callable[["Case"], d
     return variant
 
 
-ERROR_VARIANTS = ("plain", "fused", "prefetch", "wy")  # the named variants whose error the error cases report
+# the named variants whose error the error cases report
+ERROR_VARIANTS = ("plain", "fused", "prefetch", "wy", "diagonal", "tf32")
 
 # Named extra implementations timed beside the default: name -> kwargs, or a function of the
 # case returning kwargs (for variants that depend on the shape). Where the state fits registers
@@ -246,6 +247,11 @@ DEFAULT_VARIANTS: dict[str, Any] = {
     "fused-blocks": _default_with(fuse_prepare=True, prepare_warps=4, solve="blocks", **_PLAIN),
     "prefetch-fused-blocks": _default_with(prefetch=True, wy=False, fuse_prepare=True, prepare_warps=4,
                                            solve="blocks"),
+    # the prepare kernel's solve: diagonal blocks inverted on their own tiles, and its fp32
+    # products in tf32 (with 16-bit inputs only the solve's products are fp32)
+    "diagonal": _default_with(solve="diagonal"),
+    "tf32": _default_with(dot_precision="tf32"),
+    "diagonal-tf32": _default_with(solve="diagonal", dot_precision="tf32"),
 }
 # Decode beside its default (phi gathered per element): the slab held factored, phi broadcast
 # from the factors (outer_phi; power-of-two widths).

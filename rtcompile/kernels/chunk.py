@@ -29,7 +29,7 @@ import triton.language as tl
 
 from .triton_common import (
     factor_tile, load_state_tile, phi_gather, phi_inv_norm, phi_tile_outer, unit_lower_inverse,
-    unit_lower_inverse_blocked,
+    unit_lower_inverse_blocked, unit_lower_inverse_diagonal,
 )
 
 
@@ -109,7 +109,9 @@ def _scores_from_tiles(q1, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_b, b_c,
 
     Gram blocks take the factors in the input type when it is 16-bit (tensor cores; at K = 256
     order 2 the fp32 Grams made the prepare step dominate), else fp32 at PREC. The solve goes
-    row by row, or by diagonal blocks of SOLVE_BLOCK rows when that is not 0. ``q1`` only
+    row by row (SOLVE_BLOCK = 0), or by diagonal blocks of |SOLVE_BLOCK| rows: inverted on row
+    strips when SOLVE_BLOCK > 0 (solve="blocks"), on their own tiles when < 0
+    (solve="diagonal"; the launcher's encoding keeps one constexpr). ``q1`` only
     names the input type.
     """
     DT: tl.constexpr = q1.dtype.element_ty
@@ -133,6 +135,8 @@ def _scores_from_tiles(q1, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_b, b_c,
         b_A = tl.where(o_c[:, None] > o_c[None, :], b_b[:, None] * b_kk * b_decay, 0.0)
         if SOLVE_BLOCK > 0:
             b_Ai = unit_lower_inverse_blocked(b_A, C, SOLVE_BLOCK, PREC)
+        elif SOLVE_BLOCK < 0:
+            b_Ai = unit_lower_inverse_diagonal(b_A, C, -SOLVE_BLOCK, PREC)
         else:
             b_Ai = unit_lower_inverse(b_A, C)
     else:

@@ -197,7 +197,8 @@ def _launch_chunk(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm, s
     common = dict(H=H, NF=len(q), **widths, USE_G=g is not None, USE_BETA=beta is not None,
                   L2NORM=l2norm, IS_VARLEN=cu_seqlens is not None, LOWP=_lowp_dots(v.dtype),
                   PREC=variant.dot_precision,
-                  SOLVE_BLOCK=variant.solve_block if variant.solve == "blocks" else 0)
+                  # one constexpr for the solve: 0 rows, +block row strips, -block diagonal tiles
+                  SOLVE_BLOCK={"rows": 0, "blocks": 1, "diagonal": -1}[variant.solve] * variant.solve_block)
     g_arg = g if g is not None else dummy
     beta_arg = beta if beta is not None else dummy
     cu_arg = cu_seqlens if cu_seqlens is not None else dummy

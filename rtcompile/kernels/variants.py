@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, ClassVar, Iterator
 
 DOT_PRECISIONS = ("ieee", "tf32x3", "tf32")
-SOLVES = ("rows", "blocks")
+SOLVES = ("rows", "blocks", "diagonal")
 SOLVE_BLOCK = 16  # the default rows per diagonal block of the blocked solve (ChunkVariant.solve_block)
 SOLVE_BLOCKS = (4, 8, 16)
 PREPARE_WARPS = (1, 2, 4, 8, 16)
@@ -199,6 +199,8 @@ class ChunkVariant(_Variant):
     prepare kernel (W = Ai diag(b Gamma) phi(K), U0 = Ai diag(b) V, stored [T, K] and [T, V]),
     so the sequential loop's chain is two products (W S, then the update) instead of three;
     needs the state in registers and the two-kernel form; its workspace grows with T * K.
+    ``solve="diagonal"``: the blocked solve with each diagonal block inverted on its own
+    [solve_block, solve_block] tile (``"blocks"`` inverts them on [solve_block, C] row strips).
     ``merge_passes``: with a streamed state, the update pass of chunk c also forms chunk c+1's
     products phi(K) S and phi(Q) S from each updated tile while it is in registers, so the state
     is read once per chunk instead of twice (needs ``block_k`` < K). ``prepare_warps``: warps of
@@ -245,7 +247,7 @@ class ChunkVariant(_Variant):
             return (f"prepare_warps={self.prepare_warps} needs fuse_prepare=False (it sets the separate prepare "
                     "kernel; with fuse_prepare it must be 4, the default)")
         if self.solve == "rows" and self.solve_block != SOLVE_BLOCK:
-            return (f"solve_block={self.solve_block} needs solve='blocks' (with solve='rows' it must be "
+            return (f"solve_block={self.solve_block} needs solve='blocks' or 'diagonal' (with solve='rows' it must be "
                     f"{SOLVE_BLOCK}, the default)")
         if not 16 <= self.chunk_size <= 128:
             return f"chunk_size={self.chunk_size} outside [16, 128] (tl.dot needs 16; the solve is O(C^3))"
@@ -261,9 +263,9 @@ class ChunkVariant(_Variant):
             return f"solve={self.solve!r}; allowed: {', '.join(SOLVES)}"
         # C = 128 (8 blocks, [8, 16, 128] tiles): Triton 3.6's LLVM lowering had not finished
         # after 50 s on the H200 (2026-11-30), so the blocked solve stops at C = 64
-        if self.solve == "blocks" and not (2 * self.solve_block <= self.chunk_size <= 64
+        if self.solve != "rows" and not (2 * self.solve_block <= self.chunk_size <= 64
                                            and self.chunk_size <= 16 * self.solve_block):
-            return (f"solve='blocks' needs chunk_size in [{2 * self.solve_block}, 64] and at most 16 blocks "
+            return (f"solve={self.solve!r} needs chunk_size in [{2 * self.solve_block}, 64] and at most 16 blocks "
                     f"(blocks of solve_block={self.solve_block} rows; C = 128 did not compile)")
         if self.prefetch and self.resident(shape) and not all(w >= 16 and w & (w - 1) == 0 for w in shape.key_widths):
             return f"prefetch with the state in registers needs power-of-two key widths >= 16, got {shape.key_widths}"
@@ -309,7 +311,7 @@ class ChunkVariant(_Variant):
         # fp32 tiles live at once: state tile, phi(K) and phi(Q) tiles, C x C scores and
         # inverse, C x block_v values/updates/outputs (x3)
         live = bk * bv + 2 * C * bk + 2 * C * C + 3 * C * bv
-        if self.solve == "blocks":  # the blocked solve's A_d, E, X, N, Y tiles, C x C each
+        if self.solve != "rows":  # the blocked solve's A_d, E, X, N, Y tiles, C x C each
             live += 3 * C * C
         if self.prefetch and self.resident(shape):  # the next chunk's factor tiles, values, P and Ai
             live += 2 * C * sum(shape.key_widths) + C * bv + 2 * C * C
