@@ -205,10 +205,10 @@ class BenchOptions:
     only: tuple[str, ...] = ()  # keep the cases whose name contains one of these (all when empty)
 
 
-def _default_with(kernel: str = "chunk", **changes: Any) -> Callable[["Case"], dict[str, Any]]:
-    """A function of the case: its default variant of ``kernel`` ("chunk" or "recurrent") with
-    ``changes``; where the result cannot run the shape, a NotImplementedError (the row reads
-    ``refused: <reason>``)."""
+def _default_with(kernel: str = "chunk", fused: bool = False, **changes: Any) -> Callable[["Case"], dict[str, Any]]:
+    """A function of the case: its default variant of ``kernel`` ("chunk" or "recurrent"), its
+    low-memory sibling when ``fused`` (``ChunkVariant.fused``), with ``changes``; where the
+    result cannot run the shape, a NotImplementedError (the row reads ``refused: <reason>``)."""
     def variant(case: "Case") -> dict[str, Any]:
         import dataclasses
 
@@ -219,7 +219,8 @@ def _default_with(kernel: str = "chunk", **changes: Any) -> Callable[["Case"], d
         cls = {"chunk": ChunkVariant, "recurrent": RecurrentVariant}[kernel]
         shape = KernelShape(tuple(case.key_widths), case.V)
         limit = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
-        v = dataclasses.replace(cls.default(shape, limit), **changes)
+        v = cls.default(shape, limit)
+        v = dataclasses.replace(v.fused(shape) if fused else v, **changes)
         reason = v.check(shape, limit)
         if reason is not None:
             raise NotImplementedError(reason)
@@ -229,29 +230,27 @@ def _default_with(kernel: str = "chunk", **changes: Any) -> Callable[["Case"], d
 
 
 # the named variants whose error the error cases report
-ERROR_VARIANTS = ("plain", "fused", "prefetch", "wy", "diagonal", "tf32")
+ERROR_VARIANTS = ("plain", "fused", "prefetch", "wy", "blocks-ieee")
 
 # Named extra implementations timed beside the default: name -> kwargs, or a function of the
 # case returning kwargs (for variants that depend on the shape). Where the state fits registers
 # the default issues the next chunk's loads ahead and applies the solve in the prepare kernel
 # (prefetch + wy); "plain" is the default without either (the default before 2026-11-30),
 # "prefetch" and "wy" each one alone. "fused": no [T, C] workspace, so its extra memory does not
-# grow with T (the planner's low-memory choice); "fused-blocks" the same with the blocked solve
-# (fused, there is no prepare kernel: its warps stay at the default 4).
+# grow with T (the planner's low-memory choice, ChunkVariant.fused); "fused-blocks" the same with
+# the blocked solve.
 _PLAIN = {"prefetch": False, "wy": False}
 DEFAULT_VARIANTS: dict[str, Any] = {
     "plain": _default_with(**_PLAIN),
     "prefetch": _default_with(prefetch=True, wy=False),
     "wy": _default_with(prefetch=False, wy=True),
-    "fused": _default_with(fuse_prepare=True, prepare_warps=4, **_PLAIN),
-    "fused-blocks": _default_with(fuse_prepare=True, prepare_warps=4, solve="blocks", **_PLAIN),
-    "prefetch-fused-blocks": _default_with(prefetch=True, wy=False, fuse_prepare=True, prepare_warps=4,
-                                           solve="blocks"),
-    # the prepare kernel's solve: diagonal blocks inverted on their own tiles, and its fp32
-    # products in tf32 (with 16-bit inputs only the solve's products are fp32)
-    "diagonal": _default_with(solve="diagonal"),
-    "tf32": _default_with(dot_precision="tf32"),
-    "diagonal-tf32": _default_with(solve="diagonal", dot_precision="tf32"),
+    "fused": _default_with(fused=True, **_PLAIN),
+    "fused-blocks": _default_with(fused=True, solve="blocks", **_PLAIN),
+    "prefetch-fused-blocks": _default_with(fused=True, prefetch=True, solve="blocks"),
+    # the prepare kernel's solve as the default had it before 2026-11-30e (diagonal blocks on
+    # [16, C] row strips, fp32 products at ieee): 2026-11-30e timed "diagonal", "tf32" and
+    # "diagonal-tf32" beside that default, and the last became the default at K > 256
+    "blocks-ieee": _default_with(solve="blocks", dot_precision="ieee"),
 }
 # Decode beside its default (phi gathered per element): the slab held factored, phi broadcast
 # from the factors (outer_phi; power-of-two widths).

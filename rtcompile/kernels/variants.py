@@ -303,8 +303,11 @@ class ChunkVariant(_Variant):
         solve lives in the separate prepare kernel). A state in registers drops prefetch (no
         gain fused: o2 64 on the H200, 2026-11-30, 3.09 ms with it against 3.00 without); a
         streamed state keeps it (there it reads the next state tile ahead)."""
+        # no separate prepare kernel: its warps at the default. The fused Grams and solve stay
+        # fp32 at ieee precision (see the launcher), in the strip form verified there on the H200
         return replace(self, fuse_prepare=True, prefetch=self.prefetch and not self.resident(shape), wy=False,
-                       prepare_warps=4)  # no separate prepare kernel: its field at the default
+                       prepare_warps=4, dot_precision="ieee",
+                       solve="blocks" if self.solve == "diagonal" else self.solve)
 
     def estimate_registers(self, shape: KernelShape) -> int:
         C, bk, bv = self.chunk_size, self.block_k, self.block_v
@@ -376,6 +379,14 @@ class ChunkVariant(_Variant):
         chunk), without prefetch, took 64x64 to 6.49 ms and o4 to 7.10 (prefetch on: 6.79, 7.32).
         At 32x32 the same probe put C = 64, 128-row tiles, 32 columns, 8 warps, prefetch and the
         blocked solve first: 2.50 against 3.03 ms for the C = 32 default before (merged: 2.62-2.69).
+        The prepare kernel was then 1.35 ms of each C = 64 call (probe_split.py, 2026-11-30e): the
+        blocked solve's diagonal blocks inverted on their own [16, 16] tiles (solve="diagonal")
+        and, with 16-bit inputs, its fp32 products in tf32 took the bench (same run, B8 T4096
+        H8 bf16) from 2.50 / 6.53 / 7.21 ms to 1.81 / 5.83 / 6.48 at 32x32 / 64x64 / o4
+        16x16x16 (diagonal alone: 2.09 / 6.12 / 6.75). The diagonal form computes what the
+        strip form does (relative RMS against float64 unchanged: bf16 4.5-5.2e-3, fp32 7.8e-7 to
+        8.7e-7); tf32 alone left the bf16 errors unchanged and took fp32 inputs to 2.5e-3, so
+        fp32 inputs keep ieee.
         Power-of-two widths build phi blocks as outer products when block_k covers the
         trailing axes, so block_k is at least their product.
 
@@ -411,8 +422,11 @@ class ChunkVariant(_Variant):
             prefs += [(32, kp, 16, 4, {}), (16, kp, 16, 4, {}), (32, min(kp, 128), 16, 4, {})]
         else:
             bk = min(kp, max(128, trailing))
-            big = {"solve": "blocks", "merge_passes": True}
-            mid = {"prefetch": True, "solve": "blocks"}
+            # the diagonal-tile solve, and tf32 for its fp32 products when the inputs are 16-bit
+            # (their own Grams are 16-bit already): see default()
+            solve = {"solve": "diagonal", "dot_precision": "tf32" if shape.input_bytes == 2 else "ieee"}
+            big = {**solve, "merge_passes": True}
+            mid = {"prefetch": True, **solve}
             prefs = [(64, max(bk, 256), 32, 8, big), (64, max(bk, 256), 16, 8, big)] if kp >= 4096 else \
                 [(64, bk, 32, 8, mid)]
             prefs += [(64, bk, 16, 8, {}), (32, bk, 16, 4, {}), (16, bk, 16, 4, {})] if kp >= 4096 and bk <= 128 else \
