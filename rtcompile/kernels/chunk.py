@@ -310,6 +310,27 @@ def chunk_prepare_running_tensor_kernel(
 
 
 @triton.jit
+def _tile_products(b_s, b_tk, b_tq, q1, q2, q3, k1, k2, k3, r, m_t, i_k,
+                   NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, K: tl.constexpr,
+                   C: tl.constexpr, BK: tl.constexpr, OUTER: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+                   KRON: tl.constexpr):
+    """Raw phi(K)_i S_i and phi(Q)_i S_i ([C, BV] each) of key tile ``i_k`` (``b_s``) for the
+    rows ``r``: from the trailing tiles ``b_tk``/``b_tq`` and x1's column under KRON (unused
+    placeholders otherwise), else from phi blocks built here."""
+    DT: tl.constexpr = q1.dtype.element_ty
+    DOT_DT: tl.constexpr = DT if LOWP else tl.float32
+    if KRON:
+        b_ks = _dot(b_tk, b_s, LOWP, DT, PREC) * _lead_column(k1, r, m_t, i_k, D1)[:, None]
+        b_qs = _dot(b_tq, b_s, LOWP, DT, PREC) * _lead_column(q1, r, m_t, i_k, D1)[:, None]
+    else:
+        b_k = _phi_block(k1, k2, k3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
+        b_q = _phi_block(q1, q2, q3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
+        b_ks = _dot(b_k, b_s, LOWP, DT, PREC)
+        b_qs = _dot(b_q, b_s, LOWP, DT, PREC)
+    return b_ks, b_qs
+
+
+@triton.jit
 def _state_products(h0, ht, p_state, o_v, m_v, first, q1, q2, q3, k1, k2, k3, r, m_t,
                     NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
                     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -322,6 +343,8 @@ def _state_products(h0, ht, p_state, o_v, m_v, first, q1, q2, q3, k1, k2, k3, r,
     NK: tl.constexpr = (K + BK - 1) // BK
     b_ks = tl.zeros([C, BV], dtype=tl.float32)
     b_qs = tl.zeros([C, BV], dtype=tl.float32)
+    b_tk = b_ks  # placeholders without KRON (never read)
+    b_tq = b_qs
     if KRON:
         b_tk = _trailing_tile(k2, k3, r, m_t, C, NF, D2, D3, DOT_DT)
         b_tq = _trailing_tile(q2, q3, r, m_t, C, NF, D2, D3, DOT_DT)
@@ -333,14 +356,10 @@ def _state_products(h0, ht, p_state, o_v, m_v, first, q1, q2, q3, k1, k2, k3, r,
             b_sn = _state_tile(h0, ht, p_state, i_k + 1, o_v, m_v, first, K, BK, V, USE_H0)
         else:
             b_s = _state_tile(h0, ht, p_state, i_k, o_v, m_v, first, K, BK, V, USE_H0)
-        if KRON:
-            b_ks += _dot(b_tk, b_s, LOWP, DT, PREC) * _lead_column(k1, r, m_t, i_k, D1)[:, None]
-            b_qs += _dot(b_tq, b_s, LOWP, DT, PREC) * _lead_column(q1, r, m_t, i_k, D1)[:, None]
-        else:
-            b_k = _phi_block(k1, k2, k3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
-            b_q = _phi_block(q1, q2, q3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
-            b_ks += _dot(b_k, b_s, LOWP, DT, PREC)
-            b_qs += _dot(b_q, b_s, LOWP, DT, PREC)
+        b_ki, b_qi = _tile_products(b_s, b_tk, b_tq, q1, q2, q3, k1, k2, k3, r, m_t, i_k,
+                                    NF, D1, D2, D3, K, C, BK, OUTER, LOWP, PREC, KRON)
+        b_ks += b_ki
+        b_qs += b_qi
     return b_ks, b_qs
 
 
@@ -483,6 +502,9 @@ def chunk_running_tensor_fwd_kernel(
                 b_qn = tl.zeros([C, BV], dtype=tl.float32)
                 r_n = (i_b * T + tok + C) * H + i_h
                 m_tn = tok + C < eos
+            b_tkt = b_us  # placeholders without KRON (never read)
+            b_tkn = b_us
+            b_tqn = b_us
             if KRON:  # the chunk's trailing-factor tiles, shared by every key tile
                 b_tkt = _trailing_tile_t(k2, k3, r, m_t, C, NF, D2, D3, DOT_DT)
                 if MERGE_PASSES:
@@ -508,14 +530,10 @@ def chunk_running_tensor_fwd_kernel(
                     b_s = tl.exp(b_last) * b_s + _dot(tl.trans(b_k), b_us, LOWP, DT, PREC)
                 tl.store(ht + off_s, b_s.to(ht.dtype.element_ty), mask=m_s)
                 if MERGE_PASSES:  # the updated tile is in registers: the next chunk's products now
-                    if KRON:
-                        b_kn += _dot(b_tkn, b_s, LOWP, DT, PREC) * _lead_column(k1, r_n, m_tn, i_k, D1)[:, None]
-                        b_qn += _dot(b_tqn, b_s, LOWP, DT, PREC) * _lead_column(q1, r_n, m_tn, i_k, D1)[:, None]
-                    else:
-                        b_kx = _phi_block(k1, k2, k3, r_n, m_tn, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
-                        b_qx = _phi_block(q1, q2, q3, r_n, m_tn, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
-                        b_kn += _dot(b_kx, b_s, LOWP, DT, PREC)
-                        b_qn += _dot(b_qx, b_s, LOWP, DT, PREC)
+                    b_kx, b_qx = _tile_products(b_s, b_tkn, b_tqn, q1, q2, q3, k1, k2, k3, r_n, m_tn, i_k,
+                                                NF, D1, D2, D3, K, C, BK, OUTER, LOWP, PREC, KRON)
+                    b_kn += b_kx
+                    b_qn += b_qx
     if NK == 1:
         if STORE_HT:
             tl.store(ht + off_s, b_s.to(ht.dtype.element_ty), mask=m_s)
