@@ -322,6 +322,10 @@ class ChunkVariant(_Variant):
             live += bk * bv
         if self.wy:  # the W rows and U0 block (twice with prefetch: this chunk's and the next)
             live += (C * bk + C * bv) * (2 if self.prefetch else 1)
+        if self.merge_passes and not self.resident(shape):  # the next chunk's two products, carried
+            live += 2 * C * bv
+        if self.kron and not self.resident(shape):  # three trailing tiles live through the tile loop
+            live += C * bk  # (in place of the two phi blocks counted above)
         return 32 + math.ceil(live / (32 * self.num_warps))
 
     def estimate_smem(self, shape: KernelShape) -> int:
