@@ -1,6 +1,6 @@
 # One GPU session's measurements, in steps that each fit one 10-minute device call.
 #
-#   bash benchmarks/gpu_session.sh STEP...     (STEP: tests | bench | errors | probes | sweep-decode |
+#   bash benchmarks/gpu_session.sh STEP...     (STEP: tests | bench | confirm | errors | probes | sweep-decode |
 #        sweep-prefill | sweep-report | one-worker | tpe-again | sweep | tuned-bench | checks | finish)
 #
 # Run from the project root on the device machine, after installing the carried wheels (see
@@ -30,7 +30,7 @@ DECODE_FIX=(--fix num_stages=1)
 
 step_tests() {  # -v into a file, not through a pipe: a hung compile left an empty log on 2026-11-30
   # (600 s lost); faulthandler prints the stack of any test still running after 60 s
-  timeout 300 python3 -m pytest -v -p no:cacheprovider -o faulthandler_timeout=60 --durations=10 \
+  timeout 330 python3 -m pytest -v -p no:cacheprovider -o faulthandler_timeout=60 --durations=10 \
     tests/test_kernels.py tests/test_ops.py tests/test_kernel_inputs.py > "$OUT/tests.txt" 2>&1 || true
   tail -5 "$OUT/tests.txt"
 }
@@ -147,6 +147,13 @@ t3 = time.perf_counter()
 print(f"first chunk call after reload (B8 T4096, empty Triton cache): {t2 - t1:.2f} s; "
       f"first decode call (B256): {t3 - t2:.2f} s; imports and inputs {t1 - t0:.2f} s")
 EOF
+}
+
+step_confirm() {  # the K > 256 defaults of 2026-11-30e under their own name, beside the previous
+  # default (rtcompile[blocks-ieee]), with their error cases: ~280 s (2026-11-30e call 6 ran the
+  # same cases in 272 s)
+  python3 -m rtcompile.cli bench --out "$OUT/bench_confirm" --phase prefill --only o3_32x32 --only o3_64x64 \
+    --only o4_16x16x16 --budget-s 300
 }
 
 step_errors() {  # the error cases alone (the prefill bench's budget seldom reaches them): ~140 s
