@@ -63,6 +63,7 @@ def main() -> int:
         "plan key": lambda: _decode_key(q, k, v, g, beta, cache, idx, None, True, None),
         "plan key + lookup": lambda: _DECODE_PLANS.get(_decode_key(q, k, v, g, beta, cache, idx, None, True, None)),
         "torch.empty output": lambda: torch.empty(v.shape, dtype=v.dtype, device=v.device),
+        "torch.empty_like output (the call's since 2026-11-30e)": lambda: torch.empty_like(v),
         "alignment check": lambda: not any(t.data_ptr() & 15 for t in args[:-2]),
         "compiled launcher, raw addresses": lambda: plan._runner(*[t.data_ptr() for t in args[:-2]], *args[-2:],
                                                                  *plan._tail),
@@ -73,9 +74,9 @@ def main() -> int:
         "compiled launcher alone": lambda: plan._runner(*args, *plan._tail),
         "triton kernel[grid](...)": lambda: fused_recurrent_running_tensor_fwd_kernel[plan.grid](*args, **plan.consts),
     }
-    print(f"{'part':42} us/call")
+    print(f"{'part':54} us/call")
     for name, fn in rows.items():
-        print(f"{name:42} {per_call_us(fn):7.2f}", flush=True)
+        print(f"{name:54} {per_call_us(fn):7.2f}", flush=True)
     # the bench's own eager call (its inputs, scale given, bf16 beta) and its own timer, beside
     # this probe's timer: the two disagreed by 14 us in one process on 2026-11-30d
     import gc

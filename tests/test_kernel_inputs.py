@@ -21,6 +21,7 @@ def no_allocation(monkeypatch):
         raise AssertionError("allocated before validation finished")
 
     monkeypatch.setattr(triton_fwd, "_empty", refuse)
+    monkeypatch.setattr(triton_fwd, "_empty_like", refuse)
 
 
 def _args(B=2, T=5, widths=(3, 4)):

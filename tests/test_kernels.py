@@ -35,6 +35,7 @@ def poison_outputs(monkeypatch):
         return t.fill_(float("nan")) if t.is_floating_point() else t
 
     monkeypatch.setattr(triton_fwd, "_empty", nan_empty)
+    monkeypatch.setattr(triton_fwd, "_empty_like", lambda x: nan_empty(*x.shape, dtype=x.dtype, device=x.device))
 
 
 def _to(xs, dtype=None):

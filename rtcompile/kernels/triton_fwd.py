@@ -13,6 +13,7 @@ behind the caller's back. Kernels take up to three factors (orders 2 to 4).
 from __future__ import annotations
 
 import functools
+import operator
 import os
 from typing import Sequence
 
@@ -33,6 +34,10 @@ STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Every output and workspace is allocated through this function, so tests can poison them
 # (fill with NaN) and prove that every element a kernel should write is written.
 _empty = torch.empty
+# The decode output, once per token: empty_like(v) took 1.4 us against 4.3 for
+# empty(v.shape, dtype=, device=) on the CPU machine (2026-11-30e), where the eager call's
+# budget is 30 us. v is contiguous by then, so its copy's layout is the output's.
+_empty_like = torch.empty_like
 
 
 def _interpreting() -> bool:
@@ -357,7 +362,7 @@ def running_tensor_decode_(
             _DECODE_PLANS[key] = plan
     if validate:
         _check_indices(state_indices, state_cache.shape[0])
-    o = _empty(v.shape, dtype=v.dtype, device=v.device)
+    o = _empty_like(v)
     plan.launch((*_factor_args(q), *_factor_args(k), v, g if g is not None else v,
                  beta if beta is not None else v, o, state_cache, state_cache, state_indices, v, plan.scale, 1))
     return o
@@ -385,7 +390,7 @@ class _DecodePlan:
     def launch(self, args: tuple) -> None:
         """Launch with the runtime arguments ``args`` (tensors, then scale and T)."""
         ptrs = [t.data_ptr() for t in args[:-2]]
-        aligned = not any(p & 15 for p in ptrs)
+        aligned = not functools.reduce(operator.or_, ptrs) & 15  # 0.8 us against 1.1 for any() (CPU)
         if self._runner is not None and aligned:
             # raw addresses: the launcher then skips a data_ptr() call (and, on older Tritons, a
             # driver pointer query) per tensor; the compiled launcher alone cost 19 us per call
