@@ -57,40 +57,30 @@ def _phi_block(p1, p2, p3, r, m_t, i_k, C: tl.constexpr, BK: tl.constexpr, NF: t
 
 
 @triton.jit
-def _trailing_tile_t(p2, p3, r, m_t, C: tl.constexpr, NF: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
-                     OUT_DT: tl.constexpr):
-    """:func:`_trailing_tile` transposed ([D2 * D3, C]), built from transposed loads: the
-    update's operand. tl.trans of a square [64, 64] bf16 tile fed to tl.dot ended in an illegal
-    address on the H200 (Triton 3.6, order 3 64x64, 2026-11-30), as an earlier tile design's
-    wrong sums did."""
-    o_2 = tl.arange(0, D2)
-    b_2 = tl.load(p2 + r[None, :] * D2 + o_2[:, None], mask=m_t[None, :], other=0.0).to(tl.float32)
-    if NF > 2:
-        o_3 = tl.arange(0, D3)
-        b_3 = tl.load(p3 + r[None, :] * D3 + o_3[:, None], mask=m_t[None, :], other=0.0).to(tl.float32)
-        b_t = tl.reshape((b_2[:, None, :] * b_3[None, :, :]).to(OUT_DT), [D2 * D3, C])
-    else:
-        b_t = b_2.to(OUT_DT)
-    return b_t
-
-
-@triton.jit
 def _trailing_tile(p2, p3, r, m_t, C: tl.constexpr, NF: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
-                   OUT_DT: tl.constexpr):
-    """[C, D2 * D3] raw outer product of the trailing factors of the rows ``r`` (NF >= 2).
+                   OUT_DT: tl.constexpr, TRANS: tl.constexpr = False):
+    """[C, D2 * D3] raw outer product of the trailing factors of the rows ``r`` (NF >= 2); with
+    TRANS its transpose [D2 * D3, C], built from transposed loads (the update's operand: the
+    form the H200 tests passed with at order 4; no tl.trans of the tile).
 
     With a key tile of exactly D2 * D3 rows (KRON), tile ``i`` of phi is this tile with row c
     scaled by x1[c, i], and a row scale commutes with a product: phi_i S_i = x1[:, i] * (T S_i)
     and phi_i^T U = T^T (x1[:, i] * U). So T is built once per chunk, not once per tile and
     product, and no phi block is ever formed."""
     o_2 = tl.arange(0, D2)
-    b_2 = tl.load(p2 + r[:, None] * D2 + o_2[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
+    if TRANS:  # factor index on axis 0, row on axis 1
+        b_2 = tl.load(p2 + r[None, :] * D2 + o_2[:, None], mask=m_t[None, :], other=0.0).to(tl.float32)
+    else:
+        b_2 = tl.load(p2 + r[:, None] * D2 + o_2[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
+    b_t = b_2.to(OUT_DT)
     if NF > 2:
         o_3 = tl.arange(0, D3)
-        b_3 = tl.load(p3 + r[:, None] * D3 + o_3[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
-        b_t = tl.reshape((b_2[:, :, None] * b_3[:, None, :]).to(OUT_DT), [C, D2 * D3])
-    else:
-        b_t = b_2.to(OUT_DT)
+        if TRANS:
+            b_3 = tl.load(p3 + r[None, :] * D3 + o_3[:, None], mask=m_t[None, :], other=0.0).to(tl.float32)
+            b_t = tl.reshape((b_2[:, None, :] * b_3[None, :, :]).to(OUT_DT), [D2 * D3, C])
+        else:
+            b_3 = tl.load(p3 + r[:, None] * D3 + o_3[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
+            b_t = tl.reshape((b_2[:, :, None] * b_3[:, None, :]).to(OUT_DT), [C, D2 * D3])
     return b_t
 
 
@@ -506,7 +496,7 @@ def chunk_running_tensor_fwd_kernel(
             b_tkn = b_us
             b_tqn = b_us
             if KRON:  # the chunk's trailing-factor tiles, shared by every key tile
-                b_tkt = _trailing_tile_t(k2, k3, r, m_t, C, NF, D2, D3, DOT_DT)
+                b_tkt = _trailing_tile(k2, k3, r, m_t, C, NF, D2, D3, DOT_DT, TRANS=True)
                 if MERGE_PASSES:
                     b_tkn = _trailing_tile(k2, k3, r_n, m_tn, C, NF, D2, D3, DOT_DT)
                     b_tqn = _trailing_tile(q2, q3, r_n, m_tn, C, NF, D2, D3, DOT_DT)

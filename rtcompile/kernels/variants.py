@@ -189,8 +189,9 @@ class ChunkVariant(_Variant):
     and the triangular inverse inside the sequential kernel (no [T, C] workspace) instead of in
     a separate chunk-parallel kernel. ``dot_precision``: how fp32 operands enter ``tl.dot``
     (16-bit inputs always use their own type). ``solve``: the (I + A)^-1 of the delta rule row
-    by row (``"rows"``, C - 1 serial steps) or by diagonal blocks of 16 rows and products
-    (``"blocks"``, 15 steps and up to four C x C dots; needs C = 32 or 64). ``prefetch``: with the
+    by row (``"rows"``, C - 1 serial steps) or by diagonal blocks of ``solve_block`` rows and
+    products (``"blocks"``/``"diagonal"``, solve_block - 1 steps and two C x C dots per doubling
+    of the block count; needs 2 solve_block <= C <= 64). ``prefetch``: with the
     state in registers, load the next chunk's inputs (factor tiles, values, gates, prepared
     scores) before computing the current one, so their latency overlaps the arithmetic of the
     sequential loop (needs power-of-two key widths >= 16: each factor tile is then exactly one
