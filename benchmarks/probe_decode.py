@@ -121,27 +121,38 @@ def _twopass_output(q1, q2, k1, k2, v, g, beta, o, r, o_v, b_pred, b_read, b_kq,
 
 
 @triton.jit
+def _slab_start(cache, idx, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    """This program's token-head row, value columns and the pointers of its slab's first row."""
+    i_v, r = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(idx + r // H).to(tl.int64)
+    o_v = i_v * BV + tl.arange(0, BV)
+    return r, o_v, cache + (slot * H + r % H) * K * V + o_v[None, :]
+
+
+@triton.jit
+def _read_tile(b_s, q1, q2, k1, k2, r, o_k, D1: tl.constexpr, D2: tl.constexpr):
+    """One [BK, BV] tile's share of <S, phi(k)> and <S, phi(q)>, and phi(k) * phi(q) ([BK])."""
+    b_k = _phi2(k1, k2, r, o_k, D1, D2)
+    b_q = _phi2(q1, q2, r, o_k, D1, D2)
+    return tl.sum(b_s * b_k[:, None], axis=0), tl.sum(b_s * b_q[:, None], axis=0), b_k * b_q
+
+
+@triton.jit
 def decode_twopass_kernel(q1, q2, k1, k2, v, g, beta, o, cache, idx, scale,
                           H: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                           BV: tl.constexpr, HINT1: tl.constexpr, HINT2: tl.constexpr, STORE_HINT: tl.constexpr):
     K: tl.constexpr = D1 * D2
     NK: tl.constexpr = K // BK
-    i_v, r = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = r // H, r % H
-    slot = tl.load(idx + i_n).to(tl.int64)
-    o_v = i_v * BV + tl.arange(0, BV)
-    p_0 = cache + (slot * H + i_h) * K * V + o_v[None, :]
+    r, o_v, p_0 = _slab_start(cache, idx, H, K, V, BV)
     b_pred = tl.zeros([BV], dtype=tl.float32)
     b_read = tl.zeros([BV], dtype=tl.float32)
     b_kq = 0.0
     for i_k in tl.static_range(NK):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_s = _load_hint(p_0 + o_k[:, None] * V, HINT1)
-        b_k = _phi2(k1, k2, r, o_k, D1, D2)
-        b_q = _phi2(q1, q2, r, o_k, D1, D2)
-        b_pred += tl.sum(b_s * b_k[:, None], axis=0)
-        b_read += tl.sum(b_s * b_q[:, None], axis=0)
-        b_kq += tl.sum(b_k * b_q, axis=0)
+        b_pi, b_ri, b_kqi = _read_tile(_load_hint(p_0 + o_k[:, None] * V, HINT1), q1, q2, k1, k2, r, o_k, D1, D2)
+        b_pred += b_pi
+        b_read += b_ri
+        b_kq += tl.sum(b_kqi, axis=0)
     r_k, b_a, b_u = _twopass_output(q1, q2, k1, k2, v, g, beta, o, r, o_v, b_pred, b_read, b_kq, scale, D1, D2, V)
     for i_k in tl.static_range(NK):
         o_k = i_k * BK + tl.arange(0, BK)
@@ -158,22 +169,17 @@ def decode_twopass_pipe_kernel(q1, q2, k1, k2, v, g, beta, o, cache, idx, scale,
     """twopass with runtime loops that Triton's software pipeliner may stage through shared
     memory (``num_stages`` = STAGES): loads in flight without holding registers."""
     K: tl.constexpr = D1 * D2
-    i_v, r = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = r // H, r % H
-    slot = tl.load(idx + i_n).to(tl.int64)
-    o_v = i_v * BV + tl.arange(0, BV)
-    p_0 = cache + (slot * H + i_h) * K * V + o_v[None, :]
+    r, o_v, p_0 = _slab_start(cache, idx, H, K, V, BV)
     b_pred = tl.zeros([BV], dtype=tl.float32)
     b_read = tl.zeros([BV], dtype=tl.float32)
     b_kq = tl.zeros([BK], dtype=tl.float32)
     for i_k in tl.range(0, K // BK, num_stages=STAGES):
         o_k = i_k * BK + tl.arange(0, BK)
         b_s = tl.load(p_0 + o_k[:, None] * V, eviction_policy="evict_last")
-        b_k = _phi2(k1, k2, r, o_k, D1, D2)
-        b_q = _phi2(q1, q2, r, o_k, D1, D2)
-        b_pred += tl.sum(b_s * b_k[:, None], axis=0)
-        b_read += tl.sum(b_s * b_q[:, None], axis=0)
-        b_kq += b_k * b_q
+        b_pi, b_ri, b_kqi = _read_tile(b_s, q1, q2, k1, k2, r, o_k, D1, D2)
+        b_pred += b_pi
+        b_read += b_ri
+        b_kq += b_kqi
     r_k, b_a, b_u = _twopass_output(q1, q2, k1, k2, v, g, beta, o, r, o_v, b_pred, b_read, tl.sum(b_kq, axis=0),
                                     scale, D1, D2, V)
     for i_k in tl.range(0, K // BK, num_stages=STAGES):
