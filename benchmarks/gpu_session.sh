@@ -149,11 +149,11 @@ print(f"first chunk call after reload (B8 T4096, empty Triton cache): {t2 - t1:.
 EOF
 }
 
-step_confirm() {  # the K > 256 defaults of 2026-11-30e under their own name, beside the previous
-  # default (rtcompile[blocks-ieee]), with their error cases: ~280 s (2026-11-30e call 6 ran the
-  # same cases in 272 s)
-  python3 -m rtcompile.cli bench --out "$OUT/bench_confirm" --phase prefill --only o3_32x32 --only o3_64x64 \
-    --only o4_16x16x16 --budget-s 300
+step_confirm() {  # the defaults of 2026-11-30f (the solve in tiles) beside the two before them
+  # (rtcompile[diagonal], rtcompile[blocks-ieee]), timing only (`errors` has their error cases):
+  # five shapes, ~250 s
+  python3 -m rtcompile.cli bench --out "$OUT/bench_confirm" --phase prefill --only o3_16x16_B8 --only o3_32x32_B8 \
+    --only o3_64x64_B8 --only o4_16x16x16_B8 --only o2_128_B8 --budget-s 300
 }
 
 step_errors() {  # the error cases alone (the prefill bench's budget seldom reaches them): ~140 s

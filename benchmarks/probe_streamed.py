@@ -93,6 +93,20 @@ NEIGHBOURS = (
     ("diagonal", {"solve": "diagonal"}),
     ("tf32", {"dot_precision": "tf32"}),
     ("diagonal-tf32", {"solve": "diagonal", "dot_precision": "tf32"}),
+    # the prepare kernel's solve in its workspace, in [16, 16] tiles; its warps; C = 32 with it
+    ("tiles", {"solve": "tiles"}),
+    ("tiles-pw4", {"solve": "tiles", "prepare_warps": 4}),
+    ("tiles-pw2", {"solve": "tiles", "prepare_warps": 2}),
+    ("tiles-pw1", {"solve": "tiles", "prepare_warps": 1}),
+    ("tiles-C32", {"solve": "tiles", "chunk_size": 32, "prepare_warps": 2}),
+    ("tiles-C32-w4", {"solve": "tiles", "chunk_size": 32, "num_warps": 4, "prepare_warps": 2}),
+    ("tiles-ieee", {"solve": "tiles", "dot_precision": "ieee"}),
+    # K = 256 with a resident state: larger chunks, now that the tile solve keeps their prepare cheap
+    ("C32-bv16-res", {"chunk_size": 32, "block_v": 16, "prepare_warps": 2}),
+    ("C32-w8-res", {"chunk_size": 32, "num_warps": 8, "prepare_warps": 2}),
+    ("C64-bv16-w8-res", {"chunk_size": 64, "block_v": 16, "num_warps": 8, "prepare_warps": 2}),
+    ("C64-w8-res", {"chunk_size": 64, "num_warps": 8, "prepare_warps": 2}),
+    ("bv16-res", {"block_v": 16}),
     # kron: tiles of one axis-1 index, products on the trailing factors' tile with x1's column as row scale
     ("kron", {"kron": True}),
     ("kron-bk64", {"kron": True, "block_k": 64}),

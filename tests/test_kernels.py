@@ -12,7 +12,9 @@ import triton.language as tl
 
 import rtcompile
 from rtcompile.kernels import running_tensor_recurrent_ref, triton_fwd
-from rtcompile.kernels.triton_common import unit_lower_inverse_blocked, unit_lower_inverse_diagonal
+from rtcompile.kernels.triton_common import (
+    unit_lower_inverse_blocked, unit_lower_inverse_diagonal, unit_lower_inverse_tiles,
+)
 from rtcompile.kernels.triton_fwd import running_tensor_decode_, running_tensor_fwd
 from rtcompile.kernels.variants import ChunkVariant, KernelShape, RecurrentVariant
 
@@ -145,6 +147,12 @@ BLOCKED_SOLVE = {
                                                         solve="diagonal", solve_block=8)),
     "c16-diagonal-bs4": ((2, 3, 2), 37, ChunkVariant(chunk_size=16, block_k=16, block_v=16, solve="diagonal",
                                                      solve_block=4, prepare_warps=1)),
+    # inverted in the prepare kernel's workspace, in [16, 16] tiles: last chunks of 2 and 13 rows
+    # (inside the first and the last diagonal block), 1 and 4 blocks
+    "c64-tiles": ((5,), 130, ChunkVariant(chunk_size=64, block_k=16, block_v=16, num_warps=8, solve="tiles")),
+    "c64-tiles-pw2": ((2, 3, 2), 77, ChunkVariant(chunk_size=64, block_k=16, block_v=16, solve="tiles",
+                                                  prepare_warps=2)),
+    "c16-tiles-pw1": ((3, 4), 37, ChunkVariant(chunk_size=16, block_k=16, block_v=16, solve="tiles", prepare_warps=1)),
 }
 
 
@@ -241,6 +249,26 @@ def test_unit_lower_inverse_blocked_is_the_inverse(C, BS, diagonal):
     assert rel_err(X.cpu(), ref) < 1e-4
 
 
+@triton.jit
+def _invert_tiles_kernel(A, n_rows, C: tl.constexpr):
+    unit_lower_inverse_tiles(A, n_rows, C, "ieee")
+
+
+@pytest.mark.parametrize("C, n_rows", [(16, 16), (32, 32), (64, 64), (64, 37), (32, 9)],
+                         ids=["c16", "c32", "c64", "c64-37rows", "c32-9rows"])
+def test_unit_lower_inverse_tiles_is_the_inverse(C, n_rows):
+    # in place; rows from n_rows on belong to someone else (the next sequence): never written
+    A = (torch.rand(C, C, dtype=torch.float64) * 2 - 1).tril(-1)
+    A[n_rows:] = 0.0
+    buf = A.float().clone()
+    buf[n_rows:] = float("nan")
+    buf = buf.to(DEVICE)
+    _invert_tiles_kernel[(1,)](buf, n_rows, C=C)
+    ref = torch.linalg.inv(torch.eye(C, dtype=torch.float64) + A.float().double())
+    assert rel_err(buf.cpu()[:n_rows], ref[:n_rows]) < 1e-4
+    assert buf[n_rows:].isnan().all()
+
+
 VARLEN_PREFETCH = ChunkVariant(chunk_size=16, block_k=16, block_v=16, num_stages=1, prefetch=True)
 
 
@@ -250,6 +278,7 @@ VARLEN["chunk16-prefetch-o2-16"] = ((16,), "chunk16-prefetch")  # prefetch takes
 VARLEN["chunk16-wy-o3"] = ((3, 4), "chunk16-wy")
 VARLEN["chunk16-merge-o3"] = ((3, 7), "chunk16-merge")  # K = 21: streamed in 16-row tiles
 VARLEN["chunk16-kron-o4"] = ((2, 2, 16), "chunk16-kron")  # K = 64: two 32-row tiles, one per x1 index
+VARLEN["chunk32-tiles-o3"] = ((3, 4), "chunk32-tiles")  # the tile solve must not touch the next sequence's rows
 
 
 @pytest.mark.parametrize("case", VARLEN.keys())
@@ -264,7 +293,8 @@ def test_varlen_uneven_lengths(case):
                      "chunk16-merge": ("chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16, prefetch=True,
                                                              merge_passes=True)),
                      "chunk16-kron": ("chunk", ChunkVariant(chunk_size=16, block_k=32, block_v=16, kron=True,
-                                                            merge_passes=True))}.get(
+                                                            merge_passes=True)),
+                     "chunk32-tiles": ("chunk", ChunkVariant(chunk_size=32, block_k=16, block_v=16, solve="tiles"))}.get(
         impl) or VARIANTS[impl]
     o, s = running_tensor_fwd(*dev, initial_state=_to(s0, torch.float32), output_final_state=True, l2norm=True,
                               cu_seqlens=_to(cu), mode=mode, variant=variant)

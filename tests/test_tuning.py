@@ -47,9 +47,10 @@ def _trials(url, bucket=TINY):
 
 def test_planted_wrong_variant_is_never_selected(tmp_path):
     url = f"sqlite:///{tmp_path / 'planted.db'}"
-    # the two knobs of the prepare kernel fixed: with them free, fused draws are mostly pruned
-    # (prepare_warps must stay 4 there) and six trials did not always reach one
-    fixed = {"prepare_warps": 4, "solve_block": 16}
+    # the prepare kernel's knobs fixed: with them free, fused draws are mostly pruned
+    # (prepare_warps must stay 4 there, solve='tiles' needs the prepare kernel) and six trials
+    # did not always reach one
+    fixed = {"prepare_warps": 4, "solve_block": 16, "solve": "rows"}
     r = tune_bucket(TINY, TuneOptions(storage=url, trials=6, workers=2, repeats=2, impl="tuning_impls:planted_wrong",
                                       fixed=fixed))
     rejected = [t for t in _trials(url) if t.user_attrs.get("status") == "rejected"]
@@ -304,10 +305,10 @@ def test_exhaustive_sweep_runs_each_valid_variant_once_in_its_own_study(tmp_path
 
     url = f"sqlite:///{tmp_path / 'sweep.db'}"
     fixed = {"chunk_size": 16, "num_stages": 1, "dot_precision": "ieee", "wy": False, "prepare_warps": 4,
-             "solve_block": 16}
+             "solve_block": 16, "solve": "rows"}
     opts = TuneOptions(storage=url, workers=2, repeats=2, fixed=fixed, exhaustive=True)
     expected = exhaustive_variants(TINY, opts)
-    assert len(expected) == 6  # num_warps 2/4/8 x fuse_prepare; solve='blocks' needs C >= 2 solve_block
+    assert len(expected) == 6  # num_warps 2/4/8 x fuse_prepare
     r = tune_bucket(TINY, opts)
     import optuna
 

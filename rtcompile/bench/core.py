@@ -230,7 +230,7 @@ def _default_with(kernel: str = "chunk", fused: bool = False, **changes: Any) ->
 
 
 # the named variants whose error the error cases report
-ERROR_VARIANTS = ("plain", "fused", "prefetch", "wy", "blocks-ieee")
+ERROR_VARIANTS = ("plain", "fused", "prefetch", "wy", "blocks-ieee", "diagonal")
 
 # Named extra implementations timed beside the default: name -> kwargs, or a function of the
 # case returning kwargs (for variants that depend on the shape). Where the state fits registers
@@ -243,14 +243,16 @@ _PLAIN = {"prefetch": False, "wy": False}
 DEFAULT_VARIANTS: dict[str, Any] = {
     "plain": _default_with(**_PLAIN),
     "prefetch": _default_with(prefetch=True, wy=False),
-    "wy": _default_with(prefetch=False, wy=True),
+    "wy": _default_with(prefetch=False, wy=True, solve="rows"),  # wy applies Ai in registers: no tile solve
     "fused": _default_with(fused=True, **_PLAIN),
     "fused-blocks": _default_with(fused=True, solve="blocks", **_PLAIN),
     "prefetch-fused-blocks": _default_with(fused=True, prefetch=True, solve="blocks"),
     # the prepare kernel's solve as the default had it before 2026-11-30e (diagonal blocks on
-    # [16, C] row strips, fp32 products at ieee): 2026-11-30e timed "diagonal", "tf32" and
-    # "diagonal-tf32" beside that default, and the last became the default at K > 256
-    "blocks-ieee": _default_with(solve="blocks", dot_precision="ieee"),
+    # [16, C] row strips, fp32 products at ieee, the prepare kernel at the sequential one's 8
+    # warps) and before 2026-11-30f (those blocks inverted on their own tiles, with the default's
+    # product precision): the default since solves in [16, 16] tiles in the workspace
+    "blocks-ieee": _default_with(solve="blocks", dot_precision="ieee", prepare_warps=8),
+    "diagonal": _default_with(solve="diagonal", prepare_warps=8),
 }
 # Decode beside its default (phi gathered per element): the slab held factored, phi broadcast
 # from the factors (outer_phi; power-of-two widths).

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from .triton_common import (
     factor_tile, load_state_tile, phi_gather, phi_inv_norm, phi_tile_outer, unit_lower_inverse,
-    unit_lower_inverse_blocked, unit_lower_inverse_diagonal,
+    unit_lower_inverse_blocked, unit_lower_inverse_diagonal, unit_lower_inverse_tiles,
 )
 
 
@@ -93,16 +93,16 @@ def _lead_column(p1, r, m_t, i, D1: tl.constexpr):
 @triton.jit
 def _scores_from_tiles(q1, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_b, b_c,
                        NF: tl.constexpr, C: tl.constexpr, USE_BETA: tl.constexpr, LOWP: tl.constexpr,
-                       PREC: tl.constexpr, SOLVE_BLOCK: tl.constexpr):
+                       PREC: tl.constexpr, SOLVE: tl.constexpr, SOLVE_BLOCK: tl.constexpr):
     """P = prod Q_i K_i^T * decay * causal, and Ai = (I + A)^-1 (identity without beta), from
     the chunk's (normalised) [C, BD_i] factor tiles, its beta ``b_b`` and log decay ``b_c``.
 
     Gram blocks take the factors in the input type when it is 16-bit (tensor cores; at K = 256
     order 2 the fp32 Grams made the prepare step dominate), else fp32 at PREC. The solve goes
-    row by row (SOLVE_BLOCK = 0), or by diagonal blocks of |SOLVE_BLOCK| rows: inverted on row
-    strips when SOLVE_BLOCK > 0 (solve="blocks"), on their own tiles when < 0
-    (solve="diagonal"; the launcher's encoding keeps one constexpr). ``q1`` only
-    names the input type.
+    row by row (SOLVE = 0, solve="rows"), or by diagonal blocks of SOLVE_BLOCK rows inverted on
+    row strips (1, "blocks") or on their own tiles (2, "diagonal"); with 3 ("tiles") Ai is A
+    itself, for the prepare kernel to invert in its workspace (:func:`unit_lower_inverse_tiles`).
+    ``q1`` only names the input type.
     """
     DT: tl.constexpr = q1.dtype.element_ty
     o_c = tl.arange(0, C)
@@ -123,10 +123,12 @@ def _scores_from_tiles(q1, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_b, b_c,
     b_P = b_qk * b_decay
     if USE_BETA:
         b_A = tl.where(o_c[:, None] > o_c[None, :], b_b[:, None] * b_kk * b_decay, 0.0)
-        if SOLVE_BLOCK > 0:
+        if SOLVE == 1:
             b_Ai = unit_lower_inverse_blocked(b_A, C, SOLVE_BLOCK, PREC)
-        elif SOLVE_BLOCK < 0:
-            b_Ai = unit_lower_inverse_diagonal(b_A, C, -SOLVE_BLOCK, PREC)
+        elif SOLVE == 2:
+            b_Ai = unit_lower_inverse_diagonal(b_A, C, SOLVE_BLOCK, PREC)
+        elif SOLVE == 3:
+            b_Ai = b_A
         else:
             b_Ai = unit_lower_inverse(b_A, C)
     else:
@@ -159,7 +161,7 @@ def _chunk_scores(q1, q2, q3, k1, k2, k3, beta, r, m_t, b_c,
                   NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
                   BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, C: tl.constexpr,
                   USE_BETA: tl.constexpr, L2NORM: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
-                  SOLVE_BLOCK: tl.constexpr):
+                  SOLVE: tl.constexpr, SOLVE_BLOCK: tl.constexpr):
     """:func:`_scores_from_tiles` on the factor tiles of the token-head rows ``r``."""
     b_q1, b_q2, b_q3, b_k1, b_k2, b_k3 = _factor_tiles(q1, q2, q3, k1, k2, k3, r, m_t, NF, D1, D2, D3,
                                                        BD1, BD2, BD3, L2NORM)
@@ -167,7 +169,7 @@ def _chunk_scores(q1, q2, q3, k1, k2, k3, beta, r, m_t, b_c,
     if USE_BETA:
         b_b = tl.load(beta + r, mask=m_t, other=0.0).to(tl.float32)
     return _scores_from_tiles(q1, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_b, b_c,
-                              NF, C, USE_BETA, LOWP, PREC, SOLVE_BLOCK)
+                              NF, C, USE_BETA, LOWP, PREC, SOLVE, SOLVE_BLOCK)
 
 
 @triton.jit
@@ -252,7 +254,8 @@ def chunk_prepare_running_tensor_kernel(
     BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, C: tl.constexpr,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
-    LOWP: tl.constexpr, PREC: tl.constexpr, SOLVE_BLOCK: tl.constexpr, WY: tl.constexpr, OUTER: tl.constexpr,
+    LOWP: tl.constexpr, PREC: tl.constexpr, SOLVE: tl.constexpr, SOLVE_BLOCK: tl.constexpr, WY: tl.constexpr,
+    OUTER: tl.constexpr,
 ):
     i_c, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -273,7 +276,7 @@ def chunk_prepare_running_tensor_kernel(
     b_c = _chunk_log_decay(g, r, m_t, USE_G, C)
     b_P, b_Ai = _chunk_scores(
         q1, q2, q3, k1, k2, k3, beta, r, m_t, b_c,
-        NF, D1, D2, D3, BD1, BD2, BD3, C, USE_BETA, L2NORM, LOWP, PREC, SOLVE_BLOCK,
+        NF, D1, D2, D3, BD1, BD2, BD3, C, USE_BETA, L2NORM, LOWP, PREC, SOLVE, SOLVE_BLOCK,
     )
     # workspace [B, H, T, C]: row = token, as the sequential kernel reads it
     off_w = ((i_b * H + i_h) * T + tok)[:, None] * C + o_c[None, :]
@@ -297,6 +300,9 @@ def chunk_prepare_running_tensor_kernel(
         tl.store(U0 + p_row[:, None] * V + o_v[None, :], b_u0, mask=m_t[:, None] & m_v)
     elif USE_BETA:
         tl.store(Ai + off_w, b_Ai, mask=m_t[:, None])
+        if SOLVE == 3:  # solve="tiles": b_Ai is A; invert it in place, in [16, 16] tiles
+            tl.debug_barrier()
+            unit_lower_inverse_tiles(Ai + ((i_b * H + i_h) * T + bos + i_c * C) * C, eos - bos - i_c * C, C, PREC)
 
 
 @triton.jit
@@ -364,7 +370,7 @@ def chunk_running_tensor_fwd_kernel(
     USE_G: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
     FUSE_PREPARE: tl.constexpr, LOWP: tl.constexpr, LOWP_SCORES: tl.constexpr, PREC: tl.constexpr,
-    OUTER: tl.constexpr, SOLVE_BLOCK: tl.constexpr, PREFETCH: tl.constexpr, WY: tl.constexpr,
+    OUTER: tl.constexpr, SOLVE: tl.constexpr, SOLVE_BLOCK: tl.constexpr, PREFETCH: tl.constexpr, WY: tl.constexpr,
     PREFETCH_STATE: tl.constexpr, MERGE_PASSES: tl.constexpr, KRON: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -426,13 +432,13 @@ def chunk_running_tensor_fwd_kernel(
                 b_c = tl.cumsum(b_g, axis=0)
             if FUSE_PREPARE:
                 b_P, b_Ai = _scores_from_tiles(q1, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_b, b_c,
-                                               NF, C, USE_BETA, LOWP_SCORES, PREC, SOLVE_BLOCK)
+                                               NF, C, USE_BETA, LOWP_SCORES, PREC, SOLVE, SOLVE_BLOCK)
         else:
             b_c = _chunk_log_decay(g, r, m_t, USE_G, C)
             if FUSE_PREPARE:
                 b_P, b_Ai = _chunk_scores(
                     q1, q2, q3, k1, k2, k3, beta, r, m_t, b_c,
-                    NF, D1, D2, D3, BD1, BD2, BD3, C, USE_BETA, L2NORM, LOWP_SCORES, PREC, SOLVE_BLOCK,
+                    NF, D1, D2, D3, BD1, BD2, BD3, C, USE_BETA, L2NORM, LOWP_SCORES, PREC, SOLVE, SOLVE_BLOCK,
                 )
             else:
                 p_row = (i_b * H + i_h) * T + tok

@@ -25,7 +25,7 @@ from . import tuned
 from .chunk import chunk_prepare_running_tensor_kernel, chunk_running_tensor_fwd_kernel
 from .inputs import Problem, check_inputs
 from .recurrent import fused_recurrent_running_tensor_fwd_kernel
-from .variants import ChunkVariant, KernelShape, RecurrentVariant, next_pow2, outer_phi_ok
+from .variants import SOLVE_BLOCK, ChunkVariant, KernelShape, RecurrentVariant, next_pow2, outer_phi_ok
 
 MAX_FACTORS = 3  # orders 2..4
 MODES = ("chunk", "recurrent")
@@ -191,6 +191,10 @@ def _chunk_indices(p: Problem, C: int, device: torch.device) -> torch.Tensor:
     return torch.tensor(pairs, dtype=torch.int32).to(device)
 
 
+# the solve's form as the kernels' SOLVE constexpr (chunk.py, _scores_from_tiles)
+SOLVE_CODES = {"rows": 0, "blocks": 1, "diagonal": 2, "tiles": 3}
+
+
 def _launch_chunk(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm, store_ht: bool,
                   variant: ChunkVariant, resident: bool) -> torch.Tensor:
     """``resident``: the variant keeps the state in registers at this shape (its caller knows)."""
@@ -202,8 +206,7 @@ def _launch_chunk(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm, s
     common = dict(H=H, NF=len(q), **widths, USE_G=g is not None, USE_BETA=beta is not None,
                   L2NORM=l2norm, IS_VARLEN=cu_seqlens is not None, LOWP=_lowp_dots(v.dtype),
                   PREC=variant.dot_precision,
-                  # one constexpr for the solve: 0 rows, +block row strips, -block diagonal tiles
-                  SOLVE_BLOCK={"rows": 0, "blocks": 1, "diagonal": -1}[variant.solve] * variant.solve_block)
+                  SOLVE=SOLVE_CODES[variant.solve], SOLVE_BLOCK=variant.solve_block)
     g_arg = g if g is not None else dummy
     beta_arg = beta if beta is not None else dummy
     cu_arg = cu_seqlens if cu_seqlens is not None else dummy
@@ -246,7 +249,7 @@ def _launch_chunk(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm, s
         LOWP_SCORES=common["LOWP"] and not variant.fuse_prepare,
         # the solve runs here only when fused: otherwise one compiled sequential kernel serves
         # every solve setting of the prepare kernel
-        **{**common, "SOLVE_BLOCK": common["SOLVE_BLOCK"] if variant.fuse_prepare else 0},
+        **{**common, **({} if variant.fuse_prepare else {"SOLVE": 0, "SOLVE_BLOCK": SOLVE_BLOCK})},
         num_warps=variant.num_warps, num_stages=variant.num_stages,
     )
     return o

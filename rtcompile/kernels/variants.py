@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, ClassVar, Iterator
 
 DOT_PRECISIONS = ("ieee", "tf32x3", "tf32")
-SOLVES = ("rows", "blocks", "diagonal")
+SOLVES = ("rows", "blocks", "diagonal", "tiles")
 SOLVE_BLOCK = 16  # the default rows per diagonal block of the blocked solve (ChunkVariant.solve_block)
 SOLVE_BLOCKS = (4, 8, 16)
 PREPARE_WARPS = (1, 2, 4, 8, 16)
@@ -202,6 +202,9 @@ class ChunkVariant(_Variant):
     needs the state in registers and the two-kernel form; its workspace grows with T * K.
     ``solve="diagonal"``: the blocked solve with each diagonal block inverted on its own
     [solve_block, solve_block] tile (``"blocks"`` inverts them on [solve_block, C] row strips).
+    ``solve="tiles"``: the prepare kernel stores A and inverts it in its workspace in [16, 16]
+    tiles (diagonal blocks by forward substitution, the rest by block forward substitution), so
+    no [C, C] solve tile lives in registers (C <= 64, two-kernel form without wy).
     ``merge_passes``: with a streamed state, the update pass of chunk c also forms chunk c+1's
     products phi(K) S and phi(Q) S from each updated tile while it is in registers, so the state
     is read once per chunk instead of twice (needs ``block_k`` < K). ``prepare_warps``: warps of
@@ -264,7 +267,12 @@ class ChunkVariant(_Variant):
             return f"solve={self.solve!r}; allowed: {', '.join(SOLVES)}"
         # C = 128 (8 blocks, [8, 16, 128] tiles): Triton 3.6's LLVM lowering had not finished
         # after 50 s on the H200 (2026-11-30), so the blocked solve stops at C = 64
-        if self.solve != "rows" and not (2 * self.solve_block <= self.chunk_size <= 64
+        if self.solve == "tiles" and (self.fuse_prepare or self.wy or self.solve_block != SOLVE_BLOCK
+                                      or self.chunk_size > 64):
+            return (f"solve='tiles' inverts in the prepare kernel's workspace: it needs fuse_prepare=False, "
+                    f"wy=False, solve_block={SOLVE_BLOCK} and chunk_size <= 64, got fuse_prepare={self.fuse_prepare}, "
+                    f"wy={self.wy}, solve_block={self.solve_block}, chunk_size={self.chunk_size}")
+        if self.solve in ("blocks", "diagonal") and not (2 * self.solve_block <= self.chunk_size <= 64
                                            and self.chunk_size <= 16 * self.solve_block):
             return (f"solve={self.solve!r} needs chunk_size in [{2 * self.solve_block}, 64] and at most 16 blocks "
                     f"(blocks of solve_block={self.solve_block} rows; C = 128 did not compile)")
@@ -307,15 +315,20 @@ class ChunkVariant(_Variant):
         # no separate prepare kernel: its warps at the default. The fused Grams and solve stay
         # fp32 at ieee precision (see the launcher), in the strip form verified there on the H200
         return replace(self, fuse_prepare=True, prefetch=self.prefetch and not self.resident(shape), wy=False,
-                       prepare_warps=4, dot_precision="ieee",
-                       solve="blocks" if self.solve == "diagonal" else self.solve)
+                       prepare_warps=4, dot_precision="ieee", solve=self._register_solve())
+
+    def _register_solve(self) -> str:
+        """The solve's form for a fused kernel (no workspace to invert in): the strip form."""
+        if self.solve == "diagonal" or (self.solve == "tiles" and self.chunk_size >= 2 * SOLVE_BLOCK):
+            return "blocks"
+        return "rows" if self.solve == "tiles" else self.solve
 
     def estimate_registers(self, shape: KernelShape) -> int:
         C, bk, bv = self.chunk_size, self.block_k, self.block_v
         # fp32 tiles live at once: state tile, phi(K) and phi(Q) tiles, C x C scores and
         # inverse, C x block_v values/updates/outputs (x3)
         live = bk * bv + 2 * C * bk + 2 * C * C + 3 * C * bv
-        if self.solve != "rows":  # the blocked solve's A_d, E, X, N, Y tiles, C x C each
+        if self.solve in ("blocks", "diagonal"):  # the blocked solve's A_d, E, X, N, Y tiles, C x C each
             live += 3 * C * C
         if self.prefetch and self.resident(shape):  # the next chunk's factor tiles, values, P and Ai
             live += 2 * C * sum(shape.key_widths) + C * bv + 2 * C * C
@@ -391,7 +404,11 @@ class ChunkVariant(_Variant):
         16x16x16 (diagonal alone: 2.09 / 6.12 / 6.75). The diagonal form computes what the
         strip form does (relative RMS against float64 unchanged: bf16 4.5-5.2e-3, fp32 7.8e-7 to
         8.7e-7); tf32 alone left the bf16 errors unchanged and took fp32 inputs to 2.5e-3, so
-        fp32 inputs keep ieee.
+        fp32 inputs keep ieee. The solve then moved into the prepare kernel's workspace, in
+        [16, 16] tiles (solve="tiles", two prepare warps; probe_streamed.py, 2026-11-30f, same
+        run): 32x32 1.32 against 1.82 ms, 64x64 5.26 against 5.70, o4 5.67 against 6.16 (the
+        prepare kernel at 32x32: 0.14-0.16 against 0.64 ms); outputs within 3.4e-5 of the
+        diagonal form's.
         Power-of-two widths build phi blocks as outer products when block_k covers the
         trailing axes, so block_k is at least their product.
 
@@ -427,9 +444,9 @@ class ChunkVariant(_Variant):
             prefs += [(32, kp, 16, 4, {}), (16, kp, 16, 4, {}), (32, min(kp, 128), 16, 4, {})]
         else:
             bk = min(kp, max(128, trailing))
-            # the diagonal-tile solve, and tf32 for its fp32 products when the inputs are 16-bit
-            # (their own Grams are 16-bit already): see default()
-            solve = {"solve": "diagonal", "dot_precision": "tf32" if shape.input_bytes == 2 else "ieee"}
+            # tf32 for the solve's fp32 products when the inputs are 16-bit (their own Grams are
+            # 16-bit already): see default()
+            solve = {"dot_precision": "tf32" if shape.input_bytes == 2 else "ieee"}
             big = {**solve, "merge_passes": True}
             mid = {"prefetch": True, **solve}
             prefs = [(64, max(bk, 256), 32, 8, big), (64, max(bk, 256), 16, 8, big)] if kp >= 4096 else \
@@ -439,11 +456,13 @@ class ChunkVariant(_Variant):
             prefs += [(32, 128, 16, 4, {}), (16, 64, 16, 4, {})]
         out = []
         for C, bk, bv, warps, extra in prefs + [(16, 16, 16, 4, {})]:
-            # the prepare kernel's warps (H200, B8 T4096 H8, probe_split.py, 2026-11-30): at C = 16
-            # one warp (o3 16x16: 0.056 ms against 0.149 with 4); at C = 64 the blocked solve's
-            # [C, C] tiles want 8 (64x64: 1.35 ms; 2.67 with 4, 13.9 with 2, 4.2 with 16);
-            # C = 32 was not measured and keeps the sequential kernel's warps, as before
-            pw = 1 if C == 16 else warps
+            # the solve in [16, 16] tiles in the prepare kernel's workspace wherever wy does not
+            # need it in registers, with that kernel's warps (H200, B8 T4096 H8, probe_split.py,
+            # 2026-11-30f): one at C = 16 (o3 16x16: 0.044 ms against 0.056 for the row solve),
+            # two at C = 32 and 64 (32x32 prefill 1.32 ms with 2, 1.39 with 4, 1.63 with 8)
+            if not extra.get("wy"):
+                extra = {"solve": "tiles", **extra}
+            pw = 1 if C == 16 else 2 if extra.get("solve") == "tiles" else warps
             v = cls(chunk_size=C, block_k=bk, block_v=min(bv, max_bv), num_warps=warps, num_stages=1,
                     prepare_warps=pw, **extra)
             if v.check(shape, smem_limit) is None and v not in out:
