@@ -438,3 +438,16 @@ def test_only_without_a_match_is_a_usage_error(capsys):
     assert main(["bench", "--dry-run", "--phase", "decode", "--only", "64x64"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--only '64x64': no case of phase decode matches" in err[0]
+
+
+@pytest.mark.parametrize("dtype, precision", [("bfloat16", "tf32"), ("float32", "ieee")], ids=["bf16", "fp32"])
+def test_named_variants_follow_the_input_width(monkeypatch, dtype, precision):
+    # the default's product precision depends on the input width; a named variant built for bf16
+    # and run on fp32 inputs measured tf32's error (2.5e-3) as if it were the variant's
+    from rtcompile.bench.core import DEFAULT_VARIANTS
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(
+        shared_memory_per_block_optin=227 * 1024))  # an H200's: the default's C = 64 candidates pass
+    case = Case("o3_32x32", "prefill", (32, 32), 2, 256, dtype=dtype)
+    for name in ("plain", "diagonal"):
+        assert DEFAULT_VARIANTS[name](case)["variant"].dot_precision == precision

@@ -217,7 +217,10 @@ def _default_with(kernel: str = "chunk", fused: bool = False, **changes: Any) ->
         from ..kernels.variants import ChunkVariant, KernelShape, RecurrentVariant
 
         cls = {"chunk": ChunkVariant, "recurrent": RecurrentVariant}[kernel]
-        shape = KernelShape(tuple(case.key_widths), case.V)
+        # the input width decides the default's product precision (tf32 only for 16-bit inputs at
+        # K > 256): 2026-11-30f's error cases built the named variants for bf16 and ran them on
+        # fp32 inputs too (fp32 error 2.5e-3 against 7.9e-7 for the default)
+        shape = KernelShape(tuple(case.key_widths), case.V, getattr(torch, case.dtype).itemsize)
         limit = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
         v = cls.default(shape, limit)
         v = dataclasses.replace(v.fused(shape) if fused else v, **changes)
