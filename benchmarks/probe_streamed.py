@@ -101,12 +101,26 @@ NEIGHBOURS = (
     ("tiles-C32", {"solve": "tiles", "chunk_size": 32, "prepare_warps": 2}),
     ("tiles-C32-w4", {"solve": "tiles", "chunk_size": 32, "num_warps": 4, "prepare_warps": 2}),
     ("tiles-ieee", {"solve": "tiles", "dot_precision": "ieee"}),
+    # the low-memory form (what ChunkVariant.fused gives) with the strip solve, and with the tile
+    # solve in a per-program scratch
+    ("fused-blocks", {"fuse_prepare": True, "prepare_warps": 4, "dot_precision": "ieee", "solve": "blocks"}),
+    ("fused-tiles", {"fuse_prepare": True, "prepare_warps": 4, "dot_precision": "ieee", "solve": "tiles"}),
+    ("fused-tiles-tf32", {"fuse_prepare": True, "prepare_warps": 4, "dot_precision": "tf32", "solve": "tiles"}),
     # K = 256 with a resident state: larger chunks, now that the tile solve keeps their prepare cheap
     ("C32-bv16-res", {"chunk_size": 32, "block_v": 16, "prepare_warps": 2}),
     ("C32-w8-res", {"chunk_size": 32, "num_warps": 8, "prepare_warps": 2}),
     ("C64-bv16-w8-res", {"chunk_size": 64, "block_v": 16, "num_warps": 8, "prepare_warps": 2}),
     ("C64-w8-res", {"chunk_size": 64, "num_warps": 8, "prepare_warps": 2}),
     ("bv16-res", {"block_v": 16}),
+    # K = 256: the solve applied in the prepare kernel (wy) with larger chunks and 8 warps (one
+    # program per SM at B8 H8 block_v 32: 128 programs)
+    ("pf-w8", {"num_warps": 8}),
+    ("wy-pf-C16", {"wy": True, "solve": "rows"}),
+    ("wy-pf-C16-w8", {"wy": True, "solve": "rows", "num_warps": 8}),
+    ("wy-pf-C32-w8", {"wy": True, "solve": "rows", "chunk_size": 32, "num_warps": 8, "prepare_warps": 4}),
+    ("wy-pf-C32-w8-diag", {"wy": True, "solve": "diagonal", "chunk_size": 32, "num_warps": 8, "prepare_warps": 4}),
+    ("wy-pf-C32-bv16", {"wy": True, "solve": "rows", "chunk_size": 32, "block_v": 16, "prepare_warps": 4}),
+    ("wy-pf-C64-w8-diag", {"wy": True, "solve": "diagonal", "chunk_size": 64, "num_warps": 8, "prepare_warps": 8}),
     # kron: tiles of one axis-1 index, products on the trailing factors' tile with x1's column as row scale
     ("kron", {"kron": True}),
     ("kron-bk64", {"kron": True, "block_k": 64}),

@@ -153,6 +153,9 @@ BLOCKED_SOLVE = {
     "c64-tiles-pw2": ((2, 3, 2), 77, ChunkVariant(chunk_size=64, block_k=16, block_v=16, solve="tiles",
                                                   prepare_warps=2)),
     "c16-tiles-pw1": ((3, 4), 37, ChunkVariant(chunk_size=16, block_k=16, block_v=16, solve="tiles", prepare_warps=1)),
+    # fused: each program inverts in a [C, C] scratch of its own, chunk after chunk
+    "c64-tiles-fused": ((2, 3, 2), 77, ChunkVariant(chunk_size=64, block_k=16, block_v=16, fuse_prepare=True,
+                                                    solve="tiles")),
 }
 
 
@@ -162,6 +165,8 @@ PREFETCH = {
                                                        prefetch=True)),
     "o2-32-c32-fused-blocks": ((32,), 70, ChunkVariant(chunk_size=32, block_k=32, block_v=16, fuse_prepare=True,
                                                          solve="blocks", prefetch=True)),
+    "o2-32-c32-fused-tiles": ((32,), 70, ChunkVariant(chunk_size=32, block_k=32, block_v=16, fuse_prepare=True,
+                                                        solve="tiles", prefetch=True)),
     # with a streamed state: the next state tile loaded ahead (gathered and outer-product phi)
     "o3-5x7-c16-streamed": ((5, 7), 37, ChunkVariant(chunk_size=16, block_k=16, block_v=16, prefetch=True)),
     "o3-4x8-c32-streamed-fused": ((4, 8), 45, ChunkVariant(chunk_size=32, block_k=16, block_v=16, fuse_prepare=True,
@@ -279,6 +284,7 @@ VARLEN["chunk16-wy-o3"] = ((3, 4), "chunk16-wy")
 VARLEN["chunk16-merge-o3"] = ((3, 7), "chunk16-merge")  # K = 21: streamed in 16-row tiles
 VARLEN["chunk16-kron-o4"] = ((2, 2, 16), "chunk16-kron")  # K = 64: two 32-row tiles, one per x1 index
 VARLEN["chunk32-tiles-o3"] = ((3, 4), "chunk32-tiles")  # the tile solve must not touch the next sequence's rows
+VARLEN["chunk32-tiles-fused-o4"] = ((2, 3, 2), "chunk32-tiles-fused")
 
 
 @pytest.mark.parametrize("case", VARLEN.keys())
@@ -294,7 +300,9 @@ def test_varlen_uneven_lengths(case):
                                                              merge_passes=True)),
                      "chunk16-kron": ("chunk", ChunkVariant(chunk_size=16, block_k=32, block_v=16, kron=True,
                                                             merge_passes=True)),
-                     "chunk32-tiles": ("chunk", ChunkVariant(chunk_size=32, block_k=16, block_v=16, solve="tiles"))}.get(
+                     "chunk32-tiles": ("chunk", ChunkVariant(chunk_size=32, block_k=16, block_v=16, solve="tiles")),
+                     "chunk32-tiles-fused": ("chunk", ChunkVariant(chunk_size=32, block_k=16, block_v=16, solve="tiles",
+                                                                   fuse_prepare=True))}.get(
         impl) or VARIANTS[impl]
     o, s = running_tensor_fwd(*dev, initial_state=_to(s0, torch.float32), output_final_state=True, l2norm=True,
                               cu_seqlens=_to(cu), mode=mode, variant=variant)

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from .triton_common import (
     factor_tile, load_state_tile, phi_gather, phi_inv_norm, phi_tile_outer, unit_lower_inverse,
-    unit_lower_inverse_blocked, unit_lower_inverse_diagonal, unit_lower_inverse_tiles,
+    unit_lower_inverse_blocked, unit_lower_inverse_diagonal, unit_lower_inverse_scratch, unit_lower_inverse_tiles,
 )
 
 
@@ -454,6 +454,9 @@ def chunk_running_tensor_fwd_kernel(
                           mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
             if USE_BETA:
                 b_b = tl.load(beta + r, mask=m_t, other=0.0).to(tl.float32)
+        if FUSE_PREPARE and USE_BETA and SOLVE == 3:  # solve="tiles" fused: A inverted in this program's scratch
+            b_Ai = unit_lower_inverse_scratch(Ai + (i_nh * tl.num_programs(0) + i_v).to(tl.int64) * C * C, b_Ai,
+                                              C, PREC)
         b_gam = tl.exp(b_c)
         b_last = tl.sum(tl.where(o_c == C - 1, b_c, 0.0), axis=0)
         b_ratio = tl.exp(b_last - b_c)  # Gamma_C / Gamma_i <= 1

@@ -184,6 +184,21 @@ def unit_lower_inverse_tiles(p_A, n_rows, C: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def unit_lower_inverse_scratch(p_X, b_A, C: tl.constexpr, PREC: tl.constexpr):
+    """:func:`unit_lower_inverse_tiles` for a [C, C] register tile, through this program's own
+    [C, C] fp32 scratch at ``p_X`` (the fused kernel's: no workspace that grows with T). Padded
+    rows of A are zero, so their rows of the inverse are identity rows."""
+    o_c = tl.arange(0, C)
+    off = o_c[:, None] * C + o_c[None, :]
+    tl.debug_barrier()  # the previous chunk's inverse has been read by every warp
+    tl.store(p_X + off, b_A)
+    tl.debug_barrier()
+    unit_lower_inverse_tiles(p_X, C, C, PREC)
+    tl.debug_barrier()
+    return tl.load(p_X + off)
+
+
+@triton.jit
 def _tile(p_A, i, j, n_rows, C: tl.constexpr):
     """Block (i, j) of the [C, C] matrix at p_A as a [16, 16] tile; rows from n_rows on read 0."""
     o_b = tl.arange(0, 16)

@@ -232,6 +232,9 @@ def _launch_chunk(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm, s
             num_warps=variant.prepare_warps, num_stages=variant.num_stages,
         )
     grid = (triton.cdiv(V, variant.block_v), p.num_seqs * H)
+    if variant.fuse_prepare and variant.solve == "tiles" and beta is not None:
+        # the fused tile solve's scratch: one [C, C] per program, whatever T (2 MiB at B8 H8 C64 BV32)
+        Ai = _empty(grid[0] * grid[1], C, C, dtype=torch.float32, device=v.device)
     chunk_running_tensor_fwd_kernel[grid](
         *_factor_args(q), *_factor_args(k), v, g_arg, beta_arg, o,
         h0 if h0 is not None else dummy, ht if ht is not None else dummy, P, Ai, W, U0, cu_arg,

@@ -204,7 +204,8 @@ class ChunkVariant(_Variant):
     [solve_block, solve_block] tile (``"blocks"`` inverts them on [solve_block, C] row strips).
     ``solve="tiles"``: the prepare kernel stores A and inverts it in its workspace in [16, 16]
     tiles (diagonal blocks by forward substitution, the rest by block forward substitution), so
-    no [C, C] solve tile lives in registers (C <= 64, two-kernel form without wy).
+    no [C, C] solve tile lives in registers (C <= 64, without wy); fused, each program does the
+    same in a [C, C] scratch of its own (a workspace that does not grow with T).
     ``merge_passes``: with a streamed state, the update pass of chunk c also forms chunk c+1's
     products phi(K) S and phi(Q) S from each updated tile while it is in registers, so the state
     is read once per chunk instead of twice (needs ``block_k`` < K). ``prepare_warps``: warps of
@@ -267,11 +268,10 @@ class ChunkVariant(_Variant):
             return f"solve={self.solve!r}; allowed: {', '.join(SOLVES)}"
         # C = 128 (8 blocks, [8, 16, 128] tiles): Triton 3.6's LLVM lowering had not finished
         # after 50 s on the H200 (2026-11-30), so the blocked solve stops at C = 64
-        if self.solve == "tiles" and (self.fuse_prepare or self.wy or self.solve_block != SOLVE_BLOCK
-                                      or self.chunk_size > 64):
-            return (f"solve='tiles' inverts in the prepare kernel's workspace: it needs fuse_prepare=False, "
-                    f"wy=False, solve_block={SOLVE_BLOCK} and chunk_size <= 64, got fuse_prepare={self.fuse_prepare}, "
-                    f"wy={self.wy}, solve_block={self.solve_block}, chunk_size={self.chunk_size}")
+        if self.solve == "tiles" and (self.wy or self.solve_block != SOLVE_BLOCK or self.chunk_size > 64):
+            return (f"solve='tiles' inverts in memory, in [16, 16] tiles: it needs wy=False, "
+                    f"solve_block={SOLVE_BLOCK} and chunk_size <= 64, got wy={self.wy}, "
+                    f"solve_block={self.solve_block}, chunk_size={self.chunk_size}")
         if self.solve in ("blocks", "diagonal") and not (2 * self.solve_block <= self.chunk_size <= 64
                                            and self.chunk_size <= 16 * self.solve_block):
             return (f"solve={self.solve!r} needs chunk_size in [{2 * self.solve_block}, 64] and at most 16 blocks "
