@@ -105,7 +105,8 @@ NEIGHBOURS = (
     # solve in a per-program scratch
     ("fused-blocks", {"fuse_prepare": True, "prepare_warps": 4, "dot_precision": "ieee", "solve": "blocks"}),
     ("fused-tiles", {"fuse_prepare": True, "prepare_warps": 4, "dot_precision": "ieee", "solve": "tiles"}),
-    ("fused-tiles-tf32", {"fuse_prepare": True, "prepare_warps": 4, "dot_precision": "tf32", "solve": "tiles"}),
+    ("fused-tiles-nopf", {"fuse_prepare": True, "prepare_warps": 4, "dot_precision": "ieee", "solve": "tiles",
+                          "prefetch": False}),
     # K = 256 with a resident state: larger chunks, now that the tile solve keeps their prepare cheap
     ("C32-bv16-res", {"chunk_size": 32, "block_v": 16, "prepare_warps": 2}),
     ("C32-w8-res", {"chunk_size": 32, "num_warps": 8, "prepare_warps": 2}),
