@@ -152,8 +152,12 @@ def _finish(kernel_s: float, nbytes: float, flops: float, programs: int, bound: 
 
 def chunk_workspace_bytes(spec: ModelSpec, batch: int, seq_len: int, variant: ChunkVariant) -> int:
     """Extra memory of the chunk kernels: the [B, H, T, C] scores (and inverse) in fp32 (wy: the
-    scores, W and U0), or, fused, nothing beyond the final-state buffer (counted as output)."""
+    scores, W and U0), or, fused, nothing beyond the final-state buffer (counted as output) but
+    the tile solve's [C, C] fp32 scratch per program (independent of T)."""
     if variant.fuse_prepare:
+        if variant.solve == "tiles" and spec.features.delta_rule:
+            programs = batch * spec.heads * math.ceil(spec.value_width / variant.block_v)
+            return programs * variant.chunk_size ** 2 * 4
         return 0
     rows = batch * spec.heads * seq_len
     if variant.wy and spec.features.delta_rule:  # P, and W [T, K] (input type) + U0 [T, V] (fp32)
@@ -163,9 +167,13 @@ def chunk_workspace_bytes(spec: ModelSpec, batch: int, seq_len: int, variant: Ch
 
 def _solve_rows(variant: ChunkVariant) -> float:
     """Serial steps of the fused solve, in forward-substitution rows. The blocked solve's
-    C x C dots (2 log2(C / solve_block)) are counted as one row each: a guess, not yet measured."""
+    C x C dots (2 log2(C / solve_block)) and the tile solve's C / 16 - 1 block rows of [16, 16]
+    products are counted as one row each: guesses, not fitted (the fused tile solve ran 2.3x
+    faster than the strip form at o3 32x32 on the H200, 2026-11-30f, which this does not show)."""
     if variant.solve == "rows":
         return variant.chunk_size
+    if variant.solve == "tiles":
+        return 15 + variant.chunk_size // 16 - 1
     return variant.solve_block - 1 + 2 * math.log2(variant.chunk_size // variant.solve_block)
 
 

@@ -137,3 +137,16 @@ def test_merged_passes_move_two_thirds_of_the_streamed_state_traffic():
     b = chunk_cost(spec, H200, 8, 4096, merged, NO_HOST)
     state = spec.state_bytes_per_layer * 8 * (4096 // 64)
     assert a.bytes - b.bytes == pytest.approx(state)
+
+
+def test_fused_workspace_is_the_tile_scratch_and_does_not_grow_with_t():
+    from rtcompile.costmodel import chunk_workspace_bytes
+
+    spec = _small()  # o3 16x16, d_v 64, delta rule on
+    v = ChunkVariant(chunk_size=64, block_k=256, block_v=32, fuse_prepare=True, solve="tiles")
+    programs = 8 * spec.heads * 2  # B8, two 32-column value tiles
+    assert spec.features.delta_rule
+    assert chunk_workspace_bytes(spec, 8, 4096, v) == chunk_workspace_bytes(spec, 8, 64, v) == programs * 64 * 64 * 4
+    assert chunk_workspace_bytes(spec, 8, 4096, dataclasses.replace(v, solve="blocks")) == 0
+    two_kernel = dataclasses.replace(v, fuse_prepare=False)  # [B, H, T, C] P and Ai: grows with T
+    assert chunk_workspace_bytes(spec, 8, 4096, two_kernel) == 64 * chunk_workspace_bytes(spec, 8, 64, two_kernel)
