@@ -259,8 +259,8 @@ def _invert_tiles_kernel(A, n_rows, C: tl.constexpr):
     unit_lower_inverse_tiles(A, n_rows, C, "ieee")
 
 
-@pytest.mark.parametrize("C, n_rows", [(16, 16), (32, 32), (64, 64), (64, 37), (32, 9)],
-                         ids=["c16", "c32", "c64", "c64-37rows", "c32-9rows"])
+@pytest.mark.parametrize("C, n_rows", [(16, 16), (32, 32), (64, 64), (64, 37), (32, 9), (64, 1)],
+                         ids=["c16", "c32", "c64", "c64-37rows", "c32-9rows", "c64-1row"])
 def test_unit_lower_inverse_tiles_is_the_inverse(C, n_rows):
     # in place; rows from n_rows on belong to someone else (the next sequence): never written
     A = (torch.rand(C, C, dtype=torch.float64) * 2 - 1).tril(-1)
