@@ -1,6 +1,6 @@
 # One GPU session's measurements, in steps that each fit one 10-minute device call.
 #
-#   bash benchmarks/gpu_session.sh STEP...     (STEP: tests | bench | confirm | errors | probes | sweep-decode |
+#   bash benchmarks/gpu_session.sh STEP...     (STEP: tests | bench | confirm | errors | probes | wy-tiles | sweep-decode |
 #        sweep-prefill | sweep-report | one-worker | tpe-again | sweep | tuned-bench | checks | finish)
 #
 # Run from the project root on the device machine, after installing the carried wheels (see
@@ -171,6 +171,16 @@ step_probes() {  # large-K chunk neighbours, decode designs, the eager call's ho
   timeout 200 python3 benchmarks/probe_decode.py --out "$OUT/probe_decode.json" > "$OUT/probe_decode.txt" 2>&1 || true
   timeout 60 python3 benchmarks/probe_host.py > "$OUT/probe_host.txt" 2>&1 || true
   tail -40 "$OUT/probe_streamed.txt" "$OUT/probe_decode.txt" "$OUT/probe_host.txt"
+}
+
+step_wy_tiles() {  # wy with the tile solve (CPU-verified only on 2026-11-30f) at K = 256 and o2 64,
+  # where wy's row solve made its prepare kernel slow (0.26 ms at C 32): the GPU tests for it, then
+  # the probes (~150 s)
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "wy or tiles" 2>&1 | tail -3 || true
+  timeout 120 python3 benchmarks/probe_streamed.py --widths 16 16 --widths 64 --names default tiles \
+    wy-tiles-pf-C16 wy-tiles-pf-C32-w8 wy-tiles-pf-C32-w8-pw4 wy-pf-C32-w8 2>&1 | grep -v Warn || true
+  timeout 90 python3 benchmarks/probe_split.py --widths 16 16 --widths 64 --names tiles wy-tiles-pf-C32-w8 \
+    2>&1 | grep -v "Warn\|_warn" || true
 }
 
 step_tuned_bench() {  # the prefill bench again, reading the tuned table (TUNED, or the sweep's)

@@ -122,6 +122,10 @@ NEIGHBOURS = (
     ("wy-pf-C32-w8-diag", {"wy": True, "solve": "diagonal", "chunk_size": 32, "num_warps": 8, "prepare_warps": 4}),
     ("wy-pf-C32-bv16", {"wy": True, "solve": "rows", "chunk_size": 32, "block_v": 16, "prepare_warps": 4}),
     ("wy-pf-C64-w8-diag", {"wy": True, "solve": "diagonal", "chunk_size": 64, "num_warps": 8, "prepare_warps": 8}),
+    # wy with the tile solve (its inverse read back for W and U0): not yet measured
+    ("wy-tiles-pf-C16", {"wy": True, "solve": "tiles"}),
+    ("wy-tiles-pf-C32-w8", {"wy": True, "solve": "tiles", "chunk_size": 32, "num_warps": 8, "prepare_warps": 2}),
+    ("wy-tiles-pf-C32-w8-pw4", {"wy": True, "solve": "tiles", "chunk_size": 32, "num_warps": 8, "prepare_warps": 4}),
     # kron: tiles of one axis-1 index, products on the trailing factors' tile with x1's column as row scale
     ("kron", {"kron": True}),
     ("kron-bk64", {"kron": True, "block_k": 64}),

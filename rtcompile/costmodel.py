@@ -161,7 +161,9 @@ def chunk_workspace_bytes(spec: ModelSpec, batch: int, seq_len: int, variant: Ch
         return 0
     rows = batch * spec.heads * seq_len
     if variant.wy and spec.features.delta_rule:  # P, and W [T, K] (input type) + U0 [T, V] (fp32)
-        return rows * (variant.chunk_size * 4 + spec.key_dim * DTYPE_BYTES[spec.input_dtype] + spec.value_width * 4)
+        tiles = variant.chunk_size * 4 if variant.solve == "tiles" else 0  # + the tile solve's Ai [T, C]
+        return rows * (variant.chunk_size * 4 + tiles + spec.key_dim * DTYPE_BYTES[spec.input_dtype]
+                       + spec.value_width * 4)
     return rows * variant.chunk_size * 4 * (2 if spec.features.delta_rule else 1)
 
 

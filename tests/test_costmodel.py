@@ -150,3 +150,14 @@ def test_fused_workspace_is_the_tile_scratch_and_does_not_grow_with_t():
     assert chunk_workspace_bytes(spec, 8, 4096, dataclasses.replace(v, solve="blocks")) == 0
     two_kernel = dataclasses.replace(v, fuse_prepare=False)  # [B, H, T, C] P and Ai: grows with T
     assert chunk_workspace_bytes(spec, 8, 4096, two_kernel) == 64 * chunk_workspace_bytes(spec, 8, 64, two_kernel)
+
+
+def test_wy_with_the_tile_solve_also_keeps_its_inverse():
+    from rtcompile.costmodel import chunk_workspace_bytes
+
+    spec = _small()
+    wy = ChunkVariant(chunk_size=32, block_k=256, block_v=32, prefetch=True, wy=True)
+    rows = 8 * spec.heads * 4096
+    extra = chunk_workspace_bytes(spec, 8, 4096, dataclasses.replace(wy, solve="tiles")) - chunk_workspace_bytes(
+        spec, 8, 4096, wy)
+    assert extra == rows * 32 * 4  # Ai [B, H, T, C] fp32 beside P, W and U0

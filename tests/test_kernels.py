@@ -206,6 +206,10 @@ WY = {
                                                           wy=True)),
     "o3-16x16-c16-prefetch": ((16, 16), 37, ChunkVariant(chunk_size=16, block_k=256, block_v=16, num_warps=8,
                                                           num_stages=1, prefetch=True, wy=True)),
+    # the tile solve's inverse read back for W and U0: last chunks of 6 and 13 rows
+    "o3-3x4-c32-tiles": ((3, 4), 70, ChunkVariant(chunk_size=32, block_k=16, block_v=16, wy=True, solve="tiles")),
+    "o2-16-c64-tiles-prefetch": ((16,), 77, ChunkVariant(chunk_size=64, block_k=16, block_v=16, num_warps=8,
+                                                          prefetch=True, wy=True, solve="tiles", prepare_warps=2)),
 }
 
 
@@ -285,6 +289,7 @@ VARLEN["chunk16-merge-o3"] = ((3, 7), "chunk16-merge")  # K = 21: streamed in 16
 VARLEN["chunk16-kron-o4"] = ((2, 2, 16), "chunk16-kron")  # K = 64: two 32-row tiles, one per x1 index
 VARLEN["chunk32-tiles-o3"] = ((3, 4), "chunk32-tiles")  # the tile solve must not touch the next sequence's rows
 VARLEN["chunk32-tiles-fused-o4"] = ((2, 3, 2), "chunk32-tiles-fused")
+VARLEN["chunk32-wy-tiles-o3"] = ((3, 4), "chunk32-wy-tiles")
 
 
 @pytest.mark.parametrize("case", VARLEN.keys())
@@ -301,6 +306,8 @@ def test_varlen_uneven_lengths(case):
                      "chunk16-kron": ("chunk", ChunkVariant(chunk_size=16, block_k=32, block_v=16, kron=True,
                                                             merge_passes=True)),
                      "chunk32-tiles": ("chunk", ChunkVariant(chunk_size=32, block_k=16, block_v=16, solve="tiles")),
+                     "chunk32-wy-tiles": ("chunk", ChunkVariant(chunk_size=32, block_k=16, block_v=16, wy=True,
+                                                                solve="tiles")),
                      "chunk32-tiles-fused": ("chunk", ChunkVariant(chunk_size=32, block_k=16, block_v=16, solve="tiles",
                                                                    fuse_prepare=True))}.get(
         impl) or VARIANTS[impl]

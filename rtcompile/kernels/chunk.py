@@ -281,6 +281,16 @@ def chunk_prepare_running_tensor_kernel(
     # workspace [B, H, T, C]: row = token, as the sequential kernel reads it
     off_w = ((i_b * H + i_h) * T + tok)[:, None] * C + o_c[None, :]
     tl.store(P + off_w, b_P, mask=m_t[:, None])
+    if USE_BETA:
+        if SOLVE == 3:  # solve="tiles": b_Ai is A; invert it in place in the workspace, in [16, 16] tiles
+            tl.store(Ai + off_w, b_Ai, mask=m_t[:, None])
+            tl.debug_barrier()
+            unit_lower_inverse_tiles(Ai + ((i_b * H + i_h) * T + bos + i_c * C) * C, eos - bos - i_c * C, C, PREC)
+            if WY:  # the inverse back in registers, for W and U0 (padded rows read 0: never stored)
+                tl.debug_barrier()
+                b_Ai = tl.load(Ai + off_w, mask=m_t[:, None], other=0.0)
+        elif not WY:  # with wy the inverse is applied below and not stored
+            tl.store(Ai + off_w, b_Ai, mask=m_t[:, None])
     if WY:  # the solve applied here, in parallel: W = Ai diag(b Gamma / ||phi(k)||) phi(K), U0 = Ai diag(b) V
         DT: tl.constexpr = q1.dtype.element_ty
         b_b = tl.load(beta + r, mask=m_t, other=0.0).to(tl.float32)
@@ -298,11 +308,6 @@ def chunk_prepare_running_tensor_kernel(
         b_v = tl.load(v + r[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v, other=0.0).to(tl.float32)
         b_u0 = _dot(b_Ai, b_b[:, None] * b_v, LOWP, DT, PREC)
         tl.store(U0 + p_row[:, None] * V + o_v[None, :], b_u0, mask=m_t[:, None] & m_v)
-    elif USE_BETA:
-        tl.store(Ai + off_w, b_Ai, mask=m_t[:, None])
-        if SOLVE == 3:  # solve="tiles": b_Ai is A; invert it in place, in [16, 16] tiles
-            tl.debug_barrier()
-            unit_lower_inverse_tiles(Ai + ((i_b * H + i_h) * T + bos + i_c * C) * C, eos - bos - i_c * C, C, PREC)
 
 
 @triton.jit

@@ -218,7 +218,7 @@ def _launch_chunk(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm, s
         if wy:  # W in the dot operand type (16-bit inputs: their own), U0 in fp32
             W = _empty(B, H, T, p.key_dim, dtype=v.dtype if common["LOWP"] else torch.float32, device=v.device)
             U0 = _empty(B, H, T, V, dtype=torch.float32, device=v.device)
-        elif beta is not None:
+        if beta is not None and (not wy or variant.solve == "tiles"):  # with wy, only the tile solve's
             Ai = _empty(B, H, T, C, dtype=torch.float32, device=v.device)
         if cu_seqlens is not None:
             idx = _chunk_indices(p, C, v.device)

@@ -204,8 +204,9 @@ class ChunkVariant(_Variant):
     [solve_block, solve_block] tile (``"blocks"`` inverts them on [solve_block, C] row strips).
     ``solve="tiles"``: the prepare kernel stores A and inverts it in its workspace in [16, 16]
     tiles (diagonal blocks by forward substitution, the rest by block forward substitution), so
-    no [C, C] solve tile lives in registers (C <= 64, without wy); fused, each program does the
-    same in a [C, C] scratch of its own (a workspace that does not grow with T).
+    no [C, C] solve tile lives in registers (C <= 64; with wy the inverse is read back for W and
+    U0, and its [T, C] workspace comes on top of theirs); fused, each program does the same in a
+    [C, C] scratch of its own (a workspace that does not grow with T).
     ``merge_passes``: with a streamed state, the update pass of chunk c also forms chunk c+1's
     products phi(K) S and phi(Q) S from each updated tile while it is in registers, so the state
     is read once per chunk instead of twice (needs ``block_k`` < K). ``prepare_warps``: warps of
@@ -268,10 +269,9 @@ class ChunkVariant(_Variant):
             return f"solve={self.solve!r}; allowed: {', '.join(SOLVES)}"
         # C = 128 (8 blocks, [8, 16, 128] tiles): Triton 3.6's LLVM lowering had not finished
         # after 50 s on the H200 (2026-11-30), so the blocked solve stops at C = 64
-        if self.solve == "tiles" and (self.wy or self.solve_block != SOLVE_BLOCK or self.chunk_size > 64):
-            return (f"solve='tiles' inverts in memory, in [16, 16] tiles: it needs wy=False, "
-                    f"solve_block={SOLVE_BLOCK} and chunk_size <= 64, got wy={self.wy}, "
-                    f"solve_block={self.solve_block}, chunk_size={self.chunk_size}")
+        if self.solve == "tiles" and (self.solve_block != SOLVE_BLOCK or self.chunk_size > 64):
+            return (f"solve='tiles' inverts in memory, in [16, 16] tiles: it needs solve_block={SOLVE_BLOCK} and "
+                    f"chunk_size <= 64, got solve_block={self.solve_block}, chunk_size={self.chunk_size}")
         # fused with tf32 products: an illegal address on the H200 (o3 32x32, C 64, Triton 3.6,
         # 2026-11-30f); with ieee it ran and matched
         if self.solve == "tiles" and self.fuse_prepare and self.dot_precision != "ieee":
@@ -458,10 +458,10 @@ class ChunkVariant(_Variant):
             prefs += [(32, 128, 16, 4, {}), (16, 64, 16, 4, {})]
         out = []
         for C, bk, bv, warps, extra in prefs + [(16, 16, 16, 4, {})]:
-            # the solve in [16, 16] tiles in the prepare kernel's workspace wherever wy does not
-            # need it in registers, with that kernel's warps (H200, B8 T4096 H8, probe_split.py,
-            # 2026-11-30f): one at C = 16 (o3 16x16: 0.044 ms against 0.056 for the row solve),
-            # two at C = 32 and 64 (32x32 prefill 1.32 ms with 2, 1.39 with 4, 1.63 with 8)
+            # the solve in [16, 16] tiles in the prepare kernel's workspace (wy keeps the row solve:
+            # wy with tiles is not measured), with that kernel's warps (H200, B8 T4096 H8,
+            # probe_split.py, 2026-11-30f): one at C = 16 (o3 16x16: 0.044 ms against 0.056 for
+            # the row solve), two at C = 32 and 64 (32x32 prefill 1.32 ms with 2, 1.39 with 4, 1.63 with 8)
             if not extra.get("wy"):
                 extra = {"solve": "tiles", **extra}
             pw = 1 if C == 16 else 2 if extra.get("solve") == "tiles" else warps
