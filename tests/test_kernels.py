@@ -403,6 +403,10 @@ HALF_STREAMED = {
     "o4-4x4x4-kron-merge": ((4, 4, 4), ChunkVariant(chunk_size=16, block_k=16, block_v=16, kron=True,
                                                     merge_passes=True)),
     "o4-2x4x4-kron": ((2, 4, 4), ChunkVariant(chunk_size=16, block_k=16, block_v=16, kron=True)),
+    # the tile solve (C = 32: two blocks) in the workspace and fused in a scratch
+    "o3-4x8-tiles-c32": ((4, 8), ChunkVariant(chunk_size=32, block_k=16, block_v=16, solve="tiles")),
+    "o3-4x8-tiles-c32-fused": ((4, 8), ChunkVariant(chunk_size=32, block_k=16, block_v=16, solve="tiles",
+                                                    fuse_prepare=True)),
 }
 
 
