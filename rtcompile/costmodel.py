@@ -31,7 +31,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from .figures import _io_bytes_per_token, chunk_figures, recurrent_figures
-from .kernels.variants import ChunkVariant, KernelShape, RecurrentVariant
+from .kernels.variants import SOLVE_BLOCK, ChunkVariant, KernelShape, RecurrentVariant
 from .spec import DTYPE_BYTES, ModelSpec
 from .target import Target
 
@@ -175,7 +175,7 @@ def _solve_rows(variant: ChunkVariant) -> float:
     if variant.solve == "rows":
         return variant.chunk_size
     if variant.solve == "tiles":
-        return 15 + variant.chunk_size // 16 - 1
+        return SOLVE_BLOCK - 1 + variant.chunk_size // SOLVE_BLOCK - 1
     return variant.solve_block - 1 + 2 * math.log2(variant.chunk_size // variant.solve_block)
 
 

@@ -246,7 +246,7 @@ _PLAIN = {"prefetch": False, "wy": False}
 DEFAULT_VARIANTS: dict[str, Any] = {
     "plain": _default_with(**_PLAIN),
     "prefetch": _default_with(prefetch=True, wy=False),
-    "wy": _default_with(prefetch=False, wy=True, solve="rows"),  # wy applies Ai in registers: no tile solve
+    "wy": _default_with(prefetch=False, wy=True, solve="rows"),  # as measured: wy with the tile solve is untimed
     "fused": _default_with(fused=True, **_PLAIN),
     "fused-blocks": _default_with(fused=True, solve="blocks", **_PLAIN),
     "prefetch-fused-blocks": _default_with(fused=True, prefetch=True, solve="blocks"),

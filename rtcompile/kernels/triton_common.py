@@ -126,15 +126,28 @@ def unit_lower_inverse_diagonal(b_A, C: tl.constexpr, BS: tl.constexpr, PREC: tl
     # [NB, BS, NB, BS] view of A; block (n, n) of each row strip is its diagonal block
     m_blk = o_n[:, None, None, None] == o_n[None, None, :, None]
     b_Ab = tl.sum(tl.where(m_blk, tl.reshape(b_A, [NB, BS, NB, BS]), 0.0), axis=2)
-    m_eye = o_b[:, None] == o_b[None, :]
-    b_X = tl.where(m_eye[None, :, :], 1.0, 0.0) + tl.zeros([NB, BS, BS], dtype=tl.float32)
+    b_X = _eye_blocks(NB, BS)
     for i in range(1, BS):
-        m_row = (o_b == i)[None, :, None]
-        b_a = tl.sum(tl.where(m_row, b_Ab, 0.0), axis=1)  # row i of every diagonal block, [NB, BS]
-        b_row = tl.where(o_b == i, 1.0, 0.0)[None, :] - tl.sum(b_a[:, :, None] * b_X, axis=1)
-        b_X = tl.where(m_row, b_row[:, None, :], b_X)
+        b_a = tl.sum(tl.where((o_b == i)[None, :, None], b_Ab, 0.0), axis=1)  # row i of every diagonal block
+        b_X = _substitute_row(b_X, b_a, i, BS)
     b_Xd = tl.reshape(tl.where(m_blk, b_X[:, :, None, :], 0.0), [C, C])
     return _inverse_from_diagonal(b_Xd, b_A, m_d, NB, PREC)
+
+
+@triton.jit
+def _eye_blocks(NB: tl.constexpr, BS: tl.constexpr):
+    """NB identity blocks, [NB, BS, BS] fp32: forward substitution's start."""
+    o_b = tl.arange(0, BS)
+    return tl.where((o_b[:, None] == o_b[None, :])[None, :, :], 1.0, 0.0) + tl.zeros([NB, BS, BS], dtype=tl.float32)
+
+
+@triton.jit
+def _substitute_row(b_X, b_a, i, BS: tl.constexpr):
+    """One forward-substitution step in every block at once: row i of X = (I + A_b)^-1 becomes
+    e_i - sum_j<i a_ij X_j, from row i of each block's A (``b_a``, [NB, BS])."""
+    o_b = tl.arange(0, BS)
+    b_row = tl.where(o_b == i, 1.0, 0.0)[None, :] - tl.sum(b_a[:, :, None] * b_X, axis=1)
+    return tl.where((o_b == i)[None, :, None], b_row[:, None, :], b_X)
 
 
 @triton.jit
@@ -156,14 +169,12 @@ def unit_lower_inverse_tiles(p_A, n_rows, C: tl.constexpr, PREC: tl.constexpr):
     o_b = tl.arange(0, 16)
     o_n = tl.arange(0, NB)
     # the diagonal blocks as one [NB, 16, 16] tile: block n covers rows and columns 16n .. 16n+15
-    m_eye = o_b[:, None] == o_b[None, :]
-    b_X = tl.where(m_eye[None, :, :], 1.0, 0.0) + tl.zeros([NB, 16, 16], dtype=tl.float32)
+    b_X = _eye_blocks(NB, 16)
     p_diag = p_A + (o_n * 16 * (C + 1))[:, None]  # each block's top-left element, [NB, 1]
     for i in range(1, 16):
         m_i = (o_n * 16 + i < n_rows)[:, None]
         b_a = tl.load(p_diag + i * C + o_b[None, :], mask=m_i, other=0.0)  # row i of every block, [NB, 16]
-        b_row = tl.where(o_b == i, 1.0, 0.0)[None, :] - tl.sum(b_a[:, :, None] * b_X, axis=1)
-        b_X = tl.where((o_b == i)[None, :, None], b_row[:, None, :], b_X)
+        b_X = _substitute_row(b_X, b_a, i, 16)
     o_r = o_n[:, None, None] * 16 + o_b[None, :, None]
     tl.debug_barrier()  # every warp has read its A rows before the blocks are overwritten
     tl.store(p_diag[:, :, None] + o_b[None, :, None] * C + o_b[None, None, :], b_X, mask=o_r < n_rows)

@@ -232,6 +232,9 @@ def _launch_chunk(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm, s
             num_warps=variant.prepare_warps, num_stages=variant.num_stages,
         )
     grid = (triton.cdiv(V, variant.block_v), p.num_seqs * H)
+    # the solve runs in the sequential kernel only when fused: otherwise one compiled sequential
+    # kernel serves every solve setting of the prepare kernel
+    seq_common = common if variant.fuse_prepare else {**common, "SOLVE": 0, "SOLVE_BLOCK": SOLVE_BLOCK}
     if variant.fuse_prepare and variant.solve == "tiles" and beta is not None:
         # the fused tile solve's scratch: one [C, C] per program, whatever T (2 MiB at B8 H8 C64 BV32)
         Ai = _empty(grid[0] * grid[1], C, C, dtype=torch.float32, device=v.device)
@@ -250,9 +253,7 @@ def _launch_chunk(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm, s
         # operands there, (C=64, BK=128, 8 warps, order 3 64x64) returned wrong results and then
         # an illegal address on an H200 (Triton 3.6, 2026-11-29); fp32 was verified there.
         LOWP_SCORES=common["LOWP"] and not variant.fuse_prepare,
-        # the solve runs here only when fused: otherwise one compiled sequential kernel serves
-        # every solve setting of the prepare kernel
-        **{**common, **({} if variant.fuse_prepare else {"SOLVE": 0, "SOLVE_BLOCK": SOLVE_BLOCK})},
+        **seq_common,
         num_warps=variant.num_warps, num_stages=variant.num_stages,
     )
     return o

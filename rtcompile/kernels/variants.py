@@ -448,9 +448,9 @@ class ChunkVariant(_Variant):
             bk = min(kp, max(128, trailing))
             # tf32 for the solve's fp32 products when the inputs are 16-bit (their own Grams are
             # 16-bit already): see default()
-            solve = {"dot_precision": "tf32" if shape.input_bytes == 2 else "ieee"}
-            big = {**solve, "merge_passes": True}
-            mid = {"prefetch": True, **solve}
+            precision = {"dot_precision": "tf32" if shape.input_bytes == 2 else "ieee"}
+            big = {**precision, "merge_passes": True}
+            mid = {"prefetch": True, **precision}
             prefs = [(64, max(bk, 256), 32, 8, big), (64, max(bk, 256), 16, 8, big)] if kp >= 4096 else \
                 [(64, bk, 32, 8, mid)]
             prefs += [(64, bk, 16, 8, {}), (32, bk, 16, 4, {}), (16, bk, 16, 4, {})] if kp >= 4096 and bk <= 128 else \
