@@ -6,7 +6,10 @@ profiler and prints each kernel's mean device time per call: the parallel prepar
 against the sequential one, so effort goes where the time is. Exploration only: the recorded
 numbers come from ``rtcompile bench``.
 
-    python3 benchmarks/probe_split.py [--widths 16 16] [--names C128-rows ...]     (GPU only)
+    python3 benchmarks/probe_split.py [--widths 16 16] [--names C128-rows ...] [--fla]     (GPU only)
+
+With --fla, fla's chunk_gated_delta_rule on the same problem (materialised Kronecker keys,
+K <= 256) is split too: its chain kernel against its parallel ones.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import torch
 from probe_streamed import NEIGHBOURS, _run_unchecked
 
 from rtcompile.bench.core import Case
-from rtcompile.bench.measure import make_inputs
+from rtcompile.bench.measure import _fla_ops, kronify, make_inputs
 from rtcompile.kernels import variants as V
 from rtcompile.kernels.triton_fwd import running_tensor_fwd
 
@@ -31,6 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--widths", type=int, nargs="+", action="append", default=None,
                     help="key widths of one case (repeatable; default: 16 16, 32 32, 64 64, 16 16 16)")
     ap.add_argument("--names", nargs="+", default=(), help="probe_streamed.py neighbours to split too")
+    ap.add_argument("--fla", action="store_true", help="split fla's chunk_gated_delta_rule too (K <= 256)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("probe_split: needs a CUDA GPU", file=sys.stderr)
@@ -44,7 +48,13 @@ def main(argv=None) -> int:
         shape = V.KernelShape(case.key_widths, case.V)
         inp = make_inputs(case, "cuda", seed=11)
         default = V.ChunkVariant.default(shape, limit)
-        for name in ("default", *args.names):
+        names = ("default", *args.names, *(("fla",) if args.fla and shape.key_dim <= 256 else ()))
+        for name in names:
+            if name == "fla":
+                kin, op = kronify(inp), _fla_ops().chunk_gated_delta_rule
+                _profile(widths, name, lambda x=kin, op=op: op(q=x.q[0], k=x.k[0], v=x.v, g=x.g, beta=x.beta, scale=x.scale,
+                                                            output_final_state=True, use_qk_l2norm_in_kernel=True))
+                continue
             if name != "default" and name not in changes_of:
                 print(f"unknown neighbour {name!r}", file=sys.stderr)
                 return 2
@@ -61,17 +71,24 @@ def main(argv=None) -> int:
             except Exception as exc:  # noqa: BLE001 -- one variant's failure is a row
                 print(f"{'x'.join(map(str, widths)):9} {name:30} failed: {type(exc).__name__}: {str(exc)[:90]}")
                 continue
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(CALLS):
-                    run()
-                torch.cuda.synchronize()
-            per = defaultdict(float)
-            for ev in prof.events():
-                if ev.device_type == torch.autograd.DeviceType.CUDA:
-                    per[ev.name[:42]] += ev.device_time_total / 1e3 / CALLS
-            for kname, ms in sorted(per.items(), key=lambda kv: -kv[1]):
-                print(f"{'x'.join(map(str, widths)):9} {name:30} {kname:42} {ms:8.3f}", flush=True)
+            _profile(widths, name, run)
     return 0
+
+
+def _profile(widths, name: str, run) -> None:
+    """Print each CUDA kernel's mean device time per call of ``run`` (after one warm-up call)."""
+    run()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(CALLS):
+            run()
+        torch.cuda.synchronize()
+    per = defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[ev.name[:42]] += ev.device_time_total / 1e3 / CALLS
+    for kname, ms in sorted(per.items(), key=lambda kv: -kv[1]):
+        print(f"{'x'.join(map(str, widths)):9} {name:30} {kname:42} {ms:8.3f}", flush=True)
 
 
 if __name__ == "__main__":
