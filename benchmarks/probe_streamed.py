@@ -126,6 +126,16 @@ NEIGHBOURS = (
     ("wy-tiles-pf-C16", {"wy": True, "solve": "tiles"}),
     ("wy-tiles-pf-C32-w8", {"wy": True, "solve": "tiles", "chunk_size": 32, "num_warps": 8, "prepare_warps": 2}),
     ("wy-tiles-pf-C32-w8-pw4", {"wy": True, "solve": "tiles", "chunk_size": 32, "num_warps": 8, "prepare_warps": 4}),
+    # the three-kernel form (output_pass): a state-only sequential loop, outputs in parallel
+    ("op-C16", {"output_pass": True, "wy": False}),
+    ("op-C32", {"output_pass": True, "wy": False, "chunk_size": 32, "prepare_warps": 2}),
+    ("op-C32-bv16", {"output_pass": True, "wy": False, "chunk_size": 32, "block_v": 16, "prepare_warps": 2}),
+    ("op-C32-w8", {"output_pass": True, "wy": False, "chunk_size": 32, "num_warps": 8, "prepare_warps": 2}),
+    ("op-C64", {"output_pass": True, "wy": False, "chunk_size": 64, "prepare_warps": 2}),
+    ("op-C64-w8", {"output_pass": True, "wy": False, "chunk_size": 64, "num_warps": 8, "prepare_warps": 2}),
+    ("op-C64-bv16", {"output_pass": True, "wy": False, "chunk_size": 64, "block_v": 16, "prepare_warps": 2}),
+    ("op-C64-bv16-w8", {"output_pass": True, "wy": False, "chunk_size": 64, "block_v": 16, "num_warps": 8, "prepare_warps": 2}),
+    ("op-C64-pw4", {"output_pass": True, "wy": False, "chunk_size": 64, "prepare_warps": 4}),
     # kron: tiles of one axis-1 index, products on the trailing factors' tile with x1's column as row scale
     ("kron", {"kron": True}),
     ("kron-bk64", {"kron": True, "block_k": 64}),

@@ -10,7 +10,10 @@ Per chunk of C tokens (local cumulative log decay c, Gamma = exp(c), D_ij = exp(
 
 ``chunk_prepare_running_tensor_kernel`` computes P and Ai for all chunks in parallel into a
 [B, H, T, C] workspace; ``chunk_running_tensor_fwd_kernel`` walks the chunks of one
-(sequence, head, value block) in order. With FUSE_PREPARE the second kernel computes P and Ai
+(sequence, head, value block) in order. The three-kernel form (``output_pass``) splits that
+walk: ``chunk_state_running_tensor_kernel`` carries only the state (storing each chunk's
+incoming state and U), and ``chunk_output_running_tensor_kernel`` computes P and the outputs of
+all chunks in parallel. With FUSE_PREPARE the second kernel computes P and Ai
 itself (no workspace). phi(Q) and phi(K) are built on chip from the factors, tile by tile.
 When BK covers K the [K, BV] state stays in registers (RESIDENT); otherwise it lives in the
 final-state buffer, read twice and written once per chunk, so the workspace never grows
@@ -255,8 +258,10 @@ def chunk_prepare_running_tensor_kernel(
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
     LOWP: tl.constexpr, PREC: tl.constexpr, SOLVE: tl.constexpr, SOLVE_BLOCK: tl.constexpr, WY: tl.constexpr,
-    OUTER: tl.constexpr,
+    OUTER: tl.constexpr, STORE_P: tl.constexpr = True,
 ):
+    """P and Ai (WY: W and U0) of every chunk, in parallel; without STORE_P only Ai (the
+    three-kernel form's output kernel computes P itself)."""
     i_c, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
@@ -280,7 +285,8 @@ def chunk_prepare_running_tensor_kernel(
     )
     # workspace [B, H, T, C]: row = token, as the sequential kernel reads it
     off_w = ((i_b * H + i_h) * T + tok)[:, None] * C + o_c[None, :]
-    tl.store(P + off_w, b_P, mask=m_t[:, None])
+    if STORE_P:
+        tl.store(P + off_w, b_P, mask=m_t[:, None])
     if USE_BETA:
         if SOLVE == 3:  # solve="tiles": b_Ai is A; invert it in place in the workspace, in [16, 16] tiles
             tl.store(Ai + off_w, b_Ai, mask=m_t[:, None])
@@ -541,3 +547,146 @@ def chunk_running_tensor_fwd_kernel(
     if NK == 1:
         if STORE_HT:
             tl.store(ht + off_s, b_s.to(ht.dtype.element_ty), mask=m_s)
+
+
+# ----- the three-kernel form (output_pass): prepare, a state-only sequential loop, outputs in parallel -----
+@triton.jit
+def _load_state_inputs(k1, k2, k3, v, g, beta, Ai, r, m_t, o_v, m_v, off_w,
+                       NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, C: tl.constexpr,
+                       V: tl.constexpr, USE_G: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr):
+    """One chunk's inputs of the state-only loop, in registers: the (normalised) [C, D_i] key
+    factor tiles (each D_i a power of two >= 16), values, log-decay increments, beta and the
+    prepared inverse. Slots a flag turns off hold a placeholder that is never read."""
+    b_k1 = factor_tile(k1, r, m_t, D1, D1, L2NORM)
+    b_k2 = b_k1
+    b_k3 = b_k1
+    if NF > 1:
+        b_k2 = factor_tile(k2, r, m_t, D2, D2, L2NORM)
+    if NF > 2:
+        b_k3 = factor_tile(k3, r, m_t, D3, D3, L2NORM)
+    b_v = tl.load(v + r[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+    b_g = tl.zeros([C], dtype=tl.float32)
+    if USE_G:
+        b_g = tl.load(g + r, mask=m_t, other=0.0).to(tl.float32)
+    b_b = tl.zeros([C], dtype=tl.float32)
+    b_Ai = tl.zeros([C, C], dtype=tl.float32)
+    if USE_BETA:
+        b_b = tl.load(beta + r, mask=m_t, other=0.0).to(tl.float32)
+        b_Ai = tl.load(Ai + off_w, mask=m_t[:, None], other=0.0)
+    return b_k1, b_k2, b_k3, b_v, b_g, b_b, b_Ai
+
+
+@triton.jit
+def chunk_state_running_tensor_kernel(
+    k1, k2, k3, v, g, beta, h0, ht, Ai, Hc, Uc, cu_seqlens, chunk_offsets, T,
+    H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr,
+    USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+):
+    """The sequential loop of the three-kernel form: the state only. Per chunk of one
+    (sequence, head, value block) it stores the incoming state S into ``Hc`` ([chunks, H, K, V],
+    in the dot operand type) and U = Ai diag(b) (V - diag(Gamma) phi(K) S) into ``Uc`` (laid out
+    as v), then S' = Gamma_C S + phi(K)^T diag(Gamma_C / Gamma) U. The dependency chain from one
+    chunk to the next is the three products; the next chunk's loads are issued before them, and
+    phi(Q), the scores and the outputs are left to :func:`chunk_output_running_tensor_kernel`,
+    which runs over all chunks at once. The [K, BV] state stays in registers (K = prod D_i)."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        i_b = 0
+        i_g0 = tl.load(chunk_offsets + i_n).to(tl.int64)  # the sequence's first chunk in Hc
+    else:
+        bos = 0
+        eos = T
+        i_b = i_n.to(tl.int64)
+        i_g0 = i_b * tl.cdiv(T, C)
+    DT: tl.constexpr = k1.dtype.element_ty
+    o_c = tl.arange(0, C)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    o_k = tl.arange(0, K)
+    off_k = o_k[:, None] * V + o_v[None, :]
+    m_s = (o_k < K)[:, None] & m_v[None, :]
+    off_s = (i_n.to(tl.int64) * H + i_h) * K * V + off_k
+    b_s = load_state_tile(h0, ht, off_s, m_s, True, USE_H0)
+    tok = bos + o_c
+    p_row = (i_b * H + i_h) * T + tok
+    n_k1, n_k2, n_k3, n_v, n_g, n_b, n_Ai = _load_state_inputs(
+        k1, k2, k3, v, g, beta, Ai, (i_b * T + tok) * H + i_h, tok < eos, o_v, m_v,
+        p_row[:, None] * C + o_c[None, :], NF, D1, D2, D3, C, V, USE_G, USE_BETA, L2NORM)
+    for i_c in range(0, tl.cdiv(eos - bos, C)):
+        tok = bos + i_c * C + o_c
+        m_t = tok < eos
+        r = (i_b * T + tok) * H + i_h
+        b_k1, b_k2, b_k3, b_v, b_g, b_b, b_Ai = n_k1, n_k2, n_k3, n_v, n_g, n_b, n_Ai
+        tok_n = tok + C  # past the end: every load is masked off
+        p_row = (i_b * H + i_h) * T + tok_n
+        n_k1, n_k2, n_k3, n_v, n_g, n_b, n_Ai = _load_state_inputs(
+            k1, k2, k3, v, g, beta, Ai, (i_b * T + tok_n) * H + i_h, tok_n < eos, o_v, m_v,
+            p_row[:, None] * C + o_c[None, :], NF, D1, D2, D3, C, V, USE_G, USE_BETA, L2NORM)
+        b_c = tl.zeros([C], dtype=tl.float32)
+        if USE_G:
+            b_c = tl.cumsum(b_g, axis=0)
+        b_last = tl.sum(tl.where(o_c == C - 1, b_c, 0.0), axis=0)
+        # the incoming state, for the output kernel (a store: nothing waits on it)
+        tl.store(Hc + ((i_g0 + i_c) * H + i_h) * K * V + off_k, b_s.to(Hc.dtype.element_ty), mask=m_s)
+        b_k = _phi_from_tiles(b_k1, b_k2, b_k3, NF, C, D1, D2, D3)
+        if USE_BETA:
+            b_ks = _dot(b_k, b_s, LOWP, DT, PREC)
+            b_u = _dot(b_Ai, b_b[:, None] * (b_v - tl.exp(b_c)[:, None] * b_ks), LOWP, DT, PREC)
+        else:
+            b_u = b_v
+        tl.store(Uc + r[:, None] * V + o_v[None, :], b_u.to(Uc.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+        # Gamma_C / Gamma_i <= 1 on U's rows ([C, BV]) rather than on phi(K)'s ([C, K])
+        b_s = tl.exp(b_last) * b_s + _dot(tl.trans(b_k), b_u * tl.exp(b_last - b_c)[:, None], LOWP, DT, PREC)
+    if STORE_HT:
+        tl.store(ht + off_s, b_s.to(ht.dtype.element_ty), mask=m_s)
+
+
+@triton.jit
+def chunk_output_running_tensor_kernel(
+    q1, q2, q3, k1, k2, k3, g, o, Hc, Uc, cu_seqlens, chunk_indices, scale, T,
+    H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+):
+    """O = scale (diag(Gamma) phi(Q) S_c + P U) for every chunk in parallel (the three-kernel
+    form): S_c and U as :func:`chunk_state_running_tensor_kernel` stored them, P from the
+    factor Grams as in the prepare kernel (computed here, so no [T, C] score workspace)."""
+    i_c, i_nh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        i_g = i_c.to(tl.int64)  # chunks are numbered sequence by sequence, as in chunk_indices
+        i_s = tl.load(chunk_indices + 2 * i_c).to(tl.int64)
+        i_c = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_s).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_s + 1).to(tl.int64)
+        i_b = 0
+    else:
+        bos = 0
+        eos = T
+        i_b = i_n.to(tl.int64)
+        i_g = i_b * tl.cdiv(T, C) + i_c
+    DT: tl.constexpr = q1.dtype.element_ty
+    o_c = tl.arange(0, C)
+    tok = bos + i_c * C + o_c
+    m_t = tok < eos
+    r = (i_b * T + tok) * H + i_h
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    b_c = _chunk_log_decay(g, r, m_t, USE_G, C)
+    b_q1, b_q2, b_q3, b_k1, b_k2, b_k3 = _factor_tiles(q1, q2, q3, k1, k2, k3, r, m_t, NF, D1, D2, D3,
+                                                       D1, D2, D3, L2NORM)
+    b_P, _ = _scores_from_tiles(q1, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, tl.zeros([C], dtype=tl.float32), b_c,
+                                NF, C, False, LOWP, PREC, 0, 16)
+    b_q = _phi_from_tiles(b_q1, b_q2, b_q3, NF, C, D1, D2, D3)
+    o_k = tl.arange(0, K)
+    b_h = tl.load(Hc + (i_g * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
+                  mask=(o_k < K)[:, None] & m_v[None, :], other=0.0)
+    m_o = m_t[:, None] & m_v[None, :]
+    b_u = tl.load(Uc + r[:, None] * V + o_v[None, :], mask=m_o, other=0.0)
+    b_o = scale * (tl.exp(b_c)[:, None] * _dot(b_q, b_h, LOWP, DT, PREC) + _dot(b_P, b_u, LOWP, DT, PREC))
+    tl.store(o + r[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_o)

@@ -13,6 +13,7 @@ behind the caller's back. Kernels take up to three factors (orders 2 to 4).
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 import os
 from typing import Sequence
@@ -22,7 +23,10 @@ import triton
 from triton.compiler import CompiledKernel
 
 from . import tuned
-from .chunk import chunk_prepare_running_tensor_kernel, chunk_running_tensor_fwd_kernel
+from .chunk import (
+    chunk_output_running_tensor_kernel, chunk_prepare_running_tensor_kernel, chunk_running_tensor_fwd_kernel,
+    chunk_state_running_tensor_kernel,
+)
 from .inputs import Problem, check_inputs
 from .recurrent import fused_recurrent_running_tensor_fwd_kernel
 from .variants import SOLVE_BLOCK, ChunkVariant, KernelShape, RecurrentVariant, next_pow2, outer_phi_ok
@@ -210,6 +214,9 @@ def _launch_chunk(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm, s
     g_arg = g if g is not None else dummy
     beta_arg = beta if beta is not None else dummy
     cu_arg = cu_seqlens if cu_seqlens is not None else dummy
+    if variant.output_pass and resident:
+        return _launch_chunk_output_pass(p, q, k, v, g_arg, beta_arg, cu_arg, o, h0=h0, ht=ht, store_ht=store_ht,
+                                         variant=variant, common=common)
     P = Ai = W = U0 = dummy
     wy = variant.wy and beta is not None  # without the delta rule there is no solve to move
     outer = outer_phi_ok(p.key_widths, variant.block_k)
@@ -255,6 +262,47 @@ def _launch_chunk(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm, s
         LOWP_SCORES=common["LOWP"] and not variant.fuse_prepare,
         **seq_common,
         num_warps=variant.num_warps, num_stages=variant.num_stages,
+    )
+    return o
+
+
+def _launch_chunk_output_pass(p: Problem, q, k, v, g_arg, beta_arg, cu_arg, o, *, h0, ht, store_ht: bool,
+                              variant: ChunkVariant, common: dict) -> torch.Tensor:
+    """The three-kernel form (``ChunkVariant.output_pass``): Ai in parallel (delta rule only),
+    the state-only sequential loop, then the outputs of all chunks in parallel. Workspace: the
+    incoming state of every chunk ([chunks, H, K, V]) and U ([B, T, H, V]), both in the dot
+    operand type, and Ai ([B, H, T, C] fp32) with the delta rule."""
+    B, T, H, V = v.shape
+    C = variant.chunk_size
+    varlen = common["IS_VARLEN"]
+    dot_dtype = v.dtype if common["LOWP"] else torch.float32
+    n_chunks = [triton.cdiv(hi - lo, C) for lo, hi in p.seq_bounds] if varlen else [triton.cdiv(T, C)] * B
+    Hc = _empty(sum(n_chunks), H, p.key_dim, V, dtype=dot_dtype, device=v.device)
+    Uc = _empty(B, T, H, V, dtype=dot_dtype, device=v.device)
+    Ai = v  # placeholder without the delta rule (never read)
+    idx = offsets = v
+    if varlen:
+        idx = _chunk_indices(p, C, v.device)
+        offsets = torch.tensor([0, *itertools.accumulate(n_chunks)], dtype=torch.int32).to(v.device)
+    chunk_grid = (idx.shape[0], H) if varlen else (triton.cdiv(T, C), B * H)
+    if common["USE_BETA"]:
+        Ai = _empty(B, H, T, C, dtype=torch.float32, device=v.device)
+        chunk_prepare_running_tensor_kernel[chunk_grid](
+            *_factor_args(q), *_factor_args(k), v, g_arg, beta_arg, v, Ai, v, v, cu_arg, idx, T, C=C,
+            K=p.key_dim, V=V, BK=variant.block_k, BV=max(16, next_pow2(V)), WY=False, OUTER=True, STORE_P=False,
+            **common, num_warps=variant.prepare_warps, num_stages=variant.num_stages,
+        )
+    state_consts = {n: common[n] for n in ("H", "NF", "D1", "D2", "D3", "USE_G", "USE_BETA", "L2NORM", "IS_VARLEN",
+                                           "LOWP", "PREC")}
+    chunk_state_running_tensor_kernel[(triton.cdiv(V, variant.block_v), p.num_seqs * H)](
+        *_factor_args(k), v, g_arg, beta_arg, h0 if h0 is not None else v, ht if ht is not None else v, Ai, Hc, Uc,
+        cu_arg, offsets, T, K=p.key_dim, V=V, C=C, BV=variant.block_v, USE_H0=h0 is not None, STORE_HT=store_ht,
+        **state_consts, num_warps=variant.num_warps, num_stages=variant.num_stages,
+    )
+    out_consts = {n: v_ for n, v_ in state_consts.items() if n != "USE_BETA"}
+    chunk_output_running_tensor_kernel[(*chunk_grid, triton.cdiv(V, variant.block_v))](
+        *_factor_args(q), *_factor_args(k), g_arg, o, Hc, Uc, cu_arg, idx, p.scale, T, K=p.key_dim, V=V, C=C,
+        BV=variant.block_v, **out_consts, num_warps=variant.prepare_warps, num_stages=variant.num_stages,
     )
     return o
 

@@ -218,12 +218,17 @@ class ChunkVariant(_Variant):
     phi_i = diag(x1[:, i]) T, T the trailing factors' outer product: T is built once per chunk
     and each tile's products take x1's column as a row scale (phi_i S = x1[:, i] * (T S),
     phi_i^T U = T^T (x1[:, i] * U)), so no phi block is formed per tile.
+    ``output_pass``: three kernels instead of two: the sequential one carries only the state
+    (its chain: phi(K) S, the solve, the update; the next chunk's loads issued ahead), storing
+    each chunk's incoming state ([T / C, K, V] in the dot operand type) and U ([T, V]); a third
+    kernel computes the scores and outputs of all chunks in parallel. Needs the state in
+    registers, power-of-two key widths >= 16 and the separate prepare kernel (no wy).
     """
 
     kernel: ClassVar[str] = "chunk"
     FIELDS: ClassVar[tuple[str, ...]] = (
         "chunk_size", "block_k", "block_v", "num_warps", "num_stages", "fuse_prepare", "dot_precision", "solve",
-        "prefetch", "wy", "merge_passes", "prepare_warps", "solve_block", "kron",
+        "prefetch", "wy", "merge_passes", "prepare_warps", "solve_block", "kron", "output_pass",
     )
     chunk_size: int
     block_k: int
@@ -239,6 +244,7 @@ class ChunkVariant(_Variant):
     prepare_warps: int = 4
     solve_block: int = SOLVE_BLOCK
     kron: bool = False
+    output_pass: bool = False
 
     def check(self, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> str | None:
         for name in ("chunk_size", "block_k", "block_v", "num_warps"):
@@ -283,6 +289,10 @@ class ChunkVariant(_Variant):
                     f"(blocks of solve_block={self.solve_block} rows; C = 128 did not compile)")
         if self.prefetch and self.resident(shape) and not all(w >= 16 and w & (w - 1) == 0 for w in shape.key_widths):
             return f"prefetch with the state in registers needs power-of-two key widths >= 16, got {shape.key_widths}"
+        if self.output_pass and (self.fuse_prepare or self.wy or not self.resident(shape)
+                                 or not all(w >= 16 and w & (w - 1) == 0 for w in shape.key_widths)):
+            return (f"output_pass needs the state in registers (block_k >= K = {shape.key_dim}), power-of-two key "
+                    f"widths >= 16 (got {shape.key_widths}), fuse_prepare=False and wy=False")
         if self.wy and self.fuse_prepare:
             return "wy applies the solve in the prepare kernel: it needs fuse_prepare=False"
         if self.wy and not self.resident(shape):
@@ -322,11 +332,15 @@ class ChunkVariant(_Variant):
         # (o3 32x32 on the H200, 2026-11-30f: 3.43 ms against 8.44 with the strip solve), the
         # diagonal form becomes the strip form verified fused on the H200
         return replace(self, fuse_prepare=True, prefetch=self.prefetch and not self.resident(shape), wy=False,
+                       output_pass=False,
                        prepare_warps=4, dot_precision="ieee",
                        solve="blocks" if self.solve == "diagonal" else self.solve)
 
     def estimate_registers(self, shape: KernelShape) -> int:
         C, bk, bv = self.chunk_size, self.block_k, self.block_v
+        if self.output_pass:  # the state loop: state, phi(K), the inverse and the next one, values, U, S products
+            live = bk * bv + C * bk + 2 * C * C + 4 * C * bv + 2 * C * sum(shape.key_widths)
+            return 32 + math.ceil(live / (32 * self.num_warps))
         # fp32 tiles live at once: state tile, phi(K) and phi(Q) tiles, C x C scores and
         # inverse, C x block_v values/updates/outputs (x3)
         live = bk * bv + 2 * C * bk + 2 * C * C + 3 * C * bv
@@ -354,7 +368,8 @@ class ChunkVariant(_Variant):
         # margin went from 0.25 to 0.2 stages (the failing case stays refused: 234291 bytes).
         # A heuristic for pruning: the tuner's compile is the final word.
         C, bk, bv = self.chunk_size, self.block_k, self.block_v
-        tiles = 2 * C * bk + bk * bv + C * C + C * bv
+        # output_pass: one phi block per kernel (phi(K) in the state loop, phi(Q) in the output one)
+        tiles = (1 if self.output_pass else 2) * C * bk + bk * bv + C * C + C * bv
         return int(4 * tiles * (max(1, self.num_stages) + 0.2))
 
     @classmethod
@@ -376,6 +391,7 @@ class ChunkVariant(_Variant):
             "prepare_warps": list(PREPARE_WARPS),
             "solve_block": list(SOLVE_BLOCKS),
             "kron": [False, True] if len(shape.key_widths) >= 3 else [False],
+            "output_pass": [False, True],
         }
 
     @classmethod
