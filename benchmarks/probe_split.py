@@ -35,6 +35,8 @@ def main(argv=None) -> int:
                     help="key widths of one case (repeatable; default: 16 16, 32 32, 64 64, 16 16 16)")
     ap.add_argument("--names", nargs="+", default=(), help="probe_streamed.py neighbours to split too")
     ap.add_argument("--fla", action="store_true", help="split fla's chunk_gated_delta_rule too (K <= 256)")
+    ap.add_argument("--registers", action="store_true",
+                    help="after each variant, the registers and spills of the chunk kernels it compiled")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("probe_split: needs a CUDA GPU", file=sys.stderr)
@@ -71,8 +73,27 @@ def main(argv=None) -> int:
             except Exception as exc:  # noqa: BLE001 -- one variant's failure is a row
                 print(f"{'x'.join(map(str, widths)):9} {name:30} failed: {type(exc).__name__}: {str(exc)[:90]}")
                 continue
+            seen = _compiled() if args.registers else {}
             _profile(widths, name, run)
+            if args.registers:
+                for (kname, key), (regs, spills, warps) in _compiled().items():
+                    if (kname, key) not in seen:
+                        print(f"{'x'.join(map(str, widths)):9} {name:30} {kname:42} regs {regs} spills {spills} "
+                              f"warps {warps}")
     return 0
+
+
+def _compiled() -> dict:
+    """(kernel name, cache key) -> (registers, spills, warps) of every chunk kernel compiled so far."""
+    from rtcompile.kernels import chunk
+
+    out = {}
+    for fn in (chunk.chunk_prepare_running_tensor_kernel, chunk.chunk_running_tensor_fwd_kernel,
+               chunk.chunk_state_running_tensor_kernel, chunk.chunk_output_running_tensor_kernel):
+        for dev_cache in getattr(fn, "device_caches", {}).values():
+            for key, ck in dev_cache[0].items():
+                out[(fn.__name__, key)] = (ck.n_regs, ck.n_spills, getattr(ck.metadata, "num_warps", "?"))
+    return out
 
 
 def _profile(widths, name: str, run) -> None:

@@ -258,10 +258,11 @@ def chunk_prepare_running_tensor_kernel(
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
     LOWP: tl.constexpr, PREC: tl.constexpr, SOLVE: tl.constexpr, SOLVE_BLOCK: tl.constexpr, WY: tl.constexpr,
-    OUTER: tl.constexpr, STORE_P: tl.constexpr = True,
+    OUTER: tl.constexpr, STORE_P: tl.constexpr = True, STORE_PHI: tl.constexpr = False,
 ):
     """P and Ai (WY: W and U0) of every chunk, in parallel; without STORE_P only Ai (the
-    three-kernel form's output kernel computes P itself)."""
+    three-kernel form's output kernel computes P itself). STORE_PHI: the normalised phi(K)
+    rows into ``W`` ([B, H, T, K], W's type), for the state loop's stored keys."""
     i_c, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
@@ -297,6 +298,14 @@ def chunk_prepare_running_tensor_kernel(
                 b_Ai = tl.load(Ai + off_w, mask=m_t[:, None], other=0.0)
         elif not WY:  # with wy the inverse is applied below and not stored
             tl.store(Ai + off_w, b_Ai, mask=m_t[:, None])
+    if STORE_PHI:
+        b_phi = _phi_block(k1, k2, k3, r, m_t, 0, C, BK, NF, D1, D2, D3, K, OUTER)
+        if L2NORM:
+            b_phi *= phi_inv_norm(k1, k2, k3, r[:, None], m_t[:, None], D1, D2, D3, BD1, BD2, BD3, NF)[:, None]
+        o_k = tl.arange(0, BK)
+        p_row = (i_b * H + i_h) * T + tok
+        tl.store(W + p_row[:, None] * K + o_k[None, :], b_phi.to(W.dtype.element_ty),
+                 mask=m_t[:, None] & (o_k < K)[None, :])
     if WY:  # the solve applied here, in parallel: W = Ai diag(b Gamma / ||phi(k)||) phi(K), U0 = Ai diag(b) V
         DT: tl.constexpr = q1.dtype.element_ty
         b_b = tl.load(beta + r, mask=m_t, other=0.0).to(tl.float32)
@@ -553,17 +562,23 @@ def chunk_running_tensor_fwd_kernel(
 @triton.jit
 def _load_state_inputs(k1, k2, k3, v, g, beta, Ai, r, m_t, o_v, m_v, off_w,
                        NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, C: tl.constexpr,
-                       V: tl.constexpr, USE_G: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr):
+                       V: tl.constexpr, USE_G: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr,
+                       STORED_KEYS: tl.constexpr):
     """One chunk's inputs of the state-only loop, in registers: the (normalised) [C, D_i] key
-    factor tiles (each D_i a power of two >= 16), values, log-decay increments, beta and the
-    prepared inverse. Slots a flag turns off hold a placeholder that is never read."""
-    b_k1 = factor_tile(k1, r, m_t, D1, D1, L2NORM)
+    factor tiles (each D_i a power of two >= 16; not with STORED_KEYS), values, log-decay
+    increments, beta and the prepared inverse. Slots a flag turns off hold a placeholder that
+    is never read."""
+    b_k1 = tl.zeros([C, 16], dtype=tl.float32)
     b_k2 = b_k1
     b_k3 = b_k1
-    if NF > 1:
-        b_k2 = factor_tile(k2, r, m_t, D2, D2, L2NORM)
-    if NF > 2:
-        b_k3 = factor_tile(k3, r, m_t, D3, D3, L2NORM)
+    if not STORED_KEYS:
+        b_k1 = factor_tile(k1, r, m_t, D1, D1, L2NORM)
+        b_k2 = b_k1
+        b_k3 = b_k1
+        if NF > 1:
+            b_k2 = factor_tile(k2, r, m_t, D2, D2, L2NORM)
+        if NF > 2:
+            b_k3 = factor_tile(k3, r, m_t, D3, D3, L2NORM)
     b_v = tl.load(v + r[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
     b_g = tl.zeros([C], dtype=tl.float32)
     if USE_G:
@@ -578,11 +593,12 @@ def _load_state_inputs(k1, k2, k3, v, g, beta, Ai, r, m_t, o_v, m_v, off_w,
 
 @triton.jit
 def chunk_state_running_tensor_kernel(
-    k1, k2, k3, v, g, beta, h0, ht, Ai, Hc, Uc, cu_seqlens, chunk_offsets, T,
+    k1, k2, k3, v, g, beta, h0, ht, Ai, Kw, Hc, Uc, cu_seqlens, chunk_offsets, T,
     H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+    PREFETCH: tl.constexpr, STORED_KEYS: tl.constexpr,
 ):
     """The sequential loop of the three-kernel form: the state only. Per chunk of one
     (sequence, head, value block) it stores the incoming state S into ``Hc`` ([chunks, H, K, V],
@@ -590,7 +606,11 @@ def chunk_state_running_tensor_kernel(
     as v), then S' = Gamma_C S + phi(K)^T diag(Gamma_C / Gamma) U. The dependency chain from one
     chunk to the next is the three products; the next chunk's loads are issued before them, and
     phi(Q), the scores and the outputs are left to :func:`chunk_output_running_tensor_kernel`,
-    which runs over all chunks at once. The [K, BV] state stays in registers (K = prod D_i)."""
+    which runs over all chunks at once. The [K, BV] state stays in registers (K = prod D_i).
+    PREFETCH: the next chunk's inputs are loaded into registers before this chunk's products
+    (else each chunk loads its own, and num_stages > 1 lets the compiler pipeline them).
+    STORED_KEYS: phi(K) is read from ``Kw`` (normalised, [B, H, T, K], written by the prepare
+    kernel), in both orientations, instead of built from the factor tiles."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
@@ -612,28 +632,40 @@ def chunk_state_running_tensor_kernel(
     m_s = (o_k < K)[:, None] & m_v[None, :]
     off_s = (i_n.to(tl.int64) * H + i_h) * K * V + off_k
     b_s = load_state_tile(h0, ht, off_s, m_s, True, USE_H0)
-    tok = bos + o_c
-    p_row = (i_b * H + i_h) * T + tok
-    n_k1, n_k2, n_k3, n_v, n_g, n_b, n_Ai = _load_state_inputs(
-        k1, k2, k3, v, g, beta, Ai, (i_b * T + tok) * H + i_h, tok < eos, o_v, m_v,
-        p_row[:, None] * C + o_c[None, :], NF, D1, D2, D3, C, V, USE_G, USE_BETA, L2NORM)
+    if PREFETCH:
+        tok = bos + o_c
+        p_row = (i_b * H + i_h) * T + tok
+        n_k1, n_k2, n_k3, n_v, n_g, n_b, n_Ai = _load_state_inputs(
+            k1, k2, k3, v, g, beta, Ai, (i_b * T + tok) * H + i_h, tok < eos, o_v, m_v,
+            p_row[:, None] * C + o_c[None, :], NF, D1, D2, D3, C, V, USE_G, USE_BETA, L2NORM, STORED_KEYS)
     for i_c in range(0, tl.cdiv(eos - bos, C)):
         tok = bos + i_c * C + o_c
         m_t = tok < eos
         r = (i_b * T + tok) * H + i_h
-        b_k1, b_k2, b_k3, b_v, b_g, b_b, b_Ai = n_k1, n_k2, n_k3, n_v, n_g, n_b, n_Ai
-        tok_n = tok + C  # past the end: every load is masked off
-        p_row = (i_b * H + i_h) * T + tok_n
-        n_k1, n_k2, n_k3, n_v, n_g, n_b, n_Ai = _load_state_inputs(
-            k1, k2, k3, v, g, beta, Ai, (i_b * T + tok_n) * H + i_h, tok_n < eos, o_v, m_v,
-            p_row[:, None] * C + o_c[None, :], NF, D1, D2, D3, C, V, USE_G, USE_BETA, L2NORM)
+        p_row = (i_b * H + i_h) * T + tok
+        if PREFETCH:
+            b_k1, b_k2, b_k3, b_v, b_g, b_b, b_Ai = n_k1, n_k2, n_k3, n_v, n_g, n_b, n_Ai
+            tok_n = tok + C  # past the end: every load is masked off
+            p_row_n = p_row + C
+            n_k1, n_k2, n_k3, n_v, n_g, n_b, n_Ai = _load_state_inputs(
+                k1, k2, k3, v, g, beta, Ai, (i_b * T + tok_n) * H + i_h, tok_n < eos, o_v, m_v,
+                p_row_n[:, None] * C + o_c[None, :], NF, D1, D2, D3, C, V, USE_G, USE_BETA, L2NORM, STORED_KEYS)
+        else:
+            b_k1, b_k2, b_k3, b_v, b_g, b_b, b_Ai = _load_state_inputs(
+                k1, k2, k3, v, g, beta, Ai, r, m_t, o_v, m_v, p_row[:, None] * C + o_c[None, :],
+                NF, D1, D2, D3, C, V, USE_G, USE_BETA, L2NORM, STORED_KEYS)
+        if STORED_KEYS:
+            b_k = tl.load(Kw + p_row[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+            b_kt = tl.load(Kw + p_row[None, :] * K + o_k[:, None], mask=m_t[None, :], other=0.0)
+        else:
+            b_k = _phi_from_tiles(b_k1, b_k2, b_k3, NF, C, D1, D2, D3)
+            b_kt = tl.trans(b_k)
         b_c = tl.zeros([C], dtype=tl.float32)
         if USE_G:
             b_c = tl.cumsum(b_g, axis=0)
         b_last = tl.sum(tl.where(o_c == C - 1, b_c, 0.0), axis=0)
         # the incoming state, for the output kernel (a store: nothing waits on it)
         tl.store(Hc + ((i_g0 + i_c) * H + i_h) * K * V + off_k, b_s.to(Hc.dtype.element_ty), mask=m_s)
-        b_k = _phi_from_tiles(b_k1, b_k2, b_k3, NF, C, D1, D2, D3)
         if USE_BETA:
             b_ks = _dot(b_k, b_s, LOWP, DT, PREC)
             b_u = _dot(b_Ai, b_b[:, None] * (b_v - tl.exp(b_c)[:, None] * b_ks), LOWP, DT, PREC)
@@ -641,7 +673,7 @@ def chunk_state_running_tensor_kernel(
             b_u = b_v
         tl.store(Uc + r[:, None] * V + o_v[None, :], b_u.to(Uc.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
         # Gamma_C / Gamma_i <= 1 on U's rows ([C, BV]) rather than on phi(K)'s ([C, K])
-        b_s = tl.exp(b_last) * b_s + _dot(tl.trans(b_k), b_u * tl.exp(b_last - b_c)[:, None], LOWP, DT, PREC)
+        b_s = tl.exp(b_last) * b_s + _dot(b_kt, b_u * tl.exp(b_last - b_c)[:, None], LOWP, DT, PREC)
     if STORE_HT:
         tl.store(ht + off_s, b_s.to(ht.dtype.element_ty), mask=m_s)
 

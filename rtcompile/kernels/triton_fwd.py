@@ -279,30 +279,34 @@ def _launch_chunk_output_pass(p: Problem, q, k, v, g_arg, beta_arg, cu_arg, o, *
     n_chunks = [triton.cdiv(hi - lo, C) for lo, hi in p.seq_bounds] if varlen else [triton.cdiv(T, C)] * B
     Hc = _empty(sum(n_chunks), H, p.key_dim, V, dtype=dot_dtype, device=v.device)
     Uc = _empty(B, T, H, V, dtype=dot_dtype, device=v.device)
-    Ai = v  # placeholder without the delta rule (never read)
+    Ai = Kw = v  # placeholders without the delta rule / stored keys (never read)
     idx = offsets = v
     if varlen:
         idx = _chunk_indices(p, C, v.device)
         offsets = torch.tensor([0, *itertools.accumulate(n_chunks)], dtype=torch.int32).to(v.device)
     chunk_grid = (idx.shape[0], H) if varlen else (triton.cdiv(T, C), B * H)
-    if common["USE_BETA"]:
-        Ai = _empty(B, H, T, C, dtype=torch.float32, device=v.device)
+    if variant.stored_keys:
+        Kw = _empty(B, H, T, p.key_dim, dtype=dot_dtype, device=v.device)
+    if common["USE_BETA"] or variant.stored_keys:
+        if common["USE_BETA"]:
+            Ai = _empty(B, H, T, C, dtype=torch.float32, device=v.device)
         chunk_prepare_running_tensor_kernel[chunk_grid](
-            *_factor_args(q), *_factor_args(k), v, g_arg, beta_arg, v, Ai, v, v, cu_arg, idx, T, C=C,
+            *_factor_args(q), *_factor_args(k), v, g_arg, beta_arg, v, Ai, Kw, v, cu_arg, idx, T, C=C,
             K=p.key_dim, V=V, BK=variant.block_k, BV=max(16, next_pow2(V)), WY=False, OUTER=True, STORE_P=False,
-            **common, num_warps=variant.prepare_warps, num_stages=variant.num_stages,
+            STORE_PHI=variant.stored_keys, **common, num_warps=variant.prepare_warps, num_stages=variant.num_stages,
         )
     state_consts = {n: common[n] for n in ("H", "NF", "D1", "D2", "D3", "USE_G", "USE_BETA", "L2NORM", "IS_VARLEN",
                                            "LOWP", "PREC")}
     chunk_state_running_tensor_kernel[(triton.cdiv(V, variant.block_v), p.num_seqs * H)](
-        *_factor_args(k), v, g_arg, beta_arg, h0 if h0 is not None else v, ht if ht is not None else v, Ai, Hc, Uc,
-        cu_arg, offsets, T, K=p.key_dim, V=V, C=C, BV=variant.block_v, USE_H0=h0 is not None, STORE_HT=store_ht,
+        *_factor_args(k), v, g_arg, beta_arg, h0 if h0 is not None else v, ht if ht is not None else v, Ai, Kw, Hc,
+        Uc, cu_arg, offsets, T, K=p.key_dim, V=V, C=C, BV=variant.block_v, USE_H0=h0 is not None, STORE_HT=store_ht,
+        PREFETCH=variant.prefetch, STORED_KEYS=variant.stored_keys,
         **state_consts, num_warps=variant.num_warps, num_stages=variant.num_stages,
     )
     out_consts = {n: v_ for n, v_ in state_consts.items() if n != "USE_BETA"}
     chunk_output_running_tensor_kernel[(*chunk_grid, triton.cdiv(V, variant.block_v))](
         *_factor_args(q), *_factor_args(k), g_arg, o, Hc, Uc, cu_arg, idx, p.scale, T, K=p.key_dim, V=V, C=C,
-        BV=variant.block_v, **out_consts, num_warps=variant.prepare_warps, num_stages=variant.num_stages,
+        BV=variant.block_v, **out_consts, num_warps=variant.num_warps, num_stages=variant.num_stages,
     )
     return o
 

@@ -222,13 +222,18 @@ class ChunkVariant(_Variant):
     (its chain: phi(K) S, the solve, the update; the next chunk's loads issued ahead), storing
     each chunk's incoming state ([T / C, K, V] in the dot operand type) and U ([T, V]); a third
     kernel computes the scores and outputs of all chunks in parallel. Needs the state in
-    registers, power-of-two key widths >= 16 and the separate prepare kernel (no wy).
+    registers, power-of-two key widths >= 16 and the separate prepare kernel (no wy). There
+    ``prefetch`` loads the next chunk's inputs into registers ahead (else each chunk loads its
+    own and num_stages > 1 lets the compiler pipeline them), and ``stored_keys`` has the
+    prepare kernel write the normalised phi(K) ([T, K] in the dot type) for the state loop to
+    read instead of building it from the factors. The output kernel runs with ``num_warps``.
     """
 
     kernel: ClassVar[str] = "chunk"
     FIELDS: ClassVar[tuple[str, ...]] = (
         "chunk_size", "block_k", "block_v", "num_warps", "num_stages", "fuse_prepare", "dot_precision", "solve",
         "prefetch", "wy", "merge_passes", "prepare_warps", "solve_block", "kron", "output_pass",
+        "stored_keys",
     )
     chunk_size: int
     block_k: int
@@ -245,6 +250,7 @@ class ChunkVariant(_Variant):
     solve_block: int = SOLVE_BLOCK
     kron: bool = False
     output_pass: bool = False
+    stored_keys: bool = False
 
     def check(self, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> str | None:
         for name in ("chunk_size", "block_k", "block_v", "num_warps"):
@@ -293,6 +299,8 @@ class ChunkVariant(_Variant):
                                  or not all(w >= 16 and w & (w - 1) == 0 for w in shape.key_widths)):
             return (f"output_pass needs the state in registers (block_k >= K = {shape.key_dim}), power-of-two key "
                     f"widths >= 16 (got {shape.key_widths}), fuse_prepare=False and wy=False")
+        if self.stored_keys and not self.output_pass:
+            return "stored_keys needs output_pass=True (only the three-kernel form's state loop reads them)"
         if self.wy and self.fuse_prepare:
             return "wy applies the solve in the prepare kernel: it needs fuse_prepare=False"
         if self.wy and not self.resident(shape):
@@ -332,7 +340,7 @@ class ChunkVariant(_Variant):
         # (o3 32x32 on the H200, 2026-11-30f: 3.43 ms against 8.44 with the strip solve), the
         # diagonal form becomes the strip form verified fused on the H200
         return replace(self, fuse_prepare=True, prefetch=self.prefetch and not self.resident(shape), wy=False,
-                       output_pass=False,
+                       output_pass=False, stored_keys=False,
                        prepare_warps=4, dot_precision="ieee",
                        solve="blocks" if self.solve == "diagonal" else self.solve)
 
@@ -392,6 +400,7 @@ class ChunkVariant(_Variant):
             "solve_block": list(SOLVE_BLOCKS),
             "kron": [False, True] if len(shape.key_widths) >= 3 else [False],
             "output_pass": [False, True],
+            "stored_keys": [False, True],
         }
 
     @classmethod
