@@ -306,7 +306,7 @@ def _launch_chunk_output_pass(p: Problem, q, k, v, g_arg, beta_arg, cu_arg, o, *
     out_consts = {n: v_ for n, v_ in state_consts.items() if n != "USE_BETA"}
     chunk_output_running_tensor_kernel[(*chunk_grid, triton.cdiv(V, variant.block_v))](
         *_factor_args(q), *_factor_args(k), g_arg, o, Hc, Uc, cu_arg, idx, p.scale, T, K=p.key_dim, V=V, C=C,
-        BV=variant.block_v, **out_consts, num_warps=variant.num_warps, num_stages=variant.num_stages,
+        BV=variant.block_v, **out_consts, num_warps=variant.prepare_warps, num_stages=variant.num_stages,
     )
     return o
 

@@ -226,7 +226,8 @@ class ChunkVariant(_Variant):
     ``prefetch`` loads the next chunk's inputs into registers ahead (else each chunk loads its
     own and num_stages > 1 lets the compiler pipeline them), and ``stored_keys`` has the
     prepare kernel write the normalised phi(K) ([T, K] in the dot type) for the state loop to
-    read instead of building it from the factors. The output kernel runs with ``num_warps``.
+    read instead of building it from the factors. The output kernel runs with ``prepare_warps``
+    (o3 16x16 C 64 on the H200: 0.106 ms with 2 warps, 0.134 with 4, 0.267 with 8).
     """
 
     kernel: ClassVar[str] = "chunk"
