@@ -1,6 +1,6 @@
 # One GPU session's measurements, in steps that each fit one 10-minute device call.
 #
-#   bash benchmarks/gpu_session.sh STEP...     (STEP: tests | bench | confirm | errors | probes | wy-tiles | sweep-decode |
+#   bash benchmarks/gpu_session.sh STEP...     (STEP: tests | bench | confirm | errors | probes | wy-tiles | three-kernel | sweep-decode |
 #        sweep-prefill | sweep-report | one-worker | tpe-again | sweep | tuned-bench | checks | finish)
 #
 # Run from the project root on the device machine, after installing the carried wheels (see
@@ -30,7 +30,8 @@ mkdir -p "$XDG_CACHE_HOME" "$OUT/cache"
 # streamed part: on the CPU's 99 KiB shared-memory bound the o3 16x16 sub-space counts 209
 # variants where 2026-11-30b's code counted 101, so the study limits below may cut a sweep.
 CHUNK_FIX=(--fix fuse_prepare=false --fix solve=rows --fix dot_precision=ieee --fix num_stages=1
-  --fix prepare_warps=4 --fix solve_block=16 --fix merge_passes=false --fix kron=false)
+  --fix prepare_warps=4 --fix solve_block=16 --fix merge_passes=false --fix kron=false --fix output_pass=false
+  --fix stored_keys=false)
 DECODE_FIX=(--fix num_stages=1)
 
 step_tests() {  # -v into a file, not through a pipe: a hung compile left an empty log on 2026-11-30
@@ -181,6 +182,15 @@ step_wy_tiles() {  # wy with the tile solve (CPU-verified only on 2026-11-30f) a
     wy-tiles-pf-C16 wy-tiles-pf-C32-w8 wy-tiles-pf-C32-w8-pw4 wy-pf-C32-w8 2>&1 | grep -v Warn || true
   timeout 90 python3 benchmarks/probe_split.py --widths 16 16 --widths 64 --names tiles wy-tiles-pf-C32-w8 \
     2>&1 | grep -v "Warn\|_warn" || true
+}
+
+step_three_kernel() {  # the three-kernel form (output_pass + stored_keys, the K = 256 default since
+  # 2026-11-30g): its GPU tests, the bench at o3 16x16 beside the two-kernel default before it, and
+  # its error cases (~300 s)
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "output_pass or output-pass or stored" \
+    2>&1 | tail -3 || true
+  python3 -m rtcompile.cli bench --out "$OUT/bench_three" --phase prefill --only o3_16x16_B8 --budget-s 150
+  python3 -m rtcompile.cli bench --out "$OUT/bench_three_error" --phase prefill --only o3_16x16_B2 --budget-s 100
 }
 
 step_tuned_bench() {  # the prefill bench again, reading the tuned table (TUNED, or the sweep's)

@@ -152,14 +152,26 @@ def _finish(kernel_s: float, nbytes: float, flops: float, programs: int, bound: 
 
 def chunk_workspace_bytes(spec: ModelSpec, batch: int, seq_len: int, variant: ChunkVariant) -> int:
     """Extra memory of the chunk kernels: the [B, H, T, C] scores (and inverse) in fp32 (wy: the
-    scores, W and U0), or, fused, nothing beyond the final-state buffer (counted as output) but
-    the tile solve's [C, C] fp32 scratch per program (independent of T)."""
+    scores, W and U0; output_pass: each chunk's incoming state, U, the inverse and any stored
+    keys), or, fused, nothing beyond the final-state buffer (counted as output) but the tile
+    solve's [C, C] fp32 scratch per program (independent of T)."""
     if variant.fuse_prepare:
         if variant.solve == "tiles" and spec.features.delta_rule:
             programs = batch * spec.heads * math.ceil(spec.value_width / variant.block_v)
             return programs * variant.chunk_size ** 2 * 4
         return 0
     rows = batch * spec.heads * seq_len
+    if variant.output_pass and variant.resident(shape_of(spec)):
+        # each chunk's incoming state [K, V] and U [T, V] in the dot type, Ai [T, C] fp32 (delta
+        # rule), stored phi(K) [T, K] in the dot type
+        dot = DTYPE_BYTES[spec.input_dtype] if DTYPE_BYTES[spec.input_dtype] == 2 else 4
+        chunks = batch * spec.heads * math.ceil(seq_len / variant.chunk_size)
+        work = chunks * spec.key_dim * spec.value_width * dot + rows * spec.value_width * dot
+        if spec.features.delta_rule:
+            work += rows * variant.chunk_size * 4
+        if variant.stored_keys:
+            work += rows * spec.key_dim * dot
+        return work
     if variant.wy and spec.features.delta_rule:  # P, and W [T, K] (input type) + U0 [T, V] (fp32)
         tiles = variant.chunk_size * 4 if variant.solve == "tiles" else 0  # + the tile solve's Ai [T, C]
         return rows * (variant.chunk_size * 4 + tiles + spec.key_dim * DTYPE_BYTES[spec.input_dtype]

@@ -161,3 +161,16 @@ def test_wy_with_the_tile_solve_also_keeps_its_inverse():
     extra = chunk_workspace_bytes(spec, 8, 4096, dataclasses.replace(wy, solve="tiles")) - chunk_workspace_bytes(
         spec, 8, 4096, wy)
     assert extra == rows * 32 * 4  # Ai [B, H, T, C] fp32 beside P, W and U0
+
+
+def test_output_pass_workspace_counts_states_u_inverse_and_stored_keys():
+    from rtcompile.costmodel import chunk_workspace_bytes
+
+    spec = _small()  # o3 16x16 (K 256), d_v 64, delta rule on
+    v = ChunkVariant(chunk_size=64, block_k=256, block_v=32, num_stages=2, output_pass=True, solve="tiles")
+    dot = 2 if spec.input_dtype in ("bfloat16", "float16") else 4
+    rows, chunks = 8 * spec.heads * 4096, 8 * spec.heads * 64
+    states_u = chunks * 256 * 64 * dot + rows * 64 * dot
+    assert chunk_workspace_bytes(spec, 8, 4096, v) == states_u + rows * 64 * 4
+    stored = dataclasses.replace(v, stored_keys=True)
+    assert chunk_workspace_bytes(spec, 8, 4096, stored) == states_u + rows * 64 * 4 + rows * 256 * dot

@@ -225,6 +225,51 @@ def test_wy_matches_float64(case, feat):
     assert rel_err(o.cpu(), o_ref) < FP32_TOL and rel_err(s.cpu(), s_ref) < FP32_TOL
 
 
+OUTPUT_PASS = {
+    # the three-kernel form: a state-only sequential loop (next chunk's inputs in registers, or
+    # loaded per chunk and pipelined), outputs of all chunks in parallel; partial last chunks
+    "o2-16-c16-prefetch": ((16,), 37, ChunkVariant(chunk_size=16, block_k=16, block_v=16, prefetch=True,
+                                                    output_pass=True)),
+    "o2-16-c32-pipelined": ((16,), 70, ChunkVariant(chunk_size=32, block_k=16, block_v=16, num_stages=2,
+                                                     output_pass=True, solve="tiles", prepare_warps=2)),
+    "o3-16x16-c16": ((16, 16), 21, ChunkVariant(chunk_size=16, block_k=256, block_v=16, prefetch=True,
+                                                 output_pass=True, solve="tiles", prepare_warps=1)),
+    # phi(K) stored by the prepare kernel and read in both orientations
+    "o2-16-c64-stored": ((16,), 77, ChunkVariant(chunk_size=64, block_k=16, block_v=16, num_stages=2,
+                                                  output_pass=True, stored_keys=True, solve="tiles",
+                                                  prepare_warps=2)),
+    "o3-16x16-c16-stored": ((16, 16), 45, ChunkVariant(chunk_size=16, block_k=256, block_v=16, num_stages=2,
+                                                        output_pass=True, stored_keys=True, solve="tiles",
+                                                        prepare_warps=2)),
+}
+
+
+@pytest.mark.parametrize("feat", ["plain", "gate", "gated-delta-l2"])
+@pytest.mark.parametrize("case", OUTPUT_PASS.keys())
+def test_output_pass_matches_float64(case, feat):
+    widths, T, variant = OUTPUT_PASS[case]
+    f = FEATURES[feat]
+    dev, ref, s0 = _case(2, T, 1, widths, 6, gate=f["gate"], delta=f["delta"], state=True)
+    o, s = running_tensor_fwd(*dev, initial_state=_to(s0, torch.float32), output_final_state=True,
+                              l2norm=f["l2norm"], mode="chunk", variant=variant)
+    o_ref, s_ref = running_tensor_recurrent_ref(*ref, initial_state=s0, output_final_state=True, l2norm=f["l2norm"])
+    assert rel_err(o.cpu(), o_ref) < FP32_TOL and rel_err(s.cpu(), s_ref) < FP32_TOL
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(block_k=16, output_pass=True), "output_pass needs"),  # K = 256 streamed
+    (dict(output_pass=True, wy=True), "output_pass needs"),
+    (dict(output_pass=True, fuse_prepare=True), "output_pass needs"),
+    (dict(stored_keys=True, num_stages=2), "stored_keys needs output_pass"),
+    (dict(output_pass=True, stored_keys=True, prefetch=True, num_stages=2), "stored_keys needs prefetch=False"),
+    (dict(output_pass=True, stored_keys=True, num_stages=1), "stored_keys needs prefetch=False"),
+], ids=["streamed", "wy", "fused", "no-output-pass", "prefetch", "one-stage"])
+def test_output_pass_refusals(changes, match):
+    v = ChunkVariant(**{"chunk_size": 16, "block_k": 256, "block_v": 16, **changes})
+    assert match in (v.check(KernelShape((16, 16), 8), 10**9) or "")
+    assert "output_pass needs" in ChunkVariant(16, 16, 16, output_pass=True).check(KernelShape((3, 5), 8), 10**9)
+
+
 @pytest.mark.parametrize("case", BLOCKED_SOLVE.keys())
 def test_blocked_solve_matches_float64(case):
     widths, T, variant = BLOCKED_SOLVE[case]
@@ -290,6 +335,9 @@ VARLEN["chunk16-kron-o4"] = ((2, 2, 16), "chunk16-kron")  # K = 64: two 32-row t
 VARLEN["chunk32-tiles-o3"] = ((3, 4), "chunk32-tiles")  # the tile solve must not touch the next sequence's rows
 VARLEN["chunk32-tiles-fused-o4"] = ((2, 3, 2), "chunk32-tiles-fused")
 VARLEN["chunk32-wy-tiles-o3"] = ((3, 4), "chunk32-wy-tiles")
+# the three-kernel form: chunk offsets per sequence for the stored states, chunk_indices for the outputs
+VARLEN["chunk16-output-pass-o2-16"] = ((16,), "chunk16-output-pass")
+VARLEN["chunk16-stored-keys-o2-16"] = ((16,), "chunk16-stored-keys")
 
 
 @pytest.mark.parametrize("case", VARLEN.keys())
@@ -309,7 +357,12 @@ def test_varlen_uneven_lengths(case):
                      "chunk32-wy-tiles": ("chunk", ChunkVariant(chunk_size=32, block_k=16, block_v=16, wy=True,
                                                                 solve="tiles")),
                      "chunk32-tiles-fused": ("chunk", ChunkVariant(chunk_size=32, block_k=16, block_v=16, solve="tiles",
-                                                                   fuse_prepare=True))}.get(
+                                                                   fuse_prepare=True)),
+                     "chunk16-output-pass": ("chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16, prefetch=True,
+                                                                   output_pass=True)),
+                     "chunk16-stored-keys": ("chunk", ChunkVariant(chunk_size=16, block_k=16, block_v=16, num_stages=2,
+                                                                   output_pass=True, stored_keys=True,
+                                                                   solve="tiles"))}.get(
         impl) or VARIANTS[impl]
     o, s = running_tensor_fwd(*dev, initial_state=_to(s0, torch.float32), output_final_state=True, l2norm=True,
                               cu_seqlens=_to(cu), mode=mode, variant=variant)
@@ -407,6 +460,11 @@ HALF_STREAMED = {
     "o3-4x8-tiles-c32": ((4, 8), ChunkVariant(chunk_size=32, block_k=16, block_v=16, solve="tiles")),
     "o3-4x8-tiles-c32-fused": ((4, 8), ChunkVariant(chunk_size=32, block_k=16, block_v=16, solve="tiles",
                                                     fuse_prepare=True)),
+    # the three-kernel form: stored states, U and phi(K) in the 16-bit type
+    "o2-16-output-pass-stored": ((16,), ChunkVariant(chunk_size=32, block_k=16, block_v=16, num_stages=2,
+                                                     output_pass=True, stored_keys=True, solve="tiles")),
+    "o2-16-output-pass": ((16,), ChunkVariant(chunk_size=16, block_k=16, block_v=16, prefetch=True,
+                                              output_pass=True)),
 }
 
 

@@ -232,8 +232,23 @@ def _default_with(kernel: str = "chunk", fused: bool = False, **changes: Any) ->
     return variant
 
 
+def _two_kernel(case: "Case") -> dict[str, Any]:
+    """The first candidate of the case's default list that is not the three-kernel form
+    (``output_pass``): the default before 2026-11-30g where the default is now that form;
+    NotImplementedError (a ``refused`` row) where the default is a two-kernel variant already."""
+    import torch
+
+    from ..kernels.variants import ChunkVariant, KernelShape
+
+    shape = KernelShape(tuple(case.key_widths), case.V, getattr(torch, case.dtype).itemsize)
+    found = ChunkVariant.candidates(shape, torch.cuda.get_device_properties(0).shared_memory_per_block_optin)
+    if not found or not found[0].output_pass:
+        raise NotImplementedError("the default is a two-kernel variant already")
+    return {"variant": next(v for v in found if not v.output_pass)}
+
+
 # the named variants whose error the error cases report
-ERROR_VARIANTS = ("plain", "fused", "prefetch", "wy", "blocks-ieee", "diagonal")
+ERROR_VARIANTS = ("plain", "fused", "prefetch", "wy", "blocks-ieee", "diagonal", "two-kernel")
 
 # Named extra implementations timed beside the default: name -> kwargs, or a function of the
 # case returning kwargs (for variants that depend on the shape). Where the state fits registers
@@ -256,6 +271,8 @@ DEFAULT_VARIANTS: dict[str, Any] = {
     # product precision): the default since solves in [16, 16] tiles in the workspace
     "blocks-ieee": _default_with(solve="blocks", dot_precision="ieee", prepare_warps=8),
     "diagonal": _default_with(solve="diagonal", prepare_warps=8),
+    # the default before the three-kernel form took K = 256 (2026-11-30g)
+    "two-kernel": _two_kernel,
 }
 # Decode beside its default (phi gathered per element): the slab held factored, phi broadcast
 # from the factors (outer_phi; power-of-two widths).

@@ -302,6 +302,12 @@ class ChunkVariant(_Variant):
                     f"widths >= 16 (got {shape.key_widths}), fuse_prepare=False and wy=False")
         if self.stored_keys and not self.output_pass:
             return "stored_keys needs output_pass=True (only the three-kernel form's state loop reads them)"
+        # with the next chunk's keys in registers (prefetch, C 64) the output was wrong, and with
+        # one stage the kernel ended in an illegal address on the H200 (Triton 3.6, 2026-11-30g);
+        # with 2 stages (the compiler pipelining the key loads) it matched
+        if self.stored_keys and (self.prefetch or self.num_stages < 2):
+            return (f"stored_keys needs prefetch=False and num_stages >= 2 (got prefetch={self.prefetch}, "
+                    f"num_stages={self.num_stages})")
         if self.wy and self.fuse_prepare:
             return "wy applies the solve in the prepare kernel: it needs fuse_prepare=False"
         if self.wy and not self.resident(shape):
@@ -377,8 +383,13 @@ class ChunkVariant(_Variant):
         # margin went from 0.25 to 0.2 stages (the failing case stays refused: 234291 bytes).
         # A heuristic for pruning: the tuner's compile is the final word.
         C, bk, bv = self.chunk_size, self.block_k, self.block_v
-        # output_pass: one phi block per kernel (phi(K) in the state loop, phi(Q) in the output one)
-        tiles = (1 if self.output_pass else 2) * C * bk + bk * bv + C * C + C * bv
+        if self.output_pass:
+            # the state loop: per stage the loads that feed products (Ai fp32, with stored_keys
+            # phi(K) in both orientations), plus the 16-bit state and U staged for the products.
+            # H200, o3 16x16 C 64 stored keys: 2 stages ran, 3 asked for 258560 bytes (this: 270336)
+            keys = 2 * C * bk * shape.input_bytes if self.stored_keys else 4 * C * bk  # else phi staged
+            return max(1, self.num_stages) * (keys + 4 * C * C) + 2 * bk * bv + 4 * C * bv
+        tiles = 2 * C * bk + bk * bv + C * C + C * bv
         return int(4 * tiles * (max(1, self.num_stages) + 0.2))
 
     @classmethod
@@ -464,10 +475,15 @@ class ChunkVariant(_Variant):
         max_bv = max(16, next_pow2(shape.value_width))  # block_v never exceeds d_v rounded up
         trailing = next_pow2(math.prod(shape.key_widths[1:]))
         ahead = {"prefetch": True, "wy": kp <= 64}
+        # the three-kernel form with stored keys, measured at order 3 16x16 only (H200, B8 T4096
+        # H8 bf16, probe_streamed.py, 2026-11-30g: 0.480-0.483 ms against 0.511-0.534 for the
+        # next candidate; at order 2 K = 128 it lost, 0.480 against 0.390)
+        three = {"output_pass": True, "stored_keys": True, "num_stages": 2}
         if kp <= 64:
             prefs = [(32, kp, 16, 4, ahead), (16, kp, 16, 4, ahead)]
         elif kp <= 256:
-            prefs = [(16, kp, 32, 4, ahead), (32, kp, 16, 4, {"prefetch": True, "wy": True}), (16, kp, 16, 4, ahead)]
+            prefs = [(64, kp, 32, 4, three)] if kp == 256 and len(shape.key_widths) >= 2 else []
+            prefs += [(16, kp, 32, 4, ahead), (32, kp, 16, 4, {"prefetch": True, "wy": True}), (16, kp, 16, 4, ahead)]
         if kp <= 256:
             prefs += [(32, kp, 16, 4, {}), (16, kp, 16, 4, {}), (32, min(kp, 128), 16, 4, {})]
         else:
@@ -491,8 +507,8 @@ class ChunkVariant(_Variant):
             if not extra.get("wy"):
                 extra = {"solve": "tiles", **extra}
             pw = 1 if C == 16 else 2 if extra.get("solve") == "tiles" else warps
-            v = cls(chunk_size=C, block_k=bk, block_v=min(bv, max_bv), num_warps=warps, num_stages=1,
-                    prepare_warps=pw, **extra)
+            v = cls(chunk_size=C, block_k=bk, block_v=min(bv, max_bv), num_warps=warps, prepare_warps=pw,
+                    **{"num_stages": 1, **extra})
             if v.check(shape, smem_limit) is None and v not in out:
                 out.append(v)
         return out
