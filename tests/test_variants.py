@@ -110,3 +110,25 @@ def test_warm_starts_apply_fixed_parameters_and_a_quarter_of_the_budget():
     assert fixed and all(p["chunk_size"] == 32 for p in fixed)
     # a fixed value that makes every candidate invalid leaves nothing to start from
     assert _warm_starts(b, TuneOptions(device="cpu", fixed={"block_k": 16, "wy": True}), None) == []
+
+
+@pytest.mark.parametrize("limit", [None, 232448], ids=["portable-smem", "h200-smem"])
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_default_has_a_valid_low_memory_sibling(shape, limit):
+    """The planner's low-memory choice (``fused``) must run wherever the default does: the
+    three-kernel default at K = 256 (C 64, two stages) once gave a fused sibling refused at
+    ~464 estimated registers."""
+    kw = {} if limit is None else {"smem_limit": limit}
+    default = ChunkVariant.default(shape, **kw)
+    fused = default.fused(shape)
+    assert fused.fuse_prepare and not fused.output_pass and fused.check(shape, **kw) is None
+
+
+def test_three_kernel_default_only_where_measured():
+    """output_pass + stored_keys leads at order >= 3 with K = 256 where the shared memory allows
+    two stages (the H200's 227 KiB), not at order 2 K = 128 (slower there) nor under 99 KiB."""
+    h200 = 232448
+    assert ChunkVariant.default(KernelShape((16, 16), 64), h200).output_pass
+    assert ChunkVariant.default(KernelShape((16, 16), 64), h200).stored_keys
+    assert not ChunkVariant.default(KernelShape((128,), 64), h200).output_pass
+    assert not ChunkVariant.default(KernelShape((16, 16), 64)).output_pass

@@ -346,7 +346,10 @@ class ChunkVariant(_Variant):
         # fp32 at ieee precision (see the launcher); the tile solve runs in a per-program scratch
         # (o3 32x32 on the H200, 2026-11-30f: 3.43 ms against 8.44 with the strip solve), the
         # diagonal form becomes the strip form verified fused on the H200
-        return replace(self, fuse_prepare=True, prefetch=self.prefetch and not self.resident(shape), wy=False,
+        # the three-kernel form's C = 64 and two stages, fused, were estimated at ~464 registers
+        # (o3 16x16): its sibling is that of the two-kernel default before it (C = 16, one stage)
+        base = replace(self, chunk_size=16, num_stages=1) if self.output_pass else self
+        return replace(base, fuse_prepare=True, prefetch=self.prefetch and not self.resident(shape), wy=False,
                        output_pass=False, stored_keys=False,
                        prepare_warps=4, dot_precision="ieee",
                        solve="blocks" if self.solve == "diagonal" else self.solve)
@@ -395,6 +398,8 @@ class ChunkVariant(_Variant):
     @classmethod
     def space(cls, shape: KernelShape) -> dict[str, list]:
         kp = max(16, shape.key_dim_pow2)
+        three = [False, True] if shape.key_dim <= 256 and all(
+            w >= 16 and w & (w - 1) == 0 for w in shape.key_widths) else [False]
         return {
             "chunk_size": [16, 32, 64, 128],
             "block_k": sorted({min(kp, b) for b in (16, 32, 64, 128, 256, kp)}),
@@ -411,8 +416,10 @@ class ChunkVariant(_Variant):
             "prepare_warps": list(PREPARE_WARPS),
             "solve_block": list(SOLVE_BLOCKS),
             "kron": [False, True] if len(shape.key_widths) >= 3 else [False],
-            "output_pass": [False, True],
-            "stored_keys": [False, True],
+            # only where check can pass (a state in registers: K <= 256 at the register bound,
+            # power-of-two widths >= 16), so the space does not grow fourfold elsewhere
+            "output_pass": three,
+            "stored_keys": three,
         }
 
     @classmethod
