@@ -257,12 +257,12 @@ def test_output_pass_matches_float64(case, feat):
 
 
 @pytest.mark.parametrize("changes, match", [
-    (dict(block_k=16, output_pass=True), "output_pass needs"),  # K = 256 streamed
-    (dict(output_pass=True, wy=True), "output_pass needs"),
-    (dict(output_pass=True, fuse_prepare=True), "output_pass needs"),
-    (dict(stored_keys=True, num_stages=2), "stored_keys needs output_pass"),
-    (dict(output_pass=True, stored_keys=True, prefetch=True, num_stages=2), "stored_keys needs prefetch=False"),
-    (dict(output_pass=True, stored_keys=True, num_stages=1), "stored_keys needs prefetch=False"),
+    ({"block_k": 16, "output_pass": True}, "output_pass needs"),  # K = 256 streamed
+    ({"output_pass": True, "wy": True}, "output_pass needs"),
+    ({"output_pass": True, "fuse_prepare": True}, "output_pass needs"),
+    ({"stored_keys": True, "num_stages": 2}, "stored_keys needs output_pass"),
+    ({"output_pass": True, "stored_keys": True, "prefetch": True, "num_stages": 2}, "stored_keys needs prefetch=False"),
+    ({"output_pass": True, "stored_keys": True, "num_stages": 1}, "stored_keys needs prefetch=False"),
 ], ids=["streamed", "wy", "fused", "no-output-pass", "prefetch", "one-stage"])
 def test_output_pass_refusals(changes, match):
     v = ChunkVariant(**{"chunk_size": 16, "block_k": 256, "block_v": 16, **changes})

@@ -232,7 +232,7 @@ def _default_with(kernel: str = "chunk", fused: bool = False, **changes: Any) ->
     return variant
 
 
-def _two_kernel(case: "Case") -> dict[str, Any]:
+def _two_kernel(case: Case) -> dict[str, Any]:
     """The first candidate of the case's default list that is not the three-kernel form
     (``output_pass``): the default before 2026-11-30g where the default is now that form;
     NotImplementedError (a ``refused`` row) where the default is a two-kernel variant already."""

@@ -252,6 +252,35 @@ def _chunk_log_decay(g, r, m_t, USE_G: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
+def _sequence_of_program(i_n, T, cu_seqlens, IS_VARLEN: tl.constexpr):
+    """Sequence ``i_n``'s start and end token and batch index (varlen: packed along T, B = 1)."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        i_b = 0
+    else:
+        bos = 0
+        eos = T
+        i_b = i_n.to(tl.int64)
+    return bos, eos, i_b
+
+
+@triton.jit
+def _chunk_of_program(i_c, i_n, T, cu_seqlens, chunk_indices, C: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Where a chunk-parallel program's chunk lies: (chunk within its sequence, sequence start and
+    end token, batch index, chunk number over all sequences). Varlen programs are numbered over
+    the (sequence, chunk) pairs of ``chunk_indices``, in sequence order."""
+    i_g = i_c.to(tl.int64)
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + 2 * i_c)
+        i_c = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int64)
+    bos, eos, i_b = _sequence_of_program(i_n, T, cu_seqlens, IS_VARLEN)
+    if not IS_VARLEN:
+        i_g = i_b * tl.cdiv(T, C) + i_c
+    return i_c, bos, eos, i_b, i_g
+
+
+@triton.jit
 def chunk_prepare_running_tensor_kernel(
     q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, W, U0, cu_seqlens, chunk_indices, T,
     H: tl.constexpr, NF: tl.constexpr,
@@ -267,16 +296,7 @@ def chunk_prepare_running_tensor_kernel(
     rows into ``W`` ([B, H, T, K], W's type), for the state loop's stored keys."""
     i_c, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    if IS_VARLEN:
-        i_s = tl.load(chunk_indices + 2 * i_c).to(tl.int64)
-        i_c = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int64)
-        bos = tl.load(cu_seqlens + i_s).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_s + 1).to(tl.int64)
-        i_b = 0
-    else:
-        bos = 0
-        eos = T
-        i_b = i_n.to(tl.int64)
+    i_c, bos, eos, i_b, _ = _chunk_of_program(i_c, i_n, T, cu_seqlens, chunk_indices, C, IS_VARLEN)
     o_c = tl.arange(0, C)
     tok = bos + i_c * C + o_c
     m_t = tok < eos
@@ -397,14 +417,7 @@ def chunk_running_tensor_fwd_kernel(
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-        i_b = 0
-    else:
-        bos = 0
-        eos = T
-        i_b = i_n.to(tl.int64)
+    bos, eos, i_b = _sequence_of_program(i_n, T, cu_seqlens, IS_VARLEN)
     DT: tl.constexpr = q1.dtype.element_ty
     DOT_DT: tl.constexpr = DT if LOWP else tl.float32  # what _dot casts its operands to
     NK: tl.constexpr = (K + BK - 1) // BK
@@ -615,15 +628,10 @@ def chunk_state_running_tensor_kernel(
     kernel), in both orientations, instead of built from the factor tiles."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
+    bos, eos, i_b = _sequence_of_program(i_n, T, cu_seqlens, IS_VARLEN)
     if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-        i_b = 0
         i_g0 = tl.load(chunk_offsets + i_n).to(tl.int64)  # the sequence's first chunk in Hc
     else:
-        bos = 0
-        eos = T
-        i_b = i_n.to(tl.int64)
         i_g0 = i_b * tl.cdiv(T, C)
     DT: tl.constexpr = k1.dtype.element_ty
     o_c = tl.arange(0, C)
@@ -640,7 +648,7 @@ def chunk_state_running_tensor_kernel(
         n_k1, n_k2, n_k3, n_v, n_g, n_b, n_Ai = _load_state_inputs(
             k1, k2, k3, v, g, beta, Ai, (i_b * T + tok) * H + i_h, tok < eos, o_v, m_v,
             p_row[:, None] * C + o_c[None, :], NF, D1, D2, D3, C, V, USE_G, USE_BETA, L2NORM, STORED_KEYS)
-    for i_c in range(0, tl.cdiv(eos - bos, C)):
+    for i_c in range(tl.cdiv(eos - bos, C)):
         tok = bos + i_c * C + o_c
         m_t = tok < eos
         r = (i_b * T + tok) * H + i_h
@@ -692,18 +700,7 @@ def chunk_output_running_tensor_kernel(
     factor Grams as in the prepare kernel (computed here, so no [T, C] score workspace)."""
     i_c, i_nh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
-    if IS_VARLEN:
-        i_g = i_c.to(tl.int64)  # chunks are numbered sequence by sequence, as in chunk_indices
-        i_s = tl.load(chunk_indices + 2 * i_c).to(tl.int64)
-        i_c = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int64)
-        bos = tl.load(cu_seqlens + i_s).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_s + 1).to(tl.int64)
-        i_b = 0
-    else:
-        bos = 0
-        eos = T
-        i_b = i_n.to(tl.int64)
-        i_g = i_b * tl.cdiv(T, C) + i_c
+    i_c, bos, eos, i_b, i_g = _chunk_of_program(i_c, i_n, T, cu_seqlens, chunk_indices, C, IS_VARLEN)
     DT: tl.constexpr = q1.dtype.element_ty
     o_c = tl.arange(0, C)
     tok = bos + i_c * C + o_c

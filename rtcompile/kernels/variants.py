@@ -466,6 +466,9 @@ class ChunkVariant(_Variant):
         (1.05 against 0.89 ms in the sweep's trials: W is as wide as phi(K)); at o2 64 H8 the
         bench timed prefetch + wy at 0.415 ms, prefetch alone 0.574, plain 0.731, so up to
         K = 64 both are on (wy's price: a W [T, K] and U0 [T, V] workspace, 128 MiB there).
+        At order >= 3 with K = 256 the three-kernel form with stored keys leads where two
+        stages fit the shared memory (o3 16x16 bench, 2026-11-30g: 0.476-0.479 ms against
+        0.511-0.514 for the two-kernel default before it; 352 against 32 MiB of workspace).
         """
         found = cls.candidates(shape, smem_limit)
         return found[0] if found else cls(chunk_size=16, block_k=16, block_v=16, num_warps=4, num_stages=1)
@@ -507,13 +510,17 @@ class ChunkVariant(_Variant):
             prefs += [(32, 128, 16, 4, {}), (16, 64, 16, 4, {})]
         out = []
         for C, bk, bv, warps, extra in prefs + [(16, 16, 16, 4, {})]:
-            # the solve in [16, 16] tiles in the prepare kernel's workspace (wy keeps the row solve:
-            # wy with tiles is not measured), with that kernel's warps (H200, B8 T4096 H8,
-            # probe_split.py, 2026-11-30f): one at C = 16 (o3 16x16: 0.044 ms against 0.056 for
-            # the row solve), two at C = 32 and 64 (32x32 prefill 1.32 ms with 2, 1.39 with 4, 1.63 with 8)
-            if not extra.get("wy"):
+            # the solve in [16, 16] tiles in the prepare kernel's workspace, with that kernel's
+            # warps (H200, B8 T4096 H8, probe_split.py, 2026-11-30f): one at C = 16 (o3 16x16:
+            # 0.044 ms against 0.056 for the row solve), two at C = 32 and 64 (32x32 prefill
+            # 1.32 ms with 2, 1.39 with 4, 1.63 with 8). wy takes it at C >= 32 with the
+            # sequential kernel's warps, as measured (o2 64, C 32, probe_streamed.py, 2026-11-30g:
+            # 0.378 ms against 0.426 with the row solve; 2 prepare warps 0.450); at C = 16 it
+            # keeps the row solve (wy with tiles there unmeasured at the shapes it leads)
+            wy = bool(extra.get("wy"))
+            if not wy or C >= 32:
                 extra = {"solve": "tiles", **extra}
-            pw = 1 if C == 16 else 2 if extra.get("solve") == "tiles" else warps
+            pw = 1 if C == 16 else warps if wy else 2 if extra.get("solve") == "tiles" else warps
             v = cls(chunk_size=C, block_k=bk, block_v=min(bv, max_bv), num_warps=warps, prepare_warps=pw,
                     **{"num_stages": 1, **extra})
             if v.check(shape, smem_limit) is None and v not in out:
