@@ -175,3 +175,28 @@ def test_plan_variant_that_cannot_run_here_falls_back(monkeypatch):
     q = [torch.randn(1, 64, 1, 16) for _ in range(2)]
     o, _ = rtcompile.running_tensor(q, q, torch.randn(1, 64, 1, 16), plan=plan, backend="triton")
     assert o.shape == (1, 64, 1, 16) and torch.isfinite(o).all()
+
+
+def test_tight_memory_picks_the_two_kernel_form_before_the_fused_one():
+    """At K = 256 the three-kernel default needs ~11x the two-kernel workspace: where only the
+    two-kernel one fits beside the state, the planner takes it, not the 3x slower fused form."""
+    import dataclasses
+
+    from rtcompile.costmodel import chunk_workspace_bytes
+    from rtcompile.plan import _memory
+
+    spec, h200 = _spec((16, 16)), get_target("h200")
+    plan = make_plan(spec, h200, batches=(8,), seq_lens=(4096,), decode_batches=(1,))
+    prefill = next(d for d in plan.decisions if d.phase == "prefill")
+    variants = [ChunkVariant.from_dict(a["variant"]) for a in prefill.alternatives if a["mode"] == "chunk"]
+    three, two = variants[0], variants[1]
+    assert three.output_pass and not two.output_pass and not two.fuse_prepare
+    assert ChunkVariant.from_dict(prefill.variant).output_pass  # all fit on a 141 GB H200
+    fixed = sum(_memory(spec, 8, 4096, 0).values())
+    room = (chunk_workspace_bytes(spec, 8, 4096, two) + chunk_workspace_bytes(spec, 8, 4096, three)) // 2
+    tight = dataclasses.replace(h200, memory_bytes=fixed + room)
+    plan = make_plan(spec, tight, batches=(8,), seq_lens=(4096,), decode_batches=(1,))
+    prefill = next(d for d in plan.decisions if d.phase == "prefill")
+    chosen = ChunkVariant.from_dict(prefill.variant)
+    assert prefill.mode == "chunk" and chosen == two, prefill.reason
+    assert "refused for workspace" in prefill.reason
