@@ -1,6 +1,6 @@
 # One GPU session's measurements, in steps that each fit one 10-minute device call.
 #
-#   bash benchmarks/gpu_session.sh STEP...     (STEP: tests | bench | confirm | errors | probes | wy-tiles | three-kernel | sweep-decode |
+#   bash benchmarks/gpu_session.sh STEP...     (STEP: tests | bench | confirm | errors | probes | wy-tiles | three-kernel | segments | sweep-decode |
 #        sweep-prefill | sweep-report | one-worker | tpe-again | sweep | tuned-bench | checks | finish)
 #
 # Run from the project root on the device machine, after installing the carried wheels (see
@@ -191,6 +191,14 @@ step_three_kernel() {  # the three-kernel form (output_pass + stored_keys, the K
     2>&1 | tail -3 || true
   python3 -m rtcompile.cli bench --out "$OUT/bench_three" --phase prefill --only o3_16x16_B8 --budget-s 150
   python3 -m rtcompile.cli bench --out "$OUT/bench_three_error" --phase prefill --only o3_16x16_B2 --budget-s 100
+}
+
+step_segments() {  # the three-kernel form in time segments on side streams (CPU-verified only on
+  # 2026-11-30g): its GPU tests, then the default (stored keys, C 64) with 2 / 4 / 8 segments (~120 s)
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "segments" 2>&1 | tail -3 || true
+  timeout 120 python3 benchmarks/probe_streamed.py --widths 16 16 --names default seg2 seg4 seg8 seg4-bv16 \
+    2>&1 | grep -v "Warn\|_warn" || true
+  timeout 60 python3 benchmarks/probe_split.py --widths 16 16 --names seg4 2>&1 | grep -v "Warn\|_warn" || true
 }
 
 step_tuned_bench() {  # the prefill bench again, reading the tuned table (TUNED, or the sweep's)

@@ -172,6 +172,12 @@ NEIGHBOURS = (
                            "chunk_size": 64, "block_v": 64, "num_stages": 2, "prepare_warps": 2}),
     ("op-sk-C32-s3", {"output_pass": True, "wy": False, "stored_keys": True, "prefetch": False,
                       "chunk_size": 32, "num_stages": 3, "prepare_warps": 2}),
+    # the stored-keys default in time segments, prepare and output kernels on side streams
+    # (2026-11-30g: CPU-verified only)
+    ("seg2", {"segments": 2}),
+    ("seg4", {"segments": 4}),
+    ("seg8", {"segments": 8}),
+    ("seg4-bv16", {"segments": 4, "block_v": 16}),
     # kron: tiles of one axis-1 index, products on the trailing factors' tile with x1's column as row scale
     ("kron", {"kron": True}),
     ("kron-bk64", {"kron": True, "block_k": 64}),

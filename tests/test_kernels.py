@@ -241,6 +241,12 @@ OUTPUT_PASS = {
     "o3-16x16-c16-stored": ((16, 16), 45, ChunkVariant(chunk_size=16, block_k=256, block_v=16, num_stages=2,
                                                         output_pass=True, stored_keys=True, solve="tiles",
                                                         prepare_warps=2)),
+    # in time segments (state handed over through the final-state buffer): 5 chunks in 3 ranges
+    "o2-16-c16-segments4": ((16,), 77, ChunkVariant(chunk_size=16, block_k=16, block_v=16, prefetch=True,
+                                                     output_pass=True, segments=4)),
+    "o3-16x16-c16-stored-segments2": ((16, 16), 45, ChunkVariant(chunk_size=16, block_k=256, block_v=16,
+                                                                  num_stages=2, output_pass=True, stored_keys=True,
+                                                                  solve="tiles", prepare_warps=1, segments=2)),
 }
 
 
@@ -256,6 +262,15 @@ def test_output_pass_matches_float64(case, feat):
     assert rel_err(o.cpu(), o_ref) < FP32_TOL and rel_err(s.cpu(), s_ref) < FP32_TOL
 
 
+def test_output_pass_segments_without_final_state():
+    """Segments hand the state over through a buffer of their own when no final state is asked."""
+    dev, ref, s0 = _case(2, 77, 2, (16,), 6, state=True)
+    variant = ChunkVariant(chunk_size=16, block_k=16, block_v=16, prefetch=True, output_pass=True, segments=8)
+    o, s = running_tensor_fwd(*dev, initial_state=_to(s0, torch.float32), l2norm=True, mode="chunk", variant=variant)
+    o_ref, _ = running_tensor_recurrent_ref(*ref, initial_state=s0, output_final_state=True, l2norm=True)
+    assert s is None and rel_err(o.cpu(), o_ref) < FP32_TOL
+
+
 @pytest.mark.parametrize("changes, match", [
     ({"block_k": 16, "output_pass": True}, "output_pass needs"),  # K = 256 streamed
     ({"output_pass": True, "wy": True}, "output_pass needs"),
@@ -263,7 +278,9 @@ def test_output_pass_matches_float64(case, feat):
     ({"stored_keys": True, "num_stages": 2}, "stored_keys needs output_pass"),
     ({"output_pass": True, "stored_keys": True, "prefetch": True, "num_stages": 2}, "stored_keys needs prefetch=False"),
     ({"output_pass": True, "stored_keys": True, "num_stages": 1}, "stored_keys needs prefetch=False"),
-], ids=["streamed", "wy", "fused", "no-output-pass", "prefetch", "one-stage"])
+    ({"segments": 2}, "segments=2 needs output_pass"),
+    ({"output_pass": True, "segments": 3}, "segments=3; allowed"),
+], ids=["streamed", "wy", "fused", "no-output-pass", "prefetch", "one-stage", "segments-alone", "segments-3"])
 def test_output_pass_refusals(changes, match):
     v = ChunkVariant(**{"chunk_size": 16, "block_k": 256, "block_v": 16, **changes})
     assert match in (v.check(KernelShape((16, 16), 8), 10**9) or "")

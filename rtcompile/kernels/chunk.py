@@ -282,7 +282,7 @@ def _chunk_of_program(i_c, i_n, T, cu_seqlens, chunk_indices, C: tl.constexpr, I
 
 @triton.jit
 def chunk_prepare_running_tensor_kernel(
-    q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, W, U0, cu_seqlens, chunk_indices, T,
+    q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, W, U0, cu_seqlens, chunk_indices, T, c0,
     H: tl.constexpr, NF: tl.constexpr,
     D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
     BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, C: tl.constexpr,
@@ -293,8 +293,9 @@ def chunk_prepare_running_tensor_kernel(
 ):
     """P and Ai (WY: W and U0) of every chunk, in parallel; without STORE_P only Ai (the
     three-kernel form's output kernel computes P itself). STORE_PHI: the normalised phi(K)
-    rows into ``W`` ([B, H, T, K], W's type), for the state loop's stored keys."""
-    i_c, i_nh = tl.program_id(0), tl.program_id(1)
+    rows into ``W`` ([B, H, T, K], W's type), for the state loop's stored keys. Program i
+    takes chunk ``c0 + i`` (a time segment's first chunk; 0 with varlen)."""
+    i_c, i_nh = tl.program_id(0) + c0, tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     i_c, bos, eos, i_b, _ = _chunk_of_program(i_c, i_n, T, cu_seqlens, chunk_indices, C, IS_VARLEN)
     o_c = tl.arange(0, C)
@@ -608,7 +609,7 @@ def _load_state_inputs(k1, k2, k3, v, g, beta, Ai, r, m_t, o_v, m_v, off_w,
 
 @triton.jit
 def chunk_state_running_tensor_kernel(
-    k1, k2, k3, v, g, beta, h0, ht, Ai, Kw, Hc, Uc, cu_seqlens, chunk_offsets, T,
+    k1, k2, k3, v, g, beta, h0, ht, Ai, Kw, Hc, Uc, cu_seqlens, chunk_offsets, T, c_lo, c_hi,
     H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr,
@@ -625,7 +626,8 @@ def chunk_state_running_tensor_kernel(
     PREFETCH: the next chunk's inputs are loaded into registers before this chunk's products
     (else each chunk loads its own, and num_stages > 1 lets the compiler pipeline them).
     STORED_KEYS: phi(K) is read from ``Kw`` (normalised, [B, H, T, K], written by the prepare
-    kernel), in both orientations, instead of built from the factor tiles."""
+    kernel), in both orientations, instead of built from the factor tiles. Only chunks
+    [c_lo, c_hi) of each sequence are walked (a time segment), from ``h0`` (or zeros)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos, i_b = _sequence_of_program(i_n, T, cu_seqlens, IS_VARLEN)
@@ -643,12 +645,12 @@ def chunk_state_running_tensor_kernel(
     off_s = (i_n.to(tl.int64) * H + i_h) * K * V + off_k
     b_s = load_state_tile(h0, ht, off_s, m_s, True, USE_H0)
     if PREFETCH:
-        tok = bos + o_c
+        tok = bos + c_lo * C + o_c
         p_row = (i_b * H + i_h) * T + tok
         n_k1, n_k2, n_k3, n_v, n_g, n_b, n_Ai = _load_state_inputs(
             k1, k2, k3, v, g, beta, Ai, (i_b * T + tok) * H + i_h, tok < eos, o_v, m_v,
             p_row[:, None] * C + o_c[None, :], NF, D1, D2, D3, C, V, USE_G, USE_BETA, L2NORM, STORED_KEYS)
-    for i_c in range(tl.cdiv(eos - bos, C)):
+    for i_c in range(c_lo, tl.minimum(c_hi, tl.cdiv(eos - bos, C))):
         tok = bos + i_c * C + o_c
         m_t = tok < eos
         r = (i_b * T + tok) * H + i_h
@@ -690,15 +692,16 @@ def chunk_state_running_tensor_kernel(
 
 @triton.jit
 def chunk_output_running_tensor_kernel(
-    q1, q2, q3, k1, k2, k3, g, o, Hc, Uc, cu_seqlens, chunk_indices, scale, T,
+    q1, q2, q3, k1, k2, k3, g, o, Hc, Uc, cu_seqlens, chunk_indices, scale, T, c0,
     H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
 ):
     """O = scale (diag(Gamma) phi(Q) S_c + P U) for every chunk in parallel (the three-kernel
     form): S_c and U as :func:`chunk_state_running_tensor_kernel` stored them, P from the
-    factor Grams as in the prepare kernel (computed here, so no [T, C] score workspace)."""
-    i_c, i_nh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    factor Grams as in the prepare kernel (computed here, so no [T, C] score workspace).
+    Program i takes chunk ``c0 + i``, as in the prepare kernel."""
+    i_c, i_nh, i_v = tl.program_id(0) + c0, tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
     i_c, bos, eos, i_b, i_g = _chunk_of_program(i_c, i_n, T, cu_seqlens, chunk_indices, C, IS_VARLEN)
     DT: tl.constexpr = q1.dtype.element_ty

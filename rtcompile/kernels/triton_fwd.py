@@ -234,7 +234,7 @@ def _launch_chunk(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm, s
             idx = dummy
             grid = (triton.cdiv(T, C), B * H)
         chunk_prepare_running_tensor_kernel[grid](
-            *_factor_args(q), *_factor_args(k), v, g_arg, beta_arg, P, Ai, W, U0, cu_arg, idx, T, C=C,
+            *_factor_args(q), *_factor_args(k), v, g_arg, beta_arg, P, Ai, W, U0, cu_arg, idx, T, 0, C=C,
             K=p.key_dim, V=V, BK=variant.block_k, BV=max(16, next_pow2(V)), WY=wy, OUTER=outer, **common,
             num_warps=variant.prepare_warps, num_stages=variant.num_stages,
         )
@@ -271,7 +271,13 @@ def _launch_chunk_output_pass(p: Problem, q, k, v, g_arg, beta_arg, cu_arg, o, *
     """The three-kernel form (``ChunkVariant.output_pass``): Ai in parallel (delta rule only),
     the state-only sequential loop, then the outputs of all chunks in parallel. Workspace: the
     incoming state of every chunk ([chunks, H, K, V]) and U ([B, T, H, V]), both in the dot
-    operand type, and Ai ([B, H, T, C] fp32) with the delta rule."""
+    operand type, and Ai ([B, H, T, C] fp32) with the delta rule.
+
+    With ``segments`` > 1 (not varlen) the chunks are cut into that many time segments, each
+    with its three launches; on a GPU the prepare and output launches go to two side streams,
+    so segment g's state loop, which keeps few SMs busy, can overlap segment g + 1's prepare and
+    segment g - 1's outputs. The state is handed from segment to segment through ``ht`` (a
+    buffer of its own when the caller wants no final state)."""
     B, T, H, V = v.shape
     C = variant.chunk_size
     varlen = common["IS_VARLEN"]
@@ -284,31 +290,77 @@ def _launch_chunk_output_pass(p: Problem, q, k, v, g_arg, beta_arg, cu_arg, o, *
     if varlen:
         idx = _chunk_indices(p, C, v.device)
         offsets = torch.tensor([0, *itertools.accumulate(n_chunks)], dtype=torch.int32).to(v.device)
-    chunk_grid = (idx.shape[0], H) if varlen else (triton.cdiv(T, C), B * H)
     if variant.stored_keys:
         Kw = _empty(B, H, T, p.key_dim, dtype=dot_dtype, device=v.device)
-    if common["USE_BETA"] or variant.stored_keys:
-        if common["USE_BETA"]:
-            Ai = _empty(B, H, T, C, dtype=torch.float32, device=v.device)
-        chunk_prepare_running_tensor_kernel[chunk_grid](
-            *_factor_args(q), *_factor_args(k), v, g_arg, beta_arg, v, Ai, Kw, v, cu_arg, idx, T, C=C,
-            K=p.key_dim, V=V, BK=variant.block_k, BV=max(16, next_pow2(V)), WY=False, OUTER=True, STORE_P=False,
-            STORE_PHI=variant.stored_keys, **common, num_warps=variant.prepare_warps, num_stages=variant.num_stages,
-        )
+    if common["USE_BETA"]:
+        Ai = _empty(B, H, T, C, dtype=torch.float32, device=v.device)
+    # time segments: [c_lo, c_hi) chunk ranges of every sequence (one range, all chunks, with varlen)
+    n_max = idx.shape[0] if varlen else n_chunks[0]
+    per = triton.cdiv(n_max, 1 if varlen else variant.segments)
+    ranges = [(lo, min(lo + per, n_max)) for lo in range(0, n_max, per)]
+    if len(ranges) > 1 and ht is None:  # the hand-off buffer between segments
+        ht = _empty(p.state_shape, dtype=torch.float32, device=v.device)
     state_consts = {n: common[n] for n in ("H", "NF", "D1", "D2", "D3", "USE_G", "USE_BETA", "L2NORM", "IS_VARLEN",
                                            "LOWP", "PREC")}
-    chunk_state_running_tensor_kernel[(triton.cdiv(V, variant.block_v), p.num_seqs * H)](
-        *_factor_args(k), v, g_arg, beta_arg, h0 if h0 is not None else v, ht if ht is not None else v, Ai, Kw, Hc,
-        Uc, cu_arg, offsets, T, K=p.key_dim, V=V, C=C, BV=variant.block_v, USE_H0=h0 is not None, STORE_HT=store_ht,
-        PREFETCH=variant.prefetch, STORED_KEYS=variant.stored_keys,
-        **state_consts, num_warps=variant.num_warps, num_stages=variant.num_stages,
-    )
     out_consts = {n: v_ for n, v_ in state_consts.items() if n != "USE_BETA"}
-    chunk_output_running_tensor_kernel[(*chunk_grid, triton.cdiv(V, variant.block_v))](
-        *_factor_args(q), *_factor_args(k), g_arg, o, Hc, Uc, cu_arg, idx, p.scale, T, K=p.key_dim, V=V, C=C,
-        BV=variant.block_v, **out_consts, num_warps=variant.prepare_warps, num_stages=variant.num_stages,
-    )
+    heads = p.num_seqs * H if not varlen else H  # the chunk-parallel grids' second axis
+
+    def prepare(lo: int, hi: int) -> None:
+        if common["USE_BETA"] or variant.stored_keys:
+            chunk_prepare_running_tensor_kernel[(hi - lo, heads)](
+                *_factor_args(q), *_factor_args(k), v, g_arg, beta_arg, v, Ai, Kw, v, cu_arg, idx, T, lo, C=C,
+                K=p.key_dim, V=V, BK=variant.block_k, BV=max(16, next_pow2(V)), WY=False, OUTER=True,
+                STORE_P=False, STORE_PHI=variant.stored_keys, **common, num_warps=variant.prepare_warps,
+                num_stages=variant.num_stages,
+            )
+
+    def state(seg: int, lo: int, hi: int) -> None:
+        first, last = seg == 0, seg == len(ranges) - 1
+        s0 = h0 if first else ht  # later segments start from the state the one before stored
+        chunk_state_running_tensor_kernel[(triton.cdiv(V, variant.block_v), p.num_seqs * H)](
+            *_factor_args(k), v, g_arg, beta_arg, s0 if s0 is not None else v, ht if ht is not None else v, Ai, Kw,
+            Hc, Uc, cu_arg, offsets, T, lo, hi if not varlen else 2**31 - 1, K=p.key_dim, V=V, C=C,
+            BV=variant.block_v, USE_H0=s0 is not None, STORE_HT=store_ht or not last, PREFETCH=variant.prefetch,
+            STORED_KEYS=variant.stored_keys, **state_consts, num_warps=variant.num_warps,
+            num_stages=variant.num_stages,
+        )
+
+    def output(lo: int, hi: int) -> None:
+        chunk_output_running_tensor_kernel[(hi - lo, heads, triton.cdiv(V, variant.block_v))](
+            *_factor_args(q), *_factor_args(k), g_arg, o, Hc, Uc, cu_arg, idx, p.scale, T, lo, K=p.key_dim, V=V,
+            C=C, BV=variant.block_v, **out_consts, num_warps=variant.prepare_warps, num_stages=variant.num_stages,
+        )
+
+    if len(ranges) == 1 or v.device.type != "cuda":
+        for seg, (lo, hi) in enumerate(ranges):
+            prepare(lo, hi)
+            state(seg, lo, hi)
+            output(lo, hi)
+        return o
+    main = torch.cuda.current_stream(v.device)
+    side_prepare, side_output = _side_streams(v.device)
+    side_prepare.wait_stream(main)
+    side_output.wait_stream(main)
+    prepared = []
+    with torch.cuda.stream(side_prepare):
+        for lo, hi in ranges:
+            prepare(lo, hi)
+            prepared.append(side_prepare.record_event())
+    for seg, (lo, hi) in enumerate(ranges):
+        main.wait_event(prepared[seg])
+        state(seg, lo, hi)
+        side_output.wait_event(main.record_event())
+        with torch.cuda.stream(side_output):
+            output(lo, hi)
+    main.wait_stream(side_output)  # everything after this call is ordered after every segment
     return o
+
+
+@functools.cache
+def _side_streams(device: torch.device) -> tuple:
+    """Two side streams per device for the segmented three-kernel form (created once: a stream
+    is a driver object, not something to make per call)."""
+    return torch.cuda.Stream(device), torch.cuda.Stream(device)
 
 
 def running_tensor_fwd(

@@ -19,6 +19,7 @@ SOLVES = ("rows", "blocks", "diagonal", "tiles")
 SOLVE_BLOCK = 16  # the default rows per diagonal block of the blocked solve (ChunkVariant.solve_block)
 SOLVE_BLOCKS = (4, 8, 16)
 PREPARE_WARPS = (1, 2, 4, 8, 16)
+SEGMENTS = (1, 2, 4, 8)  # time segments of the three-kernel form (output_pass)
 # Registers: 64K 32-bit registers per SM on every NVIDIA GPU since Volta; a program of W warps
 # may use at most 255 per thread. We budget the live fp32 tiles of a program against
 # 255 * 32 * W and refuse variants over it (they would spill to local memory: DESIGN.md saw
@@ -69,6 +70,8 @@ class KernelShape:
 @dataclass(frozen=True)
 class _Variant:
     kernel: ClassVar[str]
+    # parameter -> (gate, value): the parameter matters only when the gate has that value
+    GATED: ClassVar[dict[str, tuple[str, Any]]] = {}
 
     def to_dict(self) -> dict[str, Any]:
         return {"kernel": self.kernel, **asdict(self)}
@@ -226,15 +229,20 @@ class ChunkVariant(_Variant):
     ``prefetch`` loads the next chunk's inputs into registers ahead (else each chunk loads its
     own and num_stages > 1 lets the compiler pipeline them), and ``stored_keys`` has the
     prepare kernel write the normalised phi(K) ([T, K] in the dot type) for the state loop to
-    read instead of building it from the factors. The output kernel runs with ``prepare_warps``
+    read instead of building it from the factors. ``segments``: the three kernels run in that
+    many time segments, the prepare and output launches on side streams, so the state loop of
+    one segment (few busy SMs) can overlap the parallel kernels of its neighbours (not varlen;
+    untimed when added, 2026-11-30g). The output kernel runs with ``prepare_warps``
     (o3 16x16 C 64 on the H200: 0.106 ms with 2 warps, 0.134 with 4, 0.267 with 8).
     """
 
     kernel: ClassVar[str] = "chunk"
+    GATED: ClassVar[dict[str, tuple[str, Any]]] = {"stored_keys": ("output_pass", True),
+                                                   "segments": ("output_pass", True)}
     FIELDS: ClassVar[tuple[str, ...]] = (
         "chunk_size", "block_k", "block_v", "num_warps", "num_stages", "fuse_prepare", "dot_precision", "solve",
         "prefetch", "wy", "merge_passes", "prepare_warps", "solve_block", "kron", "output_pass",
-        "stored_keys",
+        "stored_keys", "segments",
     )
     chunk_size: int
     block_k: int
@@ -252,6 +260,7 @@ class ChunkVariant(_Variant):
     kron: bool = False
     output_pass: bool = False
     stored_keys: bool = False
+    segments: int = 1
 
     def check(self, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> str | None:
         for name in ("chunk_size", "block_k", "block_v", "num_warps"):
@@ -300,6 +309,10 @@ class ChunkVariant(_Variant):
                                  or not all(w >= 16 and w & (w - 1) == 0 for w in shape.key_widths)):
             return (f"output_pass needs the state in registers (block_k >= K = {shape.key_dim}), power-of-two key "
                     f"widths >= 16 (got {shape.key_widths}), fuse_prepare=False and wy=False")
+        if self.segments not in SEGMENTS:
+            return f"segments={self.segments}; allowed: {', '.join(map(str, SEGMENTS))}"
+        if self.segments > 1 and not self.output_pass:
+            return f"segments={self.segments} needs output_pass=True (it cuts the three-kernel form in time)"
         if self.stored_keys and not self.output_pass:
             return "stored_keys needs output_pass=True (only the three-kernel form's state loop reads them)"
         # with the next chunk's keys in registers (prefetch, C 64) the output was wrong, and with
@@ -350,7 +363,7 @@ class ChunkVariant(_Variant):
         # (o3 16x16): its sibling is that of the two-kernel default before it (C = 16, one stage)
         base = replace(self, chunk_size=16, num_stages=1) if self.output_pass else self
         return replace(base, fuse_prepare=True, prefetch=self.prefetch and not self.resident(shape), wy=False,
-                       output_pass=False, stored_keys=False,
+                       output_pass=False, stored_keys=False, segments=1,
                        prepare_warps=4, dot_precision="ieee",
                        solve="blocks" if self.solve == "diagonal" else self.solve)
 
@@ -420,6 +433,7 @@ class ChunkVariant(_Variant):
             # power-of-two widths >= 16), so the space does not grow fourfold elsewhere
             "output_pass": three,
             "stored_keys": three,
+            "segments": list(SEGMENTS) if len(three) > 1 else [1],
         }
 
     @classmethod
@@ -528,13 +542,25 @@ class ChunkVariant(_Variant):
         return out
 
 
-def iter_space(cls: type[_Variant], shape: KernelShape) -> Iterator[_Variant]:
-    """Every variant of ``cls``'s space for ``shape`` that passes ``check``."""
+def iter_space(cls: type[_Variant], shape: KernelShape, space: dict[str, list] | None = None,
+               smem_limit: int = DEFAULT_SMEM_BYTES) -> Iterator[_Variant]:
+    """Every variant of ``space`` (default: ``cls.space(shape)``) that passes ``check`` at
+    ``smem_limit``, in space order (gated parameters varying fastest). A parameter of
+    ``cls.GATED`` keeps its default unless its gate has the named value: ``check`` would refuse
+    the other combinations, and not enumerating them keeps the count near what it was before
+    such parameters (o3 16x16: 15M combinations with stored_keys and segments, ~1.9M without)."""
     import itertools
 
-    space = cls.space(shape)
-    names = list(space)
-    for values in itertools.product(*(space[n] for n in names)):
-        v = cls(**dict(zip(names, values)))
-        if v.check(shape) is None:
-            yield v
+    space = cls.space(shape) if space is None else space
+    defaults = {f.name: f.default for f in fields(cls)}
+    gated = {n: gate for n, gate in cls.GATED.items() if n in space and gate[0] in space}
+    free = [n for n in space if n not in gated]
+    for values in itertools.product(*(space[n] for n in free)):
+        params = dict(zip(free, values))
+        # a gated parameter ranges over its space only where its gate has the value it needs
+        choices = [space[n] if params[g] == need else [x for x in space[n] if x == defaults[n]]
+                   for n, (g, need) in gated.items()]
+        for more in itertools.product(*choices):
+            v = cls(**params, **dict(zip(gated, more)))
+            if v.check(shape, smem_limit) is None:
+                yield v

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from ..kernels import tuned
-from ..kernels.variants import DEFAULT_SMEM_BYTES, ChunkVariant, KernelShape, RecurrentVariant
+from ..kernels.variants import DEFAULT_SMEM_BYTES, ChunkVariant, KernelShape, RecurrentVariant, iter_space
 from .keys import Bucket, Machine, key_attrs, study_name
 from .store import claim_lock, open_storage, serialises_claims, write_tuned
 
@@ -116,17 +116,8 @@ def search_space(bucket: Bucket, opts: TuneOptions) -> dict[str, list]:
 
 def exhaustive_variants(bucket: Bucket, opts: TuneOptions) -> list:
     """Every variant of the (sub-)space that passes ``check`` on this device, in space order."""
-    import itertools
-
-    cls, shape, limit = variant_class(bucket.kernel), _shape(bucket), _smem_limit(opts.device)
-    space = search_space(bucket, opts)
-    names = list(space)
-    out = []
-    for values in itertools.product(*(space[n] for n in names)):
-        v = cls(**dict(zip(names, values)))
-        if v.check(shape, limit) is None:
-            out.append(v)
-    return out
+    cls, shape = variant_class(bucket.kernel), _shape(bucket)
+    return list(iter_space(cls, shape, search_space(bucket, opts), _smem_limit(opts.device)))
 
 
 def _warm_starts(bucket: Bucket, opts: TuneOptions, budget: int | None) -> list[dict]:
