@@ -140,22 +140,26 @@ def _scores_from_tiles(q1, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_b, b_c,
 
 
 @triton.jit
+def _one_side_tiles(x1, x2, x3, r, m_t, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+                    BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, L2NORM: tl.constexpr):
+    """The [C, BD_i] tiles of the query or the key factors (optionally normalised); the slots
+    of factors beyond NF repeat the first tile and are never read."""
+    b_x1 = factor_tile(x1, r, m_t, D1, BD1, L2NORM)
+    b_x2 = b_x1
+    b_x3 = b_x1
+    if NF > 1:
+        b_x2 = factor_tile(x2, r, m_t, D2, BD2, L2NORM)
+    if NF > 2:
+        b_x3 = factor_tile(x3, r, m_t, D3, BD3, L2NORM)
+    return b_x1, b_x2, b_x3
+
+
+@triton.jit
 def _factor_tiles(q1, q2, q3, k1, k2, k3, r, m_t, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
                   D3: tl.constexpr, BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, L2NORM: tl.constexpr):
-    """The [C, BD_i] tiles of every query and key factor (optionally normalised); the slots of
-    factors beyond NF repeat the first tile and are never read."""
-    b_q1 = factor_tile(q1, r, m_t, D1, BD1, L2NORM)
-    b_k1 = factor_tile(k1, r, m_t, D1, BD1, L2NORM)
-    b_q2 = b_q1
-    b_k2 = b_k1
-    b_q3 = b_q1
-    b_k3 = b_k1
-    if NF > 1:
-        b_q2 = factor_tile(q2, r, m_t, D2, BD2, L2NORM)
-        b_k2 = factor_tile(k2, r, m_t, D2, BD2, L2NORM)
-    if NF > 2:
-        b_q3 = factor_tile(q3, r, m_t, D3, BD3, L2NORM)
-        b_k3 = factor_tile(k3, r, m_t, D3, BD3, L2NORM)
+    """The [C, BD_i] tiles of every query and key factor (see :func:`_one_side_tiles`)."""
+    b_q1, b_q2, b_q3 = _one_side_tiles(q1, q2, q3, r, m_t, NF, D1, D2, D3, BD1, BD2, BD3, L2NORM)
+    b_k1, b_k2, b_k3 = _one_side_tiles(k1, k2, k3, r, m_t, NF, D1, D2, D3, BD1, BD2, BD3, L2NORM)
     return b_q1, b_q2, b_q3, b_k1, b_k2, b_k3
 
 
@@ -588,13 +592,7 @@ def _load_state_inputs(k1, k2, k3, v, g, beta, Ai, r, m_t, o_v, m_v, off_w,
     b_k2 = b_k1
     b_k3 = b_k1
     if not STORED_KEYS:
-        b_k1 = factor_tile(k1, r, m_t, D1, D1, L2NORM)
-        b_k2 = b_k1
-        b_k3 = b_k1
-        if NF > 1:
-            b_k2 = factor_tile(k2, r, m_t, D2, D2, L2NORM)
-        if NF > 2:
-            b_k3 = factor_tile(k3, r, m_t, D3, D3, L2NORM)
+        b_k1, b_k2, b_k3 = _one_side_tiles(k1, k2, k3, r, m_t, NF, D1, D2, D3, D1, D2, D3, L2NORM)
     b_v = tl.load(v + r[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
     b_g = tl.zeros([C], dtype=tl.float32)
     if USE_G:

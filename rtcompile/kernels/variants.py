@@ -46,6 +46,13 @@ def outer_phi_ok(widths: tuple[int, ...], block_k: int) -> bool:
     return all(w & (w - 1) == 0 for w in widths) and block_k % trailing == 0
 
 
+def whole_factor_tiles(widths: tuple[int, ...]) -> bool:
+    """Is every factor exactly one [C, D_i] tile (a power of two >= 16, tl.dot's minimum)? Then
+    a kernel loads each factor whole and builds phi as the outer product of the tiles
+    (prefetch with a state in registers, the three-kernel form's state loop)."""
+    return all(w >= 16 and w & (w - 1) == 0 for w in widths)
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -303,10 +310,10 @@ class ChunkVariant(_Variant):
                                            and self.chunk_size <= 16 * self.solve_block):
             return (f"solve={self.solve!r} needs chunk_size in [{2 * self.solve_block}, 64] and at most 16 blocks "
                     f"(blocks of solve_block={self.solve_block} rows; C = 128 did not compile)")
-        if self.prefetch and self.resident(shape) and not all(w >= 16 and w & (w - 1) == 0 for w in shape.key_widths):
+        if self.prefetch and self.resident(shape) and not whole_factor_tiles(shape.key_widths):
             return f"prefetch with the state in registers needs power-of-two key widths >= 16, got {shape.key_widths}"
         if self.output_pass and (self.fuse_prepare or self.wy or not self.resident(shape)
-                                 or not all(w >= 16 and w & (w - 1) == 0 for w in shape.key_widths)):
+                                 or not whole_factor_tiles(shape.key_widths)):
             return (f"output_pass needs the state in registers (block_k >= K = {shape.key_dim}), power-of-two key "
                     f"widths >= 16 (got {shape.key_widths}), fuse_prepare=False and wy=False")
         if self.segments not in SEGMENTS:
@@ -411,8 +418,7 @@ class ChunkVariant(_Variant):
     @classmethod
     def space(cls, shape: KernelShape) -> dict[str, list]:
         kp = max(16, shape.key_dim_pow2)
-        three = [False, True] if shape.key_dim <= 256 and all(
-            w >= 16 and w & (w - 1) == 0 for w in shape.key_widths) else [False]
+        three = [False, True] if shape.key_dim <= 256 and whole_factor_tiles(shape.key_widths) else [False]
         return {
             "chunk_size": [16, 32, 64, 128],
             "block_k": sorted({min(kp, b) for b in (16, 32, 64, 128, 256, kp)}),
