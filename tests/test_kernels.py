@@ -241,6 +241,13 @@ OUTPUT_PASS = {
     "o3-16x16-c16-stored": ((16, 16), 45, ChunkVariant(chunk_size=16, block_k=256, block_v=16, num_stages=2,
                                                         output_pass=True, stored_keys=True, solve="tiles",
                                                         prepare_warps=2)),
+    # wy: the prepare kernel applies the solve (W, U0, in column blocks), the loop reads them;
+    # with the row solve (no inverse workspace) and the tile solve (read back)
+    "o2-16-c32-wy-rows": ((16,), 70, ChunkVariant(chunk_size=32, block_k=16, block_v=16, prefetch=True,
+                                                  output_pass=True, wy=True)),
+    "o3-16x16-c16-stored-wy": ((16, 16), 37, ChunkVariant(chunk_size=16, block_k=256, block_v=16, num_stages=2,
+                                                           output_pass=True, stored_keys=True, wy=True,
+                                                           solve="tiles", prepare_warps=2)),
     # in time segments (state handed over through the final-state buffer): 5 chunks in 3 ranges
     "o2-16-c16-segments4": ((16,), 77, ChunkVariant(chunk_size=16, block_k=16, block_v=16, prefetch=True,
                                                      output_pass=True, segments=4)),
@@ -273,14 +280,13 @@ def test_output_pass_segments_without_final_state():
 
 @pytest.mark.parametrize("changes, match", [
     ({"block_k": 16, "output_pass": True}, "output_pass needs"),  # K = 256 streamed
-    ({"output_pass": True, "wy": True}, "output_pass needs"),
     ({"output_pass": True, "fuse_prepare": True}, "output_pass needs"),
     ({"stored_keys": True, "num_stages": 2}, "stored_keys needs output_pass"),
     ({"output_pass": True, "stored_keys": True, "prefetch": True, "num_stages": 2}, "stored_keys needs prefetch=False"),
     ({"output_pass": True, "stored_keys": True, "num_stages": 1}, "stored_keys needs prefetch=False"),
     ({"segments": 2}, "segments=2 needs output_pass"),
     ({"output_pass": True, "segments": 3}, "segments=3; allowed"),
-], ids=["streamed", "wy", "fused", "no-output-pass", "prefetch", "one-stage", "segments-alone", "segments-3"])
+], ids=["streamed", "fused", "no-output-pass", "prefetch", "one-stage", "segments-alone", "segments-3"])
 def test_output_pass_refusals(changes, match):
     v = ChunkVariant(**{"chunk_size": 16, "block_k": 256, "block_v": 16, **changes})
     assert match in (v.check(KernelShape((16, 16), 8), 10**9) or "")

@@ -285,8 +285,37 @@ def _chunk_of_program(i_c, i_n, T, cu_seqlens, chunk_indices, C: tl.constexpr, I
 
 
 @triton.jit
+def _store_key_columns(dst, k1, k2, k3, r, m_t, p_row, b_scale, b_Ai, NF: tl.constexpr, C: tl.constexpr,
+                       D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, K: tl.constexpr, LOWP: tl.constexpr,
+                       PREC: tl.constexpr, APPLY: tl.constexpr):
+    """Rows ``p_row`` of ``dst`` ([.., K], its type) := diag(b_scale) phi(K), or with APPLY
+    Ai diag(b_scale) phi(K), one [C, D2 D3] column block per index i of axis 1: block i is the
+    trailing factors' outer product T with row c scaled by x1[c, i] (see :func:`_trailing_tile`),
+    so T is built once and no [C, K] tile is held (at C 64, K 256 and 2 warps that tile alone
+    is 256 fp32 registers per thread). Needs power-of-two widths >= 16."""
+    DT: tl.constexpr = k1.dtype.element_ty
+    if NF == 1:  # phi is the factor itself: one block
+        o_1 = tl.arange(0, D1)
+        b_blk = tl.load(k1 + r[:, None] * D1 + o_1[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
+        b_blk = b_blk * b_scale[:, None]
+        if APPLY:
+            b_blk = _dot(b_Ai, b_blk, LOWP, DT, PREC)
+        tl.store(dst + p_row[:, None] * K + o_1[None, :], b_blk.to(dst.dtype.element_ty), mask=m_t[:, None])
+    else:
+        TW: tl.constexpr = D2 * D3
+        o_j = tl.arange(0, TW)
+        b_t = _trailing_tile(k2, k3, r, m_t, C, NF, D2, D3, tl.float32)
+        for i in range(D1):
+            b_blk = b_t * (_lead_column(k1, r, m_t, i, D1) * b_scale)[:, None]
+            if APPLY:
+                b_blk = _dot(b_Ai, b_blk, LOWP, DT, PREC)
+            tl.store(dst + p_row[:, None] * K + i * TW + o_j[None, :], b_blk.to(dst.dtype.element_ty),
+                     mask=m_t[:, None])
+
+
+@triton.jit
 def chunk_prepare_running_tensor_kernel(
-    q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, W, U0, cu_seqlens, chunk_indices, T, c0,
+    q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, W, U0, Kw, cu_seqlens, chunk_indices, T, c0,
     H: tl.constexpr, NF: tl.constexpr,
     D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
     BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, C: tl.constexpr,
@@ -294,10 +323,13 @@ def chunk_prepare_running_tensor_kernel(
     USE_G: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
     LOWP: tl.constexpr, PREC: tl.constexpr, SOLVE: tl.constexpr, SOLVE_BLOCK: tl.constexpr, WY: tl.constexpr,
     OUTER: tl.constexpr, STORE_P: tl.constexpr = True, STORE_PHI: tl.constexpr = False,
+    COLUMNS: tl.constexpr = False,
 ):
     """P and Ai (WY: W and U0) of every chunk, in parallel; without STORE_P only Ai (the
     three-kernel form's output kernel computes P itself). STORE_PHI: the normalised phi(K)
-    rows into ``W`` ([B, H, T, K], W's type), for the state loop's stored keys. Program i
+    rows into ``Kw`` ([B, H, T, K], its type), for the state loop's stored keys. COLUMNS
+    (power-of-two widths >= 16): phi(K) and W are formed and stored one column block per
+    index of axis 1 (:func:`_store_key_columns`), never as a whole [C, K] tile. Program i
     takes chunk ``c0 + i`` (a time segment's first chunk; 0 with varlen)."""
     i_c, i_nh = tl.program_id(0) + c0, tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -325,26 +357,24 @@ def chunk_prepare_running_tensor_kernel(
                 b_Ai = tl.load(Ai + off_w, mask=m_t[:, None], other=0.0)
         elif not WY:  # with wy the inverse is applied below and not stored
             tl.store(Ai + off_w, b_Ai, mask=m_t[:, None])
+    p_row = (i_b * H + i_h) * T + tok
+    b_inv = tl.full([C], 1.0, tl.float32)
+    if L2NORM and (STORE_PHI or WY):
+        b_inv = phi_inv_norm(k1, k2, k3, r[:, None], m_t[:, None], D1, D2, D3, BD1, BD2, BD3, NF)
     if STORE_PHI:
-        b_phi = _phi_block(k1, k2, k3, r, m_t, 0, C, BK, NF, D1, D2, D3, K, OUTER)
-        if L2NORM:
-            b_phi *= phi_inv_norm(k1, k2, k3, r[:, None], m_t[:, None], D1, D2, D3, BD1, BD2, BD3, NF)[:, None]
-        o_k = tl.arange(0, BK)
-        p_row = (i_b * H + i_h) * T + tok
-        tl.store(W + p_row[:, None] * K + o_k[None, :], b_phi.to(W.dtype.element_ty),
-                 mask=m_t[:, None] & (o_k < K)[None, :])
+        _store_key_columns(Kw, k1, k2, k3, r, m_t, p_row, b_inv, b_Ai, NF, C, D1, D2, D3, K, LOWP, PREC, False)
     if WY:  # the solve applied here, in parallel: W = Ai diag(b Gamma / ||phi(k)||) phi(K), U0 = Ai diag(b) V
         DT: tl.constexpr = q1.dtype.element_ty
         b_b = tl.load(beta + r, mask=m_t, other=0.0).to(tl.float32)
-        b_scale = b_b * tl.exp(b_c)
-        if L2NORM:
-            b_scale *= phi_inv_norm(k1, k2, k3, r[:, None], m_t[:, None], D1, D2, D3, BD1, BD2, BD3, NF)
-        b_phi = _phi_block(k1, k2, k3, r, m_t, 0, C, BK, NF, D1, D2, D3, K, OUTER)
-        b_w = _dot(b_Ai, b_phi * b_scale[:, None], LOWP, DT, PREC)
-        o_k = tl.arange(0, BK)
-        p_row = (i_b * H + i_h) * T + tok
-        tl.store(W + p_row[:, None] * K + o_k[None, :], b_w.to(W.dtype.element_ty),
-                 mask=m_t[:, None] & (o_k < K)[None, :])
+        b_scale = b_b * tl.exp(b_c) * b_inv
+        if COLUMNS:
+            _store_key_columns(W, k1, k2, k3, r, m_t, p_row, b_scale, b_Ai, NF, C, D1, D2, D3, K, LOWP, PREC, True)
+        else:
+            b_phi = _phi_block(k1, k2, k3, r, m_t, 0, C, BK, NF, D1, D2, D3, K, OUTER)
+            b_w = _dot(b_Ai, b_phi * b_scale[:, None], LOWP, DT, PREC)
+            o_k = tl.arange(0, BK)
+            tl.store(W + p_row[:, None] * K + o_k[None, :], b_w.to(W.dtype.element_ty),
+                     mask=m_t[:, None] & (o_k < K)[None, :])
         o_v = tl.arange(0, BV)
         m_v = (o_v < V)[None, :]
         b_v = tl.load(v + r[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v, other=0.0).to(tl.float32)
@@ -583,23 +613,25 @@ def chunk_running_tensor_fwd_kernel(
 def _load_state_inputs(k1, k2, k3, v, g, beta, Ai, r, m_t, o_v, m_v, off_w,
                        NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, C: tl.constexpr,
                        V: tl.constexpr, USE_G: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr,
-                       STORED_KEYS: tl.constexpr):
+                       STORED_KEYS: tl.constexpr, WY: tl.constexpr):
     """One chunk's inputs of the state-only loop, in registers: the (normalised) [C, D_i] key
-    factor tiles (each D_i a power of two >= 16; not with STORED_KEYS), values, log-decay
-    increments, beta and the prepared inverse. Slots a flag turns off hold a placeholder that
-    is never read."""
+    factor tiles (each D_i a power of two >= 16; not with STORED_KEYS), values (not with WY),
+    log-decay increments, beta and the prepared inverse (neither with WY). Slots a flag turns
+    off hold a placeholder that is never read."""
     b_k1 = tl.zeros([C, 16], dtype=tl.float32)
     b_k2 = b_k1
     b_k3 = b_k1
     if not STORED_KEYS:
         b_k1, b_k2, b_k3 = _one_side_tiles(k1, k2, k3, r, m_t, NF, D1, D2, D3, D1, D2, D3, L2NORM)
-    b_v = tl.load(v + r[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+    b_v = tl.zeros([C, 16], dtype=tl.float32)
+    if not WY:
+        b_v = tl.load(v + r[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
     b_g = tl.zeros([C], dtype=tl.float32)
     if USE_G:
         b_g = tl.load(g + r, mask=m_t, other=0.0).to(tl.float32)
     b_b = tl.zeros([C], dtype=tl.float32)
     b_Ai = tl.zeros([C, C], dtype=tl.float32)
-    if USE_BETA:
+    if USE_BETA and not WY:
         b_b = tl.load(beta + r, mask=m_t, other=0.0).to(tl.float32)
         b_Ai = tl.load(Ai + off_w, mask=m_t[:, None], other=0.0)
     return b_k1, b_k2, b_k3, b_v, b_g, b_b, b_Ai
@@ -607,12 +639,12 @@ def _load_state_inputs(k1, k2, k3, v, g, beta, Ai, r, m_t, o_v, m_v, off_w,
 
 @triton.jit
 def chunk_state_running_tensor_kernel(
-    k1, k2, k3, v, g, beta, h0, ht, Ai, Kw, Hc, Uc, cu_seqlens, chunk_offsets, T, c_lo, c_hi,
+    k1, k2, k3, v, g, beta, h0, ht, Ai, Kw, W, U0, Hc, Uc, cu_seqlens, chunk_offsets, T, c_lo, c_hi,
     H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
-    PREFETCH: tl.constexpr, STORED_KEYS: tl.constexpr,
+    PREFETCH: tl.constexpr, STORED_KEYS: tl.constexpr, WY: tl.constexpr,
 ):
     """The sequential loop of the three-kernel form: the state only. Per chunk of one
     (sequence, head, value block) it stores the incoming state S into ``Hc`` ([chunks, H, K, V],
@@ -624,7 +656,9 @@ def chunk_state_running_tensor_kernel(
     PREFETCH: the next chunk's inputs are loaded into registers before this chunk's products
     (else each chunk loads its own, and num_stages > 1 lets the compiler pipeline them).
     STORED_KEYS: phi(K) is read from ``Kw`` (normalised, [B, H, T, K], written by the prepare
-    kernel), in both orientations, instead of built from the factor tiles. Only chunks
+    kernel), in both orientations, instead of built from the factor tiles. WY (delta rule):
+    U = U0 - W S from the prepare kernel's W = Ai diag(b Gamma) phi(K) and U0 = Ai diag(b) V
+    ([B, H, T, K] in the dot type and [B, H, T, V] fp32), a chain of two products. Only chunks
     [c_lo, c_hi) of each sequence are walked (a time segment), from ``h0`` (or zeros)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -647,7 +681,7 @@ def chunk_state_running_tensor_kernel(
         p_row = (i_b * H + i_h) * T + tok
         n_k1, n_k2, n_k3, n_v, n_g, n_b, n_Ai = _load_state_inputs(
             k1, k2, k3, v, g, beta, Ai, (i_b * T + tok) * H + i_h, tok < eos, o_v, m_v,
-            p_row[:, None] * C + o_c[None, :], NF, D1, D2, D3, C, V, USE_G, USE_BETA, L2NORM, STORED_KEYS)
+            p_row[:, None] * C + o_c[None, :], NF, D1, D2, D3, C, V, USE_G, USE_BETA, L2NORM, STORED_KEYS, WY)
     for i_c in range(c_lo, tl.minimum(c_hi, tl.cdiv(eos - bos, C))):
         tok = bos + i_c * C + o_c
         m_t = tok < eos
@@ -659,11 +693,11 @@ def chunk_state_running_tensor_kernel(
             p_row_n = p_row + C
             n_k1, n_k2, n_k3, n_v, n_g, n_b, n_Ai = _load_state_inputs(
                 k1, k2, k3, v, g, beta, Ai, (i_b * T + tok_n) * H + i_h, tok_n < eos, o_v, m_v,
-                p_row_n[:, None] * C + o_c[None, :], NF, D1, D2, D3, C, V, USE_G, USE_BETA, L2NORM, STORED_KEYS)
+                p_row_n[:, None] * C + o_c[None, :], NF, D1, D2, D3, C, V, USE_G, USE_BETA, L2NORM, STORED_KEYS, WY)
         else:
             b_k1, b_k2, b_k3, b_v, b_g, b_b, b_Ai = _load_state_inputs(
                 k1, k2, k3, v, g, beta, Ai, r, m_t, o_v, m_v, p_row[:, None] * C + o_c[None, :],
-                NF, D1, D2, D3, C, V, USE_G, USE_BETA, L2NORM, STORED_KEYS)
+                NF, D1, D2, D3, C, V, USE_G, USE_BETA, L2NORM, STORED_KEYS, WY)
         if STORED_KEYS:
             b_k = tl.load(Kw + p_row[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
             b_kt = tl.load(Kw + p_row[None, :] * K + o_k[:, None], mask=m_t[None, :], other=0.0)
@@ -676,7 +710,11 @@ def chunk_state_running_tensor_kernel(
         b_last = tl.sum(tl.where(o_c == C - 1, b_c, 0.0), axis=0)
         # the incoming state, for the output kernel (a store: nothing waits on it)
         tl.store(Hc + ((i_g0 + i_c) * H + i_h) * K * V + off_k, b_s.to(Hc.dtype.element_ty), mask=m_s)
-        if USE_BETA:
+        if USE_BETA and WY:
+            b_w = tl.load(W + p_row[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+            b_u = tl.load(U0 + p_row[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+            b_u -= _dot(b_w, b_s, LOWP, DT, PREC)
+        elif USE_BETA:
             b_ks = _dot(b_k, b_s, LOWP, DT, PREC)
             b_u = _dot(b_Ai, b_b[:, None] * (b_v - tl.exp(b_c)[:, None] * b_ks), LOWP, DT, PREC)
         else:

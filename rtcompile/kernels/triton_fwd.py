@@ -234,7 +234,7 @@ def _launch_chunk(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm, s
             idx = dummy
             grid = (triton.cdiv(T, C), B * H)
         chunk_prepare_running_tensor_kernel[grid](
-            *_factor_args(q), *_factor_args(k), v, g_arg, beta_arg, P, Ai, W, U0, cu_arg, idx, T, 0, C=C,
+            *_factor_args(q), *_factor_args(k), v, g_arg, beta_arg, P, Ai, W, U0, dummy, cu_arg, idx, T, 0, C=C,
             K=p.key_dim, V=V, BK=variant.block_k, BV=max(16, next_pow2(V)), WY=wy, OUTER=outer, **common,
             num_warps=variant.prepare_warps, num_stages=variant.num_stages,
         )
@@ -271,7 +271,8 @@ def _launch_chunk_output_pass(p: Problem, q, k, v, g_arg, beta_arg, cu_arg, o, *
     """The three-kernel form (``ChunkVariant.output_pass``): Ai in parallel (delta rule only),
     the state-only sequential loop, then the outputs of all chunks in parallel. Workspace: the
     incoming state of every chunk ([chunks, H, K, V]) and U ([B, T, H, V]), both in the dot
-    operand type, and Ai ([B, H, T, C] fp32) with the delta rule.
+    operand type, and Ai ([B, H, T, C] fp32) with the delta rule (with ``wy``, W [B, H, T, K]
+    in the dot type and U0 [B, H, T, V] fp32 instead, and Ai only for the tile solve).
 
     With ``segments`` > 1 (not varlen) the chunks are cut into that many time segments, each
     with its three launches; on a GPU the prepare and output launches go to two side streams,
@@ -285,14 +286,18 @@ def _launch_chunk_output_pass(p: Problem, q, k, v, g_arg, beta_arg, cu_arg, o, *
     n_chunks = [triton.cdiv(hi - lo, C) for lo, hi in p.seq_bounds] if varlen else [triton.cdiv(T, C)] * B
     Hc = _empty(sum(n_chunks), H, p.key_dim, V, dtype=dot_dtype, device=v.device)
     Uc = _empty(B, T, H, V, dtype=dot_dtype, device=v.device)
-    Ai = Kw = v  # placeholders without the delta rule / stored keys (never read)
+    Ai = Kw = W = U0 = v  # placeholders without the delta rule / stored keys / wy (never read)
+    wy = variant.wy and common["USE_BETA"]
     idx = offsets = v
     if varlen:
         idx = _chunk_indices(p, C, v.device)
         offsets = torch.tensor([0, *itertools.accumulate(n_chunks)], dtype=torch.int32).to(v.device)
     if variant.stored_keys:
         Kw = _empty(B, H, T, p.key_dim, dtype=dot_dtype, device=v.device)
-    if common["USE_BETA"]:
+    if wy:
+        W = _empty(B, H, T, p.key_dim, dtype=dot_dtype, device=v.device)
+        U0 = _empty(B, H, T, V, dtype=torch.float32, device=v.device)
+    if common["USE_BETA"] and (not wy or variant.solve == "tiles"):
         Ai = _empty(B, H, T, C, dtype=torch.float32, device=v.device)
     # time segments: [c_lo, c_hi) chunk ranges of every sequence (one range, all chunks, with varlen)
     n_max = idx.shape[0] if varlen else n_chunks[0]
@@ -308,9 +313,9 @@ def _launch_chunk_output_pass(p: Problem, q, k, v, g_arg, beta_arg, cu_arg, o, *
     def prepare(lo: int, hi: int) -> None:
         if common["USE_BETA"] or variant.stored_keys:
             chunk_prepare_running_tensor_kernel[(hi - lo, heads)](
-                *_factor_args(q), *_factor_args(k), v, g_arg, beta_arg, v, Ai, Kw, v, cu_arg, idx, T, lo, C=C,
-                K=p.key_dim, V=V, BK=variant.block_k, BV=max(16, next_pow2(V)), WY=False, OUTER=True,
-                STORE_P=False, STORE_PHI=variant.stored_keys, **common, num_warps=variant.prepare_warps,
+                *_factor_args(q), *_factor_args(k), v, g_arg, beta_arg, v, Ai, W, U0, Kw, cu_arg, idx, T, lo, C=C,
+                K=p.key_dim, V=V, BK=variant.block_k, BV=max(16, next_pow2(V)), WY=wy, OUTER=True,
+                STORE_P=False, STORE_PHI=variant.stored_keys, COLUMNS=True, **common, num_warps=variant.prepare_warps,
                 num_stages=variant.num_stages,
             )
 
@@ -319,9 +324,9 @@ def _launch_chunk_output_pass(p: Problem, q, k, v, g_arg, beta_arg, cu_arg, o, *
         s0 = h0 if first else ht  # later segments start from the state the one before stored
         chunk_state_running_tensor_kernel[(triton.cdiv(V, variant.block_v), p.num_seqs * H)](
             *_factor_args(k), v, g_arg, beta_arg, s0 if s0 is not None else v, ht if ht is not None else v, Ai, Kw,
-            Hc, Uc, cu_arg, offsets, T, lo, hi if not varlen else 2**31 - 1, K=p.key_dim, V=V, C=C,
+            W, U0, Hc, Uc, cu_arg, offsets, T, lo, hi if not varlen else 2**31 - 1, K=p.key_dim, V=V, C=C,
             BV=variant.block_v, USE_H0=s0 is not None, STORE_HT=store_ht or not last, PREFETCH=variant.prefetch,
-            STORED_KEYS=variant.stored_keys, **state_consts, num_warps=variant.num_warps,
+            STORED_KEYS=variant.stored_keys, WY=wy, **state_consts, num_warps=variant.num_warps,
             num_stages=variant.num_stages,
         )
 

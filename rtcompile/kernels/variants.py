@@ -209,7 +209,8 @@ class ChunkVariant(_Variant):
     using the current one. ``wy``: the delta rule's solve applied in the parallel
     prepare kernel (W = Ai diag(b Gamma) phi(K), U0 = Ai diag(b) V, stored [T, K] and [T, V]),
     so the sequential loop's chain is two products (W S, then the update) instead of three;
-    needs the state in registers and the two-kernel form; its workspace grows with T * K.
+    needs the state in registers; its workspace grows with T * K. In the three-kernel form
+    (``output_pass``) the state loop then reads W and U0 instead of the inverse and the values.
     ``solve="diagonal"``: the blocked solve with each diagonal block inverted on its own
     [solve_block, solve_block] tile (``"blocks"`` inverts them on [solve_block, C] row strips).
     ``solve="tiles"``: the prepare kernel stores A and inverts it in its workspace in [16, 16]
@@ -232,7 +233,7 @@ class ChunkVariant(_Variant):
     (its chain: phi(K) S, the solve, the update; the next chunk's loads issued ahead), storing
     each chunk's incoming state ([T / C, K, V] in the dot operand type) and U ([T, V]); a third
     kernel computes the scores and outputs of all chunks in parallel. Needs the state in
-    registers, power-of-two key widths >= 16 and the separate prepare kernel (no wy). There
+    registers, power-of-two key widths >= 16 and the separate prepare kernel. There
     ``prefetch`` loads the next chunk's inputs into registers ahead (else each chunk loads its
     own and num_stages > 1 lets the compiler pipeline them), and ``stored_keys`` has the
     prepare kernel write the normalised phi(K) ([T, K] in the dot type) for the state loop to
@@ -312,10 +313,10 @@ class ChunkVariant(_Variant):
                     f"(blocks of solve_block={self.solve_block} rows; C = 128 did not compile)")
         if self.prefetch and self.resident(shape) and not whole_factor_tiles(shape.key_widths):
             return f"prefetch with the state in registers needs power-of-two key widths >= 16, got {shape.key_widths}"
-        if self.output_pass and (self.fuse_prepare or self.wy or not self.resident(shape)
+        if self.output_pass and (self.fuse_prepare or not self.resident(shape)
                                  or not whole_factor_tiles(shape.key_widths)):
             return (f"output_pass needs the state in registers (block_k >= K = {shape.key_dim}), power-of-two key "
-                    f"widths >= 16 (got {shape.key_widths}), fuse_prepare=False and wy=False")
+                    f"widths >= 16 (got {shape.key_widths}) and fuse_prepare=False")
         if self.segments not in SEGMENTS:
             return f"segments={self.segments}; allowed: {', '.join(map(str, SEGMENTS))}"
         if self.segments > 1 and not self.output_pass:
