@@ -269,6 +269,19 @@ def test_output_pass_matches_float64(case, feat):
     assert rel_err(o.cpu(), o_ref) < FP32_TOL and rel_err(s.cpu(), s_ref) < FP32_TOL
 
 
+@pytest.mark.parametrize("out_bv, out_warps", [(32, 2), (64, 4)], ids=["out32-w2", "out64-w4"])
+def test_output_pass_output_tiles(out_bv, out_warps):
+    """The output kernel's own value tile and warps: d_v 40 in two 32-column tiles (the second
+    partial) or one 64-column tile, under the state loop's 16-column tiles."""
+    dev, ref, s0 = _case(2, 45, 1, (16, 16), 40, gate=True, delta=True, state=True)
+    variant = ChunkVariant(chunk_size=16, block_k=256, block_v=16, num_stages=2, output_pass=True, stored_keys=True,
+                           solve="tiles", prepare_warps=2, output_block_v=out_bv, output_warps=out_warps)
+    o, s = running_tensor_fwd(*dev, initial_state=_to(s0, torch.float32), output_final_state=True, l2norm=True,
+                              mode="chunk", variant=variant)
+    o_ref, s_ref = running_tensor_recurrent_ref(*ref, initial_state=s0, output_final_state=True, l2norm=True)
+    assert rel_err(o.cpu(), o_ref) < FP32_TOL and rel_err(s.cpu(), s_ref) < FP32_TOL
+
+
 def test_output_pass_segments_without_final_state():
     """Segments hand the state over through a buffer of their own when no final state is asked."""
     dev, ref, s0 = _case(2, 77, 2, (16,), 6, state=True)
@@ -286,7 +299,11 @@ def test_output_pass_segments_without_final_state():
     ({"output_pass": True, "stored_keys": True, "num_stages": 1}, "stored_keys needs prefetch=False"),
     ({"segments": 2}, "segments=2 needs output_pass"),
     ({"output_pass": True, "segments": 3}, "segments=3; allowed"),
-], ids=["streamed", "fused", "no-output-pass", "prefetch", "one-stage", "segments-alone", "segments-3"])
+    ({"output_pass": True, "output_block_v": 32}, "output_block_v=32; allowed"),  # d_v 8
+    ({"output_pass": True, "output_warps": 3}, "output_warps=3; allowed"),
+    ({"output_warps": 2}, "without output_pass=True"),
+], ids=["streamed", "fused", "no-output-pass", "prefetch", "one-stage", "segments-alone", "segments-3", "out-bv-wide",
+        "out-warps-3", "out-warps-alone"])
 def test_output_pass_refusals(changes, match):
     v = ChunkVariant(**{"chunk_size": 16, "block_k": 256, "block_v": 16, **changes})
     assert match in (v.check(KernelShape((16, 16), 8), 10**9) or "")

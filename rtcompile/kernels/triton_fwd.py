@@ -331,9 +331,9 @@ def _launch_chunk_output_pass(p: Problem, q, k, v, g_arg, beta_arg, cu_arg, o, *
         )
 
     def output(lo: int, hi: int) -> None:
-        chunk_output_running_tensor_kernel[(hi - lo, heads, triton.cdiv(V, variant.block_v))](
+        chunk_output_running_tensor_kernel[(hi - lo, heads, triton.cdiv(V, variant.output_block_v))](
             *_factor_args(q), *_factor_args(k), g_arg, o, Hc, Uc, cu_arg, idx, p.scale, T, lo, K=p.key_dim, V=V,
-            C=C, BV=variant.block_v, **out_consts, num_warps=variant.prepare_warps, num_stages=variant.num_stages,
+            C=C, BV=variant.output_block_v, **out_consts, num_warps=variant.output_warps, num_stages=variant.num_stages,
         )
 
     if len(ranges) == 1 or v.device.type != "cuda":

@@ -240,17 +240,20 @@ class ChunkVariant(_Variant):
     read instead of building it from the factors. ``segments``: the three kernels run in that
     many time segments, the prepare and output launches on side streams, so the state loop of
     one segment (few busy SMs) can overlap the parallel kernels of its neighbours (not varlen;
-    untimed when added, 2026-11-30g). The output kernel runs with ``prepare_warps``
-    (o3 16x16 C 64 on the H200: 0.106 ms with 2 warps, 0.134 with 4, 0.267 with 8).
+    untimed when added, 2026-11-30g; on the H200 at o3 16x16, 2026-11-30h, 2 / 4 / 8 segments
+    took 0.76 / 1.18 / 1.50 ms against 0.49 unsegmented: not in the defaults).
+    ``output_block_v`` / ``output_warps``: the output kernel's value tile and warps (o3 16x16
+    C 64 on the H200, 2026-11-30h: 0.084 ms with 64 columns and 4 warps, 0.102 with 64 and 2,
+    0.135 with 32 and 4, 0.156 with 64 and 8).
     """
 
     kernel: ClassVar[str] = "chunk"
-    GATED: ClassVar[dict[str, tuple[str, Any]]] = {"stored_keys": ("output_pass", True),
-                                                   "segments": ("output_pass", True)}
+    GATED: ClassVar[dict[str, tuple[str, Any]]] = {
+        n: ("output_pass", True) for n in ("stored_keys", "segments", "output_block_v", "output_warps")}
     FIELDS: ClassVar[tuple[str, ...]] = (
         "chunk_size", "block_k", "block_v", "num_warps", "num_stages", "fuse_prepare", "dot_precision", "solve",
         "prefetch", "wy", "merge_passes", "prepare_warps", "solve_block", "kron", "output_pass",
-        "stored_keys", "segments",
+        "stored_keys", "segments", "output_block_v", "output_warps",
     )
     chunk_size: int
     block_k: int
@@ -269,6 +272,8 @@ class ChunkVariant(_Variant):
     output_pass: bool = False
     stored_keys: bool = False
     segments: int = 1
+    output_block_v: int = 16
+    output_warps: int = 4
 
     def check(self, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> str | None:
         for name in ("chunk_size", "block_k", "block_v", "num_warps"):
@@ -323,6 +328,13 @@ class ChunkVariant(_Variant):
             return f"segments={self.segments} needs output_pass=True (it cuts the three-kernel form in time)"
         if self.stored_keys and not self.output_pass:
             return "stored_keys needs output_pass=True (only the three-kernel form's state loop reads them)"
+        if self.output_block_v not in (16, 32, 64) or self.output_block_v > max(16, next_pow2(shape.value_width)):
+            return f"output_block_v={self.output_block_v}; allowed: 16, 32 or 64, at most d_v rounded up"
+        if self.output_warps not in PREPARE_WARPS:
+            return f"output_warps={self.output_warps}; allowed: {', '.join(map(str, PREPARE_WARPS))}"
+        if not self.output_pass and (self.output_block_v, self.output_warps) != (16, 4):
+            return ("output_block_v and output_warps set the three-kernel form's output kernel: without "
+                    "output_pass=True they must stay at their defaults (16, 4)")
         # with the next chunk's keys in registers (prefetch, C 64) the output was wrong, and with
         # one stage the kernel ended in an illegal address on the H200 (Triton 3.6, 2026-11-30g);
         # with 2 stages (the compiler pipelining the key loads) it matched
@@ -371,7 +383,7 @@ class ChunkVariant(_Variant):
         # (o3 16x16): its sibling is that of the two-kernel default before it (C = 16, one stage)
         base = replace(self, chunk_size=16, num_stages=1) if self.output_pass else self
         return replace(base, fuse_prepare=True, prefetch=self.prefetch and not self.resident(shape), wy=False,
-                       output_pass=False, stored_keys=False, segments=1,
+                       output_pass=False, stored_keys=False, segments=1, output_block_v=16, output_warps=4,
                        prepare_warps=4, dot_precision="ieee",
                        solve="blocks" if self.solve == "diagonal" else self.solve)
 
@@ -409,9 +421,11 @@ class ChunkVariant(_Variant):
         C, bk, bv = self.chunk_size, self.block_k, self.block_v
         if self.output_pass:
             # the state loop: per stage the loads that feed products (Ai fp32, with stored_keys
-            # phi(K) in both orientations), plus the 16-bit state and U staged for the products.
-            # H200, o3 16x16 C 64 stored keys: 2 stages ran, 3 asked for 258560 bytes (this: 270336)
-            keys = 2 * C * bk * shape.input_bytes if self.stored_keys else 4 * C * bk  # else phi staged
+            # phi(K)), plus the 16-bit state and U staged for the products. H200, o3 16x16 C 64
+            # stored keys: with phi(K) loaded in both orientations 2 stages ran and 3 asked for
+            # 258560 bytes (the same model with both: 270336); loaded once, 3 and 4 stages ran
+            # (this: 172032 and 221184)
+            keys = C * bk * shape.input_bytes if self.stored_keys else 4 * C * bk  # else phi staged
             return max(1, self.num_stages) * (keys + 4 * C * C) + 2 * bk * bv + 4 * C * bv
         tiles = 2 * C * bk + bk * bv + C * C + C * bv
         return int(4 * tiles * (max(1, self.num_stages) + 0.2))
@@ -440,7 +454,12 @@ class ChunkVariant(_Variant):
             # power-of-two widths >= 16), so the space does not grow fourfold elsewhere
             "output_pass": three,
             "stored_keys": three,
-            "segments": list(SEGMENTS) if len(three) > 1 else [1],
+            # segments lost at every count measured (2026-11-30h, see the class docstring): kept
+            # for explicit use, out of the searched space
+            "segments": [1],
+            "output_block_v": [b for b in (16, 32, 64) if b <= max(16, next_pow2(shape.value_width))]
+            if len(three) > 1 else [16],
+            "output_warps": [2, 4, 8] if len(three) > 1 else [4],
         }
 
     @classmethod
@@ -508,12 +527,15 @@ class ChunkVariant(_Variant):
         ahead = {"prefetch": True, "wy": kp <= 64}
         # the three-kernel form with stored keys, measured at order 3 16x16 only (H200, B8 T4096
         # H8 bf16, probe_streamed.py, 2026-11-30g: 0.480-0.483 ms against 0.511-0.534 for the
-        # next candidate; at order 2 K = 128 it lost, 0.480 against 0.390)
-        three = {"output_pass": True, "stored_keys": True, "num_stages": 2}
+        # next candidate; at order 2 K = 128 it lost, 0.480 against 0.390). Three stages where
+        # they fit, the output kernel on 64 columns with 4 warps (2026-11-30h: 0.415 against
+        # 0.485 ms with 2 stages and the state loop's value tile and the prepare kernel's warps)
+        three = {"output_pass": True, "stored_keys": True, "output_block_v": min(64, max_bv), "output_warps": 4}
         if kp <= 64:
             prefs = [(32, kp, 16, 4, ahead), (16, kp, 16, 4, ahead)]
         elif kp <= 256:
-            prefs = [(64, kp, 32, 4, three)] if kp == 256 and len(shape.key_widths) >= 2 else []
+            prefs = [(64, kp, 32, 4, {**three, "num_stages": n}) for n in (3, 2)] \
+                if kp == 256 and len(shape.key_widths) >= 2 else []
             prefs += [(16, kp, 32, 4, ahead), (32, kp, 16, 4, {"prefetch": True, "wy": True}), (16, kp, 16, 4, ahead)]
         if kp <= 256:
             prefs += [(32, kp, 16, 4, {}), (16, kp, 16, 4, {}), (32, min(kp, 128), 16, 4, {})]
