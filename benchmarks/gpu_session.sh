@@ -1,6 +1,6 @@
 # One GPU session's measurements, in steps that each fit one 10-minute device call.
 #
-#   bash benchmarks/gpu_session.sh STEP...     (STEP: tests | bench | confirm | errors | probes | wy-tiles | three-kernel | segments | sweep-decode |
+#   bash benchmarks/gpu_session.sh STEP...     (STEP: tests | bench | confirm | errors | probes | wy-tiles | three-kernel | segments | k256 | sweep-decode |
 #        sweep-prefill | sweep-report | one-worker | tpe-again | sweep | tuned-bench | checks | finish)
 #
 # Run from the project root on the device machine, after installing the carried wheels (see
@@ -201,6 +201,20 @@ step_segments() {  # the three-kernel form in time segments on side streams (CPU
   timeout 200 python3 benchmarks/probe_streamed.py --widths 16 16 --names default sk-wy sk-wy-pw4 sk-wy-s3 seg2 \
     seg4 seg8 seg4-wy seg4-bv16 2>&1 | grep -v "Warn\|_warn" || true
   timeout 90 python3 benchmarks/probe_split.py --widths 16 16 --names sk-wy seg4 2>&1 | grep -v "Warn\|_warn" || true
+}
+
+step_k256() {  # the K = 256 default: its kernels split, the bench beside fla, its error cases, then the
+  # kernel tests in 4 processes (pytest-xdist: ../shared/device/wheels.sh pytest-xdist execnet) (~500 s)
+  timeout 60 python3 benchmarks/probe_split.py --widths 16 16 2>&1 | grep -v "Warn\|_warn" || true
+  python3 -m rtcompile.cli bench --out "$OUT/bench_k256" --phase prefill --only o3_16x16_B8 --budget-s 150 \
+    > "$OUT/bench_k256.txt" 2>&1 || true
+  python3 -m rtcompile.cli bench --out "$OUT/bench_k256_error" --phase prefill --only o3_16x16_B2 --budget-s 100 \
+    > "$OUT/bench_k256_error.txt" 2>&1 || true
+  timeout 280 python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_kernels.py tests/test_ops.py \
+    tests/test_kernel_inputs.py > "$OUT/tests.txt" 2>&1 || true
+  tail -3 "$OUT/tests.txt"
+  grep -E "o3_16x16_B8_T4096 +(bfloat16 )?(rtcompile|fla)|rtcompile +\||fla +\|" "$OUT/bench_k256.txt" | tail -12 || true
+  grep -E "^│ o3_16x16_B2" "$OUT/bench_k256_error.txt" || true
 }
 
 step_tuned_bench() {  # the prefill bench again, reading the tuned table (TUNED, or the sweep's)

@@ -315,7 +315,7 @@ def _store_key_columns(dst, k1, k2, k3, r, m_t, p_row, b_scale, b_Ai, NF: tl.con
 
 @triton.jit
 def chunk_prepare_running_tensor_kernel(
-    q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, W, U0, Kw, cu_seqlens, chunk_indices, T, c0,
+    q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, W, U0, Kw, Gc, cu_seqlens, chunk_indices, T, c0,
     H: tl.constexpr, NF: tl.constexpr,
     D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
     BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, C: tl.constexpr,
@@ -323,13 +323,14 @@ def chunk_prepare_running_tensor_kernel(
     USE_G: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
     LOWP: tl.constexpr, PREC: tl.constexpr, SOLVE: tl.constexpr, SOLVE_BLOCK: tl.constexpr, WY: tl.constexpr,
     OUTER: tl.constexpr, STORE_P: tl.constexpr = True, STORE_PHI: tl.constexpr = False,
-    COLUMNS: tl.constexpr = False,
+    COLUMNS: tl.constexpr = False, STORE_GC: tl.constexpr = False,
 ):
     """P and Ai (WY: W and U0) of every chunk, in parallel; without STORE_P only Ai (the
     three-kernel form's output kernel computes P itself). STORE_PHI: the normalised phi(K)
     rows into ``Kw`` ([B, H, T, K], its type), for the state loop's stored keys. COLUMNS
     (power-of-two widths >= 16): phi(K) and W are formed and stored one column block per
-    index of axis 1 (:func:`_store_key_columns`), never as a whole [C, K] tile. Program i
+    index of axis 1 (:func:`_store_key_columns`), never as a whole [C, K] tile. STORE_GC: the
+    cumulative log decay within the chunk into ``Gc`` ([B, H, T] fp32; gates only). Program i
     takes chunk ``c0 + i`` (a time segment's first chunk; 0 with varlen)."""
     i_c, i_nh = tl.program_id(0) + c0, tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -358,6 +359,8 @@ def chunk_prepare_running_tensor_kernel(
         elif not WY:  # with wy the inverse is applied below and not stored
             tl.store(Ai + off_w, b_Ai, mask=m_t[:, None])
     p_row = (i_b * H + i_h) * T + tok
+    if STORE_GC:
+        tl.store(Gc + p_row, b_c, mask=m_t)
     b_inv = tl.full([C], 1.0, tl.float32)
     if L2NORM and (STORE_PHI or WY):
         b_inv = phi_inv_norm(k1, k2, k3, r[:, None], m_t[:, None], D1, D2, D3, BD1, BD2, BD3, NF)
@@ -610,14 +613,15 @@ def chunk_running_tensor_fwd_kernel(
 
 # ----- the three-kernel form (output_pass): prepare, a state-only sequential loop, outputs in parallel -----
 @triton.jit
-def _load_state_inputs(k1, k2, k3, v, g, beta, Ai, r, m_t, o_v, m_v, off_w,
+def _load_state_inputs(k1, k2, k3, v, g, beta, Ai, Gc, r, p_row, m_t, o_v, m_v,
                        NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, C: tl.constexpr,
                        V: tl.constexpr, USE_G: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr,
-                       STORED_KEYS: tl.constexpr, WY: tl.constexpr):
+                       STORED_KEYS: tl.constexpr, WY: tl.constexpr, LOAD_GC: tl.constexpr):
     """One chunk's inputs of the state-only loop, in registers: the (normalised) [C, D_i] key
     factor tiles (each D_i a power of two >= 16; not with STORED_KEYS), values (not with WY),
-    log-decay increments, beta and the prepared inverse (neither with WY). Slots a flag turns
-    off hold a placeholder that is never read."""
+    log-decay increments (LOAD_GC: their cumulative sums, from ``Gc``), beta and the prepared
+    inverse (neither with WY). ``r`` indexes the token-major inputs, ``p_row`` the [B, H, T]
+    workspaces. Slots a flag turns off hold a placeholder that is never read."""
     b_k1 = tl.zeros([C, 16], dtype=tl.float32)
     b_k2 = b_k1
     b_k3 = b_k1
@@ -627,24 +631,26 @@ def _load_state_inputs(k1, k2, k3, v, g, beta, Ai, r, m_t, o_v, m_v, off_w,
     if not WY:
         b_v = tl.load(v + r[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
     b_g = tl.zeros([C], dtype=tl.float32)
-    if USE_G:
+    if USE_G and LOAD_GC:
+        b_g = tl.load(Gc + p_row, mask=m_t, other=0.0)
+    elif USE_G:
         b_g = tl.load(g + r, mask=m_t, other=0.0).to(tl.float32)
     b_b = tl.zeros([C], dtype=tl.float32)
     b_Ai = tl.zeros([C, C], dtype=tl.float32)
     if USE_BETA and not WY:
         b_b = tl.load(beta + r, mask=m_t, other=0.0).to(tl.float32)
-        b_Ai = tl.load(Ai + off_w, mask=m_t[:, None], other=0.0)
+        b_Ai = tl.load(Ai + p_row[:, None] * C + tl.arange(0, C)[None, :], mask=m_t[:, None], other=0.0)
     return b_k1, b_k2, b_k3, b_v, b_g, b_b, b_Ai
 
 
 @triton.jit
 def chunk_state_running_tensor_kernel(
-    k1, k2, k3, v, g, beta, h0, ht, Ai, Kw, W, U0, Hc, Uc, cu_seqlens, chunk_offsets, T, c_lo, c_hi,
+    k1, k2, k3, v, g, beta, h0, ht, Ai, Kw, W, U0, Gc, Hc, Uc, cu_seqlens, chunk_offsets, T, c_lo, c_hi,
     H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
-    PREFETCH: tl.constexpr, STORED_KEYS: tl.constexpr, WY: tl.constexpr,
+    PREFETCH: tl.constexpr, STORED_KEYS: tl.constexpr, WY: tl.constexpr, LOAD_GC: tl.constexpr,
 ):
     """The sequential loop of the three-kernel form: the state only. Per chunk of one
     (sequence, head, value block) it stores the incoming state S into ``Hc`` ([chunks, H, K, V],
@@ -658,7 +664,9 @@ def chunk_state_running_tensor_kernel(
     STORED_KEYS: phi(K) is read from ``Kw`` (normalised, [B, H, T, K], written by the prepare
     kernel) instead of built from the factor tiles. WY (delta rule):
     U = U0 - W S from the prepare kernel's W = Ai diag(b Gamma) phi(K) and U0 = Ai diag(b) V
-    ([B, H, T, K] in the dot type and [B, H, T, V] fp32), a chain of two products. Only chunks
+    ([B, H, T, K] in the dot type and [B, H, T, V] fp32), a chain of two products. LOAD_GC: the
+    cumulative log decay within each chunk is read from ``Gc`` ([B, H, T] fp32, written by the
+    prepare kernel), so the loop holds no scan and no reduction across its warps. Only chunks
     [c_lo, c_hi) of each sequence are walked (a time segment), from ``h0`` (or zeros)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -680,8 +688,8 @@ def chunk_state_running_tensor_kernel(
         tok = bos + c_lo * C + o_c
         p_row = (i_b * H + i_h) * T + tok
         n_k1, n_k2, n_k3, n_v, n_g, n_b, n_Ai = _load_state_inputs(
-            k1, k2, k3, v, g, beta, Ai, (i_b * T + tok) * H + i_h, tok < eos, o_v, m_v,
-            p_row[:, None] * C + o_c[None, :], NF, D1, D2, D3, C, V, USE_G, USE_BETA, L2NORM, STORED_KEYS, WY)
+            k1, k2, k3, v, g, beta, Ai, Gc, (i_b * T + tok) * H + i_h, p_row, tok < eos, o_v, m_v,
+            NF, D1, D2, D3, C, V, USE_G, USE_BETA, L2NORM, STORED_KEYS, WY, LOAD_GC)
     for i_c in range(c_lo, tl.minimum(c_hi, tl.cdiv(eos - bos, C))):
         tok = bos + i_c * C + o_c
         m_t = tok < eos
@@ -692,12 +700,12 @@ def chunk_state_running_tensor_kernel(
             tok_n = tok + C  # past the end: every load is masked off
             p_row_n = p_row + C
             n_k1, n_k2, n_k3, n_v, n_g, n_b, n_Ai = _load_state_inputs(
-                k1, k2, k3, v, g, beta, Ai, (i_b * T + tok_n) * H + i_h, tok_n < eos, o_v, m_v,
-                p_row_n[:, None] * C + o_c[None, :], NF, D1, D2, D3, C, V, USE_G, USE_BETA, L2NORM, STORED_KEYS, WY)
+                k1, k2, k3, v, g, beta, Ai, Gc, (i_b * T + tok_n) * H + i_h, p_row_n, tok_n < eos, o_v, m_v,
+                NF, D1, D2, D3, C, V, USE_G, USE_BETA, L2NORM, STORED_KEYS, WY, LOAD_GC)
         else:
             b_k1, b_k2, b_k3, b_v, b_g, b_b, b_Ai = _load_state_inputs(
-                k1, k2, k3, v, g, beta, Ai, r, m_t, o_v, m_v, p_row[:, None] * C + o_c[None, :],
-                NF, D1, D2, D3, C, V, USE_G, USE_BETA, L2NORM, STORED_KEYS, WY)
+                k1, k2, k3, v, g, beta, Ai, Gc, r, p_row, m_t, o_v, m_v,
+                NF, D1, D2, D3, C, V, USE_G, USE_BETA, L2NORM, STORED_KEYS, WY, LOAD_GC)
         if STORED_KEYS:
             # one load, transposed in place for the update (o3 16x16 C 64 on the H200, 2026-11-30h:
             # the loop took 0.211 ms against 0.223 with a second, transposed load, and with half
@@ -708,9 +716,13 @@ def chunk_state_running_tensor_kernel(
             b_k = _phi_from_tiles(b_k1, b_k2, b_k3, NF, C, D1, D2, D3)
             b_kt = tl.trans(b_k)
         b_c = tl.zeros([C], dtype=tl.float32)
-        if USE_G:
+        b_last = 0.0
+        if USE_G and LOAD_GC:  # the chunk's last token's entry: one scalar load, no reduction
+            b_c = b_g
+            b_last = tl.load(Gc + (i_b * H + i_h) * T + tl.minimum(bos + i_c * C + C, eos) - 1)
+        elif USE_G:
             b_c = tl.cumsum(b_g, axis=0)
-        b_last = tl.sum(tl.where(o_c == C - 1, b_c, 0.0), axis=0)
+            b_last = tl.sum(tl.where(o_c == C - 1, b_c, 0.0), axis=0)
         # the incoming state, for the output kernel (a store: nothing waits on it)
         tl.store(Hc + ((i_g0 + i_c) * H + i_h) * K * V + off_k, b_s.to(Hc.dtype.element_ty), mask=m_s)
         if USE_BETA and WY:
@@ -731,15 +743,17 @@ def chunk_state_running_tensor_kernel(
 
 @triton.jit
 def chunk_output_running_tensor_kernel(
-    q1, q2, q3, k1, k2, k3, g, o, Hc, Uc, cu_seqlens, chunk_indices, scale, T, c0,
+    q1, q2, q3, k1, k2, k3, g, Gc, o, Hc, Uc, cu_seqlens, chunk_indices, scale, T, c0,
     H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+    LOAD_GC: tl.constexpr,
 ):
     """O = scale (diag(Gamma) phi(Q) S_c + P U) for every chunk in parallel (the three-kernel
     form): S_c and U as :func:`chunk_state_running_tensor_kernel` stored them, P from the
     factor Grams as in the prepare kernel (computed here, so no [T, C] score workspace).
-    Program i takes chunk ``c0 + i``, as in the prepare kernel."""
+    Program i takes chunk ``c0 + i``, as in the prepare kernel; LOAD_GC: the cumulative log
+    decay read from ``Gc``, as the state loop reads it."""
     i_c, i_nh, i_v = tl.program_id(0) + c0, tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
     i_c, bos, eos, i_b, i_g = _chunk_of_program(i_c, i_n, T, cu_seqlens, chunk_indices, C, IS_VARLEN)
@@ -750,7 +764,10 @@ def chunk_output_running_tensor_kernel(
     r = (i_b * T + tok) * H + i_h
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    b_c = _chunk_log_decay(g, r, m_t, USE_G, C)
+    if USE_G and LOAD_GC:
+        b_c = tl.load(Gc + (i_b * H + i_h) * T + tok, mask=m_t, other=0.0)
+    else:
+        b_c = _chunk_log_decay(g, r, m_t, USE_G, C)
     b_q1, b_q2, b_q3, b_k1, b_k2, b_k3 = _factor_tiles(q1, q2, q3, k1, k2, k3, r, m_t, NF, D1, D2, D3,
                                                        D1, D2, D3, L2NORM)
     b_P, _ = _scores_from_tiles(q1, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, tl.zeros([C], dtype=tl.float32), b_c,

@@ -234,7 +234,7 @@ def _launch_chunk(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm, s
             idx = dummy
             grid = (triton.cdiv(T, C), B * H)
         chunk_prepare_running_tensor_kernel[grid](
-            *_factor_args(q), *_factor_args(k), v, g_arg, beta_arg, P, Ai, W, U0, dummy, cu_arg, idx, T, 0, C=C,
+            *_factor_args(q), *_factor_args(k), v, g_arg, beta_arg, P, Ai, W, U0, dummy, dummy, cu_arg, idx, T, 0, C=C,
             K=p.key_dim, V=V, BK=variant.block_k, BV=max(16, next_pow2(V)), WY=wy, OUTER=outer, **common,
             num_warps=variant.prepare_warps, num_stages=variant.num_stages,
         )
@@ -299,6 +299,11 @@ def _launch_chunk_output_pass(p: Problem, q, k, v, g_arg, beta_arg, cu_arg, o, *
         U0 = _empty(B, H, T, V, dtype=torch.float32, device=v.device)
     if common["USE_BETA"] and (not wy or variant.solve == "tiles"):
         Ai = _empty(B, H, T, C, dtype=torch.float32, device=v.device)
+    # the prepare kernel (when it runs) also stores each chunk's cumulative log decay, which the
+    # state loop and the output kernel then read instead of scanning the gates themselves
+    has_prepare = common["USE_BETA"] or variant.stored_keys
+    load_gc = has_prepare and common["USE_G"]
+    Gc = _empty(B, H, T, dtype=torch.float32, device=v.device) if load_gc else v
     # time segments: [c_lo, c_hi) chunk ranges of every sequence (one range, all chunks, with varlen)
     n_max = idx.shape[0] if varlen else n_chunks[0]
     per = triton.cdiv(n_max, 1 if varlen else variant.segments)
@@ -311,11 +316,11 @@ def _launch_chunk_output_pass(p: Problem, q, k, v, g_arg, beta_arg, cu_arg, o, *
     heads = p.num_seqs * H if not varlen else H  # the chunk-parallel grids' second axis
 
     def prepare(lo: int, hi: int) -> None:
-        if common["USE_BETA"] or variant.stored_keys:
+        if has_prepare:
             chunk_prepare_running_tensor_kernel[(hi - lo, heads)](
-                *_factor_args(q), *_factor_args(k), v, g_arg, beta_arg, v, Ai, W, U0, Kw, cu_arg, idx, T, lo, C=C,
+                *_factor_args(q), *_factor_args(k), v, g_arg, beta_arg, v, Ai, W, U0, Kw, Gc, cu_arg, idx, T, lo, C=C,
                 K=p.key_dim, V=V, BK=variant.block_k, BV=max(16, next_pow2(V)), WY=wy, OUTER=True,
-                STORE_P=False, STORE_PHI=variant.stored_keys, COLUMNS=True, **common, num_warps=variant.prepare_warps,
+                STORE_P=False, STORE_PHI=variant.stored_keys, COLUMNS=True, STORE_GC=load_gc, **common, num_warps=variant.prepare_warps,
                 num_stages=variant.num_stages,
             )
 
@@ -324,16 +329,16 @@ def _launch_chunk_output_pass(p: Problem, q, k, v, g_arg, beta_arg, cu_arg, o, *
         s0 = h0 if first else ht  # later segments start from the state the one before stored
         chunk_state_running_tensor_kernel[(triton.cdiv(V, variant.block_v), p.num_seqs * H)](
             *_factor_args(k), v, g_arg, beta_arg, s0 if s0 is not None else v, ht if ht is not None else v, Ai, Kw,
-            W, U0, Hc, Uc, cu_arg, offsets, T, lo, hi if not varlen else 2**31 - 1, K=p.key_dim, V=V, C=C,
+            W, U0, Gc, Hc, Uc, cu_arg, offsets, T, lo, hi if not varlen else 2**31 - 1, K=p.key_dim, V=V, C=C,
             BV=variant.block_v, USE_H0=s0 is not None, STORE_HT=store_ht or not last, PREFETCH=variant.prefetch,
-            STORED_KEYS=variant.stored_keys, WY=wy, **state_consts, num_warps=variant.num_warps,
+            STORED_KEYS=variant.stored_keys, WY=wy, LOAD_GC=load_gc, **state_consts, num_warps=variant.num_warps,
             num_stages=variant.num_stages,
         )
 
     def output(lo: int, hi: int) -> None:
         chunk_output_running_tensor_kernel[(hi - lo, heads, triton.cdiv(V, variant.output_block_v))](
-            *_factor_args(q), *_factor_args(k), g_arg, o, Hc, Uc, cu_arg, idx, p.scale, T, lo, K=p.key_dim, V=V,
-            C=C, BV=variant.output_block_v, **out_consts, num_warps=variant.output_warps, num_stages=variant.num_stages,
+            *_factor_args(q), *_factor_args(k), g_arg, Gc, o, Hc, Uc, cu_arg, idx, p.scale, T, lo, K=p.key_dim, V=V,
+            C=C, BV=variant.output_block_v, LOAD_GC=load_gc, **out_consts, num_warps=variant.output_warps, num_stages=variant.num_stages,
         )
 
     if len(ranges) == 1 or v.device.type != "cuda":

@@ -426,7 +426,10 @@ class ChunkVariant(_Variant):
             # 258560 bytes (the same model with both: 270336); loaded once, 3 and 4 stages ran
             # (this: 172032 and 221184)
             keys = C * bk * shape.input_bytes if self.stored_keys else 4 * C * bk  # else phi staged
-            return max(1, self.num_stages) * (keys + 4 * C * C) + 2 * bk * bv + 4 * C * bv
+            # wy loads W ([C, K], 16-bit inputs: 16 bits) and U0 (fp32) in place of Ai: at 3 stages
+            # (C 64, o3 16x16) Triton asked for 233984 bytes (this: 245760)
+            solve = C * bk * shape.input_bytes + 4 * C * bv if self.wy else 4 * C * C
+            return max(1, self.num_stages) * (keys + solve) + 2 * bk * bv + 4 * C * bv
         tiles = 2 * C * bk + bk * bv + C * C + C * bv
         return int(4 * tiles * (max(1, self.num_stages) + 0.2))
 
@@ -529,8 +532,11 @@ class ChunkVariant(_Variant):
         # H8 bf16, probe_streamed.py, 2026-11-30g: 0.480-0.483 ms against 0.511-0.534 for the
         # next candidate; at order 2 K = 128 it lost, 0.480 against 0.390). Three stages where
         # they fit, the output kernel on 64 columns with 4 warps (2026-11-30h: 0.415 against
-        # 0.485 ms with 2 stages and the state loop's value tile and the prepare kernel's warps)
-        three = {"output_pass": True, "stored_keys": True, "output_block_v": min(64, max_bv), "output_warps": 4}
+        # 0.485 ms with 2 stages and the state loop's value tile and the prepare kernel's warps),
+        # and one prepare warp now that phi(K) is stored in column blocks (probe_split.py, same
+        # day: the prepare kernel 0.137 ms with 1, 0.155 with 2, 0.214 with 4)
+        three = {"output_pass": True, "stored_keys": True, "output_block_v": min(64, max_bv), "output_warps": 4,
+                 "prepare_warps": 1}
         if kp <= 64:
             prefs = [(32, kp, 16, 4, ahead), (16, kp, 16, 4, ahead)]
         elif kp <= 256:
@@ -564,8 +570,8 @@ class ChunkVariant(_Variant):
             if not wy or C >= 32:
                 extra = {"solve": "tiles", **extra}
             pw = 1 if C == 16 else warps if wy else 2 if extra.get("solve") == "tiles" else warps
-            v = cls(chunk_size=C, block_k=bk, block_v=min(bv, max_bv), num_warps=warps, prepare_warps=pw,
-                    **{"num_stages": 1, **extra})
+            v = cls(chunk_size=C, block_k=bk, block_v=min(bv, max_bv), num_warps=warps,
+                    **{"num_stages": 1, "prepare_warps": pw, **extra})
             if v.check(shape, smem_limit) is None and v not in out:
                 out.append(v)
         return out
