@@ -314,41 +314,6 @@ def _store_key_columns(dst, k1, k2, k3, r, m_t, p_row, b_scale, b_Ai, NF: tl.con
 
 
 @triton.jit
-def _store_a_strips(k1, k2, k3, g, beta, Ai, r, m_t, b_c, i_b, i_h, row0, eos, T, H: tl.constexpr,
-                    NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, C: tl.constexpr,
-                    USE_G: tl.constexpr, L2NORM: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr):
-    """A = tril(diag(b) (prod_i K_i K_i^T) * D, -1) of the chunk whose first token is ``row0``
-    (rows ``r``, cumulative log decay ``b_c``) into its [C, C] rows of ``Ai``, 16 rows at a time:
-    each strip's Grams are [16, C] products of the strip's factor rows with the whole chunk's,
-    so no [C, C] tile is held (at one prepare warp, C 64, one is 128 fp32 registers a thread
-    and the Gram products hold three). Rows from ``eos`` on are not stored."""
-    DT: tl.constexpr = k1.dtype.element_ty
-    b_k1, b_k2, b_k3 = _one_side_tiles(k1, k2, k3, r, m_t, NF, D1, D2, D3, D1, D2, D3, L2NORM)
-    o_c = tl.arange(0, C)
-    b_g = tl.zeros([C], dtype=tl.float32)
-    if USE_G:
-        b_g = tl.load(g + r, mask=m_t, other=0.0).to(tl.float32)
-    for i_s in tl.static_range(C // 16):
-        o_i = i_s * 16 + tl.arange(0, 16)  # the strip's rows within the chunk
-        tok = row0 + o_i
-        m_i = tok < eos
-        r_i = (i_b * T + tok) * H + i_h
-        b_x1, b_x2, b_x3 = _one_side_tiles(k1, k2, k3, r_i, m_i, NF, D1, D2, D3, D1, D2, D3, L2NORM)
-        b_kk = _dot(b_x1, tl.trans(b_k1), LOWP, DT, PREC)
-        if NF > 1:
-            b_kk *= _dot(b_x2, tl.trans(b_k2), LOWP, DT, PREC)
-        if NF > 2:
-            b_kk *= _dot(b_x3, tl.trans(b_k3), LOWP, DT, PREC)
-        # the strip's cumulative log decay: a masked sum over the chunk's increments (no slice of b_c)
-        b_ci = tl.sum(tl.where(o_c[None, :] <= o_i[:, None], b_g[None, :], 0.0), axis=1)
-        m_low = o_i[:, None] > o_c[None, :]
-        b_b = tl.load(beta + r_i, mask=m_i, other=0.0).to(tl.float32)
-        b_a = b_b[:, None] * b_kk * tl.exp(tl.where(m_low, b_ci[:, None] - b_c[None, :], float("-inf")))
-        p_row = (i_b * H + i_h) * T + tok
-        tl.store(Ai + p_row[:, None] * C + o_c[None, :], tl.where(m_low, b_a, 0.0), mask=m_i[:, None])
-
-
-@triton.jit
 def chunk_prepare_running_tensor_kernel(
     q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, W, U0, Kw, Gc, cu_seqlens, chunk_indices, T, c0,
     H: tl.constexpr, NF: tl.constexpr,
@@ -358,17 +323,15 @@ def chunk_prepare_running_tensor_kernel(
     USE_G: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
     LOWP: tl.constexpr, PREC: tl.constexpr, SOLVE: tl.constexpr, SOLVE_BLOCK: tl.constexpr, WY: tl.constexpr,
     OUTER: tl.constexpr, STORE_P: tl.constexpr = True, STORE_PHI: tl.constexpr = False,
-    COLUMNS: tl.constexpr = False, STORE_GC: tl.constexpr = False, STRIPS: tl.constexpr = False,
+    COLUMNS: tl.constexpr = False, STORE_GC: tl.constexpr = False,
 ):
     """P and Ai (WY: W and U0) of every chunk, in parallel; without STORE_P only Ai (the
     three-kernel form's output kernel computes P itself). STORE_PHI: the normalised phi(K)
     rows into ``Kw`` ([B, H, T, K], its type), for the state loop's stored keys. COLUMNS
     (power-of-two widths >= 16): phi(K) and W are formed and stored one column block per
     index of axis 1 (:func:`_store_key_columns`), never as a whole [C, K] tile. STORE_GC: the
-    cumulative log decay within the chunk into ``Gc`` ([B, H, T] fp32; gates only). STRIPS
-    (delta rule, the tile solve, no P): A is formed and stored 16 rows at a time
-    (:func:`_store_a_strips`) before it is inverted in place. Program i takes chunk ``c0 + i``
-    (a time segment's first chunk; 0 with varlen)."""
+    cumulative log decay within the chunk into ``Gc`` ([B, H, T] fp32; gates only). Program i
+    takes chunk ``c0 + i`` (a time segment's first chunk; 0 with varlen)."""
     i_c, i_nh = tl.program_id(0) + c0, tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     i_c, bos, eos, i_b, _ = _chunk_of_program(i_c, i_n, T, cu_seqlens, chunk_indices, C, IS_VARLEN)
@@ -377,23 +340,17 @@ def chunk_prepare_running_tensor_kernel(
     m_t = tok < eos
     r = (i_b * T + tok) * H + i_h
     b_c = _chunk_log_decay(g, r, m_t, USE_G, C)
+    b_P, b_Ai = _chunk_scores(
+        q1, q2, q3, k1, k2, k3, beta, r, m_t, b_c,
+        NF, D1, D2, D3, BD1, BD2, BD3, C, USE_BETA, L2NORM, LOWP, PREC, SOLVE, SOLVE_BLOCK,
+    )
     # workspace [B, H, T, C]: row = token, as the sequential kernel reads it
     off_w = ((i_b * H + i_h) * T + tok)[:, None] * C + o_c[None, :]
-    if STRIPS:
-        _store_a_strips(k1, k2, k3, g, beta, Ai, r, m_t, b_c, i_b, i_h, bos + i_c * C, eos, T,
-                        H, NF, D1, D2, D3, C, USE_G, L2NORM, LOWP, PREC)
-        b_Ai = tl.zeros([C, C], dtype=tl.float32)  # A is in the workspace (read back below with wy)
-    else:
-        b_P, b_Ai = _chunk_scores(
-            q1, q2, q3, k1, k2, k3, beta, r, m_t, b_c,
-            NF, D1, D2, D3, BD1, BD2, BD3, C, USE_BETA, L2NORM, LOWP, PREC, SOLVE, SOLVE_BLOCK,
-        )
-        if STORE_P:
-            tl.store(P + off_w, b_P, mask=m_t[:, None])
+    if STORE_P:
+        tl.store(P + off_w, b_P, mask=m_t[:, None])
     if USE_BETA:
         if SOLVE == 3:  # solve="tiles": b_Ai is A; invert it in place in the workspace, in [16, 16] tiles
-            if not STRIPS:
-                tl.store(Ai + off_w, b_Ai, mask=m_t[:, None])
+            tl.store(Ai + off_w, b_Ai, mask=m_t[:, None])
             tl.debug_barrier()
             unit_lower_inverse_tiles(Ai + ((i_b * H + i_h) * T + bos + i_c * C) * C, eos - bos - i_c * C, C, PREC)
             if WY:  # the inverse back in registers, for W and U0 (padded rows read 0: never stored)

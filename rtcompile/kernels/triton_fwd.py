@@ -320,8 +320,7 @@ def _launch_chunk_output_pass(p: Problem, q, k, v, g_arg, beta_arg, cu_arg, o, *
             chunk_prepare_running_tensor_kernel[(hi - lo, heads)](
                 *_factor_args(q), *_factor_args(k), v, g_arg, beta_arg, v, Ai, W, U0, Kw, Gc, cu_arg, idx, T, lo, C=C,
                 K=p.key_dim, V=V, BK=variant.block_k, BV=max(16, next_pow2(V)), WY=wy, OUTER=True,
-                STORE_P=False, STORE_PHI=variant.stored_keys, COLUMNS=True, STORE_GC=load_gc,
-                STRIPS=common["USE_BETA"] and variant.solve == "tiles", **common, num_warps=variant.prepare_warps,
+                STORE_P=False, STORE_PHI=variant.stored_keys, COLUMNS=True, STORE_GC=load_gc, **common, num_warps=variant.prepare_warps,
                 num_stages=variant.num_stages,
             )
 
