@@ -193,12 +193,12 @@ step_three_kernel() {  # the three-kernel form (output_pass + stored_keys, the K
   python3 -m rtcompile.cli bench --out "$OUT/bench_three_error" --phase prefill --only o3_16x16_B2 --budget-s 100
 }
 
-step_segments() {  # the three-kernel form in time segments on side streams (CPU-verified only on
-  # 2026-11-30g): its GPU tests, then the default (stored keys, C 64) with 2 / 4 / 8 segments (~120 s)
-  # and with the solve in the prepare kernel (wy, 2026-11-30h); phi(K) now stored in column blocks
+step_segments() {  # the three-kernel form in time segments on side streams, and with the solve in
+  # the prepare kernel (wy): their GPU tests, then the default with 2 / 4 / 8 segments and with wy
+  # (~120 s; 2026-11-30h: all slower than the default)
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "output_pass or segments" \
     2>&1 | tail -3 || true
-  timeout 200 python3 benchmarks/probe_streamed.py --widths 16 16 --names default sk-wy sk-wy-pw4 sk-wy-s3 seg2 \
+  timeout 200 python3 benchmarks/probe_streamed.py --widths 16 16 --names default sk-wy sk-wy-pw4 seg2 \
     seg4 seg8 seg4-wy seg4-bv16 2>&1 | grep -v "Warn\|_warn" || true
   timeout 90 python3 benchmarks/probe_split.py --widths 16 16 --names sk-wy seg4 2>&1 | grep -v "Warn\|_warn" || true
 }

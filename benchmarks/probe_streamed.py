@@ -179,11 +179,11 @@ NEIGHBOURS = (
     ("seg8", {"segments": 8}),
     ("seg4-bv16", {"segments": 4, "block_v": 16}),
     # the stored-keys default with the solve applied in the prepare kernel (wy: W and U0 stored,
-    # the state loop's chain two products), alone and in segments (2026-11-30h: CPU-verified)
-    ("sk-wy", {"wy": True}),
-    ("sk-wy-pw4", {"wy": True, "prepare_warps": 4}),
-    ("sk-wy-s3", {"wy": True, "num_stages": 3}),
-    ("seg4-wy", {"wy": True, "segments": 4}),
+    # the state loop's chain two products), alone and in segments; two stages (three do not fit
+    # beside W: Triton asked for 233984 bytes). 2026-11-30h: 0.614 / 0.709 / 0.739 ms against 0.487
+    ("sk-wy", {"wy": True, "num_stages": 2}),
+    ("sk-wy-pw4", {"wy": True, "num_stages": 2, "prepare_warps": 4}),
+    ("seg4-wy", {"wy": True, "num_stages": 2, "segments": 4}),
     # kron: tiles of one axis-1 index, products on the trailing factors' tile with x1's column as row scale
     ("kron", {"kron": True}),
     ("kron-bk64", {"kron": True, "block_k": 64}),

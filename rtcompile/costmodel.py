@@ -164,7 +164,7 @@ def chunk_workspace_bytes(spec: ModelSpec, batch: int, seq_len: int, variant: Ch
     if variant.output_pass and variant.resident(shape_of(spec)):
         # each chunk's incoming state [K, V] and U [T, V] in the dot type, Ai [T, C] fp32 (delta
         # rule; with wy only for the tile solve, beside W [T, K] in the dot type and U0 [T, V]
-        # fp32), stored phi(K) [T, K] in the dot type
+        # fp32), stored phi(K) [T, K] in the dot type, the gates' cumulative sums [T] fp32
         dot = DTYPE_BYTES[spec.input_dtype] if DTYPE_BYTES[spec.input_dtype] == 2 else 4
         chunks = batch * spec.heads * math.ceil(seq_len / variant.chunk_size)
         work = chunks * spec.key_dim * spec.value_width * dot + rows * spec.value_width * dot
@@ -174,6 +174,8 @@ def chunk_workspace_bytes(spec: ModelSpec, batch: int, seq_len: int, variant: Ch
             work += rows * (spec.key_dim * dot + spec.value_width * 4)
         if variant.stored_keys:
             work += rows * spec.key_dim * dot
+        if spec.features.forget_gate and (spec.features.delta_rule or variant.stored_keys):
+            work += rows * 4  # each chunk's cumulative log decay, fp32, from the prepare kernel
         return work
     if variant.wy and spec.features.delta_rule:  # P, and W [T, K] (input type) + U0 [T, V] (fp32)
         tiles = variant.chunk_size * 4 if variant.solve == "tiles" else 0  # + the tile solve's Ai [T, C]

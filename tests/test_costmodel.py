@@ -171,6 +171,11 @@ def test_output_pass_workspace_counts_states_u_inverse_and_stored_keys():
     dot = 2 if spec.input_dtype in ("bfloat16", "float16") else 4
     rows, chunks = 8 * spec.heads * 4096, 8 * spec.heads * 64
     states_u = chunks * 256 * 64 * dot + rows * 64 * dot
-    assert chunk_workspace_bytes(spec, 8, 4096, v) == states_u + rows * 64 * 4
+    gc = rows * 4 if spec.features.forget_gate else 0  # the gates' cumulative sums, from the prepare kernel
+    assert chunk_workspace_bytes(spec, 8, 4096, v) == states_u + rows * 64 * 4 + gc
     stored = dataclasses.replace(v, stored_keys=True)
-    assert chunk_workspace_bytes(spec, 8, 4096, stored) == states_u + rows * 64 * 4 + rows * 256 * dot
+    assert chunk_workspace_bytes(spec, 8, 4096, stored) == states_u + rows * 64 * 4 + rows * 256 * dot + gc
+    # wy: W [T, K] in the dot type and U0 [T, V] fp32, beside the tile solve's inverse
+    wy = dataclasses.replace(stored, wy=True)
+    assert chunk_workspace_bytes(spec, 8, 4096, wy) == (chunk_workspace_bytes(spec, 8, 4096, stored)
+                                                         + rows * (256 * dot + 64 * 4))
