@@ -78,7 +78,9 @@ def test_two_workers_run_exactly_the_budget_then_reload_runs_none(tmp_path):
     (start,) = [t for t in trials if "warm_start" in t.user_attrs]
     assert start.user_attrs["warm_start"] == 0
     default = ChunkVariant.default(KernelShape(TINY.key_widths, TINY.value_width)).to_dict()
-    assert {"kernel": "chunk", **start.params} == default and start.state.name == "COMPLETE"
+    # (a gated parameter whose gate is off is not asked for: it keeps its default)
+    assert ChunkVariant(**start.params).to_dict() == default and start.state.name == "COMPLETE"
+    assert not set(ChunkVariant.GATED) & set(start.params) or start.params.get("output_pass")
     again = tune_bucket(TINY, TuneOptions(storage=url, trials=5, workers=2))
     assert again.already_tuned and again.trials_run == 0 and len(_trials(url)) == len(trials)
 
@@ -387,3 +389,18 @@ def test_one_trial_process_serves_a_workers_trials():
     assert [r["status"] for r in results] == ["ok"] * 3  # the printed pid lines are not results
     assert len(set(pids)) == 1  # one process for all three
     assert results[0]["error"] == results[2]["error"]  # the same check inputs, kept between trials
+
+
+@pytest.mark.parametrize("gate", [False, True], ids=["gate-off", "gate-on"])
+def test_gated_parameters_are_asked_only_beside_their_gate(gate):
+    """A TPE trial asks for stored_keys (gated by output_pass) only where output_pass is on;
+    otherwise the parameter keeps its default and is not part of the trial."""
+    import optuna
+
+    from rtcompile.tuning.study import _suggest
+
+    space = {"output_pass": [False, True], "stored_keys": [False, True], "chunk_size": [16, 32]}
+    trial = optuna.trial.FixedTrial({"output_pass": gate, "stored_keys": True, "chunk_size": 32})
+    params = _suggest(trial, ChunkVariant, space)
+    assert params == ({"output_pass": True, "stored_keys": True, "chunk_size": 32} if gate
+                      else {"output_pass": False, "chunk_size": 32})

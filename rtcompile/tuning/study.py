@@ -120,6 +120,19 @@ def exhaustive_variants(bucket: Bucket, opts: TuneOptions) -> list:
     return list(iter_space(cls, shape, search_space(bucket, opts), _smem_limit(opts.device)))
 
 
+def _suggest(trial, cls, space: dict[str, list]) -> dict:
+    """A trial's parameters: every parameter of ``space``, except that a gated one
+    (``cls.GATED``) is asked for only where its gate has the value it needs and otherwise keeps
+    its default. Sampled blindly, the output kernel's tile and warps beside output_pass=False
+    would have left 1 in 72 of those draws valid (``check`` refuses the rest)."""
+    gated = {n: gate for n, gate in cls.GATED.items() if n in space and gate[0] in space}
+    params = {n: trial.suggest_categorical(n, choices) for n, choices in space.items() if n not in gated}
+    for n, (gate, need) in gated.items():
+        if params[gate] == need:
+            params[n] = trial.suggest_categorical(n, space[n])
+    return params
+
+
 def _warm_starts(bucket: Bucket, opts: TuneOptions, budget: int | None) -> list[dict]:
     """The parameters of the kernel's default candidates (``candidates``, best first, with
     ``opts.fixed`` applied; invalid and repeated ones dropped), at most a quarter of ``budget``
@@ -370,8 +383,7 @@ def run_worker(storage_url: str | None, name: str, bucket: Bucket, opts: TuneOpt
             trial = claim(study, storage_url) if deadline is None else _ask(study, storage_url)
             if trial is None:
                 break
-            params = {n: trial.suggest_categorical(n, choices) for n, choices in space.items()}
-            variant = cls(**params)
+            variant = cls(**_suggest(trial, cls, space))
             reason = variant.check(shape, limit)
             if reason is not None:
                 trial.set_user_attr("status", "pruned")
