@@ -13,8 +13,10 @@ Per chunk of C tokens (local cumulative log decay c, Gamma = exp(c), D_ij = exp(
 (sequence, head, value block) in order. The three-kernel form (``output_pass``) splits that
 walk: ``chunk_state_running_tensor_kernel`` carries only the state (storing each chunk's
 incoming state and U), and ``chunk_output_running_tensor_kernel`` computes P and the outputs of
-all chunks in parallel. With FUSE_PREPARE the second kernel computes P and Ai
-itself (no workspace). phi(Q) and phi(K) are built on chip from the factors, tile by tile.
+all chunks in parallel; there the prepare kernel also stores each chunk's cumulative log
+decay (gates) and, with stored keys, the normalised phi(K), which the other two read. With
+FUSE_PREPARE the second kernel computes P and Ai itself (no workspace). Otherwise phi(Q) and
+phi(K) are built on chip from the factors, tile by tile.
 When BK covers K the [K, BV] state stays in registers (RESIDENT); otherwise it lives in the
 final-state buffer, read twice and written once per chunk, so the workspace never grows
 with T / C; there PREFETCH_STATE issues each state tile's load one tile ahead (without it,
