@@ -1,0 +1,150 @@
+"""Probe, no GPU needed: compile the chunk kernels of one prefill call for an H100/H200 (sm_90)
+with Triton's bundled ptxas and report, per kernel, registers, spill stack, shared memory and
+the sequential loop's SASS instruction mix.
+
+The device's timings stay the measure; this answers "does the kernel spill, how long is its
+loop" between device calls. Use the device's Triton for its numbers (2026-11-30h: 3.6 there,
+3.9 here, and they differ): install that wheel into a folder of its own and put it first, e.g.
+``pip install --no-deps --target /tmp/t36 triton==3.6.0`` then ``PYTHONPATH=/tmp/t36``.
+
+    python3 benchmarks/probe_offline.py                                     (the K = 256 default)
+    python3 benchmarks/probe_offline.py --widths 32 32 --set num_stages=2 --set block_v=16
+
+Nothing is launched: the launcher runs on CPU tensors with the kernels' launch intercepted, so
+the device and shared-memory checks are bypassed here (the compiler's answer is the point).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime.jit import JITFunction
+
+from rtcompile.kernels import chunk, triton_fwd
+from rtcompile.kernels import variants as V
+
+TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+         torch.int64: "i64"}
+H200_SMEM = 232448  # shared_memory_per_block_optin of the H200 (the default's choice depends on it)
+
+
+def _signature(fn: JITFunction, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
+    """Triton's (signature, constexprs, options) for one intercepted launch."""
+    bound = dict(zip(fn.arg_names, args))
+    bound.update(kwargs)
+    options = {k: bound.pop(k) for k in ("num_warps", "num_stages") if k in bound}
+    sig, const = {}, {}
+    for param, name in zip(fn.params, fn.arg_names):
+        val = bound.get(name, param.default)
+        if param.is_constexpr:
+            sig[name], const[name] = "constexpr", val
+        elif type(val).__name__ == "TensorDescriptor":
+            sig[name] = f"tensordesc<{TYPES[val.base.dtype]}{list(val.block_shape)}>"
+        elif isinstance(val, torch.Tensor):
+            sig[name] = "*" + TYPES[val.dtype]
+        elif isinstance(val, bool):
+            sig[name] = "i1"
+        elif isinstance(val, int):
+            sig[name] = "i32" if abs(val) < 2**31 else "i64"
+        elif isinstance(val, float):
+            sig[name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: argument {name} of type {type(val).__name__}")
+    return sig, const, options
+
+
+def _tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def _usage(cubin: bytes) -> dict[str, int]:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True,
+                             text=True, check=True).stdout
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    fields = dict(re.findall(r"(REG|STACK|SHARED):(\d+)", out))
+    return {"regs": int(fields["REG"]), "stack": int(fields["STACK"]), "sass": sass}
+
+
+def loop_mix(sass: str) -> tuple[int, collections.Counter]:
+    """Length and opcode mix of the longest backward branch's body (the sequential loop)."""
+    ins = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            body = re.sub(r"^@!?U?P[T0-9]+\s+", "", m.group(2).strip())
+            ins.append((int(m.group(1), 16), body.split()[0], body))
+    spans = [(int(t.group(1), 16), addr) for addr, op, body in ins if op.startswith("BRA")
+             for t in [re.search(r"0x([0-9a-f]+)", body)] if t and int(t.group(1), 16) < addr]
+    if not spans:
+        return 0, collections.Counter()
+    lo, hi = max(spans, key=lambda s: s[1] - s[0])
+    ops = [op.split(".")[0] for addr, op, _ in ins if lo <= addr <= hi]
+    return len(ops), collections.Counter(ops)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--widths", type=int, nargs="+", default=[16, 16])
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="change a field of the default chunk variant (JSON value)")
+    args = ap.parse_args(argv)
+    if not isinstance(chunk.chunk_state_running_tensor_kernel, JITFunction):
+        print("probe_offline: the kernels were built for the interpreter: unset TRITON_INTERPRET", file=sys.stderr)
+        return 2
+    shape = V.KernelShape(tuple(args.widths), 64)
+    changes = {}
+    for item in args.set:
+        name, _, value = item.partition("=")
+        try:
+            changes[name] = json.loads(value)
+        except json.JSONDecodeError:
+            changes[name] = value
+    try:
+        variant = dataclasses.replace(V.ChunkVariant.default(shape, H200_SMEM), **changes)
+    except TypeError as exc:
+        print(f"probe_offline: --set: {exc}", file=sys.stderr)
+        return 2
+    B, T, H = 1, 256, 8
+    q = [torch.randn(B, T, H, w, dtype=torch.bfloat16) for w in args.widths]
+    k = [torch.randn(B, T, H, w, dtype=torch.bfloat16) for w in args.widths]
+    v = torch.randn(B, T, H, 64, dtype=torch.bfloat16)
+    g, beta = -torch.rand(B, T, H), torch.rand(B, T, H)
+    launches = []
+    saved = JITFunction.run, triton_fwd._check_layout, triton_fwd._reason
+    JITFunction.run = lambda self, *a, grid, warmup, **kw: launches.append((self, a, kw))
+    triton_fwd._check_layout = lambda *a, **kw: None  # CPU tensors: nothing is launched
+    triton_fwd._reason = lambda *a, **kw: None
+    try:
+        triton_fwd.running_tensor_fwd(q, k, v, g, beta, variant=variant, output_final_state=True, l2norm=True,
+                                      mode="chunk")
+    finally:
+        JITFunction.run, triton_fwd._check_layout, triton_fwd._reason = saved
+    print(f"Triton {triton.__version__}, sm_90, widths {args.widths}, {variant}")
+    for fn, a, kw in launches:
+        sig, const, options = _signature(fn, a, kw)
+        ck = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=const),
+                            target=GPUTarget("cuda", 90, 32), options=options)
+        use = _usage(ck.asm["cubin"])
+        n, mix = loop_mix(use["sass"])
+        top = " ".join(f"{op}:{c}" for op, c in mix.most_common(8))
+        print(f"{fn.__name__:40} regs {use['regs']:3}  spill stack {use['stack']:5} B  shared {ck.metadata.shared:6} B"
+              f"  loop {n:5} instructions  {top}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
