@@ -178,7 +178,7 @@ def _prefill(spec: ModelSpec, target: Target, B: int, T: int, cal: Calibration, 
         # the three-kernel default's workspace is ~11x the two-kernel one's (o3 16x16 B8 T4096:
         # 352 against 32 MiB, 2026-11-30g), so where only the smaller fits the choice is not
         # between it and the fused form alone
-        two = next((v for v in ChunkVariant.candidates(shape, target.smem_per_sm) if not v.output_pass), None)
+        two = ChunkVariant.two_kernel(shape, target.smem_per_sm)
         if two is not None:
             options.insert(1, ("chunk", two, chunk_cost(spec, target, B, T, two, cal)))
     hit = measured.get(("chunk", B, T))

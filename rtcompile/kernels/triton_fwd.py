@@ -223,7 +223,7 @@ def _launch_chunk(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm, s
     if not variant.fuse_prepare:
         P = _empty(B, H, T, C, dtype=torch.float32, device=v.device)
         if wy:  # W in the dot operand type (16-bit inputs: their own), U0 in fp32
-            W = _empty(B, H, T, p.key_dim, dtype=v.dtype if common["LOWP"] else torch.float32, device=v.device)
+            W = _empty(B, H, T, p.key_dim, dtype=_dot_dtype(v, common), device=v.device)
             U0 = _empty(B, H, T, V, dtype=torch.float32, device=v.device)
         if beta is not None and (not wy or variant.solve == "tiles"):  # with wy, only the tile solve's
             Ai = _empty(B, H, T, C, dtype=torch.float32, device=v.device)
@@ -266,6 +266,12 @@ def _launch_chunk(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm, s
     return o
 
 
+def _dot_dtype(v: torch.Tensor, common: dict) -> torch.dtype:
+    """The type the kernels' products take operands in, and their 16-bit workspaces are kept in:
+    16-bit inputs their own (LOWP), else fp32."""
+    return v.dtype if common["LOWP"] else torch.float32
+
+
 def _launch_chunk_output_pass(p: Problem, q, k, v, g_arg, beta_arg, cu_arg, o, *, h0, ht, store_ht: bool,
                               variant: ChunkVariant, common: dict) -> torch.Tensor:
     """The three-kernel form (``ChunkVariant.output_pass``): Ai in parallel (delta rule only),
@@ -282,7 +288,7 @@ def _launch_chunk_output_pass(p: Problem, q, k, v, g_arg, beta_arg, cu_arg, o, *
     B, T, H, V = v.shape
     C = variant.chunk_size
     varlen = common["IS_VARLEN"]
-    dot_dtype = v.dtype if common["LOWP"] else torch.float32
+    dot_dtype = _dot_dtype(v, common)
     n_chunks = [triton.cdiv(hi - lo, C) for lo, hi in p.seq_bounds] if varlen else [triton.cdiv(T, C)] * B
     Hc = _empty(sum(n_chunks), H, p.key_dim, V, dtype=dot_dtype, device=v.device)
     Uc = _empty(B, T, H, V, dtype=dot_dtype, device=v.device)
@@ -320,8 +326,8 @@ def _launch_chunk_output_pass(p: Problem, q, k, v, g_arg, beta_arg, cu_arg, o, *
             chunk_prepare_running_tensor_kernel[(hi - lo, heads)](
                 *_factor_args(q), *_factor_args(k), v, g_arg, beta_arg, v, Ai, W, U0, Kw, Gc, cu_arg, idx, T, lo, C=C,
                 K=p.key_dim, V=V, BK=variant.block_k, BV=max(16, next_pow2(V)), WY=wy, OUTER=True,
-                STORE_P=False, STORE_PHI=variant.stored_keys, COLUMNS=True, STORE_GC=load_gc, **common, num_warps=variant.prepare_warps,
-                num_stages=variant.num_stages,
+                STORE_P=False, STORE_PHI=variant.stored_keys, COLUMNS=True, STORE_GC=load_gc, **common,
+                num_warps=variant.prepare_warps, num_stages=variant.num_stages,
             )
 
     def state(seg: int, lo: int, hi: int) -> None:
@@ -338,7 +344,8 @@ def _launch_chunk_output_pass(p: Problem, q, k, v, g_arg, beta_arg, cu_arg, o, *
     def output(lo: int, hi: int) -> None:
         chunk_output_running_tensor_kernel[(hi - lo, heads, triton.cdiv(V, variant.output_block_v))](
             *_factor_args(q), *_factor_args(k), g_arg, Gc, o, Hc, Uc, cu_arg, idx, p.scale, T, lo, K=p.key_dim, V=V,
-            C=C, BV=variant.output_block_v, LOAD_GC=load_gc, **out_consts, num_warps=variant.output_warps, num_stages=variant.num_stages,
+            C=C, BV=variant.output_block_v, LOAD_GC=load_gc, **out_consts, num_warps=variant.output_warps,
+            num_stages=variant.num_stages,
         )
 
     if len(ranges) == 1 or v.device.type != "cuda":

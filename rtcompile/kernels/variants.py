@@ -20,6 +20,7 @@ SOLVE_BLOCK = 16  # the default rows per diagonal block of the blocked solve (Ch
 SOLVE_BLOCKS = (4, 8, 16)
 PREPARE_WARPS = (1, 2, 4, 8, 16)
 SEGMENTS = (1, 2, 4, 8)  # time segments of the three-kernel form (output_pass)
+OUTPUT_BLOCK_VS = (16, 32, 64)  # the three-kernel form's output value tiles
 # Registers: 64K 32-bit registers per SM on every NVIDIA GPU since Volta; a program of W warps
 # may use at most 255 per thread. We budget the live fp32 tiles of a program against
 # 255 * 32 * W and refuse variants over it (they would spill to local memory: DESIGN.md saw
@@ -330,8 +331,9 @@ class ChunkVariant(_Variant):
             return f"segments={self.segments} needs output_pass=True (it cuts the three-kernel form in time)"
         if self.stored_keys and not self.output_pass:
             return "stored_keys needs output_pass=True (only the three-kernel form's state loop reads them)"
-        if self.output_block_v not in (16, 32, 64) or self.output_block_v > max(16, next_pow2(shape.value_width)):
-            return f"output_block_v={self.output_block_v}; allowed: 16, 32 or 64, at most d_v rounded up"
+        if self.output_block_v not in OUTPUT_BLOCK_VS or self.output_block_v > max(16, next_pow2(shape.value_width)):
+            return (f"output_block_v={self.output_block_v}; allowed: {', '.join(map(str, OUTPUT_BLOCK_VS))}, "
+                    "at most d_v rounded up")
         if self.output_warps not in PREPARE_WARPS:
             return f"output_warps={self.output_warps}; allowed: {', '.join(map(str, PREPARE_WARPS))}"
         if not self.output_pass and (self.output_block_v, self.output_warps) != (16, 4):
@@ -384,8 +386,10 @@ class ChunkVariant(_Variant):
         # the three-kernel form's C = 64 and two stages, fused, were estimated at ~464 registers
         # (o3 16x16): its sibling is that of the two-kernel default before it (C = 16, one stage)
         base = replace(self, chunk_size=16, num_stages=1) if self.output_pass else self
+        # the three-kernel form's own parameters back at their defaults (check refuses others)
+        gated = {f.name: f.default for f in fields(self) if f.name in self.GATED}
         return replace(base, fuse_prepare=True, prefetch=self.prefetch and not self.resident(shape), wy=False,
-                       output_pass=False, stored_keys=False, segments=1, output_block_v=16, output_warps=4,
+                       output_pass=False, **gated,
                        prepare_warps=4, dot_precision="ieee",
                        solve="blocks" if self.solve == "diagonal" else self.solve)
 
@@ -462,7 +466,7 @@ class ChunkVariant(_Variant):
             # segments lost at every count measured (2026-11-30h, see the class docstring): kept
             # for explicit use, out of the searched space
             "segments": [1],
-            "output_block_v": [b for b in (16, 32, 64) if b <= max(16, next_pow2(shape.value_width))]
+            "output_block_v": [b for b in OUTPUT_BLOCK_VS if b <= max(16, next_pow2(shape.value_width))]
             if len(three) > 1 else [16],
             "output_warps": [2, 4, 8] if len(three) > 1 else [4],
         }
@@ -517,6 +521,16 @@ class ChunkVariant(_Variant):
         """
         found = cls.candidates(shape, smem_limit)
         return found[0] if found else cls(chunk_size=16, block_k=16, block_v=16, num_warps=4, num_stages=1)
+
+    @classmethod
+    def two_kernel(cls, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> ChunkVariant | None:
+        """The first candidate that is not the three-kernel form, when the default is that form
+        (its workspace is ~11x the two-kernel one's: o3 16x16 B8 T4096, 352 against 32 MiB);
+        None where the default is a two-kernel variant already."""
+        found = cls.candidates(shape, smem_limit)
+        if not found or not found[0].output_pass:
+            return None
+        return next((v for v in found if not v.output_pass), None)
 
     @classmethod
     def candidates(cls, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> list["ChunkVariant"]:
@@ -579,6 +593,13 @@ class ChunkVariant(_Variant):
         return out
 
 
+def gated_params(cls: type[_Variant], space: dict[str, list]) -> dict[str, tuple[str, Any]]:
+    """The parameters of ``cls.GATED`` that ``space`` varies together with their gate: each
+    matters only where its gate has the named value (``iter_space`` and the TPE study enumerate
+    or ask for it only there)."""
+    return {n: gate for n, gate in cls.GATED.items() if n in space and gate[0] in space}
+
+
 def iter_space(cls: type[_Variant], shape: KernelShape, space: dict[str, list] | None = None,
                smem_limit: int = DEFAULT_SMEM_BYTES) -> Iterator[_Variant]:
     """Every variant of ``space`` (default: ``cls.space(shape)``) that passes ``check`` at
@@ -590,7 +611,7 @@ def iter_space(cls: type[_Variant], shape: KernelShape, space: dict[str, list] |
 
     space = cls.space(shape) if space is None else space
     defaults = {f.name: f.default for f in fields(cls)}
-    gated = {n: gate for n, gate in cls.GATED.items() if n in space and gate[0] in space}
+    gated = gated_params(cls, space)
     free = [n for n in space if n not in gated]
     for values in itertools.product(*(space[n] for n in free)):
         params = dict(zip(free, values))

@@ -36,7 +36,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from ..kernels import tuned
-from ..kernels.variants import DEFAULT_SMEM_BYTES, ChunkVariant, KernelShape, RecurrentVariant, iter_space
+from ..kernels.variants import (
+    DEFAULT_SMEM_BYTES, ChunkVariant, KernelShape, RecurrentVariant, gated_params, iter_space,
+)
 from .keys import Bucket, Machine, key_attrs, study_name
 from .store import claim_lock, open_storage, serialises_claims, write_tuned
 
@@ -125,7 +127,7 @@ def _suggest(trial, cls, space: dict[str, list]) -> dict:
     (``cls.GATED``) is asked for only where its gate has the value it needs and otherwise keeps
     its default. Sampled blindly, the output kernel's tile and warps beside output_pass=False
     would have left 1 in 72 of those draws valid (``check`` refuses the rest)."""
-    gated = {n: gate for n, gate in cls.GATED.items() if n in space and gate[0] in space}
+    gated = gated_params(cls, space)
     params = {n: trial.suggest_categorical(n, choices) for n, choices in space.items() if n not in gated}
     for n, (gate, need) in gated.items():
         if params[gate] == need:
