@@ -675,7 +675,7 @@ def chunk_state_running_tensor_kernel(
     one of the stored states as [chunks H K, V] written in [K, BV] blocks and, with the delta
     rule, ``Ai`` one of the inverses as [B H T, C]. Compiled offline for sm_90 with Triton 3.6
     (o3 16x16, C 64, 3 stages), the loop body went from 3008 instructions, with 1120 bytes of
-    spills a thread, to 1106 and none: the per-element addresses and masks of the pointer loads
+    spills a thread, to 1143 and none: the per-element addresses and masks of the pointer loads
     and the [K, BV] store's layout change were the excess. A block's rows past the sequence are
     the next sequence's (or zeros): U's rows there are set to zero, so they add nothing.
     Only chunks

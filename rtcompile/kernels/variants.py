@@ -248,7 +248,7 @@ class ChunkVariant(_Variant):
     C 64 on the H200, 2026-11-30h: 0.084 ms with 64 columns and 4 warps, 0.102 with 64 and 2,
     0.135 with 32 and 4, 0.156 with 64 and 8). ``tma`` (with stored_keys, on sm_90 or newer):
     the state loop reads phi(K) and the inverse and stores each chunk's state through tensor
-    descriptors (offline sm_90 compile: loop body 1106 instructions without spills, against 3008
+    descriptors (offline sm_90 compile: loop body 1143 instructions without spills, against 3008
     with 1120 bytes of spills a thread; untimed, CPU-verified, 2026-11-30h).
     """
 
