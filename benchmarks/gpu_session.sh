@@ -1,6 +1,6 @@
 # One GPU session's measurements, in steps that each fit one 10-minute device call.
 #
-#   bash benchmarks/gpu_session.sh STEP...     (STEP: tests | bench | confirm | errors | probes | wy-tiles | three-kernel | segments | k256 | sweep-decode |
+#   bash benchmarks/gpu_session.sh STEP...     (STEP: tests | bench | confirm | errors | probes | wy-tiles | three-kernel | segments | k256 | tma | sweep-decode |
 #        sweep-prefill | sweep-report | one-worker | tpe-again | sweep | tuned-bench | checks | finish)
 #
 # Run from the project root on the device machine, after installing the carried wheels (see
@@ -215,6 +215,15 @@ step_k256() {  # the K = 256 default: its kernels split, the bench beside fla, i
   tail -3 "$OUT/tests.txt"
   grep -E "o3_16x16_B8_T4096 +(bfloat16 )?(rtcompile|fla)|rtcompile +\||fla +\|" "$OUT/bench_k256.txt" | tail -12 || true
   grep -E "^│ o3_16x16_B2" "$OUT/bench_k256_error.txt" || true
+}
+
+step_tma() {  # the state loop through tensor descriptors (tma, CPU-verified only on 2026-11-30h): its GPU
+  # tests, probe rows beside the K = 256 default, the split, (~200 s)
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "tma or output_pass or stored" \
+    2>&1 | tail -3 || true
+  timeout 120 python3 benchmarks/probe_streamed.py --widths 16 16 --names default tma tma-w8 tma-s2 tma-bv16 \
+    2>&1 | grep -v "Warn\|_warn" || true
+  timeout 60 python3 benchmarks/probe_split.py --widths 16 16 --names tma tma-w8 2>&1 | grep -v "Warn\|_warn" || true
 }
 
 step_tuned_bench() {  # the prefill bench again, reading the tuned table (TUNED, or the sweep's)

@@ -184,6 +184,12 @@ NEIGHBOURS = (
     ("sk-wy", {"wy": True, "num_stages": 2}),
     ("sk-wy-pw4", {"wy": True, "num_stages": 2, "prepare_warps": 4}),
     ("seg4-wy", {"wy": True, "num_stages": 2, "segments": 4}),
+    # the state loop's loads and stores through tensor descriptors (tma; CPU-verified on
+    # 2026-11-30h, untimed; offline sm_90 compile: no spills), with 8 warps, and 2 stages
+    ("tma", {"tma": True}),
+    ("tma-w8", {"tma": True, "num_warps": 8}),
+    ("tma-s2", {"tma": True, "num_stages": 2}),
+    ("tma-bv16", {"tma": True, "block_v": 16}),
     # kron: tiles of one axis-1 index, products on the trailing factors' tile with x1's column as row scale
     ("kron", {"kron": True}),
     ("kron-bk64", {"kron": True, "block_k": 64}),

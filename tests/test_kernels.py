@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -613,3 +614,41 @@ def test_public_api_dispatches_to_triton(monkeypatch):
     with pytest.raises(ValueError, match="backend: 'triton' is forward-only"):
         rtcompile.running_tensor(q, *dev[1:], backend="triton")
     assert calls == ["chunk"]
+
+
+TMA_VARIANT = ChunkVariant(chunk_size=16, block_k=256, block_v=16, num_stages=2, output_pass=True, stored_keys=True,
+                           solve="tiles", prepare_warps=2, tma=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("feat", ["plain", "gate", "gated-delta-l2"])
+def test_output_pass_tma_matches_float64(feat, dtype):
+    """phi(K) read and each chunk's state stored through tensor descriptors (tma): T = 45 ends
+    in a partial chunk whose block reads the next head's rows, d_v 8 (16-byte rows)."""
+    f = FEATURES[feat]
+    dev, ref, s0 = _case(2, 45, 2, (16, 16), 8, dtype=dtype, gate=f["gate"], delta=f["delta"], state=True)
+    o, s = running_tensor_fwd(*dev, initial_state=_to(s0, torch.float32), output_final_state=True,
+                              l2norm=f["l2norm"], mode="chunk", variant=TMA_VARIANT)
+    o_ref, s_ref = running_tensor_recurrent_ref(*ref, initial_state=s0, output_final_state=True, l2norm=f["l2norm"])
+    tol = FP32_TOL if dtype == torch.float32 else 1e-2
+    assert rel_err(o.cpu(), o_ref) < tol and rel_err(s.cpu(), s_ref) < tol
+
+
+def test_output_pass_tma_varlen():
+    """Varlen: a chunk's block runs into the next sequence's rows; they must add nothing."""
+    offsets = [0, 5, 6, 23, 30]
+    dev, ref, s0 = _case(1, offsets[-1], 2, (16, 16), 8, state=True, num_seqs=len(offsets) - 1)
+    cu = torch.tensor(offsets, dtype=torch.int32)
+    o, s = running_tensor_fwd(*dev, initial_state=_to(s0, torch.float32), output_final_state=True, l2norm=True,
+                              cu_seqlens=_to(cu), mode="chunk", variant=TMA_VARIANT)
+    o_ref, s_ref = running_tensor_recurrent_ref(*ref, initial_state=s0, output_final_state=True, l2norm=True,
+                                                cu_seqlens=cu)
+    assert rel_err(o.cpu(), o_ref) < FP32_TOL and rel_err(s.cpu(), s_ref) < FP32_TOL
+
+
+def test_tma_refusals():
+    shape = KernelShape((16, 16), 6)  # d_v 6 in fp32: 24-byte rows
+    assert "16-byte" in (TMA_VARIANT.check(shape, 10**9) or "")
+    assert "tma needs stored_keys" in (dataclasses.replace(TMA_VARIANT, stored_keys=False).check(
+        KernelShape((16, 16), 8), 10**9) or "")
+    assert TMA_VARIANT.check(KernelShape((16, 16), 8), 10**9) is None

@@ -151,6 +151,9 @@ def _resolve_variant(cls, variant, shape: KernelShape, device: torch.device | No
     elif not isinstance(variant, cls):
         raise TypeError(f"variant: expected {cls.__name__}, got {type(variant).__name__}")
     reason = _reason(variant, shape, limit)
+    if reason is None and getattr(variant, "tma", False) and device is not None and device.type == "cuda" \
+            and torch.cuda.get_device_capability(device) < (9, 0):
+        reason = "tma needs a GPU with tensor memory access (sm_90 or newer)"
     if reason is not None:
         raise ValueError(f"variant: {variant} cannot run K={shape.key_dim}, d_v={shape.value_width}: {reason}")
     return variant
@@ -305,6 +308,14 @@ def _launch_chunk_output_pass(p: Problem, q, k, v, g_arg, beta_arg, cu_arg, o, *
         U0 = _empty(B, H, T, V, dtype=torch.float32, device=v.device)
     if common["USE_BETA"] and (not wy or variant.solve == "tiles"):
         Ai = _empty(B, H, T, C, dtype=torch.float32, device=v.device)
+    Kd, Hd, Ad = Kw, Hc, Ai  # tma: the state loop reads phi(K) and stores each chunk's
+    # state (and reads the inverse) through tensor descriptors
+    if variant.tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        Kd = TensorDescriptor(Kw.view(B * H * T, p.key_dim), [B * H * T, p.key_dim], [p.key_dim, 1], [C, p.key_dim])
+        Hd = TensorDescriptor(Hc.view(-1, V), [Hc.numel() // V, V], [V, 1], [p.key_dim, variant.block_v])
+        if common["USE_BETA"] and not wy:
+            Ad = TensorDescriptor(Ai.view(B * H * T, C), [B * H * T, C], [C, 1], [C, C])
     # the prepare kernel (when it runs) also stores each chunk's cumulative log decay, which the
     # state loop and the output kernel then read instead of scanning the gates themselves
     has_prepare = common["USE_BETA"] or variant.stored_keys
@@ -334,10 +345,10 @@ def _launch_chunk_output_pass(p: Problem, q, k, v, g_arg, beta_arg, cu_arg, o, *
         first, last = seg == 0, seg == len(ranges) - 1
         s0 = h0 if first else ht  # later segments start from the state the one before stored
         chunk_state_running_tensor_kernel[(triton.cdiv(V, variant.block_v), p.num_seqs * H)](
-            *_factor_args(k), v, g_arg, beta_arg, s0 if s0 is not None else v, ht if ht is not None else v, Ai, Kw,
-            W, U0, Gc, Hc, Uc, cu_arg, offsets, T, lo, hi if not varlen else 2**31 - 1, K=p.key_dim, V=V, C=C,
+            *_factor_args(k), v, g_arg, beta_arg, s0 if s0 is not None else v, ht if ht is not None else v, Ad, Kd,
+            W, U0, Gc, Hd, Uc, cu_arg, offsets, T, lo, hi if not varlen else 2**31 - 1, K=p.key_dim, V=V, C=C,
             BV=variant.block_v, USE_H0=s0 is not None, STORE_HT=store_ht or not last, PREFETCH=variant.prefetch,
-            STORED_KEYS=variant.stored_keys, WY=wy, LOAD_GC=load_gc, **state_consts, num_warps=variant.num_warps,
+            STORED_KEYS=variant.stored_keys, WY=wy, LOAD_GC=load_gc, TMA=variant.tma, **state_consts, num_warps=variant.num_warps,
             num_stages=variant.num_stages,
         )
 
