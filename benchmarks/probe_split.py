@@ -35,6 +35,9 @@ def main(argv=None) -> int:
                     help="key widths of one case (repeatable; default: 16 16, 32 32, 64 64, 16 16 16)")
     ap.add_argument("--names", nargs="+", default=(), help="probe_streamed.py neighbours to split too")
     ap.add_argument("--fla", action="store_true", help="split fla's chunk_gated_delta_rule too (K <= 256)")
+    ap.add_argument("--prepare-parts", action="store_true",
+                    help="time the default's prepare kernel with parts of its work switched off (wrong outputs: "
+                         "timing only): no phi(K) store, no delta rule (no Grams of A, no solve), neither")
     ap.add_argument("--registers", action="store_true",
                     help="after each variant, the registers and spills of the chunk kernels it compiled")
     args = ap.parse_args(argv)
@@ -80,7 +83,44 @@ def main(argv=None) -> int:
                     if (kname, key) not in seen:
                         print(f"{'x'.join(map(str, widths)):9} {name:30} {kname:42} regs {regs} spills {spills} "
                               f"warps {warps}")
+        if args.prepare_parts:
+            _prepare_parts(widths, inp, default)
     return 0
+
+
+# the prepare kernel's parts, switched off one at a time (constexpr overrides; outputs wrong)
+PREPARE_PARTS = (
+    ("prep-no-phi", {"STORE_PHI": False}),
+    ("prep-no-delta", {"USE_BETA": False}),
+    ("prep-gc-only", {"STORE_PHI": False, "USE_BETA": False}),
+    ("prep-rows-solve", {"SOLVE": 0}),
+    ("prep-no-phi-w2", {"STORE_PHI": False, "num_warps": 2}),
+    ("prep-no-phi-w4", {"STORE_PHI": False, "num_warps": 4}),
+)
+
+
+def _prepare_parts(widths, inp, default) -> None:
+    from rtcompile.kernels import triton_fwd
+
+    real = triton_fwd.chunk_prepare_running_tensor_kernel
+
+    class Patched:
+        def __init__(self, over):
+            self.over = over
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: real[grid](*a, **{**kw, **self.over})
+
+    for name, over in PREPARE_PARTS:
+        triton_fwd.chunk_prepare_running_tensor_kernel = Patched(over)
+        try:
+            run = lambda x=inp: running_tensor_fwd(x.q, x.k, x.v, x.g, x.beta, variant=default, scale=x.scale,
+                                                   output_final_state=True, l2norm=True, mode="chunk")
+            _profile(widths, name, run)
+        except Exception as exc:  # noqa: BLE001 -- one part's failure is a row
+            print(f"{'x'.join(map(str, widths)):9} {name:30} failed: {type(exc).__name__}: {str(exc)[:90]}")
+        finally:
+            triton_fwd.chunk_prepare_running_tensor_kernel = real
 
 
 def _compiled() -> dict:

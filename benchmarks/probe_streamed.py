@@ -190,6 +190,14 @@ NEIGHBOURS = (
     ("tma-w8", {"tma": True, "num_warps": 8}),
     ("tma-s2", {"tma": True, "num_stages": 2}),
     ("tma-bv16", {"tma": True, "block_v": 16}),
+    # tma's neighbours (2026-11-30i, probe_split state loop against 0.149 ms for tma): 4 stages
+    # 0.149; one program per (sequence, head) with 64 columns and 8 warps 0.240 (two stages
+    # 0.271); C 128 did not fit (238 KB of shared memory asked for, 227 KB allowed)
+    ("tma-s4", {"tma": True, "num_stages": 4}),
+    ("tma-bv64-w8", {"tma": True, "block_v": 64, "num_warps": 8}),
+    ("tma-bv64-w8-s2", {"tma": True, "block_v": 64, "num_warps": 8, "num_stages": 2}),
+    ("tma-C128", {"tma": True, "chunk_size": 128, "solve": "rows", "num_stages": 2, "prepare_warps": 2,
+                  "output_warps": 8}),
     # kron: tiles of one axis-1 index, products on the trailing factors' tile with x1's column as row scale
     ("kron", {"kron": True}),
     ("kron-bk64", {"kron": True, "block_k": 64}),
