@@ -96,6 +96,14 @@ PREPARE_PARTS = (
     ("prep-rows-solve", {"SOLVE": 0}),
     ("prep-no-phi-w2", {"STORE_PHI": False, "num_warps": 2}),
     ("prep-no-phi-w4", {"STORE_PHI": False, "num_warps": 4}),
+    # phi(K) stored GROUP indices of axis 1 at a time (a [C, GROUP] load of x1, one [C, GROUP TW] block)
+    ("prep-kg2", {"KEY_GROUP": 2}),
+    ("prep-kg4", {"KEY_GROUP": 4}),
+    ("prep-kg8", {"KEY_GROUP": 8}),
+    ("prep-kg4-w2", {"KEY_GROUP": 4, "num_warps": 2}),
+    ("prep-kg8-w2", {"KEY_GROUP": 8, "num_warps": 2}),
+    ("prep-kg16-w4", {"KEY_GROUP": 16, "num_warps": 4}),
+    ("prep-no-delta-kg4", {"KEY_GROUP": 4, "USE_BETA": False}),
 )
 
 

@@ -190,6 +190,10 @@ NEIGHBOURS = (
     ("tma-w8", {"tma": True, "num_warps": 8}),
     ("tma-s2", {"tma": True, "num_stages": 2}),
     ("tma-bv16", {"tma": True, "block_v": 16}),
+    # the K = 256 default (tma, key_group 2 since 2026-11-30i) without each of its two changes
+    ("kg1", {"key_group": 1}),
+    ("kg4", {"key_group": 4}),
+    ("no-tma", {"tma": False}),
     # tma's neighbours (2026-11-30i, probe_split state loop against 0.149 ms for tma): 4 stages
     # 0.149; one program per (sequence, head) with 64 columns and 8 warps 0.240 (two stages
     # 0.271); C 128 did not fit (238 KB of shared memory asked for, 227 KB allowed)

@@ -242,6 +242,13 @@ OUTPUT_PASS = {
     "o3-16x16-c16-stored": ((16, 16), 45, ChunkVariant(chunk_size=16, block_k=256, block_v=16, num_stages=2,
                                                         output_pass=True, stored_keys=True, solve="tiles",
                                                         prepare_warps=2)),
+    # phi(K) stored 2 and 4 indices of axis 1 at a time (key_group)
+    "o3-16x16-c16-stored-kg2": ((16, 16), 45, ChunkVariant(chunk_size=16, block_k=256, block_v=16, num_stages=2,
+                                                            output_pass=True, stored_keys=True, solve="tiles",
+                                                            prepare_warps=1, key_group=2)),
+    "o3-16x16-c32-stored-kg4": ((16, 16), 45, ChunkVariant(chunk_size=32, block_k=256, block_v=16, num_stages=2,
+                                                            output_pass=True, stored_keys=True, solve="tiles",
+                                                            prepare_warps=2, key_group=4)),
     # wy: the prepare kernel applies the solve (W, U0, in column blocks), the loop reads them;
     # with the row solve (no inverse workspace) and the tile solve (read back)
     "o2-16-c32-wy-rows": ((16,), 70, ChunkVariant(chunk_size=32, block_k=16, block_v=16, prefetch=True,
@@ -303,12 +310,22 @@ def test_output_pass_segments_without_final_state():
     ({"output_pass": True, "output_block_v": 32}, "output_block_v=32; allowed"),  # d_v 8
     ({"output_pass": True, "output_warps": 3}, "output_warps=3; allowed"),
     ({"output_warps": 2}, "without output_pass=True"),
+    ({"output_pass": True, "stored_keys": True, "num_stages": 2, "key_group": 3}, "key_group=3; allowed: 1, 2, 4"),
+    ({"output_pass": True, "num_stages": 2, "key_group": 2}, "key_group=2 needs stored_keys=True"),
 ], ids=["streamed", "fused", "no-output-pass", "prefetch", "one-stage", "segments-alone", "segments-3", "out-bv-wide",
-        "out-warps-3", "out-warps-alone"])
+        "out-warps-3", "out-warps-alone", "key-group-3", "key-group-alone"])
 def test_output_pass_refusals(changes, match):
     v = ChunkVariant(**{"chunk_size": 16, "block_k": 256, "block_v": 16, **changes})
     assert match in (v.check(KernelShape((16, 16), 8), 10**9) or "")
     assert "output_pass needs" in ChunkVariant(16, 16, 16, output_pass=True).check(KernelShape((3, 5), 8), 10**9)
+
+
+def test_key_group_needs_a_trailing_factor():
+    """Order 2 stores phi(K) (the factor itself) in one block: key_group > 1 is refused there."""
+    v = ChunkVariant(chunk_size=16, block_k=16, block_v=16, num_stages=2, output_pass=True, stored_keys=True,
+                     solve="tiles", key_group=2)
+    assert "order >= 3" in (v.check(KernelShape((16,), 8), 10**9) or "")
+    assert dataclasses.replace(v, block_k=256).check(KernelShape((16, 16), 8), 10**9) is None
 
 
 @pytest.mark.parametrize("case", BLOCKED_SOLVE.keys())
@@ -617,7 +634,7 @@ def test_public_api_dispatches_to_triton(monkeypatch):
 
 
 TMA_VARIANT = ChunkVariant(chunk_size=16, block_k=256, block_v=16, num_stages=2, output_pass=True, stored_keys=True,
-                           solve="tiles", prepare_warps=2, tma=True)
+                           solve="tiles", prepare_warps=2, tma=True, key_group=2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

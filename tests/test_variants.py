@@ -150,3 +150,34 @@ def test_gated_parameters_are_enumerated_only_beside_their_gate():
              if v.check(shape) is None]
     assert len(got) == len(set(got)) and set(got) == set(brute)
     assert any(v.segments == 4 and v.stored_keys for v in got)  # the gated values are reached
+
+
+def test_a_gated_gate_opens_what_it_gates():
+    """key_group is gated by stored_keys, itself gated by output_pass: iter_space reaches every
+    valid combination (the same set as check over the full product) and TPE's parameter
+    request asks for key_group only where stored_keys was asked for and is True."""
+    from rtcompile.tuning.study import _suggest
+
+    shape = KernelShape((16, 16), 64)
+    base = {k: [v] for k, v in ChunkVariant.default(shape).to_dict().items() if k != "kernel"}
+    space = {**base, "output_pass": [False, True], "stored_keys": [False, True], "key_group": [1, 2, 4],
+             "prefetch": [False, True], "num_stages": [1, 2], "tma": [False]}
+    got = list(iter_space(ChunkVariant, shape, space))
+    brute = [v for v in (ChunkVariant(**dict(zip(space, vals))) for vals in itertools.product(*space.values()))
+             if v.check(shape) is None]
+    assert len(got) == len(set(got)) and set(got) == set(brute)
+    assert {v.key_group for v in got if v.stored_keys} == {1, 2, 4}
+
+    class Trial:  # answers every request with a fixed choice, recording what was asked
+        def __init__(self, picks):
+            self.picks, self.asked = picks, []
+
+        def suggest_categorical(self, name, choices):
+            self.asked.append(name)
+            return self.picks.get(name, choices[0])
+
+    for picks, asked in (({"output_pass": False}, False), ({"output_pass": True, "stored_keys": False}, False),
+                         ({"output_pass": True, "stored_keys": True}, True)):
+        trial = Trial(picks)
+        _suggest(trial, ChunkVariant, space)
+        assert ("key_group" in trial.asked) == asked, picks

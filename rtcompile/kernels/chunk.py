@@ -289,7 +289,7 @@ def _chunk_of_program(i_c, i_n, T, cu_seqlens, chunk_indices, C: tl.constexpr, I
 @triton.jit
 def _store_key_columns(dst, k1, k2, k3, r, m_t, p_row, b_scale, b_Ai, NF: tl.constexpr, C: tl.constexpr,
                        D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, K: tl.constexpr, LOWP: tl.constexpr,
-                       PREC: tl.constexpr, APPLY: tl.constexpr):
+                       PREC: tl.constexpr, APPLY: tl.constexpr, GROUP: tl.constexpr = 1):
     """Rows ``p_row`` of ``dst`` ([.., K], its type) := diag(b_scale) phi(K), or with APPLY
     Ai diag(b_scale) phi(K), one [C, D2 D3] column block per index i of axis 1: block i is the
     trailing factors' outer product T with row c scaled by x1[c, i] (see :func:`_trailing_tile`),
@@ -305,14 +305,23 @@ def _store_key_columns(dst, k1, k2, k3, r, m_t, p_row, b_scale, b_Ai, NF: tl.con
         tl.store(dst + p_row[:, None] * K + o_1[None, :], b_blk.to(dst.dtype.element_ty), mask=m_t[:, None])
     else:
         TW: tl.constexpr = D2 * D3
-        o_j = tl.arange(0, TW)
         b_t = _trailing_tile(k2, k3, r, m_t, C, NF, D2, D3, tl.float32)
-        for i in range(D1):
-            b_blk = b_t * (_lead_column(k1, r, m_t, i, D1) * b_scale)[:, None]
-            if APPLY:
-                b_blk = _dot(b_Ai, b_blk, LOWP, DT, PREC)
-            tl.store(dst + p_row[:, None] * K + i * TW + o_j[None, :], b_blk.to(dst.dtype.element_ty),
-                     mask=m_t[:, None])
+        if GROUP == 1 or APPLY:
+            o_j = tl.arange(0, TW)
+            for i in range(D1):
+                b_blk = b_t * (_lead_column(k1, r, m_t, i, D1) * b_scale)[:, None]
+                if APPLY:
+                    b_blk = _dot(b_Ai, b_blk, LOWP, DT, PREC)
+                tl.store(dst + p_row[:, None] * K + i * TW + o_j[None, :], b_blk.to(dst.dtype.element_ty),
+                         mask=m_t[:, None])
+        else:  # GROUP indices of axis 1 per store: a [C, GROUP] load of x1 and one [C, GROUP TW] block
+            o_g = tl.arange(0, GROUP)
+            o_j = tl.arange(0, GROUP * TW)
+            for i0 in range(0, D1, GROUP):
+                b_x = tl.load(k1 + r[:, None] * D1 + i0 + o_g[None, :], mask=m_t[:, None], other=0.0)
+                b_x = b_x.to(tl.float32) * b_scale[:, None]
+                b_blk = tl.reshape((b_x[:, :, None] * b_t[:, None, :]).to(dst.dtype.element_ty), [C, GROUP * TW])
+                tl.store(dst + p_row[:, None] * K + i0 * TW + o_j[None, :], b_blk, mask=m_t[:, None])
 
 
 @triton.jit
@@ -325,7 +334,7 @@ def chunk_prepare_running_tensor_kernel(
     USE_G: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
     LOWP: tl.constexpr, PREC: tl.constexpr, SOLVE: tl.constexpr, SOLVE_BLOCK: tl.constexpr, WY: tl.constexpr,
     OUTER: tl.constexpr, STORE_P: tl.constexpr = True, STORE_PHI: tl.constexpr = False,
-    COLUMNS: tl.constexpr = False, STORE_GC: tl.constexpr = False,
+    COLUMNS: tl.constexpr = False, STORE_GC: tl.constexpr = False, KEY_GROUP: tl.constexpr = 1,
 ):
     """P and Ai (WY: W and U0) of every chunk, in parallel; without STORE_P only Ai (the
     three-kernel form's output kernel computes P itself). STORE_PHI: the normalised phi(K)
@@ -367,7 +376,8 @@ def chunk_prepare_running_tensor_kernel(
     if L2NORM and (STORE_PHI or WY):
         b_inv = phi_inv_norm(k1, k2, k3, r[:, None], m_t[:, None], D1, D2, D3, BD1, BD2, BD3, NF)
     if STORE_PHI:
-        _store_key_columns(Kw, k1, k2, k3, r, m_t, p_row, b_inv, b_Ai, NF, C, D1, D2, D3, K, LOWP, PREC, False)
+        _store_key_columns(Kw, k1, k2, k3, r, m_t, p_row, b_inv, b_Ai, NF, C, D1, D2, D3, K, LOWP, PREC, False,
+                           KEY_GROUP)
     if WY:  # the solve applied here, in parallel: W = Ai diag(b Gamma / ||phi(k)||) phi(K), U0 = Ai diag(b) V
         DT: tl.constexpr = q1.dtype.element_ty
         b_b = tl.load(beta + r, mask=m_t, other=0.0).to(tl.float32)

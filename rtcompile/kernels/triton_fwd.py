@@ -12,6 +12,7 @@ behind the caller's back. Kernels take up to three factors (orders 2 to 4).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import operator
@@ -140,6 +141,7 @@ def _resolve_variant(cls, variant, shape: KernelShape, device: torch.device | No
                      problem: Problem | None = None, **overrides):
     """The caller's variant, else the tuned table's for this shape bucket, else the default."""
     limit = _smem_limit(device.index or 0) if device is not None and device.type == "cuda" else None
+    chosen = variant is None  # not the caller's: adapted to the device where it must be
     if variant is None and not overrides:  # an explicit chunk_size asks for the default's family
         variant = _tuned_variant(cls, problem, shape, device)
         if variant is not None and _reason(variant, shape, limit):
@@ -153,7 +155,11 @@ def _resolve_variant(cls, variant, shape: KernelShape, device: torch.device | No
     reason = _reason(variant, shape, limit)
     if reason is None and getattr(variant, "tma", False) and device is not None and device.type == "cuda" \
             and torch.cuda.get_device_capability(device) < (9, 0):
-        reason = "tma needs a GPU with tensor memory access (sm_90 or newer)"
+        if chosen:  # the default's or the table's choice: the same variant without tensor descriptors
+            variant = dataclasses.replace(variant, tma=False)
+            reason = _reason(variant, shape, limit)
+        else:
+            reason = "tma needs a GPU with tensor memory access (sm_90 or newer)"
     if reason is not None:
         raise ValueError(f"variant: {variant} cannot run K={shape.key_dim}, d_v={shape.value_width}: {reason}")
     return variant
@@ -337,7 +343,8 @@ def _launch_chunk_output_pass(p: Problem, q, k, v, g_arg, beta_arg, cu_arg, o, *
             chunk_prepare_running_tensor_kernel[(hi - lo, heads)](
                 *_factor_args(q), *_factor_args(k), v, g_arg, beta_arg, v, Ai, W, U0, Kw, Gc, cu_arg, idx, T, lo, C=C,
                 K=p.key_dim, V=V, BK=variant.block_k, BV=max(16, next_pow2(V)), WY=wy, OUTER=True,
-                STORE_P=False, STORE_PHI=variant.stored_keys, COLUMNS=True, STORE_GC=load_gc, **common,
+                STORE_P=False, STORE_PHI=variant.stored_keys, COLUMNS=True, STORE_GC=load_gc,
+                KEY_GROUP=variant.key_group, **common,
                 num_warps=variant.prepare_warps, num_stages=variant.num_stages,
             )
 

@@ -21,6 +21,7 @@ SOLVE_BLOCKS = (4, 8, 16)
 PREPARE_WARPS = (1, 2, 4, 8, 16)
 SEGMENTS = (1, 2, 4, 8)  # time segments of the three-kernel form (output_pass)
 OUTPUT_BLOCK_VS = (16, 32, 64)  # the three-kernel form's output value tiles
+KEY_GROUPS = (1, 2, 4)  # indices of axis 1 per store of the prepare kernel's phi(K) (8: 0.25 ms, twice 2's)
 # Registers: 64K 32-bit registers per SM on every NVIDIA GPU since Volta; a program of W warps
 # may use at most 255 per thread. We budget the live fp32 tiles of a program against
 # 255 * 32 * W and refuse variants over it (they would spill to local memory: DESIGN.md saw
@@ -255,11 +256,12 @@ class ChunkVariant(_Variant):
 
     kernel: ClassVar[str] = "chunk"
     GATED: ClassVar[dict[str, tuple[str, Any]]] = {
-        n: ("output_pass", True) for n in ("stored_keys", "segments", "output_block_v", "output_warps", "tma")}
+        **{n: ("output_pass", True) for n in ("stored_keys", "segments", "output_block_v", "output_warps", "tma")},
+        "key_group": ("stored_keys", True)}
     FIELDS: ClassVar[tuple[str, ...]] = (
         "chunk_size", "block_k", "block_v", "num_warps", "num_stages", "fuse_prepare", "dot_precision", "solve",
         "prefetch", "wy", "merge_passes", "prepare_warps", "solve_block", "kron", "output_pass",
-        "stored_keys", "segments", "output_block_v", "output_warps", "tma",
+        "stored_keys", "segments", "output_block_v", "output_warps", "tma", "key_group",
     )
     chunk_size: int
     block_k: int
@@ -281,6 +283,7 @@ class ChunkVariant(_Variant):
     output_block_v: int = 16
     output_warps: int = 4
     tma: bool = False
+    key_group: int = 1
 
     def check(self, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> str | None:
         for name in ("chunk_size", "block_k", "block_v", "num_warps"):
@@ -345,6 +348,12 @@ class ChunkVariant(_Variant):
                          or shape.value_width * dot_bytes % 16):
             return (f"tma needs stored_keys=True and rows of 16-byte multiples (K = {shape.key_dim}, "
                     f"d_v = {shape.value_width} at {dot_bytes} bytes)")
+        if self.key_group not in KEY_GROUPS:
+            return f"key_group={self.key_group}; allowed: {', '.join(map(str, KEY_GROUPS))}"
+        if self.key_group > 1 and (not self.stored_keys or len(shape.key_widths) < 2
+                                   or shape.key_widths[0] % self.key_group):
+            return (f"key_group={self.key_group} needs stored_keys=True, order >= 3 and a first key width that it "
+                    f"divides, got stored_keys={self.stored_keys}, widths {shape.key_widths}")
         if not self.output_pass and (self.output_block_v, self.output_warps) != (16, 4):
             return ("output_block_v and output_warps set the three-kernel form's output kernel: without "
                     "output_pass=True they must stay at their defaults (16, 4)")
@@ -479,6 +488,8 @@ class ChunkVariant(_Variant):
             if len(three) > 1 else [16],
             "output_warps": [2, 4, 8] if len(three) > 1 else [4],
             "tma": [False, True] if len(three) > 1 else [False],
+            "key_group": [g for g in KEY_GROUPS if shape.key_widths[0] % g == 0]
+            if len(three) > 1 and len(shape.key_widths) >= 2 else [1],
         }
 
     @classmethod
@@ -561,12 +572,15 @@ class ChunkVariant(_Variant):
         # 0.485 ms with 2 stages and the state loop's value tile and the prepare kernel's warps),
         # and one prepare warp now that phi(K) is stored in column blocks (probe_split.py, same
         # day: the prepare kernel 0.137 ms with 1, 0.155 with 2, 0.214 with 4)
+        # (2026-11-30i, probe_split.py: the state loop through tensor descriptors 0.149 ms against
+        # 0.164, where 16-byte rows allow them; phi(K) stored two indices of axis 1 at a time,
+        # the prepare kernel 0.122 against 0.138)
         three = {"output_pass": True, "stored_keys": True, "output_block_v": min(64, max_bv), "output_warps": 4,
-                 "prepare_warps": 1}
+                 "prepare_warps": 1, "key_group": 2}
         if kp <= 64:
             prefs = [(32, kp, 16, 4, ahead), (16, kp, 16, 4, ahead)]
         elif kp <= 256:
-            prefs = [(64, kp, 32, 4, {**three, "num_stages": n}) for n in (3, 2)] \
+            prefs = [(64, kp, 32, 4, {**three, "num_stages": n, "tma": t}) for t in (True, False) for n in (3, 2)] \
                 if kp == 256 and len(shape.key_widths) >= 2 else []
             prefs += [(16, kp, 32, 4, ahead), (32, kp, 16, 4, {"prefetch": True, "wy": True}), (16, kp, 16, 4, ahead)]
         if kp <= 256:
@@ -606,7 +620,8 @@ class ChunkVariant(_Variant):
 def gated_params(cls: type[_Variant], space: dict[str, list]) -> dict[str, tuple[str, Any]]:
     """The parameters of ``cls.GATED`` that ``space`` varies together with their gate: each
     matters only where its gate has the named value (``iter_space`` and the TPE study enumerate
-    or ask for it only there)."""
+    or ask for it only there). A gate that is gated itself comes first in ``cls.GATED``, so
+    walking this dict in order always finds a parameter's gate already set."""
     return {n: gate for n, gate in cls.GATED.items() if n in space and gate[0] in space}
 
 
@@ -623,12 +638,19 @@ def iter_space(cls: type[_Variant], shape: KernelShape, space: dict[str, list] |
     defaults = {f.name: f.default for f in fields(cls)}
     gated = gated_params(cls, space)
     free = [n for n in space if n not in gated]
-    for values in itertools.product(*(space[n] for n in free)):
-        params = dict(zip(free, values))
+
+    def expand(params: dict, rest: list[str]) -> Iterator[dict]:
         # a gated parameter ranges over its space only where its gate has the value it needs
-        choices = [space[n] if params[g] == need else [x for x in space[n] if x == defaults[n]]
-                   for n, (g, need) in gated.items()]
-        for more in itertools.product(*choices):
-            v = cls(**params, **dict(zip(gated, more)))
+        # (a gate may be gated itself: GATED lists it first)
+        if not rest:
+            yield params
+            return
+        n, (g, need) = rest[0], gated[rest[0]]
+        for x in space[n] if params[g] == need else [x for x in space[n] if x == defaults[n]]:
+            yield from expand({**params, n: x}, rest[1:])
+
+    for values in itertools.product(*(space[n] for n in free)):
+        for params in expand(dict(zip(free, values)), list(gated)):
+            v = cls(**params)
             if v.check(shape, smem_limit) is None:
                 yield v

@@ -129,8 +129,8 @@ def _suggest(trial, cls, space: dict[str, list]) -> dict:
     would have left 1 in 72 of those draws valid (``check`` refuses the rest)."""
     gated = gated_params(cls, space)
     params = {n: trial.suggest_categorical(n, choices) for n, choices in space.items() if n not in gated}
-    for n, (gate, need) in gated.items():
-        if params[gate] == need:
+    for n, (gate, need) in gated.items():  # in GATED's order: a gated gate is set before what it gates
+        if params.get(gate) == need:
             params[n] = trial.suggest_categorical(n, space[n])
     return params
 
