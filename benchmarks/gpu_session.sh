@@ -205,7 +205,7 @@ step_segments() {  # the three-kernel form in time segments on side streams, and
 
 step_k256() {  # the K = 256 default: its kernels split, the bench beside fla, its error cases, then the
   # kernel tests in 4 processes (pytest-xdist: ../shared/device/wheels.sh pytest-xdist execnet) (~500 s)
-  timeout 60 python3 benchmarks/probe_split.py --widths 16 16 2>&1 | grep -v "Warn\|_warn" || true
+  timeout 90 python3 benchmarks/probe_split.py --widths 16 16 --names kg1 kg4 no-tma 2>&1 | grep -v "Warn\|_warn" || true
   python3 -m rtcompile.cli bench --out "$OUT/bench_k256" --phase prefill --only o3_16x16_B8 --budget-s 150 \
     > "$OUT/bench_k256.txt" 2>&1 || true
   python3 -m rtcompile.cli bench --out "$OUT/bench_k256_error" --phase prefill --only o3_16x16_B2 --budget-s 100 \
