@@ -251,7 +251,12 @@ class ChunkVariant(_Variant):
     0.135 with 32 and 4, 0.156 with 64 and 8). ``tma`` (with stored_keys, on sm_90 or newer):
     the state loop reads phi(K) and the inverse and stores each chunk's state through tensor
     descriptors (offline sm_90 compile: loop body 1143 instructions without spills, against 3008
-    with 1120 bytes of spills a thread; untimed, CPU-verified, 2026-11-30h).
+    with 1120 bytes of spills a thread). On the H200 (2026-11-30i, probe_split.py) the loop
+    took 0.149 ms against 0.164; with phi(K) built in the loop instead of stored, 0.24-0.35.
+    ``key_group`` (with stored_keys, order >= 3): the prepare kernel stores phi(K) that many
+    indices of axis 1 at a time, a [C, key_group] load of x1 and one [C, key_group D2 D3]
+    block per store (same day: the prepare kernel 0.122 ms with 2 or 4, 0.136 with 1, 0.25
+    with 8; its phi(K) store alone 0.047 with 4 against about 0.14 with 1).
     """
 
     kernel: ClassVar[str] = "chunk"
