@@ -194,6 +194,14 @@ NEIGHBOURS = (
     ("kg1", {"key_group": 1}),
     ("kg4", {"key_group": 4}),
     ("no-tma", {"tma": False}),
+    # the state stored at every 2nd / 4th chunk (state_stride; CPU-verified on 2026-11-30i):
+    # the state loop stores half / a quarter of the states, the output kernel reads them and adds
+    # the window's earlier chunks as cross-chunk scores; with the output kernel's warps varied
+    ("st2", {"state_stride": 2}),
+    ("st4", {"state_stride": 4}),
+    ("st2-ow8", {"state_stride": 2, "output_warps": 8}),
+    ("st4-ow8", {"state_stride": 4, "output_warps": 8}),
+    ("st2-obv32", {"state_stride": 2, "output_block_v": 32}),
     # tma's neighbours (2026-11-30i, probe_split state loop against 0.149 ms for tma): 4 stages
     # 0.149; one program per (sequence, head) with 64 columns and 8 warps 0.240 (two stages
     # 0.271); C 128 did not fit (238 KB of shared memory asked for, 227 KB allowed)

@@ -162,11 +162,12 @@ def chunk_workspace_bytes(spec: ModelSpec, batch: int, seq_len: int, variant: Ch
         return 0
     rows = batch * spec.heads * seq_len
     if variant.output_pass and variant.resident(shape_of(spec)):
-        # each chunk's incoming state [K, V] and U [T, V] in the dot type, Ai [T, C] fp32 (delta
-        # rule; with wy only for the tile solve, beside W [T, K] in the dot type and U0 [T, V]
-        # fp32), stored phi(K) [T, K] in the dot type, the gates' cumulative sums [T] fp32
+        # the incoming state [K, V] of every state_stride-th chunk and U [T, V] in the dot type,
+        # Ai [T, C] fp32 (delta rule; with wy only for the tile solve, beside W [T, K] in the dot
+        # type and U0 [T, V] fp32), stored phi(K) [T, K] in the dot type, the gates' cumulative
+        # sums [T] fp32
         dot = DTYPE_BYTES[spec.input_dtype] if DTYPE_BYTES[spec.input_dtype] == 2 else 4
-        chunks = batch * spec.heads * math.ceil(seq_len / variant.chunk_size)
+        chunks = batch * spec.heads * math.ceil(math.ceil(seq_len / variant.chunk_size) / variant.state_stride)
         work = chunks * spec.key_dim * spec.value_width * dot + rows * spec.value_width * dot
         if spec.features.delta_rule and (not variant.wy or variant.solve == "tiles"):
             work += rows * variant.chunk_size * 4

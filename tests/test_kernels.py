@@ -249,6 +249,13 @@ OUTPUT_PASS = {
     "o3-16x16-c32-stored-kg4": ((16, 16), 45, ChunkVariant(chunk_size=32, block_k=256, block_v=16, num_stages=2,
                                                             output_pass=True, stored_keys=True, solve="tiles",
                                                             prepare_warps=2, key_group=4)),
+    # the state stored at every 2nd / 4th chunk only (state_stride): the output kernel adds the
+    # window's earlier chunks as cross-chunk scores; T = 77 (5 chunks, the last partial)
+    "o3-16x16-c16-stored-stride2": ((16, 16), 77, ChunkVariant(chunk_size=16, block_k=256, block_v=16,
+                                                                num_stages=2, output_pass=True, stored_keys=True,
+                                                                solve="tiles", prepare_warps=1, state_stride=2)),
+    "o2-16-c16-stride4": ((16,), 77, ChunkVariant(chunk_size=16, block_k=16, block_v=16, prefetch=True,
+                                                   output_pass=True, state_stride=4)),
     # wy: the prepare kernel applies the solve (W, U0, in column blocks), the loop reads them;
     # with the row solve (no inverse workspace) and the tile solve (read back)
     "o2-16-c32-wy-rows": ((16,), 70, ChunkVariant(chunk_size=32, block_k=16, block_v=16, prefetch=True,
@@ -312,8 +319,12 @@ def test_output_pass_segments_without_final_state():
     ({"output_warps": 2}, "without output_pass=True"),
     ({"output_pass": True, "stored_keys": True, "num_stages": 2, "key_group": 3}, "key_group=3; allowed: 1, 2, 4"),
     ({"output_pass": True, "num_stages": 2, "key_group": 2}, "key_group=2 needs stored_keys=True"),
+    ({"output_pass": True, "state_stride": 3}, "state_stride=3; allowed: 1, 2, 4"),
+    ({"state_stride": 2}, "state_stride=2 needs output_pass=True"),
+    ({"output_pass": True, "state_stride": 2, "segments": 2}, "state_stride=2 needs output_pass=True and segments=1"),
 ], ids=["streamed", "fused", "no-output-pass", "prefetch", "one-stage", "segments-alone", "segments-3", "out-bv-wide",
-        "out-warps-3", "out-warps-alone", "key-group-3", "key-group-alone"])
+        "out-warps-3", "out-warps-alone", "key-group-3", "key-group-alone", "stride-3", "stride-alone",
+        "stride-segments"])
 def test_output_pass_refusals(changes, match):
     v = ChunkVariant(**{"chunk_size": 16, "block_k": 256, "block_v": 16, **changes})
     assert match in (v.check(KernelShape((16, 16), 8), 10**9) or "")
@@ -426,6 +437,23 @@ def test_varlen_uneven_lengths(case):
                               cu_seqlens=_to(cu), mode=mode, variant=variant)
     o_ref, s_ref = running_tensor_recurrent_ref(*ref, initial_state=s0, output_final_state=True, l2norm=True, cu_seqlens=cu)
     assert s.shape == (N, 2, *widths, 3)
+    assert rel_err(o.cpu(), o_ref) < FP32_TOL and rel_err(s.cpu(), s_ref) < FP32_TOL
+
+
+@pytest.mark.parametrize("stride", [2, 4])
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_output_pass_state_stride_varlen(stride, tma):
+    """Stored states every 2nd / 4th chunk of each sequence, with varlen: each sequence's first
+    stored state comes from per-sequence offsets in stored-state units (lengths 5, 1, 54, 37:
+    1, 1, 4 and 3 chunks of 16), and a window never reaches into the sequence before."""
+    offsets = [0, 5, 6, 60, 97]
+    dev, ref, s0 = _case(1, offsets[-1], 2, (16, 16), 8, state=True, num_seqs=len(offsets) - 1)
+    cu = torch.tensor(offsets, dtype=torch.int32)
+    variant = dataclasses.replace(TMA_VARIANT, tma=tma, state_stride=stride)
+    o, s = running_tensor_fwd(*dev, initial_state=_to(s0, torch.float32), output_final_state=True, l2norm=True,
+                              cu_seqlens=_to(cu), mode="chunk", variant=variant)
+    o_ref, s_ref = running_tensor_recurrent_ref(*ref, initial_state=s0, output_final_state=True, l2norm=True,
+                                                cu_seqlens=cu)
     assert rel_err(o.cpu(), o_ref) < FP32_TOL and rel_err(s.cpu(), s_ref) < FP32_TOL
 
 
@@ -637,15 +665,18 @@ TMA_VARIANT = ChunkVariant(chunk_size=16, block_k=256, block_v=16, num_stages=2,
                            solve="tiles", prepare_warps=2, tma=True, key_group=2)
 
 
+@pytest.mark.parametrize("stride", [1, 4], ids=["every-chunk", "stride4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("feat", ["plain", "gate", "gated-delta-l2"])
-def test_output_pass_tma_matches_float64(feat, dtype):
+def test_output_pass_tma_matches_float64(feat, dtype, stride):
     """phi(K) read and each chunk's state stored through tensor descriptors (tma): T = 45 ends
-    in a partial chunk whose block reads the next head's rows, d_v 8 (16-byte rows)."""
+    in a partial chunk whose block reads the next head's rows, d_v 8 (16-byte rows); with the
+    state stored at every 4th chunk, the output kernel adds up to 2 earlier chunks."""
     f = FEATURES[feat]
     dev, ref, s0 = _case(2, 45, 2, (16, 16), 8, dtype=dtype, gate=f["gate"], delta=f["delta"], state=True)
     o, s = running_tensor_fwd(*dev, initial_state=_to(s0, torch.float32), output_final_state=True,
-                              l2norm=f["l2norm"], mode="chunk", variant=TMA_VARIANT)
+                              l2norm=f["l2norm"], mode="chunk",
+                              variant=dataclasses.replace(TMA_VARIANT, state_stride=stride))
     o_ref, s_ref = running_tensor_recurrent_ref(*ref, initial_state=s0, output_final_state=True, l2norm=f["l2norm"])
     tol = FP32_TOL if dtype == torch.float32 else 1e-2
     assert rel_err(o.cpu(), o_ref) < tol and rel_err(s.cpu(), s_ref) < tol

@@ -661,6 +661,17 @@ def _load_state_inputs(k1, k2, k3, v, g, beta, Ai, Gc, r, p_row, m_t, o_v, m_v,
 
 
 @triton.jit
+def _store_chunk_state(Hc, i_row, b_s, off_k, m_s, i_v, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                       TMA: tl.constexpr):
+    """The [K, BV] state ``b_s`` into row block ``i_row`` (stored state x H + head) of ``Hc``:
+    through a descriptor with TMA (no layout change in registers), else a masked store."""
+    if TMA:
+        Hc.store([(i_row * K).to(tl.int32), i_v * BV], b_s.to(Hc.dtype))
+    else:
+        tl.store(Hc + i_row * K * V + off_k, b_s.to(Hc.dtype.element_ty), mask=m_s)
+
+
+@triton.jit
 def chunk_state_running_tensor_kernel(
     k1, k2, k3, v, g, beta, h0, ht, Ai, Kw, W, U0, Gc, Hc, Uc, cu_seqlens, chunk_offsets, T, c_lo, c_hi,
     H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
@@ -668,7 +679,7 @@ def chunk_state_running_tensor_kernel(
     USE_G: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
     PREFETCH: tl.constexpr, STORED_KEYS: tl.constexpr, WY: tl.constexpr, LOAD_GC: tl.constexpr,
-    TMA: tl.constexpr = False,
+    TMA: tl.constexpr = False, STRIDE: tl.constexpr = 1,
 ):
     """The sequential loop of the three-kernel form: the state only. Per chunk of one
     (sequence, head, value block) it stores the incoming state S into ``Hc`` ([chunks, H, K, V],
@@ -692,15 +703,17 @@ def chunk_state_running_tensor_kernel(
     spills a thread, to 1143 and none: the per-element addresses and masks of the pointer loads
     and the [K, BV] store's layout change were the excess. A block's rows past the sequence are
     the next sequence's (or zeros): U's rows there are set to zero, so they add nothing.
-    Only chunks
+    STRIDE: the incoming state is stored at every STRIDE-th chunk only (``Hc`` then holds
+    [cdiv(chunks, STRIDE), H, K, V] per sequence run; ``chunk_offsets`` counts in those units),
+    for the output kernel to carry across the chunks between. Only chunks
     [c_lo, c_hi) of each sequence are walked (a time segment), from ``h0`` (or zeros)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos, i_b = _sequence_of_program(i_n, T, cu_seqlens, IS_VARLEN)
     if IS_VARLEN:
-        i_g0 = tl.load(chunk_offsets + i_n).to(tl.int64)  # the sequence's first chunk in Hc
+        i_g0 = tl.load(chunk_offsets + i_n).to(tl.int64)  # the sequence's first stored state in Hc
     else:
-        i_g0 = i_b * tl.cdiv(T, C)
+        i_g0 = i_b * tl.cdiv(tl.cdiv(T, C), STRIDE)
     DT: tl.constexpr = k1.dtype.element_ty
     o_c = tl.arange(0, C)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -753,10 +766,10 @@ def chunk_state_running_tensor_kernel(
             b_c = tl.cumsum(b_g, axis=0)
             b_last = tl.sum(tl.where(o_c == C - 1, b_c, 0.0), axis=0)
         # the incoming state, for the output kernel (a store: nothing waits on it)
-        if TMA:  # the state's [K, BV] block through a descriptor too (no layout change in registers)
-            Hc.store([(((i_g0 + i_c) * H + i_h) * K).to(tl.int32), i_v * BV], b_s.to(Hc.dtype))
-        else:
-            tl.store(Hc + ((i_g0 + i_c) * H + i_h) * K * V + off_k, b_s.to(Hc.dtype.element_ty), mask=m_s)
+        if STRIDE == 1:
+            _store_chunk_state(Hc, (i_g0 + i_c) * H + i_h, b_s, off_k, m_s, i_v, K, V, BV, TMA)
+        elif i_c % STRIDE == 0:
+            _store_chunk_state(Hc, (i_g0 + i_c // STRIDE) * H + i_h, b_s, off_k, m_s, i_v, K, V, BV, TMA)
         if USE_BETA and WY:
             b_w = tl.load(W + p_row[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
             b_u = tl.load(U0 + p_row[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
@@ -779,17 +792,21 @@ def chunk_state_running_tensor_kernel(
 
 @triton.jit
 def chunk_output_running_tensor_kernel(
-    q1, q2, q3, k1, k2, k3, g, Gc, o, Hc, Uc, cu_seqlens, chunk_indices, scale, T, c0,
+    q1, q2, q3, k1, k2, k3, g, Gc, o, Hc, Uc, cu_seqlens, chunk_indices, state_offsets, scale, T, c0,
     H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
-    LOAD_GC: tl.constexpr,
+    LOAD_GC: tl.constexpr, STRIDE: tl.constexpr = 1,
 ):
     """O = scale (diag(Gamma) phi(Q) S_c + P U) for every chunk in parallel (the three-kernel
     form): S_c and U as :func:`chunk_state_running_tensor_kernel` stored them, P from the
     factor Grams as in the prepare kernel (computed here, so no [T, C] score workspace).
     Program i takes chunk ``c0 + i``, as in the prepare kernel; LOAD_GC: the cumulative log
-    decay read from ``Gc``, as the state loop reads it."""
+    decay read from ``Gc``, as the state loop reads it. STRIDE: ``Hc`` holds the state at every
+    STRIDE-th chunk only (``state_offsets``: each sequence's first, with varlen); chunk c reads
+    the one at its window's first chunk w and adds the earlier chunks j of the window as
+    cross-chunk scores, O = scale (diag(Gamma_w->t) phi(Q) S_w + sum_{w <= j <= c} P_cj U_j):
+    the state is linear in the U rows, so S_c = decayed S_w + the phi(K_j)^T U_j between."""
     i_c, i_nh, i_v = tl.program_id(0) + c0, tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
     i_c, bos, eos, i_b, i_g = _chunk_of_program(i_c, i_n, T, cu_seqlens, chunk_indices, C, IS_VARLEN)
@@ -808,11 +825,42 @@ def chunk_output_running_tensor_kernel(
                                                        D1, D2, D3, L2NORM)
     b_P, _ = _scores_from_tiles(q1, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, tl.zeros([C], dtype=tl.float32), b_c,
                                 NF, C, False, LOWP, PREC, 0, 16)
-    b_q = _phi_from_tiles(b_q1, b_q2, b_q3, NF, C, D1, D2, D3)
-    o_k = tl.arange(0, K)
-    b_h = tl.load(Hc + (i_g * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
-                  mask=(o_k < K)[:, None] & m_v[None, :], other=0.0)
     m_o = m_t[:, None] & m_v[None, :]
     b_u = tl.load(Uc + r[:, None] * V + o_v[None, :], mask=m_o, other=0.0)
-    b_o = scale * (tl.exp(b_c)[:, None] * _dot(b_q, b_h, LOWP, DT, PREC) + _dot(b_P, b_u, LOWP, DT, PREC))
+    b_o = _dot(b_P, b_u, LOWP, DT, PREC)
+    i_s = i_g  # the stored state this chunk starts from
+    if STRIDE > 1:
+        if IS_VARLEN:
+            i_s = tl.load(state_offsets + tl.load(chunk_indices + 2 * (tl.program_id(0) + c0))).to(tl.int64)
+        else:
+            i_s = i_b * tl.cdiv(tl.cdiv(T, C), STRIDE)
+        i_s += i_c // STRIDE
+        # the window's earlier chunks, nearest first; b_off: log decay from chunk j's start to
+        # this one's (a [C] vector of one value: a loop-carried tensor of fixed type)
+        b_off = tl.zeros([C], dtype=tl.float32)
+        for i_j in range(0, i_c % STRIDE):
+            j = i_c - 1 - i_j
+            tok_j = bos + j * C + o_c  # a whole chunk: only a sequence's last chunk is partial
+            r_j = (i_b * T + tok_j) * H + i_h
+            if USE_G and LOAD_GC:
+                b_cj = tl.load(Gc + (i_b * H + i_h) * T + tok_j)
+            else:
+                b_cj = _chunk_log_decay(g, r_j, tok_j < eos, USE_G, C)
+            b_off += tl.sum(tl.where(o_c == C - 1, b_cj, 0.0), axis=0)
+            b_kj1, b_kj2, b_kj3 = _one_side_tiles(k1, k2, k3, r_j, tok_j < eos, NF, D1, D2, D3, D1, D2, D3, L2NORM)
+            b_g = _dot(b_q1, tl.trans(b_kj1), LOWP, DT, PREC)
+            if NF > 1:
+                b_g *= _dot(b_q2, tl.trans(b_kj2), LOWP, DT, PREC)
+            if NF > 2:
+                b_g *= _dot(b_q3, tl.trans(b_kj3), LOWP, DT, PREC)
+            # t in this chunk is after every i in chunk j: the exponent is <= 0
+            b_g *= tl.exp((b_c + b_off)[:, None] - b_cj[None, :])
+            b_uj = tl.load(Uc + r_j[:, None] * V + o_v[None, :], mask=m_v[None, :], other=0.0)
+            b_o += _dot(b_g, b_uj, LOWP, DT, PREC)
+        b_c += b_off
+    b_q = _phi_from_tiles(b_q1, b_q2, b_q3, NF, C, D1, D2, D3)
+    o_k = tl.arange(0, K)
+    b_h = tl.load(Hc + (i_s * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
+                  mask=(o_k < K)[:, None] & m_v[None, :], other=0.0)
+    b_o = scale * (tl.exp(b_c)[:, None] * _dot(b_q, b_h, LOWP, DT, PREC) + b_o)
     tl.store(o + r[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_o)

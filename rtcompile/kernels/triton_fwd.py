@@ -299,14 +299,16 @@ def _launch_chunk_output_pass(p: Problem, q, k, v, g_arg, beta_arg, cu_arg, o, *
     varlen = common["IS_VARLEN"]
     dot_dtype = _dot_dtype(v, common)
     n_chunks = [triton.cdiv(hi - lo, C) for lo, hi in p.seq_bounds] if varlen else [triton.cdiv(T, C)] * B
-    Hc = _empty(sum(n_chunks), H, p.key_dim, V, dtype=dot_dtype, device=v.device)
+    # the incoming state of every state_stride-th chunk of each sequence
+    n_states = [triton.cdiv(n, variant.state_stride) for n in n_chunks]
+    Hc = _empty(sum(n_states), H, p.key_dim, V, dtype=dot_dtype, device=v.device)
     Uc = _empty(B, T, H, V, dtype=dot_dtype, device=v.device)
     Ai = Kw = W = U0 = v  # placeholders without the delta rule / stored keys / wy (never read)
     wy = variant.wy and common["USE_BETA"]
     idx = offsets = v
     if varlen:
         idx = _chunk_indices(p, C, v.device)
-        offsets = torch.tensor([0, *itertools.accumulate(n_chunks)], dtype=torch.int32).to(v.device)
+        offsets = torch.tensor([0, *itertools.accumulate(n_states)], dtype=torch.int32).to(v.device)
     if variant.stored_keys:
         Kw = _empty(B, H, T, p.key_dim, dtype=dot_dtype, device=v.device)
     if wy:
@@ -355,15 +357,15 @@ def _launch_chunk_output_pass(p: Problem, q, k, v, g_arg, beta_arg, cu_arg, o, *
             *_factor_args(k), v, g_arg, beta_arg, s0 if s0 is not None else v, ht if ht is not None else v, Ad, Kd,
             W, U0, Gc, Hd, Uc, cu_arg, offsets, T, lo, hi if not varlen else 2**31 - 1, K=p.key_dim, V=V, C=C,
             BV=variant.block_v, USE_H0=s0 is not None, STORE_HT=store_ht or not last, PREFETCH=variant.prefetch,
-            STORED_KEYS=variant.stored_keys, WY=wy, LOAD_GC=load_gc, TMA=variant.tma, **state_consts, num_warps=variant.num_warps,
-            num_stages=variant.num_stages,
+            STORED_KEYS=variant.stored_keys, WY=wy, LOAD_GC=load_gc, TMA=variant.tma, STRIDE=variant.state_stride,
+            **state_consts, num_warps=variant.num_warps, num_stages=variant.num_stages,
         )
 
     def output(lo: int, hi: int) -> None:
         chunk_output_running_tensor_kernel[(hi - lo, heads, triton.cdiv(V, variant.output_block_v))](
-            *_factor_args(q), *_factor_args(k), g_arg, Gc, o, Hc, Uc, cu_arg, idx, p.scale, T, lo, K=p.key_dim, V=V,
-            C=C, BV=variant.output_block_v, LOAD_GC=load_gc, **out_consts, num_warps=variant.output_warps,
-            num_stages=variant.num_stages,
+            *_factor_args(q), *_factor_args(k), g_arg, Gc, o, Hc, Uc, cu_arg, idx, offsets, p.scale, T, lo,
+            K=p.key_dim, V=V, C=C, BV=variant.output_block_v, LOAD_GC=load_gc, STRIDE=variant.state_stride,
+            **out_consts, num_warps=variant.output_warps, num_stages=variant.num_stages,
         )
 
     if len(ranges) == 1 or v.device.type != "cuda":

@@ -21,6 +21,7 @@ SOLVE_BLOCKS = (4, 8, 16)
 PREPARE_WARPS = (1, 2, 4, 8, 16)
 SEGMENTS = (1, 2, 4, 8)  # time segments of the three-kernel form (output_pass)
 OUTPUT_BLOCK_VS = (16, 32, 64)  # the three-kernel form's output value tiles
+STATE_STRIDES = (1, 2, 4)  # chunks per state the three-kernel form's state loop stores
 KEY_GROUPS = (1, 2, 4)  # indices of axis 1 per store of the prepare kernel's phi(K) (8: 0.25 ms, twice 2's)
 # Registers: 64K 32-bit registers per SM on every NVIDIA GPU since Volta; a program of W warps
 # may use at most 255 per thread. We budget the live fp32 tiles of a program against
@@ -261,12 +262,13 @@ class ChunkVariant(_Variant):
 
     kernel: ClassVar[str] = "chunk"
     GATED: ClassVar[dict[str, tuple[str, Any]]] = {
-        **{n: ("output_pass", True) for n in ("stored_keys", "segments", "output_block_v", "output_warps", "tma")},
+        **{n: ("output_pass", True) for n in ("stored_keys", "segments", "output_block_v", "output_warps", "tma",
+                                              "state_stride")},
         "key_group": ("stored_keys", True)}
     FIELDS: ClassVar[tuple[str, ...]] = (
         "chunk_size", "block_k", "block_v", "num_warps", "num_stages", "fuse_prepare", "dot_precision", "solve",
         "prefetch", "wy", "merge_passes", "prepare_warps", "solve_block", "kron", "output_pass",
-        "stored_keys", "segments", "output_block_v", "output_warps", "tma", "key_group",
+        "stored_keys", "segments", "output_block_v", "output_warps", "tma", "key_group", "state_stride",
     )
     chunk_size: int
     block_k: int
@@ -289,6 +291,7 @@ class ChunkVariant(_Variant):
     output_warps: int = 4
     tma: bool = False
     key_group: int = 1
+    state_stride: int = 1
 
     def check(self, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> str | None:
         for name in ("chunk_size", "block_k", "block_v", "num_warps"):
@@ -353,6 +356,11 @@ class ChunkVariant(_Variant):
                          or shape.value_width * dot_bytes % 16):
             return (f"tma needs stored_keys=True and rows of 16-byte multiples (K = {shape.key_dim}, "
                     f"d_v = {shape.value_width} at {dot_bytes} bytes)")
+        if self.state_stride not in STATE_STRIDES:
+            return f"state_stride={self.state_stride}; allowed: {', '.join(map(str, STATE_STRIDES))}"
+        if self.state_stride > 1 and (not self.output_pass or self.segments > 1):
+            return (f"state_stride={self.state_stride} needs output_pass=True and segments=1 (got output_pass="
+                    f"{self.output_pass}, segments={self.segments})")
         if self.key_group not in KEY_GROUPS:
             return f"key_group={self.key_group}; allowed: {', '.join(map(str, KEY_GROUPS))}"
         if self.key_group > 1 and (not self.stored_keys or len(shape.key_widths) < 2
@@ -495,6 +503,7 @@ class ChunkVariant(_Variant):
             "tma": [False, True] if len(three) > 1 else [False],
             "key_group": [g for g in KEY_GROUPS if shape.key_widths[0] % g == 0]
             if len(three) > 1 and len(shape.key_widths) >= 2 else [1],
+            "state_stride": list(STATE_STRIDES) if len(three) > 1 else [1],
         }
 
     @classmethod
