@@ -838,7 +838,7 @@ def chunk_output_running_tensor_kernel(
         # the window's earlier chunks, nearest first; b_off: log decay from chunk j's start to
         # this one's (a [C] vector of one value: a loop-carried tensor of fixed type)
         b_off = tl.zeros([C], dtype=tl.float32)
-        for i_j in range(0, i_c % STRIDE):
+        for i_j in range(i_c % STRIDE):
             j = i_c - 1 - i_j
             tok_j = bos + j * C + o_c  # a whole chunk: only a sequence's last chunk is partial
             r_j = (i_b * T + tok_j) * H + i_h
