@@ -194,9 +194,13 @@ NEIGHBOURS = (
     ("kg1", {"key_group": 1}),
     ("kg4", {"key_group": 4}),
     ("no-tma", {"tma": False}),
-    # the state stored at every 2nd / 4th chunk (state_stride; CPU-verified on 2026-11-30i):
-    # the state loop stores half / a quarter of the states, the output kernel reads them and adds
-    # the window's earlier chunks as cross-chunk scores; with the output kernel's warps varied
+    # the state stored at every 2nd / 4th chunk (state_stride, 2026-11-30i): the state loop
+    # stores half / a quarter of the states, the output kernel reads them and adds the window's
+    # earlier chunks as cross-chunk scores; with the output kernel's warps varied. Split on the
+    # H200 (state loop / outputs, ms): st2 0.136 / 0.092, st4 0.124 / 0.115, against 0.150 /
+    # 0.084 at stride 1; 8 warps or 32 columns in the output kernel slower. Since then the
+    # default has stride 2: "st2" is the default itself and "st1" the default before
+    ("st1", {"state_stride": 1}),
     ("st2", {"state_stride": 2}),
     ("st4", {"state_stride": 4}),
     ("st2-ow8", {"state_stride": 2, "output_warps": 8}),

@@ -257,7 +257,11 @@ class ChunkVariant(_Variant):
     ``key_group`` (with stored_keys, order >= 3): the prepare kernel stores phi(K) that many
     indices of axis 1 at a time, a [C, key_group] load of x1 and one [C, key_group D2 D3]
     block per store (same day: the prepare kernel 0.122 ms with 2 or 4, 0.136 with 1, 0.25
-    with 8; its phi(K) store alone 0.047 with 4 against about 0.14 with 1).
+    with 8; its phi(K) store alone 0.047 with 4 against about 0.14 with 1). ``state_stride``:
+    the state loop stores the incoming state of every state_stride-th chunk only, and the output
+    kernel adds the chunks between as cross-chunk scores (same day, o3 16x16: state loop 0.150 /
+    0.136 / 0.124 ms and outputs 0.084 / 0.092 / 0.115 with 1 / 2 / 4; the bench 0.3502 ms with
+    2 against 0.3505 with 1, and 289 against 353 MiB of workspace).
     """
 
     kernel: ClassVar[str] = "chunk"
