@@ -79,14 +79,20 @@ def _usage(cubin: bytes) -> dict[str, int]:
     return {"regs": int(fields["REG"]), "stack": int(fields["STACK"]), "sass": sass}
 
 
-def loop_mix(sass: str) -> tuple[int, collections.Counter]:
-    """Length and opcode mix of the longest backward branch's body (the sequential loop)."""
+def _instructions(sass: str) -> list[tuple[int, str, str]]:
+    """(address, opcode, text without its predicate) of every SASS instruction."""
     ins = []
     for line in sass.splitlines():
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
         if m:
             body = re.sub(r"^@!?U?P[T0-9]+\s+", "", m.group(2).strip())
             ins.append((int(m.group(1), 16), body.split()[0], body))
+    return ins
+
+
+def loop_mix(sass: str) -> tuple[int, collections.Counter]:
+    """Length and opcode mix of the longest backward branch's body (the sequential loop)."""
+    ins = _instructions(sass)
     spans = [(int(t.group(1), 16), addr) for addr, op, body in ins if op.startswith("BRA")
              for t in [re.search(r"0x([0-9a-f]+)", body)] if t and int(t.group(1), 16) < addr]
     if not spans:
@@ -142,7 +148,7 @@ def main(argv=None) -> int:
         n, mix = loop_mix(use["sass"])
         top = " ".join(f"{op}:{c}" for op, c in mix.most_common(8))
         print(f"{fn.__name__:40} regs {use['regs']:3}  spill stack {use['stack']:5} B  shared {ck.metadata.shared:6} B"
-              f"  loop {n:5} instructions  {top}")
+              f"  total {len(_instructions(use['sass'])):5}  loop {n:5} instructions  {top}")
     return 0
 
 

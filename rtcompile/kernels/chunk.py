@@ -98,7 +98,8 @@ def _lead_column(p1, r, m_t, i, D1: tl.constexpr):
 @triton.jit
 def _scores_from_tiles(q1, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_b, b_c,
                        NF: tl.constexpr, C: tl.constexpr, USE_BETA: tl.constexpr, LOWP: tl.constexpr,
-                       PREC: tl.constexpr, SOLVE: tl.constexpr, SOLVE_BLOCK: tl.constexpr):
+                       PREC: tl.constexpr, SOLVE: tl.constexpr, SOLVE_BLOCK: tl.constexpr,
+                       NEED_P: tl.constexpr = True):
     """P = prod Q_i K_i^T * decay * causal, and Ai = (I + A)^-1 (identity without beta), from
     the chunk's (normalised) [C, BD_i] factor tiles, its beta ``b_b`` and log decay ``b_c``.
 
@@ -107,19 +108,24 @@ def _scores_from_tiles(q1, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_b, b_c,
     row by row (SOLVE = 0, solve="rows"), or by diagonal blocks of SOLVE_BLOCK rows inverted on
     row strips (1, "blocks") or on their own tiles (2, "diagonal"); with 3 ("tiles") Ai is A
     itself, for the prepare kernel to invert in its workspace (:func:`unit_lower_inverse_tiles`).
-    ``q1`` only names the input type.
+    ``q1`` only names the input type. Without NEED_P, P is zeros and the query tiles are not
+    read (the three-kernel form's prepare kernel: its output kernel forms P).
     """
     DT: tl.constexpr = q1.dtype.element_ty
     o_c = tl.arange(0, C)
-    b_qk = _dot(b_q1, tl.trans(b_k1), LOWP, DT, PREC)
+    b_qk = tl.zeros([C, C], dtype=tl.float32)
+    if NEED_P:
+        b_qk = _dot(b_q1, tl.trans(b_k1), LOWP, DT, PREC)
     if USE_BETA:
         b_kk = _dot(b_k1, tl.trans(b_k1), LOWP, DT, PREC)
     if NF > 1:
-        b_qk *= _dot(b_q2, tl.trans(b_k2), LOWP, DT, PREC)
+        if NEED_P:
+            b_qk *= _dot(b_q2, tl.trans(b_k2), LOWP, DT, PREC)
         if USE_BETA:
             b_kk *= _dot(b_k2, tl.trans(b_k2), LOWP, DT, PREC)
     if NF > 2:
-        b_qk *= _dot(b_q3, tl.trans(b_k3), LOWP, DT, PREC)
+        if NEED_P:
+            b_qk *= _dot(b_q3, tl.trans(b_k3), LOWP, DT, PREC)
         if USE_BETA:
             b_kk *= _dot(b_k3, tl.trans(b_k3), LOWP, DT, PREC)
     # exp of a masked difference: only j <= i is kept, where c_i - c_j <= 0 (no overflow)
@@ -170,15 +176,20 @@ def _chunk_scores(q1, q2, q3, k1, k2, k3, beta, r, m_t, b_c,
                   NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
                   BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, C: tl.constexpr,
                   USE_BETA: tl.constexpr, L2NORM: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
-                  SOLVE: tl.constexpr, SOLVE_BLOCK: tl.constexpr):
-    """:func:`_scores_from_tiles` on the factor tiles of the token-head rows ``r``."""
-    b_q1, b_q2, b_q3, b_k1, b_k2, b_k3 = _factor_tiles(q1, q2, q3, k1, k2, k3, r, m_t, NF, D1, D2, D3,
-                                                       BD1, BD2, BD3, L2NORM)
+                  SOLVE: tl.constexpr, SOLVE_BLOCK: tl.constexpr, NEED_P: tl.constexpr = True):
+    """:func:`_scores_from_tiles` on the factor tiles of the token-head rows ``r`` (without
+    NEED_P only the key tiles are read, and P is zeros)."""
+    if NEED_P:
+        b_q1, b_q2, b_q3, b_k1, b_k2, b_k3 = _factor_tiles(q1, q2, q3, k1, k2, k3, r, m_t, NF, D1, D2, D3,
+                                                           BD1, BD2, BD3, L2NORM)
+    else:
+        b_k1, b_k2, b_k3 = _one_side_tiles(k1, k2, k3, r, m_t, NF, D1, D2, D3, BD1, BD2, BD3, L2NORM)
+        b_q1, b_q2, b_q3 = b_k1, b_k2, b_k3  # never read
     b_b = tl.zeros([C], dtype=tl.float32)
     if USE_BETA:
         b_b = tl.load(beta + r, mask=m_t, other=0.0).to(tl.float32)
     return _scores_from_tiles(q1, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_b, b_c,
-                              NF, C, USE_BETA, LOWP, PREC, SOLVE, SOLVE_BLOCK)
+                              NF, C, USE_BETA, LOWP, PREC, SOLVE, SOLVE_BLOCK, NEED_P)
 
 
 @triton.jit
@@ -357,7 +368,7 @@ def chunk_prepare_running_tensor_kernel(
     b_c = _chunk_log_decay(g, r, m_t, USE_G, C)
     b_P, b_Ai = _chunk_scores(
         q1, q2, q3, k1, k2, k3, beta, r, m_t, b_c,
-        NF, D1, D2, D3, BD1, BD2, BD3, C, USE_BETA, L2NORM, LOWP, PREC, SOLVE, SOLVE_BLOCK,
+        NF, D1, D2, D3, BD1, BD2, BD3, C, USE_BETA, L2NORM, LOWP, PREC, SOLVE, SOLVE_BLOCK, STORE_P,
     )
     # workspace [B, H, T, C]: row = token, as the sequential kernel reads it
     off_w = ((i_b * H + i_h) * T + tok)[:, None] * C + o_c[None, :]
