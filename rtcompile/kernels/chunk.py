@@ -283,18 +283,29 @@ def _sequence_of_program(i_n, T, cu_seqlens, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _chunk_of_program(i_c, i_n, T, cu_seqlens, chunk_indices, C: tl.constexpr, IS_VARLEN: tl.constexpr):
+def _states_per_sequence(T, C: tl.constexpr, STRIDE: tl.constexpr):
+    """Stored states per sequence of T tokens (not varlen): one per STRIDE chunks of C."""
+    return tl.cdiv(tl.cdiv(T, C), STRIDE)
+
+
+@triton.jit
+def _chunk_of_program(i_c, i_n, T, cu_seqlens, chunk_indices, state_offsets, C: tl.constexpr,
+                      IS_VARLEN: tl.constexpr, STRIDE: tl.constexpr = 1):
     """Where a chunk-parallel program's chunk lies: (chunk within its sequence, sequence start and
-    end token, batch index, chunk number over all sequences). Varlen programs are numbered over
-    the (sequence, chunk) pairs of ``chunk_indices``, in sequence order."""
-    i_g = i_c.to(tl.int64)
+    end token, batch index, and the index of the stored state its window of STRIDE chunks starts
+    from: with STRIDE 1 the chunk number over all sequences; ``state_offsets``, each varlen
+    sequence's first, is read only with STRIDE > 1). Varlen programs are numbered over the
+    (sequence, chunk) pairs of ``chunk_indices``, in sequence order."""
+    i_s = i_c.to(tl.int64)
     if IS_VARLEN:
         i_n = tl.load(chunk_indices + 2 * i_c)
         i_c = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int64)
+        if STRIDE > 1:
+            i_s = tl.load(state_offsets + i_n).to(tl.int64) + i_c // STRIDE
     bos, eos, i_b = _sequence_of_program(i_n, T, cu_seqlens, IS_VARLEN)
     if not IS_VARLEN:
-        i_g = i_b * tl.cdiv(T, C) + i_c
-    return i_c, bos, eos, i_b, i_g
+        i_s = i_b * _states_per_sequence(T, C, STRIDE) + i_c // STRIDE
+    return i_c, bos, eos, i_b, i_s
 
 
 @triton.jit
@@ -360,7 +371,7 @@ def chunk_prepare_running_tensor_kernel(
     takes chunk ``c0 + i`` (a time segment's first chunk; 0 with varlen)."""
     i_c, i_nh = tl.program_id(0) + c0, tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    i_c, bos, eos, i_b, _ = _chunk_of_program(i_c, i_n, T, cu_seqlens, chunk_indices, C, IS_VARLEN)
+    i_c, bos, eos, i_b, _ = _chunk_of_program(i_c, i_n, T, cu_seqlens, chunk_indices, chunk_indices, C, IS_VARLEN)
     o_c = tl.arange(0, C)
     tok = bos + i_c * C + o_c
     m_t = tok < eos
@@ -724,7 +735,7 @@ def chunk_state_running_tensor_kernel(
     if IS_VARLEN:
         i_g0 = tl.load(chunk_offsets + i_n).to(tl.int64)  # the sequence's first stored state in Hc
     else:
-        i_g0 = i_b * tl.cdiv(tl.cdiv(T, C), STRIDE)
+        i_g0 = i_b * _states_per_sequence(T, C, STRIDE)
     DT: tl.constexpr = k1.dtype.element_ty
     o_c = tl.arange(0, C)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -820,7 +831,8 @@ def chunk_output_running_tensor_kernel(
     the state is linear in the U rows, so S_c = decayed S_w + the phi(K_j)^T U_j between."""
     i_c, i_nh, i_v = tl.program_id(0) + c0, tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
-    i_c, bos, eos, i_b, i_g = _chunk_of_program(i_c, i_n, T, cu_seqlens, chunk_indices, C, IS_VARLEN)
+    i_c, bos, eos, i_b, i_s = _chunk_of_program(i_c, i_n, T, cu_seqlens, chunk_indices, state_offsets, C,
+                                                IS_VARLEN, STRIDE)
     DT: tl.constexpr = q1.dtype.element_ty
     o_c = tl.arange(0, C)
     tok = bos + i_c * C + o_c
@@ -839,13 +851,7 @@ def chunk_output_running_tensor_kernel(
     m_o = m_t[:, None] & m_v[None, :]
     b_u = tl.load(Uc + r[:, None] * V + o_v[None, :], mask=m_o, other=0.0)
     b_o = _dot(b_P, b_u, LOWP, DT, PREC)
-    i_s = i_g  # the stored state this chunk starts from
     if STRIDE > 1:
-        if IS_VARLEN:
-            i_s = tl.load(state_offsets + tl.load(chunk_indices + 2 * (tl.program_id(0) + c0))).to(tl.int64)
-        else:
-            i_s = i_b * tl.cdiv(tl.cdiv(T, C), STRIDE)
-        i_s += i_c // STRIDE
         # the window's earlier chunks, nearest first; b_off: log decay from chunk j's start to
         # this one's (a [C] vector of one value: a loop-carried tensor of fixed type)
         b_off = tl.zeros([C], dtype=tl.float32)
