@@ -47,12 +47,14 @@ def _trials(url, bucket=TINY):
 
 def test_planted_wrong_variant_is_never_selected(tmp_path):
     url = f"sqlite:///{tmp_path / 'planted.db'}"
-    # the prepare kernel's knobs fixed: with them free, fused draws are mostly pruned
-    # (prepare_warps must stay 4 there, solve='tiles' needs the prepare kernel) and six trials
-    # did not always reach one
-    fixed = {"prepare_warps": 4, "solve_block": 16, "solve": "rows"}
-    r = tune_bucket(TINY, TuneOptions(storage=url, trials=6, workers=2, repeats=2, impl="tuning_impls:planted_wrong",
-                                      fixed=fixed))
+    # an exhaustive sweep of the sub-space where only fuse_prepare is free, so the planted
+    # variant is certain to run: a TPE study of six trials over the whole space (two workers, so
+    # the draws depend on their interleaving) missed it in one CI run of 2026-11-30
+    fixed = {k: v for k, v in ChunkVariant.default(KernelShape(TINY.key_widths, TINY.value_width)).to_dict().items()
+             if k not in ("kernel", "fuse_prepare")}
+    fixed.update(prepare_warps=4, solve_block=16, solve="rows")  # what a fused variant needs
+    r = tune_bucket(TINY, TuneOptions(storage=url, trials=None, exhaustive=True, workers=2, repeats=2,
+                                      impl="tuning_impls:planted_wrong", fixed=fixed))
     rejected = [t for t in _trials(url) if t.user_attrs.get("status") == "rejected"]
     assert rejected, "the planted variant was never tried: the test proves nothing"
     assert all(t.params["fuse_prepare"] for t in rejected)
