@@ -309,19 +309,19 @@ def test_output_pass_segments_without_final_state():
 @pytest.mark.parametrize("changes, match", [
     ({"block_k": 16, "output_pass": True}, "output_pass needs"),  # K = 256 streamed
     ({"output_pass": True, "fuse_prepare": True}, "output_pass needs"),
-    ({"stored_keys": True, "num_stages": 2}, "stored_keys needs output_pass"),
+    ({"stored_keys": True, "num_stages": 2}, "stored_keys=True needs output_pass=True"),
     ({"output_pass": True, "stored_keys": True, "prefetch": True, "num_stages": 2}, "stored_keys needs prefetch=False"),
     ({"output_pass": True, "stored_keys": True, "num_stages": 1}, "stored_keys needs prefetch=False"),
     ({"segments": 2}, "segments=2 needs output_pass"),
     ({"output_pass": True, "segments": 3}, "segments=3; allowed"),
     ({"output_pass": True, "output_block_v": 32}, "output_block_v=32; allowed"),  # d_v 8
     ({"output_pass": True, "output_warps": 3}, "output_warps=3; allowed"),
-    ({"output_warps": 2}, "without output_pass=True"),
+    ({"output_warps": 2}, "output_warps=2 needs output_pass=True"),
     ({"output_pass": True, "stored_keys": True, "num_stages": 2, "key_group": 3}, "key_group=3; allowed: 1, 2, 4"),
     ({"output_pass": True, "num_stages": 2, "key_group": 2}, "key_group=2 needs stored_keys=True"),
     ({"output_pass": True, "state_stride": 3}, "state_stride=3; allowed: 1, 2, 4"),
     ({"state_stride": 2}, "state_stride=2 needs output_pass=True"),
-    ({"output_pass": True, "state_stride": 2, "segments": 2}, "state_stride=2 needs output_pass=True and segments=1"),
+    ({"output_pass": True, "state_stride": 2, "segments": 2}, "state_stride=2 needs segments=1"),
 ], ids=["streamed", "fused", "no-output-pass", "prefetch", "one-stage", "segments-alone", "segments-3", "out-bv-wide",
         "out-warps-3", "out-warps-alone", "key-group-3", "key-group-alone", "stride-3", "stride-alone",
         "stride-segments"])
@@ -697,6 +697,6 @@ def test_output_pass_tma_varlen():
 def test_tma_refusals():
     shape = KernelShape((16, 16), 6)  # d_v 6 in fp32: 24-byte rows
     assert "16-byte" in (TMA_VARIANT.check(shape, 10**9) or "")
-    assert "tma needs stored_keys" in (dataclasses.replace(TMA_VARIANT, stored_keys=False).check(
+    assert "tma=True needs stored_keys=True" in (dataclasses.replace(TMA_VARIANT, stored_keys=False).check(
         KernelShape((16, 16), 8), 10**9) or "")
     assert TMA_VARIANT.check(KernelShape((16, 16), 8), 10**9) is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -161,12 +162,13 @@ def test_a_gated_gate_opens_what_it_gates():
     shape = KernelShape((16, 16), 64)
     base = {k: [v] for k, v in ChunkVariant.default(shape).to_dict().items() if k != "kernel"}
     space = {**base, "output_pass": [False, True], "stored_keys": [False, True], "key_group": [1, 2, 4],
-             "prefetch": [False, True], "num_stages": [1, 2], "tma": [False]}
+             "prefetch": [False, True], "num_stages": [1, 2], "tma": [False, True]}
     got = list(iter_space(ChunkVariant, shape, space))
     brute = [v for v in (ChunkVariant(**dict(zip(space, vals))) for vals in itertools.product(*space.values()))
              if v.check(shape) is None]
     assert len(got) == len(set(got)) and set(got) == set(brute)
     assert {v.key_group for v in got if v.stored_keys} == {1, 2, 4}
+    assert {(v.tma, v.key_group) for v in got if v.stored_keys} == set(itertools.product((False, True), (1, 2, 4)))
 
     class Trial:  # answers every request with a fixed choice, recording what was asked
         def __init__(self, picks):
@@ -181,3 +183,28 @@ def test_a_gated_gate_opens_what_it_gates():
         trial = Trial(picks)
         _suggest(trial, ChunkVariant, space)
         assert ("key_group" in trial.asked) == asked, picks
+
+
+# one value away from the default for each gated parameter; the test below fails when GATED
+# gains a parameter that is not listed here
+GATED_PROBES = {"stored_keys": True, "segments": 2, "output_block_v": 32, "output_warps": 2, "state_stride": 2,
+                "tma": True, "key_group": 2}
+
+
+@pytest.mark.parametrize("name", GATED_PROBES)
+def test_every_gated_parameter_is_refused_without_its_gate(name):
+    """check's gate refusal is read from GATED: a gated parameter away from its default is
+    refused, naming the gate and the value it needs, exactly when its gate is closed, and the
+    same variant with the gate open passes (so the refusal is the gate's, not another rule's)."""
+    assert set(GATED_PROBES) == set(ChunkVariant.GATED)
+    shape, h200 = KernelShape((16, 16), 64), 232448
+    gate, need = ChunkVariant.GATED[name]
+    # the K = 256 three-kernel default with every gated parameter back at its default, then the
+    # gate chain opened and only the probed one set
+    bare = {f.name: f.default for f in dataclasses.fields(ChunkVariant) if f.name in ChunkVariant.GATED}
+    opened = dataclasses.replace(ChunkVariant.default(shape, h200), **{**bare, "stored_keys": gate == "stored_keys"})
+    opened = dataclasses.replace(opened, **{name: GATED_PROBES[name]})
+    # (built keys at three stages exceed the H200's shared memory: the checks below are the gates')
+    assert opened.output_pass and getattr(opened, gate) == need and opened.check(shape, 10**9) is None
+    closed = dataclasses.replace(opened, **{gate: not need})
+    assert f"{name}={GATED_PROBES[name]!r} needs {gate}={need!r}" in (closed.check(shape, 10**9) or "")

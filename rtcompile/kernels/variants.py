@@ -83,6 +83,19 @@ class _Variant:
     # parameter -> (gate, value): the parameter matters only when the gate has that value
     GATED: ClassVar[dict[str, tuple[str, Any]]] = {}
 
+    def gate_refusal(self) -> str | None:
+        """Why this variant is refused by ``GATED``, or None: the first parameter (in ``GATED``'s
+        order) set away from its default while its gate lacks the value it needs. ``check``
+        asks this, so the refusals and the sampler's gating (``gated_params``) come from the same
+        data and cannot disagree."""
+        defaults = {f.name: f.default for f in fields(self)}
+        for name, (gate, need) in self.GATED.items():
+            value = getattr(self, name)
+            if value != defaults[name] and getattr(self, gate) != need:
+                return (f"{name}={value!r} needs {gate}={need!r} (without it, {name} must stay at its default "
+                        f"{defaults[name]!r})")
+        return None
+
     def to_dict(self) -> dict[str, Any]:
         return {"kernel": self.kernel, **asdict(self)}
 
@@ -266,9 +279,9 @@ class ChunkVariant(_Variant):
 
     kernel: ClassVar[str] = "chunk"
     GATED: ClassVar[dict[str, tuple[str, Any]]] = {
-        **{n: ("output_pass", True) for n in ("stored_keys", "segments", "output_block_v", "output_warps", "tma",
+        **{n: ("output_pass", True) for n in ("stored_keys", "segments", "output_block_v", "output_warps",
                                               "state_stride")},
-        "key_group": ("stored_keys", True)}
+        **{n: ("stored_keys", True) for n in ("tma", "key_group")}}
     FIELDS: ClassVar[tuple[str, ...]] = (
         "chunk_size", "block_k", "block_v", "num_warps", "num_stages", "fuse_prepare", "dot_precision", "solve",
         "prefetch", "wy", "merge_passes", "prepare_warps", "solve_block", "kron", "output_pass",
@@ -346,34 +359,28 @@ class ChunkVariant(_Variant):
                     f"widths >= 16 (got {shape.key_widths}) and fuse_prepare=False")
         if self.segments not in SEGMENTS:
             return f"segments={self.segments}; allowed: {', '.join(map(str, SEGMENTS))}"
-        if self.segments > 1 and not self.output_pass:
-            return f"segments={self.segments} needs output_pass=True (it cuts the three-kernel form in time)"
-        if self.stored_keys and not self.output_pass:
-            return "stored_keys needs output_pass=True (only the three-kernel form's state loop reads them)"
         if self.output_block_v not in OUTPUT_BLOCK_VS or self.output_block_v > max(16, next_pow2(shape.value_width)):
             return (f"output_block_v={self.output_block_v}; allowed: {', '.join(map(str, OUTPUT_BLOCK_VS))}, "
                     "at most d_v rounded up")
         if self.output_warps not in PREPARE_WARPS:
             return f"output_warps={self.output_warps}; allowed: {', '.join(map(str, PREPARE_WARPS))}"
-        dot_bytes = shape.input_bytes if shape.input_bytes == 2 else 4
-        if self.tma and (not self.stored_keys or shape.key_dim * dot_bytes % 16
-                         or shape.value_width * dot_bytes % 16):
-            return (f"tma needs stored_keys=True and rows of 16-byte multiples (K = {shape.key_dim}, "
-                    f"d_v = {shape.value_width} at {dot_bytes} bytes)")
         if self.state_stride not in STATE_STRIDES:
             return f"state_stride={self.state_stride}; allowed: {', '.join(map(str, STATE_STRIDES))}"
-        if self.state_stride > 1 and (not self.output_pass or self.segments > 1):
-            return (f"state_stride={self.state_stride} needs output_pass=True and segments=1 (got output_pass="
-                    f"{self.output_pass}, segments={self.segments})")
         if self.key_group not in KEY_GROUPS:
             return f"key_group={self.key_group}; allowed: {', '.join(map(str, KEY_GROUPS))}"
-        if self.key_group > 1 and (not self.stored_keys or len(shape.key_widths) < 2
-                                   or shape.key_widths[0] % self.key_group):
-            return (f"key_group={self.key_group} needs stored_keys=True, order >= 3 and a first key width that it "
-                    f"divides, got stored_keys={self.stored_keys}, widths {shape.key_widths}")
-        if not self.output_pass and (self.output_block_v, self.output_warps) != (16, 4):
-            return ("output_block_v and output_warps set the three-kernel form's output kernel: without "
-                    "output_pass=True they must stay at their defaults (16, 4)")
+        # the three-kernel form's own parameters (segments, stored_keys, the output kernel's tile
+        # and warps, state_stride) and the stored keys' (tma, key_group) without their gate
+        if (refusal := self.gate_refusal()) is not None:
+            return refusal
+        dot_bytes = shape.input_bytes if shape.input_bytes == 2 else 4
+        if self.tma and (shape.key_dim * dot_bytes % 16 or shape.value_width * dot_bytes % 16):
+            return (f"tma needs rows of 16-byte multiples (K = {shape.key_dim}, d_v = {shape.value_width} at "
+                    f"{dot_bytes} bytes)")
+        if self.state_stride > 1 and self.segments > 1:
+            return f"state_stride={self.state_stride} needs segments=1 (got segments={self.segments})"
+        if self.key_group > 1 and (len(shape.key_widths) < 2 or shape.key_widths[0] % self.key_group):
+            return (f"key_group={self.key_group} needs order >= 3 and a first key width that it divides, got "
+                    f"widths {shape.key_widths}")
         # with the next chunk's keys in registers (prefetch, C 64) the output was wrong, and with
         # one stage the kernel ended in an illegal address on the H200 (Triton 3.6, 2026-11-30g);
         # with 2 stages (the compiler pipelining the key loads) it matched
