@@ -12,6 +12,9 @@ loop" between device calls. Use the device's Triton for its numbers (2026-11-30h
 
 Nothing is launched: the launcher runs on CPU tensors with the kernels' launch intercepted, so
 the device and shared-memory checks are bypassed here (the compiler's answer is the point).
+Each launch is specialised by Triton's own binder, as on the GPU (CPU tensors are allocated
+64-byte aligned, as CUDA ones are 256-byte aligned): "aligned args" counts the arguments that
+carry that specialisation.
 """
 from __future__ import annotations
 
@@ -33,34 +36,26 @@ from triton.runtime.jit import JITFunction
 from rtcompile.kernels import chunk, triton_fwd
 from rtcompile.kernels import variants as V
 
-TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-         torch.int64: "i64"}
 H200_SMEM = 232448  # shared_memory_per_block_optin of the H200 (the default's choice depends on it)
 
 
-def _signature(fn: JITFunction, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
-    """Triton's (signature, constexprs, options) for one intercepted launch."""
-    bound = dict(zip(fn.arg_names, args))
-    bound.update(kwargs)
-    options = {k: bound.pop(k) for k in ("num_warps", "num_stages") if k in bound}
-    sig, const = {}, {}
-    for param, name in zip(fn.params, fn.arg_names):
-        val = bound.get(name, param.default)
-        if param.is_constexpr:
-            sig[name], const[name] = "constexpr", val
-        elif type(val).__name__ == "TensorDescriptor":
-            sig[name] = f"tensordesc<{TYPES[val.base.dtype]}{list(val.block_shape)}>"
-        elif isinstance(val, torch.Tensor):
-            sig[name] = "*" + TYPES[val.dtype]
-        elif isinstance(val, bool):
-            sig[name] = "i1"
-        elif isinstance(val, int):
-            sig[name] = "i32" if abs(val) < 2**31 else "i64"
-        elif isinstance(val, float):
-            sig[name] = "fp32"
-        else:
-            raise TypeError(f"{fn.__name__}: argument {name} of type {type(val).__name__}")
-    return sig, const, options
+def _compile(fn: JITFunction, args: tuple, kwargs: dict):
+    """Compile one intercepted launch for sm_90 the way a launch on the GPU would: Triton's own
+    binder specialises the arguments, so pointers 16-byte aligned and integers divisible by 16
+    carry ``tt.divisibility`` and integers equal to 1 become constants. Without those the
+    compiler cannot prove a vector access aligned: until 2026-11-30 the probe built the
+    signature by hand and, for one, counted the prepare kernel's phi(K) store as 64 two-byte
+    stores a thread per block where the launch's alignment allows wider ones."""
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", 90, 32)
+    backend = CUDABackend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    src = triton.compiler.ASTSource(fn, signature, constexprs, attrs)
+    return triton.compile(src, target=target, options=options.__dict__)
 
 
 def _tool(name: str) -> str:
@@ -141,14 +136,13 @@ def main(argv=None) -> int:
         JITFunction.run, triton_fwd._check_layout, triton_fwd._reason = saved
     print(f"Triton {triton.__version__}, sm_90, widths {args.widths}, {variant}")
     for fn, a, kw in launches:
-        sig, const, options = _signature(fn, a, kw)
-        ck = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=const),
-                            target=GPUTarget("cuda", 90, 32), options=options)
+        ck = _compile(fn, a, kw)
         use = _usage(ck.asm["cubin"])
         n, mix = loop_mix(use["sass"])
         top = " ".join(f"{op}:{c}" for op, c in mix.most_common(8))
+        aligned = ck.asm["ttir"].count("tt.divisibility = 16")  # arguments the launch specialised
         print(f"{fn.__name__:40} regs {use['regs']:3}  spill stack {use['stack']:5} B  shared {ck.metadata.shared:6} B"
-              f"  total {len(_instructions(use['sass'])):5}  loop {n:5} instructions  {top}")
+              f"  aligned args {aligned:2}  total {len(_instructions(use['sass'])):5}  loop {n:5} instructions  {top}")
     return 0
 
 

@@ -39,6 +39,8 @@ def test_default_compiles_for_sm90_offline():
     names = [ln.split()[0] for ln in lines]
     assert names == ["chunk_prepare_running_tensor_kernel", "chunk_state_running_tensor_kernel",
                      "chunk_output_running_tensor_kernel"]
+    # each kernel compiled as its launch would be: aligned pointers specialised (tt.divisibility)
+    assert all(int(re.search(r"aligned args +(\d+)", ln).group(1)) > 0 for ln in lines)
     state = lines[1]
     assert 0 < int(re.search(r"regs +(\d+)", state).group(1)) <= 255
     assert int(re.search(r"loop +(\d+) instructions", state).group(1)) > 100  # the chunk loop was found
