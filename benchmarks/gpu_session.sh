@@ -1,6 +1,6 @@
 # One GPU session's measurements, in steps that each fit one 10-minute device call.
 #
-#   bash benchmarks/gpu_session.sh STEP...     (STEP: tests | bench | confirm | errors | probes | wy-tiles | three-kernel | segments | k256 | tma | sweep-decode |
+#   bash benchmarks/gpu_session.sh STEP...     (STEP: tests | bench | confirm | errors | probes | wy-tiles | three-kernel | segments | k256 | tma | tf32 | sweep-decode |
 #        sweep-prefill | sweep-report | one-worker | tpe-again | sweep | tuned-bench | checks | finish)
 #
 # Run from the project root on the device machine, after installing the carried wheels (see
@@ -224,6 +224,17 @@ step_tma() {  # the state loop through tensor descriptors (tma, CPU-verified onl
   timeout 120 python3 benchmarks/probe_streamed.py --widths 16 16 --names default tma tma-w8 tma-s2 tma-bv16 \
     2>&1 | grep -v "Warn\|_warn" || true
   timeout 60 python3 benchmarks/probe_split.py --widths 16 16 --names tma tma-w8 2>&1 | grep -v "Warn\|_warn" || true
+}
+
+step_tf32() {  # the K = 256 default with tf32 in the prepare kernel's tile solve (2026-11-30j, offline only:
+  # compiled for sm_90 as launched, 5872 -> 3704 instructions; K > 256 has used tf32 with 16-bit inputs
+  # since 2026-11-30f, where the bf16 error stayed the same): its GPU test, the split beside the
+  # default and its strides, the whole call and its distance from the default's outputs (~200 s)
+  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "tf32 or tma" 2>&1 | tail -2 || true
+  timeout 90 python3 benchmarks/probe_split.py --widths 16 16 --names tf32 tf32-st1 tf32-st4 st1 st4 \
+    2>&1 | grep -v "Warn\|_warn" || true
+  timeout 90 python3 benchmarks/probe_streamed.py --widths 16 16 --names default tf32 tf32-st4 \
+    2>&1 | grep -v "Warn\|_warn" || true
 }
 
 step_tuned_bench() {  # the prefill bench again, reading the tuned table (TUNED, or the sweep's)

@@ -214,6 +214,12 @@ NEIGHBOURS = (
     ("tma-bv64-w8-s2", {"tma": True, "block_v": 64, "num_warps": 8, "num_stages": 2}),
     ("tma-C128", {"tma": True, "chunk_size": 128, "solve": "rows", "num_stages": 2, "prepare_warps": 2,
                   "output_warps": 8}),
+    # tf32 in the prepare kernel's tile solve at K = 256 (2026-11-30j, untimed): compiled for
+    # sm_90 as launched, the prepare kernel falls from 5872 to 3704 instructions (its 16 [16, 16]
+    # block products at ieee were 2048 FFMA a thread); the state loop casts the inverse to bf16
+    # either way. "tf32" above is the same change on any default; here beside each stride
+    ("tf32-st1", {"dot_precision": "tf32", "state_stride": 1}),
+    ("tf32-st4", {"dot_precision": "tf32", "state_stride": 4}),
     # kron: tiles of one axis-1 index, products on the trailing factors' tile with x1's column as row scale
     ("kron", {"kron": True}),
     ("kron-bk64", {"kron": True, "block_k": 64}),

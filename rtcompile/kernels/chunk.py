@@ -720,11 +720,10 @@ def chunk_state_running_tensor_kernel(
     prepare kernel), so the loop holds no scan and no reduction across its warps. TMA (with
     STORED_KEYS): ``Kw`` is a descriptor of phi(K) as [B H T, K] read in [C, K] blocks, ``Hc``
     one of the stored states as [chunks H K, V] written in [K, BV] blocks and, with the delta
-    rule, ``Ai`` one of the inverses as [B H T, C]. Compiled offline for sm_90 with Triton 3.6
-    (o3 16x16, C 64, 3 stages), the loop body went from 3008 instructions, with 1120 bytes of
-    spills a thread, to 1143 and none: the per-element addresses and masks of the pointer loads
-    and the [K, BV] store's layout change were the excess. A block's rows past the sequence are
-    the next sequence's (or zeros): U's rows there are set to zero, so they add nothing.
+    rule, ``Ai`` one of the inverses as [B H T, C] (the H200 timing is in ``ChunkVariant``'s
+    docstring; compiled offline for sm_90 as launched, neither form spills). A block's rows
+    past the sequence are the next sequence's (or zeros): U's rows there are set to zero, so
+    they add nothing.
     STRIDE: the incoming state is stored at every STRIDE-th chunk only (``Hc`` then holds
     [cdiv(chunks, STRIDE), H, K, V] per sequence run; ``chunk_offsets`` counts in those units),
     for the output kernel to carry across the chunks between. Only chunks

@@ -264,9 +264,11 @@ class ChunkVariant(_Variant):
     C 64 on the H200, 2026-11-30h: 0.084 ms with 64 columns and 4 warps, 0.102 with 64 and 2,
     0.135 with 32 and 4, 0.156 with 64 and 8). ``tma`` (with stored_keys, on sm_90 or newer):
     the state loop reads phi(K) and the inverse and stores each chunk's state through tensor
-    descriptors (offline sm_90 compile: loop body 1143 instructions without spills, against 3008
-    with 1120 bytes of spills a thread). On the H200 (2026-11-30i, probe_split.py) the loop
-    took 0.149 ms against 0.164; with phi(K) built in the loop instead of stored, 0.24-0.35.
+    descriptors. On the H200 (2026-11-30i, probe_split.py) the loop took 0.149 ms against
+    0.164; with phi(K) built in the loop instead of stored, 0.24-0.35. (The offline sm_90
+    compile once counted 3008 loop instructions and 1120 bytes of spills without tma, but it
+    lacked the launch's alignment specialisation; compiled as launched, 2026-11-30j, the loop
+    is 859 instructions without tma and 914 with it, neither spilling.)
     ``key_group`` (with stored_keys, order >= 3): the prepare kernel stores phi(K) that many
     indices of axis 1 at a time, a [C, key_group] load of x1 and one [C, key_group D2 D3]
     block per store (same day: the prepare kernel 0.122 ms with 2 or 4, 0.136 with 1, 0.25
