@@ -18,7 +18,14 @@ def planted_wrong(bucket, variant, inp):
 
 
 def slow(bucket, variant, inp):
-    """A correct kernel that takes long enough to be killed mid-study."""
+    """A correct kernel that takes long enough to be killed mid-study. As each call starts it
+    appends its start time to the file named by RTCOMPILE_TEST_STARTED (when set), so a test
+    can aim a kill inside a call, hence inside a timed trial."""
+    import os
+
+    if os.environ.get("RTCOMPILE_TEST_STARTED"):
+        with open(os.environ["RTCOMPILE_TEST_STARTED"], "a") as fh:
+            fh.write(f"{time.time()}\n")
     time.sleep(1.0)
     return run_kernel(bucket, variant, inp)
 
