@@ -31,7 +31,13 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from .figures import _io_bytes_per_token, chunk_figures, recurrent_figures
-from .kernels.variants import SOLVE_BLOCK, ChunkVariant, KernelShape, RecurrentVariant
+from .kernels.variants import (
+    SOLVE_BLOCK,
+    ChunkVariant,
+    KernelShape,
+    RecurrentVariant,
+    dot_operand_bytes,
+)
 from .spec import DTYPE_BYTES, ModelSpec
 from .target import Target
 
@@ -166,7 +172,7 @@ def chunk_workspace_bytes(spec: ModelSpec, batch: int, seq_len: int, variant: Ch
         # Ai [T, C] fp32 (delta rule; with wy only for the tile solve, beside W [T, K] in the dot
         # type and U0 [T, V] fp32), stored phi(K) [T, K] in the dot type, the gates' cumulative
         # sums [T] fp32
-        dot = DTYPE_BYTES[spec.input_dtype] if DTYPE_BYTES[spec.input_dtype] == 2 else 4
+        dot = dot_operand_bytes(DTYPE_BYTES[spec.input_dtype])
         chunks = batch * spec.heads * math.ceil(math.ceil(seq_len / variant.chunk_size) / variant.state_stride)
         work = chunks * spec.key_dim * spec.value_width * dot + rows * spec.value_width * dot
         if spec.features.delta_rule and (not variant.wy or variant.solve == "tiles"):

@@ -277,7 +277,8 @@ def _launch_chunk(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm, s
 
 def _dot_dtype(v: torch.Tensor, common: dict) -> torch.dtype:
     """The type the kernels' products take operands in, and their 16-bit workspaces are kept in:
-    16-bit inputs their own (LOWP), else fp32."""
+    16-bit inputs their own (LOWP), else fp32 (``variants.dot_operand_bytes`` is its size, for
+    the checks and the cost model)."""
     return v.dtype if common["LOWP"] else torch.float32
 
 

@@ -60,6 +60,13 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def dot_operand_bytes(input_bytes: int) -> int:
+    """Bytes per element of the kernels' product operands and of the workspaces kept in their
+    type: 16-bit inputs keep their own type, anything else is multiplied in fp32 (the launcher's
+    ``_dot_dtype`` picks the same type from the tensors)."""
+    return input_bytes if input_bytes == 2 else 4
+
+
 @dataclass(frozen=True)
 class KernelShape:
     """What a variant's validity depends on: widths, value width and the input element size."""
@@ -374,7 +381,7 @@ class ChunkVariant(_Variant):
         # and warps, state_stride) and the stored keys' (tma, key_group) without their gate
         if (refusal := self.gate_refusal()) is not None:
             return refusal
-        dot_bytes = shape.input_bytes if shape.input_bytes == 2 else 4
+        dot_bytes = dot_operand_bytes(shape.input_bytes)
         if self.tma and (shape.key_dim * dot_bytes % 16 or shape.value_width * dot_bytes % 16):
             return (f"tma needs rows of 16-byte multiples (K = {shape.key_dim}, d_v = {shape.value_width} at "
                     f"{dot_bytes} bytes)")
