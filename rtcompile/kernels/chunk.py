@@ -193,6 +193,25 @@ def _chunk_scores(q1, q2, q3, k1, k2, k3, beta, r, m_t, b_c,
 
 
 @triton.jit
+def _load_row_inputs(v, g, beta, r, r_g, m_t, o_v, m_v, C: tl.constexpr, V: tl.constexpr, LOAD_V: tl.constexpr,
+                     LOAD_G: tl.constexpr, LOAD_BETA: tl.constexpr):
+    """The values ([C, BV], LOAD_V), log-decay terms (LOAD_G: ``g`` at rows ``r_g``, the gates
+    or the prepare kernel's cumulative sums) and beta ([C]; LOAD_BETA) of the token-head rows
+    ``r``, in fp32; a flag that is off leaves a zero placeholder (the values' [C, 16]) that is
+    never read."""
+    b_v = tl.zeros([C, 16], dtype=tl.float32)
+    if LOAD_V:
+        b_v = tl.load(v + r[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+    b_g = tl.zeros([C], dtype=tl.float32)
+    if LOAD_G:
+        b_g = tl.load(g + r_g, mask=m_t, other=0.0).to(tl.float32)
+    b_b = tl.zeros([C], dtype=tl.float32)
+    if LOAD_BETA:
+        b_b = tl.load(beta + r, mask=m_t, other=0.0).to(tl.float32)
+    return b_v, b_g, b_b
+
+
+@triton.jit
 def _load_chunk(q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, W, U0, r, m_t, o_v, m_v, off_w, p_row,
                 NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, C: tl.constexpr,
                 K: tl.constexpr, BK: tl.constexpr, V: tl.constexpr, USE_G: tl.constexpr, USE_BETA: tl.constexpr,
@@ -204,13 +223,7 @@ def _load_chunk(q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, W, U0, r, m_t, o_v, m
     loads wait behind the current chunk's arithmetic instead of in front of it."""
     b_q1, b_q2, b_q3, b_k1, b_k2, b_k3 = _factor_tiles(q1, q2, q3, k1, k2, k3, r, m_t, NF, D1, D2, D3,
                                                        D1, D2, D3, L2NORM)
-    b_v = tl.load(v + r[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-    b_g = tl.zeros([C], dtype=tl.float32)
-    if USE_G:
-        b_g = tl.load(g + r, mask=m_t, other=0.0).to(tl.float32)
-    b_b = tl.zeros([C], dtype=tl.float32)
-    if USE_BETA:
-        b_b = tl.load(beta + r, mask=m_t, other=0.0).to(tl.float32)
+    b_v, b_g, b_b = _load_row_inputs(v, g, beta, r, r, m_t, o_v, m_v, C, V, True, USE_G, USE_BETA)
     b_P = tl.zeros([C, C], dtype=tl.float32)
     b_Ai = tl.zeros([C, C], dtype=tl.float32)
     b_W = tl.zeros([C, 16], dtype=tl.float32)
@@ -665,20 +678,14 @@ def _load_state_inputs(k1, k2, k3, v, g, beta, Ai, Gc, r, p_row, m_t, o_v, m_v,
     b_k3 = b_k1
     if not STORED_KEYS:
         b_k1, b_k2, b_k3 = _one_side_tiles(k1, k2, k3, r, m_t, NF, D1, D2, D3, D1, D2, D3, L2NORM)
-    b_v = tl.zeros([C, 16], dtype=tl.float32)
-    if not WY:
-        b_v = tl.load(v + r[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-    b_g = tl.zeros([C], dtype=tl.float32)
-    if USE_G and LOAD_GC:
-        b_g = tl.load(Gc + p_row, mask=m_t, other=0.0)
-    elif USE_G:
-        b_g = tl.load(g + r, mask=m_t, other=0.0).to(tl.float32)
-    b_b = tl.zeros([C], dtype=tl.float32)
+    if LOAD_GC:  # the prepare kernel's cumulative sums, [B, H, T]
+        b_v, b_g, b_b = _load_row_inputs(v, Gc, beta, r, p_row, m_t, o_v, m_v, C, V, not WY, USE_G,
+                                         USE_BETA and not WY)
+    else:
+        b_v, b_g, b_b = _load_row_inputs(v, g, beta, r, r, m_t, o_v, m_v, C, V, not WY, USE_G, USE_BETA and not WY)
     b_Ai = tl.zeros([C, C], dtype=tl.float32)
-    if USE_BETA and not WY:
-        b_b = tl.load(beta + r, mask=m_t, other=0.0).to(tl.float32)
-        if not TMA:  # (with TMA the loop reads it by descriptor)
-            b_Ai = tl.load(Ai + p_row[:, None] * C + tl.arange(0, C)[None, :], mask=m_t[:, None], other=0.0)
+    if USE_BETA and not WY and not TMA:  # (with TMA the loop reads it by descriptor)
+        b_Ai = tl.load(Ai + p_row[:, None] * C + tl.arange(0, C)[None, :], mask=m_t[:, None], other=0.0)
     return b_k1, b_k2, b_k3, b_v, b_g, b_b, b_Ai
 
 
