@@ -685,8 +685,9 @@ def test_output_pass_tma_matches_float64(feat, dtype, stride):
 def test_tile_solve_in_tf32_keeps_the_bf16_tolerance():
     """The tile solve's [16, 16] products in tf32 with bf16 inputs (the K > 256 defaults' rule,
     a candidate at K = 256): C = 32, so the inverse has 2 x 2 blocks and a block product (C = 64
-    is over the portable shared-memory limit here), and T = 75 ends in a partial chunk. The interpreter computes tf32 products in
-    fp32; on the GPU this checks tf32's own rounding against the bf16 tolerance."""
+    is over the portable shared-memory limit here), and T = 75 ends in a partial chunk. The
+    interpreter computes tf32 products in fp32; on the GPU this checks tf32's own rounding
+    against the bf16 tolerance."""
     dev, ref, s0 = _case(1, 75, 1, (16, 16), 8, dtype=torch.bfloat16, gate=True, delta=True, state=True)
     variant = dataclasses.replace(TMA_VARIANT, chunk_size=32, dot_precision="tf32", prepare_warps=1)
     o, s = running_tensor_fwd(*dev, initial_state=_to(s0, torch.float32), output_final_state=True, l2norm=True,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 from rtcompile.tuning.objective import run_kernel
@@ -21,8 +22,6 @@ def slow(bucket, variant, inp):
     """A correct kernel that takes long enough to be killed mid-study. As each call starts it
     appends its start time to the file named by RTCOMPILE_TEST_STARTED (when set), so a test
     can aim a kill inside a call, hence inside a timed trial."""
-    import os
-
     if os.environ.get("RTCOMPILE_TEST_STARTED"):
         with open(os.environ["RTCOMPILE_TEST_STARTED"], "a") as fh:
             fh.write(f"{time.time()}\n")
