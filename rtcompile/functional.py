@@ -67,8 +67,8 @@ def running_tensor(
             raises.
         plan: a :class:`~rtcompile.plan.Plan`: with ``mode="auto"`` the call follows the plan's
             prefill decision for the nearest (B, T) bucket (mode and, on Triton, the variant).
-        variant: a :class:`~rtcompile.kernels.variants.ChunkVariant` or
-            :class:`~rtcompile.kernels.variants.RecurrentVariant` for the Triton backend
+        variant: a kernel config (:mod:`rtcompile.kernels.forms`: ResidentConfig, StreamedConfig,
+            FusedConfig or SplitConfig for mode="chunk", RecurrentConfig for "recurrent") for the Triton backend
             (default: the variant chosen from the shapes).
 
     Returns:
@@ -99,9 +99,9 @@ def running_tensor(
         decision = plan.decision_for("prefill", v.shape[0], seq_len)
         mode = decision.mode
         if variant is None and chunk_size is None:
-            from .kernels.variants import ChunkVariant, RecurrentVariant
+            from .kernels.forms import config_from_dict
 
-            variant = (ChunkVariant if mode == "chunk" else RecurrentVariant).from_dict(decision.variant)
+            variant = config_from_dict(decision.variant, "chunk" if mode == "chunk" else "recurrent")
             C = getattr(variant, "chunk_size", C)
             plan_variant = True
     if mode == "auto":
@@ -112,18 +112,18 @@ def running_tensor(
     if backend != "triton":
         variant = None  # a plan's kernel variant means nothing to the reference
     elif plan_variant and not torch.compiler.is_compiling():
-        from .kernels.triton_fwd import _smem_limit, kernel_shape
+        from .kernels.launch import kernel_shape, smem_limit
 
-        # a plan made for another GPU may name a variant this device cannot run: then the
+        # a plan made for another GPU may name a config this device cannot run: then the
         # launcher's own choice (tuned table or default) serves instead
-        limit = _smem_limit(v.device.index or 0) if v.device.type == "cuda" else None
+        limit = smem_limit(v.device)
         shape = kernel_shape(p)
         if (variant.check(shape) if limit is None else variant.check(shape, limit)) is not None:
             variant = None
     if backend == "triton" and not _tracing(v):
         # Eager: straight to the launcher; the custom op's dispatch adds Python overhead and
         # nothing else when no graph is being captured (the op remains for compile and export).
-        from .kernels.triton_fwd import fwd_checked
+        from .kernels.launch import fwd_checked
 
         return fwd_checked(p, q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
                            l2norm=l2norm, cu_seqlens=cu_seqlens, mode=mode, chunk_size=chunk_size, variant=variant)
@@ -173,7 +173,7 @@ def running_tensor_decode_(
             list(q), list(k), v, g, beta, state_cache, state_indices,
             float(scale) if scale is not None else _default_scale(q), l2norm, variant_to_json(variant),
         )
-    from .kernels.triton_fwd import running_tensor_decode_ as launch
+    from .kernels.launch import running_tensor_decode_ as launch
 
     return launch(q, k, v, g, beta, state_cache=state_cache, state_indices=state_indices, scale=scale,
                   l2norm=l2norm, validate=validate, variant=variant)

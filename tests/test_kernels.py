@@ -13,7 +13,7 @@ import triton.language as tl
 
 import rtcompile
 from rtcompile.kernels import running_tensor_recurrent_ref, triton_fwd
-from rtcompile.kernels.triton_common import (
+from rtcompile.kernels.blocks import (
     unit_lower_inverse_blocked, unit_lower_inverse_diagonal, unit_lower_inverse_tiles,
 )
 from rtcompile.kernels.triton_fwd import running_tensor_decode_, running_tensor_fwd

@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import (
+from .blocks import (
     factor_tile, load_state_tile, phi_gather, phi_inv_norm, phi_tile_outer, unit_lower_inverse,
     unit_lower_inverse_blocked, unit_lower_inverse_diagonal, unit_lower_inverse_scratch, unit_lower_inverse_tiles,
 )

@@ -3,20 +3,23 @@
 ``rtcompile::running_tensor_fwd``: prefill (chunk or recurrent), returns (o, final_state);
 the final state is a 0-element tensor when not requested (custom ops cannot return None).
 ``rtcompile::running_tensor_decode_``: one decode step, mutates ``state_cache`` in place.
-The kernel variant travels as its JSON text (an op argument must be a plain type).
+The kernel config travels as its JSON text (an op argument must be a plain type).
 Forward only: calling with inputs that require grad raises (backward is a later release).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import torch
 
-from . import triton_fwd
-from .variants import ChunkVariant, RecurrentVariant
+from . import launch
+from .forms import FORMS, config_from_dict
 
-_VARIANTS = {"chunk": ChunkVariant, "recurrent": RecurrentVariant}
+# each form's field names, read once: dynamo folds a dict lookup and attribute reads, not
+# dataclasses.fields
+FIELD_NAMES = {form: tuple(f.name for f in dataclasses.fields(cls)) for form, cls in FORMS.items()}
 
 
 def variant_to_json(variant) -> str:
@@ -25,8 +28,8 @@ def variant_to_json(variant) -> str:
     break a fullgraph trace, the latter on torch 2.11)."""
     if variant is None:
         return ""
-    items = [f'"kernel": "{variant.kernel}"']
-    for name in variant.FIELDS:
+    items = [f'"form": "{variant.form}"']
+    for name in FIELD_NAMES[variant.form]:
         value = getattr(variant, name)
         if isinstance(value, bool):
             text = "true" if value else "false"
@@ -41,8 +44,7 @@ def variant_to_json(variant) -> str:
 def variant_from_json(text: str):
     if not text:
         return None
-    data = json.loads(text)
-    return _VARIANTS[data["kernel"]].from_dict(data)
+    return config_from_dict(json.loads(text))
 
 
 def _state_shape(q, v, cu_seqlens):
@@ -67,7 +69,7 @@ def running_tensor_fwd_op(
     variant: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``chunk_size`` 0 means the variant's (or the default variant's) chunk size."""
-    o, ht = triton_fwd.running_tensor_fwd(
+    o, ht = launch.running_tensor_fwd(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, l2norm=l2norm, cu_seqlens=cu_seqlens,
         mode=mode, chunk_size=chunk_size or None, variant=variant_from_json(variant),
@@ -95,7 +97,7 @@ def running_tensor_decode_op(
     variant: str,
 ) -> torch.Tensor:
     # Index validation syncs the device: it is done once by the eager wrapper, not in graphs.
-    return triton_fwd.running_tensor_decode_(
+    return launch.running_tensor_decode_(
         q, k, v, g, beta, state_cache=state_cache, state_indices=state_indices, scale=scale,
         l2norm=l2norm, validate=False, variant=variant_from_json(variant),
     )

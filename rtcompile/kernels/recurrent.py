@@ -22,10 +22,97 @@ PAD_SLOT_ID).
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
 import triton
 import triton.language as tl
 
-from .triton_common import load_state_tile, phi_gather, phi_inv_norm, phi_row_outer
+from .config import (
+    DEFAULT_SMEM_BYTES, MAX_REGS_PER_THREAD, CostFigures, KernelConfig, KernelShape, Workload, estimate_registers,
+    next_pow2,
+)
+from .blocks import load_state_tile, phi_gather, phi_inv_norm, phi_row_outer
+
+
+@dataclass(frozen=True)
+class RecurrentConfig(KernelConfig):
+    """The fused recurrent kernel (decode step and multi-token scan).
+
+    ``block_k``: the key tile; when it covers K the [K, block_v] state tile stays in registers
+    for the whole sequence (one read, one write), otherwise the state is streamed in
+    ceil(K / block_k) tiles twice per token (the second read usually hits L2). ``block_k`` and
+    ``block_v`` are powers of two. ``outer_phi``: build phi(k) and phi(q) of a key tile as the
+    outer product of contiguous factor loads instead of per-element gathers (power-of-two
+    widths, ``block_k`` a multiple of the trailing widths' product; it lost at every measured
+    shape on the H200: 8% behind at o3 16x16 B256, 5% at o3 32x32 B32). ``stream_hints``: load
+    the resident slab evict-first and store it streaming (.cs), since nothing reads it again
+    before the next step (needs ``block_k`` covering K; o3 16x16 B32 on the H200: 92% of a
+    same-size copy against 85%).
+    """
+
+    kernel: ClassVar[str] = "recurrent"
+    form: ClassVar[str] = "recurrent"
+    block_k: int
+    block_v: int
+    num_warps: int = 4
+    num_stages: int = 1
+    outer_phi: bool = False
+    stream_hints: bool = False
+
+    def resident(self, shape: KernelShape) -> bool:
+        return self.block_k >= shape.key_dim
+
+    def check(self, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> str | None:
+        if (reason := self._check_pow2("block_k", "block_v", "num_warps")) is not None:
+            return reason
+        kp = next_pow2(shape.key_dim)  # no tl.dot here: tiles narrower than 16 are fine
+        if self.block_k > kp:
+            return f"block_k={self.block_k}; allowed: at most K rounded up ({kp})"
+        if self.block_v > next_pow2(shape.value_width):
+            return f"block_v={self.block_v}; allowed: at most d_v rounded up ({next_pow2(shape.value_width)})"
+        if self.outer_phi and not shape.outer_phi_ok(self.block_k):
+            return (f"outer_phi=True needs power-of-two key widths and block_k a multiple of the trailing widths' "
+                    f"product, got widths {shape.key_widths}, block_k={self.block_k}")
+        if self.stream_hints and self.block_k < kp:
+            return (f"stream_hints=True needs the state slab resident (block_k >= {kp}), "
+                    f"got block_k={self.block_k}")
+        if (regs := self.estimate_registers(shape)) > MAX_REGS_PER_THREAD:
+            return f"~{regs} registers per thread (> {MAX_REGS_PER_THREAD})"
+        return None
+
+    def estimate_registers(self, shape: KernelShape) -> int:
+        # live fp32 tiles: the state tile and one temporary of the same size, plus phi(k), phi(q)
+        return estimate_registers(2 * self.block_k * self.block_v + 2 * self.block_k, self.num_warps)
+
+    @classmethod
+    def space(cls, shape: KernelShape) -> dict[str, list]:
+        kp = next_pow2(shape.key_dim)
+        return {
+            "block_k": sorted({min(kp, b) for b in (32, 64, 128, 256, 512, 1024, kp)}),
+            "block_v": [b for b in (4, 8, 16, 32, 64) if b <= next_pow2(shape.value_width)],
+            "num_warps": [1, 2, 4, 8, 16],
+            "num_stages": [1, 2, 3],
+            "outer_phi": [False, True],
+            "stream_hints": [False, True],
+        }
+
+    def workspace_bytes(self, w: Workload) -> int:
+        return 0
+
+    def figures(self, w: Workload) -> CostFigures:
+        resident = self.resident(w.shape)
+        return CostFigures(
+            programs=w.batch * w.heads * math.ceil(w.shape.value_width / self.block_v), serial_steps=w.seq_len,
+            state_passes=2 if resident else 3 * w.seq_len, workspace_bytes=0,
+            tile_visits=0 if resident else 2 * math.ceil(w.shape.key_dim / self.block_k), tile_elements=self.block_k)
+
+    def with_other_hints(self, shape: KernelShape) -> "RecurrentConfig | None":
+        """This config with stream_hints flipped, when that can run (they split by batch on the
+        H200: on at B32, 1.4% behind at B256), for a study to start from both."""
+        other = replace(self, stream_hints=not self.stream_hints)
+        return other if other.check(shape) is None else None
 
 
 @triton.jit

@@ -23,8 +23,8 @@ from typing import Any
 
 FORMAT_VERSION = 1
 _SOURCES = {
-    "chunk": ("chunk.py", "triton_common.py"),
-    "recurrent": ("recurrent.py", "triton_common.py"),
+    "chunk": ("chunk.py", "blocks.py"),
+    "recurrent": ("recurrent.py", "blocks.py"),
 }
 _table: list[dict[str, Any]] | None = None
 

@@ -58,7 +58,7 @@ class Machine:
         import triton
 
         from .. import __version__
-        from ..kernels.triton_fwd import device_name
+        from ..kernels.launch import device_name
 
         dev = torch.device(device)
         if dev.type == "cuda":

@@ -1,0 +1,54 @@
+"""What every launcher needs besides its own kernel: the allocation hook, the products' operand
+type, and the pointer and width arguments of up to three key factors (orders 2 to 4).
+
+Every output and workspace is allocated through :func:`empty`, so tests can poison them (fill
+with NaN) and prove that every element a kernel should write is written.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import torch
+
+from .config import next_pow2
+
+MAX_FACTORS = 3  # orders 2..4
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+empty = torch.empty
+# The decode output, once per token: empty_like(v) took 1.4 us against 4.3 for
+# empty(v.shape, dtype=, device=) on the CPU machine, where the eager call's budget is 30 us.
+empty_like = torch.empty_like
+
+
+def interpreting() -> bool:
+    """Are the kernels running under the Triton interpreter (TRITON_INTERPRET=1)?"""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def lowp_dots(dtype: torch.dtype) -> bool:
+    """Take tl.dot operands in 16 bits? Not bf16 under the interpreter (it returns garbage there)."""
+    if dtype == torch.float16:
+        return True
+    return dtype == torch.bfloat16 and not interpreting()
+
+
+def dot_dtype(v: torch.Tensor) -> torch.dtype:
+    """The type the products take operands in and 16-bit workspaces are kept in (its size is
+    ``config.dot_operand_bytes``, for the checks and the cost model)."""
+    return v.dtype if lowp_dots(v.dtype) else torch.float32
+
+
+def factor_args(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Three factor pointers; missing ones repeat the first (never read: NF is a constexpr)."""
+    return list(xs) + [xs[0]] * (MAX_FACTORS - len(xs))
+
+
+def width_args(widths: tuple[int, ...], min_block: int) -> dict[str, int]:
+    """D1..D3 (missing axes: 1) and their tiles BD1..BD3 (a power of two >= ``min_block``)."""
+    ws = list(widths) + [1] * (MAX_FACTORS - len(widths))
+    out = {f"D{i + 1}": w for i, w in enumerate(ws)}
+    out.update({f"BD{i + 1}": max(min_block, next_pow2(w)) for i, w in enumerate(ws)})
+    return out

@@ -1,0 +1,109 @@
+"""The fused chunk form: no prepare kernel and no workspace that grows with T. Each sequential
+program computes its chunk's scores and the delta rule's inverse itself (in a [C, C] scratch of
+its own with the tile solve), then updates the state, held in registers when ``block_k`` covers
+K and streamed in tiles otherwise. The planner's low-memory choice.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .config import (
+    CHUNK_MAX_EST_REGS, DEFAULT_SMEM_BYTES, SOLVES, CostFigures, KernelConfig, KernelShape, Workload, chunk_count,
+    chunk_live_elements, chunk_programs, chunk_refusal, chunk_smem_estimate, estimate_registers,
+)
+
+
+@dataclass(frozen=True)
+class FusedConfig(KernelConfig):
+    """One sequential kernel that also forms the scores and the inverse.
+
+    ``block_k``: the state tile's rows; the state stays in registers when it covers K, and is
+    streamed from the final-state buffer otherwise (then ``prefetch_state`` and
+    ``merge_passes`` mean what they mean in
+    :class:`~rtcompile.kernels.chunk_streamed.StreamedConfig`). ``solve``: "rows" in registers,
+    or "tiles" through a [C, C] fp32 scratch per program (o3 32x32 on the H200: 3.43 ms against
+    8.44 for the register strip solve). The scores and the solve stay fp32 at ieee precision:
+    with 16-bit operands there (C 64, BK 128, 8 warps, o3 64x64) the H200 returned wrong results
+    and then an illegal address (Triton 3.6), and tf32 with the tile solve an illegal address.
+    """
+
+    kernel: ClassVar[str] = "chunk"
+    form: ClassVar[str] = "fused"
+    chunk_size: int
+    block_k: int
+    block_v: int
+    num_warps: int = 4
+    num_stages: int = 1
+    solve: str = "tiles"
+    prefetch_state: bool = False
+    merge_passes: bool = False
+
+    def resident(self, shape: KernelShape) -> bool:
+        return self.block_k >= shape.key_dim
+
+    def check(self, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> str | None:
+        if (reason := chunk_refusal(self, shape)) is not None:
+            return reason
+        if (reason := self._check_pow2("block_k")) is not None:
+            return reason
+        if not 16 <= self.block_k <= shape.key_dim_pow2:
+            return f"block_k={self.block_k}; allowed: 16 .. {shape.key_dim_pow2} (K rounded up)"
+        if self.resident(shape) and (self.prefetch_state or self.merge_passes):
+            return (f"prefetch_state / merge_passes need a streamed state (block_k < K = {shape.key_dim}), "
+                    f"got block_k={self.block_k}")
+        if (regs := self.estimate_registers(shape)) > CHUNK_MAX_EST_REGS:
+            return f"~{regs} registers per thread estimated (> {CHUNK_MAX_EST_REGS})"
+        if (smem := self.estimate_smem(shape)) > smem_limit:
+            return f"~{smem} bytes of shared memory (> {smem_limit})"
+        return None
+
+    def estimate_registers(self, shape: KernelShape) -> int:
+        live = chunk_live_elements(shape, self.chunk_size, self.block_k, self.block_v)
+        if self.prefetch_state:
+            live += self.block_k * self.block_v
+        if self.merge_passes:
+            live += 2 * self.chunk_size * self.block_v
+        return estimate_registers(live, self.num_warps)
+
+    def estimate_smem(self, shape: KernelShape) -> int:
+        return chunk_smem_estimate(self.chunk_size, self.block_k, self.block_v, self.num_stages)
+
+    @classmethod
+    def space(cls, shape: KernelShape) -> dict[str, list]:
+        kp = shape.key_dim_pow2
+        streamed = shape.key_dim > 16
+        return {
+            "chunk_size": [16, 32, 64, 128],
+            "block_k": sorted({min(kp, b) for b in (16, 32, 64, 128, 256, kp)}),
+            "block_v": [b for b in (16, 32, 64) if b <= shape.value_dim_pow2],
+            "num_warps": [2, 4, 8],
+            "num_stages": [1, 2, 3],
+            "solve": list(SOLVES),
+            "prefetch_state": [False, True] if streamed else [False],
+            "merge_passes": [False, True] if streamed else [False],
+        }
+
+    def solve_rows(self) -> float:
+        """Serial solve steps per chunk, in forward-substitution rows: C for the row solve; for
+        the tile solve 15 rows in the diagonal blocks and one per later block row (a guess, not
+        fitted: the fused tile solve ran 2.3x faster than the strip form at o3 32x32)."""
+        return self.chunk_size if self.solve == "rows" else 15 + self.chunk_size // 16 - 1
+
+    def workspace_bytes(self, w: Workload) -> int:
+        if self.solve == "tiles" and w.delta_rule:  # the tile solve's [C, C] fp32 scratch per program
+            return chunk_programs(w, self.block_v) * self.chunk_size ** 2 * 4
+        return 0
+
+    def figures(self, w: Workload) -> CostFigures:
+        n = chunk_count(w, self.chunk_size)
+        resident = self.resident(w.shape)
+        return CostFigures(
+            programs=chunk_programs(w, self.block_v), serial_steps=n,
+            state_passes=2 if resident else (2 if self.merge_passes else 3) * n,
+            workspace_bytes=self.workspace_bytes(w),
+            tile_visits=0 if resident else 2 * math.ceil(w.shape.key_dim / self.block_k),
+            tile_elements=self.chunk_size * self.block_k,
+            solve_rows=self.solve_rows() if w.delta_rule else 0.0, launches=1)

@@ -1,0 +1,241 @@
+"""Every kernel form, how a config is read back from data, and the defaults.
+
+A config is one of :data:`FORMS`' classes: the chunk-parallel prefill forms ``resident``,
+``streamed``, ``fused`` and ``split``, and the ``recurrent`` scan / decode step. Tuned tables,
+plans and the torch op carry a config as ``to_dict()`` (its fields and its ``form`` tag);
+:func:`config_from_dict` reads it back.
+
+The defaults are a table (:data:`CHUNK_DEFAULTS`, :data:`RECURRENT_DEFAULTS`): each row names
+the shapes it is for, the configs it proposes in order of preference and, in one line, why,
+with the H200 figure that chose it (B8 T4096 H8 d_v 64 bf16 unless it says otherwise). The
+default for a shape is the first proposal that passes its own check on the device; a tuned
+table overrides it per shape bucket.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+from .chunk_fused import FusedConfig
+from .chunk_resident import ResidentConfig
+from .chunk_split import SplitConfig
+from .chunk_streamed import StreamedConfig
+from .config import DEFAULT_SMEM_BYTES, KernelConfig, KernelShape, next_pow2
+from .recurrent import RecurrentConfig
+
+ChunkConfig = ResidentConfig | StreamedConfig | FusedConfig | SplitConfig
+FORMS: dict[str, type[KernelConfig]] = {
+    cls.form: cls for cls in (ResidentConfig, StreamedConfig, FusedConfig, SplitConfig, RecurrentConfig)
+}
+KERNELS: dict[str, tuple[type[KernelConfig], ...]] = {
+    "chunk": (ResidentConfig, StreamedConfig, FusedConfig, SplitConfig),
+    "recurrent": (RecurrentConfig,),
+}
+
+
+def config_from_dict(data: dict[str, Any], kernel: str | None = None) -> KernelConfig:
+    """The config ``data`` describes (``to_dict``'s output). ``kernel``: refuse a config of
+    another kernel ("chunk" or "recurrent"). A dict in rtcompile 0.1's format (ChunkVariant /
+    RecurrentVariant fields under a "kernel" key) is refused with a message saying so."""
+    if not isinstance(data, dict):
+        raise TypeError(f"config: expected a dict, got {type(data).__name__}")
+    if "form" not in data:
+        if "kernel" in data:
+            raise ValueError(
+                f"config: {data!r} is in rtcompile 0.1's variant format (a 'kernel' key, ChunkVariant / "
+                f"RecurrentVariant fields); this version reads configs tagged with 'form' ({', '.join(FORMS)}): "
+                "re-run `rtcompile tune` or `rtcompile plan` to write them anew")
+        raise ValueError(f"config: no 'form' in {data!r}; allowed forms: {', '.join(FORMS)}")
+    form = data["form"]
+    if form not in FORMS:
+        raise ValueError(f"config: form {form!r}; allowed: {', '.join(FORMS)}")
+    cls = FORMS[form]
+    if kernel is not None and cls.kernel != kernel:
+        allowed = ", ".join(c.form for c in KERNELS[kernel])
+        raise ValueError(f"config: form {form!r} is a {cls.kernel} config; allowed for the {kernel} kernel: {allowed}")
+    return cls.from_dict(data)
+
+
+def check_config(config: Any, kernel: str) -> KernelConfig:
+    """``config`` itself when it is a config of ``kernel``; TypeError naming the allowed classes
+    otherwise."""
+    classes = KERNELS[kernel]
+    if not isinstance(config, classes):
+        names = ", ".join(c.__name__ for c in classes)
+        raise TypeError(f"variant: expected one of {names}, got {type(config).__name__}")
+    return config
+
+
+# ----- defaults ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DefaultRow:
+    """Configs proposed for the shapes ``when`` accepts, best first, and why (one line with the
+    measured figure that chose them)."""
+
+    when: Callable[[KernelShape], bool]
+    propose: Callable[[KernelShape], list[KernelConfig]]
+    reason: str
+
+
+def _tiled(shape: KernelShape, C: int, block_k: int, block_v: int, warps: int, **fields) -> KernelConfig:
+    """The resident config when ``block_k`` covers K, else the streamed one; the tile solve with
+    one prepare warp at C = 16 and two above (o3 16x16 at C 16: 0.044 ms against 0.056 for the
+    row solve; o3 32x32 at C 64: 1.32 ms with 2 prepare warps, 1.39 with 4, 1.63 with 8)."""
+    fields = {"solve": "tiles", "prepare_warps": 1 if C == 16 else 2, **fields}
+    bv = min(block_v, shape.value_dim_pow2)
+    if block_k >= shape.key_dim:
+        return ResidentConfig(chunk_size=C, block_v=bv, num_warps=warps, **fields)
+    return StreamedConfig(chunk_size=C, block_k=block_k, block_v=bv, num_warps=warps, **fields)
+
+
+def _stream_tile(shape: KernelShape) -> int:
+    """The streamed key tile at K > 256: at least 128 rows, and all of the trailing axes so
+    phi blocks are outer products of factor loads."""
+    return min(shape.key_dim_pow2, max(128, next_pow2(math.prod(shape.key_widths[1:]))))
+
+
+def _precision(shape: KernelShape) -> str:
+    # tf32 for the solve's fp32 products with 16-bit inputs (their Grams are 16-bit already):
+    # o3 32x32 / 64x64 / o4 1.81 / 5.83 / 6.48 ms against 2.09 / 6.12 / 6.75 with ieee, the bf16
+    # errors unchanged; fp32 inputs keep ieee (tf32 took their error from 8e-7 to 2.5e-3)
+    return "tf32" if shape.input_bytes == 2 else "ieee"
+
+
+def _split(shape: KernelShape) -> list[KernelConfig]:
+    vp = shape.value_dim_pow2
+    return [SplitConfig(chunk_size=64, block_v=min(32, vp), num_stages=stages, prepare_warps=1,
+                        output_block_v=min(64, vp), output_warps=4, tma=tma, key_group=2, state_stride=2)
+            for tma in (True, False) for stages in (3, 2)]
+
+
+CHUNK_DEFAULTS: tuple[DefaultRow, ...] = (
+    DefaultRow(lambda s: s.key_dim_pow2 <= 64,
+               lambda s: [ResidentConfig(chunk_size=32, block_v=16, prepare_warps=4, prefetch_inputs=True, wy=True),
+                          ResidentConfig(chunk_size=16, block_v=16, prepare_warps=1, solve="rows",
+                                         prefetch_inputs=True, wy=True)],
+               "K <= 64: next chunk's inputs ahead + the solve applied in parallel (wy); o2 64: 0.378 ms "
+               "with the tile solve, 0.426 rows, 0.574 without wy, 0.731 with neither"),
+    DefaultRow(lambda s: s.key_dim_pow2 == 256 and len(s.key_widths) >= 2, _split,
+               "o3 16x16: the split form, stored phi(K), state of every 2nd chunk, tma and 3 stages where they "
+               "fit: 0.350 ms, 1.75x fla's 0.612"),
+    DefaultRow(lambda s: 64 < s.key_dim_pow2 <= 256,
+               lambda s: [_tiled(s, 16, s.key_dim_pow2, 32, 4, prefetch_inputs=True),
+                          _tiled(s, 32, s.key_dim_pow2, 16, 4, prepare_warps=4, prefetch_inputs=True, wy=True),
+                          _tiled(s, 16, s.key_dim_pow2, 16, 4, prefetch_inputs=True)],
+               "64 < K <= 256, state in registers with the next chunk's inputs ahead: o3 16x16 C 16 0.77 ms "
+               "against 1.19 without; C 32 + wy leads with few programs (B1: 0.312 against 0.429 ms)"),
+    DefaultRow(lambda s: s.key_dim_pow2 <= 256,
+               lambda s: [_tiled(s, 32, s.key_dim_pow2, 16, 4), _tiled(s, 16, s.key_dim_pow2, 16, 4),
+                          _tiled(s, 32, min(s.key_dim_pow2, 128), 16, 4)],
+               "K <= 256 without power-of-two widths >= 16 (no prefetch): state in registers, C 32 "
+               "(o3 16x16: 1.16 ms against 7.2 at C 64 with 64-row tiles)"),
+    DefaultRow(lambda s: s.key_dim_pow2 >= 4096,
+               lambda s: [StreamedConfig(chunk_size=64, block_k=max(_stream_tile(s), 256), block_v=min(bv, s.value_dim_pow2),
+                                         num_warps=8, prepare_warps=2, dot_precision=_precision(s), merge_passes=True)
+                          for bv in (32, 16)],
+               "K >= 4096: 256-row tiles, 32 columns, passes merged (state read once per chunk), tf32 solve: "
+               "o3 64x64 5.26 ms, o4 16^3 5.67 (6.49 / 7.10 unmerged)"),
+    DefaultRow(lambda s: 256 < s.key_dim_pow2 < 4096,
+               lambda s: [StreamedConfig(chunk_size=64, block_k=_stream_tile(s), block_v=min(32, s.value_dim_pow2),
+                                         num_warps=8, prepare_warps=2, dot_precision=_precision(s),
+                                         prefetch_state=True)],
+               "256 < K < 4096: 128-row tiles loaded one ahead, C 64, tf32 solve: o3 32x32 1.32 ms (3.03 at C 32)"),
+    DefaultRow(lambda s: s.key_dim_pow2 > 256,
+               lambda s: [_tiled(s, C, _stream_tile(s), 16, w) for C, w in
+                          ([(64, 8)] if s.key_dim_pow2 >= 4096 and _stream_tile(s) <= 128 else []) + [(32, 4), (16, 4)]]
+               + [_tiled(s, 32, 128, 16, 4), _tiled(s, 16, 64, 16, 4)],
+               "K > 256 where the tiles above do not fit the device: narrower tiles, one prepare warp per 16 rows"),
+    DefaultRow(lambda s: True, lambda s: [_tiled(s, 16, 16, 16, 4)],
+               "the smallest tiles: runs wherever anything runs"),
+)
+
+RECURRENT_DEFAULTS: tuple[DefaultRow, ...] = (
+    DefaultRow(lambda s: True,
+               lambda s: [_recurrent_default(s)],
+               "the whole [K, 32] slab in registers up to K = 256 (86% of copy bandwidth at o3 16x16 B256), "
+               "[K, 16] with 8 warps to K = 1024 (74% at B32), 1024-row tiles beyond; stream hints on a "
+               "resident slab (92% of a same-size copy at B32 against 85%)"),
+)
+
+
+def _recurrent_default(shape: KernelShape) -> RecurrentConfig:
+    kp = next_pow2(shape.key_dim)
+    bv = min(32 if kp <= 256 else 16, next_pow2(shape.value_width))
+    bk = min(kp, 1024)
+    return RecurrentConfig(block_k=bk, block_v=bv, num_warps=4 if bk * bv <= 8192 else 8, num_stages=1,
+                           stream_hints=bk >= kp)
+
+
+_TABLES = {"chunk": CHUNK_DEFAULTS, "recurrent": RECURRENT_DEFAULTS}
+
+
+def candidates(kernel: str, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> list[KernelConfig]:
+    """Every proposal of the defaults table for ``shape`` that passes its check, best first, without
+    repeats (a TPE study starts from them). For the recurrent kernel the default is followed by
+    itself with stream hints flipped (they split by batch on the H200)."""
+    out: list[KernelConfig] = []
+    for row in _TABLES[kernel]:
+        if row.when(shape):
+            for cfg in row.propose(shape):
+                if cfg not in out and cfg.check(shape, smem_limit) is None:
+                    out.append(cfg)
+    if kernel == "recurrent" and out and (other := out[0].with_other_hints(shape)) is not None:
+        out.append(other)
+    return out
+
+
+def default_config(kernel: str, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> KernelConfig:
+    """The first of :func:`candidates`; the smallest resident or streamed tiles where nothing
+    passes (the launcher then reports why they cannot run)."""
+    found = candidates(kernel, shape, smem_limit)
+    if found:
+        return found[0]
+    return _tiled(shape, 16, 16, 16, 4) if kernel == "chunk" else _recurrent_default(shape)
+
+
+def two_kernel(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> KernelConfig | None:
+    """The first chunk candidate that is not the split form, when the default is that form (its
+    workspace is ~9x the two-kernel one's: o3 16x16 B8 T4096, 289 against 32 MiB); None where
+    the default is a two-kernel config already."""
+    found = candidates("chunk", shape, smem_limit)
+    if not found or not isinstance(found[0], SplitConfig):
+        return None
+    return next((c for c in found if not isinstance(c, SplitConfig)), None)
+
+
+def low_memory(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> FusedConfig:
+    """The fused sibling of the chunk default: its tiles, no prepare kernel, no workspace that
+    grows with T. The split default's sibling takes C 16 and one stage (the split form's C 64,
+    fused, was estimated at ~464 registers at o3 16x16); a resident state drops the input
+    prefetch (fused at o2 64: 3.09 ms with it, 3.00 without)."""
+    base = default_config("chunk", shape, smem_limit)
+    C, stages = base.chunk_size, base.num_stages
+    if isinstance(base, SplitConfig):
+        C, stages = 16, 1
+    streamed = isinstance(base, StreamedConfig)
+    fused = FusedConfig(chunk_size=C, block_k=base.block_k if streamed else shape.key_dim_pow2,
+                        block_v=base.block_v, num_warps=base.num_warps, num_stages=stages, solve=base.solve,
+                        prefetch_state=streamed and base.prefetch_state, merge_passes=streamed and base.merge_passes)
+    if fused.check(shape, smem_limit) is None:
+        return fused
+    small = FusedConfig(chunk_size=16, block_k=min(shape.key_dim_pow2, 64), block_v=16)
+    return small
+
+
+def iter_space(cls: type[KernelConfig], shape: KernelShape, space: dict[str, list] | None = None,
+               smem_limit: int = DEFAULT_SMEM_BYTES) -> Iterator[KernelConfig]:
+    """Every config of ``space`` (default: ``cls.space(shape)``) that passes its check at
+    ``smem_limit``, in the space's order (the last field varying fastest)."""
+    space = cls.space(shape) if space is None else space
+    if not space:
+        return
+    names = list(space)
+    for values in itertools.product(*(space[n] for n in names)):
+        cfg = cls(**dict(zip(names, values)))
+        if cfg.check(shape, smem_limit) is None:
+            yield cfg
