@@ -1,28 +1,20 @@
-"""The planner's regret (issue 5) and the bundle check on the GPU (issue 6), in one script.
+"""The planner's regret and the bundle check on the GPU, in one script.
 
-    python benchmarks/gpu_checks.py regret --out DIR     # both modes measured at >= 12 points
+    python benchmarks/gpu_checks.py regret --out DIR     # every alternative measured at 18 points
     python benchmarks/gpu_checks.py bundle --out DIR     # a bundle on the GPU vs ONNX Runtime (CPU)
-    python benchmarks/gpu_checks.py sweep --storage URL --out DIR   # TPE vs exhaustive (issue 4)
 
 ``regret``: for each example spec and each (phase, shape) point, the plan's decision is compared
-with a measurement of every alternative the planner considered (chunk default, chunk fused,
-recurrent; median of CUDA-event repeats on fresh random inputs). Regret = time of the chosen
-alternative / fastest measured - 1. The cost model's error is |log(predicted / measured)|,
-reported uncalibrated and after ``costmodel.calibrate`` (a scale on the kernel time and a host
-overhead per kind of call: chunk, recurrent prefill, decode step) fitted on the even-numbered
-points and evaluated on the odd-numbered ones (held out), so calibration is not judged on its
-own data. ``benchmarks/replay_regret.py`` replays a run's measured times against today's model.
+with a measurement of every alternative the planner considered (median of CUDA-event repeats on
+fresh random inputs). Regret = time of the chosen alternative / fastest measured - 1. The cost
+model's error is |log(predicted / measured)|, reported uncalibrated and after
+``costmodel.calibrate`` (a scale on the kernel time and a host overhead per kind of call: chunk,
+recurrent prefill, decode step) fitted on the even-numbered points and evaluated on the
+odd-numbered ones (held out), so calibration is not judged on its own data.
 
 ``bundle``: exports a bundle (weights, plan, ONNX graphs) from a seeded model, loads it with
 ``rtcompile.load`` and runs the torch module on the Triton kernels (the plan's pinned variants)
 in bf16 and in fp32, against ONNX Runtime on the CPU in fp32: prefill logits and 16 decode
 steps fed the same tokens (ONNX Runtime's greedy choice) on both sides.
-
-``sweep``: reads a store where ``rtcompile tune --exhaustive`` and a TPE study tuned the same
-(sub-)space of a bucket (``benchmarks/gpu_session.sh sweep``) and reports, per bucket: the
-exhaustive best and the TPE best (best trial values, each timed in its own trial), the gap,
-the trials each ran (TPE's as a share of the exhaustive count), each study's wall time (first
-trial start to last trial end), and the default variant's re-measured time.
 
 ``--quick`` runs tiny shapes (with ``TRITON_INTERPRET=1`` on a CPU machine): the tests use it
 so the script cannot rot; its numbers mean nothing. Each subcommand writes ``DIR/<name>.json``
@@ -73,11 +65,10 @@ def _call(spec: ModelSpec, phase: str, mode: str, variant: dict, B: int, T: int,
     q, k, v, g, beta, s0 = _inputs(spec, B, T, device, seed)
     if phase == "decode" and mode == "recurrent":
         idx = torch.randperm(B, generator=torch.Generator().manual_seed(seed)).to(device, torch.int32)
-        rv = RecurrentVariant.from_dict(variant)
+        rv = _variant(mode, variant)
         return lambda: running_tensor_decode_(q, k, v, g, beta, state_cache=s0, state_indices=idx, l2norm=True,
                                               validate=False, variant=rv)
-    cls = ChunkVariant if mode == "chunk" else RecurrentVariant
-    var = cls.from_dict(variant)
+    var = _variant(mode, variant)
     return lambda: running_tensor_fwd(q, k, v, g, beta, initial_state=s0, output_final_state=True, l2norm=True,
                                       mode=mode, variant=var)
 
@@ -86,12 +77,21 @@ def _predict(spec, target, phase, mode, variant, B, T, cal) -> Cost:
     """The model's cost of one measured alternative; a recurrent decode alternative is timed as
     the in-place step (see :func:`_call`), so it is costed as one."""
     if mode == "chunk":
-        return chunk_cost(spec, target, B, T, ChunkVariant.from_dict(variant), cal)
+        return chunk_cost(spec, target, B, T, _variant(mode, variant), cal)
     step = phase == "decode"
-    return recurrent_cost(spec, target, B, T, RecurrentVariant.from_dict(variant), cal, step=step)
+    return recurrent_cost(spec, target, B, T, _variant(mode, variant), cal, step=step)
+
+
+def _variant(mode: str, variant: dict):
+    """The kernel configuration of one plan alternative, from the dict the plan stores."""
+    return (ChunkVariant if mode == "chunk" else RecurrentVariant).from_dict(variant)
 
 
 def _label(alt: dict) -> str:
+    """How the tables name an alternative: the config's form where the dict has a ``form`` tag,
+    else its mode, with " fused" for the chunk kernel without its prepare launch."""
+    if "form" in alt["variant"]:
+        return alt["variant"]["form"]
     return alt["mode"] + (" fused" if alt["variant"].get("fuse_prepare") else "")
 
 
@@ -237,46 +237,6 @@ def bundle(args) -> dict:
     return {"summary": summary}
 
 
-def sweep(args) -> dict:
-    import optuna
-
-    from rtcompile.tuning import open_storage
-
-    storage = open_storage(args.storage)
-    studies = {s.study_name: s for s in optuna.get_all_study_summaries(storage, include_best_trial=False)
-               if s.study_name.startswith("rtcompile:")}
-    rows = []
-    for name in sorted(n for n in studies if n.endswith(":exhaustive")):
-        tpe_name = name[: -len(":exhaustive")]
-        if tpe_name not in studies:
-            continue
-        row = {"bucket": name.split(":")[1], "fixed": name.split(":fixed ")[1].split(":")[0] if ":fixed " in name else ""}
-        for label, sname in (("exhaustive", name), ("tpe", tpe_name)):
-            st = optuna.load_study(study_name=sname, storage=storage)
-            trials = st.get_trials(deepcopy=False)
-            ok = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
-            times = [t.datetime_start for t in trials if t.datetime_start] + \
-                [t.datetime_complete for t in trials if t.datetime_complete]
-            # pruned trials (refused by the resource estimate) compile and time nothing: the
-            # trial share compares the variants each search actually ran
-            ran = [t for t in trials if t.state != optuna.trial.TrialState.PRUNED]
-            row[label] = {
-                "trials": len(ran), "pruned": len(trials) - len(ran), "ok": len(ok),
-                "best_s": min((t.value for t in ok), default=None),
-                "best_params": min(ok, key=lambda t: t.value).params if ok else None,
-                "wall_s": (max(times) - min(times)).total_seconds() if times else None,
-                "default_s": st.user_attrs.get("default_seconds"),
-            }
-        ex, tp = row["exhaustive"], row["tpe"]
-        row["gap"] = tp["best_s"] / ex["best_s"] - 1 if ex["best_s"] and tp["best_s"] else None
-        row["trial_share"] = tp["trials"] / ex["trials"] if ex["trials"] else None
-        rows.append(row)
-    summary = {"buckets": len(rows),
-               "all_within_3pct": all(r["gap"] is not None and r["gap"] <= 0.03 for r in rows) if rows else None,
-               "all_at_most_20pct_trials": all((r["trial_share"] or 1) <= 0.2 + 1e-9 for r in rows) if rows else None}
-    return {"summary": summary, "rows": rows}
-
-
 def _table(name: str, data: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -286,39 +246,24 @@ def _table(name: str, data: dict) -> None:
         for c in ("spec", "phase", "B", "T", "chosen", "best", "regret", "ms per alternative"):
             t.add_column(c)
         for r in data["rows"]:
-            alts = ", ".join(f"{a['mode']}{' fused' if a['variant'].get('fuse_prepare') else ''} "
-                             f"{a['measured_s'] * 1e3:.3g}" if a["measured_s"] else f"{a['mode']} failed"
+            alts = ", ".join(f"{_label(a)} {a['measured_s'] * 1e3:.3g}" if a["measured_s"] else f"{_label(a)} failed"
                              for a in r["alternatives"])
             reg = f"{r['regret'] * 100:.1f}%" if r["regret"] is not None else "-"
             t.add_row(r["spec"], r["phase"], str(r["batch"]), str(r["seq_len"]), r["chosen_label"], str(r["best_label"]),
                       reg, alts)
-    if name == "sweep":
-        for c in ("bucket", "fixed", "exhaustive best ms (trials, wall s)", "TPE best ms (trials, wall s)", "gap",
-                  "TPE share", "default ms"):
-            t.add_column(c)
-        ms = lambda x: f"{x * 1e3:.4g}" if x else "-"
-        for r in data["rows"]:
-            ex, tp = r["exhaustive"], r["tpe"]
-            t.add_row(r["bucket"], r["fixed"], f"{ms(ex['best_s'])} ({ex['trials']}, {ex['wall_s'] or 0:.0f})",
-                      f"{ms(tp['best_s'])} ({tp['trials']}, {tp['wall_s'] or 0:.0f})",
-                      f"{r['gap'] * 100:.1f}%" if r["gap"] is not None else "-",
-                      f"{r['trial_share'] * 100:.0f}%" if r["trial_share"] else "-", ms(ex["default_s"]))
     Console(width=200).print(t)
     print(json.dumps(data["summary"], indent=1))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("check", choices=["regret", "bundle", "sweep"])
-    ap.add_argument("--storage", help="sweep: the tuning store holding both studies")
+    ap.add_argument("check", choices=["regret", "bundle"])
     ap.add_argument("--out", required=True, help="directory for <check>.json (and the bundle)")
     ap.add_argument("--target", help="target profile (default: auto on a GPU, h200 on the CPU)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, for the CPU tests")
     args = ap.parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    if args.check == "sweep" and not args.storage:
-        ap.error("sweep needs --storage")
-    data = {"regret": regret, "bundle": bundle, "sweep": sweep}[args.check](args)
+    data = {"regret": regret, "bundle": bundle}[args.check](args)
     path = Path(args.out) / f"{args.check}.json"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1, default=str))
