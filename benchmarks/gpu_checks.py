@@ -38,8 +38,8 @@ sys.path.insert(0, str(ROOT))
 
 from rtcompile.costmodel import Calibration, Cost, calibrate, chunk_cost, recurrent_cost  # noqa: E402
 from rtcompile.kernels.inputs import random_inputs  # noqa: E402
-from rtcompile.kernels.triton_fwd import running_tensor_decode_, running_tensor_fwd  # noqa: E402
-from rtcompile.kernels.variants import ChunkVariant, RecurrentVariant  # noqa: E402
+from rtcompile.kernels.forms import config_from_dict  # noqa: E402
+from rtcompile.kernels.launch import running_tensor_decode_, running_tensor_fwd  # noqa: E402
 from rtcompile.plan import make_plan  # noqa: E402
 from rtcompile.spec import Features, ModelSpec, load_spec  # noqa: E402
 from rtcompile.target import get_target  # noqa: E402
@@ -84,15 +84,12 @@ def _predict(spec, target, phase, mode, variant, B, T, cal) -> Cost:
 
 def _variant(mode: str, variant: dict):
     """The kernel configuration of one plan alternative, from the dict the plan stores."""
-    return (ChunkVariant if mode == "chunk" else RecurrentVariant).from_dict(variant)
+    return config_from_dict(variant, "chunk" if mode == "chunk" else "recurrent")
 
 
 def _label(alt: dict) -> str:
-    """How the tables name an alternative: the config's form where the dict has a ``form`` tag,
-    else its mode, with " fused" for the chunk kernel without its prepare launch."""
-    if "form" in alt["variant"]:
-        return alt["variant"]["form"]
-    return alt["mode"] + (" fused" if alt["variant"].get("fuse_prepare") else "")
+    """How the tables name an alternative: its config's form."""
+    return alt["variant"]["form"]
 
 
 def regret(args) -> dict:
