@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Sequence
 
-from . import __version__
+from ._version import __version__
 from .spec import SpecError, SpecFileError, SpecTypeError
 
 
