@@ -15,7 +15,8 @@ budget) first runs the kernel's default candidates, the default first (user attr
 Trial outcome (user attribute ``status``): ``ok`` (COMPLETE, value = median seconds),
 ``pruned`` (the variant's resource estimate refuses it before compiling), ``rejected`` (wrong
 result), ``failed`` (compile error, launch failure, crash or timeout), ``stale`` (its worker
-died; marked by ``--resume`` and replaced by a new WAITING trial).
+died: Optuna's heartbeat lapsed, the trial was failed and retried with the same parameters as a
+new WAITING trial; :func:`stale_numbers` lists them).
 
 Finishing a study re-measures the best few variants and the default, then records the winner
 in the study's user attributes and in the tuned-config table the kernels read.
@@ -32,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
@@ -40,7 +42,7 @@ from ..kernels.variants import (
     DEFAULT_SMEM_BYTES, ChunkVariant, KernelShape, RecurrentVariant, gated_params, iter_space,
 )
 from .keys import Bucket, Machine, key_attrs, study_name
-from .store import claim_lock, open_storage, serialises_claims, write_tuned
+from .store import claim_lock, heartbeat_interval, open_storage, retried_numbers, retry_callback, write_tuned
 
 DEFAULT_SEED = 20261129  # recorded in every study; TPE's choices are reproducible from it
 RESULT_ATTRS = ("best_variant", "best_seconds", "default_seconds")
@@ -275,87 +277,128 @@ def run_objective(bucket: Bucket, variant: dict | None, opts: TuneOptions, seed:
         return own.evaluate(request)
 
 
+def stale_numbers(study) -> set[int]:
+    """The numbers of the study's trials whose worker died (failed as stale and retried)."""
+    return retried_numbers(study.get_trials(deepcopy=False))
+
+
 def _counts(study) -> dict[str, int]:
+    trials = study.get_trials(deepcopy=False)
+    stale = retried_numbers(trials)
     out: dict[str, int] = {}
-    for t in study.get_trials(deepcopy=False):
-        key = t.user_attrs.get("status") or t.state.name.lower()
+    for t in trials:
+        key = "stale" if t.number in stale else t.user_attrs.get("status") or t.state.name.lower()
         out[key] = out.get(key, 0) + 1
     return out
 
 
-def _pid_alive(pid: int) -> bool:
-    """Is a process of this host still running? A zombie (killed, not yet reaped) is not."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
+def trial_id(storage, study, number: int) -> int:
+    """The storage's id of the study's trial ``number`` (Optuna keeps the id private on trials)."""
+    return storage.get_trial_id_from_study_id_trial_number(storage.get_study_id_from_name(study.study_name), number)
 
 
-def mark_stale(study, timeout: float, storage_url: str | None = None) -> int:
-    """Fail RUNNING trials whose worker is gone (same host, dead pid), that outlived twice the
-    trial timeout, or that have no owner, and enqueue one WAITING replacement for each.
-    Returns how many.
+class Heartbeat:
+    """Records a RUNNING trial's heartbeat every ``HEARTBEAT_S`` while its worker runs it, from a
+    thread (the evaluation itself waits on a trial process). Optuna beats inside
+    ``study.optimize``; the workers here claim enqueued trials themselves (:func:`claim`), so
+    they beat themselves, through the storage's public ``record_heartbeat``. A no-op where the
+    storage keeps no heartbeats (journal)."""
 
-    A worker records its owner (host, pid) in the same ``claim_lock`` section that moves the
-    trial to RUNNING (:func:`claim`, :func:`_ask`), and this scan holds that lock too: where the
-    lock is real (SQLite) an ownerless RUNNING trial is one whose worker died between those two
-    writes, stale at once. Elsewhere (PostgreSQL, journal) the lock is a no-op, so an ownerless
-    trial is given 60 s, ample for the next write of a live worker."""
-    import optuna
+    def __init__(self, storage, trial: int):
+        self.storage, self.trial = storage, trial
+        self.interval = heartbeat_interval(storage)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
-    serialised = serialises_claims(storage_url)
-    host, now, n = socket.gethostname(), time.time(), 0
-    with claim_lock(storage_url):
-        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-            owner_host, pid = t.user_attrs.get("host"), t.user_attrs.get("pid")
-            started = t.datetime_start.timestamp() if t.datetime_start else now
-            dead = owner_host == host and isinstance(pid, int) and not _pid_alive(pid)
-            ownerless = owner_host is None and (serialised or now - started > 60)
-            if dead or ownerless or now - started > 2 * timeout:
-                study._storage.set_trial_user_attr(t._trial_id, "status", "stale")
-                study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
-                study.enqueue_trial(t.system_attrs.get("fixed_params", {}), user_attrs={"replaces": t.number})
-                n += 1
-    return n
-
-
-def _own(storage, trial_id: int) -> None:
-    storage.set_trial_user_attr(trial_id, "host", socket.gethostname())
-    storage.set_trial_user_attr(trial_id, "pid", os.getpid())
-
-
-def claim(study, storage_url: str | None = None):
-    """Take one WAITING trial and record this process as its owner, or None. Atomic: no two
-    workers ever get the same trial (the storage's own compare-and-set, plus ``claim_lock``
-    where the storage's is not atomic)."""
-    import optuna
-
-    storage = study._storage
-    with claim_lock(storage_url):
-        for t in storage.get_all_trials(study._study_id, deepcopy=False,
-                                        states=(optuna.trial.TrialState.WAITING,)):
+    def _beat(self) -> None:
+        while not self._stop.wait(self.interval):
             try:
-                if storage.set_trial_state_values(t._trial_id, state=optuna.trial.TrialState.RUNNING):
-                    _own(storage, t._trial_id)  # before the lock is released: see mark_stale
-                    return optuna.Trial(study, t._trial_id)
+                self.storage.record_heartbeat(self.trial)
+            except Exception:  # noqa: BLE001 -- a missed beat (a busy database) is covered by the grace period
+                pass
+
+    def start(self) -> "Heartbeat":
+        if self.interval is not None:
+            self._thread = threading.Thread(target=self._beat, daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+
+def mark_stale(study, storage, timeout: float) -> int:
+    """Fail the study's RUNNING trials whose worker is gone and enqueue each one's retry (same
+    parameters, a new WAITING trial; :func:`rtcompile.tuning.store.retry_callback`). Returns
+    how many were failed.
+
+    RDB storages: Optuna's ``fail_stale_trials`` (a trial whose heartbeat is ``GRACE_S`` old;
+    a worker beats before it moves a trial to RUNNING, so no RUNNING trial lacks a heartbeat).
+    The journal storage keeps no heartbeats (Optuna 5.0): there a trial RUNNING for over twice
+    the trial timeout is stale, since a live worker ends every trial at the timeout."""
+    import optuna
+
+    state = optuna.trial.TrialState
+    failed = lambda: {t.number for t in study.get_trials(deepcopy=False, states=(state.FAIL,))}
+    before = failed()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        if heartbeat_interval(storage) is not None:
+            optuna.storages.fail_stale_trials(study)
+        else:
+            now, retry = time.time(), retry_callback()
+            for t in study.get_trials(deepcopy=False, states=(state.RUNNING,)):
+                if t.datetime_start is None or now - t.datetime_start.timestamp() <= 2 * timeout:
+                    continue
+                tid = trial_id(storage, study, t.number)
+                try:
+                    if storage.set_trial_state_values(tid, state=state.FAIL):
+                        retry(study, storage.get_trial(tid))
+                except optuna.exceptions.UpdateFinishedTrialError:
+                    continue  # another process finished or failed it first
+    return len(failed() - before)
+
+
+def claim(study, storage, storage_url: str | None = None):
+    """Take one WAITING trial, or None. Atomic: no two workers ever get the same trial (the
+    storage's compare-and-set of the state, plus ``claim_lock`` where that is not atomic).
+    Optuna's ``study.ask`` would create a new trial when none waits, overrunning the budget.
+
+    The heartbeat is recorded before the state change: a worker killed right after the claim
+    leaves a RUNNING trial with a heartbeat, which goes stale; one without a heartbeat would
+    never be seen by ``fail_stale_trials``."""
+    import optuna
+
+    beats = heartbeat_interval(storage) is not None
+    claimed = None
+    with claim_lock(storage_url):
+        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)):
+            tid = trial_id(storage, study, t.number)
+            if beats:
+                storage.record_heartbeat(tid)
+            try:
+                if storage.set_trial_state_values(tid, state=optuna.trial.TrialState.RUNNING):
+                    claimed = optuna.Trial(study, tid)
+                    break
             except optuna.exceptions.UpdateFinishedTrialError:
                 continue
-    return None
+    if claimed is not None:  # where it ran, for a person reading the store
+        claimed.set_user_attr("host", socket.gethostname())
+        claimed.set_user_attr("pid", os.getpid())
+    return claimed
 
 
-def _ask(study, storage_url: str | None = None):
-    """``study.ask()`` (seconds mode) with its owner recorded under ``claim_lock``, as in :func:`claim`."""
-    with claim_lock(storage_url):
-        trial = study.ask()
-        _own(study._storage, trial._trial_id)
-    return trial
+def _next_trial(study, storage, storage_url: str | None, deadline: float | None):
+    """The worker's next trial: a WAITING one (trials mode: None ends the worker); in seconds
+    mode, a new one is enqueued whenever none waits, until the deadline."""
+    while True:
+        trial = claim(study, storage, storage_url)
+        if trial is not None or deadline is None or time.time() >= deadline:
+            return trial
+        study.enqueue_trial({})  # another worker may take it first: then claim again
 
 
 # TPE treats pruned trials as the worst, so it leaves refused regions after a few; the cap only
@@ -376,15 +419,18 @@ def run_worker(storage_url: str | None, name: str, bucket: Bucket, opts: TuneOpt
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sampler = optuna.samplers.TPESampler(seed=opts.seed + index)
-    study = optuna.load_study(study_name=name, storage=open_storage(storage_url), sampler=sampler)
+    storage = open_storage(storage_url)
+    study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
     cls, shape = variant_class(bucket.kernel), _shape(bucket)
     space, limit = search_space(bucket, opts), _smem_limit(opts.device)
     with TrialRunner(opts.trial_timeout) as runner:  # one trial process for the worker's trials
         done = 0
         while deadline is None or time.time() < deadline:
-            trial = claim(study, storage_url) if deadline is None else _ask(study, storage_url)
+            trial = _next_trial(study, storage, storage_url, deadline)
             if trial is None:
                 break
+            # stopped after the tell; an exception ends the worker, and the daemon thread with it
+            beat = Heartbeat(storage, trial_id(storage, study, trial.number)).start()
             variant = cls(**_suggest(trial, cls, space))
             reason = variant.check(shape, limit)
             if reason is not None:
@@ -403,6 +449,7 @@ def run_worker(storage_url: str | None, name: str, bucket: Bucket, opts: TuneOpt
                     study.tell(trial, result["seconds"])
                 else:
                     study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            beat.stop()
             done += 1
     return done
 
@@ -462,7 +509,7 @@ def tune_bucket(bucket: Bucket, opts: TuneOptions,
     for k, v in {**key_attrs(bucket, machine, source), "seed": opts.seed}.items():
         study.set_user_attr(k, v)
     if opts.resume:
-        mark_stale(study, opts.trial_timeout, url)
+        mark_stale(study, storage, opts.trial_timeout)
     deadline = None
     if opts.seconds is not None:
         deadline = time.time() + opts.seconds
@@ -470,7 +517,9 @@ def tune_bucket(bucket: Bucket, opts: TuneOptions,
             for i, params in enumerate(_warm_starts(bucket, opts, None)):
                 study.enqueue_trial(params, user_attrs={"warm_start": i})
     else:
-        counted = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("status") not in ("stale", "pruned")]
+        stale = stale_numbers(study)
+        counted = [t for t in study.get_trials(deepcopy=False)
+                   if t.number not in stale and t.user_attrs.get("status") != "pruned"]
         if opts.exhaustive:  # every valid variant once: the ones this study has not enqueued yet
             have = [t.system_attrs.get("fixed_params") for t in counted]
             for v in exhaustive_variants(bucket, opts):
@@ -486,20 +535,53 @@ def tune_bucket(bucket: Bucket, opts: TuneOptions,
             for _ in range(missing):
                 study.enqueue_trial({})
     before = _finished(study)
-    procs = _spawn_workers(url or _default_url(), name, bucket, opts, deadline)
     total = len(exhaustive_variants(bucket, opts)) if opts.exhaustive else opts.trials or 0
-    while any(p.poll() is None for p in procs):
-        if progress:
-            progress(bucket.label, _finished(study), total)
-        time.sleep(0.5)
-    if progress:
-        progress(bucket.label, _finished(study), total)
-    bad = [p.returncode for p in procs if p.returncode != 0]
-    if bad:
-        raise RuntimeError(f"tuning workers exited with {bad}: see their output above")
+    _run_workers(study, storage, url, name, bucket, opts, deadline,
+                 lambda: progress and progress(bucket.label, _finished(study), total))
     ran = _finished(study) - before
     _finish(study, bucket, machine, source, opts)
     return _result_from(study, bucket, ran, already=False)
+
+
+# How often the coordinator looks for stale trials while it waits (one query of the RUNNING trials)
+STALE_POLL_S = 2.0
+
+
+def _run_workers(study, storage, url: str | None, name: str, bucket: Bucket, opts: TuneOptions,
+                 deadline: float | None, report: Callable[[], Any]) -> None:
+    """Run worker processes until the study's queue is empty, failing stale trials meanwhile.
+
+    In trials mode the coordinator then waits for RUNNING trials it did not start (a previous
+    run's, whose worker died: stale within the grace period; or a live worker's on another
+    host: it finishes) and runs workers again for the retries that their staleness enqueued, so
+    a ``--resume`` right after a kill still runs the whole budget."""
+    import optuna
+
+    state = optuna.trial.TrialState
+    while True:
+        procs = _spawn_workers(url or _default_url(), name, bucket, opts, deadline)
+        last = time.monotonic()
+        while any(p.poll() is None for p in procs):
+            report()
+            if time.monotonic() - last >= STALE_POLL_S:
+                mark_stale(study, storage, opts.trial_timeout)
+                last = time.monotonic()
+            time.sleep(0.5)
+        report()
+        bad = [p.returncode for p in procs if p.returncode != 0]
+        if bad:
+            raise RuntimeError(f"tuning workers exited with {bad}: see their output above")
+        if deadline is not None or heartbeat_interval(storage) is None:
+            # seconds mode: the time is spent. Journal: no heartbeats, an orphan goes stale only
+            # after twice the trial timeout (minutes): a later --resume retries it
+            return
+        while study.get_trials(deepcopy=False, states=(state.RUNNING,)):
+            mark_stale(study, storage, opts.trial_timeout)
+            if study.get_trials(deepcopy=False, states=(state.WAITING,)):
+                break
+            time.sleep(STALE_POLL_S)
+        if not study.get_trials(deepcopy=False, states=(state.WAITING,)):
+            return
 
 
 def _default_url() -> str:
@@ -513,8 +595,8 @@ def _finished(study) -> int:
     import optuna
 
     st = optuna.trial.TrialState
-    return sum(1 for t in study.get_trials(deepcopy=False, states=(st.COMPLETE, st.FAIL))
-               if t.user_attrs.get("status") != "stale")
+    stale = stale_numbers(study)
+    return sum(1 for t in study.get_trials(deepcopy=False, states=(st.COMPLETE, st.FAIL)) if t.number not in stale)
 
 
 def _finish(study, bucket: Bucket, machine: Machine, source: str, opts: TuneOptions) -> None:
