@@ -20,11 +20,12 @@ import hashlib
 import os
 import secrets
 import shutil
+import stat
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["atomic_directory", "atomic_write", "cache_dir", "file_sha256"]
+__all__ = ["atomic_directory", "atomic_write", "cache_dir", "file_sha256", "honour_umask"]
 
 # A clash of two 64-bit random names is improbable; the retries only bound a pathological loop.
 _NAME_TRIES = 16
@@ -34,21 +35,38 @@ def _temp_name(dest: Path) -> Path:
     return dest.with_name(f".{dest.name}.{os.getpid()}.{secrets.token_hex(8)}.tmp")
 
 
+def _create(dest: Path) -> tuple[Path, int]:
+    """A new temporary file beside ``dest``, mode 0o666 less the umask: (its path, an fd)."""
+    for _ in range(_NAME_TRIES):
+        tmp = _temp_name(dest)
+        try:
+            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{str(dest)!r}: could not create a temporary file beside it")  # pragma: no cover
+
+
+def honour_umask(path: str | os.PathLike) -> None:
+    """Give a file that a library created 0600 (safetensors' ``save_file`` does) the mode a
+    plain ``open`` would have given it: 0o666 less the umask. The umask is read from a probe
+    file, not with ``os.umask`` (setting it to read it races with other threads)."""
+    dest = Path(path)
+    probe, fd = _create(dest)
+    try:
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+        os.unlink(probe)
+    os.chmod(dest, mode)
+
+
 def atomic_write(path: str | os.PathLike, data: bytes | str, *, encoding: str = "utf-8") -> Path:
     """Write ``data`` (bytes, or text encoded with ``encoding``, newlines written as given) to
     ``path`` atomically: on any failure the destination keeps its old content (or stays absent)
     and no temporary file is left behind. The folder must exist. Returns the path."""
     dest = Path(path)
     payload = data.encode(encoding) if isinstance(data, str) else bytes(data)
-    for _ in range(_NAME_TRIES):
-        tmp = _temp_name(dest)
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
-        except FileExistsError:
-            continue
-        break
-    else:  # pragma: no cover -- 16 clashes of random names
-        raise FileExistsError(f"{str(dest)!r}: could not create a temporary file beside it")
+    tmp, fd = _create(dest)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(payload)

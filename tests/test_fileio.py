@@ -53,9 +53,13 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypat
     assert sorted(x.name for x in tmp_path.iterdir()) == ["table.json"]
 
 
-def test_a_failed_data_write_leaves_no_file(tmp_path):
-    with pytest.raises(TypeError):
-        fileio.atomic_write(tmp_path / "x.json", {"not": "bytes"})  # type: ignore[arg-type]
+def test_a_write_interrupted_midway_leaves_no_file(tmp_path, monkeypatch):
+    def interrupted(fd):
+        raise KeyboardInterrupt  # after the data, before the rename
+
+    monkeypatch.setattr(fileio.os, "fsync", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        fileio.atomic_write(tmp_path / "x.json", "{}")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -90,3 +94,11 @@ def test_file_sha256(tmp_path):
 def test_cache_dir_follows_xdg_cache_home(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert fileio.cache_dir() == tmp_path / "rtcompile"
+
+
+def test_honour_umask_fixes_a_library_made_0600_file(tmp_path, umask_022):
+    p = tmp_path / "w.safetensors"
+    p.write_bytes(b"x")
+    os.chmod(p, 0o600)
+    fileio.honour_umask(p)
+    assert _mode(p) == 0o644 and sorted(x.name for x in tmp_path.iterdir()) == ["w.safetensors"]

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..fileio import atomic_directory, file_sha256
+from ..fileio import atomic_directory, file_sha256, honour_umask
 
 BUNDLE_FORMAT = 1
 MANIFEST = "manifest.json"
@@ -53,6 +53,7 @@ def export_bundle(model, out: str | os.PathLike, *, plan=None, overwrite: bool =
     with atomic_directory(dest, overwrite=overwrite) as tmp:
         state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
         save_file(state, str(tmp / WEIGHTS))
+        honour_umask(tmp / WEIGHTS)  # save_file creates it 0600
         names = [WEIGHTS]
         if onnx:
             import copy
