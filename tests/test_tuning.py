@@ -171,7 +171,7 @@ def test_a_trial_whose_worker_died_is_failed_and_retried(tmp_path, monkeypatch, 
     import optuna
 
     from rtcompile.tuning import store
-    from rtcompile.tuning.study import Heartbeat, claim, mark_stale, stale_numbers, trial_id
+    from rtcompile.tuning.claims import Heartbeat, claim, mark_stale, stale_numbers, trial_id
 
     monkeypatch.setattr(store, "HEARTBEAT_S", 1)
     monkeypatch.setattr(store, "GRACE_S", 2)
@@ -285,7 +285,7 @@ _CLAIMER = """
 import json, sys, time
 import optuna
 from rtcompile.tuning.store import open_storage
-from rtcompile.tuning.study import claim
+from rtcompile.tuning.claims import claim
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 url, name, start = sys.argv[1], sys.argv[2], float(sys.argv[3])
 storage = open_storage(url)

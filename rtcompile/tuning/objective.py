@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import sys
 from dataclasses import dataclass, replace
 from typing import Any, Callable

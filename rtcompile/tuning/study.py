@@ -27,13 +27,11 @@ from __future__ import annotations
 import json
 import os
 import queue
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
@@ -41,8 +39,9 @@ from ..kernels import tuned
 from ..kernels.variants import (
     DEFAULT_SMEM_BYTES, ChunkVariant, KernelShape, RecurrentVariant, gated_params, iter_space,
 )
+from .claims import Heartbeat, mark_stale, next_trial, stale_numbers, trial_id
 from .keys import Bucket, Machine, key_attrs, study_name
-from .store import claim_lock, heartbeat_interval, open_storage, retried_numbers, retry_callback, write_tuned
+from .store import heartbeat_interval, open_storage, retried_numbers, write_tuned
 
 DEFAULT_SEED = 20261129  # recorded in every study; TPE's choices are reproducible from it
 RESULT_ATTRS = ("best_variant", "best_seconds", "default_seconds")
@@ -277,11 +276,6 @@ def run_objective(bucket: Bucket, variant: dict | None, opts: TuneOptions, seed:
         return own.evaluate(request)
 
 
-def stale_numbers(study) -> set[int]:
-    """The numbers of the study's trials whose worker died (failed as stale and retried)."""
-    return retried_numbers(study.get_trials(deepcopy=False))
-
-
 def _counts(study) -> dict[str, int]:
     trials = study.get_trials(deepcopy=False)
     stale = retried_numbers(trials)
@@ -290,115 +284,6 @@ def _counts(study) -> dict[str, int]:
         key = "stale" if t.number in stale else t.user_attrs.get("status") or t.state.name.lower()
         out[key] = out.get(key, 0) + 1
     return out
-
-
-def trial_id(storage, study, number: int) -> int:
-    """The storage's id of the study's trial ``number`` (Optuna keeps the id private on trials)."""
-    return storage.get_trial_id_from_study_id_trial_number(storage.get_study_id_from_name(study.study_name), number)
-
-
-class Heartbeat:
-    """Records a RUNNING trial's heartbeat every ``HEARTBEAT_S`` while its worker runs it, from a
-    thread (the evaluation itself waits on a trial process). Optuna beats inside
-    ``study.optimize``; the workers here claim enqueued trials themselves (:func:`claim`), so
-    they beat themselves, through the storage's public ``record_heartbeat``. A no-op where the
-    storage keeps no heartbeats (journal)."""
-
-    def __init__(self, storage, trial: int):
-        self.storage, self.trial = storage, trial
-        self.interval = heartbeat_interval(storage)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def _beat(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.storage.record_heartbeat(self.trial)
-            except Exception:  # noqa: BLE001 -- a missed beat (a busy database) is covered by the grace period
-                pass
-
-    def start(self) -> "Heartbeat":
-        if self.interval is not None:
-            self._thread = threading.Thread(target=self._beat, daemon=True)
-            self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            self._thread = None
-
-
-def mark_stale(study, storage, timeout: float) -> int:
-    """Fail the study's RUNNING trials whose worker is gone and enqueue each one's retry (same
-    parameters, a new WAITING trial; :func:`rtcompile.tuning.store.retry_callback`). Returns
-    how many were failed.
-
-    RDB storages: Optuna's ``fail_stale_trials`` (a trial whose heartbeat is ``GRACE_S`` old;
-    a worker beats before it moves a trial to RUNNING, so no RUNNING trial lacks a heartbeat).
-    The journal storage keeps no heartbeats (Optuna 5.0): there a trial RUNNING for over twice
-    the trial timeout is stale, since a live worker ends every trial at the timeout."""
-    import optuna
-
-    state = optuna.trial.TrialState
-    failed = lambda: {t.number for t in study.get_trials(deepcopy=False, states=(state.FAIL,))}
-    before = failed()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        if heartbeat_interval(storage) is not None:
-            optuna.storages.fail_stale_trials(study)
-        else:
-            now, retry = time.time(), retry_callback()
-            for t in study.get_trials(deepcopy=False, states=(state.RUNNING,)):
-                if t.datetime_start is None or now - t.datetime_start.timestamp() <= 2 * timeout:
-                    continue
-                tid = trial_id(storage, study, t.number)
-                try:
-                    if storage.set_trial_state_values(tid, state=state.FAIL):
-                        retry(study, storage.get_trial(tid))
-                except optuna.exceptions.UpdateFinishedTrialError:
-                    continue  # another process finished or failed it first
-    return len(failed() - before)
-
-
-def claim(study, storage, storage_url: str | None = None):
-    """Take one WAITING trial, or None. Atomic: no two workers ever get the same trial (the
-    storage's compare-and-set of the state, plus ``claim_lock`` where that is not atomic).
-    Optuna's ``study.ask`` would create a new trial when none waits, overrunning the budget.
-
-    The heartbeat is recorded before the state change: a worker killed right after the claim
-    leaves a RUNNING trial with a heartbeat, which goes stale; one without a heartbeat would
-    never be seen by ``fail_stale_trials``."""
-    import optuna
-
-    beats = heartbeat_interval(storage) is not None
-    claimed = None
-    with claim_lock(storage_url):
-        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)):
-            tid = trial_id(storage, study, t.number)
-            if beats:
-                storage.record_heartbeat(tid)
-            try:
-                if storage.set_trial_state_values(tid, state=optuna.trial.TrialState.RUNNING):
-                    claimed = optuna.Trial(study, tid)
-                    break
-            except optuna.exceptions.UpdateFinishedTrialError:
-                continue
-    if claimed is not None:  # where it ran, for a person reading the store
-        claimed.set_user_attr("host", socket.gethostname())
-        claimed.set_user_attr("pid", os.getpid())
-    return claimed
-
-
-def _next_trial(study, storage, storage_url: str | None, deadline: float | None):
-    """The worker's next trial: a WAITING one (trials mode: None ends the worker); in seconds
-    mode, a new one is enqueued whenever none waits, until the deadline."""
-    while True:
-        trial = claim(study, storage, storage_url)
-        if trial is not None or deadline is None or time.time() >= deadline:
-            return trial
-        study.enqueue_trial({})  # another worker may take it first: then claim again
 
 
 # TPE treats pruned trials as the worst, so it leaves refused regions after a few; the cap only
@@ -426,7 +311,7 @@ def run_worker(storage_url: str | None, name: str, bucket: Bucket, opts: TuneOpt
     with TrialRunner(opts.trial_timeout) as runner:  # one trial process for the worker's trials
         done = 0
         while deadline is None or time.time() < deadline:
-            trial = _next_trial(study, storage, storage_url, deadline)
+            trial = next_trial(study, storage, storage_url, deadline)
             if trial is None:
                 break
             # stopped after the tell; an exception ends the worker, and the daemon thread with it
