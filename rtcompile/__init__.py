@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ._version import __version__
 from .spec import Features, ModelSpec, SpecError, SpecFileError, SpecTypeError, load_spec, save_spec
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Features",

@@ -11,8 +11,11 @@ import os
 import sys
 from typing import Sequence
 
-from . import __version__
+from ._version import __version__
+from .cli_args import EXIT_USAGE, Parser, UsageError, int_at_least, positive_float
 from .spec import SpecError, SpecFileError, SpecTypeError
+
+__all__ = ["EXIT_USAGE", "INPUT_ERRORS", "UsageError", "build_parser", "main"]
 
 
 class _NoStoreError(Exception):
@@ -33,17 +36,6 @@ def _lazy_errors() -> tuple[type, ...]:
 # Errors that mean "your input is wrong": reported as one line. Anything else is a bug and
 # keeps its traceback.
 INPUT_ERRORS = (SpecError, SpecTypeError, SpecFileError)
-
-EXIT_USAGE = 2
-
-
-class UsageError(Exception):
-    """A command-line usage error: reported as one line, exit code 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse prints usage + message; we want one line
-        raise UsageError(f"{self.prog}: {message}")
 
 
 def _fmt_bytes(n: float) -> str:
@@ -108,29 +100,6 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _int_at_least(lo: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {text!r}") from None
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {value}")
-        return value
-
-    return parse
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
-    return value
-
-
 def _cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -162,12 +131,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = Parser(
         prog="rtcompile",
         description="Autotune, plan and export RunningTensor (higher-order linear attention) models.",
     )
     parser.add_argument("--version", action="version", version=f"rtcompile {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     info = sub.add_parser("info", help="print a spec's derived figures (state size, parameters, FLOPs, bytes)")
     info.add_argument("spec", help="model spec file (.toml or .json)")
     info.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -183,9 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="T=1024 and fewer cases (a smoke run)")
     bench.add_argument("--out", metavar="DIR", help="write bench.json and bench.csv into DIR (rewritten after every case)")
     bench.add_argument("--dry-run", action="store_true", help="list the cases a run would measure; needs no GPU")
-    bench.add_argument("--repeats", type=_int_at_least(MIN_REPEATS), default=DEFAULT_REPEATS, metavar="N",
+    bench.add_argument("--repeats", type=int_at_least(MIN_REPEATS), default=DEFAULT_REPEATS, metavar="N",
                        help=f"timed repeats per measurement, median reported (default {DEFAULT_REPEATS})")
-    bench.add_argument("--budget-s", type=_positive_float, default=DEFAULT_BUDGET_S, metavar="S",
+    bench.add_argument("--budget-s", type=positive_float, default=DEFAULT_BUDGET_S, metavar="S",
                        help="soft time budget: once spent, the remaining implementations are recorded as skipped "
                        f"(default {DEFAULT_BUDGET_S:.0f})")
     bench.add_argument("--only", action="append", metavar="TEXT",

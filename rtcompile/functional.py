@@ -20,7 +20,8 @@ def _triton_available(v: torch.Tensor) -> bool:
     return v.device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _needs_grad(*xs) -> bool:
+def needs_grad(*xs) -> bool:
+    """Does autograd need a backward through these (grad mode on and a tensor requiring grad)?"""
     if not torch.is_grad_enabled():
         return False
     return any(isinstance(x, torch.Tensor) and x.requires_grad for x in xs)
@@ -108,7 +109,7 @@ def running_tensor(
         # Until the planner measures the crossover: a sequence shorter than one chunk gains
         # nothing from the chunk form.
         mode = "chunk" if seq_len >= C else "recurrent"
-    backend = resolve_backend(backend, v, order, _needs_grad(*q, *k, v, g, beta, initial_state))
+    backend = resolve_backend(backend, v, order, needs_grad(*q, *k, v, g, beta, initial_state))
     if backend != "triton":
         variant = None  # a plan's kernel variant means nothing to the reference
     elif plan_variant and not torch.compiler.is_compiling():

@@ -11,18 +11,28 @@ parameter count is :func:`rtcompile.figures.parameters_per_layer` exactly.
 ``forward`` runs a prompt (prefill) and returns the state cache; ``step`` runs one token per
 sequence from a cache. A cache is a list (one per layer) of dicts with the mixer state
 ``[B, H, d_1, ..., d_v]`` (fp32) and the convolution tail ``[B, channels, w - 1]``.
+
+The state mixer can be replaced per call (``mixer=``, a :data:`Mixer`): the exporter
+(:mod:`rtcompile.export.onnx_model`) passes one that becomes a single ONNX node. This module
+knows nothing of ONNX; everything else about a layer stays the same under a replaced mixer.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .functional import _needs_grad, resolve_backend, running_tensor, running_tensor_decode_
+from .functional import needs_grad, resolve_backend, running_tensor, running_tensor_decode_
 from .spec import ModelSpec
+
+# A replacement state mixer: ``mixer(spec, q, k, v, g, beta, state) -> (o, new_state)`` with q, k
+# the factor lists [B, T, H, d_i], v [B, T, H, d_v], g (log decay, fp32) and beta [B, T, H] or
+# None, and ``state`` the cache's [B, H, d_1, ..., d_v] or None (no cache: a zero state).
+Mixer = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 class _CausalDepthwise(nn.Module):
@@ -85,8 +95,11 @@ class RunningTensorLayer(nn.Module):
         return outs, new
 
     def forward(self, x: torch.Tensor, cache: dict | None = None, *, plan=None, backend: str = "auto",
-                update_cache: bool = False):
+                update_cache: bool = False, mixer: Mixer | None = None):
         """x [B, T, D] -> (y [B, T, D], new cache).
+
+        ``mixer`` (a :data:`Mixer`) replaces the state mixer (``plan``, ``backend`` and
+        ``update_cache`` then do not apply to it); the exporter's ONNX node is one.
 
         ``update_cache`` (T = 1 with a cache: the serving step) updates the cache's state in
         place, kept in the decode decision's state dtype (:func:`decode_state_dtype`), through
@@ -108,12 +121,8 @@ class RunningTensorLayer(nn.Module):
         beta = torch.sigmoid(self.beta(x)) if self.beta is not None else None
         q, k, v = [qi.contiguous() for qi in q], [ki.contiguous() for ki in k], v.contiguous()
         beta = None if beta is None else beta.contiguous()
-        if backend == "onnx":  # export: one custom op that becomes the ai.rtcompile::RunningTensor node
-            from .export.onnx_model import mixer_onnx
-
-            past = cache["state"] if cache is not None else v.new_zeros(B, H, *spec.key_widths, spec.value_width)
-            o, state = mixer_onnx(q, k, v, past.to(v.dtype), None if g is None else g.to(v.dtype), beta,
-                                  spec.effective_scale, f.l2norm)
+        if mixer is not None:
+            o, state = mixer(spec, q, k, v, g, beta, None if cache is None else cache["state"])
         elif update_cache and cache is not None and T == 1:
             o, state = self._step_in_place(q, k, v, g, beta, cache["state"], plan, backend)
         else:
@@ -142,7 +151,7 @@ class RunningTensorLayer(nn.Module):
         dtype = torch.float64 if v.dtype == torch.float64 else decode_state_dtype(spec, plan, B)
         if state.dtype != dtype or not state.is_contiguous():
             state = state.to(dtype).contiguous()
-        grad = _needs_grad(*q, *k, v, g, beta, state)
+        grad = needs_grad(*q, *k, v, g, beta, state)
         if resolve_backend(backend, v, spec.order, grad) == "triton":
             o = running_tensor_decode_(q, k, v, g, beta, state_cache=state, state_indices=self._slots(B, v.device),
                                        scale=spec.scale, l2norm=spec.features.l2norm, validate=False)
@@ -190,15 +199,16 @@ class RunningTensorLM(nn.Module):
         self.plan = None  # a Plan to follow (set by rtcompile.load from the bundle)
 
     def forward(self, tokens: torch.Tensor, cache: list | None = None, *, plan=None, backend: str = "auto",
-                update_cache: bool = False):
+                update_cache: bool = False, mixer: Mixer | None = None):
         """tokens [B, T] -> (logits [B, T, vocab], cache): a prompt, or T tokens after a cache.
-        ``update_cache``: see :meth:`RunningTensorLayer.forward` (T = 1 only)."""
+        ``update_cache`` and ``mixer``: see :meth:`RunningTensorLayer.forward` (``update_cache``:
+        T = 1 only)."""
         x = self.embed(tokens)
         plan = plan if plan is not None else self.plan
         new = []
-        for i, mixer in enumerate(self.mixers):
-            y, c = mixer(self.norms[i](x), None if cache is None else cache[i], plan=plan, backend=backend,
-                         update_cache=update_cache)
+        for i, layer in enumerate(self.mixers):
+            y, c = layer(self.norms[i](x), None if cache is None else cache[i], plan=plan, backend=backend,
+                         update_cache=update_cache, mixer=mixer)
             x = x + y
             if self.mlps is not None:
                 x = x + self.mlps[i](x)

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from .tune_cmd import _int_list, _positive_int
+from .cli_args import int_list, positive_int
 
 
 def _common(p) -> None:
@@ -17,9 +17,9 @@ def _common(p) -> None:
     p.add_argument("--target", default=None, metavar="NAME",
                    help=f"GPU profile (auto, h100-sxm, h200, a100-80gb, l40s, l4, rtx-4090, b200); default: auto "
                         f"on a GPU, {DEFAULT_TARGET} without one")
-    p.add_argument("--batch", type=_int_list, metavar="B,..", help="prefill batches to plan (default 1,8)")
-    p.add_argument("--seq-len", type=_int_list, metavar="T,..", help="prefill lengths to plan (default 16 to 65536)")
-    p.add_argument("--decode-batch", type=_int_list, metavar="B,..", help="decode batches (default 1,8,32,128,256)")
+    p.add_argument("--batch", type=int_list, metavar="B,..", help="prefill batches to plan (default 1,8)")
+    p.add_argument("--seq-len", type=int_list, metavar="T,..", help="prefill lengths to plan (default 16 to 65536)")
+    p.add_argument("--decode-batch", type=int_list, metavar="B,..", help="decode batches (default 1,8,32,128,256)")
     p.add_argument("--out", metavar="FILE", help="write the plan as JSON (atomically)")
 
 
@@ -30,7 +30,7 @@ def add_parsers(sub) -> None:
     p.set_defaults(func=run_plan)
     b = sub.add_parser("build", help="main job: plan, tune (GPU), re-plan from measurements, validate kernels")
     _common(b)
-    b.add_argument("--trials", type=_positive_int, default=10, metavar="N",
+    b.add_argument("--trials", type=positive_int, default=10, metavar="N",
                    help="tuning trials per kernel and bucket on a GPU (default 10)")
     b.add_argument("--storage", metavar="URL", help="tuning store (see rtcompile tune)")
     b.set_defaults(func=run_build)

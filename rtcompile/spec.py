@@ -24,11 +24,12 @@ import dataclasses
 import json
 import math
 import os
-import tempfile
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
+
+from .fileio import atomic_write
 
 ORDERS = range(2, 7)  # 2..6; order 7 at width 2 is already 64 keys, beyond that nobody asks
 MAX_WIDTH = 65536
@@ -312,12 +313,4 @@ def save_spec(spec: ModelSpec, path: str | os.PathLike) -> None:
         raise SpecFileError(f"spec file {str(p)!r}: unsupported extension {suffix or '(none)'!r}; allowed: .toml, .json")
     data = spec.to_dict()
     text = tomli_w.dumps(data) if suffix == ".toml" else json.dumps(data, indent=2) + "\n"
-    fd, tmp = tempfile.mkstemp(dir=p.parent if str(p.parent) else ".", prefix=f".{p.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, p)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(p, text)

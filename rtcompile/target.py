@@ -9,9 +9,10 @@ planner then prefers. Nothing here imports torch until ``auto`` or ``measure`` i
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+
+from .fileio import atomic_write, cache_dir
 
 GB = 10**9
 TB = 10**12
@@ -68,8 +69,7 @@ class TargetError(ValueError):
 
 
 def _cache_file() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "rtcompile" / "targets.json"
+    return cache_dir() / "targets.json"
 
 
 def get_target(name: str) -> Target:
@@ -84,13 +84,17 @@ def get_target(name: str) -> Target:
     return PROFILES[key]
 
 
-def _profile_for(device_name: str) -> Target | None:
+def profile_for(device_name: str) -> Target | None:
+    """The datasheet profile whose GPU ``device_name`` (as CUDA reports it) is, or None."""
     n = device_name.lower().replace(" ", "").replace("-", "")
     for key, prof in (("h200", "h200"), ("h100", "h100-sxm"), ("a100", "a100-80gb"), ("l40s", "l40s"),
                       ("l4", "l4"), ("4090", "rtx-4090"), ("b200", "b200")):
         if key in n:
             return PROFILES[prof]
     return None
+
+
+_profile_for = profile_for  # the old name, still imported by plan.py until its rewrite lands; then delete
 
 
 def detect() -> Target:
@@ -100,7 +104,7 @@ def detect() -> Target:
     if not torch.cuda.is_available():
         raise TargetError(f"target: 'auto' needs a CUDA GPU; allowed without one: {', '.join(PROFILES)}")
     dev = torch.cuda.get_device_name(0)
-    base = _profile_for(dev)
+    base = profile_for(dev)
     props = torch.cuda.get_device_properties(0)
     if base is None:
         base = Target(dev, props.total_memory, 1 * TB, 100e12, 100e12, 20e12, props.multi_processor_count,
@@ -140,7 +144,5 @@ def measure() -> Target:
                                            "date": datetime.date.today().isoformat()}
     path = _cache_file()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(data, indent=1))
     return detect()

@@ -6,41 +6,10 @@ import argparse
 import os
 import sys
 
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return values
-
-
-def _positive_int(text: str) -> int:
-    v = _int_list(text)
-    if len(v) != 1:
-        raise argparse.ArgumentTypeError(f"expected one positive integer, got {text!r}")
-    return v[0]
-
-
-def _fixed(text: str) -> tuple[str, object]:
-    """NAME=VALUE, the value read as an integer, true/false, or kept as text."""
-    name, sep, raw = text.partition("=")
-    if not sep or not name.strip() or not raw.strip():
-        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
-    raw = raw.strip()
-    value: object = raw
-    if raw.lower() in ("true", "false"):
-        value = raw.lower() == "true"
-    elif raw.lstrip("-").isdigit():
-        value = int(raw)
-    return name.strip(), value
+from .cli_args import UsageError, fixed_param, int_list, positive_float, positive_int
 
 
 def add_parser(sub) -> None:
-    from .cli import _positive_float  # one parser of positive numbers for every command
-
     p = sub.add_parser("tune", help="autotune a spec's kernels for this GPU (Optuna; results kept in a store)")
     p.add_argument("spec", nargs="?", help="model spec file (.toml or .json); omit with --list")
     p.add_argument("--list", action="store_true", help="list the studies the store holds")
@@ -50,14 +19,14 @@ def add_parser(sub) -> None:
                    help="Optuna storage: a SQLAlchemy URL (sqlite:///f.db, postgresql://...) or journal:PATH "
                         "(default: a SQLite file in the rtcompile cache)")
     budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--trials", type=_positive_int, metavar="N", help="trials per kernel and bucket (default 20)")
-    budget.add_argument("--seconds", type=_positive_float, metavar="S", help="seconds per kernel and bucket")
+    budget.add_argument("--trials", type=positive_int, metavar="N", help="trials per kernel and bucket (default 20)")
+    budget.add_argument("--seconds", type=positive_float, metavar="S", help="seconds per kernel and bucket")
     budget.add_argument("--exhaustive", action="store_true",
                         help="one trial per valid variant of the space (a separate study: the reference a "
                              "TPE study is judged against)")
-    p.add_argument("--fix", type=_fixed, action="append", default=[], metavar="NAME=VALUE",
+    p.add_argument("--fix", type=fixed_param, action="append", default=[], metavar="NAME=VALUE",
                    help="hold a variant parameter at one value (repeatable): tune a sub-space")
-    p.add_argument("--workers", type=_positive_int, metavar="N",
+    p.add_argument("--workers", type=positive_int, metavar="N",
                    help="worker processes (default: one per visible GPU, 1 on the CPU); more workers than "
                         "GPUs overlap their compiles, while timings stay one at a time per GPU")
     again = p.add_mutually_exclusive_group()
@@ -65,10 +34,10 @@ def add_parser(sub) -> None:
     again.add_argument("--retune", action="store_true", help="delete this machine's studies for the spec and start over")
     p.add_argument("--phase", choices=["prefill", "decode", "all"], default="all",
                    help="tune the chunk (prefill) kernel, the recurrent (decode) kernel, or both")
-    p.add_argument("--batch", type=_int_list, metavar="B,..", help="prefill batch buckets (GPU default 8; CPU 1)")
-    p.add_argument("--seq-len", type=_int_list, metavar="T,..", help="prefill length buckets (GPU default 4096; CPU 32)")
-    p.add_argument("--decode-batch", type=_int_list, metavar="B,..", help="decode batch buckets (GPU default 32,256; CPU 2)")
-    p.add_argument("--timeout", type=_positive_float, default=300.0, metavar="S",
+    p.add_argument("--batch", type=int_list, metavar="B,..", help="prefill batch buckets (GPU default 8; CPU 1)")
+    p.add_argument("--seq-len", type=int_list, metavar="T,..", help="prefill length buckets (GPU default 4096; CPU 32)")
+    p.add_argument("--decode-batch", type=int_list, metavar="B,..", help="decode batch buckets (GPU default 32,256; CPU 2)")
+    p.add_argument("--timeout", type=positive_float, default=300.0, metavar="S",
                    help="per-trial limit: compile, check and time (default 300)")
     p.add_argument("--impl", help=argparse.SUPPRESS)  # test hook: "module:function" replacing the kernel call
     p.set_defaults(func=run)
@@ -112,8 +81,6 @@ def _list(args) -> int:
 
 
 def run(args) -> int:
-    from .cli import UsageError
-
     if args.list:
         return _list(args)
     if not args.spec:

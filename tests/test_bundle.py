@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -87,8 +89,15 @@ def test_cli_export_and_inspect(tmp_path, capsys):
     spec = tmp_path / "s.toml"
     spec.write_text('order = 3\nkey_widths = [2, 4]\nvalue_width = 5\nheads = 2\nmodel_width = 12\n')
     out = tmp_path / "bundle"
-    assert main(["export", str(spec), "--out", str(out), "--vocab", "13"]) == 0
+    old_umask = os.umask(0o022)
+    try:
+        assert main(["export", str(spec), "--out", str(out), "--vocab", "13"]) == 0
+    finally:
+        os.umask(old_umask)
     assert sorted(p.name for p in out.iterdir()) == ["decode.onnx", "manifest.json", "prefill.onnx", "weights.safetensors"]
+    # the umask decides, as for any file: readable by the other users of a shared machine
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o644 for p in out.iterdir())
     assert main(["run", str(out), "--tokens", "1,2,3", "--steps", "4"]) == 0
     assert "decoded" in capsys.readouterr().out
     assert main(["inspect", str(out)]) == 0

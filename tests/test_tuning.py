@@ -20,6 +20,7 @@ from rtcompile.kernels.inputs import check_inputs
 from rtcompile.kernels.triton_fwd import _resolve_variant, kernel_shape
 from rtcompile.kernels.variants import ChunkVariant, KernelShape
 from rtcompile.tuning import Bucket, StoreError, TuneOptions, open_storage, tune_bucket
+from rtcompile.tuning.store import retried_numbers
 
 TESTS = Path(__file__).resolve().parent
 TINY = Bucket("chunk", (2, 4), 8, 1, 1, 32, "float32")
@@ -151,9 +152,10 @@ def test_killed_study_resumes_and_keeps_finished_trials(tmp_path, monkeypatch):
     kept = {t.number: t.value for t in _trials(url) if t.state.name == "COMPLETE"}
     assert main(["tune", *argv[:-2], "--resume"]) == 0
     trials = _trials(url)
-    stale = [t for t in trials if t.user_attrs.get("status") == "stale"]
-    counted = [t for t in trials if t.user_attrs.get("status") not in ("stale", "pruned")]
-    assert len(stale) == 1 and len(counted) == 4
+    # the killed trial's heartbeat lapsed: Optuna failed it and the resume ran its retry
+    stale = [t for t in trials if t.number in retried_numbers(trials)]
+    counted = [t for t in trials if t not in stale and t.user_attrs.get("status") != "pruned"]
+    assert len(stale) == 1 and stale[0].state.name == "FAIL" and len(counted) == 4
     assert all(t.state.name in ("COMPLETE", "PRUNED", "FAIL") for t in counted)
     assert all({t.number: t.value for t in trials}[n] == v for n, v in kept.items())
     assert tuned.entries(), "the resumed study recorded no winner"
@@ -161,30 +163,43 @@ def test_killed_study_resumes_and_keeps_finished_trials(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "journal"])
-def test_a_trial_orphaned_between_claim_and_owner_record(tmp_path, kind):
-    """A worker killed after moving a trial to RUNNING but before recording itself leaves an
-    ownerless RUNNING trial. Under SQLite's claim lock that is certainly an orphan (stale at
-    once); without a real lock (journal, PostgreSQL) it gets 60 s."""
+def test_a_trial_whose_worker_died_is_failed_and_retried(tmp_path, monkeypatch, kind):
+    """SQLite (any RDB storage): Optuna's heartbeats; a claimed trial whose worker stops beating
+    is failed after the grace period and retried with its parameters, while a beating one is
+    left alone. Journal (no heartbeats in Optuna 5.0): a trial RUNNING for over twice the trial
+    timeout is stale."""
     import optuna
 
-    from rtcompile.tuning.study import claim, mark_stale
+    from rtcompile.tuning import store
+    from rtcompile.tuning.claims import Heartbeat, claim, mark_stale, stale_numbers, trial_id
 
+    monkeypatch.setattr(store, "HEARTBEAT_S", 1)
+    monkeypatch.setattr(store, "GRACE_S", 2)
     url = f"sqlite:///{tmp_path / 'o.db'}" if kind == "sqlite" else f"journal:{tmp_path / 'o.log'}"
-    study = optuna.create_study(study_name="s", storage=open_storage(url))
+    storage = open_storage(url)
+    study = optuna.create_study(study_name="s", storage=storage)
     study.enqueue_trial({"x": 1})
     study.enqueue_trial({"x": 2})
-    owned = claim(study, url)  # a live claim records its owner at once
-    assert owned.user_attrs["pid"] == os.getpid()
-    (waiting,) = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
-    study._storage.set_trial_state_values(waiting._trial_id, optuna.trial.TrialState.RUNNING)  # no owner
-    n = mark_stale(study, timeout=300, storage_url=url)
-    states = {t.number: (t.state.name, t.user_attrs.get("status")) for t in study.get_trials(deepcopy=False)}
-    assert states[owned.number] == ("RUNNING", None)  # alive: left alone
+    live = claim(study, storage, url)
+    dead = claim(study, storage, url)  # its worker "dies": no heartbeat after the claim
+    assert live.user_attrs["pid"] == os.getpid() and claim(study, storage, url) is None
+    dead.suggest_categorical("x", [1, 2])
+    beat = Heartbeat(storage, trial_id(storage, study, live.number)).start()
+    try:
+        assert mark_stale(study, storage, timeout=300) == 0  # nothing is stale yet
+        time.sleep(3.5)  # past the 2 s grace (SQLite's clock has 1 s steps)
+        n = mark_stale(study, storage, timeout=300 if kind == "sqlite" else 1.0)
+    finally:
+        beat.stop()
+    trials = study.get_trials(deepcopy=False)
+    states = {t.number: t.state.name for t in trials}
     if kind == "sqlite":
-        assert n == 1 and states[waiting.number] == ("FAIL", "stale")
-        assert sum(1 for st, _ in states.values() if st == "WAITING") == 1  # its replacement
-    else:
-        assert n == 0 and states[waiting.number] == ("RUNNING", None)
+        assert n == 1 and states[dead.number] == "FAIL" and states[live.number] == "RUNNING"
+    else:  # by age alone: both are over 2 x 1 s old
+        assert n == 2 and states[dead.number] == "FAIL" and states[live.number] == "FAIL"
+    assert dead.number in stale_numbers(study)
+    (retry,) = [t for t in trials if t.state.name == "WAITING" and t.params == {"x": dead.params["x"]}]
+    assert retry.number > dead.number
 
 
 def test_journal_storage(tmp_path):
@@ -270,14 +285,15 @@ _CLAIMER = """
 import json, sys, time
 import optuna
 from rtcompile.tuning.store import open_storage
-from rtcompile.tuning.study import claim
+from rtcompile.tuning.claims import claim
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 url, name, start = sys.argv[1], sys.argv[2], float(sys.argv[3])
-study = optuna.load_study(study_name=name, storage=open_storage(url))
+storage = open_storage(url)
+study = optuna.load_study(study_name=name, storage=storage)
 while time.time() < start:
     time.sleep(0.001)
 got = []
-while (t := claim(study, url)) is not None:
+while (t := claim(study, storage, url)) is not None:
     got.append(t.number)
 print(json.dumps(got))
 """

@@ -10,13 +10,13 @@ import math
 import os
 import subprocess
 import sys
-import tempfile
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from .. import __version__
+from .._version import __version__
+from ..fileio import atomic_write
 from .core import (
     COPY_BYTES,
     CSV_HEADER_FIELDS,
@@ -97,19 +97,6 @@ def collect_header(options: BenchOptions, ctx: BenchContext) -> dict[str, Any]:
     return header
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file in the same folder and os.replace."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def _plain(value: Any) -> Any:
     """JSON-safe scalar: non-finite floats become None (strict JSON has no NaN)."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -127,14 +114,14 @@ def write_results(out_dir: Path, header: Mapping[str, Any], rows: Sequence[Row])
     out_dir.mkdir(parents=True, exist_ok=True)
     jpath, cpath = out_dir / "bench.json", out_dir / "bench.csv"
     doc = {"header": {k: _plain(v) for k, v in header.items()}, "rows": [row_dict(r) for r in rows]}
-    _atomic_write(jpath, json.dumps(doc, indent=2, allow_nan=False) + "\n")
+    atomic_write(jpath, json.dumps(doc, indent=2, allow_nan=False) + "\n")
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=[*ROW_FIELDS, *CSV_HEADER_FIELDS], lineterminator="\n")
     writer.writeheader()
     extra = {k: header.get(k) for k in CSV_HEADER_FIELDS}
     for r in rows:
         writer.writerow({k: ("" if v is None else v) for k, v in {**row_dict(r), **extra}.items()})
-    _atomic_write(cpath, buf.getvalue())
+    atomic_write(cpath, buf.getvalue())
     return jpath, cpath
 
 

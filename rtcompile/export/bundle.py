@@ -11,13 +11,12 @@ tunes: the plan's variants are pinned as they were exported.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from ..fileio import atomic_directory, file_sha256, honour_umask
 
 BUNDLE_FORMAT = 1
 MANIFEST = "manifest.json"
@@ -28,18 +27,10 @@ class BundleError(ValueError):
     """A bundle cannot be written or is refused on load (one line, naming the file)."""
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _versions() -> dict[str, str]:
     import torch
 
-    from .. import __version__
+    from .._version import __version__
 
     out = {"rtcompile": __version__, "torch": torch.__version__}
     for name in ("triton", "onnx", "onnxruntime", "safetensors"):
@@ -59,11 +50,10 @@ def export_bundle(model, out: str | os.PathLike, *, plan=None, overwrite: bool =
     dest = Path(out)
     if dest.exists() and not overwrite:
         raise BundleError(f"bundle {str(dest)!r}: already exists; allowed: a new path, or overwrite=True (--force)")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}."))
-    try:
+    with atomic_directory(dest, overwrite=overwrite) as tmp:
         state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
         save_file(state, str(tmp / WEIGHTS))
+        honour_umask(tmp / WEIGHTS)  # save_file creates it 0600
         names = [WEIGHTS]
         if onnx:
             import copy
@@ -72,7 +62,7 @@ def export_bundle(model, out: str | os.PathLike, *, plan=None, overwrite: bool =
 
             export_onnx(copy.deepcopy(model), tmp, opset27=opset27)
             names += ["prefill.onnx", "decode.onnx"]
-        files = {n: {"sha256": _sha256(tmp / n), "bytes": (tmp / n).stat().st_size} for n in names}
+        files = {n: {"sha256": file_sha256(tmp / n), "bytes": (tmp / n).stat().st_size} for n in names}
         manifest = {
             "format": BUNDLE_FORMAT,
             "spec": model.spec.to_dict(),
@@ -84,12 +74,6 @@ def export_bundle(model, out: str | os.PathLike, *, plan=None, overwrite: bool =
             "files": files,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return dest
 
 
@@ -119,7 +103,7 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
         target = (root / name).resolve()
         if not target.is_file():
             raise BundleError(f"bundle {str(root)!r}: {name} is missing")
-        if not isinstance(meta, dict) or _sha256(target) != meta.get("sha256"):
+        if not isinstance(meta, dict) or file_sha256(target) != meta.get("sha256"):
             raise BundleError(f"bundle {str(root)!r}: {name} does not match its sha256 in the manifest (tampered or corrupted)")
     return manifest
 

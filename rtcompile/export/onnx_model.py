@@ -110,13 +110,21 @@ def _translation_opset27(spec):
     return mixer
 
 
+def onnx_mixer(spec, q, k, v, g, beta, state):
+    """The model's state mixer as the one ``mixer_onnx`` op (a :data:`rtcompile.model.Mixer`,
+    passed as ``mixer=`` while exporting): the graph gets one node per layer, fp32 throughout."""
+    past = state if state is not None else v.new_zeros(v.shape[0], spec.heads, *spec.key_widths, spec.value_width)
+    return mixer_onnx(q, k, v, past.to(v.dtype), None if g is None else g.to(v.dtype), beta,
+                      spec.effective_scale, spec.features.l2norm)
+
+
 class _Prefill(torch.nn.Module):
     def __init__(self, lm):
         super().__init__()
         self.lm = lm
 
     def forward(self, tokens):
-        logits, cache = self.lm(tokens, backend="onnx")
+        logits, cache = self.lm(tokens, mixer=onnx_mixer)
         return (logits, *flatten_cache(cache))
 
 
@@ -127,7 +135,7 @@ class _Decode(torch.nn.Module):
 
     def forward(self, tokens, *state):
         logits, cache = self.lm(tokens, unflatten_cache(list(state), len(self.lm.mixers), self.conv_count),
-                                backend="onnx")
+                                mixer=onnx_mixer)
         return (logits, *flatten_cache(cache))
 
 

@@ -30,8 +30,10 @@ _table: list[dict[str, Any]] | None = None
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "rtcompile"
+    """The rtcompile cache folder (:func:`rtcompile.fileio.cache_dir`)."""
+    from ..fileio import cache_dir as folder
+
+    return folder()
 
 
 def table_path() -> Path:
@@ -76,7 +78,7 @@ def match_fields(kernel: str, key_widths, value_width: int, heads: int, dtype: s
     """The fields an entry must equal to serve a call (everything but the shape bucket)."""
     import triton
 
-    from .. import __version__
+    from .._version import __version__
 
     return {
         "kernel": kernel, "source": source_hash(kernel), "key_widths": list(key_widths),

@@ -57,7 +57,7 @@ class Machine:
         import torch
         import triton
 
-        from .. import __version__
+        from .._version import __version__
         from ..kernels.launch import device_name
 
         dev = torch.device(device)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import sys
 from dataclasses import dataclass, replace
 from typing import Any, Callable
@@ -103,13 +102,14 @@ def cached_reference(bucket: Bucket, inp: Inputs, seed: int, device: str):
     import hashlib
 
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file, save
 
     from ..kernels import reference as reference_module
     from ..kernels import tuned
+    from ..fileio import atomic_write, file_sha256
     from .store import file_lock
 
-    code = hashlib.sha256(open(reference_module.__file__, "rb").read()).hexdigest()  # a changed oracle re-runs
+    code = file_sha256(reference_module.__file__)  # a changed oracle re-runs
     key = hashlib.sha256(f"{bucket.label}|{seed}|{torch.__version__}|{device}|{code}".encode()).hexdigest()[:24]
     path = tuned.cache_dir() / "references" / f"{key}.safetensors"
     with file_lock(path.with_suffix(".lock")):
@@ -117,9 +117,7 @@ def cached_reference(bucket: Bucket, inp: Inputs, seed: int, device: str):
             got = load_file(str(path), device=str(device))
             return got["o"].double(), got["s"].double()
         o, s = reference(bucket, inp)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        save_file({"o": o.float().contiguous(), "s": s.float().contiguous()}, str(tmp))
-        os.replace(tmp, path)
+        atomic_write(path, save({"o": o.float().contiguous(), "s": s.float().contiguous()}))
         return o, s
 
 

@@ -5,19 +5,38 @@ URLs: any SQLAlchemy URL Optuna's RDB storage takes (``sqlite:///path``,
 default is a SQLite file in the rtcompile cache directory. Creating a SQLite store is
 serialised with a file lock, because Optuna's schema creation races when several processes
 create the same file at once.
+
+Stale trials (a worker killed mid-trial): RDB storages (SQLite, PostgreSQL, ...) are opened
+with Optuna's heartbeats. A worker records a heartbeat for the trial it runs every
+``HEARTBEAT_S`` seconds; ``optuna.storages.fail_stale_trials`` fails a RUNNING trial whose
+heartbeat is ``GRACE_S`` old, and the storage's retry callback enqueues the same parameters
+again as a WAITING trial. Optuna 5.0's journal storage records no heartbeats: there
+:func:`rtcompile.tuning.study.mark_stale` goes by a trial's age instead.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import tempfile
+import warnings
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Iterator
 
+from filelock import FileLock
+
+from ..fileio import atomic_write
 from ..kernels import tuned
+
+# A heartbeat is one small UPDATE per worker; every 5 s is noise next to a trial's compile and
+# timing (seconds), and a grace of 4 beats (20 s) rides out a SQLite writer holding the file
+# lock for a few seconds under eight workers without failing a live trial. A killed worker's
+# trial is retried 20-25 s after the kill.
+HEARTBEAT_S = 5
+GRACE_S = 20
+# A variant is retried at most twice after its worker died: a variant that takes its worker
+# down every time (not seen: trials run in a process of their own) must not loop forever.
+MAX_RETRIES = 2
 
 
 class StoreError(ValueError):
@@ -30,13 +49,11 @@ def default_url() -> str:
 
 @contextmanager
 def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock between processes of this host, held for the ``with`` block (the
+    lock file is created, with its folder, on first use and left in place)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    with FileLock(path):
+        yield
 
 
 HELD_DEVICE: str | None = None  # the device this process holds under device_lock (tests read it)
@@ -89,8 +106,53 @@ def serialises_claims(url: str | None = None) -> bool:
     return (url or default_url()).startswith("sqlite:///")
 
 
+def retry_callback():
+    """Optuna's retry of a stale trial (same parameters, a new WAITING trial), at most
+    ``MAX_RETRIES`` times per variant. Its name changed in Optuna 4.9."""
+    import optuna
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        cls = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None) or optuna.storages.RetryFailedTrialCallback
+        return cls(max_retry=MAX_RETRIES)
+
+
+def retried_numbers(trials) -> set[int]:
+    """The numbers of the trials that went stale and were retried (from the retries' history)."""
+    import optuna
+
+    cls = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None) or optuna.storages.RetryFailedTrialCallback
+    out: set[int] = set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        for t in trials:
+            out.update(cls.retry_history(t))
+    return out
+
+
+def heartbeat_interval(storage) -> int | None:
+    """Seconds between a running trial's heartbeats, or None where the storage keeps none."""
+    get = getattr(storage, "get_heartbeat_interval", None)
+    return get() if get is not None else None
+
+
+def _rdb_storage(url: str, **kwargs):
+    import inspect
+
+    import optuna
+
+    # the callback's keyword was renamed in Optuna 4.9 (the old one warns until 6.0)
+    params = inspect.signature(optuna.storages.RDBStorage).parameters
+    key = "heartbeat_stale_trial_callback" if "heartbeat_stale_trial_callback" in params else "failed_trial_callback"
+    with warnings.catch_warnings():  # the heartbeat arguments are marked experimental
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
+                                          **{key: retry_callback()}, **kwargs)
+
+
 def open_storage(url: str | None = None):
-    """An Optuna storage for ``url`` (default: the cache's SQLite file)."""
+    """An Optuna storage for ``url`` (default: the cache's SQLite file); RDB storages keep
+    heartbeats (see the module's docstring)."""
     import optuna
     import sqlalchemy.exc
 
@@ -111,8 +173,8 @@ def open_storage(url: str | None = None):
                 raise StoreError(f"storage {url!r}: the file is not readable and writable")
             with file_lock(db.with_name(db.name + ".lock")):
                 # SQLite waits up to 60 s for a lock held by another worker instead of failing
-                return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}})
-        return optuna.storages.RDBStorage(url)
+                return _rdb_storage(url, engine_kwargs={"connect_args": {"timeout": 60}})
+        return _rdb_storage(url)
     except StoreError:
         raise
     except (sqlalchemy.exc.SQLAlchemyError, RuntimeError, ValueError, ImportError) as exc:
@@ -132,9 +194,6 @@ def write_tuned(entries: list[dict[str, Any]], path: Path | None = None) -> Path
             raise StoreError(str(exc)) from None
         new_keys = {tuple(json.dumps(e[k]) for k in keys) for e in entries}
         merged = [e for e in old if tuple(json.dumps(e.get(k)) for k in keys) not in new_keys] + list(entries)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump({"format": tuned.FORMAT_VERSION, "entries": merged}, fh, indent=1)
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps({"format": tuned.FORMAT_VERSION, "entries": merged}, indent=1))
     tuned.reload(path)
     return path

@@ -15,7 +15,8 @@ budget) first runs the kernel's default candidates, the default first (user attr
 Trial outcome (user attribute ``status``): ``ok`` (COMPLETE, value = median seconds),
 ``pruned`` (the variant's resource estimate refuses it before compiling), ``rejected`` (wrong
 result), ``failed`` (compile error, launch failure, crash or timeout), ``stale`` (its worker
-died; marked by ``--resume`` and replaced by a new WAITING trial).
+died: Optuna's heartbeat lapsed, the trial was failed and retried with the same parameters as a
+new WAITING trial; :func:`stale_numbers` lists them).
 
 Finishing a study re-measures the best few variants and the default, then records the winner
 in the study's user attributes and in the tuned-config table the kernels read.
@@ -26,7 +27,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,8 +39,9 @@ from ..kernels import tuned
 from ..kernels.variants import (
     DEFAULT_SMEM_BYTES, ChunkVariant, KernelShape, RecurrentVariant, gated_params, iter_space,
 )
+from .claims import Heartbeat, mark_stale, next_trial, stale_numbers, trial_id
 from .keys import Bucket, Machine, key_attrs, study_name
-from .store import claim_lock, open_storage, serialises_claims, write_tuned
+from .store import heartbeat_interval, open_storage, retried_numbers, write_tuned
 
 DEFAULT_SEED = 20261129  # recorded in every study; TPE's choices are reproducible from it
 RESULT_ATTRS = ("best_variant", "best_seconds", "default_seconds")
@@ -276,86 +277,13 @@ def run_objective(bucket: Bucket, variant: dict | None, opts: TuneOptions, seed:
 
 
 def _counts(study) -> dict[str, int]:
+    trials = study.get_trials(deepcopy=False)
+    stale = retried_numbers(trials)
     out: dict[str, int] = {}
-    for t in study.get_trials(deepcopy=False):
-        key = t.user_attrs.get("status") or t.state.name.lower()
+    for t in trials:
+        key = "stale" if t.number in stale else t.user_attrs.get("status") or t.state.name.lower()
         out[key] = out.get(key, 0) + 1
     return out
-
-
-def _pid_alive(pid: int) -> bool:
-    """Is a process of this host still running? A zombie (killed, not yet reaped) is not."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
-
-
-def mark_stale(study, timeout: float, storage_url: str | None = None) -> int:
-    """Fail RUNNING trials whose worker is gone (same host, dead pid), that outlived twice the
-    trial timeout, or that have no owner, and enqueue one WAITING replacement for each.
-    Returns how many.
-
-    A worker records its owner (host, pid) in the same ``claim_lock`` section that moves the
-    trial to RUNNING (:func:`claim`, :func:`_ask`), and this scan holds that lock too: where the
-    lock is real (SQLite) an ownerless RUNNING trial is one whose worker died between those two
-    writes, stale at once. Elsewhere (PostgreSQL, journal) the lock is a no-op, so an ownerless
-    trial is given 60 s, ample for the next write of a live worker."""
-    import optuna
-
-    serialised = serialises_claims(storage_url)
-    host, now, n = socket.gethostname(), time.time(), 0
-    with claim_lock(storage_url):
-        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-            owner_host, pid = t.user_attrs.get("host"), t.user_attrs.get("pid")
-            started = t.datetime_start.timestamp() if t.datetime_start else now
-            dead = owner_host == host and isinstance(pid, int) and not _pid_alive(pid)
-            ownerless = owner_host is None and (serialised or now - started > 60)
-            if dead or ownerless or now - started > 2 * timeout:
-                study._storage.set_trial_user_attr(t._trial_id, "status", "stale")
-                study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
-                study.enqueue_trial(t.system_attrs.get("fixed_params", {}), user_attrs={"replaces": t.number})
-                n += 1
-    return n
-
-
-def _own(storage, trial_id: int) -> None:
-    storage.set_trial_user_attr(trial_id, "host", socket.gethostname())
-    storage.set_trial_user_attr(trial_id, "pid", os.getpid())
-
-
-def claim(study, storage_url: str | None = None):
-    """Take one WAITING trial and record this process as its owner, or None. Atomic: no two
-    workers ever get the same trial (the storage's own compare-and-set, plus ``claim_lock``
-    where the storage's is not atomic)."""
-    import optuna
-
-    storage = study._storage
-    with claim_lock(storage_url):
-        for t in storage.get_all_trials(study._study_id, deepcopy=False,
-                                        states=(optuna.trial.TrialState.WAITING,)):
-            try:
-                if storage.set_trial_state_values(t._trial_id, state=optuna.trial.TrialState.RUNNING):
-                    _own(storage, t._trial_id)  # before the lock is released: see mark_stale
-                    return optuna.Trial(study, t._trial_id)
-            except optuna.exceptions.UpdateFinishedTrialError:
-                continue
-    return None
-
-
-def _ask(study, storage_url: str | None = None):
-    """``study.ask()`` (seconds mode) with its owner recorded under ``claim_lock``, as in :func:`claim`."""
-    with claim_lock(storage_url):
-        trial = study.ask()
-        _own(study._storage, trial._trial_id)
-    return trial
 
 
 # TPE treats pruned trials as the worst, so it leaves refused regions after a few; the cap only
@@ -376,15 +304,18 @@ def run_worker(storage_url: str | None, name: str, bucket: Bucket, opts: TuneOpt
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sampler = optuna.samplers.TPESampler(seed=opts.seed + index)
-    study = optuna.load_study(study_name=name, storage=open_storage(storage_url), sampler=sampler)
+    storage = open_storage(storage_url)
+    study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
     cls, shape = variant_class(bucket.kernel), _shape(bucket)
     space, limit = search_space(bucket, opts), _smem_limit(opts.device)
     with TrialRunner(opts.trial_timeout) as runner:  # one trial process for the worker's trials
         done = 0
         while deadline is None or time.time() < deadline:
-            trial = claim(study, storage_url) if deadline is None else _ask(study, storage_url)
+            trial = next_trial(study, storage, storage_url, deadline)
             if trial is None:
                 break
+            # stopped after the tell; an exception ends the worker, and the daemon thread with it
+            beat = Heartbeat(storage, trial_id(storage, study, trial.number)).start()
             variant = cls(**_suggest(trial, cls, space))
             reason = variant.check(shape, limit)
             if reason is not None:
@@ -403,6 +334,7 @@ def run_worker(storage_url: str | None, name: str, bucket: Bucket, opts: TuneOpt
                     study.tell(trial, result["seconds"])
                 else:
                     study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            beat.stop()
             done += 1
     return done
 
@@ -462,7 +394,7 @@ def tune_bucket(bucket: Bucket, opts: TuneOptions,
     for k, v in {**key_attrs(bucket, machine, source), "seed": opts.seed}.items():
         study.set_user_attr(k, v)
     if opts.resume:
-        mark_stale(study, opts.trial_timeout, url)
+        mark_stale(study, storage, opts.trial_timeout)
     deadline = None
     if opts.seconds is not None:
         deadline = time.time() + opts.seconds
@@ -470,7 +402,9 @@ def tune_bucket(bucket: Bucket, opts: TuneOptions,
             for i, params in enumerate(_warm_starts(bucket, opts, None)):
                 study.enqueue_trial(params, user_attrs={"warm_start": i})
     else:
-        counted = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("status") not in ("stale", "pruned")]
+        stale = stale_numbers(study)
+        counted = [t for t in study.get_trials(deepcopy=False)
+                   if t.number not in stale and t.user_attrs.get("status") != "pruned"]
         if opts.exhaustive:  # every valid variant once: the ones this study has not enqueued yet
             have = [t.system_attrs.get("fixed_params") for t in counted]
             for v in exhaustive_variants(bucket, opts):
@@ -486,20 +420,53 @@ def tune_bucket(bucket: Bucket, opts: TuneOptions,
             for _ in range(missing):
                 study.enqueue_trial({})
     before = _finished(study)
-    procs = _spawn_workers(url or _default_url(), name, bucket, opts, deadline)
     total = len(exhaustive_variants(bucket, opts)) if opts.exhaustive else opts.trials or 0
-    while any(p.poll() is None for p in procs):
-        if progress:
-            progress(bucket.label, _finished(study), total)
-        time.sleep(0.5)
-    if progress:
-        progress(bucket.label, _finished(study), total)
-    bad = [p.returncode for p in procs if p.returncode != 0]
-    if bad:
-        raise RuntimeError(f"tuning workers exited with {bad}: see their output above")
+    _run_workers(study, storage, url, name, bucket, opts, deadline,
+                 lambda: progress and progress(bucket.label, _finished(study), total))
     ran = _finished(study) - before
     _finish(study, bucket, machine, source, opts)
     return _result_from(study, bucket, ran, already=False)
+
+
+# How often the coordinator looks for stale trials while it waits (one query of the RUNNING trials)
+STALE_POLL_S = 2.0
+
+
+def _run_workers(study, storage, url: str | None, name: str, bucket: Bucket, opts: TuneOptions,
+                 deadline: float | None, report: Callable[[], Any]) -> None:
+    """Run worker processes until the study's queue is empty, failing stale trials meanwhile.
+
+    In trials mode the coordinator then waits for RUNNING trials it did not start (a previous
+    run's, whose worker died: stale within the grace period; or a live worker's on another
+    host: it finishes) and runs workers again for the retries that their staleness enqueued, so
+    a ``--resume`` right after a kill still runs the whole budget."""
+    import optuna
+
+    state = optuna.trial.TrialState
+    while True:
+        procs = _spawn_workers(url or _default_url(), name, bucket, opts, deadline)
+        last = time.monotonic()
+        while any(p.poll() is None for p in procs):
+            report()
+            if time.monotonic() - last >= STALE_POLL_S:
+                mark_stale(study, storage, opts.trial_timeout)
+                last = time.monotonic()
+            time.sleep(0.5)
+        report()
+        bad = [p.returncode for p in procs if p.returncode != 0]
+        if bad:
+            raise RuntimeError(f"tuning workers exited with {bad}: see their output above")
+        if deadline is not None or heartbeat_interval(storage) is None:
+            # seconds mode: the time is spent. Journal: no heartbeats, an orphan goes stale only
+            # after twice the trial timeout (minutes): a later --resume retries it
+            return
+        while study.get_trials(deepcopy=False, states=(state.RUNNING,)):
+            mark_stale(study, storage, opts.trial_timeout)
+            if study.get_trials(deepcopy=False, states=(state.WAITING,)):
+                break
+            time.sleep(STALE_POLL_S)
+        if not study.get_trials(deepcopy=False, states=(state.WAITING,)):
+            return
 
 
 def _default_url() -> str:
@@ -513,8 +480,8 @@ def _finished(study) -> int:
     import optuna
 
     st = optuna.trial.TrialState
-    return sum(1 for t in study.get_trials(deepcopy=False, states=(st.COMPLETE, st.FAIL))
-               if t.user_attrs.get("status") != "stale")
+    stale = stale_numbers(study)
+    return sum(1 for t in study.get_trials(deepcopy=False, states=(st.COMPLETE, st.FAIL)) if t.number not in stale)
 
 
 def _finish(study, bucket: Bucket, machine: Machine, source: str, opts: TuneOptions) -> None:

@@ -1,0 +1,128 @@
+"""Writing files so that a reader never sees half of one, hashing them, and the cache folder.
+
+Every file the package writes (specs, plans, bundles, the tuned-config table, bench results,
+cached references and rates) goes through :func:`atomic_write` or :func:`atomic_directory`:
+the data lands in a temporary name in the destination's own folder (``os.replace`` is atomic
+only within one file system) and is renamed over the destination once complete.
+
+The temporary file and folder are created with modes 0o666 and 0o777, so the process umask
+applies as it would to a plain ``open``: under umask 022 a file ends 0644 and a bundle folder
+0755. ``tempfile.mkstemp`` / ``mkdtemp`` would create 0600 / 0700, which left bundles and
+tables unreadable to the other users of a shared machine.
+
+This module imports nothing from rtcompile, so any layer (kernels, tuning, export, CLI) may
+use it without an import cycle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import shutil
+import stat
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+__all__ = ["atomic_directory", "atomic_write", "cache_dir", "file_sha256", "honour_umask"]
+
+# A clash of two 64-bit random names is improbable; the retries only bound a pathological loop.
+_NAME_TRIES = 16
+
+
+def _temp_name(dest: Path) -> Path:
+    return dest.with_name(f".{dest.name}.{os.getpid()}.{secrets.token_hex(8)}.tmp")
+
+
+def _create(dest: Path) -> tuple[Path, int]:
+    """A new temporary file beside ``dest``, mode 0o666 less the umask: (its path, an fd)."""
+    for _ in range(_NAME_TRIES):
+        tmp = _temp_name(dest)
+        try:
+            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{str(dest)!r}: could not create a temporary file beside it")  # pragma: no cover
+
+
+def honour_umask(path: str | os.PathLike) -> None:
+    """Give a file that a library created 0600 (safetensors' ``save_file`` does) the mode a
+    plain ``open`` would have given it: 0o666 less the umask. The umask is read from a probe
+    file, not with ``os.umask`` (setting it to read it races with other threads)."""
+    dest = Path(path)
+    probe, fd = _create(dest)
+    try:
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+        os.unlink(probe)
+    os.chmod(dest, mode)
+
+
+def atomic_write(path: str | os.PathLike, data: bytes | str, *, encoding: str = "utf-8") -> Path:
+    """Write ``data`` (bytes, or text encoded with ``encoding``, newlines written as given) to
+    ``path`` atomically: on any failure the destination keeps its old content (or stays absent)
+    and no temporary file is left behind. The folder must exist. Returns the path."""
+    dest = Path(path)
+    payload = data.encode(encoding) if isinstance(data, str) else bytes(data)
+    tmp, fd = _create(dest)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(payload)
+            fh.flush()
+            os.fsync(fh.fileno())  # the rename must not become visible before the data
+        os.replace(tmp, dest)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return dest
+
+
+@contextmanager
+def atomic_directory(path: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
+    """Build a folder in a temporary one beside ``path`` (yielded) and rename it into place when
+    the block ends without an exception; on an exception it is removed and ``path`` is left as it
+    was. With ``overwrite`` an existing ``path`` is removed just before the rename (a folder
+    cannot be renamed over a non-empty one); without it, an existing ``path`` is a
+    FileExistsError before anything is written."""
+    dest = Path(path)
+    if dest.exists() and not overwrite:
+        raise FileExistsError(f"{str(dest)!r} already exists")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(_NAME_TRIES):
+        tmp = _temp_name(dest)
+        try:
+            os.mkdir(tmp, 0o777)  # the umask applies (mkdtemp would make it 0700)
+        except FileExistsError:
+            continue
+        break
+    else:  # pragma: no cover
+        raise FileExistsError(f"{str(dest)!r}: could not create a temporary folder beside it")
+    try:
+        yield tmp
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The sha256 hex digest of a file's bytes, read in blocks (``hashlib.file_digest``)."""
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def cache_dir() -> Path:
+    """rtcompile's cache folder (tuning store, tuned-config table, measured rates, locks):
+    platformdirs' user cache folder for "rtcompile", i.e. ``$XDG_CACHE_HOME/rtcompile`` or
+    ``~/.cache/rtcompile`` on Linux (read on every call: tests point ``XDG_CACHE_HOME`` at a
+    private folder), ``~/Library/Caches/rtcompile`` on macOS."""
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("rtcompile", appauthor=False))
