@@ -442,3 +442,44 @@ def chunk_of_program(i_c, i_n, T, cu_seqlens, chunk_indices, state_offsets, C: t
     if cu_seqlens is None:
         i_s = i_b * states_per_sequence(T, C, STRIDE) + i_c // STRIDE
     return i_c, bos, eos, i_b, i_s
+
+
+@triton.jit
+def load_wy(W, U0, p_row, m_t, o_v, m_v, K: tl.constexpr, BK: tl.constexpr, V: tl.constexpr):
+    """The chunk's [C, BK] rows of W (BK >= K) and [C, BV] block of U0 (see the WY prepare)."""
+    o_k = tl.arange(0, BK)
+    b_W = tl.load(W + p_row[:, None] * K + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :],
+                  other=0.0).to(tl.float32)
+    b_U0 = tl.load(U0 + p_row[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+    return b_W, b_U0
+
+
+@triton.jit
+def chunk_inputs(q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, W, U0, r, m_t, o_v, m_v, p_row,
+                  NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+                  BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                  V: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr, SCORES: tl.constexpr):
+    """One chunk's inputs loaded where they are used (no PREFETCH): its log decay c, P and Ai
+    (from the workspace, or formed here when SCORES is "rows" / "tiles": the fused form, whose
+    Grams, solve and score products stay fp32), W and U0 (W given), the rows' 1 / ||phi(q)||
+    and 1 / ||phi(k)|| (L2NORM; else ones), values and beta. Placeholders are never read."""
+    b_c = chunk_log_decay(g, r, m_t, C)
+    b_W = tl.zeros([C, 16], dtype=tl.float32)
+    b_U0 = tl.zeros([C, 16], dtype=tl.float32)
+    b_Ai = tl.zeros([C, C], dtype=tl.float32)
+    if SCORES != "workspace":
+        b_P, b_Ai = chunk_scores(q1, q2, q3, k1, k2, k3, beta, r, m_t, b_c, NF, D1, D2, D3, BD1, BD2, BD3, C,
+                                 L2NORM, False, PREC, SCORES)
+    else:
+        b_P = tl.load(P + p_row[:, None] * C + tl.arange(0, C)[None, :], mask=m_t[:, None], other=0.0)
+        if W is not None:
+            b_W, b_U0 = load_wy(W, U0, p_row, m_t, o_v, m_v, D1 * D2 * D3, BK, V)
+        elif beta is not None:
+            b_Ai = tl.load(Ai + p_row[:, None] * C + tl.arange(0, C)[None, :], mask=m_t[:, None], other=0.0)
+    r_q = tl.full([C], 1.0, tl.float32)
+    r_k = tl.full([C], 1.0, tl.float32)
+    if L2NORM:  # ||phi|| = prod ||x_i||: one scale per row instead of normalising phi
+        r_q = phi_inv_norm(q1, q2, q3, r[:, None], m_t[:, None], D1, D2, D3, BD1, BD2, BD3, NF)
+        r_k = phi_inv_norm(k1, k2, k3, r[:, None], m_t[:, None], D1, D2, D3, BD1, BD2, BD3, NF)
+    b_v, _, b_b = load_row_inputs(v, g, beta, r, r, m_t, o_v, m_v, C, V, True, False, beta is not None)
+    return b_c, b_P, b_Ai, b_W, b_U0, r_q, r_k, b_v, b_b

@@ -22,8 +22,8 @@ import triton.language as tl
 
 from .args import empty, factor_args, lowp_dots, width_args
 from .blocks import (
-    chunk_log_decay, chunk_scores, dot, factor_tiles, load_row_inputs, load_state_tile, phi_block, phi_from_tiles,
-    phi_inv_norm, sequence_of_program, unit_lower_inverse_scratch,
+    chunk_inputs, dot, factor_tiles, load_row_inputs, load_state_tile, load_wy, phi_block, phi_from_tiles,
+    sequence_of_program, unit_lower_inverse_scratch,
 )
 from .chunk_prepare import prepare_scores
 from .config import (
@@ -119,16 +119,6 @@ class ResidentConfig(KernelConfig):
 
 # ----- the sequential kernel -----
 @triton.jit
-def _load_wy(W, U0, p_row, m_t, o_v, m_v, K: tl.constexpr, BK: tl.constexpr, V: tl.constexpr):
-    """The chunk's [C, BK] rows of W (BK >= K) and [C, BV] block of U0 (see the WY prepare)."""
-    o_k = tl.arange(0, BK)
-    b_W = tl.load(W + p_row[:, None] * K + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :],
-                  other=0.0).to(tl.float32)
-    b_U0 = tl.load(U0 + p_row[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-    return b_W, b_U0
-
-
-@triton.jit
 def _load_chunk(q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, W, U0, r, m_t, o_v, m_v, p_row,
                 NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, C: tl.constexpr,
                 BK: tl.constexpr, V: tl.constexpr, L2NORM: tl.constexpr):
@@ -145,41 +135,10 @@ def _load_chunk(q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, W, U0, r, m_t, o_v, m
     b_U0 = tl.zeros([C, 16], dtype=tl.float32)
     b_P = tl.load(P + p_row[:, None] * C + tl.arange(0, C)[None, :], mask=m_t[:, None], other=0.0)
     if W is not None:
-        b_W, b_U0 = _load_wy(W, U0, p_row, m_t, o_v, m_v, D1 * D2 * D3, BK, V)
+        b_W, b_U0 = load_wy(W, U0, p_row, m_t, o_v, m_v, D1 * D2 * D3, BK, V)
     elif beta is not None:
         b_Ai = tl.load(Ai + p_row[:, None] * C + tl.arange(0, C)[None, :], mask=m_t[:, None], other=0.0)
     return b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_v, b_g, b_b, b_P, b_Ai, b_W, b_U0
-
-
-@triton.jit
-def _chunk_inputs(q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, W, U0, r, m_t, o_v, m_v, p_row,
-                  NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
-                  BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                  V: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr, SCORES: tl.constexpr):
-    """One chunk's inputs loaded where they are used (no PREFETCH): its log decay c, P and Ai
-    (from the workspace, or formed here when SCORES is "rows" / "tiles": the fused form, whose
-    Grams, solve and score products stay fp32), W and U0 (W given), the rows' 1 / ||phi(q)||
-    and 1 / ||phi(k)|| (L2NORM; else ones), values and beta. Placeholders are never read."""
-    b_c = chunk_log_decay(g, r, m_t, C)
-    b_W = tl.zeros([C, 16], dtype=tl.float32)
-    b_U0 = tl.zeros([C, 16], dtype=tl.float32)
-    b_Ai = tl.zeros([C, C], dtype=tl.float32)
-    if SCORES != "workspace":
-        b_P, b_Ai = chunk_scores(q1, q2, q3, k1, k2, k3, beta, r, m_t, b_c, NF, D1, D2, D3, BD1, BD2, BD3, C,
-                                 L2NORM, False, PREC, SCORES)
-    else:
-        b_P = tl.load(P + p_row[:, None] * C + tl.arange(0, C)[None, :], mask=m_t[:, None], other=0.0)
-        if W is not None:
-            b_W, b_U0 = _load_wy(W, U0, p_row, m_t, o_v, m_v, D1 * D2 * D3, BK, V)
-        elif beta is not None:
-            b_Ai = tl.load(Ai + p_row[:, None] * C + tl.arange(0, C)[None, :], mask=m_t[:, None], other=0.0)
-    r_q = tl.full([C], 1.0, tl.float32)
-    r_k = tl.full([C], 1.0, tl.float32)
-    if L2NORM:  # ||phi|| = prod ||x_i||: one scale per row instead of normalising phi
-        r_q = phi_inv_norm(q1, q2, q3, r[:, None], m_t[:, None], D1, D2, D3, BD1, BD2, BD3, NF)
-        r_k = phi_inv_norm(k1, k2, k3, r[:, None], m_t[:, None], D1, D2, D3, BD1, BD2, BD3, NF)
-    b_v, _, b_b = load_row_inputs(v, g, beta, r, r, m_t, o_v, m_v, C, V, True, False, beta is not None)
-    return b_c, b_P, b_Ai, b_W, b_U0, r_q, r_k, b_v, b_b
 
 
 @triton.jit
@@ -242,7 +201,7 @@ def chunk_resident_kernel(
             if g is not None:
                 b_c = tl.cumsum(b_g, axis=0)
         else:
-            b_c, b_P, b_Ai, b_W, b_U0, r_q, r_k, b_v, b_b = _chunk_inputs(
+            b_c, b_P, b_Ai, b_W, b_U0, r_q, r_k, b_v, b_b = chunk_inputs(
                 q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, W, U0, r, m_t, o_v, m_v, (i_b * H + i_h) * T + tok,
                 NF, D1, D2, D3, BD1, BD2, BD3, C, BK, V, L2NORM, PREC, SCORES,
             )
