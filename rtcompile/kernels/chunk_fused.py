@@ -17,7 +17,7 @@ from typing import ClassVar
 import torch
 import triton
 
-from .args import empty
+from . import args
 from .chunk_resident import run_resident
 from .chunk_streamed import run_streamed
 from .config import (
@@ -128,13 +128,13 @@ def launch(config: FusedConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seql
     if config.solve == "tiles" and beta is not None:
         # the tile solve's scratch: one [C, C] per program, whatever T (2 MiB at B8 H8 C64 BV32)
         programs = triton.cdiv(p.value_width, config.block_v) * p.num_seqs * p.heads
-        ws["Ai"] = empty(programs, config.chunk_size, config.chunk_size, dtype=torch.float32, device=v.device)
+        ws["Ai"] = args.empty(programs, config.chunk_size, config.chunk_size, dtype=torch.float32, device=v.device)
     common = dict(h0=h0, cu_seqlens=cu_seqlens, l2norm=l2norm, chunk_size=config.chunk_size, block_k=config.block_k,
                   block_v=config.block_v, num_warps=config.num_warps, num_stages=config.num_stages,
                   precision="ieee", scores=config.solve, ws=ws)
     if config.block_k >= p.key_dim:
         return run_resident(p, q, k, v, g, beta, ht=ht, prefetch=False, **common)
     if ht is None:
-        ht = empty(p.state_shape, dtype=torch.float32, device=v.device)
+        ht = args.empty(p.state_shape, dtype=torch.float32, device=v.device)
     return run_streamed(p, q, k, v, g, beta, ht=ht, prefetch_state=config.prefetch_state,
                         merge_passes=config.merge_passes, **common)

@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .args import dot_dtype, empty, factor_args, lowp_dots, width_args
+from . import args
+from .args import dot_dtype, factor_args, lowp_dots, width_args
 from .blocks import (
     chunk_log_decay, chunk_of_program, chunk_scores, dot, phi_block, phi_inv_norm, unit_lower_inverse_tiles,
 )
@@ -189,12 +190,12 @@ def prepare_scores(config, p: Problem, q, k, v, g, beta, *, cu_seqlens, l2norm: 
     B, T, H, V = v.shape
     C = config.chunk_size
     wy = wy and beta is not None  # without the delta rule there is no solve to move
-    out = {"P": empty(B, H, T, C, dtype=torch.float32, device=v.device), "Ai": None, "W": None, "U0": None}
+    out = {"P": args.empty(B, H, T, C, dtype=torch.float32, device=v.device), "Ai": None, "W": None, "U0": None}
     if wy:  # W in the products' operand type (16-bit inputs: their own), U0 in fp32
-        out["W"] = empty(B, H, T, p.key_dim, dtype=dot_dtype(v), device=v.device)
-        out["U0"] = empty(B, H, T, V, dtype=torch.float32, device=v.device)
+        out["W"] = args.empty(B, H, T, p.key_dim, dtype=dot_dtype(v), device=v.device)
+        out["U0"] = args.empty(B, H, T, V, dtype=torch.float32, device=v.device)
     if beta is not None and (not wy or config.solve == "tiles"):  # with wy, only the tile solve's
-        out["Ai"] = empty(B, H, T, C, dtype=torch.float32, device=v.device)
+        out["Ai"] = args.empty(B, H, T, C, dtype=torch.float32, device=v.device)
     idx = chunk_indices(p, C, v.device) if cu_seqlens is not None else None
     _run(p, q, k, v, g, beta, cu_seqlens=cu_seqlens, idx=idx, l2norm=l2norm, config=config, outputs=out,
          block_k=block_k, outer=outer)
@@ -207,11 +208,11 @@ def prepare_keys(config, p: Problem, q, k, v, g, beta, *, cu_seqlens, idx, l2nor
     within each chunk, [B, H, T] fp32, gates). Returns {"Kw", "Ai", "Gc"}, None for what is not
     made. ``idx``: :func:`chunk_indices` with varlen, else None."""
     B, T, H, V = v.shape
-    out = {"Kw": empty(B, H, T, p.key_dim, dtype=dot_dtype(v), device=v.device), "Ai": None, "Gc": None}
+    out = {"Kw": args.empty(B, H, T, p.key_dim, dtype=dot_dtype(v), device=v.device), "Ai": None, "Gc": None}
     if beta is not None:
-        out["Ai"] = empty(B, H, T, config.chunk_size, dtype=torch.float32, device=v.device)
+        out["Ai"] = args.empty(B, H, T, config.chunk_size, dtype=torch.float32, device=v.device)
     if g is not None:
-        out["Gc"] = empty(B, H, T, dtype=torch.float32, device=v.device)
+        out["Gc"] = args.empty(B, H, T, dtype=torch.float32, device=v.device)
     _run(p, q, k, v, g, beta, cu_seqlens=cu_seqlens, idx=idx, l2norm=l2norm, config=config, outputs=out,
          block_k=p.key_dim, outer=False, key_group=config.key_group)
     return out

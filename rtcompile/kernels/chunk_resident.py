@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .args import empty, factor_args, lowp_dots, width_args
+from . import args
+from .args import factor_args, lowp_dots, width_args
 from .blocks import (
     chunk_inputs, dot, factor_tiles, load_row_inputs, load_state_tile, load_wy, phi_block, phi_from_tiles,
     sequence_of_program, unit_lower_inverse_scratch,
@@ -242,7 +243,7 @@ def run_resident(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm: bo
     """Allocate o and run :func:`chunk_resident_kernel` (``ws``: its P, Ai, W, U0 or None each;
     with ``scores`` "tiles", Ai is the [programs, C, C] scratch)."""
     B, T, H, V = v.shape
-    o = empty(B, T, H, V, dtype=v.dtype, device=v.device)
+    o = args.empty(B, T, H, V, dtype=v.dtype, device=v.device)
     grid = (triton.cdiv(V, block_v), p.num_seqs * H)
     chunk_resident_kernel[grid](
         *factor_args(q), *factor_args(k), v, g, beta, o, h0, ht, ws.get("P"), ws.get("Ai"), ws.get("W"),

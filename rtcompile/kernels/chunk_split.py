@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .args import dot_dtype, empty, factor_args, lowp_dots, width_args
+from . import args
+from .args import dot_dtype, factor_args, lowp_dots, width_args
 from .blocks import (
     chunk_of_program, dot, factor_tiles, load_row_inputs, load_state_tile, one_side_tiles, phi_from_tiles,
     scores_from_tiles, sequence_of_program, states_per_sequence,
@@ -354,11 +355,11 @@ def launch(config: SplitConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seql
     C, K = config.chunk_size, p.key_dim
     varlen = cu_seqlens is not None
     dt = dot_dtype(v)
-    o = empty(B, T, H, V, dtype=v.dtype, device=v.device)
+    o = args.empty(B, T, H, V, dtype=v.dtype, device=v.device)
     n_chunks = [triton.cdiv(hi - lo, C) for lo, hi in p.seq_bounds] if varlen else [triton.cdiv(T, C)] * B
     n_states = [triton.cdiv(n, config.state_stride) for n in n_chunks]  # per sequence
-    Hc = empty(sum(n_states), H, K, V, dtype=dt, device=v.device)
-    Uc = empty(B, T, H, V, dtype=dt, device=v.device)
+    Hc = args.empty(sum(n_states), H, K, V, dtype=dt, device=v.device)
+    Uc = args.empty(B, T, H, V, dtype=dt, device=v.device)
     idx = offsets = None
     if varlen:
         idx = chunk_indices(p, C, v.device)

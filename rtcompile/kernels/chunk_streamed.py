@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .args import empty, factor_args, lowp_dots, width_args
+from . import args
+from .args import factor_args, lowp_dots, width_args
 from .blocks import chunk_inputs, dot, load_state_tile, phi_block, sequence_of_program, state_tile, unit_lower_inverse_scratch
 from .chunk_prepare import prepare_scores
 from .config import (
@@ -253,7 +254,7 @@ def run_streamed(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm: bo
     """Allocate o and run :func:`chunk_streamed_kernel` (``ws``: its P and Ai or None each;
     with ``scores`` "tiles", Ai is the [programs, C, C] scratch). ``ht`` holds the state."""
     B, T, H, V = v.shape
-    o = empty(B, T, H, V, dtype=v.dtype, device=v.device)
+    o = args.empty(B, T, H, V, dtype=v.dtype, device=v.device)
     grid = (triton.cdiv(V, block_v), p.num_seqs * H)
     chunk_streamed_kernel[grid](
         *factor_args(q), *factor_args(k), v, g, beta, o, h0, ht, ws.get("P"), ws.get("Ai"), cu_seqlens, p.scale, T,
@@ -270,7 +271,7 @@ def launch(config: StreamedConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_s
     final-state buffer to store into (the state lives there while the kernel runs: without one
     a buffer of its own is allocated). Returns o."""
     if ht is None:
-        ht = empty(p.state_shape, dtype=torch.float32, device=v.device)
+        ht = args.empty(p.state_shape, dtype=torch.float32, device=v.device)
     bk = config.block_k
     ws = prepare_scores(config, p, q, k, v, g, beta, cu_seqlens=cu_seqlens, l2norm=l2norm, block_k=bk,
                         outer=KernelShape(p.key_widths, p.value_width).outer_phi_ok(bk), wy=False)
