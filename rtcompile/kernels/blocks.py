@@ -1,4 +1,6 @@
-"""Triton helpers shared by the recurrent and chunk kernels.
+"""Triton building blocks shared by the recurrent and chunk kernels: phi builders, factor tiles,
+per-axis Gram scores, the row and [16, 16] tile solves, state tile loads, the program-to-
+sequence/chunk mapping and the products' operand rule (:func:`dot`).
 
 The Kronecker feature phi(x) = x1 (x) x2 (x) x3 is never stored in HBM: kernels gather the
 narrow factors (width d_i) for a tile of flattened key indices kk and multiply them on chip.
@@ -75,63 +77,6 @@ def unit_lower_inverse(b_A, C: tl.constexpr):
         b_row = tl.where(o_c == i, 1.0, 0.0) - tl.sum(b_a[:, None] * b_X, axis=0)
         b_X = tl.where(o_c[:, None] == i, b_row[None, :], b_X)
     return b_X
-
-
-@triton.jit
-def unit_lower_inverse_blocked(b_A, C: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr):
-    """(I + A)^-1 for a strictly lower-triangular [C, C] tile, by diagonal blocks of BS rows.
-
-    :func:`unit_lower_inverse` takes C - 1 serial steps, each two cross-warp reductions over
-    the whole tile: the latency that made the fused-prepare kernel 2.3x slower than the
-    two-kernel one at C = 64 on an H200. Here forward substitution runs in all C / BS diagonal
-    blocks at once (BS - 1 steps), and the off-diagonal blocks follow from products: with
-    X = (I + A_d)^-1 for the block diagonal A_d of A and A_o = A - A_d,
-
-        I + A = (I + A_d)(I + N),   N = X A_o   (strictly block lower: N^(C/BS) = 0),
-        (I + A)^-1 = (I - N)(I + N^2)(I + N^4)... X
-
-    Every power of N is a sum of products along chains of blocks, the same terms block forward
-    substitution adds, so nothing grows that the row-by-row form would not.
-    """
-    NB: tl.constexpr = C // BS
-    o_c = tl.arange(0, C)
-    o_b = tl.arange(0, BS)
-    m_d = (o_c[:, None] // BS) == (o_c[None, :] // BS)
-    b_eye = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)
-    b_Ad = tl.reshape(tl.where(m_d, b_A, 0.0), [NB, BS, C])
-    b_E = tl.reshape(b_eye, [NB, BS, C])
-    b_X = b_E
-    for i in range(1, BS):
-        m_row = (o_b == i)[None, :, None]
-        # row i of every block: its A entries ([NB, C], zero outside the block), folded to the
-        # block's own BS columns, then row_i = e_i - sum_j<i a_ij X_j inside each block
-        b_a = tl.sum(tl.where(m_row, b_Ad, 0.0), axis=1)
-        b_a = tl.sum(tl.reshape(b_a, [NB, NB, BS]), axis=1)
-        b_row = tl.sum(tl.where(m_row, b_E, 0.0), axis=1) - tl.sum(b_a[:, :, None] * b_X, axis=1)
-        b_X = tl.where(m_row, b_row[:, None, :], b_X)
-    return _inverse_from_diagonal(tl.reshape(b_X, [C, C]), b_A, m_d, NB, PREC)
-
-
-@triton.jit
-def unit_lower_inverse_diagonal(b_A, C: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr):
-    """:func:`unit_lower_inverse_blocked` with the diagonal blocks inverted on their own
-    [C / BS, BS, BS] tiles instead of [C / BS, BS, C] row strips: each of the BS - 1 serial
-    steps reduces BS columns per block, not C (a quarter of the data at C = 64, BS = 16), and
-    the block-diagonal inverse is spread back to [C, C] once. Same arithmetic, same result."""
-    NB: tl.constexpr = C // BS
-    o_c = tl.arange(0, C)
-    o_b = tl.arange(0, BS)
-    o_n = tl.arange(0, NB)
-    m_d = (o_c[:, None] // BS) == (o_c[None, :] // BS)
-    # [NB, BS, NB, BS] view of A; block (n, n) of each row strip is its diagonal block
-    m_blk = o_n[:, None, None, None] == o_n[None, None, :, None]
-    b_Ab = tl.sum(tl.where(m_blk, tl.reshape(b_A, [NB, BS, NB, BS]), 0.0), axis=2)
-    b_X = _eye_blocks(NB, BS)
-    for i in range(1, BS):
-        b_a = tl.sum(tl.where((o_b == i)[None, :, None], b_Ab, 0.0), axis=1)  # row i of every diagonal block
-        b_X = _substitute_row(b_X, b_a, i, BS)
-    b_Xd = tl.reshape(tl.where(m_blk, b_X[:, :, None, :], 0.0), [C, C])
-    return _inverse_from_diagonal(b_Xd, b_A, m_d, NB, PREC)
 
 
 @triton.jit
@@ -218,24 +163,6 @@ def _tile(p_A, i, j, n_rows, C: tl.constexpr):
 
 
 @triton.jit
-def _inverse_from_diagonal(b_X, b_A, m_d, NB: tl.constexpr, PREC: tl.constexpr):
-    """(I + A)^-1 from X = (I + A_d)^-1 (A_d: A on the block diagonal ``m_d``, NB blocks):
-    (I - N)(I + N^2)(I + N^4)... X with N = X (A - A_d)."""
-    b_N = tl.dot(b_X, tl.where(m_d, 0.0, b_A), input_precision=PREC)
-    b_Y = b_X - tl.dot(b_N, b_X, input_precision=PREC)
-    if NB > 2:  # (I + N^2)
-        b_N = tl.dot(b_N, b_N, input_precision=PREC)
-        b_Y += tl.dot(b_N, b_Y, input_precision=PREC)
-    if NB > 4:  # (I + N^4)
-        b_N = tl.dot(b_N, b_N, input_precision=PREC)
-        b_Y += tl.dot(b_N, b_Y, input_precision=PREC)
-    if NB > 8:  # (I + N^8); ChunkVariant.check allows at most 16 blocks
-        b_N = tl.dot(b_N, b_N, input_precision=PREC)
-        b_Y += tl.dot(b_N, b_Y, input_precision=PREC)
-    return b_Y
-
-
-@triton.jit
 def phi_tile_outer(p1, p2, p3, r, m_t, i_k, C: tl.constexpr, BK: tl.constexpr, NF: tl.constexpr,
                    D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, OUT_DT: tl.constexpr = tl.float32):
     """Block ``i_k`` ([C, BK]) of phi for the rows ``r``, as an outer product of factor tiles.
@@ -305,3 +232,254 @@ def load_state_tile(h0, ht, off, m, first, USE_H0: tl.constexpr, EVICT_FIRST: tl
         else:
             b_s = tl.load(ht + off, mask=m, other=0.0).to(tl.float32)
     return b_s
+
+
+# ----- the chunk kernels' building blocks -----
+@triton.jit
+def dot(a, b, LOWP: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+    """a @ b: 16-bit operands in their own type (tensor cores), else fp32 at precision PREC."""
+    if LOWP:
+        return tl.dot(a.to(DT), b.to(DT))
+    else:
+        return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def phi_block(p1, p2, p3, r, m_t, i_k, C: tl.constexpr, BK: tl.constexpr, NF: tl.constexpr,
+              D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, K: tl.constexpr, OUTER: tl.constexpr,
+              OUT_DT: tl.constexpr = tl.float32):
+    """Raw [C, BK] block ``i_k`` of phi: outer products when OUTER (in ``OUT_DT``: the dot's
+    operand type when the block goes straight into a product), else gathers (fp32)."""
+    if OUTER:
+        b_phi = phi_tile_outer(p1, p2, p3, r, m_t, i_k, C, BK, NF, D1, D2, D3, OUT_DT)
+    else:
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_phi = phi_gather(p1, p2, p3, r[:, None], o_k[None, :], m_t[:, None] & (o_k < K)[None, :], D1, D2, D3, NF)
+    return b_phi
+
+
+@triton.jit
+def scores_from_tiles(q1, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_b, b_c,
+                      NF: tl.constexpr, C: tl.constexpr, USE_BETA: tl.constexpr, LOWP: tl.constexpr,
+                      PREC: tl.constexpr, SOLVE: tl.constexpr, NEED_P: tl.constexpr = True):
+    """P = prod Q_i K_i^T * decay * causal, and Ai = (I + A)^-1 (identity without beta), from
+    the chunk's (normalised) [C, BD_i] factor tiles, its beta ``b_b`` and log decay ``b_c``.
+
+    Gram blocks take the factors in the input type when it is 16-bit (tensor cores; at K = 256
+    order 2 the fp32 Grams made the prepare step dominate), else fp32 at PREC. SOLVE "rows":
+    the inverse row by row in registers; "tiles": Ai is A itself, for the caller to invert in
+    memory (:func:`unit_lower_inverse_tiles`). ``q1`` only names the input type. Without
+    NEED_P, P is zeros and the query tiles are not read (the split form's prepare kernel).
+    """
+    DT: tl.constexpr = q1.dtype.element_ty
+    o_c = tl.arange(0, C)
+    b_qk = tl.zeros([C, C], dtype=tl.float32)
+    if NEED_P:
+        b_qk = dot(b_q1, tl.trans(b_k1), LOWP, DT, PREC)
+    if USE_BETA:
+        b_kk = dot(b_k1, tl.trans(b_k1), LOWP, DT, PREC)
+    if NF > 1:
+        if NEED_P:
+            b_qk *= dot(b_q2, tl.trans(b_k2), LOWP, DT, PREC)
+        if USE_BETA:
+            b_kk *= dot(b_k2, tl.trans(b_k2), LOWP, DT, PREC)
+    if NF > 2:
+        if NEED_P:
+            b_qk *= dot(b_q3, tl.trans(b_k3), LOWP, DT, PREC)
+        if USE_BETA:
+            b_kk *= dot(b_k3, tl.trans(b_k3), LOWP, DT, PREC)
+    # exp of a masked difference: only j <= i is kept, where c_i - c_j <= 0 (no overflow)
+    m_incl = o_c[:, None] >= o_c[None, :]
+    b_decay = tl.exp(tl.where(m_incl, b_c[:, None] - b_c[None, :], float("-inf")))
+    b_P = b_qk * b_decay
+    if USE_BETA:
+        b_A = tl.where(o_c[:, None] > o_c[None, :], b_b[:, None] * b_kk * b_decay, 0.0)
+        if SOLVE == "tiles":
+            b_Ai = b_A
+        else:
+            b_Ai = unit_lower_inverse(b_A, C)
+    else:
+        b_Ai = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)
+    return b_P, b_Ai
+
+
+@triton.jit
+def one_side_tiles(x1, x2, x3, r, m_t, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+                   BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, L2NORM: tl.constexpr):
+    """The [C, BD_i] tiles of the query or the key factors (optionally normalised); the slots
+    of factors beyond NF repeat the first tile and are never read."""
+    b_x1 = factor_tile(x1, r, m_t, D1, BD1, L2NORM)
+    b_x2 = b_x1
+    b_x3 = b_x1
+    if NF > 1:
+        b_x2 = factor_tile(x2, r, m_t, D2, BD2, L2NORM)
+    if NF > 2:
+        b_x3 = factor_tile(x3, r, m_t, D3, BD3, L2NORM)
+    return b_x1, b_x2, b_x3
+
+
+@triton.jit
+def factor_tiles(q1, q2, q3, k1, k2, k3, r, m_t, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
+                 D3: tl.constexpr, BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, L2NORM: tl.constexpr):
+    """The [C, BD_i] tiles of every query and key factor (see :func:`one_side_tiles`)."""
+    b_q1, b_q2, b_q3 = one_side_tiles(q1, q2, q3, r, m_t, NF, D1, D2, D3, BD1, BD2, BD3, L2NORM)
+    b_k1, b_k2, b_k3 = one_side_tiles(k1, k2, k3, r, m_t, NF, D1, D2, D3, BD1, BD2, BD3, L2NORM)
+    return b_q1, b_q2, b_q3, b_k1, b_k2, b_k3
+
+
+@triton.jit
+def chunk_scores(q1, q2, q3, k1, k2, k3, beta, r, m_t, b_c,
+                 NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+                 BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, C: tl.constexpr,
+                 L2NORM: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+                 SOLVE: tl.constexpr, NEED_P: tl.constexpr = True):
+    """:func:`scores_from_tiles` on the factor tiles of the token-head rows ``r`` (without
+    NEED_P only the key tiles are read, and P is zeros); ``beta`` None: no delta rule."""
+    USE_BETA: tl.constexpr = beta is not None
+    if NEED_P:
+        b_q1, b_q2, b_q3, b_k1, b_k2, b_k3 = factor_tiles(q1, q2, q3, k1, k2, k3, r, m_t, NF, D1, D2, D3,
+                                                          BD1, BD2, BD3, L2NORM)
+    else:
+        b_k1, b_k2, b_k3 = one_side_tiles(k1, k2, k3, r, m_t, NF, D1, D2, D3, BD1, BD2, BD3, L2NORM)
+        b_q1, b_q2, b_q3 = b_k1, b_k2, b_k3  # never read
+    b_b = tl.zeros([C], dtype=tl.float32)
+    if USE_BETA:
+        b_b = tl.load(beta + r, mask=m_t, other=0.0).to(tl.float32)
+    return scores_from_tiles(q1, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_b, b_c,
+                             NF, C, USE_BETA, LOWP, PREC, SOLVE, NEED_P)
+
+
+@triton.jit
+def load_row_inputs(v, g, beta, r, r_g, m_t, o_v, m_v, C: tl.constexpr, V: tl.constexpr, LOAD_V: tl.constexpr,
+                    LOAD_G: tl.constexpr, LOAD_BETA: tl.constexpr):
+    """The values ([C, BV], LOAD_V), log-decay terms (LOAD_G: ``g`` at rows ``r_g``, the gates
+    or the prepare kernel's cumulative sums) and beta ([C]; LOAD_BETA) of the token-head rows
+    ``r``, in fp32; a flag that is off leaves a zero placeholder (the values' [C, 16]) that is
+    never read."""
+    b_v = tl.zeros([C, 16], dtype=tl.float32)
+    if LOAD_V:
+        b_v = tl.load(v + r[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+    b_g = tl.zeros([C], dtype=tl.float32)
+    if LOAD_G:
+        b_g = tl.load(g + r_g, mask=m_t, other=0.0).to(tl.float32)
+    b_b = tl.zeros([C], dtype=tl.float32)
+    if LOAD_BETA:
+        b_b = tl.load(beta + r, mask=m_t, other=0.0).to(tl.float32)
+    return b_v, b_g, b_b
+
+
+@triton.jit
+def phi_from_tiles(b_x1, b_x2, b_x3, NF: tl.constexpr, C: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
+                   D3: tl.constexpr):
+    """The whole [C, K] phi as the row-wise outer product of the factor tiles, in fp32 (cast
+    to 16 bits before the reshape instead, o3 16x16 on the H200 took 0.534 against 0.512 ms
+    with the resident default and 1.155 against 0.894 with the split form at C = 64)."""
+    b_phi = b_x1
+    if NF > 1:
+        b_23 = b_x2
+        if NF > 2:
+            b_23 = tl.reshape(b_x2[:, :, None] * b_x3[:, None, :], [C, D2 * D3])
+        b_phi = tl.reshape(b_x1[:, :, None] * b_23[:, None, :], [C, D1 * D2 * D3])
+    return b_phi
+
+
+@triton.jit
+def state_tile(h0, ht, p_state, i_k, o_v, m_v, first, K: tl.constexpr, BK: tl.constexpr, V: tl.constexpr,
+               USE_H0: tl.constexpr):
+    """Key tile ``i_k`` ([BK, BV]) of a streamed state (see ``load_state_tile``); a tile past
+    the last is masked off entirely, so reading one ahead costs nothing at the end."""
+    o_k = i_k * BK + tl.arange(0, BK)
+    off_s = p_state + o_k[:, None] * V + o_v[None, :]
+    return load_state_tile(h0, ht, off_s, (o_k < K)[:, None] & m_v[None, :], first, USE_H0)
+
+
+@triton.jit
+def chunk_log_decay(g, r, m_t, C: tl.constexpr):
+    """Cumulative log decay within the chunk (zeros when ``g`` is None); padded rows add 0, so
+    the last row is c_C."""
+    if g is not None:
+        return tl.cumsum(tl.load(g + r, mask=m_t, other=0.0).to(tl.float32), axis=0)
+    else:
+        return tl.zeros([C], dtype=tl.float32)
+
+
+@triton.jit
+def sequence_of_program(i_n, T, cu_seqlens):
+    """Sequence ``i_n``'s start and end token and batch index (``cu_seqlens`` given: packed
+    along T, B = 1)."""
+    if cu_seqlens is not None:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        i_b = 0
+    else:
+        bos = 0
+        eos = T
+        i_b = i_n.to(tl.int64)
+    return bos, eos, i_b
+
+
+@triton.jit
+def states_per_sequence(T, C: tl.constexpr, STRIDE: tl.constexpr):
+    """Stored states per sequence of T tokens (not varlen): one per STRIDE chunks of C."""
+    return tl.cdiv(tl.cdiv(T, C), STRIDE)
+
+
+@triton.jit
+def chunk_of_program(i_c, i_n, T, cu_seqlens, chunk_indices, state_offsets, C: tl.constexpr,
+                     STRIDE: tl.constexpr = 1):
+    """Where a chunk-parallel program's chunk lies: (chunk within its sequence, sequence start and
+    end token, batch index, and the index of the stored state its window of STRIDE chunks starts
+    from: with STRIDE 1 the chunk number over all sequences; ``state_offsets``, each varlen
+    sequence's first, is read only with STRIDE > 1). Varlen programs (``cu_seqlens`` given) are
+    numbered over the (sequence, chunk) pairs of ``chunk_indices``, in sequence order."""
+    i_s = i_c.to(tl.int64)
+    if cu_seqlens is not None:
+        i_n = tl.load(chunk_indices + 2 * i_c)
+        i_c = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int64)
+        if STRIDE > 1:
+            i_s = tl.load(state_offsets + i_n).to(tl.int64) + i_c // STRIDE
+    bos, eos, i_b = sequence_of_program(i_n, T, cu_seqlens)
+    if cu_seqlens is None:
+        i_s = i_b * states_per_sequence(T, C, STRIDE) + i_c // STRIDE
+    return i_c, bos, eos, i_b, i_s
+
+
+@triton.jit
+def load_wy(W, U0, p_row, m_t, o_v, m_v, K: tl.constexpr, BK: tl.constexpr, V: tl.constexpr):
+    """The chunk's [C, BK] rows of W (BK >= K) and [C, BV] block of U0 (see the WY prepare)."""
+    o_k = tl.arange(0, BK)
+    b_W = tl.load(W + p_row[:, None] * K + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :],
+                  other=0.0).to(tl.float32)
+    b_U0 = tl.load(U0 + p_row[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+    return b_W, b_U0
+
+
+@triton.jit
+def chunk_inputs(q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, W, U0, r, m_t, o_v, m_v, p_row,
+                  NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+                  BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                  V: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr, SCORES: tl.constexpr):
+    """One chunk's inputs loaded where they are used (no PREFETCH): its log decay c, P and Ai
+    (from the workspace, or formed here when SCORES is "rows" / "tiles": the fused form, whose
+    Grams, solve and score products stay fp32), W and U0 (W given), the rows' 1 / ||phi(q)||
+    and 1 / ||phi(k)|| (L2NORM; else ones), values and beta. Placeholders are never read."""
+    b_c = chunk_log_decay(g, r, m_t, C)
+    b_W = tl.zeros([C, 16], dtype=tl.float32)
+    b_U0 = tl.zeros([C, 16], dtype=tl.float32)
+    b_Ai = tl.zeros([C, C], dtype=tl.float32)
+    if SCORES != "workspace":
+        b_P, b_Ai = chunk_scores(q1, q2, q3, k1, k2, k3, beta, r, m_t, b_c, NF, D1, D2, D3, BD1, BD2, BD3, C,
+                                 L2NORM, False, PREC, SCORES)
+    else:
+        b_P = tl.load(P + p_row[:, None] * C + tl.arange(0, C)[None, :], mask=m_t[:, None], other=0.0)
+        if W is not None:
+            b_W, b_U0 = load_wy(W, U0, p_row, m_t, o_v, m_v, D1 * D2 * D3, BK, V)
+        elif beta is not None:
+            b_Ai = tl.load(Ai + p_row[:, None] * C + tl.arange(0, C)[None, :], mask=m_t[:, None], other=0.0)
+    r_q = tl.full([C], 1.0, tl.float32)
+    r_k = tl.full([C], 1.0, tl.float32)
+    if L2NORM:  # ||phi|| = prod ||x_i||: one scale per row instead of normalising phi
+        r_q = phi_inv_norm(q1, q2, q3, r[:, None], m_t[:, None], D1, D2, D3, BD1, BD2, BD3, NF)
+        r_k = phi_inv_norm(k1, k2, k3, r[:, None], m_t[:, None], D1, D2, D3, BD1, BD2, BD3, NF)
+    b_v, _, b_b = load_row_inputs(v, g, beta, r, r, m_t, o_v, m_v, C, V, True, False, beta is not None)
+    return b_c, b_P, b_Ai, b_W, b_U0, r_q, r_k, b_v, b_b

@@ -34,8 +34,101 @@ import triton.language as tl
 
 from .blocks import (
     factor_tile, load_state_tile, phi_gather, phi_inv_norm, phi_tile_outer, unit_lower_inverse,
-    unit_lower_inverse_blocked, unit_lower_inverse_diagonal, unit_lower_inverse_scratch, unit_lower_inverse_tiles,
+    unit_lower_inverse_scratch, unit_lower_inverse_tiles,
 )
+
+# The pre-redesign solves, kept here (not in blocks.py) until this file goes with triton_fwd.py.
+@triton.jit
+def unit_lower_inverse_blocked(b_A, C: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr):
+    """(I + A)^-1 for a strictly lower-triangular [C, C] tile, by diagonal blocks of BS rows.
+
+    :func:`unit_lower_inverse` takes C - 1 serial steps, each two cross-warp reductions over
+    the whole tile: the latency that made the fused-prepare kernel 2.3x slower than the
+    two-kernel one at C = 64 on an H200. Here forward substitution runs in all C / BS diagonal
+    blocks at once (BS - 1 steps), and the off-diagonal blocks follow from products: with
+    X = (I + A_d)^-1 for the block diagonal A_d of A and A_o = A - A_d,
+
+        I + A = (I + A_d)(I + N),   N = X A_o   (strictly block lower: N^(C/BS) = 0),
+        (I + A)^-1 = (I - N)(I + N^2)(I + N^4)... X
+
+    Every power of N is a sum of products along chains of blocks, the same terms block forward
+    substitution adds, so nothing grows that the row-by-row form would not.
+    """
+    NB: tl.constexpr = C // BS
+    o_c = tl.arange(0, C)
+    o_b = tl.arange(0, BS)
+    m_d = (o_c[:, None] // BS) == (o_c[None, :] // BS)
+    b_eye = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)
+    b_Ad = tl.reshape(tl.where(m_d, b_A, 0.0), [NB, BS, C])
+    b_E = tl.reshape(b_eye, [NB, BS, C])
+    b_X = b_E
+    for i in range(1, BS):
+        m_row = (o_b == i)[None, :, None]
+        # row i of every block: its A entries ([NB, C], zero outside the block), folded to the
+        # block's own BS columns, then row_i = e_i - sum_j<i a_ij X_j inside each block
+        b_a = tl.sum(tl.where(m_row, b_Ad, 0.0), axis=1)
+        b_a = tl.sum(tl.reshape(b_a, [NB, NB, BS]), axis=1)
+        b_row = tl.sum(tl.where(m_row, b_E, 0.0), axis=1) - tl.sum(b_a[:, :, None] * b_X, axis=1)
+        b_X = tl.where(m_row, b_row[:, None, :], b_X)
+    return _inverse_from_diagonal(tl.reshape(b_X, [C, C]), b_A, m_d, NB, PREC)
+
+
+@triton.jit
+def unit_lower_inverse_diagonal(b_A, C: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr):
+    """:func:`unit_lower_inverse_blocked` with the diagonal blocks inverted on their own
+    [C / BS, BS, BS] tiles instead of [C / BS, BS, C] row strips: each of the BS - 1 serial
+    steps reduces BS columns per block, not C (a quarter of the data at C = 64, BS = 16), and
+    the block-diagonal inverse is spread back to [C, C] once. Same arithmetic, same result."""
+    NB: tl.constexpr = C // BS
+    o_c = tl.arange(0, C)
+    o_b = tl.arange(0, BS)
+    o_n = tl.arange(0, NB)
+    m_d = (o_c[:, None] // BS) == (o_c[None, :] // BS)
+    # [NB, BS, NB, BS] view of A; block (n, n) of each row strip is its diagonal block
+    m_blk = o_n[:, None, None, None] == o_n[None, None, :, None]
+    b_Ab = tl.sum(tl.where(m_blk, tl.reshape(b_A, [NB, BS, NB, BS]), 0.0), axis=2)
+    b_X = _eye_blocks(NB, BS)
+    for i in range(1, BS):
+        b_a = tl.sum(tl.where((o_b == i)[None, :, None], b_Ab, 0.0), axis=1)  # row i of every diagonal block
+        b_X = _substitute_row(b_X, b_a, i, BS)
+    b_Xd = tl.reshape(tl.where(m_blk, b_X[:, :, None, :], 0.0), [C, C])
+    return _inverse_from_diagonal(b_Xd, b_A, m_d, NB, PREC)
+
+
+@triton.jit
+def _inverse_from_diagonal(b_X, b_A, m_d, NB: tl.constexpr, PREC: tl.constexpr):
+    """(I + A)^-1 from X = (I + A_d)^-1 (A_d: A on the block diagonal ``m_d``, NB blocks):
+    (I - N)(I + N^2)(I + N^4)... X with N = X (A - A_d)."""
+    b_N = tl.dot(b_X, tl.where(m_d, 0.0, b_A), input_precision=PREC)
+    b_Y = b_X - tl.dot(b_N, b_X, input_precision=PREC)
+    if NB > 2:  # (I + N^2)
+        b_N = tl.dot(b_N, b_N, input_precision=PREC)
+        b_Y += tl.dot(b_N, b_Y, input_precision=PREC)
+    if NB > 4:  # (I + N^4)
+        b_N = tl.dot(b_N, b_N, input_precision=PREC)
+        b_Y += tl.dot(b_N, b_Y, input_precision=PREC)
+    if NB > 8:  # (I + N^8); ChunkVariant.check allows at most 16 blocks
+        b_N = tl.dot(b_N, b_N, input_precision=PREC)
+        b_Y += tl.dot(b_N, b_Y, input_precision=PREC)
+    return b_Y
+
+
+@triton.jit
+def _eye_blocks(NB: tl.constexpr, BS: tl.constexpr):
+    """NB identity blocks, [NB, BS, BS] fp32: forward substitution's start."""
+    o_b = tl.arange(0, BS)
+    return tl.where((o_b[:, None] == o_b[None, :])[None, :, :], 1.0, 0.0) + tl.zeros([NB, BS, BS], dtype=tl.float32)
+
+
+@triton.jit
+def _substitute_row(b_X, b_a, i, BS: tl.constexpr):
+    """One forward-substitution step in every block at once: row i of X = (I + A_b)^-1 becomes
+    e_i - sum_j<i a_ij X_j, from row i of each block's A (``b_a``, [NB, BS])."""
+    o_b = tl.arange(0, BS)
+    b_row = tl.where(o_b == i, 1.0, 0.0)[None, :] - tl.sum(b_a[:, :, None] * b_X, axis=1)
+    return tl.where((o_b == i)[None, :, None], b_row[:, None, :], b_X)
+
+
 
 
 @triton.jit

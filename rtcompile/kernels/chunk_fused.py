@@ -2,6 +2,10 @@
 program computes its chunk's scores and the delta rule's inverse itself (in a [C, C] scratch of
 its own with the tile solve), then updates the state, held in registers when ``block_k`` covers
 K and streamed in tiles otherwise. The planner's low-memory choice.
+
+This form has no kernel of its own: :func:`launch` runs ``chunk_resident_kernel`` or
+``chunk_streamed_kernel`` with SCORES set to the solve ("rows" or "tiles"), which forms the
+scores and the inverse inside the sequential loop.
 """
 
 from __future__ import annotations
@@ -10,10 +14,17 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
+import triton
+
+from . import args
+from .chunk_resident import run_resident
+from .chunk_streamed import run_streamed
 from .config import (
     CHUNK_MAX_EST_REGS, DEFAULT_SMEM_BYTES, SOLVES, CostFigures, KernelConfig, KernelShape, Workload, chunk_count,
     chunk_live_elements, chunk_programs, chunk_refusal, chunk_smem_estimate, estimate_registers,
 )
+from .inputs import Problem
 
 
 @dataclass(frozen=True)
@@ -107,3 +118,23 @@ class FusedConfig(KernelConfig):
             tile_visits=0 if resident else 2 * math.ceil(w.shape.key_dim / self.block_k),
             tile_elements=self.chunk_size * self.block_k,
             solve_rows=self.solve_rows() if w.delta_rule else 0.0, launches=1)
+
+
+def launch(config: FusedConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm: bool) -> torch.Tensor:
+    """Run ``config`` on checked inputs (``p`` from ``check_inputs``); ``ht``: None, or the fp32
+    final-state buffer to store into (a streamed state lives there while the kernel runs:
+    without one a buffer of its own is allocated). Returns o."""
+    ws = {}
+    if config.solve == "tiles" and beta is not None:
+        # the tile solve's scratch: one [C, C] per program, whatever T (2 MiB at B8 H8 C64 BV32)
+        programs = triton.cdiv(p.value_width, config.block_v) * p.num_seqs * p.heads
+        ws["Ai"] = args.empty(programs, config.chunk_size, config.chunk_size, dtype=torch.float32, device=v.device)
+    common = dict(h0=h0, cu_seqlens=cu_seqlens, l2norm=l2norm, chunk_size=config.chunk_size, block_k=config.block_k,
+                  block_v=config.block_v, num_warps=config.num_warps, num_stages=config.num_stages,
+                  precision="ieee", scores=config.solve, ws=ws)
+    if config.block_k >= p.key_dim:
+        return run_resident(p, q, k, v, g, beta, ht=ht, prefetch=False, **common)
+    if ht is None:
+        ht = args.empty(p.state_shape, dtype=torch.float32, device=v.device)
+    return run_streamed(p, q, k, v, g, beta, ht=ht, prefetch_state=config.prefetch_state,
+                        merge_passes=config.merge_passes, **common)

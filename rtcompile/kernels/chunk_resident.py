@@ -1,7 +1,14 @@
 """The register-resident chunk form: a chunk-parallel prepare kernel (``chunk_prepare.py``)
 writes each chunk's scores and inverse, then one sequential program per (sequence, head, value
 block) walks the chunks with the whole [K, block_v] state tile in registers (read once, written
-once per call).
+once per call). The fused form (``chunk_fused.py``) runs the same sequential kernel with the
+scores and the solve formed in the kernel instead.
+
+Per chunk (local cumulative log decay c, Gamma = exp(c)), with P and Ai as in ``chunk_prepare``:
+
+    U  = Ai diag(b) (V - diag(Gamma) phi(K) S)         (U = V without the delta rule)
+    O  = scale (diag(Gamma) phi(Q) S + P U)
+    S' = Gamma_C S + (phi(K) * Gamma_C / Gamma)^T U
 """
 
 from __future__ import annotations
@@ -9,11 +16,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
+import triton
+import triton.language as tl
+
+from . import args
+from .args import factor_args, lowp_dots, width_args
+from .blocks import (
+    chunk_inputs, dot, factor_tiles, load_row_inputs, load_state_tile, load_wy, phi_block, phi_from_tiles,
+    sequence_of_program, unit_lower_inverse_scratch,
+)
+from .chunk_prepare import prepare_scores
 from .config import (
     CHUNK_MAX_EST_REGS, DEFAULT_SMEM_BYTES, DOT_PRECISIONS, PREPARE_WARPS, SOLVES, CostFigures, KernelConfig,
     KernelShape, Workload, chunk_count, chunk_live_elements, chunk_programs, chunk_refusal, chunk_smem_estimate,
-    estimate_registers, two_kernel_workspace,
+    estimate_registers, next_pow2, two_kernel_workspace,
 )
+from .inputs import Problem
 
 
 @dataclass(frozen=True)
@@ -97,3 +116,152 @@ class ResidentConfig(KernelConfig):
     def figures(self, w: Workload) -> CostFigures:
         return CostFigures(programs=chunk_programs(w, self.block_v), serial_steps=chunk_count(w, self.chunk_size),
                            state_passes=2, workspace_bytes=self.workspace_bytes(w), launches=2)
+
+
+# ----- the sequential kernel -----
+@triton.jit
+def _load_chunk(q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, W, U0, r, m_t, o_v, m_v, p_row,
+                NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, C: tl.constexpr,
+                BK: tl.constexpr, V: tl.constexpr, L2NORM: tl.constexpr):
+    """Every input of one chunk that does not depend on the state, in registers (PREFETCH): the
+    (normalised) [C, D_i] factor tiles (each D_i a power of two >= 16, so a tile is exactly its
+    factor), values, log-decay increments, beta, and the prepared P and Ai (W and U0 when W is
+    given). Slots that are off hold a small placeholder that is never read. Issued one chunk
+    ahead, these loads wait behind the current chunk's arithmetic instead of in front of it."""
+    b_q1, b_q2, b_q3, b_k1, b_k2, b_k3 = factor_tiles(q1, q2, q3, k1, k2, k3, r, m_t, NF, D1, D2, D3,
+                                                      D1, D2, D3, L2NORM)
+    b_v, b_g, b_b = load_row_inputs(v, g, beta, r, r, m_t, o_v, m_v, C, V, True, g is not None, beta is not None)
+    b_Ai = tl.zeros([C, C], dtype=tl.float32)
+    b_W = tl.zeros([C, 16], dtype=tl.float32)
+    b_U0 = tl.zeros([C, 16], dtype=tl.float32)
+    b_P = tl.load(P + p_row[:, None] * C + tl.arange(0, C)[None, :], mask=m_t[:, None], other=0.0)
+    if W is not None:
+        b_W, b_U0 = load_wy(W, U0, p_row, m_t, o_v, m_v, D1 * D2 * D3, BK, V)
+    elif beta is not None:
+        b_Ai = tl.load(Ai + p_row[:, None] * C + tl.arange(0, C)[None, :], mask=m_t[:, None], other=0.0)
+    return b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_v, b_g, b_b, b_P, b_Ai, b_W, b_U0
+
+
+@triton.jit
+def chunk_resident_kernel(
+    q1, q2, q3, k1, k2, k3, v, g, beta, o, h0, ht, P, Ai, W, U0, cu_seqlens, scale, T,
+    H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+    BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+    OUTER: tl.constexpr, SCORES: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """One program per (sequence, head, value block) walks the chunks in order with the
+    [BK >= K, BV] state in registers. SCORES "workspace": P and Ai (W given: W and U0, the WY
+    form, U = U0 - W S, a chain of two products instead of three) come from the prepare
+    kernel; "rows" / "tiles": formed here (the fused form; "tiles" inverts in this program's
+    [C, C] scratch ``Ai``). PREFETCH (workspace, power-of-two widths >= 16): the next chunk's
+    inputs are loaded before this chunk's arithmetic. ``g`` / ``beta`` / ``h0`` / ``ht`` /
+    ``cu_seqlens`` None: no gates / no delta rule / zero initial state / no final state / not
+    varlen."""
+    K: tl.constexpr = D1 * D2 * D3
+    USE_BETA: tl.constexpr = beta is not None
+    WY: tl.constexpr = W is not None
+    # The fused scores keep their Grams, solve and score products in fp32: with 16-bit operands
+    # there (C=64, BK=128, 8 warps, order 3 64x64) the H200 returned wrong results and then an
+    # illegal address (Triton 3.6); fp32 was verified there.
+    LOWP_SCORES: tl.constexpr = LOWP and SCORES == "workspace"
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, eos, i_b = sequence_of_program(i_n, T, cu_seqlens)
+    DT: tl.constexpr = q1.dtype.element_ty
+    o_c = tl.arange(0, C)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    p_state = (i_n.to(tl.int64) * H + i_h) * K * V
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    off_s = p_state + o_k[:, None] * V + o_v[None, :]
+    m_s = m_k[:, None] & m_v[None, :]
+    b_s = load_state_tile(h0, ht, off_s, m_s, True, h0 is not None)
+    if PREFETCH:  # chunk 0's inputs; every iteration then issues the next chunk's loads first
+        tok = bos + o_c
+        p_row = (i_b * H + i_h) * T + tok
+        n_q1, n_q2, n_q3, n_k1, n_k2, n_k3, n_v, n_g, n_b, n_P, n_Ai, n_W, n_U0 = _load_chunk(
+            q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, W, U0, (i_b * T + tok) * H + i_h, tok < eos, o_v, m_v,
+            p_row, NF, D1, D2, D3, C, BK, V, L2NORM,
+        )
+    for i_c in range(0, tl.cdiv(eos - bos, C)):
+        tok = bos + i_c * C + o_c
+        m_t = tok < eos
+        r = (i_b * T + tok) * H + i_h
+        if PREFETCH:
+            b_q1, b_q2, b_q3, b_k1, b_k2, b_k3 = n_q1, n_q2, n_q3, n_k1, n_k2, n_k3
+            b_v, b_g, b_b, b_P, b_Ai, b_W, b_U0 = n_v, n_g, n_b, n_P, n_Ai, n_W, n_U0
+            tok_n = tok + C  # past the end: every load is masked off
+            p_row = (i_b * H + i_h) * T + tok_n
+            n_q1, n_q2, n_q3, n_k1, n_k2, n_k3, n_v, n_g, n_b, n_P, n_Ai, n_W, n_U0 = _load_chunk(
+                q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, W, U0, (i_b * T + tok_n) * H + i_h, tok_n < eos, o_v,
+                m_v, p_row, NF, D1, D2, D3, C, BK, V, L2NORM,
+            )
+            b_c = tl.zeros([C], dtype=tl.float32)
+            if g is not None:
+                b_c = tl.cumsum(b_g, axis=0)
+        else:
+            b_c, b_P, b_Ai, b_W, b_U0, r_q, r_k, b_v, b_b = chunk_inputs(
+                q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, W, U0, r, m_t, o_v, m_v, (i_b * H + i_h) * T + tok,
+                NF, D1, D2, D3, BD1, BD2, BD3, C, BK, V, L2NORM, PREC, SCORES,
+            )
+            if SCORES == "tiles" and USE_BETA:  # fused tile solve: A inverted in this program's scratch
+                b_Ai = unit_lower_inverse_scratch(Ai + (i_nh * tl.num_programs(0) + i_v).to(tl.int64) * C * C,
+                                                  b_Ai, C, PREC)
+        b_gam = tl.exp(b_c)
+        b_last = tl.sum(tl.where(o_c == C - 1, b_c, 0.0), axis=0)
+        b_ratio = tl.exp(b_last - b_c)  # Gamma_C / Gamma_i <= 1
+        if PREFETCH:  # the tiles are normalised already: no row scales
+            b_k = phi_from_tiles(b_k1, b_k2, b_k3, NF, C, D1, D2, D3)
+            b_q = phi_from_tiles(b_q1, b_q2, b_q3, NF, C, D1, D2, D3)
+        else:
+            b_k = phi_block(k1, k2, k3, r, m_t, 0, C, BK, NF, D1, D2, D3, K, OUTER) * r_k[:, None]
+            b_q = phi_block(q1, q2, q3, r, m_t, 0, C, BK, NF, D1, D2, D3, K, OUTER) * r_q[:, None]
+        if WY:  # the delta's prediction, Ai diag(b Gamma) phi(K) S, in one product
+            b_ws = dot(b_W, b_s, LOWP, DT, PREC)
+        else:
+            b_ks = dot(b_k, b_s, LOWP, DT, PREC)
+        b_qs = dot(b_q, b_s, LOWP, DT, PREC)
+        if WY:
+            b_u = b_U0 - b_ws
+        elif USE_BETA:
+            b_u = dot(b_Ai, b_b[:, None] * (b_v - b_gam[:, None] * b_ks), LOWP_SCORES, DT, PREC)
+        else:
+            b_u = b_v
+        b_o = scale * (b_gam[:, None] * b_qs + dot(b_P, b_u, LOWP_SCORES, DT, PREC))
+        tl.store(o + r[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+        b_s = tl.exp(b_last) * b_s + dot(tl.trans(b_k * b_ratio[:, None]), b_u, LOWP, DT, PREC)
+    if ht is not None:
+        tl.store(ht + off_s, b_s.to(ht.dtype.element_ty), mask=m_s)
+
+
+# ----- launcher -----
+def run_resident(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm: bool, chunk_size: int, block_k: int,
+                 block_v: int, num_warps: int, num_stages: int, precision: str, scores: str, prefetch: bool,
+                 ws: dict) -> torch.Tensor:
+    """Allocate o and run :func:`chunk_resident_kernel` (``ws``: its P, Ai, W, U0 or None each;
+    with ``scores`` "tiles", Ai is the [programs, C, C] scratch)."""
+    B, T, H, V = v.shape
+    o = args.empty(B, T, H, V, dtype=v.dtype, device=v.device)
+    grid = (triton.cdiv(V, block_v), p.num_seqs * H)
+    chunk_resident_kernel[grid](
+        *factor_args(q), *factor_args(k), v, g, beta, o, h0, ht, ws.get("P"), ws.get("Ai"), ws.get("W"),
+        ws.get("U0"), cu_seqlens, p.scale, T,
+        H=H, NF=len(q), **width_args(p.key_widths, 16), V=V, C=chunk_size, BK=block_k, BV=block_v, L2NORM=l2norm,
+        LOWP=lowp_dots(v.dtype), PREC=precision, OUTER=KernelShape(p.key_widths, V).outer_phi_ok(block_k),
+        SCORES=scores, PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages,
+    )
+    return o
+
+
+def launch(config: ResidentConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm: bool) -> torch.Tensor:
+    """Run ``config`` on checked inputs (``p`` from ``check_inputs``); ``ht``: None, or the fp32
+    final-state buffer to store into. Returns o."""
+    bk = max(16, next_pow2(p.key_dim))
+    ws = prepare_scores(config, p, q, k, v, g, beta, cu_seqlens=cu_seqlens, l2norm=l2norm, block_k=bk,
+                        outer=KernelShape(p.key_widths, p.value_width).outer_phi_ok(bk), wy=config.wy)
+    return run_resident(p, q, k, v, g, beta, h0=h0, ht=ht, cu_seqlens=cu_seqlens, l2norm=l2norm,
+                        chunk_size=config.chunk_size, block_k=bk, block_v=config.block_v, num_warps=config.num_warps,
+                        num_stages=config.num_stages, precision=config.dot_precision, scores="workspace",
+                        prefetch=config.prefetch_inputs, ws=ws)

@@ -7,14 +7,27 @@ and the outputs of all chunks at once. The sequential chain is then three produc
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
+import triton
+import triton.language as tl
+
+from . import args
+from .args import dot_dtype, factor_args, lowp_dots, width_args
+from .blocks import (
+    chunk_of_program, dot, factor_tiles, load_row_inputs, load_state_tile, one_side_tiles, phi_from_tiles,
+    scores_from_tiles, sequence_of_program, states_per_sequence,
+)
+from .chunk_prepare import chunk_indices, prepare_keys
 from .config import (
     CHUNK_MAX_EST_REGS, DEFAULT_SMEM_BYTES, DOT_PRECISIONS, PREPARE_WARPS, SOLVES, CostFigures, KernelConfig,
     KernelShape, Workload, chunk_count, chunk_programs, chunk_refusal, dot_operand_bytes, estimate_registers,
 )
+from .inputs import Problem
 
 OUTPUT_BLOCK_VS = (16, 32, 64)
 STATE_STRIDES = (1, 2, 4)
@@ -139,3 +152,238 @@ class SplitConfig(KernelConfig):
     def figures(self, w: Workload) -> CostFigures:
         return CostFigures(programs=chunk_programs(w, self.block_v), serial_steps=chunk_count(w, self.chunk_size),
                            state_passes=2, workspace_bytes=self.workspace_bytes(w), launches=3)
+
+
+# ----- the state loop -----
+@triton.jit
+def _load_state_inputs(v, Gc, beta, Ai, r, p_row, m_t, o_v, m_v, C: tl.constexpr, V: tl.constexpr,
+                       TMA: tl.constexpr):
+    """One chunk's inputs of the state loop, in registers: values, the cumulative log decay
+    (from ``Gc``, when given), beta and the prepared inverse (delta rule; with TMA the loop
+    reads it by descriptor). ``r`` indexes the token-major inputs, ``p_row`` the [B, H, T]
+    workspaces. Placeholders are never read."""
+    b_v, b_g, b_b = load_row_inputs(v, Gc, beta, r, p_row, m_t, o_v, m_v, C, V, True, Gc is not None,
+                                    beta is not None)
+    b_Ai = tl.zeros([C, C], dtype=tl.float32)
+    if beta is not None and not TMA:
+        b_Ai = tl.load(Ai + p_row[:, None] * C + tl.arange(0, C)[None, :], mask=m_t[:, None], other=0.0)
+    return b_v, b_g, b_b, b_Ai
+
+
+@triton.jit
+def _store_chunk_state(Hc, i_row, b_s, off_k, m_s, i_v, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                       TMA: tl.constexpr):
+    """The [K, BV] state ``b_s`` into row block ``i_row`` (stored state x H + head) of ``Hc``:
+    through a descriptor with TMA (no layout change in registers), else a masked store."""
+    if TMA:
+        Hc.store([(i_row * K).to(tl.int32), i_v * BV], b_s.to(Hc.dtype))
+    else:
+        tl.store(Hc + i_row * K * V + off_k, b_s.to(Hc.dtype.element_ty), mask=m_s)
+
+
+@triton.jit
+def chunk_split_state_kernel(
+    v, beta, h0, ht, Ai, Kw, Gc, Hc, Uc, cu_seqlens, chunk_offsets, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
+    LOWP: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr, STRIDE: tl.constexpr,
+):
+    """The sequential loop of the split form: the state only. Per chunk of one (sequence, head,
+    value block) it stores the incoming state S into ``Hc`` ([stored states, H, K, V], in the
+    products' type) at every STRIDE-th chunk (``chunk_offsets``: each varlen sequence's first,
+    in stored-state units) and U = Ai diag(b) (V - diag(Gamma) phi(K) S) into ``Uc`` (laid out
+    as v), then S' = Gamma_C S + phi(K)^T diag(Gamma_C / Gamma) U. phi(K) is read from ``Kw``
+    (normalised, [B, H, T, K]) and the cumulative log decay from ``Gc`` ([B, H, T] fp32; None:
+    no gates), both written by the prepare kernel, so the loop holds no scan and no reduction
+    across its warps; phi(Q), the scores and the outputs are left to
+    :func:`chunk_split_output_kernel`, which runs over all chunks at once. The [K, BV] state
+    stays in registers. TMA: ``Kw`` is a descriptor of phi(K) as [B H T, K] read in [C, K]
+    blocks, ``Hc`` one of the stored states as [chunks H K, V] written in [K, BV] blocks and,
+    with the delta rule, ``Ai`` one of the inverses as [B H T, C] (H200: loop 0.149 ms against
+    0.164; compiled offline for sm_90 as launched, neither form spills). A block's rows past
+    the sequence are the next sequence's (or zeros): U's rows there are set to zero, so they
+    add nothing. ``beta`` / ``h0`` / ``ht`` / ``cu_seqlens`` None: no delta rule / zero
+    initial state / no final state / not varlen."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, eos, i_b = sequence_of_program(i_n, T, cu_seqlens)
+    if cu_seqlens is not None:
+        i_g0 = tl.load(chunk_offsets + i_n).to(tl.int64)  # the sequence's first stored state in Hc
+    else:
+        i_g0 = i_b * states_per_sequence(T, C, STRIDE)
+    DT: tl.constexpr = v.dtype.element_ty
+    o_c = tl.arange(0, C)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    o_k = tl.arange(0, K)
+    off_k = o_k[:, None] * V + o_v[None, :]
+    m_s = (o_k < K)[:, None] & m_v[None, :]
+    off_s = (i_n.to(tl.int64) * H + i_h) * K * V + off_k
+    b_s = load_state_tile(h0, ht, off_s, m_s, True, h0 is not None)
+    for i_c in range(0, tl.cdiv(eos - bos, C)):
+        tok = bos + i_c * C + o_c
+        m_t = tok < eos
+        r = (i_b * T + tok) * H + i_h
+        p_row = (i_b * H + i_h) * T + tok
+        b_v, b_g, b_b, b_Ai = _load_state_inputs(v, Gc, beta, Ai, r, p_row, m_t, o_v, m_v, C, V, TMA)
+        # one load, transposed in place for the update (o3 16x16 C 64 on the H200: the loop took
+        # 0.211 ms against 0.223 with a second, transposed load, and with half the shared memory
+        # per stage a third stage fits: 0.172 ms)
+        if TMA:  # one descriptor load: no per-element addresses or masks (see the docstring)
+            b_k = Kw.load([((i_b * H + i_h) * T + bos + i_c * C).to(tl.int32), 0])
+        else:
+            b_k = tl.load(Kw + p_row[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+        b_kt = tl.trans(b_k)
+        b_c = tl.zeros([C], dtype=tl.float32)
+        b_last = 0.0
+        if Gc is not None:  # the chunk's last token's entry: one scalar load, no reduction
+            b_c = b_g
+            b_last = tl.load(Gc + (i_b * H + i_h) * T + tl.minimum(bos + i_c * C + C, eos) - 1)
+        # the incoming state, for the output kernel (a store: nothing waits on it)
+        if STRIDE == 1:
+            _store_chunk_state(Hc, (i_g0 + i_c) * H + i_h, b_s, off_k, m_s, i_v, K, V, BV, TMA)
+        elif i_c % STRIDE == 0:
+            _store_chunk_state(Hc, (i_g0 + i_c // STRIDE) * H + i_h, b_s, off_k, m_s, i_v, K, V, BV, TMA)
+        if beta is not None:
+            b_ks = dot(b_k, b_s, LOWP, DT, PREC)
+            if TMA:  # rows past the sequence are the next one's: U's rows there are set to zero below
+                b_Ai = Ai.load([((i_b * H + i_h) * T + bos + i_c * C).to(tl.int32), 0])
+            b_u = dot(b_Ai, b_b[:, None] * (b_v - tl.exp(b_c)[:, None] * b_ks), LOWP, DT, PREC)
+            if TMA:
+                b_u = tl.where(m_t[:, None], b_u, 0.0)
+        else:
+            b_u = b_v
+        tl.store(Uc + r[:, None] * V + o_v[None, :], b_u.to(Uc.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+        # Gamma_C / Gamma_i <= 1 on U's rows ([C, BV]) rather than on phi(K)'s ([C, K])
+        b_s = tl.exp(b_last) * b_s + dot(b_kt, b_u * tl.exp(b_last - b_c)[:, None], LOWP, DT, PREC)
+    if ht is not None:
+        tl.store(ht + off_s, b_s.to(ht.dtype.element_ty), mask=m_s)
+
+
+# ----- the output kernel -----
+@triton.jit
+def _window_outputs(b_o, b_c, b_q1, b_q2, b_q3, k1, k2, k3, Gc, Uc, i_c, bos, eos, i_b, i_h, T, o_v, m_v,
+                    H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+                    V: tl.constexpr, C: tl.constexpr, L2NORM: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+                    STRIDE: tl.constexpr):
+    """``b_o`` plus the cross-chunk scores of the window's earlier chunks j (nearest first) times
+    their U, and ``b_c`` plus the log decay from the window's first chunk to this one: the
+    state is linear in the U rows, so S_c = decayed S_w + the phi(K_j)^T U_j between."""
+    DT: tl.constexpr = k1.dtype.element_ty
+    o_c = tl.arange(0, C)
+    # b_off: log decay from chunk j's start to this one's (a [C] vector of one value: a
+    # loop-carried tensor of fixed type)
+    b_off = tl.zeros([C], dtype=tl.float32)
+    for i_j in range(i_c % STRIDE):
+        j = i_c - 1 - i_j
+        tok_j = bos + j * C + o_c  # a whole chunk: only a sequence's last chunk is partial
+        r_j = (i_b * T + tok_j) * H + i_h
+        if Gc is not None:
+            b_cj = tl.load(Gc + (i_b * H + i_h) * T + tok_j)
+        else:
+            b_cj = tl.zeros([C], dtype=tl.float32)
+        b_off += tl.sum(tl.where(o_c == C - 1, b_cj, 0.0), axis=0)
+        b_kj1, b_kj2, b_kj3 = one_side_tiles(k1, k2, k3, r_j, tok_j < eos, NF, D1, D2, D3, D1, D2, D3, L2NORM)
+        b_g = dot(b_q1, tl.trans(b_kj1), LOWP, DT, PREC)
+        if NF > 1:
+            b_g *= dot(b_q2, tl.trans(b_kj2), LOWP, DT, PREC)
+        if NF > 2:
+            b_g *= dot(b_q3, tl.trans(b_kj3), LOWP, DT, PREC)
+        # t in this chunk is after every i in chunk j: the exponent is <= 0
+        b_g *= tl.exp((b_c + b_off)[:, None] - b_cj[None, :])
+        b_uj = tl.load(Uc + r_j[:, None] * V + o_v[None, :], mask=m_v[None, :], other=0.0)
+        b_o += dot(b_g, b_uj, LOWP, DT, PREC)
+    return b_o, b_c + b_off
+
+
+@triton.jit
+def chunk_split_output_kernel(
+    q1, q2, q3, k1, k2, k3, Gc, o, Hc, Uc, cu_seqlens, chunk_indices, state_offsets, scale, T,
+    H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+    V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, LOWP: tl.constexpr,
+    PREC: tl.constexpr, STRIDE: tl.constexpr,
+):
+    """O = scale (diag(Gamma) phi(Q) S_c + P U) for every chunk in parallel: S_c and U as
+    :func:`chunk_split_state_kernel` stored them, P from the factor Grams as in the prepare
+    kernel (computed here, so no [T, C] score workspace), the cumulative log decay from ``Gc``
+    (None: no gates). Program i takes chunk i (varlen: pair i of ``chunk_indices``). STRIDE:
+    ``Hc`` holds the state at every STRIDE-th chunk only (``state_offsets``: each sequence's
+    first, with varlen); chunk c reads the one at its window's first chunk w and adds the
+    earlier chunks j of the window as cross-chunk scores,
+    O = scale (diag(Gamma_w->t) phi(Q) S_w + sum_{w <= j <= c} P_cj U_j)."""
+    K: tl.constexpr = D1 * D2 * D3
+    i_nh, i_v = tl.program_id(1), tl.program_id(2)
+    i_n, i_h = i_nh // H, i_nh % H
+    i_c, bos, eos, i_b, i_s = chunk_of_program(tl.program_id(0), i_n, T, cu_seqlens, chunk_indices, state_offsets,
+                                               C, STRIDE)
+    DT: tl.constexpr = q1.dtype.element_ty
+    o_c = tl.arange(0, C)
+    tok = bos + i_c * C + o_c
+    m_t = tok < eos
+    r = (i_b * T + tok) * H + i_h
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    if Gc is not None:
+        b_c = tl.load(Gc + (i_b * H + i_h) * T + tok, mask=m_t, other=0.0)
+    else:
+        b_c = tl.zeros([C], dtype=tl.float32)
+    b_q1, b_q2, b_q3, b_k1, b_k2, b_k3 = factor_tiles(q1, q2, q3, k1, k2, k3, r, m_t, NF, D1, D2, D3,
+                                                      D1, D2, D3, L2NORM)
+    b_P, _ = scores_from_tiles(q1, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, tl.zeros([C], dtype=tl.float32), b_c,
+                               NF, C, False, LOWP, PREC, "rows")
+    m_o = m_t[:, None] & m_v[None, :]
+    b_u = tl.load(Uc + r[:, None] * V + o_v[None, :], mask=m_o, other=0.0)
+    b_o = dot(b_P, b_u, LOWP, DT, PREC)
+    if STRIDE > 1:
+        b_o, b_c = _window_outputs(b_o, b_c, b_q1, b_q2, b_q3, k1, k2, k3, Gc, Uc, i_c, bos, eos, i_b, i_h, T,
+                                   o_v, m_v, H, NF, D1, D2, D3, V, C, L2NORM, LOWP, PREC, STRIDE)
+    b_q = phi_from_tiles(b_q1, b_q2, b_q3, NF, C, D1, D2, D3)
+    o_k = tl.arange(0, K)
+    b_h = tl.load(Hc + (i_s * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
+                  mask=(o_k < K)[:, None] & m_v[None, :], other=0.0)
+    b_o = scale * (tl.exp(b_c)[:, None] * dot(b_q, b_h, LOWP, DT, PREC) + b_o)
+    tl.store(o + r[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_o)
+
+
+# ----- launcher -----
+def launch(config: SplitConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm: bool) -> torch.Tensor:
+    """Run ``config`` on checked inputs (``p`` from ``check_inputs``): prepare, state loop and
+    outputs, once each. ``ht``: None, or the fp32 final-state buffer to store into. Returns o.
+    Workspace (``SplitConfig.workspace_bytes``): the incoming state of every state_stride-th
+    chunk ([stored states, H, K, V]) and U ([B, T, H, V]), both in the products' type, and the
+    prepare kernel's phi(K), inverse and cumulative log decay."""
+    B, T, H, V = v.shape
+    C, K = config.chunk_size, p.key_dim
+    varlen = cu_seqlens is not None
+    dt = dot_dtype(v)
+    o = args.empty(B, T, H, V, dtype=v.dtype, device=v.device)
+    n_chunks = [triton.cdiv(hi - lo, C) for lo, hi in p.seq_bounds] if varlen else [triton.cdiv(T, C)] * B
+    n_states = [triton.cdiv(n, config.state_stride) for n in n_chunks]  # per sequence
+    Hc = args.empty(sum(n_states), H, K, V, dtype=dt, device=v.device)
+    Uc = args.empty(B, T, H, V, dtype=dt, device=v.device)
+    idx = offsets = None
+    if varlen:
+        idx = chunk_indices(p, C, v.device)
+        offsets = torch.tensor([0, *itertools.accumulate(n_states)], dtype=torch.int32).to(v.device)
+    ws = prepare_keys(config, p, q, k, v, g, beta, cu_seqlens=cu_seqlens, idx=idx, l2norm=l2norm)
+    Kd, Hd, Ad = ws["Kw"], Hc, ws["Ai"]
+    if config.tma:  # phi(K), the stored states and the inverse through tensor descriptors
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        Kd = TensorDescriptor(ws["Kw"].view(B * H * T, K), [B * H * T, K], [K, 1], [C, K])
+        Hd = TensorDescriptor(Hc.view(-1, V), [Hc.numel() // V, V], [V, 1], [K, config.block_v])
+        if beta is not None:
+            Ad = TensorDescriptor(ws["Ai"].view(B * H * T, C), [B * H * T, C], [C, 1], [C, C])
+    lowp, prec = lowp_dots(v.dtype), config.dot_precision
+    chunk_split_state_kernel[(triton.cdiv(V, config.block_v), p.num_seqs * H)](
+        v, beta, h0, ht, Ad, Kd, ws["Gc"], Hd, Uc, cu_seqlens, offsets, T,
+        H=H, K=K, V=V, C=C, BV=config.block_v, LOWP=lowp, PREC=prec, TMA=config.tma, STRIDE=config.state_stride,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    n_programs = idx.shape[0] if varlen else n_chunks[0]
+    heads = H if varlen else p.num_seqs * H
+    chunk_split_output_kernel[(n_programs, heads, triton.cdiv(V, config.output_block_v))](
+        *factor_args(q), *factor_args(k), ws["Gc"], o, Hc, Uc, cu_seqlens, idx, offsets, p.scale, T,
+        H=H, NF=len(q), **{n: w for n, w in width_args(p.key_widths, 16).items() if not n.startswith("BD")},
+        V=V, C=C, BV=config.output_block_v, L2NORM=l2norm, LOWP=lowp, PREC=prec, STRIDE=config.state_stride,
+        num_warps=config.output_warps, num_stages=config.num_stages,
+    )
+    return o

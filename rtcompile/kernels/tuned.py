@@ -23,7 +23,8 @@ from typing import Any
 
 FORMAT_VERSION = 1
 _SOURCES = {
-    "chunk": ("chunk.py", "blocks.py"),
+    "chunk": ("chunk_prepare.py", "chunk_resident.py", "chunk_streamed.py", "chunk_fused.py", "chunk_split.py",
+              "blocks.py"),
     "recurrent": ("recurrent.py", "blocks.py"),
 }
 _table: list[dict[str, Any]] | None = None
