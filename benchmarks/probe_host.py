@@ -16,13 +16,9 @@ import time
 
 import torch
 
-from rtcompile.kernels import triton_fwd
-from rtcompile.kernels.recurrent import fused_recurrent_running_tensor_fwd_kernel
-from rtcompile.kernels.triton_fwd import (
-    _DECODE_PLANS,
-    _decode_key,
-    running_tensor_decode_,
-)
+from rtcompile.kernels.args import factor_args
+from rtcompile.kernels.launch import running_tensor_decode_
+from rtcompile.kernels.recurrent import DECODE_PLANS, decode_key, fused_recurrent_running_tensor_fwd_kernel
 
 
 def per_call_us(fn, n=2000, rounds=7) -> float:
@@ -54,21 +50,21 @@ def main() -> int:
     call = lambda: running_tensor_decode_(q, k, v, g, beta, state_cache=cache, state_indices=idx, l2norm=True,
                                           validate=False)
     call()
-    plan = next(iter(_DECODE_PLANS.values()))
+    plan = next(iter(DECODE_PLANS.values()))
     o = torch.empty_like(v)
-    args = (*triton_fwd._factor_args(q), *triton_fwd._factor_args(k), v, g, beta, o, cache, cache, idx, v,
-            plan.scale, 1)
+    args = (*factor_args(q), *factor_args(k), v, g, beta, o, cache, cache, idx, None, plan.scale, 1)
+    tensors = args[:-3]  # the None in cu_seqlens' place is a constexpr of the compiled kernel
     rows = {
         "whole call (validate=False)": call,
-        "plan key": lambda: _decode_key(q, k, v, g, beta, cache, idx, None, True, None),
-        "plan key + lookup": lambda: _DECODE_PLANS.get(_decode_key(q, k, v, g, beta, cache, idx, None, True, None)),
+        "plan key": lambda: decode_key(q, k, v, g, beta, cache, idx, None, True, None),
+        "plan key + lookup": lambda: DECODE_PLANS.get(decode_key(q, k, v, g, beta, cache, idx, None, True, None)),
         "torch.empty output": lambda: torch.empty(v.shape, dtype=v.dtype, device=v.device),
-        "torch.empty_like output (the call's since 2026-11-30e)": lambda: torch.empty_like(v),
-        "alignment check": lambda: not any(t.data_ptr() & 15 for t in args[:-2]),
-        "compiled launcher, raw addresses": lambda: plan._runner(*[t.data_ptr() for t in args[:-2]], *args[-2:],
+        "torch.empty_like output (the call's)": lambda: torch.empty_like(v),
+        "alignment check": lambda: not any(t.data_ptr() & 15 for t in tensors),
+        "compiled launcher, raw addresses": lambda: plan._runner(*[t.data_ptr() for t in tensors], *args[-3:],
                                                                  *plan._tail),
         "compiled launcher, raw addresses, stream=": lambda: plan._runner(
-            *[t.data_ptr() for t in args[:-2]], *args[-2:], *plan._tail,
+            *[t.data_ptr() for t in tensors], *args[-3:], *plan._tail,
             stream=torch._C._cuda_getCurrentRawStream(0)),
         "plan.launch (check + compiled launcher)": lambda: plan.launch(args),
         "compiled launcher alone": lambda: plan._runner(*args, *plan._tail),
