@@ -142,6 +142,19 @@ def test_half_inputs(dtype, tiles):
     _scan(dev, ref, s0, variant=None if tiles == "resident" else STREAMED, tol=HALF_TOL[dtype])
 
 
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float16], ids=["bf16-h0", "fp16-h0"])
+@pytest.mark.parametrize("tiles", ["resident", "streamed"])
+def test_half_initial_state(state_dtype, tiles):
+    """A 16-bit initial state is read as it is; the final state is fp32."""
+    dev, ref, s0 = _case(2, 5, 2, (3, 4), 6, state=True)
+    s0 = s0.to(state_dtype).double()  # the reference starts from the rounded state the kernel reads
+    o, s = running_tensor_fwd(*dev, initial_state=_to(s0, state_dtype), output_final_state=True, l2norm=True,
+                              mode="recurrent", variant=None if tiles == "resident" else STREAMED)
+    o_ref, s_ref = running_tensor_recurrent_ref(*ref, initial_state=s0, output_final_state=True, l2norm=True)
+    assert s.dtype == torch.float32
+    assert rel_err(o.cpu(), o_ref) < FP32_TOL and rel_err(s.cpu(), s_ref) < FP32_TOL
+
+
 @pytest.mark.parametrize("widths", WIDTHS.values(), ids=WIDTHS.keys())
 @pytest.mark.parametrize("tiles", ["resident", "streamed"])
 def test_varlen_uneven_lengths(widths, tiles):
