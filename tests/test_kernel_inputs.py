@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rtcompile.kernels import triton_fwd
-from rtcompile.kernels.triton_fwd import running_tensor_decode_, running_tensor_fwd
-from rtcompile.kernels.variants import ChunkVariant, RecurrentVariant
+from rtcompile.kernels import args
+from rtcompile.kernels.chunk_resident import ResidentConfig
+from rtcompile.kernels.chunk_streamed import StreamedConfig
+from rtcompile.kernels.launch import running_tensor_decode_, running_tensor_fwd
+from rtcompile.kernels.recurrent import RecurrentConfig
 
 from conftest import make_inputs
 
@@ -20,8 +22,8 @@ def no_allocation(monkeypatch):
     def refuse(*a, **kw):
         raise AssertionError("allocated before validation finished")
 
-    monkeypatch.setattr(triton_fwd, "_empty", refuse)
-    monkeypatch.setattr(triton_fwd, "_empty_like", refuse)
+    monkeypatch.setattr(args, "empty", refuse)
+    monkeypatch.setattr(args, "empty_like", refuse)
 
 
 def _args(B=2, T=5, widths=(3, 4)):
@@ -51,14 +53,22 @@ def test_cpu_without_interpreter(monkeypatch):
 @pytest.mark.parametrize(
     "kwargs, exc, needle",
     [
-        (dict(mode="fast"), ValueError, "mode"),
-        (dict(variant=ChunkVariant(chunk_size=24, block_k=16, block_v=16)), ValueError, "not a power of two"),
-        (dict(variant=RecurrentVariant(block_k=16, block_v=4)), TypeError, "expected ChunkVariant"),
-        (dict(chunk_size=32, variant=ChunkVariant(chunk_size=16, block_k=16, block_v=16)), ValueError, "conflicts"),
-        (dict(chunk_size=16.0), TypeError, "chunk_size"),
-        (dict(mode="recurrent", variant=RecurrentVariant(block_k=64, block_v=4)), ValueError, "exceeds K"),
+        (dict(mode="fast"), ValueError, "mode: got 'fast'; allowed: chunk, recurrent"),
+        (dict(variant=ResidentConfig(chunk_size=24, block_v=16)), ValueError, "chunk_size=24; allowed: a power of two"),
+        (dict(variant=RecurrentConfig(block_k=16, block_v=4)), TypeError,
+         "variant: expected one of ResidentConfig, StreamedConfig, FusedConfig, SplitConfig, got RecurrentConfig"),
+        (dict(mode="recurrent", variant=ResidentConfig(chunk_size=16, block_v=16)), TypeError,
+         "variant: expected one of RecurrentConfig, got ResidentConfig"),
+        (dict(chunk_size=32, variant=ResidentConfig(chunk_size=16, block_v=16)), ValueError,
+         "chunk_size: 32 conflicts with the variant's 16"),
+        (dict(chunk_size=16.0), TypeError, "chunk_size: expected an int or None, got float"),
+        (dict(mode="recurrent", variant=RecurrentConfig(block_k=64, block_v=4)), ValueError,
+         r"block_k=64; allowed: at most K rounded up \(16\)"),
+        (dict(variant=StreamedConfig(chunk_size=16, block_k=16, block_v=16)), ValueError,
+         "block_k=16; allowed: 16 <= block_k < K = 12"),
     ],
-    ids=["mode", "chunk-24", "wrong-variant-type", "chunk-conflict", "chunk-float", "block-k-too-big"],
+    ids=["mode", "chunk-24", "recurrent-config-for-chunk", "chunk-config-for-recurrent", "chunk-conflict",
+         "chunk-float", "block-k-too-big", "streamed-covers-k"],
 )
 def test_bad_options(kwargs, exc, needle):
     with pytest.raises(exc, match=needle):

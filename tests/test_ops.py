@@ -8,8 +8,12 @@ import pytest
 import torch
 
 import rtcompile
+from rtcompile.kernels.chunk_fused import FusedConfig
+from rtcompile.kernels.chunk_resident import ResidentConfig
+from rtcompile.kernels.chunk_split import SplitConfig
+from rtcompile.kernels.chunk_streamed import StreamedConfig
 from rtcompile.kernels.ops import running_tensor_decode_op, running_tensor_fwd_op, variant_from_json, variant_to_json
-from rtcompile.kernels.variants import ChunkVariant, RecurrentVariant
+from rtcompile.kernels.recurrent import RecurrentConfig
 
 from conftest import make_inputs
 
@@ -18,7 +22,8 @@ pytestmark = pytest.mark.skipif(
     reason="needs TRITON_INTERPRET=1 (CPU) or a CUDA GPU",
 )
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-CHUNK16 = ChunkVariant(chunk_size=16, block_k=16, block_v=16)
+CHUNK16 = ResidentConfig(chunk_size=16, block_v=16)  # K = 12: one 16-row tile
+RECURRENT = RecurrentConfig(block_k=8, block_v=4, num_warps=2)  # K = 12 streamed in two tiles
 
 
 def _inputs(B=1, T=9, H=2, widths=(3, 4), V=4):
@@ -28,7 +33,10 @@ def _inputs(B=1, T=9, H=2, widths=(3, 4), V=4):
 
 
 def test_variant_json_round_trip():
-    for v in (CHUNK16, RecurrentVariant(block_k=8, block_v=4, num_warps=2)):
+    every_form = (CHUNK16, StreamedConfig(chunk_size=32, block_k=64, block_v=16, solve="rows", prefetch_state=True),
+                  FusedConfig(chunk_size=16, block_k=64, block_v=16, merge_passes=True),
+                  SplitConfig(chunk_size=64, block_v=32, tma=True, dot_precision="tf32", state_stride=2), RECURRENT)
+    for v in every_form:
         assert variant_from_json(variant_to_json(v)) == v
     assert variant_from_json("") is None
 
@@ -54,16 +62,21 @@ def test_opcheck_decode():
 
 
 class _Mixer(torch.nn.Module):
+    def __init__(self, mode, variant):
+        super().__init__()
+        self.mode, self.variant = mode, variant
+
     def forward(self, q1, q2, k1, k2, v, g, beta, s0):
         o, s = rtcompile.running_tensor([q1, q2], [k1, k2], v, g, beta, initial_state=s0, output_final_state=True,
-                                        l2norm=True, mode="chunk", backend="triton", variant=CHUNK16)
+                                        l2norm=True, mode=self.mode, backend="triton", variant=self.variant)
         return o * 2.0, s
 
 
-def test_compile_fullgraph_and_export(monkeypatch):
+@pytest.mark.parametrize("mode, variant", [("chunk", CHUNK16), ("recurrent", RECURRENT)], ids=["chunk", "recurrent"])
+def test_compile_fullgraph_and_export(monkeypatch, mode, variant):
     q, k, v, g, beta, s0 = _inputs()
     args = (*q, *k, v, g, beta, s0)
-    m = _Mixer()
+    m = _Mixer(mode, variant)
     from rtcompile.kernels import ops
 
     calls = []
@@ -80,13 +93,15 @@ def test_compile_fullgraph_and_export(monkeypatch):
     assert torch.equal(out[0], eager[0])
 
 
-def test_decode_compiles_fullgraph():
+@pytest.mark.parametrize("variant", [None, RECURRENT], ids=["default", "config"])
+def test_decode_compiles_fullgraph(variant):
     q, k, v, g, beta, _ = _inputs(B=2, T=1)
     cache = torch.randn(3, 2, 3, 4, 4, device=DEVICE)
     idx = torch.tensor([2, 0], dtype=torch.int32, device=DEVICE)
 
     def step(cache):
-        return rtcompile.running_tensor_decode_(q, k, v, g, beta, state_cache=cache, state_indices=idx, l2norm=True)
+        return rtcompile.running_tensor_decode_(q, k, v, g, beta, state_cache=cache, state_indices=idx, l2norm=True,
+                                                variant=variant)
 
     c_eager, c_comp = cache.clone(), cache.clone()
     o_eager = step(c_eager)

@@ -1,9 +1,15 @@
 """The kernels' entry points: validate, resolve the config (the caller's, else the tuned
 table's for the shape bucket, else the default), allocate, launch the config's form.
 
-TRANSITIONAL: the form files do not hold their launchers yet; until they do, a config is
-translated to the pre-redesign variant and run by ``triton_fwd`` (the same kernels). The
-public functions and their contracts here are final.
+Every argument is validated before anything is allocated or launched (``check_inputs`` plus
+:func:`check_layout`, the kernels' layout rules). Layout rule: every tensor is contiguous (as
+in flash-linear-attention), so one token-head row index addresses all per-token inputs; a
+strided view is refused with a message, never copied behind the caller's back. The kernels take
+up to three factors (orders 2 to 4).
+
+The recurrent scan and the decode step run through ``recurrent.py``'s launcher. TRANSITIONAL:
+the chunk forms are translated to the pre-redesign variant and run by ``triton_fwd``
+(:func:`_launch_chunk`, the one place that does it).
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ from typing import Sequence
 
 import torch
 
-from . import triton_fwd, tuned
+from . import args, recurrent, triton_fwd, tuned
+from .args import MAX_FACTORS, STATE_DTYPES, factor_args, interpreting
 from .chunk_fused import FusedConfig
 from .chunk_resident import ResidentConfig
 from .chunk_split import SplitConfig
@@ -22,8 +29,8 @@ from .chunk_streamed import StreamedConfig
 from .config import KernelConfig, KernelShape
 from .forms import check_config, config_from_dict, default_config
 from .inputs import Problem, check_inputs
-from .recurrent import RecurrentConfig
-from .variants import ChunkVariant, RecurrentVariant
+from .recurrent import DECODE_PLANS, DecodePlan, RecurrentConfig, check_indices, decode_key, remember_plan
+from .variants import ChunkVariant
 
 MODES = ("chunk", "recurrent")
 
@@ -106,8 +113,6 @@ def resolve_config(kernel: str, variant: KernelConfig | None, p: Problem, device
 def _legacy(config: KernelConfig, shape: KernelShape):
     """The pre-redesign variant that runs ``config`` (transitional)."""
     kp = shape.key_dim_pow2
-    if isinstance(config, RecurrentConfig):
-        return RecurrentVariant(**dataclasses.asdict(config))
     common = dict(chunk_size=config.chunk_size, block_v=config.block_v, num_warps=config.num_warps,
                   num_stages=config.num_stages, solve=config.solve)
     if isinstance(config, ResidentConfig):
@@ -126,6 +131,45 @@ def _legacy(config: KernelConfig, shape: KernelShape):
                             output_warps=config.output_warps, tma=config.tma, key_group=config.key_group,
                             state_stride=config.state_stride, **common)
     raise TypeError(f"variant: unknown config {type(config).__name__}")
+
+
+def _launch_chunk(config: KernelConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens,
+                  l2norm: bool) -> torch.Tensor:
+    """Run a chunk form over validated inputs and return o (``ht``: the fp32 final-state
+    buffer, or None; a streamed state needs one). TRANSITIONAL: through the pre-redesign
+    launcher; at the merge this becomes a lookup of the config class's module ``launch``."""
+    shape = kernel_shape(p)
+    return triton_fwd._launch_chunk(p, q, k, v, g, beta, h0=h0, ht=ht, cu_seqlens=cu_seqlens, l2norm=l2norm,
+                                    store_ht=ht is not None, variant=_legacy(config, shape),
+                                    resident=config.resident(shape))
+
+
+def check_layout(p: Problem, q, k, v, g, beta, initial_state, cu_seqlens) -> None:
+    """The kernels' own rules beyond ``check_inputs``: orders 2-4, floating inputs, contiguous
+    tensors, a state dtype they read, cu_seqlens beside v, and a CUDA device (or the
+    interpreter)."""
+    if len(q) > MAX_FACTORS:
+        raise ValueError(
+            f"q: {len(q)} factors (order {len(q) + 1}); allowed: the Triton kernels take orders 2-4 "
+            "(1-3 factors); use the reference (backend='reference') for higher orders"
+        )
+    if v.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"v: dtype {v.dtype}; allowed for the Triton kernels: float16, bfloat16, float32")
+    named = [(f"q[{i}]", x) for i, x in enumerate(q)] + [(f"k[{i}]", x) for i, x in enumerate(k)]
+    named += [("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state), ("cu_seqlens", cu_seqlens)]
+    for name, x in named:
+        if x is not None and not x.is_contiguous():
+            raise ValueError(
+                f"{name}: strides {x.stride()} are not contiguous; allowed: contiguous tensors (call .contiguous())"
+            )
+    if initial_state is not None and initial_state.dtype not in STATE_DTYPES:
+        raise ValueError(f"initial_state: dtype {initial_state.dtype}; allowed: float32, bfloat16, float16")
+    if cu_seqlens is not None and cu_seqlens.device != v.device:
+        raise ValueError(f"cu_seqlens: on {cu_seqlens.device}, v on {v.device}; allowed: the same device")
+    if v.device.type != "cuda" and not interpreting():
+        raise ValueError(
+            f"v: on {v.device}; the Triton kernels need a CUDA device (or TRITON_INTERPRET=1 on the CPU)"
+        )
 
 
 def running_tensor_fwd(
@@ -163,22 +207,88 @@ def fwd_checked(p: Problem, q, k, v, g, beta, *, initial_state, output_final_sta
                 cu_seqlens, mode: str, chunk_size: int | None, variant: KernelConfig | None):
     """:func:`running_tensor_fwd` after its argument checks. Invariant: ``p`` is what
     ``check_inputs`` returned for these very tensors, and ``mode``/``chunk_size`` passed the
-    public checks. Layout and config are checked here."""
+    public checks (``rtcompile.running_tensor`` has done both; checking again cost ~27 us of
+    its ~84 us of Python per call on the CPU machine). Layout and config are checked here."""
+    check_layout(p, q, k, v, g, beta, initial_state, cu_seqlens)
     kernel = "chunk" if mode == "chunk" else "recurrent"
     config = resolve_config(kernel, variant, p, v.device, chunk_size if kernel == "chunk" else None)
-    return triton_fwd.fwd_checked(p, q, k, v, g, beta, initial_state=initial_state,
-                                  output_final_state=output_final_state, l2norm=l2norm, cu_seqlens=cu_seqlens,
-                                  mode=mode, chunk_size=None, variant=_legacy(config, kernel_shape(p)))
+    # a streamed state lives in the final-state buffer while the kernel runs
+    need_ht = output_final_state or not config.resident(kernel_shape(p))
+    ht = args.empty(p.state_shape, dtype=torch.float32, device=v.device) if need_ht else None
+    run = recurrent.launch if kernel == "recurrent" else _launch_chunk
+    o = run(config, p, q, k, v, g, beta, h0=initial_state, ht=ht, cu_seqlens=cu_seqlens, l2norm=l2norm)
+    return o, (ht if output_final_state else None)
 
 
-def running_tensor_decode_(q, k, v, g=None, beta=None, *, state_cache: torch.Tensor, state_indices: torch.Tensor,
-                           scale: float | None = None, l2norm: bool = False, validate: bool = True,
-                           variant: RecurrentConfig | None = None) -> torch.Tensor:
-    """One decode step for N sequences, updating ``state_cache`` in place (see
-    ``triton_fwd.running_tensor_decode_`` for the contract)."""
-    legacy = None
-    if variant is not None:
-        check_config(variant, "recurrent")
-        legacy = RecurrentVariant(**dataclasses.asdict(variant))
-    return triton_fwd.running_tensor_decode_(q, k, v, g, beta, state_cache=state_cache, state_indices=state_indices,
-                                             scale=scale, l2norm=l2norm, validate=validate, variant=legacy)
+def running_tensor_decode_(
+    q: Sequence[torch.Tensor],
+    k: Sequence[torch.Tensor],
+    v: torch.Tensor,
+    g: torch.Tensor | None = None,
+    beta: torch.Tensor | None = None,
+    *,
+    state_cache: torch.Tensor,
+    state_indices: torch.Tensor,
+    scale: float | None = None,
+    l2norm: bool = False,
+    validate: bool = True,
+    variant: RecurrentConfig | None = None,
+) -> torch.Tensor:
+    """One decode step for N sequences, updating ``state_cache`` in place.
+
+    Args:
+        q, k, v, g, beta: as :func:`running_tensor_fwd` with B = N sequences and T = 1.
+        state_cache: ``[slots, H, d_1, ..., d_{o-1}, d_v]`` (fp32, bf16 or fp16), contiguous.
+        state_indices: int32 ``[N]``: the cache row of each sequence; a negative entry is
+            padding (its state is neither read nor written, its output is meaningless).
+        validate: check that indices are in range and distinct (one device sync). Turn off
+            inside CUDA graphs and hot loops whose indices are known good.
+        variant: a RecurrentConfig, or None for the tuned table's (looked up once per new
+            argument signature) or the default.
+
+    Returns:
+        o ``[N, 1, H, d_v]`` in v's dtype.
+    """
+    # the eager hot path (~20 us on the H200 with its kernel): a plan found by the arguments'
+    # signature, the index check, one allocation and the compiled kernel's own launcher
+    key = decode_key(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, variant)
+    plan = DECODE_PLANS.get(key) if key is not None else None
+    if plan is None:
+        plan = _plan_decode(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, variant)
+        remember_plan(key, plan)
+    if validate:
+        check_indices(state_indices, state_cache.shape[0])
+    # empty_like(v): v is contiguous by then, so its copy's layout is the output's
+    o = args.empty_like(v)
+    plan.launch((*factor_args(q), *factor_args(k), v, g, beta, o, state_cache, state_cache, state_indices, None,
+                 plan.scale, 1))
+    return o
+
+
+def _plan_decode(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, variant) -> DecodePlan:
+    """Validate a decode call completely and return its launch plan."""
+    if not isinstance(state_cache, torch.Tensor):
+        raise TypeError(f"state_cache: expected a torch.Tensor, got {type(state_cache).__name__}")
+    if not isinstance(state_indices, torch.Tensor):
+        raise TypeError(f"state_indices: expected a torch.Tensor, got {type(state_indices).__name__}")
+    p = check_inputs(q, k, v, g, beta, scale, None, None)
+    if p.seq_len != 1:
+        raise ValueError(f"v: T = {p.seq_len}; allowed: T = 1 for a decode step (use running_tensor_fwd for more)")
+    check_layout(p, q, k, v, g, beta, None, None)
+    want = (p.heads, *p.key_widths, p.value_width)
+    if state_cache.dim() != len(want) + 1 or tuple(state_cache.shape[1:]) != want:
+        raise ValueError(f"state_cache: expected shape [slots, {', '.join(map(str, want))}], got {list(state_cache.shape)}")
+    if state_cache.dtype not in STATE_DTYPES:
+        raise ValueError(f"state_cache: dtype {state_cache.dtype}; allowed: float32, bfloat16, float16")
+    if not state_cache.is_contiguous():
+        raise ValueError(f"state_cache: strides {state_cache.stride()} are not contiguous; allowed: a contiguous cache")
+    if state_cache.device != v.device:
+        raise ValueError(f"state_cache: on {state_cache.device}, v on {v.device}; allowed: the same device")
+    if state_indices.dtype != torch.int32:
+        raise TypeError(f"state_indices: dtype {state_indices.dtype}; allowed: torch.int32")
+    if tuple(state_indices.shape) != (p.batch,) or state_indices.device != v.device:
+        raise ValueError(f"state_indices: expected shape [{p.batch}] on {v.device}, got {list(state_indices.shape)} "
+                         f"on {state_indices.device}")
+    config = resolve_config("recurrent", variant, p, v.device)
+    grid, consts = recurrent.launch_consts(p, l2norm, config)
+    return DecodePlan(grid, consts, p.scale)

@@ -7,7 +7,7 @@ sequence's tokens. Both reductions of a step read S_{t-1}:
     S'   = a S + phi(k) (x) u,    o = scale (read + (phi(k) . phi(q)) u)
 
 so a step can read the state once and write it once. When BK covers K the slab stays in
-registers for the whole sequence (RESIDENT); otherwise it is streamed tile by tile, twice per
+registers for the whole sequence (resident); otherwise it is streamed tile by tile, twice per
 token (reductions, then update), the second read usually from L2. With OUTER (power-of-two
 widths) a resident slab is held factored, [d_1, ..., d_{o-1}, BV], so phi(k) and phi(q) are
 broadcasts of the factor vectors; a streamed tile builds them as reshaped outer products.
@@ -18,22 +18,33 @@ State indexing follows the serving convention: with ``state_indices`` the state 
 n lives at row ``state_indices[n]`` of a cache ``[slots, H, K, V]`` and is updated in place; a
 negative index marks a padding entry whose state is neither read nor written (vLLM's
 PAD_SLOT_ID).
+
+Beside the config and the kernel: its launcher (:func:`launch`) and the decode step's host path
+(:class:`DecodePlan`, the plan cache, the index checks), which ``launch.running_tensor_decode_``
+drives.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
+import torch
 import triton
 import triton.language as tl
+from triton.compiler import CompiledKernel
 
+from . import args
+from .args import factor_args, width_args
 from .config import (
     DEFAULT_SMEM_BYTES, MAX_REGS_PER_THREAD, CostFigures, KernelConfig, KernelShape, Workload, estimate_registers,
     next_pow2,
 )
 from .blocks import load_state_tile, phi_gather, phi_inv_norm, phi_row_outer
+from .inputs import Problem
 
 
 @dataclass(frozen=True)
@@ -188,14 +199,17 @@ def fused_recurrent_running_tensor_fwd_kernel(
     H: tl.constexpr, NF: tl.constexpr,
     D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
     BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr,
-    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_G: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr,
-    USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr, USE_INDICES: tl.constexpr,
-    OUTER: tl.constexpr, STREAM_HINTS: tl.constexpr,
+    V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    L2NORM: tl.constexpr, OUTER: tl.constexpr, STREAM_HINTS: tl.constexpr,
 ):
+    # An absent input is None, which Triton specialises as a constexpr: no g (no gate), no beta
+    # (no delta rule), no h0 (zero initial state), no ht (no final state; given whenever the
+    # state is streamed), no state_indices (sequence n owns state row n), no cu_seqlens.
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    if IS_VARLEN:
+    K: tl.constexpr = D1 * D2 * D3
+    USE_H0: tl.constexpr = h0 is not None
+    if cu_seqlens is not None:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         T_n = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
         i_b = 0
@@ -203,7 +217,7 @@ def fused_recurrent_running_tensor_fwd_kernel(
         bos = 0
         T_n = T
         i_b = i_n.to(tl.int64)
-    if USE_INDICES:
+    if state_indices is not None:
         slot = tl.load(state_indices + i_n).to(tl.int64)
     else:
         slot = i_n.to(tl.int64)
@@ -229,7 +243,7 @@ def fused_recurrent_running_tensor_fwd_kernel(
         r = (i_b * T + bos + t) * H + i_h
         b_v = tl.load(v + r * V + o_v, mask=m_v, other=0.0).to(tl.float32)
         b_a = 1.0
-        if USE_G:
+        if g is not None:
             b_a = tl.exp(tl.load(g + r).to(tl.float32))
         r_q = 1.0
         r_k = 1.0
@@ -240,7 +254,7 @@ def fused_recurrent_running_tensor_fwd_kernel(
             b_k = _phi_factored(k1, k2, k3, r, NF, D1, D2, D3) * r_k
             b_q = _phi_factored(q1, q2, q3, r, NF, D1, D2, D3) * r_q
             b_s = b_s * b_a
-            if USE_BETA:
+            if beta is not None:
                 b_u = tl.load(beta + r).to(tl.float32) * (b_v - _sum_keys(b_s * b_k, NF))
             else:
                 b_u = b_v
@@ -250,7 +264,7 @@ def fused_recurrent_running_tensor_fwd_kernel(
             b_k = phi_gather(k1, k2, k3, r, o_k, m_k, D1, D2, D3, NF) * r_k
             b_q = phi_gather(q1, q2, q3, r, o_k, m_k, D1, D2, D3, NF) * r_q
             b_s = b_s * b_a
-            if USE_BETA:
+            if beta is not None:
                 b_u = tl.load(beta + r).to(tl.float32) * (b_v - tl.sum(b_s * b_k[:, None], axis=0))
             else:
                 b_u = b_v
@@ -271,7 +285,7 @@ def fused_recurrent_running_tensor_fwd_kernel(
                 b_pred += tl.sum(b_s * b_k[:, None], axis=0)
                 b_read += tl.sum(b_s * b_q[:, None], axis=0)
                 b_kq += tl.sum(b_k * b_q, axis=0)
-            if USE_BETA:
+            if beta is not None:
                 b_u = tl.load(beta + r).to(tl.float32) * (b_v - b_a * r_k * b_pred)
             else:
                 b_u = b_v
@@ -288,8 +302,126 @@ def fused_recurrent_running_tensor_fwd_kernel(
                 tl.store(ht + off_s, b_s.to(ht.dtype.element_ty), mask=m_s)
         tl.store(o + r * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
     if NK == 1:
-        if STORE_HT:
+        if ht is not None:
             if STREAM_HINTS:
                 tl.store(ht + off_s, b_s.to(ht.dtype.element_ty), mask=m_s, cache_modifier=".cs")
             else:
                 tl.store(ht + off_s, b_s.to(ht.dtype.element_ty), mask=m_s)
+
+
+# ----- launcher ------------------------------------------------------------------------------
+
+
+def launch_consts(p: Problem, l2norm: bool, config: RecurrentConfig) -> tuple[tuple, dict]:
+    """The grid and the constexpr / launch options of the kernel for a problem (the optional
+    inputs are not among them: they are None or not at launch)."""
+    grid = (triton.cdiv(p.value_width, config.block_v), p.num_seqs * p.heads)
+    consts = dict(
+        H=p.heads, NF=len(p.key_widths), **width_args(p.key_widths, 1), V=p.value_width,
+        BK=config.block_k, BV=config.block_v, L2NORM=bool(l2norm), OUTER=config.outer_phi,
+        STREAM_HINTS=config.stream_hints, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return grid, consts
+
+
+def launch(config: RecurrentConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm: bool,
+           state_indices=None) -> torch.Tensor:
+    """Run the scan over validated inputs and return o. ``h0``: the initial state or None
+    (zeros); ``ht``: the fp32 buffer the final state is written to, or None (not kept). A
+    streamed state (block_k < K) lives in ``ht`` while the kernel runs, so it needs one.
+    ``state_indices``: the state row of each sequence in ``h0`` / ``ht`` (a slot cache)."""
+    if ht is None and config.block_k < p.key_dim:
+        raise ValueError(f"ht: None, but block_k={config.block_k} < K = {p.key_dim} streams the state through it; "
+                         "allowed: a [N, H, d_1, ..., d_v] fp32 buffer")
+    grid, consts = launch_consts(p, l2norm, config)
+    o = args.empty(v.shape, dtype=v.dtype, device=v.device)
+    fused_recurrent_running_tensor_fwd_kernel[grid](
+        *factor_args(q), *factor_args(k), v, g, beta, o, h0, ht, state_indices, cu_seqlens, p.scale, p.seq_len,
+        **consts,
+    )
+    return o
+
+
+# ----- the decode step's host path -----------------------------------------------------------
+# Decode is called once per token with the same shapes, and its kernel runs for a few
+# microseconds: the host path is the cost. A plan cache keyed by a signature of the arguments
+# skips re-validation (fla's wrapper spends 110-130 us per step in Python); the plan then
+# launches through the compiled kernel's own launcher.
+
+
+class DecodePlan:
+    """A validated decode launch: grid, constexprs, scale and, after the first launch on a GPU,
+    the compiled kernel's own launcher.
+
+    Triton's ``kernel[grid](...)`` binds and specialises all ~30 arguments on every call; with
+    it the eager decode step cost 65 us of host time on the H200 machine. The compiled launcher
+    skips that work, and is reused only while the specialisation it was compiled for holds: the
+    one integer argument (T = 1) is fixed by the plan, floats are never specialised, the None
+    inputs (no gate, no delta rule, no cu_seqlens) are part of the plan's key, and every pointer
+    must be 16-byte aligned, as at the first launch (checked per call; an unaligned call takes
+    Triton's full path).
+    """
+
+    __slots__ = ("_runner", "_tail", "consts", "grid", "scale")
+
+    def __init__(self, grid: tuple, consts: dict, scale: float):
+        self.grid, self.consts, self.scale = grid, consts, scale
+        self._runner = None
+        self._tail: tuple = ()
+
+    def launch(self, kargs: tuple) -> None:
+        """Launch with the runtime arguments ``kargs`` (tensors or None, then scale and T)."""
+        ptrs = [None if t is None else t.data_ptr() for t in kargs[:-2]]
+        # 0.8 us against 1.1 for any() on the CPU machine; filter drops the None inputs
+        aligned = not functools.reduce(operator.or_, filter(None, ptrs)) & 15
+        if self._runner is not None and aligned:
+            # raw addresses: the launcher then skips a data_ptr() call (and, on older Tritons, a
+            # driver pointer query) per tensor; the compiled launcher alone cost 19 us per call
+            # with tensors on the H200 machine (benchmarks/probe_host.py). A None input's
+            # position is a constexpr of the compiled kernel: its launcher skips the value.
+            self._runner(*ptrs, *kargs[-2:], *self._tail)
+            return
+        kernel = fused_recurrent_running_tensor_fwd_kernel
+        compiled = kernel[self.grid](*kargs, **self.consts)
+        if self._runner is None and aligned and isinstance(compiled, CompiledKernel) and not args.interpreting():
+            # the launcher takes every parameter: the constexprs follow the runtime ones
+            self._tail = tuple(self.consts[name] for name in kernel.arg_names[len(kargs):])
+            self._runner = compiled[(*self.grid, 1, 1)[:3]]
+
+
+DECODE_PLANS: dict = {}  # decode_key(...) -> DecodePlan
+MAX_DECODE_PLANS = 1024
+
+
+def remember_plan(key, plan: DecodePlan) -> None:
+    if key is not None:
+        if len(DECODE_PLANS) >= MAX_DECODE_PLANS:
+            DECODE_PLANS.clear()
+        DECODE_PLANS[key] = plan
+
+
+def decode_key(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, variant):
+    """The plan-cache key, or None when an argument is not what a plan can describe. One flat
+    tuple with the device as ``get_device()``: 5.5 us on the CPU machine against 12 us for
+    per-tensor tuples holding ``torch.device`` objects (11 tensors)."""
+    try:
+        out = [len(q), len(k), g is None, beta is None, scale, bool(l2norm), variant, args.interpreting()]
+        for x in (*q, *k, v, g, beta, state_cache, state_indices):
+            if x is not None:
+                out += (x.shape, x.dtype, x.get_device(), x.is_contiguous())
+        key = tuple(out)
+        hash(key)
+        return key
+    except (AttributeError, TypeError):  # not tensors / unhashable: the full checks will say why
+        return None
+
+
+def check_indices(state_indices: torch.Tensor, slots: int) -> None:
+    """In range and distinct (negative entries are padding); reads the indices (one device sync)."""
+    idx = state_indices.tolist()
+    bad = [i for i in idx if i >= slots]
+    if bad:
+        raise ValueError(f"state_indices: {bad[0]} out of range; allowed: 0 <= index < slots = {slots}, or < 0 for padding")
+    used = [i for i in idx if i >= 0]
+    if len(set(used)) != len(used):
+        raise ValueError("state_indices: repeated slot; allowed: distinct slots (each sequence owns its state)")

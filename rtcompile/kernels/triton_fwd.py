@@ -15,13 +15,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import operator
 import os
 from typing import Sequence
 
 import torch
 import triton
-from triton.compiler import CompiledKernel
 
 from . import tuned
 from .chunk import (
@@ -29,7 +27,6 @@ from .chunk import (
     chunk_state_running_tensor_kernel,
 )
 from .inputs import Problem, check_inputs
-from .recurrent import fused_recurrent_running_tensor_fwd_kernel
 from .variants import SOLVE_BLOCK, ChunkVariant, KernelShape, RecurrentVariant, next_pow2, outer_phi_ok
 
 MAX_FACTORS = 3  # orders 2..4
@@ -163,40 +160,6 @@ def _resolve_variant(cls, variant, shape: KernelShape, device: torch.device | No
     if reason is not None:
         raise ValueError(f"variant: {variant} cannot run K={shape.key_dim}, d_v={shape.value_width}: {reason}")
     return variant
-
-
-def _recurrent_consts(p: Problem, g, beta, *, use_h0: bool, store_ht: bool, varlen: bool,
-                      indices: bool, l2norm: bool, variant: RecurrentVariant) -> tuple[tuple, dict]:
-    """The grid and the constexpr/launch options of the recurrent kernel for a problem."""
-    grid = (triton.cdiv(p.value_width, variant.block_v), p.num_seqs * p.heads)
-    consts = dict(
-        H=p.heads, NF=len(p.key_widths), **_width_args(p.key_widths, 1), K=p.key_dim, V=p.value_width,
-        BK=variant.block_k, BV=variant.block_v,
-        USE_G=g is not None, USE_BETA=beta is not None, L2NORM=l2norm,
-        USE_H0=use_h0, STORE_HT=store_ht, IS_VARLEN=varlen, USE_INDICES=indices, OUTER=variant.outer_phi,
-        STREAM_HINTS=variant.stream_hints,
-        num_warps=variant.num_warps, num_stages=variant.num_stages,
-    )
-    return grid, consts
-
-
-def _launch_recurrent(p: Problem, q, k, v, g, beta, *, h0, ht, state_indices, cu_seqlens, l2norm,
-                      store_ht: bool, variant: RecurrentVariant) -> torch.Tensor:
-    grid, consts = _recurrent_consts(p, g, beta, use_h0=h0 is not None, store_ht=store_ht,
-                                     varlen=cu_seqlens is not None, indices=state_indices is not None,
-                                     l2norm=l2norm, variant=variant)
-    o = _empty(v.shape, dtype=v.dtype, device=v.device)
-    dummy = v
-    fused_recurrent_running_tensor_fwd_kernel[grid](
-        *_factor_args(q), *_factor_args(k), v,
-        g if g is not None else dummy, beta if beta is not None else dummy, o,
-        h0 if h0 is not None else ht if ht is not None else dummy,
-        ht if ht is not None else dummy,
-        state_indices if state_indices is not None else dummy,
-        cu_seqlens if cu_seqlens is not None else dummy,
-        p.scale, p.seq_len, **consts,
-    )
-    return o
 
 
 def _chunk_indices(p: Problem, C: int, device: torch.device) -> torch.Tensor:
@@ -452,26 +415,35 @@ def fwd_checked(
     ``check_inputs`` returned for these very tensors, and ``mode``/``chunk_size`` passed the
     public checks (``rtcompile.running_tensor`` has done both; checking again cost ~27 us of
     its ~84 us of Python per call on the CPU machine). Layout and variant are checked here."""
+    if mode == "recurrent":  # moved to recurrent.py, run through launch.py with the config
+        from .launch import fwd_checked as run
+
+        return run(p, q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
+                   l2norm=l2norm, cu_seqlens=cu_seqlens, mode=mode, chunk_size=None, variant=_config(variant))
     _check_layout(p, q, k, v, g, beta, initial_state, cu_seqlens)
     shape = kernel_shape(p)
-    if mode == "chunk":
-        over = {} if chunk_size is None else {"chunk_size": chunk_size}
-        var = _resolve_variant(ChunkVariant, variant, shape, v.device, p, **over)
-        if chunk_size is not None and var.chunk_size != chunk_size:
-            raise ValueError(f"chunk_size: {chunk_size} conflicts with the variant's {var.chunk_size}; give one")
-        streamed = not var.resident(shape)
-    else:
-        var = _resolve_variant(RecurrentVariant, variant, shape, v.device, p)
-        streamed = var.block_k < shape.key_dim
+    over = {} if chunk_size is None else {"chunk_size": chunk_size}
+    var = _resolve_variant(ChunkVariant, variant, shape, v.device, p, **over)
+    if chunk_size is not None and var.chunk_size != chunk_size:
+        raise ValueError(f"chunk_size: {chunk_size} conflicts with the variant's {var.chunk_size}; give one")
+    streamed = not var.resident(shape)
     # A streamed state lives in the final-state buffer while the kernel runs.
     need_ht = output_final_state or streamed
     ht = _empty(p.state_shape, dtype=torch.float32, device=v.device) if need_ht else None
-    kw = dict(h0=initial_state, ht=ht, cu_seqlens=cu_seqlens, l2norm=l2norm, store_ht=need_ht, variant=var)
-    if mode == "chunk":
-        o = _launch_chunk(p, q, k, v, g, beta, resident=not streamed, **kw)
-    else:
-        o = _launch_recurrent(p, q, k, v, g, beta, state_indices=None, **kw)
+    o = _launch_chunk(p, q, k, v, g, beta, h0=initial_state, ht=ht, cu_seqlens=cu_seqlens, l2norm=l2norm,
+                      store_ht=need_ht, variant=var, resident=not streamed)
     return o, (ht if output_final_state else None)
+
+
+def _config(variant):
+    """The RecurrentConfig of a pre-redesign RecurrentVariant (None stays None)."""
+    from .recurrent import RecurrentConfig
+
+    if variant is None or isinstance(variant, RecurrentConfig):
+        return variant
+    if not isinstance(variant, RecurrentVariant):
+        raise TypeError(f"variant: expected RecurrentVariant, got {type(variant).__name__}")
+    return RecurrentConfig(**dataclasses.asdict(variant))
 
 
 def running_tensor_decode_(
@@ -501,115 +473,7 @@ def running_tensor_decode_(
     Returns:
         o ``[N, 1, H, d_v]`` in v's dtype.
     """
-    key = _decode_key(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, variant)
-    plan = _DECODE_PLANS.get(key) if key is not None else None
-    if plan is None:
-        plan = _plan_decode(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, variant)
-        if key is not None:
-            if len(_DECODE_PLANS) >= _MAX_DECODE_PLANS:
-                _DECODE_PLANS.clear()
-            _DECODE_PLANS[key] = plan
-    if validate:
-        _check_indices(state_indices, state_cache.shape[0])
-    o = _empty_like(v)
-    plan.launch((*_factor_args(q), *_factor_args(k), v, g if g is not None else v,
-                 beta if beta is not None else v, o, state_cache, state_cache, state_indices, v, plan.scale, 1))
-    return o
+    from .launch import running_tensor_decode_ as run  # moved to recurrent.py / launch.py
 
-
-class _DecodePlan:
-    """A validated decode launch: grid, constexprs, scale and, after the first launch on a GPU,
-    the compiled kernel's own launcher.
-
-    Triton's ``kernel[grid](...)`` binds and specialises all ~40 arguments on every call; with
-    it the eager decode step cost 65 us of host time on the H200 machine (benchmarks/RESULTS.md,
-    2026-11-30b). The compiled launcher skips that work, and is reused only while the
-    specialisation it was compiled for holds: the one integer argument (T = 1) is fixed by the
-    plan, floats are never specialised, and every pointer must be 16-byte aligned, as at the
-    first launch (checked per call; an unaligned call takes Triton's full path).
-    """
-
-    __slots__ = ("_runner", "_tail", "consts", "grid", "scale")
-
-    def __init__(self, grid: tuple, consts: dict, scale: float):
-        self.grid, self.consts, self.scale = grid, consts, scale
-        self._runner = None
-        self._tail: tuple = ()
-
-    def launch(self, args: tuple) -> None:
-        """Launch with the runtime arguments ``args`` (tensors, then scale and T)."""
-        ptrs = [t.data_ptr() for t in args[:-2]]
-        aligned = not functools.reduce(operator.or_, ptrs) & 15  # 0.8 us against 1.1 for any() (CPU)
-        if self._runner is not None and aligned:
-            # raw addresses: the launcher then skips a data_ptr() call (and, on older Tritons, a
-            # driver pointer query) per tensor; the compiled launcher alone cost 19 us per call
-            # with tensors on the H200 machine (benchmarks/probe_host.py, 2026-11-30c)
-            self._runner(*ptrs, *args[-2:], *self._tail)
-            return
-        kernel = fused_recurrent_running_tensor_fwd_kernel
-        compiled = kernel[self.grid](*args, **self.consts)
-        if self._runner is None and aligned and isinstance(compiled, CompiledKernel) and not _interpreting():
-            # the launcher takes every parameter: the constexprs follow the runtime ones
-            self._tail = tuple(self.consts[name] for name in kernel.arg_names[len(args):])
-            self._runner = compiled[(*self.grid, 1, 1)[:3]]
-
-
-# Decode is called once per token with the same shapes: after the first call, a signature of
-# the arguments (shape, dtype, device, contiguity of every tensor) finds the validated launch
-# plan, so the eager path skips re-validation (DESIGN.md: fla's wrapper spends 110-130 us per
-# step in Python).
-_DECODE_PLANS: dict = {}
-_MAX_DECODE_PLANS = 1024
-
-
-def _decode_key(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, variant):
-    """The plan-cache key, or None when an argument is not what a plan can describe. One flat
-    tuple with the device as ``get_device()``: 5.5 us on the CPU machine against 12 us for
-    per-tensor tuples holding ``torch.device`` objects (11 tensors)."""
-    try:
-        out = [len(q), len(k), g is None, beta is None, scale, bool(l2norm), variant, _interpreting()]
-        for x in (*q, *k, v, g, beta, state_cache, state_indices):
-            if x is not None:
-                out += (x.shape, x.dtype, x.get_device(), x.is_contiguous())
-        key = tuple(out)
-        hash(key)
-        return key
-    except (AttributeError, TypeError):  # not tensors / unhashable: the full checks will say why
-        return None
-
-
-def _check_indices(state_indices: torch.Tensor, slots: int) -> None:
-    idx = state_indices.tolist()
-    bad = [i for i in idx if i >= slots]
-    if bad:
-        raise ValueError(f"state_indices: {bad[0]} out of range; allowed: 0 <= index < slots = {slots}, or < 0 for padding")
-    used = [i for i in idx if i >= 0]
-    if len(set(used)) != len(used):
-        raise ValueError("state_indices: repeated slot; allowed: distinct slots (each sequence owns its state)")
-
-
-def _plan_decode(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, variant):
-    """Validate a decode call completely and return its launch plan."""
-    if not isinstance(state_cache, torch.Tensor):
-        raise TypeError(f"state_cache: expected a torch.Tensor, got {type(state_cache).__name__}")
-    if not isinstance(state_indices, torch.Tensor):
-        raise TypeError(f"state_indices: expected a torch.Tensor, got {type(state_indices).__name__}")
-    p = check_inputs(q, k, v, g, beta, scale, None, None)
-    if p.seq_len != 1:
-        raise ValueError(f"v: T = {p.seq_len}; allowed: T = 1 for a decode step (use running_tensor_fwd for more)")
-    _check_layout(p, q, k, v, g, beta, None, None)
-    want = (p.heads, *p.key_widths, p.value_width)
-    if state_cache.dim() != len(want) + 1 or tuple(state_cache.shape[1:]) != want:
-        raise ValueError(f"state_cache: expected shape [slots, {', '.join(map(str, want))}], got {list(state_cache.shape)}")
-    if state_cache.dtype not in STATE_DTYPES:
-        raise ValueError(f"state_cache: dtype {state_cache.dtype}; allowed: float32, bfloat16, float16")
-    if not state_cache.is_contiguous() or state_cache.device != v.device:
-        raise ValueError("state_cache: must be contiguous and on v's device")
-    if state_indices.dtype != torch.int32:
-        raise TypeError(f"state_indices: dtype {state_indices.dtype}; allowed: torch.int32")
-    if tuple(state_indices.shape) != (p.batch,) or state_indices.device != v.device:
-        raise ValueError(f"state_indices: expected shape [{p.batch}] on {v.device}, got {list(state_indices.shape)} on {state_indices.device}")
-    var = _resolve_variant(RecurrentVariant, variant, kernel_shape(p), v.device, p)
-    grid, consts = _recurrent_consts(p, g, beta, use_h0=True, store_ht=True, varlen=False, indices=True,
-                                     l2norm=l2norm, variant=var)
-    return _DecodePlan(grid, consts, p.scale)
+    return run(q, k, v, g, beta, state_cache=state_cache, state_indices=state_indices, scale=scale, l2norm=l2norm,
+               validate=validate, variant=_config(variant))

@@ -1,0 +1,332 @@
+"""The kernel configs (a tagged union, ``forms.py``): checks that explain, spaces that hold only
+allowed values, the dict round trip, the defaults table and the cost figures."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+
+from rtcompile.kernels.chunk_fused import FusedConfig
+from rtcompile.kernels.chunk_resident import ResidentConfig
+from rtcompile.kernels.chunk_split import SplitConfig
+from rtcompile.kernels.chunk_streamed import StreamedConfig
+from rtcompile.kernels.config import DEFAULT_SMEM_BYTES, KernelShape, Workload
+from rtcompile.kernels.forms import (
+    CHUNK_DEFAULTS, FORMS, KERNELS, RECURRENT_DEFAULTS, candidates, check_config, config_from_dict, default_config,
+    iter_space, low_memory, two_kernel,
+)
+from rtcompile.kernels.recurrent import RecurrentConfig
+
+H200_SMEM = 232448  # shared memory per block (opt-in) of the H200
+CLASSES = [ResidentConfig, StreamedConfig, FusedConfig, SplitConfig, RecurrentConfig]
+SHAPES = {
+    "o2-64": KernelShape((64,), 64),
+    "o2-128": KernelShape((128,), 64),
+    "o3-16x16": KernelShape((16, 16), 64),
+    "o3-32x32": KernelShape((32, 32), 64),
+    "o3-64x64": KernelShape((64, 64), 64),
+    "o4-16x16x16": KernelShape((16, 16, 16), 64),
+    "o3-8x8-fp32": KernelShape((8, 8), 32, 4),
+    "o3-2x4": KernelShape((2, 4), 16),
+    "o3-3x5-v6": KernelShape((3, 5), 6),
+    "o2-4": KernelShape((4,), 8),
+}
+LIMITS = {"portable-smem": DEFAULT_SMEM_BYTES, "h200-smem": H200_SMEM}
+
+
+def _example(cls) -> object:
+    """A config of ``cls`` with its required fields filled."""
+    return {ResidentConfig: ResidentConfig(chunk_size=32, block_v=16),
+            StreamedConfig: StreamedConfig(chunk_size=32, block_k=64, block_v=16),
+            FusedConfig: FusedConfig(chunk_size=16, block_k=64, block_v=16),
+            SplitConfig: SplitConfig(chunk_size=32, block_v=16),
+            RecurrentConfig: RecurrentConfig(block_k=64, block_v=16)}[cls]
+
+
+# ----- refusals --------------------------------------------------------------------------------
+
+O3 = KernelShape((16, 16), 64)
+BIG = KernelShape((64, 64), 64)
+REFUSALS = {
+    # every chunk form shares chunk_refusal's rules
+    "resident-chunk-48": (ResidentConfig(chunk_size=48, block_v=16), O3, "chunk_size=48; allowed: a power of two"),
+    "resident-chunk-256": (ResidentConfig(chunk_size=256, block_v=16), O3, "chunk_size=256; allowed: 16, 32, 64 or 128"),
+    "resident-block-v-8": (ResidentConfig(chunk_size=16, block_v=8), O3, "block_v=8; allowed: 16 .. 64"),
+    "resident-stages-5": (ResidentConfig(chunk_size=16, block_v=16, num_stages=5), O3,
+                          "num_stages=5; allowed: 1, 2, 3 or 4"),
+    "resident-solve": (ResidentConfig(chunk_size=16, block_v=16, solve="blocks"), O3,
+                       "solve='blocks'; allowed: 'rows', 'tiles'"),
+    "resident-tiles-c128": (ResidentConfig(chunk_size=128, block_v=16, solve="tiles"), KernelShape((4, 4), 16),
+                            "solve='tiles' needs chunk_size <= 64, got 128"),
+    "resident-precision": (ResidentConfig(chunk_size=16, block_v=16, dot_precision="fp8"), O3,
+                           "dot_precision='fp8'; allowed: 'ieee', 'tf32x3', 'tf32'"),
+    "resident-prepare-warps": (ResidentConfig(chunk_size=16, block_v=16, prepare_warps=3), O3,
+                               "prepare_warps=3; allowed: 1, 2, 4, 8, 16"),
+    "resident-prefetch-widths": (ResidentConfig(chunk_size=16, block_v=16, prefetch_inputs=True),
+                                 KernelShape((3, 5), 16), "prefetch_inputs=True needs power-of-two key widths >= 16"),
+    "resident-too-wide": (ResidentConfig(chunk_size=64, block_v=64, num_warps=2), BIG,
+                          "registers per thread estimated"),
+    "streamed-block-k-covers": (StreamedConfig(chunk_size=16, block_k=256, block_v=16), O3,
+                                "block_k=256; allowed: 16 <= block_k < K = 256"),
+    "streamed-block-k-pow2": (StreamedConfig(chunk_size=16, block_k=48, block_v=16), O3,
+                              "block_k=48; allowed: a power of two"),
+    "streamed-smem": (StreamedConfig(chunk_size=64, block_k=128, block_v=32, num_warps=8, num_stages=3), BIG,
+                      "bytes of shared memory"),
+    "fused-block-k-over": (FusedConfig(chunk_size=16, block_k=512, block_v=16), O3, "block_k=512; allowed: 16 .. 256"),
+    "fused-prefetch-resident": (FusedConfig(chunk_size=16, block_k=256, block_v=16, prefetch_state=True), O3,
+                                "prefetch_state / merge_passes need a streamed state"),
+    "fused-merge-resident": (FusedConfig(chunk_size=16, block_k=256, block_v=16, merge_passes=True), O3,
+                             "prefetch_state / merge_passes need a streamed state"),
+    "split-widths": (SplitConfig(chunk_size=16, block_v=16), KernelShape((3, 5), 16),
+                     "the split form needs power-of-two key widths >= 16"),
+    "split-one-stage": (SplitConfig(chunk_size=16, block_v=16, num_stages=1), O3, "num_stages=1; allowed: 2, 3 or 4"),
+    "split-output-warps": (SplitConfig(chunk_size=16, block_v=16, output_warps=3), O3,
+                           "output_warps=3; allowed: 2, 4, 8"),
+    "split-state-stride": (SplitConfig(chunk_size=16, block_v=16, state_stride=3), O3,
+                           "state_stride=3; allowed: 1, 2, 4"),
+    "split-key-group": (SplitConfig(chunk_size=16, block_v=16, key_group=8), O3, "key_group=8; allowed: 1, 2, 4"),
+    "split-key-group-order2": (SplitConfig(chunk_size=16, block_v=16, key_group=2), KernelShape((16,), 64),
+                               "key_group=2 needs order >= 3"),
+    "split-output-block-v": (SplitConfig(chunk_size=16, block_v=16, output_block_v=64), KernelShape((16, 16), 8),
+                             "output_block_v=64; allowed: 16"),
+    "split-tma-rows": (SplitConfig(chunk_size=16, block_v=16, tma=True), KernelShape((16, 16), 6, 4),
+                       "tma=True needs rows of 16-byte multiples"),
+    "recurrent-block-k-pow2": (RecurrentConfig(block_k=24, block_v=16), O3, "block_k=24; allowed: a power of two"),
+    "recurrent-block-k-over": (RecurrentConfig(block_k=8192, block_v=16), O3,
+                               "block_k=8192; allowed: at most K rounded up (256)"),
+    "recurrent-block-v-over": (RecurrentConfig(block_k=64, block_v=128), O3,
+                               "block_v=128; allowed: at most d_v rounded up (64)"),
+    "recurrent-outer-widths": (RecurrentConfig(block_k=16, block_v=8, outer_phi=True), KernelShape((3, 4), 8, 4),
+                               "outer_phi=True needs power-of-two key widths"),
+    "recurrent-outer-tile": (RecurrentConfig(block_k=4, block_v=8, outer_phi=True), KernelShape((4, 8), 8, 4),
+                             "block_k a multiple of the trailing widths' product"),
+    "recurrent-hints-streamed": (RecurrentConfig(block_k=16, block_v=8, stream_hints=True), KernelShape((4, 8), 8, 4),
+                                 "stream_hints=True needs the state slab resident (block_k >= 32)"),
+    "recurrent-registers": (RecurrentConfig(block_k=4096, block_v=64, num_warps=1), BIG, "registers per thread"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSALS.keys())
+def test_refusals_name_the_field_and_what_it_needs(case):
+    config, shape, needle = REFUSALS[case]
+    reason = config.check(shape, H200_SMEM)
+    assert reason is not None and needle in reason, reason
+
+
+def test_refused_cases_run_once_the_field_is_fixed():
+    """The refusal is the named field's: the same config with that field at an allowed value passes."""
+    fixed = [(REFUSALS["recurrent-outer-tile"][0], {"block_k": 8}, KernelShape((4, 8), 8, 4)),
+             (REFUSALS["recurrent-hints-streamed"][0], {"block_k": 32}, KernelShape((4, 8), 8, 4)),
+             (REFUSALS["fused-prefetch-resident"][0], {"block_k": 128}, O3),
+             (REFUSALS["split-one-stage"][0], {"num_stages": 2}, O3),
+             (REFUSALS["resident-tiles-c128"][0], {"solve": "rows"}, KernelShape((4, 4), 16)),
+             (REFUSALS["streamed-block-k-covers"][0], {"block_k": 128}, O3)]
+    for config, change, shape in fixed:
+        assert dataclasses.replace(config, **change).check(shape, H200_SMEM) is None, (config, change)
+
+
+# ----- spaces ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.form)
+def test_space_values_are_allowed_values(cls, shape):
+    """Every value a space lists is one its field accepts (no refusal of the form
+    ``name=value; allowed: ...``), and the space covers every field of the config."""
+    space = cls.space(shape)
+    if not space:
+        return  # the form cannot run this shape at all
+    assert set(space) == {f.name for f in dataclasses.fields(cls)}
+    base = {name: values[0] for name, values in space.items()}
+    for name, values in space.items():
+        assert values and len(set(values)) == len(values), name
+        for value in values:
+            reason = cls(**{**base, name: value}).check(shape, 1 << 30) or ""
+            assert not reason.startswith(f"{name}={value!r}; allowed"), reason
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.form)
+def test_iter_space_yields_only_valid_configs(cls, shape):
+    # the first few hundred: whole spaces are up to millions of combinations
+    space = cls.space(shape)
+    found = list(itertools.islice(iter_space(cls, shape), 300))
+    assert all(isinstance(c, cls) and c.check(shape) is None for c in found)
+    assert all(getattr(c, name) in values for c in found for name, values in space.items())
+    assert len(set(found)) == len(found)
+
+
+def test_iter_space_is_the_checked_product():
+    """On a small space iter_space yields exactly the product's configs that pass their check."""
+    shape = SHAPES["o3-2x4"]
+    space = {"block_k": [4, 8, 16], "block_v": [4, 16], "num_warps": [1], "num_stages": [1],
+             "outer_phi": [False, True], "stream_hints": [False, True]}
+    got = list(iter_space(RecurrentConfig, shape, space))
+    brute = [RecurrentConfig(*vals) for vals in itertools.product(*space.values())]
+    assert got == [c for c in brute if c.check(shape) is None]
+    assert 0 < len(got) < len(brute)  # some refused (block_k 16 > K = 8, hints on a streamed slab)
+
+
+# ----- to_dict / from_dict ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.form)
+def test_dict_round_trip(cls):
+    config = _example(cls)
+    d = config.to_dict()
+    assert d["form"] == cls.form and FORMS[cls.form] is cls
+    assert cls.from_dict(d) == config and config_from_dict(d) == config
+    assert config_from_dict(d, cls.kernel) == config
+    # every space value survives the trip too
+    for c in itertools.islice(iter_space(cls, SHAPES["o3-16x16"]), 50):
+        assert config_from_dict(c.to_dict()) == c
+
+
+def test_old_variant_format_is_refused_by_name():
+    old = {"kernel": "chunk", "chunk_size": 16, "block_k": 16, "block_v": 16, "prefetch": True}
+    with pytest.raises(ValueError, match=r"rtcompile 0\.1's variant format \(a 'kernel' key"):
+        config_from_dict(old)
+    with pytest.raises(ValueError, match=r"0\.1's variant format"):
+        config_from_dict({"kernel": "recurrent", "block_k": 16, "block_v": 4})
+
+
+@pytest.mark.parametrize("data, exc, needle", [
+    ({"form": "blocked", "chunk_size": 16}, ValueError,
+     "config: form 'blocked'; allowed: resident, streamed, fused, split, recurrent"),
+    ({"chunk_size": 16, "block_v": 16}, ValueError, "config: no 'form'"),
+    ({"form": "resident", "chunk_size": 16, "block_v": 16, "block_z": 4}, ValueError,
+     "ResidentConfig: unknown fields ['block_z']; allowed: ["),
+    ({"form": "resident", "chunk_size": 16, "block_v": 16, "kron": True}, ValueError, "unknown fields ['kron']"),
+    ({"form": "split", "chunk_size": 16, "block_v": 16, "segments": 2}, ValueError, "unknown fields ['segments']"),
+    ({"form": "streamed", "chunk_size": 16, "block_v": 16}, ValueError, "StreamedConfig: missing fields ['block_k']"),
+    ("resident", TypeError, "config: expected a dict, got str"),
+])
+def test_from_dict_errors(data, exc, needle):
+    with pytest.raises(exc) as info:
+        config_from_dict(data)
+    assert needle in str(info.value)
+
+
+def test_from_dict_refuses_another_kernel_or_form():
+    with pytest.raises(ValueError, match="form 'recurrent' is a recurrent config; allowed for the chunk kernel: "
+                                         "resident, streamed, fused, split"):
+        config_from_dict(_example(RecurrentConfig).to_dict(), "chunk")
+    with pytest.raises(ValueError, match=r"form: 'split' is not ResidentConfig's \('resident'\)"):
+        ResidentConfig.from_dict(_example(SplitConfig).to_dict())
+    with pytest.raises(TypeError, match="variant: expected one of RecurrentConfig, got ResidentConfig"):
+        check_config(_example(ResidentConfig), "recurrent")
+    with pytest.raises(TypeError, match="variant: expected one of ResidentConfig, StreamedConfig, FusedConfig, "
+                                        "SplitConfig, got dict"):
+        check_config({"form": "resident"}, "chunk")
+
+
+# ----- the defaults table ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kernel, table", [("chunk", CHUNK_DEFAULTS), ("recurrent", RECURRENT_DEFAULTS)])
+def test_every_row_proposes_configs_of_its_kernel(kernel, table):
+    for row in table:
+        assert row.reason.strip()
+        for shape in SHAPES.values():
+            if row.when(shape):
+                proposals = row.propose(shape)
+                assert proposals and all(isinstance(c, KERNELS[kernel]) for c in proposals), row.reason
+
+
+@pytest.mark.parametrize("limit", LIMITS.values(), ids=LIMITS.keys())
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+@pytest.mark.parametrize("kernel", ["chunk", "recurrent"])
+def test_default_passes_its_own_check_and_leads_the_candidates(kernel, shape, limit):
+    default = default_config(kernel, shape, limit)
+    assert isinstance(default, KERNELS[kernel]) and default.check(shape, limit) is None
+    found = candidates(kernel, shape, limit)
+    assert found[0] == default
+    assert len(set(found)) == len(found), "repeated candidates"
+    assert all(c.check(shape, limit) is None for c in found)
+
+
+@pytest.mark.parametrize("limit", LIMITS.values(), ids=LIMITS.keys())
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_low_memory_is_fused_and_its_workspace_does_not_grow_with_T(shape, limit):
+    fused = low_memory(shape, limit)
+    assert isinstance(fused, FusedConfig) and fused.check(shape, limit) is None
+    w = lambda T: Workload(shape, batch=8, heads=8, seq_len=T)
+    assert fused.workspace_bytes(w(1024)) == fused.workspace_bytes(w(4096))
+    assert default_config("chunk", shape, limit).workspace_bytes(w(4096)) >= fused.workspace_bytes(w(4096))
+
+
+@pytest.mark.parametrize("limit", LIMITS.values(), ids=LIMITS.keys())
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_two_kernel_only_beside_a_split_default(shape, limit):
+    other = two_kernel(shape, limit)
+    if not isinstance(default_config("chunk", shape, limit), SplitConfig):
+        assert other is None
+    else:
+        assert other is not None and not isinstance(other, SplitConfig) and other.check(shape, limit) is None
+        w = Workload(shape, batch=8, heads=8, seq_len=4096)
+        assert other.workspace_bytes(w) < default_config("chunk", shape, limit).workspace_bytes(w)
+
+
+def test_split_default_only_where_measured():
+    """The split form leads at o3 16x16 where the H200's shared memory allows its stages, not at
+    order 2 K = 128 nor under the portable 99 KiB."""
+    assert isinstance(default_config("chunk", SHAPES["o3-16x16"], H200_SMEM), SplitConfig)
+    assert two_kernel(SHAPES["o3-16x16"], H200_SMEM) is not None
+    assert not isinstance(default_config("chunk", SHAPES["o2-128"], H200_SMEM), SplitConfig)
+    assert not isinstance(default_config("chunk", SHAPES["o3-16x16"]), SplitConfig)
+
+
+def test_large_states_stream():
+    big = SHAPES["o3-64x64"]
+    assert isinstance(default_config("chunk", big), StreamedConfig)
+    assert not default_config("chunk", big).resident(big)
+    assert default_config("recurrent", big).block_k < big.key_dim
+    small = SHAPES["o3-16x16"]
+    rec = default_config("recurrent", small)
+    assert rec.block_k == 256 and rec.resident(small) and rec.stream_hints  # one [K, 32] register slab
+
+
+def test_recurrent_candidates_try_both_hints():
+    shape = SHAPES["o3-16x16"]
+    first, second = candidates("recurrent", shape)
+    assert second == dataclasses.replace(first, stream_hints=not first.stream_hints)
+    assert first.with_other_hints(shape) == second
+    streamed = SHAPES["o3-64x64"]  # no hints on a streamed slab: nothing to flip to
+    assert candidates("recurrent", streamed) == [default_config("recurrent", streamed)]
+
+
+# ----- cost figures ----------------------------------------------------------------------------
+
+
+def _figures(config, shape, T):
+    return config.figures(Workload(shape, batch=8, heads=8, seq_len=T))
+
+
+def test_cost_figures():
+    o3, big = SHAPES["o3-16x16"], SHAPES["o3-64x64"]
+    resident = ResidentConfig(chunk_size=32, block_v=16)
+    streamed = StreamedConfig(chunk_size=32, block_k=256, block_v=16)
+    merged = dataclasses.replace(streamed, merge_passes=True)
+    split = SplitConfig(chunk_size=64, block_v=32)
+    fused = FusedConfig(chunk_size=32, block_k=256, block_v=16)
+    for T in (1024, 4096):
+        assert _figures(resident, o3, T).state_passes == 2
+        assert _figures(resident, o3, T).serial_steps == T // 32
+        assert _figures(resident, o3, T).launches == 2 and _figures(split, o3, T).launches == 3
+        assert _figures(fused, o3, T).launches == 1 and _figures(fused, o3, T).state_passes == 2
+    for cfg in (streamed, merged):  # the state crosses HBM every chunk
+        f1, f4 = _figures(cfg, big, 1024), _figures(cfg, big, 4096)
+        assert f4.state_passes == 4 * f1.state_passes > 2
+        assert f1.tile_visits == 2 * (4096 // 256) and f1.tile_elements == 32 * 256
+    assert _figures(merged, big, 1024).state_passes < _figures(streamed, big, 1024).state_passes
+    assert _figures(resident, o3, 1024).programs == 8 * 8 * 64 // 16
+    rec = RecurrentConfig(block_k=256, block_v=32)
+    assert _figures(rec, o3, 1).state_passes == 2 and _figures(rec, o3, 1).workspace_bytes == 0
+    rec_streamed = RecurrentConfig(block_k=1024, block_v=16)
+    assert _figures(rec_streamed, big, 8).state_passes == 3 * 8
+    assert _figures(rec_streamed, big, 8).tile_visits == 2 * 4
+    # workspace: the split form's stored states and keys dwarf the two-kernel form's scores
+    w = Workload(o3, batch=8, heads=8, seq_len=4096)
+    assert split.workspace_bytes(w) > resident.workspace_bytes(w) > 0 == rec.workspace_bytes(w)
