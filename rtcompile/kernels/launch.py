@@ -7,9 +7,8 @@ in flash-linear-attention), so one token-head row index addresses all per-token 
 strided view is refused with a message, never copied behind the caller's back. The kernels take
 up to three factors (orders 2 to 4).
 
-The recurrent scan and the decode step run through ``recurrent.py``'s launcher. TRANSITIONAL:
-the chunk forms are translated to the pre-redesign variant and run by ``triton_fwd``
-(:func:`_launch_chunk`, the one place that does it).
+Each config runs through the ``launch`` function of its form's module (:data:`LAUNCHERS`);
+the decode step through ``recurrent.py``'s launch plans.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from . import args, recurrent, triton_fwd, tuned
+from . import args, chunk_fused, chunk_resident, chunk_split, chunk_streamed, recurrent, tuned
 from .args import MAX_FACTORS, STATE_DTYPES, factor_args, interpreting
 from .chunk_fused import FusedConfig
 from .chunk_resident import ResidentConfig
@@ -30,7 +29,6 @@ from .config import KernelConfig, KernelShape
 from .forms import check_config, config_from_dict, default_config
 from .inputs import Problem, check_inputs
 from .recurrent import DECODE_PLANS, DecodePlan, RecurrentConfig, check_indices, decode_key, remember_plan
-from .variants import ChunkVariant
 
 MODES = ("chunk", "recurrent")
 
@@ -110,38 +108,15 @@ def resolve_config(kernel: str, variant: KernelConfig | None, p: Problem, device
     return variant
 
 
-def _legacy(config: KernelConfig, shape: KernelShape):
-    """The pre-redesign variant that runs ``config`` (transitional)."""
-    kp = shape.key_dim_pow2
-    common = dict(chunk_size=config.chunk_size, block_v=config.block_v, num_warps=config.num_warps,
-                  num_stages=config.num_stages, solve=config.solve)
-    if isinstance(config, ResidentConfig):
-        return ChunkVariant(block_k=kp, prepare_warps=config.prepare_warps, dot_precision=config.dot_precision,
-                            prefetch=config.prefetch_inputs, wy=config.wy, **common)
-    if isinstance(config, StreamedConfig):
-        return ChunkVariant(block_k=config.block_k, prepare_warps=config.prepare_warps,
-                            dot_precision=config.dot_precision, prefetch=config.prefetch_state,
-                            merge_passes=config.merge_passes, **common)
-    if isinstance(config, FusedConfig):
-        return ChunkVariant(block_k=config.block_k, fuse_prepare=True, prefetch=config.prefetch_state,
-                            merge_passes=config.merge_passes, **common)
-    if isinstance(config, SplitConfig):
-        return ChunkVariant(block_k=kp, prepare_warps=config.prepare_warps, dot_precision=config.dot_precision,
-                            output_pass=True, stored_keys=True, output_block_v=config.output_block_v,
-                            output_warps=config.output_warps, tma=config.tma, key_group=config.key_group,
-                            state_stride=config.state_stride, **common)
-    raise TypeError(f"variant: unknown config {type(config).__name__}")
-
-
-def _launch_chunk(config: KernelConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens,
-                  l2norm: bool) -> torch.Tensor:
-    """Run a chunk form over validated inputs and return o (``ht``: the fp32 final-state
-    buffer, or None; a streamed state needs one). TRANSITIONAL: through the pre-redesign
-    launcher; at the merge this becomes a lookup of the config class's module ``launch``."""
-    shape = kernel_shape(p)
-    return triton_fwd._launch_chunk(p, q, k, v, g, beta, h0=h0, ht=ht, cu_seqlens=cu_seqlens, l2norm=l2norm,
-                                    store_ht=ht is not None, variant=_legacy(config, shape),
-                                    resident=config.resident(shape))
+# every config class -> the launcher of its form: launch(config, p, q, k, v, g, beta, *, h0, ht,
+# cu_seqlens, l2norm) -> o, with ``ht`` the fp32 final-state buffer or None
+LAUNCHERS = {
+    ResidentConfig: chunk_resident.launch,
+    StreamedConfig: chunk_streamed.launch,
+    FusedConfig: chunk_fused.launch,
+    SplitConfig: chunk_split.launch,
+    RecurrentConfig: recurrent.launch,
+}
 
 
 def check_layout(p: Problem, q, k, v, g, beta, initial_state, cu_seqlens) -> None:
@@ -215,8 +190,8 @@ def fwd_checked(p: Problem, q, k, v, g, beta, *, initial_state, output_final_sta
     # a streamed state lives in the final-state buffer while the kernel runs
     need_ht = output_final_state or not config.resident(kernel_shape(p))
     ht = args.empty(p.state_shape, dtype=torch.float32, device=v.device) if need_ht else None
-    run = recurrent.launch if kernel == "recurrent" else _launch_chunk
-    o = run(config, p, q, k, v, g, beta, h0=initial_state, ht=ht, cu_seqlens=cu_seqlens, l2norm=l2norm)
+    o = LAUNCHERS[type(config)](config, p, q, k, v, g, beta, h0=initial_state, ht=ht, cu_seqlens=cu_seqlens,
+                                l2norm=l2norm)
     return o, (ht if output_final_state else None)
 
 
