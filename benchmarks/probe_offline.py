@@ -34,8 +34,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime.jit import JITFunction
 
-from rtcompile.kernels import chunk, triton_fwd
-from rtcompile.kernels import variants as V
+from rtcompile.kernels import chunk_split, launch
+from rtcompile.kernels.config import KernelShape
+from rtcompile.kernels.forms import default_config
 
 H200_SMEM = 232448  # shared_memory_per_block_optin of the H200 (the default's choice depends on it)
 
@@ -102,12 +103,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--widths", type=int, nargs="+", default=[16, 16])
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                    help="change a field of the default chunk variant (JSON value)")
+                    help="change a field of the default chunk config (JSON value)")
     args = ap.parse_args(argv)
-    if not isinstance(chunk.chunk_state_running_tensor_kernel, JITFunction):
+    if not isinstance(chunk_split.chunk_split_state_kernel, JITFunction):
         print("probe_offline: the kernels were built for the interpreter: unset TRITON_INTERPRET", file=sys.stderr)
         return 2
-    shape = V.KernelShape(tuple(args.widths), 64)
+    shape = KernelShape(tuple(args.widths), 64)
     changes = {}
     for item in args.set:
         name, _, value = item.partition("=")
@@ -116,7 +117,7 @@ def main(argv=None) -> int:
         except json.JSONDecodeError:
             changes[name] = value
     try:
-        variant = dataclasses.replace(V.ChunkVariant.default(shape, H200_SMEM), **changes)
+        variant = dataclasses.replace(default_config("chunk", shape, H200_SMEM), **changes)
     except TypeError as exc:
         print(f"probe_offline: --set: {exc}", file=sys.stderr)
         return 2
@@ -126,15 +127,14 @@ def main(argv=None) -> int:
     v = torch.randn(B, T, H, 64, dtype=torch.bfloat16)
     g, beta = -torch.rand(B, T, H), torch.rand(B, T, H)
     launches = []
-    saved = JITFunction.run, triton_fwd._check_layout, triton_fwd._reason
+    saved = JITFunction.run
     JITFunction.run = lambda self, *a, grid, warmup, **kw: launches.append((self, a, kw))
-    triton_fwd._check_layout = lambda *a, **kw: None  # CPU tensors: nothing is launched
-    triton_fwd._reason = lambda *a, **kw: None
-    try:
-        triton_fwd.running_tensor_fwd(q, k, v, g, beta, variant=variant, output_final_state=True, l2norm=True,
-                                      mode="chunk")
+    try:  # CPU tensors, nothing launched: straight to the form's launcher, past the device checks
+        p = launch.check_inputs(q, k, v, g, beta, None, None, None)
+        ht = torch.empty(p.state_shape, dtype=torch.float32)
+        launch.LAUNCHERS[type(variant)](variant, p, q, k, v, g, beta, h0=None, ht=ht, cu_seqlens=None, l2norm=True)
     finally:
-        JITFunction.run, triton_fwd._check_layout, triton_fwd._reason = saved
+        JITFunction.run = saved
     print(f"Triton {triton.__version__}, sm_90, widths {args.widths}, {variant}")
     for fn, a, kw in launches:
         ck = _compile(fn, a, kw)

@@ -37,8 +37,7 @@ def test_default_compiles_for_sm90_offline():
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [ln for ln in out.stdout.splitlines() if " regs " in ln]
     names = [ln.split()[0] for ln in lines]
-    assert names == ["chunk_prepare_running_tensor_kernel", "chunk_state_running_tensor_kernel",
-                     "chunk_output_running_tensor_kernel"]
+    assert names == ["chunk_prepare_kernel", "chunk_split_state_kernel", "chunk_split_output_kernel"]
     # each kernel compiled as its launch would be: aligned pointers specialised (tt.divisibility)
     assert all(int(re.search(r"aligned args +(\d+)", ln).group(1)) > 0 for ln in lines)
     state = lines[1]
