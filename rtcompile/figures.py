@@ -71,7 +71,7 @@ def parameters_per_layer(spec: ModelSpec) -> int:
     return p
 
 
-def _io_bytes_per_token(spec: ModelSpec) -> int:
+def io_bytes_per_token(spec: ModelSpec) -> int:
     """Bytes of the mixer's per-token inputs and outputs, all heads."""
     f = spec.features
     ib = DTYPE_BYTES[spec.input_dtype]
@@ -90,7 +90,7 @@ def recurrent_figures(spec: ModelSpec) -> PhaseFigures:
         per_head += K * V
     if f.delta_rule:
         per_head += 2 * K * V
-    nbytes = 2 * spec.state_bytes_per_layer + _io_bytes_per_token(spec)
+    nbytes = 2 * spec.state_bytes_per_layer + io_bytes_per_token(spec)
     return PhaseFigures(spec.heads * per_head, float(nbytes))
 
 
@@ -101,7 +101,7 @@ def chunk_figures(spec: ModelSpec, chunk_size: int | None = None) -> PhaseFigure
     per_head = 2 * C * S + 2 * C * V + 4 * K * V
     if spec.features.delta_rule:
         per_head += 2 * K * V + 2 * C * S + 2 * C * V
-    nbytes = 2 * spec.state_bytes_per_layer / C + _io_bytes_per_token(spec)
+    nbytes = 2 * spec.state_bytes_per_layer / C + io_bytes_per_token(spec)
     return PhaseFigures(spec.heads * per_head, nbytes)
 
 
