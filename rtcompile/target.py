@@ -84,7 +84,8 @@ def get_target(name: str) -> Target:
     return PROFILES[key]
 
 
-def _profile_for(device_name: str) -> Target | None:
+def profile_for(device_name: str) -> Target | None:
+    """The datasheet profile whose GPU ``device_name`` (as CUDA reports it) is, or None."""
     n = device_name.lower().replace(" ", "").replace("-", "")
     for key, prof in (("h200", "h200"), ("h100", "h100-sxm"), ("a100", "a100-80gb"), ("l40s", "l40s"),
                       ("l4", "l4"), ("4090", "rtx-4090"), ("b200", "b200")):
@@ -100,7 +101,7 @@ def detect() -> Target:
     if not torch.cuda.is_available():
         raise TargetError(f"target: 'auto' needs a CUDA GPU; allowed without one: {', '.join(PROFILES)}")
     dev = torch.cuda.get_device_name(0)
-    base = _profile_for(dev)
+    base = profile_for(dev)
     props = torch.cuda.get_device_properties(0)
     if base is None:
         base = Target(dev, props.total_memory, 1 * TB, 100e12, 100e12, 20e12, props.multi_processor_count,
