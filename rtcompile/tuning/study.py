@@ -518,7 +518,7 @@ def tune_bucket(bucket: Bucket, opts: TuneOptions,
                 study.enqueue_trial(params, user_attrs={"warm_start": i})
     else:
         counted = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("status") not in ("stale", "pruned")]
-        if opts.exhaustive:  # every valid config once: the ones this study has not enqueued yet
+        if opts.exhaustive:  # every valid variant once: the ones this study has not enqueued yet
             have = [t.system_attrs.get("fixed_params") for t in counted]
             for v in exhaustive_variants(bucket, opts):
                 params = config_params(v)
