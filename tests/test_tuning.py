@@ -22,7 +22,7 @@ from rtcompile.kernels.config import KernelShape
 from rtcompile.kernels.forms import FORMS, KERNELS, default_config, low_memory
 from rtcompile.kernels.launch import resolve_config
 from rtcompile.tuning import Bucket, StoreError, TuneOptions, open_storage, search_space, tune_bucket
-from rtcompile.tuning.study import config_params, params_config
+from rtcompile.tuning.space import config_params, params_config
 
 TESTS = Path(__file__).resolve().parent
 TINY = Bucket("chunk", (2, 4), 8, 1, 1, 32, "float32")
@@ -96,15 +96,16 @@ def test_two_workers_run_exactly_the_budget_then_reload_runs_none(tmp_path):
 
 
 def test_pruned_trials_are_replaced_until_the_budget_has_run(tmp_path):
-    # at C 128 the tile solve is refused (it needs C <= 64): with the solve left to the sampler
-    # about half the draws are pruned, and each must give its slot back
+    # at C 128 the tile solve is refused (it needs C <= 64), and so are the fewer warps (the C x C
+    # tiles' registers): about half the draws are pruned, and each must give its slot back
     url = f"sqlite:///{tmp_path / 'pruned.db'}"
     r = tune_bucket(TINY, TuneOptions(storage=url, trials=4, workers=2, repeats=2,
                                       fixed={"form": "resident", "resident.chunk_size": 128}))
     trials = _trials(url)
     pruned = [t for t in trials if t.state.name == "PRUNED"]
     assert pruned, "no trial was pruned: the replacement was not exercised"
-    assert all("needs" in t.user_attrs["reason"] for t in pruned)
+    # each pruned trial's reason is its own config's refusal
+    assert all(t.user_attrs["reason"] == params_config(t.params).check(TINY_SHAPE) for t in pruned)
     assert len(trials) - len(pruned) == 4 and r.trials_run == 4
 
 
@@ -335,7 +336,7 @@ def _valid_configs(space: dict) -> list:
 
 
 def test_exhaustive_sweep_runs_each_valid_config_of_every_form_once_in_its_own_study(tmp_path):
-    from rtcompile.tuning.study import exhaustive_variants
+    from rtcompile.tuning.space import exhaustive_variants
 
     url = f"sqlite:///{tmp_path / 'sweep.db'}"
     fixed = {"resident.chunk_size": 16, "resident.num_stages": 1, "resident.dot_precision": "ieee",
@@ -455,14 +456,14 @@ class _Recorder:
 
 def test_the_sampler_asks_the_form_then_only_that_forms_fields():
     """Form first, then the chosen form's fields (FORM.FIELD) and nothing of the other forms."""
-    from rtcompile.tuning.study import _suggest
+    from rtcompile.tuning.space import suggest
 
     bucket = Bucket("chunk", (16, 16), 64, 1, 1, 64, "bfloat16")  # K 256: every chunk form can run
     space = search_space(bucket, TuneOptions())
     assert list(space) == [cls.form for cls in KERNELS["chunk"]]
     for form in space:
         trial = _Recorder({"form": form})
-        cfg = _suggest(trial, space)
+        cfg = suggest(trial, space)
         assert trial.asked == ["form", *(f"{form}.{n}" for n in space[form])]
         assert isinstance(cfg, FORMS[form]) and config_params(cfg) == {
             "form": form, **{f"{form}.{n}": c[0] for n, c in space[form].items()}}
@@ -474,7 +475,7 @@ def test_the_sampler_asks_the_form_then_only_that_forms_fields():
     forms_seen = set()
     for _ in range(24):
         trial = study.ask()
-        cfg = _suggest(trial, space)
+        cfg = suggest(trial, space)
         form = trial.params["form"]
         forms_seen.add(form)
         assert set(trial.params) == {"form", *(f"{form}.{n}" for n in space[form])}
