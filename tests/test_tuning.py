@@ -96,11 +96,12 @@ def test_two_workers_run_exactly_the_budget_then_reload_runs_none(tmp_path):
 
 
 def test_pruned_trials_are_replaced_until_the_budget_has_run(tmp_path):
-    # at C 128 the tile solve is refused (it needs C <= 64), and so are the fewer warps (the C x C
-    # tiles' registers): about half the draws are pruned, and each must give its slot back
+    # C 128 is refused at widths (2, 4) (the tile solve needs C <= 64; the row solve's shared-memory
+    # estimate is ~109 KB at one stage, over the portable 99 KiB): with the resident form held there and the form and the fused chunk size left
+    # to the sampler, most draws are pruned (5 in 8), and each must give its slot back
     url = f"sqlite:///{tmp_path / 'pruned.db'}"
     r = tune_bucket(TINY, TuneOptions(storage=url, trials=4, workers=2, repeats=2,
-                                      fixed={"form": "resident", "resident.chunk_size": 128}))
+                                      fixed={"resident.chunk_size": 128}))
     trials = _trials(url)
     pruned = [t for t in trials if t.state.name == "PRUNED"]
     assert pruned, "no trial was pruned: the replacement was not exercised"
