@@ -1,7 +1,11 @@
-"""Cost model: predicted time of each kernel variant on a target, per layer.
+"""Cost model: predicted time of a kernel config on a target, per layer.
 
-Bytes and FLOPs come from :mod:`rtcompile.figures` (the formulas ``rtcompile info`` prints).
-A kernel's time is the largest of three floors, plus launches:
+What a call does comes from the config itself (``config.figures(workload)``: programs, serial
+steps, state passes, workspace bytes, streamed tile visits, fused solve rows, launches; see
+:class:`~rtcompile.kernels.config.CostFigures`); FLOPs and the per-token input/output bytes from
+:mod:`rtcompile.figures` (the formulas ``rtcompile info`` prints). This module only turns those
+into seconds with the target's rates. A kernel's time is the largest of three floors, plus
+launches:
 
 * memory: bytes moved / HBM bandwidth, scaled by how much of the GPU the programs fill;
 * compute: FLOPs / the matrix rate (16-bit inputs) or the fp32 rate;
@@ -29,20 +33,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
-from .figures import _io_bytes_per_token, chunk_figures, recurrent_figures
-from .kernels.variants import (
-    SOLVE_BLOCK,
-    ChunkVariant,
-    KernelShape,
-    RecurrentVariant,
-    dot_operand_bytes,
-)
+from .figures import chunk_figures, io_bytes_per_token, recurrent_figures
+from .kernels.config import KernelConfig, KernelShape, Workload
 from .spec import DTYPE_BYTES, ModelSpec
 from .target import Target
 
 CHUNK_ITER_S = 9.3e-6  # one chunk iteration of a wave of programs (state in registers)
 CHUNK_TILE_S = 2.4e-6  # one streamed state-tile visit at C x BK = 64 x 128, scaled by C x BK
+CHUNK_TILE_ELEMENTS = 64 * 128  # the C x BK that CHUNK_TILE_S was fitted at
 FUSED_ROW_S = 0.37e-6  # per chunk row: the fused prepare's forward substitution on the serial path
 SCAN_STEP_S = 1.2e-6  # one token of the recurrent scan, state in registers
 SCAN_TILE_S = 0.3e-6  # each streamed tile visit of a scan step (not measured: a lead)
@@ -156,103 +156,60 @@ def _finish(kernel_s: float, nbytes: float, flops: float, programs: int, bound: 
     return Cost(cal.scale(kind) * kernel_s + host, nbytes, flops, programs, bound, host_s=host, kind=kind)
 
 
-def chunk_workspace_bytes(spec: ModelSpec, batch: int, seq_len: int, variant: ChunkVariant) -> int:
-    """Extra memory of the chunk kernels: the [B, H, T, C] scores (and inverse) in fp32 (wy: the
-    scores, W and U0; output_pass: each chunk's incoming state, U, the inverse and any stored
-    keys), or, fused, nothing beyond the final-state buffer (counted as output) but the tile
-    solve's [C, C] fp32 scratch per program (independent of T)."""
-    if variant.fuse_prepare:
-        if variant.solve == "tiles" and spec.features.delta_rule:
-            programs = batch * spec.heads * math.ceil(spec.value_width / variant.block_v)
-            return programs * variant.chunk_size ** 2 * 4
-        return 0
-    rows = batch * spec.heads * seq_len
-    if variant.output_pass and variant.resident(shape_of(spec)):
-        # the incoming state [K, V] of every state_stride-th chunk and U [T, V] in the dot type,
-        # Ai [T, C] fp32 (delta rule; with wy only for the tile solve, beside W [T, K] in the dot
-        # type and U0 [T, V] fp32), stored phi(K) [T, K] in the dot type, the gates' cumulative
-        # sums [T] fp32
-        dot = dot_operand_bytes(DTYPE_BYTES[spec.input_dtype])
-        chunks = batch * spec.heads * math.ceil(math.ceil(seq_len / variant.chunk_size) / variant.state_stride)
-        work = chunks * spec.key_dim * spec.value_width * dot + rows * spec.value_width * dot
-        if spec.features.delta_rule and (not variant.wy or variant.solve == "tiles"):
-            work += rows * variant.chunk_size * 4
-        if spec.features.delta_rule and variant.wy:
-            work += rows * (spec.key_dim * dot + spec.value_width * 4)
-        if variant.stored_keys:
-            work += rows * spec.key_dim * dot
-        if spec.features.forget_gate and (spec.features.delta_rule or variant.stored_keys):
-            work += rows * 4  # each chunk's cumulative log decay, fp32, from the prepare kernel
-        return work
-    if variant.wy and spec.features.delta_rule:  # P, and W [T, K] (input type) + U0 [T, V] (fp32)
-        tiles = variant.chunk_size * 4 if variant.solve == "tiles" else 0  # + the tile solve's Ai [T, C]
-        return rows * (variant.chunk_size * 4 + tiles + spec.key_dim * DTYPE_BYTES[spec.input_dtype]
-                       + spec.value_width * 4)
-    return rows * variant.chunk_size * 4 * (2 if spec.features.delta_rule else 1)
+def workload(spec: ModelSpec, batch: int, seq_len: int) -> Workload:
+    """One call of ``spec``'s mixer (one layer, all heads) on ``batch`` sequences of ``seq_len``
+    tokens: what a config's workspace and cost figures are computed from."""
+    return Workload(shape_of(spec), batch, spec.heads, seq_len, delta_rule=spec.features.delta_rule,
+                    forget_gate=spec.features.forget_gate)
 
 
-def _solve_rows(variant: ChunkVariant) -> float:
-    """Serial steps of the fused solve, in forward-substitution rows. The blocked solve's
-    C x C dots (2 log2(C / solve_block)) and the tile solve's C / 16 - 1 block rows of [16, 16]
-    products are counted as one row each: guesses, not fitted (the fused tile solve ran 2.3x
-    faster than the strip form at o3 32x32 on the H200, 2026-11-30f, which this does not show)."""
-    if variant.solve == "rows":
-        return variant.chunk_size
-    if variant.solve == "tiles":
-        return SOLVE_BLOCK - 1 + variant.chunk_size // SOLVE_BLOCK - 1
-    return variant.solve_block - 1 + 2 * math.log2(variant.chunk_size // variant.solve_block)
-
-
-def chunk_cost(spec: ModelSpec, target: Target, batch: int, seq_len: int, variant: ChunkVariant,
+def chunk_cost(spec: ModelSpec, target: Target, batch: int, seq_len: int, config: KernelConfig,
                cal: Calibration = Calibration()) -> Cost:
-    shape = shape_of(spec)
-    C = variant.chunk_size
-    n_chunks = math.ceil(seq_len / C)
-    fig = chunk_figures(spec, C)
-    flops = fig.flops_per_token * batch * seq_len
-    resident = variant.resident(shape)
+    """A chunk form's call: the config's figures at this workload, in seconds on ``target``."""
+    fig = config.figures(workload(spec, batch, seq_len))
+    flops = chunk_figures(spec, config.chunk_size).flops_per_token * batch * seq_len
+    # state_passes counts whole-state reads and writes: a streamed state is read twice and written
+    # once per chunk, once each with merge_passes. The per-tile latency below stays at the
+    # figures' two visits: merging keeps all three phi blocks per tile (64x64 on the H200,
+    # 2026-11-30d: 6.49 ms merged against 7.20 two-pass, 0.9x)
     state = spec.state_bytes_per_layer * batch
-    # a streamed state is read twice and written once per chunk; merge_passes reads it once.
-    # The per-tile latency below stays at two visits: merging keeps all three phi blocks per
-    # tile (64x64 on the H200, 2026-11-30d: 6.49 ms merged against 7.20 two-pass, 0.9x)
-    state_traffic = 2 * state if resident else (2 if variant.merge_passes else 3) * state * n_chunks
-    work = chunk_workspace_bytes(spec, batch, seq_len, variant)
-    nbytes = _io_bytes_per_token(spec) * batch * seq_len + state_traffic + 2 * work
-    programs = batch * spec.heads * math.ceil(spec.value_width / variant.block_v)
-    fill = min(1.0, programs / target.sms)
-    tiles = 0 if resident else 2 * math.ceil(shape.key_dim / variant.block_k)
-    per_iter = CHUNK_ITER_S + tiles * CHUNK_TILE_S * (C * variant.block_k) / (64 * 128)
-    if variant.fuse_prepare:
-        per_iter += _solve_rows(variant) * FUSED_ROW_S
-    latency = _waves(programs, target) * n_chunks * per_iter * _per_sm_share(programs, target)
+    nbytes = io_bytes_per_token(spec) * batch * seq_len + fig.state_passes * state + 2 * fig.workspace_bytes
+    fill = min(1.0, fig.programs / target.sms)
+    per_step = (CHUNK_ITER_S + fig.tile_visits * CHUNK_TILE_S * fig.tile_elements / CHUNK_TILE_ELEMENTS
+                + fig.solve_rows * FUSED_ROW_S)
+    latency = _waves(fig.programs, target) * fig.serial_steps * per_step * _per_sm_share(fig.programs, target)
     seconds, bound = _pick(nbytes / (target.hbm_bytes_per_s * fill), flops / (_rate(spec, target) * fill), latency)
-    launches = 1 if variant.fuse_prepare else 2
-    return _finish(seconds + launches * target.launch_s, nbytes, flops, programs, bound, "chunk", cal)
+    return _finish(seconds + fig.launches * target.launch_s, nbytes, flops, fig.programs, bound, "chunk", cal)
 
 
-def recurrent_cost(spec: ModelSpec, target: Target, batch: int, seq_len: int, variant: RecurrentVariant,
+def recurrent_cost(spec: ModelSpec, target: Target, batch: int, seq_len: int, config: KernelConfig,
                    cal: Calibration = Calibration(), state_dtype: str | None = None, step: bool = False) -> Cost:
     """The fused recurrent kernel over ``seq_len`` tokens, with the state stored as
     ``state_dtype`` (default: the spec's; fp32 for "auto"). ``step``: called as the in-place
     decode step (seq_len = 1), whose host path is shorter than a prefill call's."""
-    shape = shape_of(spec)
-    resident = variant.block_k >= shape.key_dim
+    fig = config.figures(workload(spec, batch, seq_len))
     if state_dtype is None:
         state_dtype = "float32" if spec.state_dtype == "auto" else spec.state_dtype
     state = spec.state_elements_per_head * spec.heads * DTYPE_BYTES[state_dtype] * batch
-    io = _io_bytes_per_token(spec) * batch * seq_len
-    nbytes = io + (2 * state if resident else 3 * state * seq_len)
+    nbytes = io_bytes_per_token(spec) * batch * seq_len + fig.state_passes * state
     flops = recurrent_figures(spec).flops_per_token * batch * seq_len
-    programs = batch * spec.heads * math.ceil(spec.value_width / variant.block_v)
-    fill = min(1.0, programs / target.sms)
-    tiles = 0 if resident else 2 * math.ceil(shape.key_dim / variant.block_k)
+    fill = min(1.0, fig.programs / target.sms)
     # SCAN_STEP_S was fitted at one program per SM (128 programs): no per-SM share here, the scan
-    # was not measured with two
-    latency = _waves(programs, target) * seq_len * (SCAN_STEP_S + tiles * SCAN_TILE_S)
+    # was not measured with two; a scan tile visit is not scaled by its size (not measured)
+    latency = _waves(fig.programs, target) * fig.serial_steps * (SCAN_STEP_S + fig.tile_visits * SCAN_TILE_S)
     memory = nbytes / (target.hbm_bytes_per_s * DECODE_BW_EFFICIENCY * fill)
     seconds, bound = _pick(memory, flops / (target.fp32_flops * fill), latency)
     kind = "decode" if step else "recurrent"
-    return _finish(seconds + target.launch_s, nbytes, flops, programs, bound, kind, cal)
+    return _finish(seconds + fig.launches * target.launch_s, nbytes, flops, fig.programs, bound, kind, cal)
+
+
+def config_cost(spec: ModelSpec, target: Target, batch: int, seq_len: int, config: KernelConfig,
+                cal: Calibration = Calibration(), **recurrent: Any) -> Cost:
+    """The cost of ``config``'s call, whichever kernel it is (``recurrent``: the keyword
+    arguments of :func:`recurrent_cost`)."""
+    if config.kernel == "chunk":
+        return chunk_cost(spec, target, batch, seq_len, config, cal)
+    return recurrent_cost(spec, target, batch, seq_len, config, cal, **recurrent)
 
 
 def _huber_weight(rel: float) -> float:

@@ -1,7 +1,8 @@
 """The planner: how each phase runs on a target, and why.
 
-For prefill over T buckets it compares the chunk-parallel kernels (default and fused-prepare
-variants) with the recurrent scan, and finds the crossover length below which the scan is
+For prefill over T buckets it compares the chunk-parallel kernels (the default config, its
+fused low-memory sibling and, where the default is the split form, the two-kernel one) with the
+recurrent scan, and finds the crossover length below which the scan is
 faster (searched, not hard-coded); decode over batch buckets runs the recurrent step, and
 where the spec leaves the state dtype to the planner (``state_dtype = "auto"``) keeps the
 decode cache in bf16 when that is predicted at least STATE_DTYPE_MIN_GAIN faster; train runs
@@ -11,7 +12,8 @@ kernel time and a host overhead per kind of call, see :class:`Calibration`). Eve
 keeps its alternatives and their costs. A plan whose state plus workspace cannot fit the
 target's memory at the requested batch is refused before anything is allocated.
 
-Plan files are versioned JSON (``PLAN_FORMAT``); a file from a newer format is refused.
+Plan files are versioned JSON (``PLAN_FORMAT``); a file of another format is refused with a
+message naming it (format 1, rtcompile 0.1: variants without a ``form`` tag).
 """
 
 from __future__ import annotations
@@ -25,14 +27,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import __version__
-from .costmodel import (Calibration, calibrate, chunk_cost, chunk_workspace_bytes, recurrent_cost, shape_of,
-                        with_measured)
-from .kernels.variants import ChunkVariant, RecurrentVariant
+from ._version import __version__
+from .costmodel import Calibration, calibrate, chunk_cost, recurrent_cost, shape_of, with_measured, workload
+from .kernels.config import KernelConfig
+from .kernels.forms import config_from_dict, default_config, low_memory, two_kernel
 from .spec import DTYPE_BYTES, ModelSpec
-from .target import Target
+from .target import Target, profile_for
 
-PLAN_FORMAT = 1
+PLAN_FORMAT = 2  # 2: a decision's variant is a config's to_dict() (with its "form"); 1: rtcompile 0.1's variants
+OLD_FORMATS = {1: "rtcompile 0.1's (ChunkVariant / RecurrentVariant dicts without a 'form' tag)"}
 PREFILL_SEQ_LENS = (16, 64, 256, 1024, 4096, 16384, 65536)
 PREFILL_BATCHES = (1, 8)
 DECODE_BATCHES = (1, 8, 32, 128, 256)
@@ -52,7 +55,7 @@ class Decision:
     batch: int
     seq_len: int
     mode: str
-    variant: dict[str, Any]
+    variant: dict[str, Any]  # the config's to_dict(): its "form" and fields
     cost: dict[str, Any]
     alternatives: list[dict[str, Any]]
     reason: str
@@ -84,6 +87,10 @@ class Plan:
         if data["format"] > PLAN_FORMAT:
             raise PlanError(f"plan: format {data['format']} is newer than this rtcompile reads ({PLAN_FORMAT}); "
                             "upgrade rtcompile or re-plan")
+        if data["format"] < PLAN_FORMAT:
+            old = OLD_FORMATS.get(data["format"], "an unknown old format")
+            raise PlanError(f"plan: format {data['format']} is {old}; this rtcompile reads format {PLAN_FORMAT} "
+                            "(configs tagged with 'form'): re-run `rtcompile plan` or `rtcompile build`")
         try:
             decisions = [Decision(**d) for d in data["decisions"]]
             return cls(**{**data, "decisions": decisions})
@@ -116,10 +123,10 @@ class Plan:
         return min(cands, key=dist)
 
 
-def _measured_seconds(spec: ModelSpec, target: Target) -> dict[tuple[str, int, int], tuple[dict, float]]:
-    """Tuned winners for this spec on this target's GPU: (kernel, B, T) -> (variant, seconds)."""
+def _measured_seconds(spec: ModelSpec, target: Target) -> dict[tuple[str, int, int], tuple[KernelConfig, float]]:
+    """Tuned winners for this spec on this target's GPU: (kernel, B, T) -> (config, seconds).
+    An entry this version cannot read (an older format) is skipped, as the launcher skips it."""
     from .kernels import tuned
-    from .target import _profile_for
 
     try:
         entries = tuned.entries()
@@ -127,13 +134,17 @@ def _measured_seconds(spec: ModelSpec, target: Target) -> dict[tuple[str, int, i
         return {}
     out = {}
     for e in entries:
-        prof = _profile_for(e.get("gpu", ""))
+        prof = profile_for(e.get("gpu", ""))
         same_gpu = e.get("gpu") == target.name or (prof is not None and prof.name == target.name)
         if not same_gpu or tuple(e.get("key_widths", ())) != spec.key_widths:
             continue
         if e.get("value_width") != spec.value_width or e.get("heads") != spec.heads or e.get("dtype") != spec.input_dtype:
             continue
-        out[(e["kernel"], e["batch"], e["seq_len"])] = (e["variant"], e["seconds"])
+        try:
+            config = config_from_dict(e["variant"], e["kernel"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        out[(e["kernel"], e["batch"], e["seq_len"])] = (config, e["seconds"])
     return out
 
 
@@ -150,9 +161,8 @@ def _gb(n: float) -> str:
 def check_memory(spec: ModelSpec, target: Target, batch: int, seq_len: int) -> dict[str, int]:
     """Refuse (PlanError) when the model's state plus the smallest prefill workspace and one
     layer's activations exceed the target's memory at this batch; return the figures."""
-    shape = shape_of(spec)
-    fused = ChunkVariant.default(shape, target.smem_per_sm).fused(shape)
-    need = _memory(spec, batch, seq_len, chunk_workspace_bytes(spec, batch, seq_len, fused))
+    fused = low_memory(shape_of(spec), target.smem_per_sm)
+    need = _memory(spec, batch, seq_len, fused.workspace_bytes(workload(spec, batch, seq_len)))
     total = sum(need.values())
     if total > target.memory_bytes:
         raise PlanError(
@@ -165,29 +175,28 @@ def check_memory(spec: ModelSpec, target: Target, batch: int, seq_len: int) -> d
 
 
 def _prefill(spec: ModelSpec, target: Target, B: int, T: int, cal: Calibration, measured) -> Decision:
-    shape = shape_of(spec)
-    chunk_default = ChunkVariant.default(shape, target.smem_per_sm)
-    chunk_fused = chunk_default.fused(shape)
-    rec = RecurrentVariant.default(shape, target.smem_per_sm)
+    shape, smem = shape_of(spec), target.smem_per_sm
+    chunk_default = default_config("chunk", shape, smem)
+    chunk_fused = low_memory(shape, smem)
+    rec = default_config("recurrent", shape, smem)
     options = [
         ("chunk", chunk_default, chunk_cost(spec, target, B, T, chunk_default, cal)),
         ("chunk", chunk_fused, chunk_cost(spec, target, B, T, chunk_fused, cal)),
         ("recurrent", rec, recurrent_cost(spec, target, B, T, rec, cal)),
     ]
-    if chunk_default.output_pass:
-        # the three-kernel default's workspace is ~11x the two-kernel one's (o3 16x16 B8 T4096:
-        # 352 against 32 MiB, 2026-11-30g), so where only the smaller fits the choice is not
-        # between it and the fused form alone
-        two = ChunkVariant.two_kernel(shape, target.smem_per_sm)
-        if two is not None:
-            options.insert(1, ("chunk", two, chunk_cost(spec, target, B, T, two, cal)))
+    # where the default is the split form: its workspace is ~9x the two-kernel one's (o3 16x16 B8
+    # T4096: 289 against 32 MiB), so where only the smaller fits the choice is not between it and
+    # the fused form alone (None where the default is a two-kernel config already)
+    two = two_kernel(shape, smem)
+    if two is not None:
+        options.insert(1, ("chunk", two, chunk_cost(spec, target, B, T, two, cal)))
     hit = measured.get(("chunk", B, T))
     if hit:
-        v = ChunkVariant.from_dict(hit[0])
-        options.append(("chunk", v, with_measured(chunk_cost(spec, target, B, T, v, cal), hit[1])))
-    # The workspace must fit beside the state: drop variants that would not.
+        options.append(("chunk", hit[0], with_measured(chunk_cost(spec, target, B, T, hit[0], cal), hit[1])))
+    # The workspace must fit beside the state: drop configs that would not.
     free = target.memory_bytes - sum(_memory(spec, B, T, 0).values())
-    fits = [o for o in options if o[0] != "chunk" or chunk_workspace_bytes(spec, B, T, o[1]) <= free]
+    work = workload(spec, B, T)
+    fits = [o for o in options if o[1].workspace_bytes(work) <= free]
     mode, variant, cost = min(fits, key=lambda o: o[2].seconds)
     reason = f"fastest of {len(fits)} ({cost.source}, {cost.bound}-bound)"
     if len(fits) < len(options):
@@ -198,10 +207,10 @@ def _prefill(spec: ModelSpec, target: Target, B: int, T: int, cal: Calibration, 
 
 def _decode(spec: ModelSpec, target: Target, B: int, cal: Calibration, measured) -> Decision:
     shape = shape_of(spec)
-    rec = RecurrentVariant.default(shape, target.smem_per_sm)
+    rec = default_config("recurrent", shape, target.smem_per_sm)
     hit = measured.get(("recurrent", B, 1))
     if hit:
-        rec = RecurrentVariant.from_dict(hit[0])
+        rec = hit[0]
 
     def step_cost(dtype: str):
         """The step with the cache in ``dtype``. Tuning measures an fp32 cache; other dtypes
@@ -214,7 +223,7 @@ def _decode(spec: ModelSpec, target: Target, B: int, cal: Calibration, measured)
 
     fixed = spec.state_dtype if spec.state_dtype != "auto" else "float32"
     cost = step_cost(fixed)
-    chunk = ChunkVariant.default(shape, target.smem_per_sm)
+    chunk = default_config("chunk", shape, target.smem_per_sm)
     alt = chunk_cost(spec, target, B, 1, chunk, cal)
     alts = [{"mode": "recurrent", "variant": rec.to_dict(), "cost": cost.to_dict(), "state_dtype": fixed},
             {"mode": "chunk", "variant": chunk.to_dict(), "cost": alt.to_dict(), "state_dtype": "float32"}]
@@ -239,8 +248,8 @@ def _decode(spec: ModelSpec, target: Target, B: int, cal: Calibration, measured)
 
 def _train(spec: ModelSpec, target: Target, B: int, T: int, cal: Calibration) -> Decision:
     shape = shape_of(spec)
-    chunk = ChunkVariant.default(shape, target.smem_per_sm)
-    rec = RecurrentVariant.default(shape, target.smem_per_sm)
+    chunk = default_config("chunk", shape, target.smem_per_sm)
+    rec = default_config("recurrent", shape, target.smem_per_sm)
     c = chunk_cost(spec, target, B, T, chunk, cal)
     r = recurrent_cost(spec, target, B, T, rec, cal)
     scale = lambda x: dataclasses.replace(x, seconds=x.seconds * TRAIN_BACKWARD_FACTOR)
@@ -257,8 +266,8 @@ def crossover(spec: ModelSpec, target: Target, batch: int, cal: Calibration = Ca
     """The shortest prompt length from which chunk-parallel prefill is no slower than the scan
     (None if the scan wins up to 2^20 tokens)."""
     shape = shape_of(spec)
-    chunk = ChunkVariant.default(shape, target.smem_per_sm)
-    rec = RecurrentVariant.default(shape, target.smem_per_sm)
+    chunk = default_config("chunk", shape, target.smem_per_sm)
+    rec = default_config("recurrent", shape, target.smem_per_sm)
     wins = lambda T: chunk_cost(spec, target, batch, T, chunk, cal).seconds <= recurrent_cost(spec, target, batch, T, rec, cal).seconds
     lo, hi = 1, 2
     if wins(1):
@@ -278,12 +287,12 @@ def _fit_calibration(spec: ModelSpec, target: Target, measured) -> Calibration:
     recurrent entries (T = 1) decode steps."""
     pred: dict[str, list] = {"chunk": [], "decode": []}
     meas: dict[str, list[float]] = {"chunk": [], "decode": []}
-    for (kernel, B, T), (vdict, secs) in measured.items():
+    for (kernel, B, T), (config, secs) in measured.items():
         if kernel == "chunk":
-            pred["chunk"].append(chunk_cost(spec, target, B, T, ChunkVariant.from_dict(vdict)))
+            pred["chunk"].append(chunk_cost(spec, target, B, T, config))
             meas["chunk"].append(secs)
         else:
-            pred["decode"].append(recurrent_cost(spec, target, B, T, RecurrentVariant.from_dict(vdict), step=True))
+            pred["decode"].append(recurrent_cost(spec, target, B, T, config, step=True))
             meas["decode"].append(secs)
     return calibrate(pred, meas)
 

@@ -24,7 +24,7 @@ def _common(p) -> None:
 
 
 def add_parsers(sub) -> None:
-    p = sub.add_parser("plan", help="choose recurrent or chunk execution, chunk size and variants per phase")
+    p = sub.add_parser("plan", help="choose recurrent or chunk execution, chunk size and kernel config per phase")
     _common(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run_plan)
@@ -63,6 +63,12 @@ def _target_name(args) -> str:
     return "auto" if _on_gpu() else DEFAULT_TARGET
 
 
+def _config_text(v: dict) -> str:
+    """A config dict in a table cell: its form and tiles (block_k only where the form has one)."""
+    bk = f" BK{v['block_k']}" if "block_k" in v else ""
+    return f"{v.get('form')}{bk} BV{v.get('block_v')} w{v.get('num_warps')}"
+
+
 def _print(plan, spec, target) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -73,10 +79,9 @@ def _print(plan, spec, target) -> None:
     for c in ("phase", "B", "T", "mode", "C", "variant", "state", "ms/layer", "bound", "source", "alternatives (ms)"):
         t.add_column(c)
     for d in plan.decisions:
-        v = d.variant
-        vt = f"BK{v.get('block_k')} BV{v.get('block_v')} w{v.get('num_warps')}" + (" fused" if v.get("fuse_prepare") else "")
+        vt = _config_text(d.variant)
         short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-        alts = ", ".join(f"{a['mode']}{' fused' if a['variant'].get('fuse_prepare') else ''}"
+        alts = ", ".join(f"{a['mode']}{' ' + a['variant']['form'] if a['mode'] == 'chunk' else ''}"
                          f"{' ' + short[a['state_dtype']] if 'state_dtype' in a else ''} {ms(a['cost']['seconds'])}"
                          for a in d.alternatives)
         t.add_row(d.phase, str(d.batch), str(d.seq_len), d.mode, str(d.chunk_size or "-"), vt, short[d.state_dtype],
@@ -106,8 +111,7 @@ def _validate_kernels(spec) -> list[tuple[str, float, bool]]:
     import torch
 
     from .kernels.reference import running_tensor_recurrent_ref
-    from .kernels.triton_fwd import running_tensor_decode_, running_tensor_fwd
-    from .kernels.variants import ChunkVariant
+    from .kernels.launch import running_tensor_decode_, running_tensor_fwd
 
     dev = "cuda" if _on_gpu() else "cpu"
     widths = tuple(min(w, 4) for w in spec.key_widths)
@@ -122,7 +126,7 @@ def _validate_kernels(spec) -> list[tuple[str, float, bool]]:
     o_ref, s_ref = running_tensor_recurrent_ref(q, k, v, g, beta, output_final_state=True, l2norm=l2)
     err = lambda a, b: float((a.double().cpu() - b).norm() / b.norm())
     out = []
-    for name, kw in (("chunk", dict(mode="chunk", variant=ChunkVariant(16, 16, 16))), ("recurrent", dict(mode="recurrent"))):
+    for name, kw in (("chunk", dict(mode="chunk")), ("recurrent", dict(mode="recurrent"))):  # their defaults
         o, s = running_tensor_fwd([f32(x) for x in q], [f32(x) for x in k], f32(v), f32(g), f32(beta),
                                   output_final_state=True, l2norm=l2, **kw)
         e = max(err(o, o_ref), err(s, s_ref))

@@ -22,10 +22,11 @@ def add_parser(sub) -> None:
     budget.add_argument("--trials", type=positive_int, metavar="N", help="trials per kernel and bucket (default 20)")
     budget.add_argument("--seconds", type=positive_float, metavar="S", help="seconds per kernel and bucket")
     budget.add_argument("--exhaustive", action="store_true",
-                        help="one trial per valid variant of the space (a separate study: the reference a "
+                        help="one trial per valid config of the space, every form (a separate study: the reference a "
                              "TPE study is judged against)")
     p.add_argument("--fix", type=fixed_param, action="append", default=[], metavar="NAME=VALUE",
-                   help="hold a variant parameter at one value (repeatable): tune a sub-space")
+                   help="hold the kernel form (form=NAME) or one of a form's fields (FORM.FIELD=VALUE, e.g. "
+                        "resident.chunk_size=32) at one value (repeatable): tune a sub-space")
     p.add_argument("--workers", type=positive_int, metavar="N",
                    help="worker processes (default: one per visible GPU, 1 on the CPU); more workers than "
                         "GPUs overlap their compiles, while timings stay one at a time per GPU")

@@ -253,7 +253,7 @@ def test_same_size_copy_is_the_decode_denominator():
 
 # ----- the measuring path on CPU with fake kernels and a fake fla ---------------------------------
 class FakeKernels:
-    """Stand-ins for rtcompile.kernels.triton_fwd with the agreed signatures (they call the references)."""
+    """Stand-ins for rtcompile.kernels.launch with the agreed signatures (they call the references)."""
 
     def __init__(self):
         self.variants = []
@@ -306,10 +306,10 @@ def _fake_fla_module():
 @pytest.fixture
 def fakes(monkeypatch):
     kernels = FakeKernels()
-    mod = types.ModuleType("rtcompile.kernels.triton_fwd")
+    mod = types.ModuleType("rtcompile.kernels.launch")
     mod.running_tensor_fwd = kernels.running_tensor_fwd
     mod.running_tensor_decode_ = kernels.running_tensor_decode_
-    monkeypatch.setitem(sys.modules, "rtcompile.kernels.triton_fwd", mod)
+    monkeypatch.setitem(sys.modules, "rtcompile.kernels.launch", mod)
     fla = _fake_fla_module()
     monkeypatch.setattr(measure, "_fla_ops", lambda: fla)
     for module in (measure, report):  # each holds its own name for it
@@ -373,7 +373,7 @@ def test_cpu_run_records_a_broken_kernel(fakes, monkeypatch, tmp_path):
     def broken(*args, **kwargs):
         raise ValueError("v: expected shape [B, T, H, d_v]")
 
-    monkeypatch.setattr(sys.modules["rtcompile.kernels.triton_fwd"], "running_tensor_fwd", broken)
+    monkeypatch.setattr(sys.modules["rtcompile.kernels.launch"], "running_tensor_fwd", broken)
     rows = bench.run_bench(BenchOptions(repeats=3), device="cpu", measure_ceilings=False,
                            cases=[_tiny("p", "prefill", (2, 2), 1, 16, dtype="bfloat16")], file=io.StringIO(), log=io.StringIO())
     assert [r.impl for r in rows] == [IMPL_RT, IMPL_REF, IMPL_FLA]
@@ -440,14 +440,42 @@ def test_only_without_a_match_is_a_usage_error(capsys):
     assert len(err) == 1 and "--only '64x64': no case of phase decode matches" in err[0]
 
 
-@pytest.mark.parametrize("dtype, precision", [("bfloat16", "tf32"), ("float32", "ieee")], ids=["bf16", "fp32"])
-def test_named_variants_follow_the_input_width(monkeypatch, dtype, precision):
-    # the default's product precision depends on the input width; a named variant built for bf16
-    # and run on fp32 inputs measured tf32's error (2.5e-3) as if it were the variant's
-    from rtcompile.bench.core import DEFAULT_VARIANTS
+H200_SMEM = types.SimpleNamespace(shared_memory_per_block_optin=227 * 1024)
 
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(
-        shared_memory_per_block_optin=227 * 1024))  # an H200's: the default's C = 64 candidates pass
-    case = Case("o3_32x32", "prefill", (32, 32), 2, 256, dtype=dtype)
-    for name in ("plain", "diagonal"):
-        assert DEFAULT_VARIANTS[name](case)["variant"].dot_precision == precision
+
+def test_named_variants_are_the_forms_two_kernel_and_low_memory_configs(monkeypatch):
+    from rtcompile.bench.core import DEFAULT_VARIANTS, ERROR_VARIANTS
+    from rtcompile.kernels import forms
+    from rtcompile.kernels.config import KernelShape
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: H200_SMEM)
+    assert set(DEFAULT_VARIANTS) == set(ERROR_VARIANTS) == {"two-kernel", "fused"}
+    split_case = Case("o3_16x16", "prefill", (16, 16), 2, 256, dtype="bfloat16")  # the split default
+    shape = KernelShape((16, 16), 64, 2)
+    assert forms.default_config("chunk", shape, H200_SMEM.shared_memory_per_block_optin).form == "split"
+    two = DEFAULT_VARIANTS["two-kernel"](split_case)["variant"]
+    assert two == forms.two_kernel(shape, H200_SMEM.shared_memory_per_block_optin) and two.form != "split"
+    fused = DEFAULT_VARIANTS["fused"](split_case)["variant"]
+    assert fused == forms.low_memory(shape, H200_SMEM.shared_memory_per_block_optin) and fused.form == "fused"
+    # refused (a "refused: ..." row) where the default is not the split form
+    with pytest.raises(NotImplementedError, match="not the split form"):
+        DEFAULT_VARIANTS["two-kernel"](Case("o3_32x32", "prefill", (32, 32), 2, 256, dtype="bfloat16"))
+
+
+@pytest.mark.parametrize("dtype, itemsize", [("bfloat16", 2), ("float32", 4)], ids=["bf16", "fp32"])
+def test_named_variants_follow_the_input_width(monkeypatch, dtype, itemsize):
+    # the defaults depend on the input width (the product precision at K > 256); a named variant
+    # built for bf16 and run on fp32 inputs measured tf32's error (2.5e-3) as if it were the variant's
+    from rtcompile.bench.core import DECODE_VARIANTS, DEFAULT_VARIANTS
+    from rtcompile.kernels import forms
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: H200_SMEM)
+    seen = []
+    for name in ("low_memory", "two_kernel", "default_config"):
+        real = getattr(forms, name)
+        monkeypatch.setattr(forms, name, lambda *a, _real=real: seen.append(
+            next(x for x in a if hasattr(x, "input_bytes")).input_bytes) or _real(*a))
+    case = Case("o3_16x16", "prefill", (16, 16), 2, 256, dtype=dtype)
+    for call in (DEFAULT_VARIANTS["fused"], DEFAULT_VARIANTS["two-kernel"], DECODE_VARIANTS["outer-phi"]):
+        call(case)
+    assert seen and set(seen) == {itemsize}

@@ -16,10 +16,17 @@ from rtcompile.costmodel import (
     calibrate,
     chunk_cost,
     fit_kind,
+    config_cost,
     recurrent_cost,
     shape_of,
+    workload,
 )
-from rtcompile.kernels.variants import ChunkVariant, RecurrentVariant
+from rtcompile.figures import io_bytes_per_token
+from rtcompile.kernels.chunk_fused import FusedConfig
+from rtcompile.kernels.chunk_resident import ResidentConfig
+from rtcompile.kernels.chunk_split import SplitConfig
+from rtcompile.kernels.chunk_streamed import StreamedConfig
+from rtcompile.kernels.forms import default_config, low_memory
 from rtcompile.plan import Plan, make_plan
 from rtcompile.spec import load_spec
 from rtcompile.target import get_target
@@ -50,8 +57,8 @@ def test_host_overhead_sends_short_prompts_to_the_scan_and_long_ones_to_chunks()
 
 def test_every_call_carries_its_kinds_overhead():
     spec, shape = _small(), shape_of(_small())
-    chunk = ChunkVariant.default(shape, H200.smem_per_sm)
-    rec = RecurrentVariant.default(shape, H200.smem_per_sm)
+    chunk = default_config("chunk", shape, H200.smem_per_sm)
+    rec = default_config("recurrent", shape, H200.smem_per_sm)
     costs = {"chunk": chunk_cost(spec, H200, 8, 16, chunk), "recurrent": recurrent_cost(spec, H200, 8, 16, rec),
              "decode": recurrent_cost(spec, H200, 8, 1, rec, step=True)}
     expected = {"chunk": CHUNK_CALL_S, "recurrent": RECURRENT_CALL_S, "decode": DECODE_CALL_S}
@@ -63,7 +70,7 @@ def test_every_call_carries_its_kinds_overhead():
 
 def _chunk_costs():
     spec = _small()
-    v = ChunkVariant.default(shape_of(spec), H200.smem_per_sm)
+    v = default_config("chunk", shape_of(spec), H200.smem_per_sm)
     return [chunk_cost(spec, H200, B, T, v) for B in (1, 8) for T in (16, 256, 1024, 4096, 16384)]
 
 
@@ -81,7 +88,7 @@ def test_affine_calibration_recovers_a_known_scale_and_overhead():
     assert (cal.recurrent, cal.recurrent_call_s, cal.decode, cal.decode_call_s) == (1.0, RECURRENT_CALL_S, 1.0,
                                                                                     DECODE_CALL_S)
     # the calibrated model reproduces the clean (noise-free) points
-    v = ChunkVariant.default(shape_of(_small()), H200.smem_per_sm)
+    v = default_config("chunk", shape_of(_small()), H200.smem_per_sm)
     again = chunk_cost(_small(), H200, 8, 4096, v, cal).seconds
     assert again == pytest.approx(scale * costs[8].kernel_s + call, rel=0.05)
 
@@ -129,9 +136,75 @@ def test_plan_json_keeps_the_calibration_and_reads_files_from_before_it(tmp_path
     assert loaded.decision_for("prefill", 1, 4096).mode == plan.decision_for("prefill", 1, 4096).mode
 
 
+# Predictions of the pre-redesign model (the 0.1 variants at 3bdcca7) for the same configs on
+# the H200 profile, B8 T4096 prefill and B32 decode, seconds per layer: the config figures
+# reproduce them, except the split form, which now pays its third launch (4 us).
+PINNED = {
+    ((64,), "resident"): 0.0013984, ((64,), "fused"): 0.00215216, ((64,), "recurrent"): 7.44e-05,
+    ((16, 16), "split"): 0.0005056 + 4e-6, ((16, 16), "fused"): 0.0021048, ((16, 16), "recurrent"): 8.0764e-05,
+    ((32, 32), "streamed"): 0.0017344, ((32, 32), "fused"): 0.00194352, ((32, 32), "recurrent"): 1.0698693e-04,
+    ((64, 64), "streamed"): 0.0054208, ((64, 64), "fused"): 0.00562992, ((64, 64), "recurrent"): 2.8176667e-04,
+}
+
+
+@pytest.mark.parametrize("widths", sorted({w for w, _ in PINNED}))
+def test_config_costs_match_the_pre_redesign_model(widths):
+    spec = dataclasses.replace(_small(), key_widths=widths, order=len(widths) + 1)
+    shape = shape_of(spec)
+    for cfg in (default_config("chunk", shape, H200.smem_per_sm), low_memory(shape, H200.smem_per_sm),
+                default_config("recurrent", shape, H200.smem_per_sm)):
+        B, T = (8, 4096) if cfg.kernel == "chunk" else (32, 1)
+        if cfg.kernel == "chunk":
+            got = chunk_cost(spec, H200, B, T, cfg).seconds
+        else:
+            got = recurrent_cost(spec, H200, B, T, cfg, step=True).seconds
+        assert got == pytest.approx(PINNED[(widths, cfg.form)], rel=1e-6), cfg
+        assert config_cost(spec, H200, B, T, cfg, **({} if cfg.kernel == "chunk" else {"step": True})).seconds == got
+
+
+@dataclasses.dataclass(frozen=True)
+class _Figured:
+    """A config stand-in with given figures (the cost model asks a config for nothing else)."""
+
+    config: object
+    fig: object
+    kernel = "chunk"
+
+    @property
+    def chunk_size(self):
+        return self.config.chunk_size
+
+    def figures(self, w):
+        return self.fig
+
+
+def test_cost_is_the_configs_figures_in_seconds():
+    """Launches, workspace and the fused solve's serial rows all come from config.figures."""
+    spec = _small()
+    shape, work = shape_of(spec), workload(spec, 8, 4096)
+    split = default_config("chunk", shape, H200.smem_per_sm)
+    fig = split.figures(work)
+    assert isinstance(split, SplitConfig) and fig.launches == 3
+    c = chunk_cost(spec, H200, 8, 4096, split, NO_HOST)
+    io = c.bytes - fig.state_passes * spec.state_bytes_per_layer * 8 - 2 * fig.workspace_bytes
+    assert io == pytest.approx(io_bytes_per_token(spec) * 8 * 4096)
+    # figures with one more launch cost one more launch, nothing else
+    more = chunk_cost(spec, H200, 8, 4096, _Figured(split, dataclasses.replace(fig, launches=4)), NO_HOST)
+    assert more.seconds - c.seconds == pytest.approx(H200.launch_s) and more.bytes == c.bytes
+    # twice the workspace: twice its bytes moved (written once, read once)
+    heavier = chunk_cost(spec, H200, 8, 4096, _Figured(split, dataclasses.replace(
+        fig, workspace_bytes=2 * fig.workspace_bytes)), NO_HOST)
+    assert heavier.bytes - c.bytes == 2 * fig.workspace_bytes
+    # the fused form's serial solve rows exist only with the delta rule (no solve without it)
+    fused = low_memory(shape, H200.smem_per_sm)
+    assert fused.figures(work).solve_rows > 0
+    plain = spec.replace(features=dataclasses.replace(spec.features, delta_rule=False))
+    assert fused.figures(workload(plain, 8, 4096)).solve_rows == 0
+
+
 def test_merged_passes_move_two_thirds_of_the_streamed_state_traffic():
     spec = dataclasses.replace(_small(), key_widths=(64, 64))
-    two_pass = ChunkVariant(chunk_size=64, block_k=256, block_v=32, num_warps=8)
+    two_pass = StreamedConfig(chunk_size=64, block_k=256, block_v=32, num_warps=8)
     merged = dataclasses.replace(two_pass, merge_passes=True)
     a = chunk_cost(spec, H200, 8, 4096, two_pass, NO_HOST)
     b = chunk_cost(spec, H200, 8, 4096, merged, NO_HOST)
@@ -139,43 +212,37 @@ def test_merged_passes_move_two_thirds_of_the_streamed_state_traffic():
     assert a.bytes - b.bytes == pytest.approx(state)
 
 
-def test_fused_workspace_is_the_tile_scratch_and_does_not_grow_with_t():
-    from rtcompile.costmodel import chunk_workspace_bytes
+def _ws(spec, B, T, cfg):
+    return cfg.workspace_bytes(workload(spec, B, T))
 
+
+def test_fused_workspace_is_the_tile_scratch_and_does_not_grow_with_t():
     spec = _small()  # o3 16x16, d_v 64, delta rule on
-    v = ChunkVariant(chunk_size=64, block_k=256, block_v=32, fuse_prepare=True, solve="tiles")
+    v = FusedConfig(chunk_size=64, block_k=256, block_v=32, solve="tiles")
     programs = 8 * spec.heads * 2  # B8, two 32-column value tiles
     assert spec.features.delta_rule
-    assert chunk_workspace_bytes(spec, 8, 4096, v) == chunk_workspace_bytes(spec, 8, 64, v) == programs * 64 * 64 * 4
-    assert chunk_workspace_bytes(spec, 8, 4096, dataclasses.replace(v, solve="blocks")) == 0
-    two_kernel = dataclasses.replace(v, fuse_prepare=False)  # [B, H, T, C] P and Ai: grows with T
-    assert chunk_workspace_bytes(spec, 8, 4096, two_kernel) == 64 * chunk_workspace_bytes(spec, 8, 64, two_kernel)
+    assert _ws(spec, 8, 4096, v) == _ws(spec, 8, 64, v) == programs * 64 * 64 * 4
+    assert _ws(spec, 8, 4096, dataclasses.replace(v, solve="rows")) == 0
+    two_kernel = ResidentConfig(chunk_size=64, block_v=32)  # [B, H, T, C] P and Ai: grows with T
+    assert _ws(spec, 8, 4096, two_kernel) == 64 * _ws(spec, 8, 64, two_kernel)
 
 
 def test_wy_with_the_tile_solve_also_keeps_its_inverse():
-    from rtcompile.costmodel import chunk_workspace_bytes
-
     spec = _small()
-    wy = ChunkVariant(chunk_size=32, block_k=256, block_v=32, prefetch=True, wy=True)
+    wy = ResidentConfig(chunk_size=32, block_v=32, prefetch_inputs=True, wy=True, solve="rows")
     rows = 8 * spec.heads * 4096
-    extra = chunk_workspace_bytes(spec, 8, 4096, dataclasses.replace(wy, solve="tiles")) - chunk_workspace_bytes(
-        spec, 8, 4096, wy)
+    extra = _ws(spec, 8, 4096, dataclasses.replace(wy, solve="tiles")) - _ws(spec, 8, 4096, wy)
     assert extra == rows * 32 * 4  # Ai [B, H, T, C] fp32 beside P, W and U0
 
 
-def test_output_pass_workspace_counts_states_u_inverse_and_stored_keys():
-    from rtcompile.costmodel import chunk_workspace_bytes
-
+def test_split_workspace_counts_states_u_inverse_and_stored_keys():
     spec = _small()  # o3 16x16 (K 256), d_v 64, delta rule on
-    v = ChunkVariant(chunk_size=64, block_k=256, block_v=32, num_stages=2, output_pass=True, solve="tiles")
+    v = SplitConfig(chunk_size=64, block_v=32, num_stages=2, solve="tiles")
     dot = 2 if spec.input_dtype in ("bfloat16", "float16") else 4
     rows, chunks = 8 * spec.heads * 4096, 8 * spec.heads * 64
     states_u = chunks * 256 * 64 * dot + rows * 64 * dot
     gc = rows * 4 if spec.features.forget_gate else 0  # the gates' cumulative sums, from the prepare kernel
-    assert chunk_workspace_bytes(spec, 8, 4096, v) == states_u + rows * 64 * 4 + gc
-    stored = dataclasses.replace(v, stored_keys=True)
-    assert chunk_workspace_bytes(spec, 8, 4096, stored) == states_u + rows * 64 * 4 + rows * 256 * dot + gc
-    # wy: W [T, K] in the dot type and U0 [T, V] fp32, beside the tile solve's inverse
-    wy = dataclasses.replace(stored, wy=True)
-    assert chunk_workspace_bytes(spec, 8, 4096, wy) == (chunk_workspace_bytes(spec, 8, 4096, stored)
-                                                         + rows * (256 * dot + 64 * 4))
+    assert _ws(spec, 8, 4096, v) == states_u + rows * 64 * 4 + rows * 256 * dot + gc
+    # the state of every 2nd chunk only: half the stored states
+    strided = dataclasses.replace(v, state_stride=2)
+    assert _ws(spec, 8, 4096, v) - _ws(spec, 8, 4096, strided) == chunks // 2 * 256 * 64 * dot

@@ -19,7 +19,10 @@ from rtcompile.costmodel import (
     shape_of,
 )
 from rtcompile.kernels import tuned
-from rtcompile.kernels.variants import ChunkVariant, RecurrentVariant
+from rtcompile.kernels.chunk_resident import ResidentConfig
+from rtcompile.kernels.chunk_split import SplitConfig
+from rtcompile.kernels.forms import FORMS, config_from_dict
+from rtcompile.kernels.recurrent import RecurrentConfig
 from rtcompile.plan import PLAN_FORMAT, Plan, PlanError, crossover, make_plan
 from rtcompile.spec import ModelSpec, load_spec
 from rtcompile.target import PROFILES, TargetError, get_target
@@ -42,9 +45,10 @@ def test_every_example_plans_on_every_target(path, target):
     for d in plan.decisions:
         assert d.cost["seconds"] > 0 and len(d.alternatives) >= 2 and d.reason
         assert d.mode in ("chunk", "recurrent")
+        assert config_from_dict(d.variant, d.mode).to_dict() == d.variant
         for a in d.alternatives:  # every alternative costed is one the kernels accept here
-            cls = ChunkVariant if a["mode"] == "chunk" else RecurrentVariant
-            assert cls.from_dict(a["variant"]).check(shape_of(spec), t.smem_per_sm) is None, a
+            assert a["variant"]["form"] in FORMS
+            assert config_from_dict(a["variant"], a["mode"]).check(shape_of(spec), t.smem_per_sm) is None, a
 
 
 def test_profiles_name_their_sources_and_unknown_targets_list_the_known():
@@ -71,11 +75,12 @@ def test_decisions_move_in_the_expected_directions():
     c_o4 = crossover(_spec((16, 16, 16)), h200, 8)
     assert c_small is not None and c_wide is not None and c_wide != c_small and c_o4 != c_small
     # cost grows with T and with B; decode cost with the state size
-    cv = ChunkVariant(32, 256, 16)
+    cv = ResidentConfig(chunk_size=32, block_v=16)
     assert chunk_cost(small, h200, 8, 8192, cv).seconds > chunk_cost(small, h200, 8, 1024, cv).seconds
-    r16 = RecurrentVariant(256, 32, 4)
+    r16 = RecurrentConfig(block_k=256, block_v=32, num_warps=4)
     assert recurrent_cost(small, h200, 256, 1, r16).seconds > recurrent_cost(small, h200, 32, 1, r16).seconds
-    assert recurrent_cost(wide, h200, 32, 1, RecurrentVariant(1024, 16, 8)).seconds > recurrent_cost(small, h200, 32, 1, r16).seconds
+    wide_rec = RecurrentConfig(block_k=1024, block_v=16, num_warps=8)
+    assert recurrent_cost(wide, h200, 32, 1, wide_rec).seconds > recurrent_cost(small, h200, 32, 1, r16).seconds
 
 
 def test_slower_gpu_is_slower():
@@ -102,10 +107,41 @@ def test_plan_file_round_trip_and_newer_format_refused(tmp_path):
         Plan.load(path)
 
 
+def _old_format(plan_dict: dict) -> dict:
+    """``plan_dict`` as rtcompile 0.1 wrote it: format 1, variants without a "form" tag."""
+    old = json.loads(json.dumps(plan_dict))
+    old["format"] = 1
+    for d in old["decisions"]:
+        for v in [d["variant"]] + [a["variant"] for a in d["alternatives"]]:
+            v["kernel"] = "recurrent" if "outer_phi" in v else "chunk"
+            v.pop("form")
+    return old
+
+
+def test_plan_of_the_previous_format_is_refused_naming_it(tmp_path):
+    from rtcompile.export import BundleError, export_bundle, load_bundle
+    from rtcompile.model import RunningTensorLM
+
+    assert PLAN_FORMAT == 2
+    spec = ModelSpec(order=3, key_widths=(2, 4), value_width=5, heads=2, model_width=12, layers=1)
+    plan = make_plan(spec, get_target("h200"), batches=(1,), seq_lens=(64,), decode_batches=(1,))
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(_old_format(plan.to_dict())))
+    with pytest.raises(PlanError, match=r"format 1 is rtcompile 0\.1's .*'form'.*re-run `rtcompile plan`"):
+        Plan.load(path)
+    # a bundle holding one is refused through the same loader, naming the file
+    bundle = export_bundle(RunningTensorLM(spec, vocab_size=7), tmp_path / "b", plan=plan, onnx=False)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["plan"] = _old_format(manifest["plan"])
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match=r"bundle .*manifest: plan: format 1 is rtcompile 0\.1's"):
+        load_bundle(bundle)
+
+
 def test_measurements_calibrate_and_override(tmp_path, monkeypatch):
     spec = _spec()
     h200 = get_target("h200")
-    v = ChunkVariant(32, 256, 16)
+    v = ResidentConfig(chunk_size=32, block_v=16)
     predicted = chunk_cost(spec, h200, 8, 4096, v).seconds
     table = tmp_path / "tuned.json"
     entry = {**tuned.match_fields("chunk", spec.key_widths, 64, 8, spec.input_dtype, "NVIDIA H200"),
@@ -161,7 +197,7 @@ def test_cli_plan_and_build(tmp_path, capsys, monkeypatch):
 
 
 def test_plan_variant_that_cannot_run_here_falls_back(monkeypatch):
-    """An H200 plan may name a variant over this device's shared memory: the call still runs."""
+    """An H200 plan may name a config over this device's shared memory: the call still runs."""
     import os
 
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -169,8 +205,8 @@ def test_plan_variant_that_cannot_run_here_falls_back(monkeypatch):
     spec = ModelSpec(order=3, key_widths=(16, 16), value_width=16, heads=1, model_width=16)
     plan = make_plan(spec, get_target("h200"), batches=(1,), seq_lens=(64,), decode_batches=(1,))
     d = plan.decision_for("prefill", 1, 64)
-    big = ChunkVariant(64, 256, 16, num_warps=4, num_stages=3)  # over the portable 99 KiB estimate
-    assert big.check(shape_of(spec)) is not None
+    big = ResidentConfig(chunk_size=64, block_v=16, num_warps=8, num_stages=3)  # over the portable 99 KiB
+    assert "shared memory" in big.check(shape_of(spec)) and big.check(shape_of(spec), 1 << 30) is None
     d.mode, d.variant = "chunk", big.to_dict()
     q = [torch.randn(1, 64, 1, 16) for _ in range(2)]
     o, _ = rtcompile.running_tensor(q, q, torch.randn(1, 64, 1, 16), plan=plan, backend="triton")
@@ -178,25 +214,29 @@ def test_plan_variant_that_cannot_run_here_falls_back(monkeypatch):
 
 
 def test_tight_memory_picks_the_two_kernel_form_before_the_fused_one():
-    """At K = 256 the three-kernel default needs ~11x the two-kernel workspace: where only the
+    """At K = 256 the split default needs ~9x the two-kernel workspace: where only the
     two-kernel one fits beside the state, the planner takes it, not the 3x slower fused form."""
     import dataclasses
 
-    from rtcompile.costmodel import chunk_workspace_bytes
+    from rtcompile.costmodel import workload
+    from rtcompile.kernels.forms import low_memory, two_kernel
     from rtcompile.plan import _memory
 
     spec, h200 = _spec((16, 16)), get_target("h200")
     plan = make_plan(spec, h200, batches=(8,), seq_lens=(4096,), decode_batches=(1,))
     prefill = next(d for d in plan.decisions if d.phase == "prefill")
-    variants = [ChunkVariant.from_dict(a["variant"]) for a in prefill.alternatives if a["mode"] == "chunk"]
-    three, two = variants[0], variants[1]
-    assert three.output_pass and not two.output_pass and not two.fuse_prepare
-    assert ChunkVariant.from_dict(prefill.variant).output_pass  # all fit on a 141 GB H200
+    configs = [config_from_dict(a["variant"]) for a in prefill.alternatives if a["mode"] == "chunk"]
+    three, two, fused = configs[:3]
+    assert isinstance(three, SplitConfig) and two == two_kernel(shape_of(spec), h200.smem_per_sm)
+    assert fused == low_memory(shape_of(spec), h200.smem_per_sm) and fused.form == "fused"
+    assert prefill.variant["form"] == "split"  # all fit on a 141 GB H200
     fixed = sum(_memory(spec, 8, 4096, 0).values())
-    room = (chunk_workspace_bytes(spec, 8, 4096, two) + chunk_workspace_bytes(spec, 8, 4096, three)) // 2
+    work = workload(spec, 8, 4096)
+    assert three.workspace_bytes(work) > 8 * two.workspace_bytes(work)
+    room = (two.workspace_bytes(work) + three.workspace_bytes(work)) // 2
     tight = dataclasses.replace(h200, memory_bytes=fixed + room)
     plan = make_plan(spec, tight, batches=(8,), seq_lens=(4096,), decode_batches=(1,))
     prefill = next(d for d in plan.decisions if d.phase == "prefill")
-    chosen = ChunkVariant.from_dict(prefill.variant)
+    chosen = config_from_dict(prefill.variant)
     assert prefill.mode == "chunk" and chosen == two, prefill.reason
     assert "refused for workspace" in prefill.reason

@@ -17,13 +17,17 @@ import torch
 from rtcompile.cli import main
 from rtcompile.kernels import tuned
 from rtcompile.kernels.inputs import check_inputs
-from rtcompile.kernels.triton_fwd import _resolve_variant, kernel_shape
-from rtcompile.kernels.variants import ChunkVariant, KernelShape
-from rtcompile.tuning import Bucket, StoreError, TuneOptions, open_storage, tune_bucket
+from rtcompile.kernels.chunk_resident import ResidentConfig
+from rtcompile.kernels.config import KernelShape
+from rtcompile.kernels.forms import FORMS, KERNELS, default_config, low_memory
+from rtcompile.kernels.launch import resolve_config
+from rtcompile.tuning import Bucket, StoreError, TuneOptions, open_storage, search_space, tune_bucket
+from rtcompile.tuning.space import config_params, params_config
 from rtcompile.tuning.store import retried_numbers
 
 TESTS = Path(__file__).resolve().parent
 TINY = Bucket("chunk", (2, 4), 8, 1, 1, 32, "float32")
+TINY_SHAPE = KernelShape(TINY.key_widths, TINY.value_width, 4)
 
 
 @pytest.fixture(autouse=True)
@@ -48,21 +52,23 @@ def _trials(url, bucket=TINY):
 
 def test_planted_wrong_variant_is_never_selected(tmp_path):
     url = f"sqlite:///{tmp_path / 'planted.db'}"
-    # an exhaustive sweep of the sub-space where only fuse_prepare is free, so the planted
-    # variant is certain to run: a TPE study of six trials over the whole space (two workers, so
-    # the draws depend on their interleaving) missed it in one CI run of 2026-11-30
-    fixed = {k: v for k, v in ChunkVariant.default(KernelShape(TINY.key_widths, TINY.value_width)).to_dict().items()
-             if k not in ("kernel", "fuse_prepare")}
-    fixed.update(prepare_warps=4, solve_block=16, solve="rows")  # what a fused variant needs
+    # an exhaustive sweep of the sub-space of two configs, the default and its fused sibling (every
+    # field of both forms fixed), so the planted config is certain to run: a TPE study of six
+    # trials over the whole space (two workers, so the draws depend on their interleaving)
+    # missed it in one CI run of 2026-11-30
+    default, fused = default_config("chunk", TINY_SHAPE), low_memory(TINY_SHAPE)
+    fixed = {k: v for cfg in (default, fused) for k, v in config_params(cfg).items() if k != "form"}
     r = tune_bucket(TINY, TuneOptions(storage=url, trials=None, exhaustive=True, workers=2, repeats=2,
                                       impl="tuning_impls:planted_wrong", fixed=fixed))
-    rejected = [t for t in _trials(url) if t.user_attrs.get("status") == "rejected"]
-    assert rejected, "the planted variant was never tried: the test proves nothing"
-    assert all(t.params["fuse_prepare"] for t in rejected)
+    trials = _trials(url)
+    assert sorted(t.params["form"] for t in trials) == ["fused", "resident"]
+    rejected = [t for t in trials if t.user_attrs.get("status") == "rejected"]
+    assert rejected, "the planted config was never tried: the test proves nothing"
+    assert all(t.params["form"] == "fused" for t in rejected)
     assert all("against float64" in t.user_attrs["reason"] for t in rejected)
-    assert r.best_variant is not None and r.best_variant["fuse_prepare"] is False
+    assert r.best_variant == default.to_dict()
     (entry,) = tuned.entries()
-    assert entry["variant"]["fuse_prepare"] is False
+    assert entry["variant"] == default.to_dict()
 
 
 def test_two_workers_run_exactly_the_budget_then_reload_runs_none(tmp_path):
@@ -80,23 +86,28 @@ def test_two_workers_run_exactly_the_budget_then_reload_runs_none(tmp_path):
     # for one: a quarter at most); TPE picks the rest
     (start,) = [t for t in trials if "warm_start" in t.user_attrs]
     assert start.user_attrs["warm_start"] == 0
-    default = ChunkVariant.default(KernelShape(TINY.key_widths, TINY.value_width)).to_dict()
-    # (a gated parameter whose gate is off is not asked for: it keeps its default)
-    assert ChunkVariant(**start.params).to_dict() == default and start.state.name == "COMPLETE"
-    assert not set(ChunkVariant.GATED) & set(start.params) or start.params.get("output_pass")
+    default = default_config("chunk", TINY_SHAPE)
+    assert start.params == config_params(default) and start.state.name == "COMPLETE"
+    # every trial asked the form, then that form's fields only
+    for t in trials:
+        form = t.params["form"]
+        assert set(t.params) == {"form", *(f"{form}.{n}" for n in FORMS[form].space(TINY_SHAPE))}, t.params
     again = tune_bucket(TINY, TuneOptions(storage=url, trials=5, workers=2))
     assert again.already_tuned and again.trials_run == 0 and len(_trials(url)) == len(trials)
 
 
 def test_pruned_trials_are_replaced_until_the_budget_has_run(tmp_path):
-    # at widths (2, 4) every prefetch variant is refused (it needs widths >= 16): with prefetch
-    # left to the sampler about half the draws are pruned, and each must give its slot back
+    # C 128 is refused at widths (2, 4) (the tile solve needs C <= 64; the row solve's shared-memory
+    # estimate is ~109 KB at one stage, over the portable 99 KiB): with the resident form held there and the form and the fused chunk size left
+    # to the sampler, most draws are pruned (5 in 8), and each must give its slot back
     url = f"sqlite:///{tmp_path / 'pruned.db'}"
-    r = tune_bucket(TINY, TuneOptions(storage=url, trials=4, workers=2, repeats=2, fixed={"chunk_size": 16}))
+    r = tune_bucket(TINY, TuneOptions(storage=url, trials=4, workers=2, repeats=2,
+                                      fixed={"resident.chunk_size": 128}))
     trials = _trials(url)
     pruned = [t for t in trials if t.state.name == "PRUNED"]
     assert pruned, "no trial was pruned: the replacement was not exercised"
-    assert all("needs" in t.user_attrs["reason"] for t in pruned)
+    # each pruned trial's reason is its own config's refusal
+    assert all(t.user_attrs["reason"] == params_config(t.params).check(TINY_SHAPE) for t in pruned)
     assert len(trials) - len(pruned) == 4 and r.trials_run == 4
 
 
@@ -104,16 +115,17 @@ def test_an_all_refused_space_stops_at_the_prune_cap(tmp_path):
     from rtcompile.tuning.study import MAX_PRUNED_PER_TRIAL
 
     url = f"sqlite:///{tmp_path / 'refused.db'}"
-    r = tune_bucket(TINY, TuneOptions(storage=url, trials=2, workers=2, repeats=2, fixed={"prefetch": True}))
+    refused = {"form": "resident", "resident.chunk_size": 128, "resident.solve": "tiles"}
+    r = tune_bucket(TINY, TuneOptions(storage=url, trials=2, workers=2, repeats=2, fixed=refused))
     trials = _trials(url)
     assert r.trials_run == 0 and all(t.state.name == "PRUNED" for t in trials)
-    assert r.best_variant is not None and r.best_variant["prefetch"] is False  # the default, timed at the finish
+    assert r.best_variant == default_config("chunk", TINY_SHAPE).to_dict()  # the default, timed at the finish
     assert 2 * MAX_PRUNED_PER_TRIAL <= len(trials) <= 2 * MAX_PRUNED_PER_TRIAL + 2  # + the claims in flight
     # the launcher now takes the tuned variant for this bucket (and a nearby shape) by itself
     q = [torch.randn(1, 20, 1, w) for w in (2, 4)]
     k = [torch.randn(1, 20, 1, w) for w in (2, 4)]
     p = check_inputs(q, k, torch.randn(1, 20, 1, 8), None, None, None, None, None)
-    chosen = _resolve_variant(ChunkVariant, None, kernel_shape(p), torch.device("cpu"), p)
+    chosen = resolve_config("chunk", None, p, torch.device("cpu"))
     assert chosen.to_dict() == r.best_variant
 
 
@@ -126,7 +138,7 @@ def test_killed_study_resumes_and_keeps_finished_trials(tmp_path, monkeypatch):
                     'input_dtype = "float32"\n')
     # refused variants included: a pruned trial's instant claim-and-release may be where the
     # kill lands, and the resume must still find every orphan (see the next test)
-    fixes = ["--fix", "chunk_size=16"]
+    fixes = ["--fix", "resident.chunk_size=16"]
     argv = [str(spec), "--phase", "prefill", "--trials", "4", "--workers", "1", "--storage", url, *fixes,
             "--impl", "tuning_impls:slow"]
     proc = subprocess.Popen([sys.executable, "-m", "rtcompile.cli", "tune", *argv], start_new_session=True,
@@ -327,27 +339,44 @@ def test_timed_sections_of_parallel_workers_never_overlap(tmp_path, monkeypatch)
         assert pa == pb or b0 >= a1, "two trials timed on one device at the same time"
 
 
-def test_exhaustive_sweep_runs_each_valid_variant_once_in_its_own_study(tmp_path):
-    from rtcompile.tuning.study import exhaustive_variants
+def _valid_configs(space: dict) -> list:
+    """Every valid config of a form -> field -> choices space, by brute force."""
+    import itertools
+
+    out = []
+    for form, fields in space.items():
+        for values in itertools.product(*fields.values()):
+            cfg = FORMS[form](**dict(zip(fields, values)))
+            if cfg.check(TINY_SHAPE) is None:
+                out.append(cfg)
+    return out
+
+
+def test_exhaustive_sweep_runs_each_valid_config_of_every_form_once_in_its_own_study(tmp_path):
+    from rtcompile.tuning.space import exhaustive_variants
 
     url = f"sqlite:///{tmp_path / 'sweep.db'}"
-    fixed = {"chunk_size": 16, "num_stages": 1, "dot_precision": "ieee", "wy": False, "prepare_warps": 4,
-             "solve_block": 16, "solve": "rows"}
+    fixed = {"resident.chunk_size": 16, "resident.num_stages": 1, "resident.dot_precision": "ieee",
+             "resident.wy": False, "resident.prepare_warps": 4, "resident.solve": "rows",
+             "fused.chunk_size": 16, "fused.num_stages": 1, "fused.solve": "rows"}
     opts = TuneOptions(storage=url, workers=2, repeats=2, fixed=fixed, exhaustive=True)
     expected = exhaustive_variants(TINY, opts)
-    assert len(expected) == 6  # num_warps 2/4/8 x fuse_prepare
+    # the forms that can run K = 8 (streamed needs K > 16, split widths >= 16), num_warps 2/4/8 each
+    assert list(search_space(TINY, opts)) == ["resident", "fused"]
+    assert len(expected) == 6 and {c.form for c in expected} == {"resident", "fused"}
+    assert sorted(map(repr, expected)) == sorted(map(repr, _valid_configs(search_space(TINY, opts))))
     r = tune_bucket(TINY, opts)
     import optuna
 
     storage = open_storage(url)
     (name,) = [s.study_name for s in optuna.get_all_study_summaries(storage, False)]
-    assert name.endswith(":exhaustive") and "fixed chunk_size=16" in name
+    assert name.endswith(":exhaustive") and "fixed fused.chunk_size=16" in name
     trials = optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
-    seen = [ChunkVariant(**t.params) for t in trials]
+    seen = [params_config(t.params) for t in trials]
     assert r.trials_run == 6 and sorted(map(repr, seen)) == sorted(map(repr, expected))
     # the winner is re-measured against the default, which may lie outside the sub-space
-    default = ChunkVariant.default(KernelShape(TINY.key_widths, TINY.value_width))
-    assert ChunkVariant.from_dict(r.best_variant) in [*expected, default]
+    default = default_config("chunk", TINY_SHAPE)
+    assert FORMS[r.best_variant["form"]].from_dict(r.best_variant) in [*expected, default]
     again = tune_bucket(TINY, opts)
     assert again.already_tuned and again.trials_run == 0
 
@@ -356,16 +385,30 @@ def test_cli_fix_errors_name_the_parameter(tmp_path, capsys):
     spec = tmp_path / "tiny.toml"
     spec.write_text('order = 3\nkey_widths = [2, 4]\nvalue_width = 8\nheads = 1\nmodel_width = 16\n')
     url = f"sqlite:///{tmp_path / 'never.db'}"
-    assert main(["tune", str(spec), "--phase", "prefill", "--storage", url, "--fix", "blocksize=16"]) == 2
-    assert main(["tune", str(spec), "--phase", "prefill", "--storage", url, "--fix", "chunk_size=24"]) == 2
-    assert main(["tune", str(spec), "--phase", "prefill", "--storage", url, "--fix", "chunk_size"]) == 2
+    for fix in ("chunk_size=16", "resident.blocksize=16", "resident.chunk_size=24", "chunk_size", "form=split",
+                "form=recurrent", "split.chunk_size=16"):
+        assert main(["tune", str(spec), "--phase", "prefill", "--storage", url, "--fix", fix]) == 2, fix
     lines = capsys.readouterr().err.strip().splitlines()
     errors = [ln for ln in lines if ln.startswith("rtcompile")]
-    assert len(errors) == 3
-    assert "'blocksize'" in errors[0] and "chunk_size" in errors[0]
-    assert "chunk_size=24" in errors[1] and "16, 32, 64, 128" in errors[1]
-    assert "NAME=VALUE" in errors[2]
+    assert len(errors) == 7
+    assert "'chunk_size'" in errors[0] and "form=NAME or FORM.FIELD=VALUE" in errors[0] and "resident, fused" in errors[0]
+    assert "'resident.blocksize'" in errors[1] and "chunk_size, block_v, num_warps" in errors[1]
+    assert "resident.chunk_size=24" in errors[2] and "16, 32, 64, 128" in errors[2]
+    assert "NAME=VALUE" in errors[3]
+    assert "form='split' cannot run this shape" in errors[4] and "resident, fused" in errors[4]
+    assert "not a form of the chunk kernel" in errors[5]
+    assert "split.chunk_size" in errors[6] and "cannot run this shape" in errors[6]
     assert not (tmp_path / "never.db").exists(), "the store was created before the input was checked"
+
+
+def test_fixed_form_holds_the_search_to_that_form():
+    opts = TuneOptions(fixed={"form": "fused", "fused.solve": "rows"})
+    space = search_space(TINY, opts)
+    assert list(space) == ["fused"] and space["fused"]["solve"] == ["rows"]
+    with pytest.raises(ValueError, match="the form is fixed to 'fused'; allowed forms: fused"):
+        search_space(TINY, TuneOptions(fixed={"form": "fused", "resident.chunk_size": 16}))
+    with pytest.raises(ValueError, match="allowed forms for the recurrent kernel .*: recurrent"):
+        search_space(Bucket("recurrent", (2, 4), 8, 1, 2, 1, "float32"), TuneOptions(fixed={"form": "fused"}))
 
 
 def test_kernel_seconds_off_the_gpu_is_the_wall_clock_median():
@@ -376,15 +419,15 @@ def test_kernel_seconds_off_the_gpu_is_the_wall_clock_median():
     assert method == "wall" and len(calls) == 7 and 0 <= seconds < 0.01
 
 
-def _request(variant: ChunkVariant, impl: str) -> dict:
+def _request(variant, impl: str) -> dict:
     from dataclasses import asdict
 
     return {"bucket": asdict(TINY), "variant": variant.to_dict(), "device": "cpu", "seed": 3, "check_seed": 1,
             "repeats": 1, "impl": impl}
 
 
-C16 = ChunkVariant(chunk_size=16, block_k=16, block_v=16, num_stages=1)
-C32 = ChunkVariant(chunk_size=32, block_k=16, block_v=16, num_stages=1)
+C16 = ResidentConfig(chunk_size=16, block_v=16)
+C32 = ResidentConfig(chunk_size=32, block_v=16)
 
 
 @pytest.mark.parametrize("impl, reason", [("tuning_impls:hang_at_c32", "timeout after"),
@@ -416,16 +459,43 @@ def test_one_trial_process_serves_a_workers_trials():
     assert results[0]["error"] == results[2]["error"]  # the same check inputs, kept between trials
 
 
-@pytest.mark.parametrize("gate", [False, True], ids=["gate-off", "gate-on"])
-def test_gated_parameters_are_asked_only_beside_their_gate(gate):
-    """A TPE trial asks for stored_keys (gated by output_pass) only where output_pass is on;
-    otherwise the parameter keeps its default and is not part of the trial."""
+class _Recorder:
+    """A trial that answers each suggestion from ``answers`` (else the first choice) and records
+    what was asked."""
+
+    def __init__(self, answers):
+        self.answers, self.asked = answers, []
+
+    def suggest_categorical(self, name, choices):
+        self.asked.append(name)
+        return self.answers.get(name, choices[0])
+
+
+def test_the_sampler_asks_the_form_then_only_that_forms_fields():
+    """Form first, then the chosen form's fields (FORM.FIELD) and nothing of the other forms."""
+    from rtcompile.tuning.space import suggest
+
+    bucket = Bucket("chunk", (16, 16), 64, 1, 1, 64, "bfloat16")  # K 256: every chunk form can run
+    space = search_space(bucket, TuneOptions())
+    assert list(space) == [cls.form for cls in KERNELS["chunk"]]
+    for form in space:
+        trial = _Recorder({"form": form})
+        cfg = suggest(trial, space)
+        assert trial.asked == ["form", *(f"{form}.{n}" for n in space[form])]
+        assert isinstance(cfg, FORMS[form]) and config_params(cfg) == {
+            "form": form, **{f"{form}.{n}": c[0] for n, c in space[form].items()}}
+    # a real TPE study over the conditional space: each trial's parameters are its form's only
     import optuna
 
-    from rtcompile.tuning.study import _suggest
-
-    space = {"output_pass": [False, True], "stored_keys": [False, True], "chunk_size": [16, 32]}
-    trial = optuna.trial.FixedTrial({"output_pass": gate, "stored_keys": True, "chunk_size": 32})
-    params = _suggest(trial, ChunkVariant, space)
-    assert params == ({"output_pass": True, "stored_keys": True, "chunk_size": 32} if gate
-                      else {"output_pass": False, "chunk_size": 32})
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=0, n_startup_trials=8))
+    forms_seen = set()
+    for _ in range(24):
+        trial = study.ask()
+        cfg = suggest(trial, space)
+        form = trial.params["form"]
+        forms_seen.add(form)
+        assert set(trial.params) == {"form", *(f"{form}.{n}" for n in space[form])}
+        assert params_config(trial.params) == cfg
+        study.tell(trial, float(cfg.chunk_size))
+    assert len(forms_seen) >= 2

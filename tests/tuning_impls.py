@@ -9,10 +9,10 @@ from rtcompile.tuning.objective import run_kernel
 
 
 def planted_wrong(bucket, variant, inp):
-    """Variants with fuse_prepare compute a wrong result and look fastest: the correctness gate
+    """Configs of the fused form compute a wrong result and look fastest: the correctness gate
     must reject them, however fast."""
     o, s = run_kernel(bucket, variant, inp)
-    if variant is not None and getattr(variant, "fuse_prepare", False):
+    if variant is not None and variant.form == "fused":
         return o * 1.01, s
     time.sleep(0.05)
     return o, s

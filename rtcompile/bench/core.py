@@ -205,74 +205,71 @@ class BenchOptions:
     only: tuple[str, ...] = ()  # keep the cases whose name contains one of these (all when empty)
 
 
-def _default_with(kernel: str = "chunk", fused: bool = False, **changes: Any) -> Callable[["Case"], dict[str, Any]]:
-    """A function of the case: its default variant of ``kernel`` ("chunk" or "recurrent"), its
-    low-memory sibling when ``fused`` (``ChunkVariant.fused``), with ``changes``; where the
-    result cannot run the shape, a NotImplementedError (the row reads ``refused: <reason>``)."""
+def _case_shape(case: "Case") -> tuple[Any, int]:
+    """The case's KernelShape (its own input width: the defaults' product precision depends on
+    it; 2026-11-30f's error cases built the named variants for bf16 and ran them on fp32 inputs
+    too, fp32 error 2.5e-3 against 7.9e-7 for the default) and this GPU's shared memory."""
+    import torch
+
+    from ..kernels.config import KernelShape
+
+    shape = KernelShape(tuple(case.key_widths), case.V, getattr(torch, case.dtype).itemsize)
+    return shape, torch.cuda.get_device_properties(0).shared_memory_per_block_optin
+
+
+def _checked(config: Any, shape: Any, limit: int) -> dict[str, Any]:
+    """``{"variant": config}``, or NotImplementedError (the row reads ``refused: <reason>``)."""
+    reason = config.check(shape, limit)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    return {"variant": config}
+
+
+def _default_with(kernel: str = "chunk", **changes: Any) -> Callable[["Case"], dict[str, Any]]:
+    """A function of the case: its default config of ``kernel`` ("chunk" or "recurrent") with
+    ``changes``; refused where the result cannot run the shape."""
     def variant(case: "Case") -> dict[str, Any]:
         import dataclasses
 
-        import torch
+        from ..kernels import forms
 
-        from ..kernels.variants import ChunkVariant, KernelShape, RecurrentVariant
-
-        cls = {"chunk": ChunkVariant, "recurrent": RecurrentVariant}[kernel]
-        # the input width decides the default's product precision (tf32 only for 16-bit inputs at
-        # K > 256): 2026-11-30f's error cases built the named variants for bf16 and ran them on
-        # fp32 inputs too (fp32 error 2.5e-3 against 7.9e-7 for the default)
-        shape = KernelShape(tuple(case.key_widths), case.V, getattr(torch, case.dtype).itemsize)
-        limit = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
-        v = cls.default(shape, limit)
-        v = dataclasses.replace(v.fused(shape) if fused else v, **changes)
-        reason = v.check(shape, limit)
-        if reason is not None:
-            raise NotImplementedError(reason)
-        return {"variant": v}
+        shape, limit = _case_shape(case)
+        return _checked(dataclasses.replace(forms.default_config(kernel, shape, limit), **changes), shape, limit)
 
     return variant
 
 
 def _two_kernel(case: Case) -> dict[str, Any]:
-    """The first candidate of the case's default list that is not the three-kernel form
-    (``output_pass``): the default before 2026-11-30g where the default is now that form;
-    NotImplementedError (a ``refused`` row) where the default is a two-kernel variant already."""
-    import torch
+    """``forms.two_kernel``: the first candidate of the case's defaults that is not the split
+    form; refused where the default is not the split form."""
+    from ..kernels import forms
 
-    from ..kernels.variants import ChunkVariant, KernelShape
-
-    shape = KernelShape(tuple(case.key_widths), case.V, getattr(torch, case.dtype).itemsize)
-    two = ChunkVariant.two_kernel(shape, torch.cuda.get_device_properties(0).shared_memory_per_block_optin)
+    shape, limit = _case_shape(case)
+    two = forms.two_kernel(shape, limit)
     if two is None:
-        raise NotImplementedError("the default is a two-kernel variant already")
-    return {"variant": two}
+        raise NotImplementedError("the default is not the split form (it is a two-kernel config already)")
+    return _checked(two, shape, limit)
 
 
-# the named variants whose error the error cases report
-ERROR_VARIANTS = ("plain", "fused", "prefetch", "wy", "blocks-ieee", "diagonal", "two-kernel")
+def _fused(case: Case) -> dict[str, Any]:
+    """``forms.low_memory``: the default's fused sibling (no workspace that grows with T)."""
+    from ..kernels import forms
+
+    shape, limit = _case_shape(case)
+    return _checked(forms.low_memory(shape, limit), shape, limit)
+
+
+# the named variants whose error the error cases report (all of them)
+ERROR_VARIANTS = ("fused", "two-kernel")
 
 # Named extra implementations timed beside the default: name -> kwargs, or a function of the
-# case returning kwargs (for variants that depend on the shape). Where the state fits registers
-# the default issues the next chunk's loads ahead and applies the solve in the prepare kernel
-# (prefetch + wy); "plain" is the default without either (the default before 2026-11-30),
-# "prefetch" and "wy" each one alone. "fused": no [T, C] workspace, so its extra memory does not
-# grow with T (the planner's low-memory choice, ChunkVariant.fused); "fused-blocks" the same with
-# the blocked solve.
-_PLAIN = {"prefetch": False, "wy": False}
+# case returning kwargs (for configs that depend on the shape). "two-kernel": where the default
+# is the split form (K = 256 at order >= 3), the best two-kernel config, whose workspace is ~9x
+# smaller (the planner's choice where only that fits). "fused": no prepare kernel and no [T, C]
+# workspace, so its extra memory does not grow with T (the planner's low-memory choice).
 DEFAULT_VARIANTS: dict[str, Any] = {
-    "plain": _default_with(**_PLAIN),
-    "prefetch": _default_with(prefetch=True, wy=False),
-    "wy": _default_with(prefetch=False, wy=True, solve="rows"),  # as measured: wy with the tile solve is untimed
-    "fused": _default_with(fused=True, **_PLAIN),
-    "fused-blocks": _default_with(fused=True, solve="blocks", **_PLAIN),
-    "prefetch-fused-blocks": _default_with(fused=True, prefetch=True, solve="blocks"),
-    # the prepare kernel's solve as the default had it before 2026-11-30e (diagonal blocks on
-    # [16, C] row strips, fp32 products at ieee, the prepare kernel at the sequential one's 8
-    # warps) and before 2026-11-30f (those blocks inverted on their own tiles, with the default's
-    # product precision): the default since solves in [16, 16] tiles in the workspace
-    "blocks-ieee": _default_with(solve="blocks", dot_precision="ieee", prepare_warps=8),
-    "diagonal": _default_with(solve="diagonal", prepare_warps=8),
-    # the default before the three-kernel form took K = 256 (2026-11-30g)
     "two-kernel": _two_kernel,
+    "fused": _fused,
 }
 # Decode beside its default (phi gathered per element): the slab held factored, phi broadcast
 # from the factors (outer_phi; power-of-two widths).

@@ -255,13 +255,13 @@ def _seed(case: Case, i: int) -> int:
 
 # ----- kernel entry points (imported when first called) ----------------------------------------
 def _rt_fwd() -> Callable:
-    from ..kernels.triton_fwd import running_tensor_fwd
+    from ..kernels.launch import running_tensor_fwd
 
     return running_tensor_fwd
 
 
 def _rt_decode() -> Callable:
-    from ..kernels.triton_fwd import running_tensor_decode_
+    from ..kernels.launch import running_tensor_decode_
 
     return running_tensor_decode_
 

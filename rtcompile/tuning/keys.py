@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-from ..kernels.variants import next_pow2
+from ..kernels.config import next_pow2
 
 KERNELS = ("chunk", "recurrent")
 DTYPES = ("float32", "float16", "bfloat16")

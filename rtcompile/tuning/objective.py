@@ -66,7 +66,7 @@ def make_inputs(bucket: Bucket, device: str, seed: int) -> Inputs:
 def run_kernel(bucket: Bucket, variant, inp: Inputs):
     """The kernel under test: returns (output, state) for comparison; decode updates
     ``inp.cache`` in place."""
-    from ..kernels.triton_fwd import running_tensor_decode_, running_tensor_fwd
+    from ..kernels.launch import running_tensor_decode_, running_tensor_fwd
 
     if bucket.kernel == "chunk":
         return running_tensor_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, output_final_state=True, l2norm=True,
@@ -155,12 +155,12 @@ def _check_problem(bucket: Bucket, device: str, check_seed: int):
 
 
 def evaluate(request: dict[str, Any]) -> dict[str, Any]:
-    """Check then time one variant; the result's ``status`` is ok, rejected or failed."""
-    from ..kernels.variants import ChunkVariant, RecurrentVariant
+    """Check then time one config (``request["variant"]``: its ``to_dict()``, or None for the
+    launcher's own choice); the result's ``status`` is ok, rejected or failed."""
+    from ..kernels.forms import config_from_dict
 
     bucket = Bucket(**{**request["bucket"], "key_widths": tuple(request["bucket"]["key_widths"])})
-    cls = ChunkVariant if bucket.kernel == "chunk" else RecurrentVariant
-    variant = cls.from_dict(request["variant"]) if request.get("variant") is not None else None
+    variant = config_from_dict(request["variant"], bucket.kernel) if request.get("variant") is not None else None
     device = request.get("device", "cpu")
     impl = _load_impl(request.get("impl"))
     try:

@@ -1,4 +1,4 @@
-"""Optuna studies over a kernel's variant space, run by worker processes.
+"""Optuna studies over a kernel's configs (the search space: ``space.py``), run by worker processes.
 
 Budget and distribution: in trials mode the coordinator enqueues exactly the budget as WAITING
 trials (no fixed parameters: the sampler still chooses them), and workers claim WAITING trials
@@ -36,11 +36,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from ..kernels import tuned
-from ..kernels.variants import (
-    DEFAULT_SMEM_BYTES, ChunkVariant, KernelShape, RecurrentVariant, gated_params, iter_space,
-)
+from ..kernels.forms import default_config
 from .claims import Heartbeat, mark_stale, next_trial, stale_numbers, trial_id
 from .keys import Bucket, Machine, key_attrs, study_name
+from .space import (
+    bucket_shape, config_params, exhaustive_variants, params_config, search_space, smem_limit, suggest, warm_starts,
+)
 from .store import heartbeat_interval, open_storage, retried_numbers, write_tuned
 
 DEFAULT_SEED = 20261129  # recorded in every study; TPE's choices are reproducible from it
@@ -64,8 +65,8 @@ class TuneOptions:
     top_k: int = 3
     impl: str | None = None  # "module:function" replacing the kernel call (tests plant wrong variants)
     table: str | None = None  # tuned-config table path (default: the kernels' own)
-    fixed: dict[str, Any] = field(default_factory=dict)  # parameters held at one value (a sub-space)
-    exhaustive: bool = False  # one trial per valid variant of the (sub-)space instead of TPE's picks
+    fixed: dict[str, Any] = field(default_factory=dict)  # form / FORM.FIELD held at one value (a sub-space)
+    exhaustive: bool = False  # one trial per valid config of the (sub-)space instead of TPE's picks
 
 
 @dataclass
@@ -84,77 +85,6 @@ class BucketResult:
         if self.best_seconds and self.default_seconds:
             return self.default_seconds / self.best_seconds
         return None
-
-
-def variant_class(kernel: str):
-    return ChunkVariant if kernel == "chunk" else RecurrentVariant
-
-
-def _shape(bucket: Bucket) -> KernelShape:
-    return KernelShape(bucket.key_widths, bucket.value_width)
-
-
-def _smem_limit(device: str) -> int:
-    if device.startswith("cuda"):
-        import torch
-
-        return torch.cuda.get_device_properties(torch.device(device)).shared_memory_per_block_optin
-    return DEFAULT_SMEM_BYTES
-
-
-def search_space(bucket: Bucket, opts: TuneOptions) -> dict[str, list]:
-    """The kernel's declared space with ``opts.fixed`` applied; a ValueError names a fixed
-    parameter that the kernel does not have or a value its space does not hold."""
-    cls = variant_class(bucket.kernel)
-    space = dict(cls.space(_shape(bucket)))
-    for name, value in opts.fixed.items():
-        if name not in space:
-            raise ValueError(f"fixed parameter {name!r}: the {bucket.kernel} kernel has {', '.join(space)}")
-        if value not in space[name]:
-            raise ValueError(f"fixed {name}={value!r}: allowed values for this shape are "
-                             f"{', '.join(map(str, space[name]))}")
-        space[name] = [value]
-    return space
-
-
-def exhaustive_variants(bucket: Bucket, opts: TuneOptions) -> list:
-    """Every variant of the (sub-)space that passes ``check`` on this device, in space order."""
-    cls, shape = variant_class(bucket.kernel), _shape(bucket)
-    return list(iter_space(cls, shape, search_space(bucket, opts), _smem_limit(opts.device)))
-
-
-def _suggest(trial, cls, space: dict[str, list]) -> dict:
-    """A trial's parameters: every parameter of ``space``, except that a gated one
-    (``cls.GATED``) is asked for only where its gate has the value it needs and otherwise keeps
-    its default. Sampled blindly, the output kernel's tile and warps beside output_pass=False
-    would have left 1 in 72 of those draws valid (``check`` refuses the rest)."""
-    gated = gated_params(cls, space)
-    params = {n: trial.suggest_categorical(n, choices) for n, choices in space.items() if n not in gated}
-    for n, (gate, need) in gated.items():  # in GATED's order: a gated gate is set before what it gates
-        if params.get(gate) == need:
-            params[n] = trial.suggest_categorical(n, space[n])
-    return params
-
-
-def _warm_starts(bucket: Bucket, opts: TuneOptions, budget: int | None) -> list[dict]:
-    """The parameters of the kernel's default candidates (``candidates``, best first, with
-    ``opts.fixed`` applied; invalid and repeated ones dropped), at most a quarter of ``budget``
-    (all of them when None) and at least the default. A TPE study runs them first, so its best
-    is never worse than the default and TPE's model starts from measured good points instead
-    of random draws alone: on the H200 sweep of 2026-11-30 (o3 16x16 prefill, 127 valid
-    variants) only one variant was within 3% of the best, a needle that 25 random-then-TPE
-    picks rarely hit."""
-    cls, shape = variant_class(bucket.kernel), _shape(bucket)
-    limit = _smem_limit(opts.device)
-    space = search_space(bucket, opts)
-    out: list[dict] = []
-    for v in cls.candidates(shape, limit):
-        params = {k: x for k, x in v.to_dict().items() if k != "kernel"}
-        params.update(opts.fixed)
-        if (cls(**params).check(shape, limit) is None and params not in out
-                and all(params[n] in choices for n, choices in space.items())):
-            out.append(params)
-    return out if budget is None else out[: max(1, budget // 4)]
 
 
 def _study_name(bucket: Bucket, machine: Machine, source: str, opts: TuneOptions) -> str:
@@ -306,8 +236,8 @@ def run_worker(storage_url: str | None, name: str, bucket: Bucket, opts: TuneOpt
     sampler = optuna.samplers.TPESampler(seed=opts.seed + index)
     storage = open_storage(storage_url)
     study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
-    cls, shape = variant_class(bucket.kernel), _shape(bucket)
-    space, limit = search_space(bucket, opts), _smem_limit(opts.device)
+    shape = bucket_shape(bucket)
+    space, limit = search_space(bucket, opts), smem_limit(opts.device)
     with TrialRunner(opts.trial_timeout) as runner:  # one trial process for the worker's trials
         done = 0
         while deadline is None or time.time() < deadline:
@@ -316,7 +246,7 @@ def run_worker(storage_url: str | None, name: str, bucket: Bucket, opts: TuneOpt
                 break
             # stopped after the tell; an exception ends the worker, and the daemon thread with it
             beat = Heartbeat(storage, trial_id(storage, study, trial.number)).start()
-            variant = cls(**_suggest(trial, cls, space))
+            variant = suggest(trial, space)
             reason = variant.check(shape, limit)
             if reason is not None:
                 trial.set_user_attr("status", "pruned")
@@ -399,7 +329,7 @@ def tune_bucket(bucket: Bucket, opts: TuneOptions,
     if opts.seconds is not None:
         deadline = time.time() + opts.seconds
         if not study.get_trials(deepcopy=False):  # study.ask() takes enqueued trials first
-            for i, params in enumerate(_warm_starts(bucket, opts, None)):
+            for i, params in enumerate(warm_starts(bucket, opts, None)):
                 study.enqueue_trial(params, user_attrs={"warm_start": i})
     else:
         stale = stale_numbers(study)
@@ -408,13 +338,13 @@ def tune_bucket(bucket: Bucket, opts: TuneOptions,
         if opts.exhaustive:  # every valid variant once: the ones this study has not enqueued yet
             have = [t.system_attrs.get("fixed_params") for t in counted]
             for v in exhaustive_variants(bucket, opts):
-                params = {k: x for k, x in v.to_dict().items() if k != "kernel"}
+                params = config_params(v)
                 if params not in have:
                     study.enqueue_trial(params)
         else:
             missing = max(0, opts.trials - len(counted))
             if not counted:
-                for i, params in enumerate(_warm_starts(bucket, opts, missing)):
+                for i, params in enumerate(warm_starts(bucket, opts, missing)):
                     study.enqueue_trial(params, user_attrs={"warm_start": i})  # 0: the default
                     missing -= 1
             for _ in range(missing):
@@ -490,12 +420,11 @@ def _finish(study, bucket: Bucket, machine: Machine, source: str, opts: TuneOpti
 
     done = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))]
     done.sort(key=lambda t: t.value)
-    cls = variant_class(bucket.kernel)
-    default = cls.default(_shape(bucket), _smem_limit(opts.device))
-    candidates = [cls(**t.params) for t in done[: opts.top_k]]
+    default = default_config(bucket.kernel, bucket_shape(bucket), smem_limit(opts.device))
+    top = [params_config(t.params) for t in done[: opts.top_k]]
     timed = []
     with TrialRunner(opts.trial_timeout) as runner:
-        for i, v in enumerate(dict.fromkeys(candidates + [default])):
+        for i, v in enumerate(dict.fromkeys(top + [default])):
             r = run_objective(bucket, v.to_dict(), opts, seed=opts.seed + 10_000 + i, runner=runner)
             if r["status"] == "ok":
                 timed.append((r["seconds"], v))
