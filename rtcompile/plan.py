@@ -22,12 +22,12 @@ import dataclasses
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ._version import __version__
+from .fileio import atomic_write
 from .costmodel import Calibration, calibrate, chunk_cost, recurrent_cost, shape_of, with_measured, workload
 from .kernels.config import KernelConfig
 from .kernels.forms import config_from_dict, default_config, low_memory, two_kernel
@@ -98,11 +98,7 @@ class Plan:
             raise PlanError(f"plan: malformed ({exc})") from None
 
     def save(self, path: str | os.PathLike) -> None:
-        p = Path(path)
-        fd, tmp = tempfile.mkstemp(dir=p.parent if str(p.parent) else ".", prefix=f".{p.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(self.to_dict(), fh, indent=1)
-        os.replace(tmp, p)
+        atomic_write(Path(path), json.dumps(self.to_dict(), indent=1))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Plan":

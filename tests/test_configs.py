@@ -330,3 +330,13 @@ def test_cost_figures():
     # workspace: the split form's stored states and keys dwarf the two-kernel form's scores
     w = Workload(o3, batch=8, heads=8, seq_len=4096)
     assert split.workspace_bytes(w) > resident.workspace_bytes(w) > 0 == rec.workspace_bytes(w)
+
+
+def test_tuned_table_of_the_old_format_is_refused_naming_it(tmp_path):
+    from rtcompile.kernels import tuned
+
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps({"format": 1, "entries": [{"kernel": "chunk", "variant": {"kernel": "chunk"}}]}))
+    with pytest.raises(ValueError, match=r"format 1 is rtcompile 0\.1's .*delete the file"):
+        tuned.reload(path)
+    tuned.reload(tmp_path / "missing.json")  # leave an empty table behind for the other tests

@@ -417,7 +417,7 @@ def floor_seconds(work: Work, ceilings: Ceilings) -> float | None:
 def derive_row(base: Row, outcome: Outcome, work: Work | None, ceilings: Ceilings,
                same_size_gbps: float | None = None) -> Row:
     """Fill ``base`` with the outcome and the rates derived from seconds per call."""
-    row = replace(base, timing=outcome.timing, note=_clip(outcome.note),
+    row = replace(base, timing=outcome.timing, note=clip_note(outcome.note),
                   peak_extra_mem_bytes=outcome.peak_extra_mem_bytes, rel_rms_err=outcome.rel_rms_err)
     s = outcome.seconds
     if s is None or not s > 0:
@@ -468,7 +468,7 @@ def median(xs: Iterable[float]) -> float:
 
 
 # ----- failures --------------------------------------------------------------------------------
-def _clip(text: str) -> str:
+def clip_note(text: str) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= NOTE_MAX else text[: NOTE_MAX - 3] + "..."
 
@@ -479,10 +479,10 @@ def failure_note(exc: BaseException) -> str:
     msg = lines[0] if lines else ""
     low = msg.lower()
     if type(exc).__name__ == "OutOfMemoryError" or "out of memory" in low:
-        return _clip(f"OOM: {msg}")
+        return clip_note(f"OOM: {msg}")
     if isinstance(exc, NotImplementedError) or "does not support" in low or "not supported" in low:
-        return _clip(f"refused: {msg or type(exc).__name__}")
-    return _clip(f"error: {type(exc).__name__}: {msg}")
+        return clip_note(f"refused: {msg or type(exc).__name__}")
+    return clip_note(f"error: {type(exc).__name__}: {msg}")
 
 
 def _release_memory() -> None:

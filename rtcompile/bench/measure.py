@@ -31,7 +31,7 @@ from .core import (
     Outcome,
     Row,
     Work,
-    _clip,
+    clip_note,
     failure_note,
     graph_calls_count,
     median,
@@ -106,7 +106,7 @@ def time_calls(calls: Sequence[Callable[[], Any]], ctx: BenchContext, *, graph: 
             return _graph_timing(calls, est, ctx)
         except Exception as exc:  # noqa: BLE001 -- fall back to eager timing, say why
             _sync_quietly()
-            fallback = f"; graph capture failed ({_clip(failure_note(exc))[:80]})"
+            fallback = f"; graph capture failed ({clip_note(failure_note(exc))[:80]})"
     n = repeats_for(est, ctx.repeats)
     times = _per_call_times(calls, ctx, n)
     kind = "events" if ctx.is_cuda else "wall"

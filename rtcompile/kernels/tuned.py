@@ -21,7 +21,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# earlier formats, named in the refusal (their entries hold configs this version cannot read)
+OLD_FORMATS = {1: "rtcompile 0.1's (ChunkVariant / RecurrentVariant entries without a 'form' tag)"}
 _SOURCES = {
     "chunk": ("chunk_prepare.py", "chunk_resident.py", "chunk_streamed.py", "chunk_fused.py", "chunk_split.py",
               "blocks.py"),
@@ -64,6 +66,9 @@ def reload(path: str | os.PathLike | None = None) -> list[dict[str, Any]]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"tuned-config table {str(p)!r}: unreadable ({str(exc).splitlines()[0]}); "
                          "delete it or re-run `rtcompile tune`") from None
+    if isinstance(data, dict) and data.get("format") in OLD_FORMATS:
+        raise ValueError(f"tuned-config table {str(p)!r}: format {data['format']} is {OLD_FORMATS[data['format']]}; "
+                         f"this version reads format {FORMAT_VERSION}: delete the file and re-run `rtcompile tune`")
     if not isinstance(data, dict) or data.get("format") != FORMAT_VERSION or not isinstance(data.get("entries"), list):
         raise ValueError(f"tuned-config table {str(p)!r}: not a format-{FORMAT_VERSION} table; "
                          "delete it or re-run `rtcompile tune`")
