@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+import json
+
 import pytest
 
 from rtcompile.kernels.chunk_fused import FusedConfig
