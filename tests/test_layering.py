@@ -155,3 +155,11 @@ def test_cycle_check_catches_a_cycle(monkeypatch):
 def test_the_model_knows_nothing_of_export(module):
     targets = {t for t, _, _ in _imports(module, MODULES[module])}
     assert not {t for t in targets if t.startswith(("rtcompile.export", "onnx", "onnxscript", "onnxruntime"))}
+
+
+def test_design_layout_names_every_module():
+    """docs/design.md's layout block names every module file of the package, so a newcomer's map
+    stays true when files are added or renamed."""
+    layout = (PKG.parent / "docs" / "design.md").read_text(encoding="utf-8").split("## ", 2)[1]
+    missing = sorted(_rel(p) for p in PKG.rglob("*.py") if p.name != "__init__.py" and p.name not in layout)
+    assert not missing, f"docs/design.md's layout does not name: {missing}"
