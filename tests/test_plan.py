@@ -146,7 +146,7 @@ def test_measurements_calibrate_and_override(tmp_path, monkeypatch):
     table = tmp_path / "tuned.json"
     entry = {**tuned.match_fields("chunk", spec.key_widths, 64, 8, spec.input_dtype, "NVIDIA H200"),
              "batch": 8, "seq_len": 4096, "variant": v.to_dict(), "seconds": 2 * predicted}
-    table.write_text(json.dumps({"format": 1, "entries": [entry]}))
+    table.write_text(json.dumps({"format": tuned.FORMAT_VERSION, "entries": [entry]}))
     monkeypatch.setenv("RTCOMPILE_TUNED", str(table))
     tuned.reload()
     try:

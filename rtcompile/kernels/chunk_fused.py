@@ -21,8 +21,8 @@ from . import args
 from .chunk_resident import run_resident
 from .chunk_streamed import run_streamed
 from .config import (
-    CHUNK_MAX_EST_REGS, DEFAULT_SMEM_BYTES, SOLVES, CostFigures, KernelConfig, KernelShape, Workload, chunk_count,
-    chunk_live_elements, chunk_programs, chunk_refusal, chunk_smem_estimate, estimate_registers,
+    DEFAULT_SMEM_BYTES, SOLVES, CostFigures, KernelConfig, KernelShape, Workload, chunk_count,
+    chunk_live_elements, chunk_programs, chunk_refusal, chunk_smem_estimate, estimate_registers, resource_refusal,
 )
 from .inputs import Problem
 
@@ -65,11 +65,7 @@ class FusedConfig(KernelConfig):
         if self.resident(shape) and (self.prefetch_state or self.merge_passes):
             return (f"prefetch_state / merge_passes need a streamed state (block_k < K = {shape.key_dim}), "
                     f"got block_k={self.block_k}")
-        if (regs := self.estimate_registers(shape)) > CHUNK_MAX_EST_REGS:
-            return f"~{regs} registers per thread estimated (> {CHUNK_MAX_EST_REGS})"
-        if (smem := self.estimate_smem(shape)) > smem_limit:
-            return f"~{smem} bytes of shared memory (> {smem_limit})"
-        return None
+        return resource_refusal(self, shape, smem_limit)
 
     def estimate_registers(self, shape: KernelShape) -> int:
         live = chunk_live_elements(shape, self.chunk_size, self.block_k, self.block_v)

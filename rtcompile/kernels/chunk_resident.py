@@ -28,9 +28,9 @@ from .blocks import (
 )
 from .chunk_prepare import prepare_scores
 from .config import (
-    CHUNK_MAX_EST_REGS, DEFAULT_SMEM_BYTES, DOT_PRECISIONS, PREPARE_WARPS, SOLVES, CostFigures, KernelConfig,
+    DEFAULT_SMEM_BYTES, DOT_PRECISIONS, PREPARE_WARPS, SOLVES, CostFigures, KernelConfig,
     KernelShape, Workload, chunk_count, chunk_live_elements, chunk_programs, chunk_refusal, chunk_smem_estimate,
-    estimate_registers, next_pow2, two_kernel_workspace,
+    estimate_registers, next_pow2, resource_refusal, two_kernel_workspace,
 )
 from .inputs import Problem
 
@@ -76,11 +76,8 @@ class ResidentConfig(KernelConfig):
             return reason
         if self.prefetch_inputs and not shape.whole_factor_tiles:
             return f"prefetch_inputs=True needs power-of-two key widths >= 16, got {shape.key_widths}"
-        if (regs := self.estimate_registers(shape)) > CHUNK_MAX_EST_REGS:
-            return f"~{regs} registers per thread estimated (> {CHUNK_MAX_EST_REGS}): K = {shape.key_dim} is too wide to keep in registers (use StreamedConfig)"
-        if (smem := self.estimate_smem(shape)) > smem_limit:
-            return f"~{smem} bytes of shared memory (> {smem_limit})"
-        return None
+        return resource_refusal(self, shape, smem_limit,
+                                f": K = {shape.key_dim} is too wide to keep in registers (use StreamedConfig)")
 
     def estimate_registers(self, shape: KernelShape) -> int:
         C, bk, bv = self.chunk_size, self.block_k(shape), self.block_v

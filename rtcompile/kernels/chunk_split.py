@@ -24,8 +24,9 @@ from .blocks import (
 )
 from .chunk_prepare import chunk_indices, prepare_keys
 from .config import (
-    CHUNK_MAX_EST_REGS, DEFAULT_SMEM_BYTES, DOT_PRECISIONS, PREPARE_WARPS, SOLVES, CostFigures, KernelConfig,
+    DEFAULT_SMEM_BYTES, DOT_PRECISIONS, PREPARE_WARPS, SOLVES, CostFigures, KernelConfig,
     KernelShape, Workload, chunk_count, chunk_programs, chunk_refusal, dot_operand_bytes, estimate_registers,
+    resource_refusal,
 )
 from .inputs import Problem
 
@@ -95,11 +96,7 @@ class SplitConfig(KernelConfig):
         if self.tma and (shape.key_dim * dot % 16 or shape.value_width * dot % 16):
             return (f"tma=True needs rows of 16-byte multiples (K = {shape.key_dim}, d_v = {shape.value_width} at "
                     f"{dot} bytes); allowed: tma=False")
-        if (regs := self.estimate_registers(shape)) > CHUNK_MAX_EST_REGS:
-            return f"~{regs} registers per thread estimated (> {CHUNK_MAX_EST_REGS})"
-        if (smem := self.estimate_smem(shape)) > smem_limit:
-            return f"~{smem} bytes of shared memory (> {smem_limit})"
-        return None
+        return resource_refusal(self, shape, smem_limit)
 
     def estimate_registers(self, shape: KernelShape) -> int:
         # the state loop: state, phi(K), the inverse and the next one, values, U, the products

@@ -22,9 +22,9 @@ from .args import factor_args, lowp_dots, width_args
 from .blocks import chunk_inputs, dot, load_state_tile, phi_block, sequence_of_program, state_tile, unit_lower_inverse_scratch
 from .chunk_prepare import prepare_scores
 from .config import (
-    CHUNK_MAX_EST_REGS, DEFAULT_SMEM_BYTES, DOT_PRECISIONS, PREPARE_WARPS, SOLVES, CostFigures, KernelConfig,
+    DEFAULT_SMEM_BYTES, DOT_PRECISIONS, PREPARE_WARPS, SOLVES, CostFigures, KernelConfig,
     KernelShape, Workload, chunk_count, chunk_live_elements, chunk_programs, chunk_refusal, chunk_smem_estimate,
-    estimate_registers, two_kernel_workspace,
+    estimate_registers, resource_refusal, two_kernel_workspace,
 )
 from .inputs import Problem
 
@@ -65,11 +65,7 @@ class StreamedConfig(KernelConfig):
         if not 16 <= self.block_k < shape.key_dim:
             return (f"block_k={self.block_k}; allowed: 16 <= block_k < K = {shape.key_dim} (a state that fits "
                     "one tile is ResidentConfig's)")
-        if (regs := self.estimate_registers(shape)) > CHUNK_MAX_EST_REGS:
-            return f"~{regs} registers per thread estimated (> {CHUNK_MAX_EST_REGS})"
-        if (smem := self.estimate_smem(shape)) > smem_limit:
-            return f"~{smem} bytes of shared memory (> {smem_limit})"
-        return None
+        return resource_refusal(self, shape, smem_limit)
 
     def estimate_registers(self, shape: KernelShape) -> int:
         live = chunk_live_elements(shape, self.chunk_size, self.block_k, self.block_v)

@@ -229,6 +229,16 @@ def chunk_refusal(cfg, shape: KernelShape) -> str | None:
     return None
 
 
+def resource_refusal(cfg, shape: KernelShape, smem_limit: int, hint: str = "") -> str | None:
+    """The refusal of a chunk config whose estimated registers (the ranking bound
+    CHUNK_MAX_EST_REGS) or shared memory (``smem_limit``) do not fit; ``hint`` says what to do."""
+    if (regs := cfg.estimate_registers(shape)) > CHUNK_MAX_EST_REGS:
+        return f"~{regs} registers per thread estimated (> {CHUNK_MAX_EST_REGS}){hint}"
+    if (smem := cfg.estimate_smem(shape)) > smem_limit:
+        return f"~{smem} bytes of shared memory (> {smem_limit})"
+    return None
+
+
 def chunk_smem_estimate(chunk_size: int, block_k: int, block_v: int, num_stages: int) -> int:
     """Shared memory of a sequential chunk kernel: tl.dot stages its operands and layout changes
     there. Fitted to what Triton 3.6 asked for on an H200: (C 64, BK 128, BV 32, 2 stages) needed
