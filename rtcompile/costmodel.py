@@ -14,7 +14,7 @@ launches:
   plus a per-tile cost for each state tile streamed (twice per step when the state does not
   fit registers). A chunk program alone on its SM steps twice as fast as one of two.
 
-The latency constants were fitted to one H200 run (benchmarks/RESULTS.md, 2026-11-29, B8
+The latency constants were fitted to one H200 run (its RESULTS.md section is in git history; B8
 T4096 H8 V64 bf16, 256 programs = one wave of 2 per SM): o3 16x16 chunk (C 32, state in
 registers) 1.19 ms = 128 chunks x 9.3 us; o3 64x64 (C 64, 2 x 32 streamed [128, 16] tiles per
 chunk) 10.4 ms = 64 x 162 us, so 2.4 us per tile visit at C x BK = 64 x 128 (the 32x32 run,
@@ -49,9 +49,8 @@ SCAN_TILE_S = 0.3e-6  # each streamed tile visit of a scan step (not measured: a
 PROGRAMS_PER_SM = 2  # resident programs per SM these kernels reach (registers: ~200 per thread)
 DECODE_BW_EFFICIENCY = 0.8  # decode reached 70-87% of copy bandwidth on the H200
 
-# Host overhead of one eager call, fitted to the H200 regret run of 2026-11-30
-# (benchmarks/results/2026-11-30_regret_measured.json: one public-API call between two CUDA
-# events, median of 10): the median of measured - modelled kernel time over the calls whose
+# Host overhead of one eager call, fitted to an H200 regret run (`benchmarks/gpu_checks.py
+# regret`; its JSON is in git history: one public-API call between two CUDA events, median of 10): the median of measured - modelled kernel time over the calls whose
 # kernels the model puts under a quarter of the measurement. It dwarfs target.launch_s (4 us,
 # one launch under CUDA graphs) and the kernels of every short call.
 CHUNK_CALL_S = 200e-6  # chunk prefill: input checks, variant lookup, workspace and final-state
