@@ -240,3 +240,37 @@ def test_unit_lower_inverse_tiles_is_the_inverse(C, n_rows):
     ref = torch.linalg.inv(torch.eye(C, dtype=torch.float64) + A.float().double())
     assert rel_err(buf.cpu()[:n_rows], ref[:n_rows]) < 1e-4
     assert buf[n_rows:].isnan().all()
+
+
+@pytest.mark.parametrize("delta,gate", [(True, True), (False, True), (True, False)], ids=["delta-gate", "gate", "delta"])
+@pytest.mark.parametrize("config", [
+    ResidentConfig(chunk_size=16, block_v=16),
+    ResidentConfig(chunk_size=16, block_v=16, solve="rows", wy=True),
+    ResidentConfig(chunk_size=32, block_v=16, wy=True),
+    StreamedConfig(chunk_size=16, block_k=64, block_v=16),
+    FusedConfig(chunk_size=16, block_k=256, block_v=16),
+    FusedConfig(chunk_size=16, block_k=256, block_v=16, solve="rows"),
+    SplitConfig(chunk_size=16, block_v=16, state_stride=2),
+], ids=lambda c: f"{c.form}-{c.solve}{'-wy' if getattr(c, 'wy', False) else ''}")
+def test_launcher_allocates_the_workspace_its_config_declares(monkeypatch, config, delta, gate):
+    """What a form's launcher allocates beyond the output is what its config's ``workspace_bytes``
+    says (the planner's memory check and the cost model read that figure)."""
+    from rtcompile.kernels.config import Workload
+
+    sizes = []
+
+    def counting_empty(*shape, dtype=None, device=None):
+        t = torch.empty(*shape, dtype=dtype, device=device)
+        sizes.append((tuple(t.shape), t.numel() * t.element_size()))
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(args, "empty", counting_empty)
+    B, T, H, widths, V = 2, 40, 2, (16, 16), 32
+    dev, _, _ = case(B, T, H, widths, V, gate=gate, delta=delta)
+    run_form(config, *dev, l2norm=True, final_state=True)
+    # less the output and the final state, one each (the split form's U has the output's shape)
+    out_bytes, state_bytes = B * T * H * V * 4, B * H * 256 * V * 4
+    assert ((B, T, H, V), out_bytes) in sizes and ((B, H, *widths, V), state_bytes) in sizes
+    allocated = sum(n for _, n in sizes) - out_bytes - state_bytes
+    work = Workload(KernelShape(widths, V, 4), B, H, T, delta_rule=delta, forget_gate=gate)
+    assert allocated == config.workspace_bytes(work)
