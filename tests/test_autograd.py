@@ -273,6 +273,10 @@ def test_absent_backward_module_is_a_clear_refusal(monkeypatch):
     with torch.no_grad():
         rtcompile.running_tensor(q, k, v, g, beta, mode="chunk", backend="triton", variant=CHUNK16)
     assert launches == [1]
+    # the op called directly runs its forward; its backward names the absent module
+    o, _ = running_tensor_fwd_op(q, k, v, g, beta, None, None, 0.3, False, False, "chunk", 0, "")
+    with pytest.raises(NotImplementedError, match="no Triton backward .*chunk_backward is absent"):
+        o.sum().backward()
 
 
 def test_decode_step_with_grad_refused():

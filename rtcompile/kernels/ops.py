@@ -139,7 +139,14 @@ def running_tensor_bwd_op(
     ``dht`` (None: the final state carries no gradient). dg / dbeta / dh0 are 0-element tensors
     where g / beta / initial_state is None. ``chunk_size`` 0: the backward's own choice."""
     # imported here: ops must import (and the forward run) before the backward module exists
-    chunk_backward = importlib.import_module(".chunk_backward", __package__)
+    name = f"{__package__}.chunk_backward"
+    try:
+        chunk_backward = importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name != name:
+            raise  # a dependency of the module is missing: that is the error to see
+        raise NotImplementedError(f"rtcompile: this build has no Triton backward ({name} is absent); "
+                                  "use backend='reference' to train") from exc
     dq, dk, dv, dg, db, dh0 = chunk_backward.running_tensor_bwd(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens, l2norm=l2norm,
         do=do, dht=dht, chunk_size=chunk_size or None,
