@@ -328,21 +328,22 @@ def _grads_of(m, args):
     return [m.proj.weight.grad.clone(), *[a.grad.clone() for a in args]]
 
 
-@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
-def test_compile_fullgraph_trains(bwd, mode):
-    """torch.compile(fullgraph=True) (AOTAutograd, aot_eager backend) traces the forward op and
-    its backward op with no graph break; its gradients equal eager's."""
+@pytest.mark.parametrize("mode, backend", [("chunk", "aot_eager"), ("recurrent", "aot_eager"), ("chunk", "inductor")])
+def test_compile_fullgraph_trains(bwd, mode, backend):
+    """torch.compile(fullgraph=True) (AOTAutograd; aot_eager, and inductor, which also runs on
+    the CPU) traces the forward op and its backward op with no graph break; its gradients
+    equal eager's."""
     q, k, v, g, beta, s0 = _leaves()
     args = (*q, *k, v, g, beta, s0)
     m = _Mixer(mode)
     eager = _grads_of(m, args)
     assert bwd.calls == {"fwd": 1, "bwd": 1}
     torch._dynamo.reset()
-    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(m, fullgraph=True, backend=backend)
     got = _grads_of(compiled, args)
     assert bwd.calls == {"fwd": 2, "bwd": 2}
-    for a, b in zip(eager, got):
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(eager, got):  # inductor fuses the projection and the loss: fp32 reassociation
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_compile_backward_graph_holds_the_bwd_op(bwd):
@@ -377,3 +378,32 @@ def test_export_in_grad_mode_records_the_op(bwd):
     out = ep.module()(*args)
     ref = m(*args)
     assert torch.allclose(out[0], ref[0], rtol=1e-5, atol=1e-5)
+
+
+def test_model_trains_through_the_op(bwd, monkeypatch):
+    """RunningTensorLM with backend="triton": one backward per layer through the op; its
+    parameter gradients equal the reference backend's."""
+    from rtcompile.kernels import running_tensor_chunk_ref
+    from rtcompile.model import RunningTensorLM
+    from rtcompile.spec import Features, ModelSpec
+
+    spec = ModelSpec(order=3, key_widths=(2, 4), value_width=5, heads=2, model_width=12, layers=2,
+                     features=Features(query_skip=True))
+    torch.manual_seed(1)
+    lm = RunningTensorLM(spec, vocab_size=9).to(DEVICE)
+    tokens = torch.randint(0, 9, (2, 20), device=DEVICE)
+
+    def grads(backend):
+        lm.zero_grad()
+        logits, _ = lm(tokens, backend=backend)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+        return {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}
+
+    tri = grads("triton")
+    assert bwd.calls["bwd"] == spec.layers
+    monkeypatch.setattr(functional, "running_tensor_chunk_ref", running_tensor_chunk_ref)
+    monkeypatch.setattr(functional, "running_tensor_recurrent_ref", running_tensor_recurrent_ref)
+    ref = grads("reference")
+    assert tri.keys() == ref.keys() and len(ref) > 10
+    for name in ref:
+        assert rel_err(tri[name], ref[name]) < 1e-3, name
