@@ -407,3 +407,35 @@ def test_model_trains_through_the_op(bwd, monkeypatch):
     assert tri.keys() == ref.keys() and len(ref) > 10
     for name in ref:
         assert rel_err(tri[name], ref[name]) < 1e-3, name
+
+
+def test_compile_varlen_asks_supports_with_the_offsets(bwd):
+    """Under dynamo the backward's support is asked at trace time (cu_seqlens a graph input),
+    with the number of sequences; the compiled gradients equal eager's."""
+    cu = torch.tensor([0, 7, 25, 40], dtype=torch.int32, device=DEVICE)
+    q, k, v, g, beta, s0 = _leaves(T=40, num_seqs=3)
+    leaves = _flat(q, k, v, g, beta, s0)
+    seen = []
+    inner = bwd.module.supports
+    bwd.module.supports = lambda p, c: seen.append((p.num_seqs, c is not None)) or inner(p, c)
+
+    def f(q, k, v, g, beta, s0, cu):
+        o, ht = rtcompile.running_tensor(q, k, v, g, beta, initial_state=s0, output_final_state=True, cu_seqlens=cu,
+                                         mode="chunk", backend="triton", variant=CHUNK16)
+        return o.square().sum() + ht.sum()
+
+    def grads(fn):
+        for x in leaves:
+            x.grad = None
+        fn(q, k, v, g, beta, s0, cu).backward()
+        return [x.grad.clone() for x in leaves]
+
+    try:
+        eager = grads(f)
+        torch._dynamo.reset()
+        compiled = grads(torch.compile(f, fullgraph=True, backend="aot_eager"))
+    finally:
+        bwd.module.supports = inner
+    assert seen == [(3, True), (3, True)]
+    for a, b in zip(eager, compiled):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
