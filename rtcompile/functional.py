@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Sequence
 
 import torch
 
-from .kernels import check_inputs, running_tensor_chunk_ref, running_tensor_recurrent_ref
+from .kernels import Problem, check_inputs, running_tensor_chunk_ref, running_tensor_recurrent_ref
 
 MODES = ("auto", "recurrent", "chunk")
 BACKENDS = ("auto", "triton", "reference")
@@ -62,10 +63,15 @@ def running_tensor(
         chunk_size: chunk length for ``mode="chunk"``; default: the variant's (Triton) or 64.
         backend: ``"triton"`` (CUDA, or the interpreter with TRITON_INTERPRET=1),
             ``"reference"`` (PyTorch, differentiable, any order), or ``"auto"``: Triton when it
-            can run the call (device, order <= 4, 16/32-bit inputs, no input requiring grad),
-            else the reference.
-            The Triton kernels are forward-only: ``"triton"`` with inputs that require grad
-            raises.
+            can run the call (device, order <= 4, 16/32-bit inputs) and, when an input requires
+            grad (grad mode on), when the Triton backward can run it too
+            (``rtcompile.kernels.chunk_backward.supports``; absent module: it cannot), else the
+            reference. With grad, the Triton call goes through the custom op
+            ``rtcompile::running_tensor_fwd``, whose autograd backward is the chunk form's Triton
+            backward (for ``mode="recurrent"`` too: same function, same gradient); gradients
+            reach every factor, v, g, beta and ``initial_state``, and flow from the returned
+            final state. ``"triton"`` on a call the backward cannot run raises ValueError with
+            the reason, before any work.
         plan: a :class:`~rtcompile.plan.Plan`: with ``mode="auto"`` the call follows the plan's
             prefill decision for the nearest (B, T) bucket (mode and, on Triton, the variant).
         variant: a kernel config (:mod:`rtcompile.kernels.forms`: ResidentConfig, StreamedConfig,
@@ -91,6 +97,7 @@ def running_tensor(
         # Traced by dynamo: shapes only (the op validates when it runs, its fake checks shapes).
         order, seq_len = len(q) + 1, v.shape[1]
         eff_scale = float(scale) if scale is not None else _default_scale(q)
+        p = None
     else:
         p = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
         order, seq_len, eff_scale = p.order, p.seq_len, p.scale
@@ -109,7 +116,16 @@ def running_tensor(
         # Until the planner measures the crossover: a sequence shorter than one chunk gains
         # nothing from the chunk form.
         mode = "chunk" if seq_len >= C else "recurrent"
-    backend = resolve_backend(backend, v, order, needs_grad(*q, *k, v, g, beta, initial_state))
+    grad = needs_grad(*q, *k, v, g, beta, initial_state)
+    why_no_backward = None
+    if grad and backend != "reference":
+        if p is None:  # traced by dynamo: the question is asked once, at trace time (shapes are guarded)
+            widths = tuple(int(x.shape[-1]) for x in q)
+            why_no_backward = traced_backward_refusal(
+                v.shape[0], seq_len, v.shape[2], widths, v.shape[3], eff_scale, v.dtype, v.device, cu_seqlens)
+        else:
+            why_no_backward = backward_refusal(p, cu_seqlens)
+    backend = resolve_backend(backend, v, order, grad, why_no_backward=why_no_backward)
     if backend != "triton":
         variant = None  # a plan's kernel variant means nothing to the reference
     elif plan_variant and not torch.compiler.is_compiling():
@@ -121,9 +137,10 @@ def running_tensor(
         shape = kernel_shape(p)
         if (variant.check(shape) if limit is None else variant.check(shape, limit)) is not None:
             variant = None
-    if backend == "triton" and not _tracing(v):
-        # Eager: straight to the launcher; the custom op's dispatch adds Python overhead and
-        # nothing else when no graph is being captured (the op remains for compile and export).
+    if backend == "triton" and not grad and not _tracing(v):
+        # Eager without grad: straight to the launcher; the custom op's dispatch adds Python
+        # overhead and nothing else when no graph is being captured and no backward is needed
+        # (the op remains for compile, export and autograd).
         from .kernels.launch import fwd_checked
 
         return fwd_checked(p, q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
@@ -180,19 +197,57 @@ def running_tensor_decode_(
                   l2norm=l2norm, validate=validate, variant=variant)
 
 
-def resolve_backend(backend: str, v: torch.Tensor, order: int, grad: bool) -> str:
+NO_DECODE_BACKWARD = "the Triton decode step has no backward"
+
+
+def resolve_backend(backend: str, v: torch.Tensor, order: int, grad: bool, *,
+                    why_no_backward: str | None = NO_DECODE_BACKWARD) -> str:
     """``"triton"`` or ``"reference"`` for a call with values ``v`` (see :func:`running_tensor`'s
-    ``backend``); ``"triton"`` with an input that requires grad is a ValueError."""
-    if backend == "triton" and grad:
-        raise ValueError(
-            "backend: 'triton' is forward-only in this release and an input requires grad; "
-            "allowed: backend='reference' (or 'auto', which falls back to it), or torch.no_grad()"
-        )
+    ``backend``). ``grad``: an input requires grad; ``why_no_backward``: why the Triton backward
+    cannot run the call (None when it can; the default serves the decode step, which has none).
+    ``"triton"`` with grad on a call the Triton backward cannot run is a ValueError."""
+    if grad and backend != "reference" and why_no_backward is not None:
+        if backend == "triton":
+            raise ValueError(
+                f"backend: 'triton' with an input that requires grad, but the Triton backward cannot run "
+                f"this call: {why_no_backward}; allowed: backend='reference' (or 'auto', which falls back "
+                "to it), or torch.no_grad()"
+            )
+        return "reference"
     if backend == "auto":
         # float64 stays on the reference: the kernels accumulate in fp32
-        usable = _triton_available(v) and order <= MAX_TRITON_ORDER and not grad and v.dtype != torch.float64
+        usable = _triton_available(v) and order <= MAX_TRITON_ORDER and v.dtype != torch.float64
         return "triton" if usable else "reference"
     return backend
+
+
+BACKWARD_MODULE = "rtcompile.kernels.chunk_backward"
+
+
+def backward_refusal(p: Problem, cu_seqlens: torch.Tensor | None) -> str | None:
+    """Why the Triton backward cannot run problem ``p`` (None when it can): the answer of
+    ``chunk_backward.supports``, imported here so that a build without that module still runs
+    forward calls (then every backward is refused with a reason)."""
+    try:
+        chunk_backward = importlib.import_module(BACKWARD_MODULE)
+    except ModuleNotFoundError as exc:
+        if exc.name != BACKWARD_MODULE:
+            raise  # a missing dependency of the module is a real error, not an absent backward
+        return f"this build has no Triton backward ({BACKWARD_MODULE} is absent)"
+    return chunk_backward.supports(p, cu_seqlens)
+
+
+@torch.compiler.assume_constant_result
+def traced_backward_refusal(batch: int, seq_len: int, heads: int, widths: tuple[int, ...], value_width: int,
+                            scale: float, dtype: torch.dtype, device: torch.device,
+                            cu_seqlens: torch.Tensor | None) -> str | None:
+    """:func:`backward_refusal` for a call dynamo traces, from plain values: dynamo runs it
+    eagerly at trace time and keeps the answer as a constant, so neither the lazy import
+    (importlib breaks a fullgraph trace) nor ``supports`` is traced. ``check_inputs`` has not
+    run, so the problem's ``seq_bounds`` is None (reading ``cu_seqlens`` would sync)."""
+    num_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    p = Problem(batch, seq_len, heads, widths, value_width, num_seqs, None, scale, dtype, device)
+    return backward_refusal(p, cu_seqlens)
 
 
 def _tracing(v: torch.Tensor) -> bool:

@@ -107,11 +107,3 @@ def test_decode_compiles_fullgraph(variant):
     o_eager = step(c_eager)
     o_comp = torch.compile(step, fullgraph=True, backend="aot_eager")(c_comp)
     assert torch.equal(o_eager, o_comp) and torch.equal(c_eager, c_comp)
-
-
-def test_backward_refused_clearly():
-    q, k, v, g, beta, s0 = _inputs()
-    v = v.clone().requires_grad_()
-    o, _ = running_tensor_fwd_op(q, k, v, g, beta, s0, None, 0.3, False, True, "chunk", 0, variant_to_json(CHUNK16))
-    with pytest.raises(NotImplementedError, match="forward-only"):
-        o.sum().backward()

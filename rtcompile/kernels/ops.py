@@ -4,12 +4,19 @@
 the final state is a 0-element tensor when not requested (custom ops cannot return None).
 ``rtcompile::running_tensor_decode_``: one decode step, mutates ``state_cache`` in place.
 The kernel config travels as its JSON text (an op argument must be a plain type).
-Forward only: calling with inputs that require grad raises (backward is a later release).
+
+Autograd: ``rtcompile::running_tensor_fwd``'s backward is a second custom op,
+``rtcompile::running_tensor_bwd``, which calls ``chunk_backward.running_tensor_bwd`` (the
+chunk form's Triton backward, for both modes: the recurrent form computes the same function, so
+its gradient is the chunk form's). Being an op with a fake, the backward traces under
+torch.compile / AOTAutograd and torch.export as one node. The forward saves only its inputs;
+the backward recomputes what it needs (no forward workspace outlives the forward).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 
 import torch
@@ -108,14 +115,83 @@ def _(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, variant):
     return torch.empty_like(v)
 
 
-def _no_backward(ctx, *grads):
-    raise NotImplementedError(
-        "rtcompile: the Triton kernels are forward-only in this release; use backend='reference' to train"
+def _placeholder(x: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """A custom op cannot return None: a missing gradient travels as a 0-element tensor."""
+    return x if x is not None else like.new_empty((0,))
+
+
+@torch.library.custom_op("rtcompile::running_tensor_bwd", mutates_args=())
+def running_tensor_bwd_op(
+    q: list[torch.Tensor],
+    k: list[torch.Tensor],
+    v: torch.Tensor,
+    g: torch.Tensor | None,
+    beta: torch.Tensor | None,
+    initial_state: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    do: torch.Tensor,
+    dht: torch.Tensor | None,
+    scale: float,
+    l2norm: bool,
+    chunk_size: int,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients ``(dq, dk, dv, dg, dbeta, dh0)`` of ``running_tensor_fwd`` given ``do`` and
+    ``dht`` (None: the final state carries no gradient). dg / dbeta / dh0 are 0-element tensors
+    where g / beta / initial_state is None. ``chunk_size`` 0: the backward's own choice."""
+    # imported here: ops must import (and the forward run) before the backward module exists
+    name = f"{__package__}.chunk_backward"
+    try:
+        chunk_backward = importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name != name:
+            raise  # a dependency of the module is missing: that is the error to see
+        raise NotImplementedError(f"rtcompile: this build has no Triton backward ({name} is absent); "
+                                  "use backend='reference' to train") from exc
+    dq, dk, dv, dg, db, dh0 = chunk_backward.running_tensor_bwd(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens, l2norm=l2norm,
+        do=do, dht=dht, chunk_size=chunk_size or None,
     )
+    # an op's outputs may not alias its inputs (a backward may hand back a zero tensor it was given)
+    ins = [*q, *k, v, g, beta, initial_state, cu_seqlens, do, dht]
+    fresh = lambda x: x.clone() if any(x is y for y in ins if y is not None) else x
+    return ([fresh(x) for x in dq], [fresh(x) for x in dk], fresh(dv), fresh(_placeholder(dg, v)),
+            fresh(_placeholder(db, v)), fresh(_placeholder(dh0, v)))
 
 
-def _setup(ctx, inputs, output):  # nothing to save: backward refuses
-    pass
+@running_tensor_bwd_op.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, scale, l2norm, chunk_size):
+    like = lambda x: torch.empty_like(x) if x is not None else v.new_empty((0,))
+    return [like(x) for x in q], [like(x) for x in k], like(v), like(g), like(beta), like(initial_state)
 
 
-torch.library.register_autograd("rtcompile::running_tensor_fwd", _no_backward, setup_context=_setup)
+def _setup(ctx, inputs, output):
+    """Save the inputs (not the forward's workspaces: the backward recomputes the states)."""
+    q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, l2norm, mode, chunk_size, _ = inputs
+    ctx.orders = len(q)
+    ctx.save_for_backward(*q, *k, v, g, beta, initial_state, cu_seqlens)
+    ctx.scale, ctx.l2norm, ctx.output_final_state = scale, l2norm, output_final_state
+    # the chunk length the caller asked for applies to the chunk form; the recurrent form has none
+    ctx.chunk_size = chunk_size if mode == "chunk" else 0
+
+
+def _backward(ctx, do, dht):
+    saved = ctx.saved_tensors
+    n = ctx.orders
+    q, k = list(saved[:n]), list(saved[n:2 * n])
+    v, g, beta, initial_state, cu_seqlens = saved[2 * n:]
+    if do is None:  # only the final state was used
+        do = torch.zeros_like(v)
+    # without output_final_state the second output is a 0-element placeholder: its grad means nothing
+    if not ctx.output_final_state:
+        dht = None
+    dq, dk, dv, dg, db, dh0 = running_tensor_bwd_op(
+        q, k, v, g, beta, initial_state, cu_seqlens, do, dht, ctx.scale, ctx.l2norm, ctx.chunk_size,
+    )
+    drop = lambda grad, x: grad if x is not None else None
+    # one gradient per op argument: q, k, v, g, beta, initial_state, then the non-differentiable
+    # cu_seqlens, scale, output_final_state, l2norm, mode, chunk_size, variant
+    return (dq, dk, dv, drop(dg, g), drop(db, beta), drop(dh0, initial_state),
+            None, None, None, None, None, None, None)
+
+
+torch.library.register_autograd("rtcompile::running_tensor_fwd", _backward, setup_context=_setup)
