@@ -40,6 +40,14 @@ Scope of this pass (:func:`supports`): orders 2-4 with power-of-two key widths >
 K <= 256 (the [K, block_v] state and the [C, K] phi tiles in registers; order 4 then never
 fits, 16^3 = 4096), any d_v, gates, delta rule, l2norm, initial state, final-state
 gradient, varlen and any T.
+
+Not yet measured on a GPU. Compiled offline for sm_90 (Triton 3.9 and 3.6's ptxas) every
+kernel builds, but the state-gradient loop and the gradients kernel spill at these tiles
+(fp32 products lowered to FMAs with ieee precision; the gradients kernel also reshapes [C, K]
+phi gradients to [C, d1, d2] for the factor contraction): e.g. o3 16x16 C 32, 8 warps, ieee,
+~9 KiB of stack per thread in the gradients kernel. The register estimate below ranks configs
+but does not see this; a speed pass should contract phi's gradients one index of axis 1 at a
+time (as the prepare kernel stores phi(K)) instead of holding [C, K] tiles.
 """
 
 from __future__ import annotations
