@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from rtcompile.kernels.chunk_backward import BackwardConfig
 from rtcompile.kernels.chunk_fused import FusedConfig
 from rtcompile.kernels.chunk_resident import ResidentConfig
 from rtcompile.kernels.chunk_split import SplitConfig
@@ -21,7 +22,7 @@ from rtcompile.kernels.forms import (
 from rtcompile.kernels.recurrent import RecurrentConfig
 
 H200_SMEM = 232448  # shared memory per block (opt-in) of the H200
-CLASSES = [ResidentConfig, StreamedConfig, FusedConfig, SplitConfig, RecurrentConfig]
+CLASSES = [ResidentConfig, StreamedConfig, FusedConfig, SplitConfig, RecurrentConfig, BackwardConfig]
 SHAPES = {
     "o2-64": KernelShape((64,), 64),
     "o2-128": KernelShape((128,), 64),
@@ -43,7 +44,8 @@ def _example(cls) -> object:
             StreamedConfig: StreamedConfig(chunk_size=32, block_k=64, block_v=16),
             FusedConfig: FusedConfig(chunk_size=16, block_k=64, block_v=16),
             SplitConfig: SplitConfig(chunk_size=32, block_v=16),
-            RecurrentConfig: RecurrentConfig(block_k=64, block_v=16)}[cls]
+            RecurrentConfig: RecurrentConfig(block_k=64, block_v=16),
+            BackwardConfig: BackwardConfig(chunk_size=32, block_v=16)}[cls]
 
 
 # ----- refusals --------------------------------------------------------------------------------
@@ -195,7 +197,7 @@ def test_old_variant_format_is_refused_by_name():
 
 @pytest.mark.parametrize("data, exc, needle", [
     ({"form": "blocked", "chunk_size": 16}, ValueError,
-     "config: form 'blocked'; allowed: resident, streamed, fused, split, recurrent"),
+     "config: form 'blocked'; allowed: resident, streamed, fused, split, recurrent, backward"),
     ({"chunk_size": 16, "block_v": 16}, ValueError, "config: no 'form'"),
     ({"form": "resident", "chunk_size": 16, "block_v": 16, "block_z": 4}, ValueError,
      "ResidentConfig: unknown fields ['block_z']; allowed: ["),

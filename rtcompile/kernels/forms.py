@@ -1,7 +1,8 @@
 """Every kernel form, how a config is read back from data, and the defaults.
 
 A config is one of :data:`FORMS`' classes: the chunk-parallel prefill forms ``resident``,
-``streamed``, ``fused`` and ``split``, and the ``recurrent`` scan / decode step. Tuned tables,
+``streamed``, ``fused`` and ``split``, the ``recurrent`` scan / decode step, and the chunk
+``backward``. Tuned tables,
 plans and the torch op carry a config as ``to_dict()`` (its fields and its ``form`` tag);
 :func:`config_from_dict` reads it back.
 
@@ -19,6 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+from .chunk_backward import BackwardConfig
 from .chunk_fused import FusedConfig
 from .chunk_resident import ResidentConfig
 from .chunk_split import SplitConfig
@@ -28,11 +30,12 @@ from .recurrent import RecurrentConfig
 
 ChunkConfig = ResidentConfig | StreamedConfig | FusedConfig | SplitConfig
 FORMS: dict[str, type[KernelConfig]] = {
-    cls.form: cls for cls in (ResidentConfig, StreamedConfig, FusedConfig, SplitConfig, RecurrentConfig)
+    cls.form: cls for cls in (ResidentConfig, StreamedConfig, FusedConfig, SplitConfig, RecurrentConfig, BackwardConfig)
 }
 KERNELS: dict[str, tuple[type[KernelConfig], ...]] = {
     "chunk": (ResidentConfig, StreamedConfig, FusedConfig, SplitConfig),
     "recurrent": (RecurrentConfig,),
+    "chunk_bwd": (BackwardConfig,),  # the backward (chunk_backward.py); its default: default_backward
 }
 
 

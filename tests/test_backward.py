@@ -1,0 +1,212 @@
+"""The chunk-parallel backward (``kernels/chunk_backward.py``, through the interpreter on the CPU)
+against float64 autograd of the recurrent reference: every gradient (each query factor, each key
+factor, v, g, beta, the initial state, and through the final state) on fresh random inputs,
+with every output and workspace poisoned with NaN first, so an element a kernel should write and
+does not fails the comparison."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from rtcompile.kernels import args, running_tensor_recurrent_ref
+from rtcompile.kernels.chunk_backward import (
+    BackwardConfig, default_backward, running_tensor_bwd, supports,
+)
+from rtcompile.kernels.config import DEFAULT_SMEM_BYTES, KernelShape, Workload
+from rtcompile.kernels.forms import iter_space
+from rtcompile.kernels.inputs import check_inputs
+
+from conftest import make_inputs, rel_err
+
+needs_kernels = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="needs TRITON_INTERPRET=1 (CPU) or a CUDA GPU",
+)
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+FP32_TOL = 1e-4  # fp32 kernels vs float64 autograd: observed 1e-7 - 2e-6 on these shapes
+# 16-bit inputs: the gradients are stored in the inputs' type (bf16: 2^-8 relative rounding) and
+# fp16's recompute multiplies in fp16; observed up to ~5e-3
+HALF_TOL = {torch.bfloat16: 2e-2, torch.float16: 2e-2}
+
+
+@pytest.fixture(autouse=True)
+def poison_outputs(monkeypatch):
+    """Every output and workspace the launcher allocates starts as NaN."""
+
+    def nan_empty(*shape, dtype=None, device=None):
+        t = torch.empty(*shape, dtype=dtype, device=device)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(args, "empty", nan_empty)
+
+
+def check_gradients(widths, T, V, *, chunk_size, dtype=torch.float32, gate=True, delta=True, l2norm=True,
+                    h0=True, final_grad=True, offsets=None, B=1, H=2, block_v=16, num_warps=4, scale=0.6):
+    """Run the backward on fresh inputs and compare every gradient with float64 autograd of the
+    recurrent reference on the very (rounded) inputs the kernels see."""
+    num_seqs = None if offsets is None else len(offsets) - 1
+    q, k, v, g, beta, s0 = make_inputs(B, T, H, widths, V, gate=gate, delta=delta, state=h0, num_seqs=num_seqs)
+    low = lambda x, dt=dtype: None if x is None else x.to(dt)
+    kq, kk, kv, kg, kb = [low(x) for x in q], [low(x) for x in k], low(v), low(g, torch.float32), low(beta)
+    ks0 = low(s0, torch.float32)
+    up = lambda x: None if x is None else x.detach().double().requires_grad_()
+    rq, rk, rv, rg, rb, rs0 = [up(x) for x in kq], [up(x) for x in kk], up(kv), up(kg), up(kb), up(ks0)
+    cu = None if offsets is None else torch.tensor(offsets, dtype=torch.int32)
+    o, s = running_tensor_recurrent_ref(rq, rk, rv, rg, rb, scale=scale, initial_state=rs0,
+                                        output_final_state=True, l2norm=l2norm, cu_seqlens=cu)
+    gen = torch.Generator().manual_seed(int(torch.seed() % 2**31))
+    do = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(dtype)
+    dht = torch.randn(s.shape, generator=gen, dtype=torch.float64).float() if final_grad else None
+    loss = (o * do.double()).sum() + ((s * dht.double()).sum() if final_grad else 0.0)
+    leaves = {"v": rv, **{f"q{i}": x for i, x in enumerate(rq)}, **{f"k{i}": x for i, x in enumerate(rk)}}
+    leaves.update({n: x for n, x in (("g", rg), ("beta", rb), ("h0", rs0)) if x is not None})
+    ref = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+    dev = lambda x: None if x is None else x.to(DEVICE)
+    dq, dk, dv, dg, db, dh0 = running_tensor_bwd(
+        [dev(x) for x in kq], [dev(x) for x in kk], dev(kv), dev(kg), dev(kb), scale=scale, initial_state=dev(ks0),
+        cu_seqlens=dev(cu), l2norm=l2norm, do=dev(do), dht=dev(dht),
+        variant=BackwardConfig(chunk_size=chunk_size, block_v=block_v, num_warps=num_warps))
+    got = {"v": dv, **{f"q{i}": x for i, x in enumerate(dq)}, **{f"k{i}": x for i, x in enumerate(dk)},
+           "g": dg, "beta": db, "h0": dh0}
+    inputs = {"v": kv, **{f"q{i}": x for i, x in enumerate(kq)}, **{f"k{i}": x for i, x in enumerate(kk)},
+              "g": kg, "beta": kb, "h0": ks0}
+    tol = HALF_TOL.get(dtype, FP32_TOL)
+    for name, x in inputs.items():
+        if x is None:
+            assert got[name] is None, f"d{name} given for an absent input"
+            continue
+        assert got[name].shape == x.shape and got[name].dtype == x.dtype, name
+        err = rel_err(got[name].cpu(), ref[name])
+        assert err < tol, f"d{name}: relative error {err:.2e} (> {tol:.0e})"
+
+
+FEATURES = {  # every switch of the problem, each on in two of four combinations
+    "plain": dict(gate=False, delta=False, l2norm=False, h0=False),
+    "gate-h0": dict(gate=True, delta=False, l2norm=False, h0=True),
+    "delta-l2": dict(gate=False, delta=True, l2norm=True, h0=False),
+    "gated-delta-l2-h0": dict(gate=True, delta=True, l2norm=True, h0=True),
+}
+
+
+@needs_kernels
+@pytest.mark.parametrize("features", FEATURES.keys())
+@pytest.mark.parametrize("widths, T, C", [((16,), 37, 16), ((16, 16), 37, 16)], ids=["o2-16", "o3-16x16"])
+def test_every_gradient_each_feature(widths, T, C, features):
+    """T = 37 with C = 16: two whole chunks and a partial one."""
+    check_gradients(widths, T, 20, chunk_size=C, **FEATURES[features])
+
+
+@needs_kernels
+@pytest.mark.parametrize("widths, T, V, C, block_v, warps", [((64,), 45, 24, 32, 16, 4), ((16,), 70, 20, 64, 32, 4),
+                                                             ((16, 16), 50, 40, 32, 32, 8)],
+                         ids=["o2-64-c32", "o2-16-c64", "o3-16x16-c32-v40"])
+def test_other_chunk_sizes_and_widths(widths, T, V, C, block_v, warps):
+    """C 32 and 64, K 64, several value blocks (40 columns in 32-wide blocks: a partial one)."""
+    check_gradients(widths, T, V, chunk_size=C, block_v=block_v, num_warps=warps)
+
+
+@needs_kernels
+@pytest.mark.parametrize("widths", [(16,), (16, 16)], ids=["o2-16", "o3-16x16"])
+def test_varlen(widths):
+    """Packed sequences of 9, 21 and 11 tokens (each ending in a partial chunk of 16), one
+    initial state and one final-state gradient per sequence."""
+    check_gradients(widths, 41, 20, chunk_size=16, offsets=[0, 9, 30, 41])
+
+
+@needs_kernels
+def test_without_final_state_gradient_and_batch():
+    check_gradients((16,), 33, 20, chunk_size=16, final_grad=False, B=2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("widths", [(16,), (16, 16)], ids=["o2-16", "o3-16x16"])
+def test_half_inputs(widths, dtype):
+    check_gradients(widths, 37, 20, chunk_size=16, dtype=dtype)
+
+
+# ----- scope and config -----------------------------------------------------------------------
+
+
+def _problem(widths, V=16, dtype=torch.float32):
+    q, k, v, g, beta, _ = make_inputs(1, 4, 1, widths, V, dtype=dtype)
+    return check_inputs(q, k, v, g, beta, None, None, None)
+
+
+@pytest.mark.parametrize("widths, dtype, needle", [
+    ((16, 16, 16), torch.float32, "K = 4096 > 256: the backward keeps the state in registers"),
+    ((32, 16), torch.bfloat16, "K = 512 > 256"),
+    ((3, 5), torch.float32, "power-of-two key widths >= 16"),
+    ((8,), torch.float32, "power-of-two key widths >= 16"),
+    ((16,), torch.float64, "dtype torch.float64"),
+])
+def test_supports_refuses_with_the_reason(widths, dtype, needle):
+    reason = supports(_problem(widths, dtype=dtype), None)
+    assert reason is not None and needle in reason, reason
+
+
+@pytest.mark.parametrize("widths", [(16,), (64,), (256,), (16, 16)])
+def test_supports_its_scope(widths):
+    assert supports(_problem(widths), None) is None
+    assert supports(_problem(widths, dtype=torch.bfloat16), None) is None
+
+
+@needs_kernels
+def test_refused_problem_raises_the_reason():
+    q, k, v, g, beta, _ = make_inputs(1, 4, 1, (16, 16, 16), 16, dtype=torch.float32)
+    with pytest.raises(ValueError, match="K = 4096 > 256"):
+        running_tensor_bwd(q, k, v, g, beta, scale=1.0, initial_state=None, cu_seqlens=None, l2norm=False,
+                           do=torch.zeros_like(v), dht=None)
+
+
+@pytest.mark.parametrize("config, needle", [
+    (BackwardConfig(chunk_size=128, block_v=16, solve="rows"), "chunk_size=128; allowed: 16, 32, 64"),
+    (BackwardConfig(chunk_size=16, block_v=16, num_stages=1), "num_stages=1; allowed: 2, 3 or 4"),
+    (BackwardConfig(chunk_size=16, block_v=128), "block_v=128; allowed: 16 .. 64"),
+    (BackwardConfig(chunk_size=16, block_v=16, dot_precision="fp8"), "dot_precision='fp8'"),
+    (BackwardConfig(chunk_size=64, block_v=64, num_warps=2), "registers per thread estimated"),
+])
+def test_config_refusals_name_the_field(config, needle):
+    reason = config.check(KernelShape((16, 16), 64), 232448)
+    assert reason is not None and needle in reason, reason
+
+
+@pytest.mark.parametrize("shape", [KernelShape((16,), 64), KernelShape((64,), 128), KernelShape((256,), 64),
+                                   KernelShape((16, 16), 64, 4), KernelShape((16, 16), 20)], ids=str)
+@pytest.mark.parametrize("limit", [DEFAULT_SMEM_BYTES, 232448])
+def test_default_and_space(shape, limit):
+    default = default_backward(shape, limit)
+    assert default.check(shape, limit) is None
+    assert BackwardConfig.from_dict(default.to_dict()) == default
+    space = BackwardConfig.space(shape)
+    found = list(iter_space(BackwardConfig, shape, smem_limit=limit))
+    assert found and all(getattr(c, n) in vals for c in found for n, vals in space.items())
+    assert BackwardConfig.space(KernelShape((16, 16, 16), 64)) == {}
+
+
+@needs_kernels
+@pytest.mark.parametrize("delta, gate", [(True, True), (False, False)])
+def test_launcher_allocates_the_workspace_its_config_declares(monkeypatch, delta, gate):
+    """Allocated beyond the gradients (and the fp32 initial-state gradient) is ``workspace_bytes``."""
+    sizes = []
+
+    def counting_empty(*shape, dtype=None, device=None):
+        t = torch.empty(*shape, dtype=dtype, device=device)
+        sizes.append(t.numel() * t.element_size())
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(args, "empty", counting_empty)
+    B, T, H, widths, V = 2, 40, 2, (16,), 24
+    q, k, v, g, beta, s0 = make_inputs(B, T, H, widths, V, gate=gate, delta=delta, state=True, dtype=torch.float32)
+    s0 = s0.float()
+    config = BackwardConfig(chunk_size=16, block_v=16)
+    out = running_tensor_bwd(q, k, v, g, beta, scale=0.5, initial_state=s0, cu_seqlens=None, l2norm=True,
+                             do=torch.randn_like(v), dht=None, variant=config)
+    dq, dk, dv, dg, db, dh0 = out
+    grads = [*dq, *dk, dv, dg, db, dh0]
+    outputs = sum(x.numel() * x.element_size() for x in grads if x is not None)
+    work = Workload(KernelShape(widths, V, 4), B, H, T, delta_rule=delta, forget_gate=gate)
+    assert sum(sizes) - outputs == config.workspace_bytes(work)
