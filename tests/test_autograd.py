@@ -118,7 +118,7 @@ def _tol(bwd) -> float:
     return 1e-5 if bwd.standin else 2e-3
 
 
-def _leaves(B=1, T=20, H=2, widths=(3, 4), V=4, *, gate=True, delta=True, state=True, num_seqs=None, seed=0):
+def _leaves(B=1, T=20, H=2, widths=(16,), V=16, *, gate=True, delta=True, state=True, num_seqs=None, seed=0):
     q, k, v, g, beta, s0 = make_inputs(B, T, H, widths, V, gate=gate, delta=delta, state=state, num_seqs=num_seqs,
                                        dtype=torch.float32, seed=seed)
     leaf = lambda x: None if x is None else x.to(DEVICE).float().requires_grad_()
@@ -150,12 +150,13 @@ def _check_grads(bwd, leaves, expected):
         assert rel_err(x.grad, ref) < _tol(bwd), f"leaf {i}: rel err {rel_err(x.grad, ref):.2e}"
 
 
-CASES = [  # (order widths, gate, delta, l2norm)
-    ((3, 4), True, True, True),
-    ((3, 4), False, False, False),
-    ((3, 4), True, False, True),
-    ((8,), False, True, False),
-    ((2, 2, 3), True, True, False),
+CASES = [  # (order widths, gate, delta, l2norm): shapes the Triton backward takes (power-of-two
+    # widths >= 16, K <= 256), so the same cases run against the stand-in and the real kernels
+    ((16,), True, True, True),
+    ((16,), False, False, False),
+    ((16, 16), True, False, True),
+    ((32,), False, True, False),
+    ((16, 16), True, True, False),
 ]
 
 
@@ -243,13 +244,13 @@ def test_standin_triton_refused_problem_raises_naming_the_reason(bwd, monkeypatc
     """STAND-IN scripted: "triton" + grad on a problem the backward cannot run is a ValueError
     with supports' reason, before any launch."""
     seen = []
-    monkeypatch.setattr(bwd.module, "supports", lambda p, cu: seen.append((p, cu)) or "d_v 4 is below 16")
+    monkeypatch.setattr(bwd.module, "supports", lambda p, cu: seen.append((p, cu)) or "d_v 16 is refused here")
     q, k, v, g, beta, _ = _leaves(state=False)
-    with pytest.raises(ValueError, match="d_v 4 is below 16"):
+    with pytest.raises(ValueError, match="d_v 16 is refused here"):
         rtcompile.running_tensor(q, k, v, g, beta, mode="chunk", backend="triton", variant=CHUNK16)
     assert bwd.calls["fwd"] == 0
     p, cu = seen[0]
-    assert p.key_widths == (3, 4) and p.value_width == 4 and cu is None
+    assert p.key_widths == (16,) and p.value_width == 16 and cu is None
     launches = []
     inner = launch.fwd_checked
     monkeypatch.setattr(launch, "fwd_checked", lambda *a, **kw: launches.append(1) or inner(*a, **kw))
@@ -286,11 +287,14 @@ def test_decode_step_with_grad_refused():
     assert functional.resolve_backend("auto", v, 3, True) == "reference"
 
 
+MIXER = dict(widths=(16, 16), V=16)  # the two-factor problem of the tests below
+
+
 def test_opcheck_bwd(bwd):
     q, k, v, g, beta, s0 = [x.detach() if isinstance(x, torch.Tensor) else [y.detach() for y in x]
-                            for x in _leaves()]
+                            for x in _leaves(**MIXER)]
     do = torch.randn_like(v)
-    dht = torch.randn(1, 2, 3, 4, 4, device=DEVICE)
+    dht = torch.randn(1, 2, 16, 16, 16, device=DEVICE)
     for args in ((q, k, v, g, beta, s0, None, do, dht, 0.3, True, 16),
                  (q, k, v, None, None, None, None, do, None, 0.3, False, 0)):
         torch.library.opcheck(running_tensor_bwd_op, args,
@@ -298,7 +302,7 @@ def test_opcheck_bwd(bwd):
 
 
 def test_opcheck_fwd_autograd_registration(bwd):
-    q, k, v, g, beta, s0 = _leaves()
+    q, k, v, g, beta, s0 = _leaves(**MIXER)
     torch.library.opcheck(running_tensor_fwd_op, (q, k, v, g, beta, s0, None, 0.3, True, True, "chunk", 0, ""),
                           test_utils=("test_autograd_registration",))
 
@@ -309,7 +313,7 @@ class _Mixer(torch.nn.Module):
     def __init__(self, mode, backend="triton"):
         super().__init__()
         torch.manual_seed(0)
-        self.proj = torch.nn.Linear(4, 4)
+        self.proj = torch.nn.Linear(16, 16)
         self.mode, self.backend = mode, backend
 
     def forward(self, q1, q2, k1, k2, v, g, beta, s0):
@@ -333,7 +337,7 @@ def test_compile_fullgraph_trains(bwd, mode, backend):
     """torch.compile(fullgraph=True) (AOTAutograd; aot_eager, and inductor, which also runs on
     the CPU) traces the forward op and its backward op with no graph break; its gradients
     equal eager's."""
-    q, k, v, g, beta, s0 = _leaves()
+    q, k, v, g, beta, s0 = _leaves(**MIXER)
     args = (*q, *k, v, g, beta, s0)
     m = _Mixer(mode)
     eager = _grads_of(m, args)
@@ -357,7 +361,7 @@ def test_compile_backward_graph_holds_the_bwd_op(bwd):
         graphs.append(str(gm.graph))
         return make_boxed_func(gm.forward)
 
-    q, k, v, g, beta, s0 = _leaves()
+    q, k, v, g, beta, s0 = _leaves(**MIXER)
     torch._dynamo.reset()
     compiled = torch.compile(_Mixer("chunk"), fullgraph=True, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
     _grads_of(compiled, (*q, *k, v, g, beta, s0))
@@ -369,7 +373,7 @@ def test_export_in_grad_mode_records_the_op(bwd):
     """torch.export of a module whose parameters require grad, under grad mode, records the
     custom op (backend "auto": the backward supports the call), not the reference's ops."""
     q, k, v, g, beta, s0 = [x.detach() if isinstance(x, torch.Tensor) else [y.detach() for y in x]
-                            for x in _leaves()]
+                            for x in _leaves(**MIXER)]
     args = (*q, *k, v, g, beta, s0)
     m = _Mixer("chunk", backend="auto")
     assert torch.is_grad_enabled()
@@ -387,7 +391,7 @@ def test_model_trains_through_the_op(bwd, monkeypatch):
     from rtcompile.model import RunningTensorLM
     from rtcompile.spec import Features, ModelSpec
 
-    spec = ModelSpec(order=3, key_widths=(2, 4), value_width=5, heads=2, model_width=12, layers=2,
+    spec = ModelSpec(order=3, key_widths=(16, 16), value_width=16, heads=2, model_width=32, layers=2,
                      features=Features(query_skip=True))
     torch.manual_seed(1)
     lm = RunningTensorLM(spec, vocab_size=9).to(DEVICE)
@@ -413,7 +417,7 @@ def test_compile_varlen_asks_supports_with_the_offsets(bwd):
     """Under dynamo the backward's support is asked at trace time (cu_seqlens a graph input),
     with the number of sequences; the compiled gradients equal eager's."""
     cu = torch.tensor([0, 7, 25, 40], dtype=torch.int32, device=DEVICE)
-    q, k, v, g, beta, s0 = _leaves(T=40, num_seqs=3)
+    q, k, v, g, beta, s0 = _leaves(T=40, num_seqs=3, **MIXER)
     leaves = _flat(q, k, v, g, beta, s0)
     seen = []
     inner = bwd.module.supports
@@ -436,6 +440,7 @@ def test_compile_varlen_asks_supports_with_the_offsets(bwd):
         compiled = grads(torch.compile(f, fullgraph=True, backend="aot_eager"))
     finally:
         bwd.module.supports = inner
-    assert seen == [(3, True), (3, True)]
+    # once eagerly and once at trace time (the real backward may ask again before it launches)
+    assert len(seen) >= 2 and set(seen) == {(3, True)}
     for a, b in zip(eager, compiled):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
