@@ -20,6 +20,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -88,13 +89,21 @@ def _train_call(fwd, leaves, do, dht):
     return call
 
 
-def measure(fla: bool) -> list[dict]:
+def _say(*parts) -> None:
+    """Progress on stderr as it happens (a run cut at its time limit still shows how far it got)."""
+    print(f"[{time.strftime('%H:%M:%S')}]", *parts, file=sys.stderr, flush=True)
+
+
+def measure(fla: bool, only: set[str] | None = None) -> list[dict]:
     import torch
 
     import rtcompile
 
     rows = []
     for name, widths in CASES:
+        if only and name not in only:
+            continue
+        _say(name, "start")
         q, k, v, g, beta = _inputs(widths, 1)
         leaves = [x.requires_grad_() for x in (*q, *k, v, g, beta)]
         do = torch.randn_like(v)
@@ -112,6 +121,7 @@ def measure(fla: bool) -> list[dict]:
         except (ValueError, NotImplementedError, RuntimeError) as exc:  # a refusal is a row, not the end
             row["error"] = " ".join(str(exc).split())[:160]
         rows.append(row)
+        _say(name, "rtcompile", row)
         K = 1
         for w in widths:
             K *= w
@@ -134,6 +144,7 @@ def measure(fla: bool) -> list[dict]:
             call = _train_call(theirs, [*qk, vb, gf, bb], do, dht_f)
             frow["train_s"], frow["peak_extra_bytes"] = _time(call), _peak(call)
             rows.append(frow)
+            _say(name, "fla", frow)
         del q, k, v, g, beta, leaves
         torch.cuda.empty_cache()
     return rows
@@ -143,6 +154,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fla", action="store_true")
     ap.add_argument("--out")
+    ap.add_argument("--cases", help="comma-separated case names (default: all), e.g. 'o3 16x16,o2 64'")
     args = ap.parse_args()
     try:
         import torch
@@ -152,7 +164,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("train_step: needs a CUDA GPU", file=sys.stderr)
         return 2
-    rows = measure(args.fla)
+    rows = measure(args.fla, set(args.cases.split(",")) if args.cases else None)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
     from rich.console import Console

@@ -184,7 +184,7 @@ def test_loss_on_final_state_only(bwd):
                                      backend="triton", variant=CHUNK16)
     wf = torch.randn_like(ht)
     (ht * wf).sum().backward()
-    expected = _reference_grads(q, k, v, g, beta, s0, torch.zeros(v.shape), l2norm=False, final_weight=wf)
+    expected = _reference_grads(q, k, v, g, beta, s0, torch.zeros_like(v), l2norm=False, final_weight=wf)
     _check_grads(bwd, _flat(q, k, v, g, beta, s0), expected)
     assert s0.grad.abs().max() > 0 and v.grad.abs().max() > 0
 
@@ -313,7 +313,7 @@ class _Mixer(torch.nn.Module):
     def __init__(self, mode, backend="triton"):
         super().__init__()
         torch.manual_seed(0)
-        self.proj = torch.nn.Linear(16, 16)
+        self.proj = torch.nn.Linear(16, 16, device=DEVICE)
         self.mode, self.backend = mode, backend
 
     def forward(self, q1, q2, k1, k2, v, g, beta, s0):

@@ -157,6 +157,7 @@ def test_supports_its_scope(widths):
 @needs_kernels
 def test_refused_problem_raises_the_reason():
     q, k, v, g, beta, _ = make_inputs(1, 4, 1, (16, 16, 16), 16, dtype=torch.float32)
+    q, k, v, g, beta = [x.to(DEVICE) for x in q], [x.to(DEVICE) for x in k], v.to(DEVICE), g.to(DEVICE), beta.to(DEVICE)
     with pytest.raises(ValueError, match="K = 4096 > 256"):
         running_tensor_bwd(q, k, v, g, beta, scale=1.0, initial_state=None, cu_seqlens=None, l2norm=False,
                            do=torch.zeros_like(v), dht=None)
@@ -201,7 +202,8 @@ def test_launcher_allocates_the_workspace_its_config_declares(monkeypatch, delta
     monkeypatch.setattr(args, "empty", counting_empty)
     B, T, H, widths, V = 2, 40, 2, (16,), 24
     q, k, v, g, beta, s0 = make_inputs(B, T, H, widths, V, gate=gate, delta=delta, state=True, dtype=torch.float32)
-    s0 = s0.float()
+    dev = lambda x: None if x is None else x.to(DEVICE)  # noqa: E731
+    q, k, v, g, beta, s0 = [dev(x) for x in q], [dev(x) for x in k], dev(v), dev(g), dev(beta), dev(s0).float()
     config = BackwardConfig(chunk_size=16, block_v=16)
     out = running_tensor_bwd(q, k, v, g, beta, scale=0.5, initial_state=s0, cu_seqlens=None, l2norm=True,
                              do=torch.randn_like(v), dht=None, variant=config)
