@@ -253,8 +253,9 @@ def _train(spec: ModelSpec, target: Target, B: int, T: int, cal: Calibration) ->
     mode, variant, chosen = ("chunk", chunk, c) if c.seconds <= r.seconds else ("recurrent", rec, r)
     alts = [{"mode": "chunk", "variant": chunk.to_dict(), "cost": c.to_dict()},
             {"mode": "recurrent", "variant": rec.to_dict(), "cost": r.to_dict()}]
-    reason = (f"forward + backward ~ {TRAIN_BACKWARD_FACTOR:g}x forward ({chosen.bound}-bound); the Triton kernels "
-              "are forward-only so far: training runs the PyTorch reference's autograd")
+    reason = (f"forward + backward ~ {TRAIN_BACKWARD_FACTOR:g}x forward ({chosen.bound}-bound; modelled, the "
+              "backward is not measured yet); the Triton backward takes power-of-two widths >= 16 with K <= 256, "
+              "other problems train on the PyTorch reference's autograd")
     return Decision("train", B, T, mode, variant.to_dict(), chosen.to_dict(), alts, reason)
 
 
