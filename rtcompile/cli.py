@@ -148,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="time our kernels, the PyTorch reference and fla on one CUDA GPU (see benchmarks/README.md)",
     )
-    bench.add_argument("--phase", choices=PHASES, default="all", help="what to measure (default all)")
+    bench.add_argument("--phase", choices=PHASES, default="all",
+                       help="what to measure (default all = prefill + decode; train: forward + backward, only when named)")
     bench.add_argument("--quick", action="store_true", help="T=1024 and fewer cases (a smoke run)")
     bench.add_argument("--out", metavar="DIR", help="write bench.json and bench.csv into DIR (rewritten after every case)")
     bench.add_argument("--dry-run", action="store_true", help="list the cases a run would measure; needs no GPU")

@@ -10,7 +10,9 @@ One invocation on one CUDA GPU measures, in this order, and writes every number 
 3. the error of each prefill implementation against the float64 token loop at a small T;
 4. decode (one token per sequence, state cache updated in place) of our kernel, the reference
    and fla's ``fused_recurrent_gated_delta_rule``, against a large copy and against a copy of
-   exactly the state bytes; then the eager Python overhead per decode call.
+   exactly the state bytes; then the eager Python overhead per decode call;
+5. train (``--phase train`` only, :mod:`.train`): forward + backward of our Triton kernels, the
+   reference's autograd and fla's on materialised keys, the forward alone, peak extra memory.
 
 Invariants that keep the numbers honest:
 

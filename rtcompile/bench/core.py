@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     pass
 
 # ----- what runs ---------------------------------------------------------------------------
-PHASES = ("prefill", "decode", "all")
+PHASES = ("prefill", "decode", "train", "all")  # "all" = prefill + decode (see plan)
 IMPL_RT = "rtcompile"  # our chunk kernel (prefill) or decode kernel; variants: "rtcompile[name]"
 IMPL_RT_RECURRENT = "rtcompile-recurrent"  # our kernel in mode="recurrent" (error rows only)
 IMPL_REF = "torch-ref"  # the PyTorch reference (chunk form for prefill, token loop for decode)
@@ -87,7 +87,8 @@ class Case:
     """One shape and the implementations to run on it.
 
     ``phase`` is "prefill" (chunk forward over T tokens), "decode" (T = 1, state cache updated
-    in place), "error" (a prefill shape at small T against the float64 token loop) or "eager"
+    in place), "train" (forward + backward over T tokens, :mod:`.train`), "error" (a prefill
+    shape at small T against the float64 token loop) or "eager"
     (Python overhead per decode call). ``variants`` maps a name to extra keyword arguments for
     our kernel (for example ``{"variant": obj}``): each becomes an implementation
     ``rtcompile[name]`` beside the default ``rtcompile``.
@@ -162,6 +163,7 @@ class Outcome:
     rel_rms_err: float | None = None
     note: str = ""
     work: Work | None = None
+    fwd_seconds: float | None = None  # train rows: the forward alone, per call
 
 
 @dataclass(frozen=True)
@@ -187,6 +189,7 @@ class Row:
     rel_rms_err: float | None = None
     timing: str = ""
     note: str = ""
+    fwd_ms: float | None = None  # train rows: the forward alone (ms is forward + backward)
 
 
 ROW_FIELDS = tuple(f.name for f in fields(Row))
@@ -371,7 +374,13 @@ def plan(phase: str = "all", quick: bool = False,
          variants: Mapping[str, Mapping[str, Any]] | None = None, only: Sequence[str] = ()) -> list[Case]:
     """Every case of a run, in run order: prefill, its errors, decode, eager overhead; with
     ``only``, the cases whose name contains one of its strings. ``variants`` are chunk-kernel
-    variants (prefill and error cases); decode cases time DECODE_VARIANTS."""
+    variants (prefill and error cases); decode cases time DECODE_VARIANTS.
+
+    "train" (forward + backward, :mod:`.train`) runs only when asked for: "all" stays prefill +
+    decode, because the train cases' first calls compile our backward and autotune fla's (fla's
+    K = 256 forward + backward timing did not finish inside the run's limit at d382be9's H200
+    session, RESULTS.md "Training path"), which the default 450 s budget beside prefill (77 s)
+    and decode (17 s) cannot promise to hold."""
     if phase not in PHASES:
         raise ValueError(f"phase: got {phase!r}; allowed: {', '.join(PHASES)}")
     cases: list[Case] = []
@@ -379,6 +388,10 @@ def plan(phase: str = "all", quick: bool = False,
         cases += prefill_cases(quick, variants) + error_cases(quick, variants)
     if phase in ("decode", "all"):
         cases += decode_cases(quick, DECODE_VARIANTS) + eager_cases()
+    if phase == "train":
+        from .train import train_cases  # train imports this module
+
+        cases += train_cases(quick)
     return [c for c in cases if not only or any(s in c.name for s in only)]
 
 
@@ -404,6 +417,8 @@ def case_work(case: Case) -> Work | None:
     if case.phase == "decode":
         f = recurrent_figures(case_spec(case))
         return Work(f.flops_per_token * case.B, f.bytes_per_token * case.B, case.B)
+    if case.phase == "train":  # tokens only: the figures do not model the backward's bytes or FLOPs
+        return Work(0.0, 0.0, case.B * case.T)
     return None
 
 
@@ -418,7 +433,8 @@ def derive_row(base: Row, outcome: Outcome, work: Work | None, ceilings: Ceiling
                same_size_gbps: float | None = None) -> Row:
     """Fill ``base`` with the outcome and the rates derived from seconds per call."""
     row = replace(base, timing=outcome.timing, note=clip_note(outcome.note),
-                  peak_extra_mem_bytes=outcome.peak_extra_mem_bytes, rel_rms_err=outcome.rel_rms_err)
+                  peak_extra_mem_bytes=outcome.peak_extra_mem_bytes, rel_rms_err=outcome.rel_rms_err,
+                  fwd_ms=None if outcome.fwd_seconds is None else outcome.fwd_seconds * 1e3)
     s = outcome.seconds
     if s is None or not s > 0:
         return row

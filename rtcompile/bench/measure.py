@@ -506,6 +506,10 @@ def measures_for(case: Case, ctx: BenchContext) -> dict[str, Measure]:
     if case.phase == "error":
         oracle = _Oracle(case, ctx)
         return {impl: (lambda impl=impl: measure_error(case, impl, oracle)) for impl in case.impl_names()}
+    if case.phase == "train":
+        from .train import measure_train  # train imports this module
+
+        return {impl: (lambda impl=impl: measure_train(case, impl, ctx)) for impl in case.impl_names()}
     fn = {"prefill": measure_prefill, "decode": measure_decode, "eager": measure_eager}[case.phase]
     return {impl: (lambda impl=impl: fn(case, impl, ctx)) for impl in case.impl_names()}
 

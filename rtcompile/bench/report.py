@@ -94,6 +94,10 @@ def collect_header(options: BenchOptions, ctx: BenchContext) -> dict[str, Any]:
         float32_matmul_precision=torch.get_float32_matmul_precision(), method=METHOD,
         ceilings=asdict(ctx.ceilings),
     )
+    if options.phase == "train":
+        from .train import TRAIN_METHOD
+
+        header["train_method"] = TRAIN_METHOD
     return header
 
 
@@ -233,7 +237,9 @@ def dry_run_lines(options: BenchOptions) -> list[str]:
         if IMPL_FLA in impls and case.phase in ("prefill", "error") and case.K > FLA_MAX_K:
             impls[impls.index(IMPL_FLA)] = "fla(refused: K>256, not called)"
         size = f"B{case.B} T{case.T} H{case.H} V{case.V} K{case.K} {case.dtype}"
-        wtxt = f"  {work.nbytes / 1e9:.3g} GB {work.flops / 1e9:.3g} GFLOP" if work else ""
+        wtxt = f"  {work.nbytes / 1e9:.3g} GB {work.flops / 1e9:.3g} GFLOP" if work and work.nbytes else ""
+        if case.phase == "train":
+            wtxt = "  forward + backward, forward alone, peak memory"
         lines.append(f"{case.phase:8} {case.name:22} {size:36}{wtxt}  impls: {', '.join(impls)}")
     return lines
 
