@@ -46,7 +46,7 @@ def test_cli_without_cuda_subprocess_no_traceback():
     assert len(r.stderr.strip().splitlines()) == 1 and "CUDA" in r.stderr
 
 
-@pytest.mark.parametrize("argv", [["--repeats", "0"], ["--repeats", "x"], ["--phase", "train"], ["--budget-s", "-1"]])
+@pytest.mark.parametrize("argv", [["--repeats", "0"], ["--repeats", "x"], ["--phase", "backward"], ["--budget-s", "-1"]])
 def test_cli_bad_arguments(argv, capsys):
     assert main(["bench", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -479,3 +479,74 @@ def test_named_variants_follow_the_input_width(monkeypatch, dtype, itemsize):
     for call in (DEFAULT_VARIANTS["fused"], DEFAULT_VARIANTS["two-kernel"], DECODE_VARIANTS["outer-phi"]):
         call(case)
     assert seen and set(seen) == {itemsize}
+
+
+# ----- the train phase ---------------------------------------------------------------------------
+def test_dry_run_lists_the_train_cases(no_cuda, capsys):
+    assert main(["bench", "--dry-run", "--phase", "train"]) == 0
+    out = capsys.readouterr().out
+    cases = bench.plan("train")
+    assert {c.key_widths for c in cases} == {(16, 16), (64,), (128,), (256,)}
+    assert all((c.B, c.T, c.H, c.V, c.dtype, c.phase) == (8, 4096, 8, 64, "bfloat16", "train") for c in cases)
+    for case in cases:
+        assert case.name in out and case.impl_names() == [IMPL_RT, IMPL_REF, IMPL_FLA]
+    assert "prefill " not in out and "decode " not in out
+    # "all" stays prefill + decode: the train phase runs only when named
+    assert not [c for c in bench.plan("all") if c.phase == "train"]
+
+
+def test_train_work_is_tokens_only():
+    case = bench.plan("train", quick=True)[0]
+    assert bench.case_work(case) == Work(0.0, 0.0, 8 * 1024)
+
+
+
+@pytest.fixture
+def fake_fla_train(monkeypatch):
+    from rtcompile.bench import train
+
+    guard = types.SimpleNamespace(TRITON_ABOVE_3_7_1=False)
+    seen = []
+    fla = _fake_fla_module()
+    inner = fla.chunk_gated_delta_rule
+
+    def chunk(*args, **kwargs):
+        seen.append(guard.TRITON_ABOVE_3_7_1)  # the guard is off while fla runs ...
+        return inner(*args, **kwargs)
+
+    fla.chunk_gated_delta_rule = chunk
+    monkeypatch.setattr(train, "fla_ops", lambda: fla)
+    monkeypatch.setattr(train, "_fla_guard_module", lambda: guard)
+    monkeypatch.setattr(train, "fla_version", lambda: "0.6.0-fake")
+    return guard, seen
+
+
+def test_cpu_train_run_times_forward_and_backward(fake_fla_train, monkeypatch, tmp_path):
+    """The real Triton forward + backward (interpreter) through the public API, the reference and
+    a fake fla, on a tiny train case; a key width the Triton backward refuses is a refused row."""
+    from rtcompile.kernels import chunk_backward
+
+    guard, seen = fake_fla_train
+    calls = []
+    real = chunk_backward.running_tensor_bwd
+    monkeypatch.setattr(chunk_backward, "running_tensor_bwd", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cases = [Case("t16", "train", (16,), 1, 20, H=1, V=16, impls=(IMPL_RT, IMPL_REF, IMPL_FLA), chunk_size=16),
+             Case("t12", "train", (12,), 1, 20, H=1, V=16, impls=(IMPL_RT,), chunk_size=16)]
+    opts = BenchOptions(phase="train", out=tmp_path / "out", repeats=3)
+    table = io.StringIO()
+    rows = bench.run_bench(opts, device="cpu", cases=cases, measure_ceilings=False, file=table, log=io.StringIO())
+    by = {(r.case, r.impl): r for r in rows}
+    for impl in (IMPL_RT, IMPL_REF, IMPL_FLA):
+        r = by[("t16", impl)]
+        assert r.ms and r.fwd_ms and r.tokens_per_s and r.phase == "train", (impl, r.note)
+        assert r.note.startswith("fwd ") and r.gbps is None
+    assert calls, "the Triton backward never ran"
+    assert seen and all(seen) and guard.TRITON_ABOVE_3_7_1 is False  # ... and restored after
+    assert "guard switched off for timing only" in by[("t16", IMPL_FLA)].note
+    refused = by[("t12", IMPL_RT)]
+    assert refused.note.startswith("refused: ") and refused.ms is None, refused.note
+    # the reason itself, not the API's preamble ("backend: 'triton' with an input that requires grad ...")
+    assert refused.note.startswith("refused: key widths (12,)") and "backend:" not in refused.note
+    doc = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert "forward + backward" in doc["header"]["train_method"]
+    assert {"fwd_ms"} <= set(doc["rows"][0])
