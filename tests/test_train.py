@@ -61,3 +61,39 @@ def test_training_steps_on_triton_match_the_reference(monkeypatch):
     assert all(s == {torch.float32} for s in tri_states + ref_states)  # fp32 state
     assert all(a == pytest.approx(b, abs=LOSS_TOL) for a, b in zip(tri, ref)), (tri, ref)
     assert ref[0] != ref[-1]  # the steps did move the model (a frozen model would agree trivially)
+
+
+SCRIPT = __import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks" / "train_loss.py"
+
+
+def _script(*argv, interpret=True, tmp_path=None):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1" if interpret else "0"}
+    return subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=600)
+
+
+def test_train_loss_tiny_runs_both_backends_on_cpu(tmp_path):
+    import json
+
+    out = tmp_path / "r.json"
+    r = _script("--tiny", "--steps", "2", "--out", str(out), tmp_path=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert [run["backend"] for run in doc["runs"]] == ["triton", "reference"]
+    assert all(len(run["losses"]) == 2 and run["tokens_per_s"] > 0 for run in doc["runs"])
+    assert doc["agree"] and doc["max_abs_diff_smoothed"] <= doc["tolerance"] == 0.05
+    assert "agree" in r.stdout and "tokens/s" in r.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the script would train")
+def test_train_loss_without_a_gpu_exits_2_with_one_line(tmp_path):
+    r = _script("--steps", "2", interpret=False, tmp_path=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "CUDA GPU" in r.stderr
+    assert not (tmp_path / "train_loss.json").exists()
+    bad = _script("--tiny", "--steps", "0", tmp_path=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.startswith("train_loss: --steps")
