@@ -29,6 +29,7 @@ from typing import Any
 from ._version import __version__
 from .fileio import atomic_write
 from .costmodel import Calibration, calibrate, chunk_cost, recurrent_cost, shape_of, with_measured, workload
+from .kernels.chunk_backward import default_backward, shape_refusal
 from .kernels.config import KernelConfig
 from .kernels.forms import config_from_dict, default_config, low_memory, two_kernel
 from .spec import DTYPE_BYTES, ModelSpec
@@ -60,6 +61,10 @@ class Decision:
     alternatives: list[dict[str, Any]]
     reason: str
     state_dtype: str = "float32"  # how the state is stored between calls (decode: the cache)
+    # train: the backward's config (a BackwardConfig's to_dict(), the tuned one when measured),
+    # None where the Triton backward cannot take the shape (training then runs the reference's
+    # autograd). Optional, so plans written before it existed read as before.
+    backward: dict[str, Any] | None = None
 
     @property
     def chunk_size(self) -> int | None:
@@ -242,21 +247,52 @@ def _decode(spec: ModelSpec, target: Target, B: int, cal: Calibration, measured)
     return Decision("decode", B, 1, mode, variant.to_dict(), chosen.to_dict(), alts, reason, dtype)
 
 
-def _train(spec: ModelSpec, target: Target, B: int, T: int, cal: Calibration) -> Decision:
-    shape = shape_of(spec)
-    chunk = default_config("chunk", shape, target.smem_per_sm)
-    rec = default_config("recurrent", shape, target.smem_per_sm)
+def _nearest_train(measured, B: int, T: int):
+    """The tuned train measurement (kernel "chunk_bwd") of the nearest bucket (log distance in
+    B and T, as the launchers' lookup): ((B, T), (config, seconds)), or None."""
+    hits = [((b, t), hit) for (kernel, b, t), hit in measured.items() if kernel == "chunk_bwd"]
+    if not hits:
+        return None
+    dist = lambda h: abs(math.log2(h[0][0]) - math.log2(B)) + abs(math.log2(h[0][1]) - math.log2(T))
+    return min(hits, key=dist)
+
+
+def _train(spec: ModelSpec, target: Target, B: int, T: int, cal: Calibration, measured=None) -> Decision:
+    """Forward + backward: measured where the tuned table has a train (``chunk_bwd``) entry for
+    this spec and GPU (the nearest bucket's seconds, scaled to this bucket by the model's ratio
+    of forward costs where the buckets differ), else TRAIN_BACKWARD_FACTOR x the modelled
+    forward. The decision pins the backward config (``Decision.backward``)."""
+    shape, smem = shape_of(spec), target.smem_per_sm
+    chunk = default_config("chunk", shape, smem)
+    rec = default_config("recurrent", shape, smem)
     c = chunk_cost(spec, target, B, T, chunk, cal)
     r = recurrent_cost(spec, target, B, T, rec, cal)
     scale = lambda x: dataclasses.replace(x, seconds=x.seconds * TRAIN_BACKWARD_FACTOR)
-    c, r = scale(c), scale(r)
+    c_fwd, c, r = c, scale(c), scale(r)
+    unsupported = shape_refusal(shape)
+    backward = None if unsupported else default_backward(shape, smem)
+    hit = None if unsupported else _nearest_train(measured or {}, B, T)
+    if hit is not None:
+        (mB, mT), (backward, secs) = hit
+        at = f"B{mB} T{mT}"
+        if (mB, mT) != (B, T):  # the nearest tuned bucket, scaled by the model's forward-cost ratio
+            secs *= c_fwd.seconds / chunk_cost(spec, target, mB, mT, chunk, cal).seconds
+            at += ", scaled to this bucket by the model"
+        c = with_measured(c, secs)
+        how = f"forward + backward measured (tuned train bucket {at})"
+    else:
+        how = (f"forward + backward ~ {TRAIN_BACKWARD_FACTOR:g}x forward (modelled: no tuned train measurement; "
+               "`rtcompile tune --phase train` measures it)")
     mode, variant, chosen = ("chunk", chunk, c) if c.seconds <= r.seconds else ("recurrent", rec, r)
-    alts = [{"mode": "chunk", "variant": chunk.to_dict(), "cost": c.to_dict()},
+    bwd = None if backward is None else backward.to_dict()
+    alts = [{"mode": "chunk", "variant": chunk.to_dict(), "backward": bwd, "cost": c.to_dict()},
             {"mode": "recurrent", "variant": rec.to_dict(), "cost": r.to_dict()}]
-    reason = (f"forward + backward ~ {TRAIN_BACKWARD_FACTOR:g}x forward ({chosen.bound}-bound; modelled, the "
-              "backward is not measured yet); the Triton backward takes power-of-two widths >= 16 with K <= 256, "
-              "other problems train on the PyTorch reference's autograd")
-    return Decision("train", B, T, mode, variant.to_dict(), chosen.to_dict(), alts, reason)
+    reason = f"{how}, {chosen.source}, {chosen.bound}-bound"
+    if unsupported:
+        reason += f"; the Triton backward cannot take this shape ({unsupported}): training runs the PyTorch " \
+                  "reference's autograd"
+    return Decision("train", B, T, mode, variant.to_dict(), chosen.to_dict(), alts, reason,
+                    backward=bwd if mode == "chunk" else None)
 
 
 def crossover(spec: ModelSpec, target: Target, batch: int, cal: Calibration = Calibration()) -> int | None:
@@ -285,6 +321,8 @@ def _fit_calibration(spec: ModelSpec, target: Target, measured) -> Calibration:
     pred: dict[str, list] = {"chunk": [], "decode": []}
     meas: dict[str, list[float]] = {"chunk": [], "decode": []}
     for (kernel, B, T), (config, secs) in measured.items():
+        if kernel == "chunk_bwd":  # forward + backward: the train decision uses these directly
+            continue
         if kernel == "chunk":
             pred["chunk"].append(chunk_cost(spec, target, B, T, config))
             meas["chunk"].append(secs)
@@ -311,7 +349,7 @@ def make_plan(spec: ModelSpec, target: Target, *, batches=PREFILL_BATCHES, seq_l
     cal = calibration if calibration is not None else _fit_calibration(spec, target, measured)
     decisions = [_prefill(spec, target, B, T, cal, measured) for B in batches for T in seq_lens]
     decisions += [_decode(spec, target, B, cal, measured) for B in decode_batches]
-    decisions += [_train(spec, target, B, max(seq_lens), cal) for B in batches]
+    decisions += [_train(spec, target, B, max(seq_lens), cal, measured) for B in batches]
     cross = {f"B{B}": crossover(spec, target, B, cal) for B in batches}
     versions = {"rtcompile": __version__, "torch": torch.__version__, "triton": triton.__version__}
     return Plan(spec.to_dict(), target.to_dict(), decisions, cross, memory, cal.to_dict(), versions)

@@ -33,10 +33,14 @@ def add_parser(sub) -> None:
     again = p.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true", help="continue studies (after a crash, or for more trials)")
     again.add_argument("--retune", action="store_true", help="delete this machine's studies for the spec and start over")
-    p.add_argument("--phase", choices=["prefill", "decode", "all"], default="all",
-                   help="tune the chunk (prefill) kernel, the recurrent (decode) kernel, or both")
-    p.add_argument("--batch", type=int_list, metavar="B,..", help="prefill batch buckets (GPU default 8; CPU 1)")
-    p.add_argument("--seq-len", type=int_list, metavar="T,..", help="prefill length buckets (GPU default 4096; CPU 32)")
+    p.add_argument("--phase", choices=["prefill", "decode", "train", "all"], default="all",
+                   help="tune the chunk (prefill) kernel, the recurrent (decode) kernel, or both (all); train: the "
+                        "chunk backward's configs, forward + backward timed together and every gradient checked "
+                        "against float64 (not part of all: a trial costs a forward and a backward)")
+    p.add_argument("--batch", type=int_list, metavar="B,..",
+                   help="prefill / train batch buckets (GPU default 8; CPU 1)")
+    p.add_argument("--seq-len", type=int_list, metavar="T,..",
+                   help="prefill / train length buckets (GPU default 4096; CPU 32)")
     p.add_argument("--decode-batch", type=int_list, metavar="B,..", help="decode batch buckets (GPU default 32,256; CPU 2)")
     p.add_argument("--timeout", type=positive_float, default=300.0, metavar="S",
                    help="per-trial limit: compile, check and time (default 300)")
@@ -56,6 +60,8 @@ def _buckets(spec, args, on_gpu: bool):
         out += [Bucket("chunk", batch=b, seq_len=t, **common) for b in batch for t in seq]
     if args.phase in ("decode", "all"):
         out += [Bucket("recurrent", batch=b, seq_len=1, **common) for b in dec]
+    if args.phase == "train":
+        out += [Bucket("chunk_bwd", batch=b, seq_len=t, **common) for b in batch for t in seq]
     return list(dict.fromkeys(out))
 
 
@@ -93,7 +99,7 @@ def run(args) -> int:
     from rich.table import Table
 
     from .spec import load_spec
-    from .tuning import TuneOptions, search_space, tune_bucket
+    from .tuning import TuneOptions, refusal, search_space, tune_bucket
 
     spec = load_spec(args.spec)
     on_gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
@@ -110,7 +116,9 @@ def run(args) -> int:
                        device="cuda" if on_gpu else "cpu", trial_timeout=args.timeout, impl=args.impl,
                        repeats=20 if on_gpu else 3, fixed=dict(args.fix), exhaustive=args.exhaustive)
     buckets = _buckets(spec, args, on_gpu)
-    for bucket in buckets:  # a bad --fix is a usage error before any study starts
+    for bucket in buckets:  # a shape the kernel cannot run, or a bad --fix: usage errors before any study starts
+        if (reason := refusal(bucket)) is not None:
+            raise UsageError(f"rtcompile tune: --phase {args.phase}: {reason}")
         try:
             search_space(bucket, opts)
         except ValueError as exc:

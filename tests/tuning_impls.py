@@ -67,3 +67,26 @@ def pid_tagged(bucket, variant, inp):
 
     print(f"pid {os.getpid()}", flush=True)
     return run_kernel(bucket, variant, inp)
+
+
+def planted_wrong_backward(bucket, variant, inp):
+    """Train trials (kernel chunk_bwd): chunk size 16 returns a wrong first key factor's gradient
+    (1% off) and is the fastest; chunk size 64 is correct and slow; chunk size 32 correct and
+    fast. The gate must reject C 16 whatever its speed, so C 32 wins."""
+    from rtcompile.tuning.train_objective import run_train
+
+    out = run_train(bucket, variant, inp)
+    if variant is not None and variant.chunk_size == 16:
+        return {**out, "dk0": out["dk0"] * 1.01}
+    if variant is None or variant.chunk_size == 64:
+        time.sleep(0.2)
+    return out
+
+
+def missing_gradient(bucket, variant, inp):
+    """A train trial that drops dbeta (as a backward that silently skipped it would)."""
+    from rtcompile.tuning.train_objective import run_train
+
+    out = run_train(bucket, variant, inp)
+    out.pop("dbeta")
+    return out

@@ -263,8 +263,8 @@ def running_tensor_bwd(q, k, v, g, beta, *, scale: float, initial_state, cu_seql
     (dq list, dk list, dv, dg or None, dbeta or None, d(initial state) or None), each with its
     input's shape and dtype. ``do``: the output's gradient (v's shape); ``dht``: the final
     state's gradient (the state's shape) or None (no gradient into the final state).
-    ``variant``: a BackwardConfig (default: :func:`default_backward`, with ``chunk_size``
-    when given). Refuses what :func:`supports` refuses, with its reason."""
+    ``variant``: a BackwardConfig (default: the tuned table's for the shape bucket, else
+    :func:`default_backward`, with ``chunk_size`` when given; see :func:`resolve_backward`). Refuses what :func:`supports` refuses, with its reason."""
     from .launch import check_layout  # launch imports the forms table, which lists this module's config
 
     p = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
@@ -277,15 +277,24 @@ def running_tensor_bwd(q, k, v, g, beta, *, scale: float, initial_state, cu_seql
     if dht is not None and (not isinstance(dht, torch.Tensor) or tuple(dht.shape) != p.state_shape):
         raise ValueError(f"dht: expected None or a tensor of the state's shape {list(p.state_shape)}")
     shape = KernelShape(p.key_widths, p.value_width, v.element_size())
-    config = resolve_backward(shape, variant, chunk_size, v.device)
+    config = resolve_backward(shape, variant, chunk_size, v.device, p)
     return _launch(config, p, q, k, v, g, beta, initial_state, cu_seqlens, l2norm, do.contiguous(),
                    None if dht is None else dht.contiguous())
 
 
-def resolve_backward(shape: KernelShape, variant, chunk_size: int | None, device: torch.device) -> BackwardConfig:
-    """``variant`` (checked) or the default (with ``chunk_size`` when given)."""
+def resolve_backward(shape: KernelShape, variant, chunk_size: int | None, device: torch.device,
+                     p: Problem | None = None) -> BackwardConfig:
+    """``variant`` (checked), else the tuned table's for ``p``'s shape bucket (kernel
+    "chunk_bwd"; only when ``chunk_size`` is not given, as the forward's launcher does), else
+    the default (with ``chunk_size`` when given). A tuned entry this version cannot read or
+    that fails its check here is ignored: the table is advice."""
     limit = torch.cuda.get_device_properties(device).shared_memory_per_block_optin if device.type == "cuda" \
         else DEFAULT_SMEM_BYTES
+    check_limit = limit if device.type == "cuda" else 10**9
+    if variant is None and chunk_size is None and p is not None:
+        variant = tuned_backward(p, device)
+        if variant is not None and variant.check(shape, check_limit) is not None:
+            variant = None
     if variant is None:
         variant = default_backward(shape, limit)
         if chunk_size is not None:
@@ -294,9 +303,26 @@ def resolve_backward(shape: KernelShape, variant, chunk_size: int | None, device
         raise TypeError(f"variant: expected a BackwardConfig, got {type(variant).__name__}")
     elif chunk_size is not None and chunk_size != variant.chunk_size:
         raise ValueError(f"chunk_size: {chunk_size} conflicts with the variant's {variant.chunk_size}; give one")
-    if (reason := variant.check(shape, limit if device.type == "cuda" else 10**9)) is not None:
+    if (reason := variant.check(shape, check_limit)) is not None:
         raise ValueError(f"variant: {variant} cannot run K={shape.key_dim}, d_v={shape.value_width}: {reason}")
     return variant
+
+
+def tuned_backward(p: Problem, device: torch.device) -> BackwardConfig | None:
+    """The tuned table's backward config for ``p``'s nearest shape bucket on this device, or None."""
+    from . import tuned
+    from .forms import config_from_dict  # forms lists this module's config: imported at call time
+    from .launch import device_name
+
+    entry = tuned.lookup("chunk_bwd", p.key_widths, p.value_width, p.heads, str(p.dtype).removeprefix("torch."),
+                         device_name(device), p.batch, p.seq_len)
+    if entry is None:
+        return None
+    try:
+        config = config_from_dict(entry, "chunk_bwd")
+    except (TypeError, ValueError):
+        return None
+    return config if isinstance(config, BackwardConfig) else None
 
 
 def _launch(config: BackwardConfig, p: Problem, q, k, v, g, beta, h0, cu_seqlens, l2norm: bool, do, dht):

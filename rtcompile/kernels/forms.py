@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from .chunk_backward import BackwardConfig
+from .chunk_backward import BackwardConfig, default_backward
 from .chunk_fused import FusedConfig
 from .chunk_resident import ResidentConfig
 from .chunk_split import SplitConfig
@@ -180,7 +180,11 @@ _TABLES = {"chunk": CHUNK_DEFAULTS, "recurrent": RECURRENT_DEFAULTS}
 def candidates(kernel: str, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> list[KernelConfig]:
     """Every proposal of the defaults table for ``shape`` that passes its check, best first, without
     repeats (a TPE study starts from them). For the recurrent kernel the default is followed by
-    itself with stream hints flipped (they split by batch on the H200)."""
+    itself with stream hints flipped (they split by batch on the H200). The backward has one
+    proposal, :func:`~.chunk_backward.default_backward`."""
+    if kernel == "chunk_bwd":
+        cfg = default_backward(shape, smem_limit)
+        return [cfg] if cfg.check(shape, smem_limit) is None else []
     out: list[KernelConfig] = []
     for row in _TABLES[kernel]:
         if row.when(shape):
@@ -198,6 +202,8 @@ def default_config(kernel: str, shape: KernelShape, smem_limit: int = DEFAULT_SM
     found = candidates(kernel, shape, smem_limit)
     if found:
         return found[0]
+    if kernel == "chunk_bwd":
+        return default_backward(shape, smem_limit)
     return _tiled(shape, 16, 16, 16, 4) if kernel == "chunk" else _recurrent_default(shape)
 
 

@@ -28,6 +28,8 @@ _SOURCES = {
     "chunk": ("chunk_prepare.py", "chunk_resident.py", "chunk_streamed.py", "chunk_fused.py", "chunk_split.py",
               "blocks.py"),
     "recurrent": ("recurrent.py", "blocks.py"),
+    # the backward runs the split form's prepare kernel and state loop for its recompute
+    "chunk_bwd": ("chunk_backward.py", "chunk_backward_grads.py", "chunk_prepare.py", "chunk_split.py", "blocks.py"),
 }
 _table: list[dict[str, Any]] | None = None
 

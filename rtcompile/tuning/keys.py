@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 from ..kernels.config import next_pow2
 
-KERNELS = ("chunk", "recurrent")
+KERNELS = ("chunk", "recurrent", "chunk_bwd")  # chunk_bwd: the train bucket (forward + backward)
 DTYPES = ("float32", "float16", "bfloat16")
 
 

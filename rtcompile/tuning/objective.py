@@ -6,7 +6,8 @@ an illegal memory access or a hang ends that process, not the study. The process
 worker's trials one after another until one fails or hangs (``study.TrialRunner``).
 
 Invariants: a variant whose output differs from the float64 reference by more than the
-dtype's tolerance is ``rejected`` and never timed; inputs are fresh random data (seeded): the
+dtype's tolerance is ``rejected`` and never timed (the train bucket, kernel "chunk_bwd":
+every gradient too, ``train_objective``); inputs are fresh random data (seeded): the
 check inputs come from the study's seed (their float64 reference is computed once per study
 and cached), the timing inputs from the trial's;
 times are medians of repeats after a warm-up: on the GPU, replays of the call captured in a
@@ -30,6 +31,7 @@ from typing import Any, Callable
 from ..timing import kernel_seconds
 from .keys import Bucket
 from .store import device_lock
+from .train_objective import GRAD_TOLERANCE, make_train_inputs, run_train, train_reference, worst_error
 
 # relative RMS error against float64 that a variant may not exceed (the kernel tests' own
 # tolerances are tighter: fp32 2e-5 max-relative; bf16 outputs round at about 2e-3 RMS)
@@ -47,10 +49,14 @@ class Inputs:
     indices: Any = None
 
 
-def make_inputs(bucket: Bucket, device: str, seed: int) -> Inputs:
+def make_inputs(bucket: Bucket, device: str, seed: int):
     """The bucket's problem (drawn on the CPU: one study checks every trial on the same values),
-    plus a state cache and a slot permutation for the decode kernel."""
+    plus a state cache and a slot permutation for the decode kernel (the train bucket's:
+    ``train_objective.make_train_inputs``)."""
     import torch
+
+    if bucket.kernel == "chunk_bwd":
+        return make_train_inputs(bucket, device, seed)
 
     from ..kernels.inputs import random_inputs
 
@@ -76,12 +82,14 @@ def run_kernel(bucket: Bucket, variant, inp: Inputs):
     return o, inp.cache  # updated in place (timing a clone would add its traffic)
 
 
-def reference(bucket: Bucket, inp: Inputs):
+def reference(bucket: Bucket, inp) -> dict[str, Any]:
     """The float64 token loop on the inputs' own device. On the CPU, B8 T4096 H8 K256 is 4096
     steps over a 4 M-element float64 state, tens of seconds (more than the trial itself); on
     the GPU the same loop is a few thousand small launches (not yet timed there)."""
     from ..kernels.reference import running_tensor_recurrent_ref
 
+    if bucket.kernel == "chunk_bwd":
+        return train_reference(bucket, inp)
     up = lambda x: x.detach().double()
     s0 = None
     if bucket.kernel == "recurrent":
@@ -92,7 +100,7 @@ def reference(bucket: Bucket, inp: Inputs):
         full = up(inp.cache).clone()
         full[inp.indices.long()] = s
         s = full
-    return o, s
+    return {"o": o, "s": s}
 
 
 def cached_reference(bucket: Bucket, inp: Inputs, seed: int, device: str):
@@ -109,16 +117,19 @@ def cached_reference(bucket: Bucket, inp: Inputs, seed: int, device: str):
     from ..fileio import atomic_write, file_sha256
     from .store import file_lock
 
-    code = file_sha256(reference_module.__file__)  # a changed oracle re-runs
+    from . import train_objective
+
+    # a changed oracle, or a changed train problem, re-runs
+    code = file_sha256(reference_module.__file__) + file_sha256(train_objective.__file__)
     key = hashlib.sha256(f"{bucket.label}|{seed}|{torch.__version__}|{device}|{code}".encode()).hexdigest()[:24]
     path = tuned.cache_dir() / "references" / f"{key}.safetensors"
     with file_lock(path.with_suffix(".lock")):
         if path.exists():
             got = load_file(str(path), device=str(device))
-            return got["o"].double(), got["s"].double()
-        o, s = reference(bucket, inp)
-        atomic_write(path, save({"o": o.float().contiguous(), "s": s.float().contiguous()}))
-        return o, s
+            return {name: x.double() for name, x in got.items()}
+        ref = reference(bucket, inp)
+        atomic_write(path, save({name: x.float().contiguous() for name, x in ref.items()}))
+        return ref
 
 
 def rel_rms(a, b) -> float:
@@ -128,9 +139,9 @@ def rel_rms(a, b) -> float:
     return float(((a - b).pow(2).mean() / b.pow(2).mean().clamp_min(1e-300)).sqrt())
 
 
-def _load_impl(path: str | None) -> Callable:
+def _load_impl(path: str | None, kernel: str = "chunk") -> Callable:
     if not path:
-        return run_kernel
+        return run_train if kernel == "chunk_bwd" else run_kernel
     module, _, name = path.partition(":")
     return getattr(importlib.import_module(module), name)
 
@@ -149,7 +160,7 @@ def _check_problem(bucket: Bucket, device: str, check_seed: int):
         ref = cached_reference(bucket, inp, check_seed, device)
         _CHECK.update(key=key, inp=inp, ref=ref)
     inp = _CHECK["inp"]
-    if inp.cache is not None:  # decode updates its cache in place: each trial gets its own copy
+    if getattr(inp, "cache", None) is not None:  # decode updates its cache in place: each trial gets its own copy
         inp = replace(inp, cache=inp.cache.clone())
     return inp, _CHECK["ref"]
 
@@ -162,15 +173,20 @@ def evaluate(request: dict[str, Any]) -> dict[str, Any]:
     bucket = Bucket(**{**request["bucket"], "key_widths": tuple(request["bucket"]["key_widths"])})
     variant = config_from_dict(request["variant"], bucket.kernel) if request.get("variant") is not None else None
     device = request.get("device", "cpu")
-    impl = _load_impl(request.get("impl"))
+    impl = _load_impl(request.get("impl"), bucket.kernel)
+    train = bucket.kernel == "chunk_bwd"
+    tol = (GRAD_TOLERANCE if train else TOLERANCE)[bucket.dtype]
     try:
         check_seed = int(request.get("check_seed", request.get("seed", 0)))
-        inp, (o_ref, s_ref) = _check_problem(bucket, device, check_seed)
-        o, s = impl(bucket, variant, inp)
-        err = max(rel_rms(o, o_ref), rel_rms(s, s_ref))
-        if not err <= TOLERANCE[bucket.dtype]:
+        inp, ref = _check_problem(bucket, device, check_seed)
+        got = impl(bucket, variant, inp)
+        if not isinstance(got, dict):  # the forward kernels return (output, state)
+            got = dict(zip(("o", "s"), got))
+        err, where = worst_error(got, ref, rel_rms)
+        if not err <= tol:
+            what = f"{where}: " if train else ""
             return {"status": "rejected", "error": err,
-                    "reason": f"relative RMS error {err:.2e} > {TOLERANCE[bucket.dtype]:.0e} against float64"}
+                    "reason": f"{what}relative RMS error {err:.2e} > {tol:.0e} against float64"}
         timing_inp = make_inputs(bucket, device, int(request.get("seed", 0)) + 1)  # fresh data
         call = lambda: impl(bucket, variant, timing_inp)  # noqa: E731
         with device_lock(device):  # the warm-up too: any launch would disturb another's timing

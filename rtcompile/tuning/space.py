@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..kernels.chunk_backward import shape_refusal
 from ..kernels.config import DEFAULT_SMEM_BYTES, KernelConfig, KernelShape
 from ..kernels.forms import FORMS, KERNELS, candidates, iter_space
 from .keys import Bucket
@@ -31,12 +32,25 @@ def smem_limit(device: str) -> int:
     return DEFAULT_SMEM_BYTES
 
 
+def refusal(bucket: Bucket) -> str | None:
+    """Why no config of the bucket's kernel can run its shape (the backward's own reason,
+    ``chunk_backward.shape_refusal``, for a train bucket), or None."""
+    shape = bucket_shape(bucket)
+    if bucket.kernel == "chunk_bwd" and (reason := shape_refusal(shape)) is not None:
+        return f"the Triton backward cannot train {bucket.label}: {reason}"
+    if not any(cls.space(shape) for cls in KERNELS[bucket.kernel]):
+        return f"no form of the {bucket.kernel} kernel can run K={shape.key_dim}, d_v={shape.value_width}"
+    return None
+
+
 def search_space(bucket: Bucket, opts) -> dict[str, dict[str, list]]:
     """form -> field -> choices: the kernel's forms that can run the bucket's shape (a non-empty
     ``space``), each with its declared space, ``opts.fixed`` applied. ``fixed`` names
     ``form`` or ``FORM.FIELD``; anything else, a form of another kernel or one that cannot run
     the shape, a field the form does not have, or a value its space does not hold is a
-    ValueError naming what is allowed."""
+    ValueError naming what is allowed; so is a bucket no form can run (:func:`refusal`)."""
+    if (reason := refusal(bucket)) is not None:
+        raise ValueError(reason)
     shape = bucket_shape(bucket)
     space = {cls.form: dict(sp) for cls in KERNELS[bucket.kernel] if (sp := cls.space(shape))}
     forms = ", ".join(space)
