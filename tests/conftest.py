@@ -39,3 +39,35 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 @pytest.fixture
 def inputs():
     return make_inputs
+
+
+def nan_empty(*shape, dtype=None, device=None):
+    """``torch.empty`` filled with NaN (floating types): an element a kernel should write and does
+    not then fails every comparison."""
+    t = torch.empty(*shape, dtype=dtype, device=device)
+    return t.fill_(float("nan")) if t.is_floating_point() else t
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """Every output and workspace the launchers allocate (through ``rtcompile.kernels.args``)
+    starts as NaN."""
+    from rtcompile.kernels import args
+
+    monkeypatch.setattr(args, "empty", nan_empty)
+    monkeypatch.setattr(args, "empty_like", lambda x: nan_empty(*x.shape, dtype=x.dtype, device=x.device))
+
+
+@pytest.fixture
+def tuning_cache(tmp_path, monkeypatch):
+    """A private cache (store + tuned table); trial processes can import tests/tuning_impls."""
+    from rtcompile.kernels import tuned
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("RTCOMPILE_TUNED", str(tmp_path / "cache" / "tuned.json"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
+    tuned.reload()
+    yield
+    tuned.reload()

@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from rtcompile.kernels import args, recurrent, tuned
+from rtcompile.kernels import recurrent, tuned
 from rtcompile.kernels.chunk_resident import ResidentConfig
 from rtcompile.kernels.inputs import check_inputs
 from rtcompile.kernels.launch import device_name, running_tensor_decode_, running_tensor_fwd
@@ -36,15 +36,8 @@ HALF_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
 @pytest.fixture(autouse=True)
-def poison_outputs(monkeypatch):
-    """Every output / final-state buffer the launchers allocate starts as NaN."""
-
-    def nan_empty(*shape, dtype=None, device=None):
-        t = torch.empty(*shape, dtype=dtype, device=device)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(args, "empty", nan_empty)
-    monkeypatch.setattr(args, "empty_like", lambda x: nan_empty(*x.shape, dtype=x.dtype, device=x.device))
+def poison_outputs(poison):
+    """Every output and workspace the launchers allocate starts as NaN (conftest's ``poison``)."""
 
 
 def _to(xs, dtype=None):

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,21 +24,13 @@ from rtcompile.tuning import Bucket, StoreError, TuneOptions, open_storage, sear
 from rtcompile.tuning.space import config_params, params_config
 from rtcompile.tuning.store import retried_numbers
 
-TESTS = Path(__file__).resolve().parent
 TINY = Bucket("chunk", (2, 4), 8, 1, 1, 32, "float32")
 TINY_SHAPE = KernelShape(TINY.key_widths, TINY.value_width, 4)
 
 
 @pytest.fixture(autouse=True)
-def isolated(tmp_path, monkeypatch):
-    """A private cache (store + tuned table); trial processes can import tests/tuning_impls."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setenv("RTCOMPILE_TUNED", str(tmp_path / "cache" / "tuned.json"))
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    tuned.reload()
-    yield
-    tuned.reload()
+def isolated(tuning_cache):
+    """A private cache for every test (conftest's ``tuning_cache``)."""
 
 
 def _trials(url, bucket=TINY):

@@ -4,8 +4,6 @@ together, every gradient checked against float64 autograd; the winner read back 
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -25,21 +23,13 @@ from rtcompile.tuning.objective import evaluate
 from rtcompile.tuning.space import config_params
 from rtcompile.tuning.store import write_tuned
 
-TESTS = Path(__file__).resolve().parent
 TRAIN = Bucket("chunk_bwd", (16,), 16, 1, 1, 40, "float32")  # T 40 -> bucket 64
 SHAPE = KernelShape(TRAIN.key_widths, TRAIN.value_width, 4)
 
 
 @pytest.fixture(autouse=True)
-def isolated(tmp_path, monkeypatch):
-    """A private cache (store + tuned table); trial processes can import tests/tuning_impls."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setenv("RTCOMPILE_TUNED", str(tmp_path / "cache" / "tuned.json"))
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    tuned.reload()
-    yield
-    tuned.reload()
+def isolated(tuning_cache):
+    """A private cache for every test (conftest's ``tuning_cache``)."""
 
 
 def _problem(bucket: Bucket = TRAIN):
