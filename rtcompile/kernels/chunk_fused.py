@@ -22,7 +22,7 @@ from .chunk_resident import run_resident
 from .chunk_streamed import run_streamed
 from .config import (
     DEFAULT_SMEM_BYTES, SOLVES, CostFigures, KernelConfig, KernelShape, Workload, chunk_count,
-    chunk_live_elements, chunk_programs, chunk_refusal, chunk_smem_estimate, estimate_registers, resource_refusal,
+    chunk_programs, chunk_refusal, chunk_smem_estimate, estimate_registers, resource_refusal, streamed_live_elements,
 )
 from .inputs import Problem
 
@@ -68,12 +68,7 @@ class FusedConfig(KernelConfig):
         return resource_refusal(self, shape, smem_limit)
 
     def estimate_registers(self, shape: KernelShape) -> int:
-        live = chunk_live_elements(shape, self.chunk_size, self.block_k, self.block_v)
-        if self.prefetch_state:
-            live += self.block_k * self.block_v
-        if self.merge_passes:
-            live += 2 * self.chunk_size * self.block_v
-        return estimate_registers(live, self.num_warps)
+        return estimate_registers(streamed_live_elements(shape, self), self.num_warps)
 
     def estimate_smem(self, shape: KernelShape) -> int:
         return chunk_smem_estimate(self.chunk_size, self.block_k, self.block_v, self.num_stages)

@@ -23,8 +23,8 @@ from .blocks import chunk_inputs, dot, load_state_tile, phi_block, sequence_of_p
 from .chunk_prepare import prepare_scores
 from .config import (
     DEFAULT_SMEM_BYTES, DOT_PRECISIONS, PREPARE_WARPS, SOLVES, CostFigures, KernelConfig,
-    KernelShape, Workload, chunk_count, chunk_live_elements, chunk_programs, chunk_refusal, chunk_smem_estimate,
-    estimate_registers, resource_refusal, two_kernel_workspace,
+    KernelShape, Workload, chunk_count, chunk_programs, chunk_refusal, chunk_smem_estimate,
+    estimate_registers, resource_refusal, streamed_live_elements, two_kernel_workspace,
 )
 from .inputs import Problem
 
@@ -68,12 +68,7 @@ class StreamedConfig(KernelConfig):
         return resource_refusal(self, shape, smem_limit)
 
     def estimate_registers(self, shape: KernelShape) -> int:
-        live = chunk_live_elements(shape, self.chunk_size, self.block_k, self.block_v)
-        if self.prefetch_state:  # the next state tile
-            live += self.block_k * self.block_v
-        if self.merge_passes:  # the next chunk's two products, carried
-            live += 2 * self.chunk_size * self.block_v
-        return estimate_registers(live, self.num_warps)
+        return estimate_registers(streamed_live_elements(shape, self), self.num_warps)
 
     def estimate_smem(self, shape: KernelShape) -> int:
         return chunk_smem_estimate(self.chunk_size, self.block_k, self.block_v, self.num_stages)

@@ -257,6 +257,18 @@ def chunk_live_elements(shape: KernelShape, chunk_size: int, block_k: int, block
     return bk * bv + 2 * C * bk + 2 * C * C + 3 * C * bv
 
 
+def streamed_live_elements(shape: KernelShape, cfg) -> int:
+    """:func:`chunk_live_elements` of a sequential program over a state tile of ``cfg.block_k``
+    rows, plus the next state tile (``prefetch_state``) and the next chunk's two products carried
+    through the update pass (``merge_passes``)."""
+    live = chunk_live_elements(shape, cfg.chunk_size, cfg.block_k, cfg.block_v)
+    if cfg.prefetch_state:
+        live += cfg.block_k * cfg.block_v
+    if cfg.merge_passes:
+        live += 2 * cfg.chunk_size * cfg.block_v
+    return live
+
+
 def two_kernel_workspace(cfg, w: Workload, wy: bool = False) -> int:
     """The prepare kernel's [B, H, T, C] fp32 scores and (delta rule) inverse; with ``wy`` the
     scores, W [T, K] in the products' type and U0 [T, V] fp32 instead of the inverse (plus the
