@@ -296,11 +296,34 @@ def load_spec(path: str | os.PathLike) -> ModelSpec:
         raise SpecFileError(f"spec file {str(p)!r}: cannot read ({exc.strerror})") from None
     try:
         text = raw.decode("utf-8")
-        data = tomllib.loads(text) if suffix == ".toml" else json.loads(text)
+        data = tomllib.loads(text) if suffix == ".toml" else json.loads(text, object_pairs_hook=_unique_keys)
     except (UnicodeDecodeError, tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         msg = str(exc).splitlines()[0]
         raise SpecFileError(f"spec file {str(p)!r}: not valid {suffix[1:].upper()}: {msg}") from None
+    except _DuplicateKey as exc:
+        raise SpecFileError(f"spec file {str(p)!r}: key {exc.args[0]!r} appears more than once; "
+                            "allowed: each key once") from None
+    except RecursionError:
+        # Both parsers recurse once per nesting level, so a file of ~1000 nested brackets
+        # exhausts Python's default recursion limit (1000); a spec nests at most 2 levels.
+        raise SpecFileError(f"spec file {str(p)!r}: nested too deeply to parse; "
+                            "allowed: a table of fields nested at most a few levels") from None
     return ModelSpec.from_dict(data)
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object hook: the object as a dict, or _DuplicateKey naming a repeated key (json
+    itself keeps the last value silently, so ``{"order": 2, "order": 3}`` would read as 3)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
 
 
 def save_spec(spec: ModelSpec, path: str | os.PathLike) -> None:

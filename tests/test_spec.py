@@ -204,3 +204,52 @@ def test_cli_help_lists_commands(capsys):
         main(["--help"])
     assert info.value.code == 0
     assert "info" in capsys.readouterr().out
+
+
+def _spec_commands(path, tmp_path):
+    """Every CLI command that reads a spec file, as a user would type it."""
+    return {
+        "info": ["info", str(path)],
+        "plan": ["plan", str(path), "--target", "h100-sxm"],
+        "tune": ["tune", str(path), "--storage", f"sqlite:///{tmp_path / 'store.db'}"],
+        "build": ["build", str(path), "--target", "h100-sxm", "--out", str(tmp_path / "plan.json")],
+        "export": ["export", str(path), "--out", str(tmp_path / "bundle")],
+    }
+
+
+@pytest.mark.parametrize("suffix", [".json", ".toml"])
+def test_deeply_nested_spec_is_one_line_in_every_command(suffix, tmp_path, capsys):
+    # 100,000 nested brackets overflowed both parsers' recursion (RecursionError traceback).
+    path = tmp_path / f"deep{suffix}"
+    path.write_text(("[" * 100_000) if suffix == ".json" else "order = " + "[" * 100_000)
+    for name, argv in _spec_commands(path, tmp_path).items():
+        assert main(argv) == 2, name
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "nested too deeply" in err[0] and str(path) in err[0], (name, err)
+    assert not (tmp_path / "bundle").exists() and not (tmp_path / "plan.json").exists()
+
+
+def test_json_spec_with_a_repeated_key_is_refused(tmp_path, capsys):
+    # json.loads keeps the last value of a repeated key: order 2 then 3 silently read as 3.
+    path = tmp_path / "dup.json"
+    body = json.dumps(BASE)[1:]
+    path.write_text('{"order": 2, ' + body)
+    with pytest.raises(ValueError, match="'order' appears more than once"):
+        load_spec(path)
+    nested = dict(BASE, features={})
+    path.write_text(json.dumps(nested).replace('"features": {}', '"features": {"delta_rule": true, "delta_rule": false}'))
+    with pytest.raises(ValueError, match="'delta_rule' appears more than once"):
+        load_spec(path)
+    for name, argv in _spec_commands(path, tmp_path).items():
+        assert main(argv) == 2, name
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "'delta_rule' appears more than once" in err[0], (name, err)
+
+
+def test_toml_spec_with_a_repeated_key_is_refused(tmp_path, capsys):
+    path = tmp_path / "dup.toml"
+    path.write_text("order = 2\norder = 3\nkey_widths = [4, 4]\nvalue_width = 4\nheads = 1\nmodel_width = 8\n")
+    assert main(["info", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    # tomllib already refuses a repeated key; its message gives the line, not the name.
+    assert len(err) == 1 and "not valid TOML" in err[0] and "line 2" in err[0]
