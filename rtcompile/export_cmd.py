@@ -32,12 +32,19 @@ def add_parsers(sub) -> None:
 def run_export(args) -> int:
     import torch
 
-    from .export import BundleError, export_bundle
+    from pathlib import Path
+
+    from .export import BundleError, check_replaceable, export_bundle
     from .model import RunningTensorLM
     from .plan import Plan
     from .spec import load_spec
 
     spec = load_spec(args.spec)
+    out = Path(args.out)
+    if out.exists() or out.is_symlink():  # before building a model or an ONNX graph
+        if not args.force:
+            raise BundleError(f"bundle {args.out!r}: already exists; allowed: a new path, or --force to replace a bundle")
+        check_replaceable(out)
     plan = Plan.load(args.plan) if args.plan else None
     if args.vocab < 2:
         raise BundleError(f"--vocab: got {args.vocab}; allowed: an integer >= 2")

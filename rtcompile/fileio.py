@@ -23,7 +23,7 @@ import shutil
 import stat
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 __all__ = ["atomic_directory", "atomic_write", "cache_dir", "file_sha256", "honour_umask"]
 
@@ -83,15 +83,21 @@ def atomic_write(path: str | os.PathLike, data: bytes | str, *, encoding: str = 
 
 
 @contextmanager
-def atomic_directory(path: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
+def atomic_directory(path: str | os.PathLike, *, overwrite: bool = False,
+                     may_replace: Callable[[Path], None] | None = None) -> Iterator[Path]:
     """Build a folder in a temporary one beside ``path`` (yielded) and rename it into place when
     the block ends without an exception; on an exception it is removed and ``path`` is left as it
-    was. With ``overwrite`` an existing ``path`` is removed just before the rename (a folder
-    cannot be renamed over a non-empty one); without it, an existing ``path`` is a
-    FileExistsError before anything is written."""
+    was. With ``overwrite`` an existing ``path`` is moved aside, the new folder renamed into
+    place, then the old one removed (a folder cannot be renamed over a non-empty one); without
+    it, an existing ``path`` is a FileExistsError before anything is written. ``may_replace``
+    (called with ``path`` before anything is written and again just before the old folder is
+    moved aside) raises to refuse replacing what is there."""
     dest = Path(path)
-    if dest.exists() and not overwrite:
-        raise FileExistsError(f"{str(dest)!r} already exists")
+    if dest.exists() or dest.is_symlink():
+        if not overwrite:
+            raise FileExistsError(f"{str(dest)!r} already exists")
+        if may_replace is not None:
+            may_replace(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     for _ in range(_NAME_TRIES):
         tmp = _temp_name(dest)
@@ -104,12 +110,26 @@ def atomic_directory(path: str | os.PathLike, *, overwrite: bool = False) -> Ite
         raise FileExistsError(f"{str(dest)!r}: could not create a temporary folder beside it")
     try:
         yield tmp
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
+        old = None
+        if dest.exists() or dest.is_symlink():
+            if may_replace is not None:
+                may_replace(dest)  # again: the folder may have changed while the new one was built
+            old = _temp_name(dest)
+            os.replace(dest, old)  # aside, not deleted: a failed rename below puts it back
+        try:
+            os.replace(tmp, dest)
+        except BaseException:
+            if old is not None:
+                os.replace(old, dest)
+            raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if old is not None:
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink()
 
 
 def file_sha256(path: str | os.PathLike) -> str:

@@ -108,3 +108,47 @@ def test_cli_export_and_inspect(tmp_path, capsys):
     assert main(["inspect", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "sha256" in err[0]
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("case", ["plain-folder", "fake-manifest", "bundle-plus-user-file", "a-file"])
+def test_force_refuses_what_is_not_a_bundle_and_leaves_it_intact(case, tmp_path, capsys):
+    # `export --force` onto a user's folder deleted keep.txt and sub/y and said "bundle written".
+    spec = tmp_path / "s.toml"
+    spec.write_text('order = 3\nkey_widths = [2, 4]\nvalue_width = 5\nheads = 2\nmodel_width = 12\n')
+    out = tmp_path / "out"
+    if case == "a-file":
+        out.write_text("notes")
+    elif case == "bundle-plus-user-file":
+        assert main(["export", str(spec), "--out", str(out), "--no-onnx"]) == 0
+        (out / "keep.txt").write_text("mine")
+    else:
+        (out / "sub").mkdir(parents=True)
+        (out / "keep.txt").write_text("mine")
+        (out / "sub" / "y").write_text("y")
+        if case == "fake-manifest":
+            (out / "manifest.json").write_text('{"note": "a file a user happened to name manifest.json"}')
+    capsys.readouterr()
+    before = out.read_bytes() if case == "a-file" else _tree(out)
+    assert main(["export", str(spec), "--out", str(out), "--force", "--no-onnx"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--force replaces only an existing bundle" in err[0] and str(out) in err[0], err
+    assert (out.read_bytes() if case == "a-file" else _tree(out)) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "s.toml"]  # no temporary left behind
+    with pytest.raises(BundleError, match="--force replaces only"):  # the API refuses the same
+        export_bundle(RunningTensorLM(SPEC, vocab_size=11), out, overwrite=True, onnx=False)
+    assert (out.read_bytes() if case == "a-file" else _tree(out)) == before
+
+
+def test_force_replaces_a_bundle(tmp_path, capsys):
+    spec = tmp_path / "s.toml"
+    spec.write_text('order = 3\nkey_widths = [2, 4]\nvalue_width = 5\nheads = 2\nmodel_width = 12\n')
+    out = tmp_path / "out"
+    assert main(["export", str(spec), "--out", str(out), "--no-onnx", "--vocab", "7"]) == 0
+    (out / "weights.safetensors").write_bytes(b"corrupted")  # a damaged bundle is still ours to replace
+    assert main(["export", str(spec), "--out", str(out), "--no-onnx", "--vocab", "9", "--force"]) == 0
+    assert json.loads((out / "manifest.json").read_text())["model"]["vocab_size"] == 9
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "s.toml"]

@@ -48,9 +48,9 @@ def export_bundle(model, out: str | os.PathLike, *, plan=None, overwrite: bool =
     from safetensors.torch import save_file
 
     dest = Path(out)
-    if dest.exists() and not overwrite:
+    if (dest.exists() or dest.is_symlink()) and not overwrite:
         raise BundleError(f"bundle {str(dest)!r}: already exists; allowed: a new path, or overwrite=True (--force)")
-    with atomic_directory(dest, overwrite=overwrite) as tmp:
+    with atomic_directory(dest, overwrite=overwrite, may_replace=check_replaceable) as tmp:
         state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
         save_file(state, str(tmp / WEIGHTS))
         honour_umask(tmp / WEIGHTS)  # save_file creates it 0600
@@ -75,6 +75,29 @@ def export_bundle(model, out: str | os.PathLike, *, plan=None, overwrite: bool =
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
     return dest
+
+
+def check_replaceable(path: str | os.PathLike) -> None:
+    """BundleError unless ``path`` is a bundle that ``overwrite`` (``--force``) may replace: a real
+    folder whose manifest.json is a bundle manifest and which holds nothing but that manifest
+    and the files it lists. Anything else (a user's folder, a file, a link, a bundle with extra
+    files added) would lose data that is not ours to delete. Hashes are not checked: replacing
+    a corrupted bundle is what ``--force`` is for."""
+    root = Path(path)
+    refuse = lambda why: BundleError(f"--out {str(root)!r}: {why}; --force replaces only an existing bundle "
+                                     "(allowed: a new path, or a folder rtcompile export wrote)")
+    if root.is_symlink() or not root.is_dir():
+        raise refuse("exists and is not a folder")
+    try:
+        manifest = json.loads((root / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        raise refuse(f"is not a bundle (no readable {MANIFEST})") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("format"), int) or not isinstance(files, dict):
+        raise refuse(f"is not a bundle ({MANIFEST} is not a bundle manifest)")
+    for entry in sorted(root.iterdir()):
+        if entry.name != MANIFEST and (entry.name not in files or entry.is_symlink() or not entry.is_file()):
+            raise refuse(f"holds {entry.name!r}, which its {MANIFEST} does not list")
 
 
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
