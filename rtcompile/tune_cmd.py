@@ -73,7 +73,9 @@ def _list(args) -> int:
     from .tuning import list_studies
 
     rows = list_studies(args.storage)
-    table = Table(title=f"tuning store: {args.storage or 'default'}", header_style="bold")
+    from .tuning.store import default_url
+
+    table = Table(title=f"tuning store: {args.storage or default_url()}", header_style="bold")
     for c in ("study", "trials", "best ms", "default ms", "best variant"):
         table.add_column(c)
     for r in rows:
@@ -102,6 +104,9 @@ def run(args) -> int:
     from .tuning import TuneOptions, refusal, search_space, tune_bucket
 
     spec = load_spec(args.spec)
+    from .tuning.store import check_store_file
+
+    check_store_file(args.storage, create=True)  # a typo'd folder: refused before any warning or trial
     on_gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
     err = Console(stderr=True)
     if not on_gpu:

@@ -490,3 +490,35 @@ def test_the_sampler_asks_the_form_then_only_that_forms_fields():
         assert params_config(trial.params) == cfg
         study.tell(trial, float(cfg.chunk_size))
     assert len(forms_seen) >= 2
+
+
+@pytest.mark.parametrize("where", ["missing-folder", "missing-file", "missing-journal"])
+def test_list_never_creates_a_store(where, tmp_path, capsys):
+    # `tune --list --storage sqlite:////nonexistent_dir/x.db` reported an empty store and
+    # created the folder and its database file.
+    missing = tmp_path / "nonexistent_dir"
+    path = missing / "x.db" if where == "missing-folder" else tmp_path / "x.db"
+    url = f"journal:{path}" if where == "missing-journal" else f"sqlite:///{path}"
+    assert main(["tune", "--list", "--storage", url]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(path) in err[0] and "Traceback" not in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no file, folder or lock file
+
+
+def test_tune_into_a_missing_folder_is_refused(tmp_path, capsys):
+    spec = tmp_path / "s.toml"
+    spec.write_text('order = 2\nkey_widths = [4]\nvalue_width = 4\nheads = 1\nmodel_width = 8\n')
+    path = tmp_path / "nonexistent_dir" / "x.db"
+    assert main(["tune", str(spec), "--storage", f"sqlite:///{path}", "--trials", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(path.parent) in err[0] and "does not exist" in err[0], err
+    assert not path.parent.exists()
+
+
+def test_list_of_the_default_store_before_any_tuning_creates_nothing(tuning_cache, capsys):
+    from rtcompile.tuning.store import store_file
+
+    assert not store_file(None).exists()  # tuning_cache: a private, empty cache
+    assert main(["tune", "--list"]) == 0
+    assert "no rtcompile studies" in capsys.readouterr().err
+    assert not store_file(None).exists()

@@ -150,13 +150,40 @@ def _rdb_storage(url: str, **kwargs):
                                           **{key: retry_callback()}, **kwargs)
 
 
-def open_storage(url: str | None = None):
+def store_file(url: str | None = None) -> Path | None:
+    """The file behind a SQLite or journal URL (None for a server database or in-memory SQLite)."""
+    url = url or default_url()
+    for prefix in ("sqlite:///", "journal:"):
+        if url.startswith(prefix):
+            name = url[len(prefix):].split("?", 1)[0]
+            return None if name in ("", ":memory:") else Path(name)
+    return None
+
+
+def check_store_file(url: str | None, create: bool) -> None:
+    """StoreError, before anything is created, when the file behind ``url`` cannot be (or, with
+    ``create`` False, is not) there. Only the default store's folder (the cache) is created: a
+    folder a user named that does not exist is a typo far more often than a wish for a new tree."""
+    url = url or default_url()
+    path = store_file(url)
+    if path is None or url == default_url():
+        return
+    if not create and not path.exists():
+        raise StoreError(f"storage {url!r}: no store at {str(path)!r} (listing never creates one)")
+    if not path.parent.is_dir():
+        raise StoreError(f"storage {url!r}: folder {str(path.parent)!r} does not exist; allowed: a file in an "
+                         "existing folder")
+
+
+def open_storage(url: str | None = None, *, create: bool = True):
     """An Optuna storage for ``url`` (default: the cache's SQLite file); RDB storages keep
-    heartbeats (see the module's docstring)."""
+    heartbeats (see the module's docstring). With ``create`` False a SQLite or journal file that
+    does not exist is a StoreError instead of a new, empty store."""
     import optuna
     import sqlalchemy.exc
 
     url = url or default_url()
+    check_store_file(url, create)
     if url.startswith("journal:"):
         from optuna.storages.journal import JournalFileBackend
 

@@ -42,7 +42,7 @@ from .keys import Bucket, Machine, key_attrs, study_name
 from .space import (
     bucket_shape, config_params, exhaustive_variants, params_config, search_space, smem_limit, suggest, warm_starts,
 )
-from .store import heartbeat_interval, open_storage, retried_numbers, write_tuned
+from .store import default_url, heartbeat_interval, open_storage, retried_numbers, store_file, write_tuned
 
 DEFAULT_SEED = 20261129  # recorded in every study; TPE's choices are reproducible from it
 RESULT_ATTRS = ("best_variant", "best_seconds", "default_seconds")
@@ -452,7 +452,10 @@ def list_studies(storage_url: str | None = None) -> list[dict[str, Any]]:
     """What the store holds: one row per rtcompile study."""
     import optuna
 
-    storage = open_storage(storage_url)
+    default = store_file(None)
+    if storage_url in (None, default_url()) and default is not None and not default.exists():
+        return []  # nothing tuned on this machine yet; listing never creates the store
+    storage = open_storage(storage_url, create=False)
     rows = []
     for s in optuna.get_all_study_summaries(storage, include_best_trial=False):
         if not s.study_name.startswith("rtcompile:"):
