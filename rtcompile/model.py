@@ -20,6 +20,7 @@ knows nothing of ONNX; everything else about a layer stays the same under a repl
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable
 
 import torch
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .functional import needs_grad, resolve_backend, running_tensor, running_tensor_decode_
-from .spec import ModelSpec
+from .spec import ModelSpec, SpecError
 
 # A replacement state mixer: ``mixer(spec, q, k, v, g, beta, state) -> (o, new_state)`` with q, k
 # the factor lists [B, T, H, d_i], v [B, T, H, d_v], g (log decay, fp32) and beta [B, T, H] or
@@ -179,6 +180,43 @@ def decode_state_dtype(spec: ModelSpec, plan, batch: int) -> torch.dtype:
     return getattr(torch, name)
 
 
+def device_memory_bytes(device) -> int | None:
+    """Total memory of ``device`` (a CUDA GPU's, or this host's RAM for the CPU), None if unknown."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev).total_memory
+    if dev.type == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):  # pragma: no cover -- not POSIX
+            return None
+    return None
+
+
+def check_memory(needed: int, what: str, device) -> None:
+    """SpecError (field ``key_widths``) naming the bytes ``what`` needs when they exceed the
+    device's whole memory: the allocation could only fail, as a raw allocator error mid-way."""
+    total = device_memory_bytes(device)
+    if total is not None and needed > total:
+        raise SpecError("key_widths", f"{what}: {needed} bytes needed ({needed / 2**30:.1f} GiB), more than the "
+                                      f"{total} bytes ({total / 2**30:.1f} GiB) of {torch.device(device)} memory; "
+                                      "reduce key_widths, value_width, heads, layers or the batch")
+
+
+def parameter_count(spec: ModelSpec, vocab_size: int, mlp: bool) -> int:
+    """Parameters of a RunningTensorLM (embedding, head, layers, norms, MLPs), before building it."""
+    from .figures import parameters_per_layer
+
+    D = spec.model_width
+    per_mlp = D + D * 4 * D + 4 * D + 4 * D * D + D if mlp else 0  # norm, up (with bias), down (with bias)
+    return 2 * vocab_size * D + D + spec.layers * (parameters_per_layer(spec) + D + per_mlp)
+
+
+def state_bytes(spec: ModelSpec, batch: int, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of the states of ``batch`` sequences, all layers, at ``dtype``."""
+    return batch * spec.layers * spec.heads * spec.state_elements_per_head * dtype.itemsize
+
+
 class RunningTensorLM(nn.Module):
     """Embedding, ``spec.layers`` pre-norm blocks (mixer, then an optional MLP), norm, head."""
 
@@ -188,6 +226,8 @@ class RunningTensorLM(nn.Module):
             raise ValueError(f"vocab_size: got {vocab_size!r}; allowed: an integer >= 2")
         self.spec = spec
         D = spec.model_width
+        check_memory(4 * parameter_count(spec, vocab_size, mlp), "RunningTensorLM: the fp32 parameters",
+                     torch.get_default_device())
         self.embed = nn.Embedding(vocab_size, D)
         self.mixers = nn.ModuleList(RunningTensorLayer(spec) for _ in range(spec.layers))
         self.norms = nn.ModuleList(nn.RMSNorm(D) for _ in range(spec.layers))
@@ -203,6 +243,10 @@ class RunningTensorLM(nn.Module):
         """tokens [B, T] -> (logits [B, T, vocab], cache): a prompt, or T tokens after a cache.
         ``update_cache`` and ``mixer``: see :meth:`RunningTensorLayer.forward` (``update_cache``:
         T = 1 only)."""
+        if mixer is None:  # a replaced mixer (the ONNX exporter's) allocates no state here
+            wide = torch.float64 if self.embed.weight.dtype == torch.float64 else torch.float32
+            check_memory(state_bytes(self.spec, tokens.shape[0], wide), f"the state of {tokens.shape[0]} sequences",
+                         tokens.device)
         x = self.embed(tokens)
         plan = plan if plan is not None else self.plan
         new = []

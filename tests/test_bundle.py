@@ -152,3 +152,19 @@ def test_force_replaces_a_bundle(tmp_path, capsys):
     assert main(["export", str(spec), "--out", str(out), "--no-onnx", "--vocab", "9", "--force"]) == 0
     assert json.loads((out / "manifest.json").read_text())["model"]["vocab_size"] == 9
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "s.toml"]
+
+
+def test_export_of_huge_key_widths_refused_with_the_bytes(tmp_path, capsys, monkeypatch):
+    # `export` traced a batch-2 prefill for ONNX: a raw "DefaultCPUAllocator: can't allocate" error.
+    import rtcompile.model
+
+    monkeypatch.setattr(rtcompile.model, "device_memory_bytes", lambda device: 8 << 30)  # an 8 GiB machine
+    spec = tmp_path / "huge.toml"
+    spec.write_text("order = 3\nkey_widths = [65536, 65536]\nvalue_width = 1\nheads = 1\nmodel_width = 8\nlayers = 1\n")
+    for argv in (["export", str(spec), "--out", str(tmp_path / "b")],
+                 ["plan", str(spec), "--target", "h100-sxm"],
+                 ["build", str(spec), "--target", "h100-sxm", "--out", str(tmp_path / "p.json")]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and ("bytes" in err[0] or " B per sequence" in err[0]), (argv, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["huge.toml"]

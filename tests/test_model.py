@@ -125,3 +125,33 @@ def test_auto_state_dtype_follows_the_plan():
                                                 else x for x in plan.decisions])
     _, cache = _stepped(lm, tokens, "triton", plan=bf16)
     assert cache[0]["state"].dtype == torch.bfloat16
+
+
+# key widths [65536, 65536]: K = 2**32, so one head's fp32 state with d_v = 1 is 16 GiB.
+HUGE_KEYS = ModelSpec(order=3, key_widths=(65536, 65536), value_width=1, heads=1, model_width=8, layers=1)
+
+
+@pytest.fixture
+def eight_gib(monkeypatch):
+    """A machine with 8 GiB of memory, whatever this one has (the refusals compare against it)."""
+    import rtcompile.model
+
+    monkeypatch.setattr(rtcompile.model, "device_memory_bytes", lambda device: 8 << 30)
+
+
+def test_parameter_count_is_exact():
+    from rtcompile.model import parameter_count
+
+    for mlp in (True, False):
+        lm = RunningTensorLM(HUGE_KEYS, vocab_size=11, mlp=mlp)
+        assert parameter_count(HUGE_KEYS, 11, mlp) == sum(p.numel() for p in lm.parameters())
+
+
+def test_huge_key_widths_refused_before_allocating(eight_gib):
+    # The forward allocated the [B, H, 65536, 65536, 1] state and died in the allocator.
+    lm = RunningTensorLM(HUGE_KEYS, vocab_size=11)  # its parameters are small: allowed
+    with pytest.raises(ValueError, match=r"state of 1 sequences: 17179869184 bytes needed .*8589934592 bytes"):
+        lm(torch.zeros(1, 3, dtype=torch.long), backend="reference")
+    wide = HUGE_KEYS.replace(heads=32, model_width=4096)  # 2**35 projection weights
+    with pytest.raises(ValueError, match=r"parameters: \d+ bytes needed"):
+        RunningTensorLM(wide)
