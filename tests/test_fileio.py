@@ -102,3 +102,24 @@ def test_honour_umask_fixes_a_library_made_0600_file(tmp_path, umask_022):
     os.chmod(p, 0o600)
     fileio.honour_umask(p)
     assert _mode(p) == 0o644 and sorted(x.name for x in tmp_path.iterdir()) == ["w.safetensors"]
+
+
+def test_atomic_directory_replaces_only_what_may_replace_accepts(tmp_path):
+    dest = tmp_path / "d"
+    (dest / "sub").mkdir(parents=True)
+    (dest / "sub" / "y").write_text("y")
+
+    def refuse(path):
+        raise ValueError(f"{path} is not mine to replace")
+
+    with pytest.raises(ValueError, match="not mine"):
+        with fileio.atomic_directory(dest, overwrite=True, may_replace=refuse) as tmp:
+            (tmp / "x").write_text("new")
+    assert (dest / "sub" / "y").read_text() == "y" and not (dest / "x").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]  # no temporary folder left
+    seen = []
+    with fileio.atomic_directory(dest, overwrite=True, may_replace=seen.append) as tmp:
+        (tmp / "x").write_text("new")
+    assert seen == [dest, dest]  # checked before writing and again just before the swap
+    assert sorted(p.name for p in dest.iterdir()) == ["x"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]  # the old folder, moved aside, is gone
