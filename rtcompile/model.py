@@ -19,6 +19,7 @@ knows nothing of ONNX; everything else about a layer stays the same under a repl
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Callable
@@ -180,8 +181,8 @@ def decode_state_dtype(spec: ModelSpec, plan, batch: int) -> torch.dtype:
     return getattr(torch, name)
 
 
-def device_memory_bytes(device) -> int | None:
-    """Total memory of ``device`` (a CUDA GPU's, or this host's RAM for the CPU), None if unknown."""
+@functools.lru_cache(maxsize=None)
+def _device_memory_bytes(device: str) -> int | None:
     dev = torch.device(device)
     if dev.type == "cuda":
         return torch.cuda.get_device_properties(dev).total_memory
@@ -191,6 +192,12 @@ def device_memory_bytes(device) -> int | None:
         except (ValueError, OSError, AttributeError):  # pragma: no cover -- not POSIX
             return None
     return None
+
+
+def device_memory_bytes(device) -> int | None:
+    """Total memory of ``device`` (a CUDA GPU's, or this host's RAM for the CPU), None if unknown;
+    read once per device (a model's every forward asks)."""
+    return _device_memory_bytes(str(torch.device(device)))
 
 
 def check_memory(needed: int, what: str, device) -> None:
@@ -243,7 +250,9 @@ class RunningTensorLM(nn.Module):
         """tokens [B, T] -> (logits [B, T, vocab], cache): a prompt, or T tokens after a cache.
         ``update_cache`` and ``mixer``: see :meth:`RunningTensorLayer.forward` (``update_cache``:
         T = 1 only)."""
-        if mixer is None:  # a replaced mixer (the ONNX exporter's) allocates no state here
+        # a replaced mixer (the ONNX exporter's) allocates no state here; under tracing the
+        # eager call has checked already
+        if mixer is None and not torch.compiler.is_compiling():
             wide = torch.float64 if self.embed.weight.dtype == torch.float64 else torch.float32
             check_memory(state_bytes(self.spec, tokens.shape[0], wide), f"the state of {tokens.shape[0]} sequences",
                          tokens.device)
