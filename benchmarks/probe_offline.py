@@ -10,6 +10,7 @@ install that wheel into a folder of its own and put it first, e.g.
 
     python3 benchmarks/probe_offline.py                                     (the K = 256 default)
     python3 benchmarks/probe_offline.py --widths 32 32 --set num_stages=2 --set block_v=16
+    python3 benchmarks/probe_offline.py --backward --set grads_warps=4   (the backward's kernels)
 
 Nothing is launched: the launcher runs on CPU tensors with the kernels' launch intercepted, so
 the device and shared-memory checks are bypassed here (the compiler's answer is the point).
@@ -35,6 +36,8 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime.jit import JITFunction
 
 from rtcompile.kernels import chunk_split, launch
+from rtcompile.kernels import chunk_backward
+from rtcompile.kernels.chunk_backward import default_backward
 from rtcompile.kernels.config import KernelShape
 from rtcompile.kernels.forms import default_config
 
@@ -103,7 +106,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--widths", type=int, nargs="+", default=[16, 16])
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                    help="change a field of the default chunk config (JSON value)")
+                    help="change a field of the default chunk (or backward) config (JSON value)")
+    ap.add_argument("--backward", action="store_true", help="the backward's launches (its default config)")
     args = ap.parse_args(argv)
     if not isinstance(chunk_split.chunk_split_state_kernel, JITFunction):
         print("probe_offline: the kernels were built for the interpreter: unset TRITON_INTERPRET", file=sys.stderr)
@@ -117,7 +121,9 @@ def main(argv=None) -> int:
         except json.JSONDecodeError:
             changes[name] = value
     try:
-        variant = dataclasses.replace(default_config("chunk", shape, H200_SMEM), **changes)
+        base = default_backward(KernelShape(shape.key_widths, 64, 2), H200_SMEM) if args.backward \
+            else default_config("chunk", shape, H200_SMEM)
+        variant = dataclasses.replace(base, **changes)
     except TypeError as exc:
         print(f"probe_offline: --set: {exc}", file=sys.stderr)
         return 2
@@ -132,7 +138,12 @@ def main(argv=None) -> int:
     try:  # CPU tensors, nothing launched: straight to the form's launcher, past the device checks
         p = launch.check_inputs(q, k, v, g, beta, None, None, None)
         ht = torch.empty(p.state_shape, dtype=torch.float32)
-        launch.LAUNCHERS[type(variant)](variant, p, q, k, v, g, beta, h0=None, ht=ht, cu_seqlens=None, l2norm=True)
+        if args.backward:
+            # past running_tensor_bwd's device check, as the forward goes past launch's
+            chunk_backward._launch(variant, p, q, k, v, g, beta, None, None, True, torch.randn_like(v), ht)
+        else:
+            launch.LAUNCHERS[type(variant)](variant, p, q, k, v, g, beta, h0=None, ht=ht, cu_seqlens=None,
+                                            l2norm=True)
     finally:
         JITFunction.run = saved
     print(f"Triton {triton.__version__}, sm_90, widths {args.widths}, {variant}")

@@ -6,6 +6,7 @@ does not fails the comparison."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -38,7 +39,8 @@ def poison_outputs(poison):
 
 
 def check_gradients(widths, T, V, *, chunk_size, dtype=torch.float32, gate=True, delta=True, l2norm=True,
-                    h0=True, final_grad=True, offsets=None, B=1, H=2, block_v=16, num_warps=4, scale=0.6):
+                    h0=True, final_grad=True, offsets=None, B=1, H=2, block_v=16, num_warps=4, scale=0.6,
+                    config=None):
     """Run the backward on fresh inputs and compare every gradient with float64 autograd of the
     recurrent reference on the very (rounded) inputs the kernels see."""
     num_seqs = None if offsets is None else len(offsets) - 1
@@ -62,19 +64,21 @@ def check_gradients(widths, T, V, *, chunk_size, dtype=torch.float32, gate=True,
     dq, dk, dv, dg, db, dh0 = running_tensor_bwd(
         [dev(x) for x in kq], [dev(x) for x in kk], dev(kv), dev(kg), dev(kb), scale=scale, initial_state=dev(ks0),
         cu_seqlens=dev(cu), l2norm=l2norm, do=dev(do), dht=dev(dht),
-        variant=BackwardConfig(chunk_size=chunk_size, block_v=block_v, num_warps=num_warps))
+        variant=config or BackwardConfig(chunk_size=chunk_size, block_v=block_v, num_warps=num_warps))
     got = {"v": dv, **{f"q{i}": x for i, x in enumerate(dq)}, **{f"k{i}": x for i, x in enumerate(dk)},
            "g": dg, "beta": db, "h0": dh0}
     inputs = {"v": kv, **{f"q{i}": x for i, x in enumerate(kq)}, **{f"k{i}": x for i, x in enumerate(kk)},
               "g": kg, "beta": kb, "h0": ks0}
     tol = HALF_TOL.get(dtype, FP32_TOL)
+    errors = {}
     for name, x in inputs.items():
         if x is None:
             assert got[name] is None, f"d{name} given for an absent input"
             continue
         assert got[name].shape == x.shape and got[name].dtype == x.dtype, name
-        err = rel_err(got[name].cpu(), ref[name])
+        err = errors[name] = rel_err(got[name].cpu(), ref[name])
         assert err < tol, f"d{name}: relative error {err:.2e} (> {tol:.0e})"
+    return errors
 
 
 FEATURES = {  # every switch of the problem, each on in two of four combinations
@@ -206,3 +210,34 @@ def test_launcher_allocates_the_workspace_its_config_declares(monkeypatch, delta
     outputs = sum(x.numel() * x.element_size() for x in grads if x is not None)
     work = Workload(KernelShape(widths, V, 4), B, H, T, delta_rule=delta, forget_gate=gate)
     assert sum(sizes) - outputs == config.workspace_bytes(work)
+
+
+def _gpu_sweep():
+    """Every default config and the tuner's space along each axis the issue names (chunk sizes
+    16/32/64, value blocks 32/64/128, every fp32-product precision the space offers; tf32 only
+    for bf16 inputs, whose tolerance it meets), fp32 and bf16 inputs."""
+    cases = []
+    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        shape = KernelShape((16, 16), 128, 4 if dtype == torch.float32 else 2)
+        base = default_backward(shape, 232448)
+        cases.append(pytest.param(dtype, base, id=f"{name}-default"))
+        for C in (16, 32, 64):
+            for bv in (32, 64, 128):
+                cfg = dataclasses.replace(base, chunk_size=C, block_v=bv, num_warps=8 if bv == 128 else 4)
+                cases.append(pytest.param(dtype, cfg, id=f"{name}-C{C}-bv{bv}"))
+        precisions = ("ieee", "tf32") if dtype != torch.float32 else ("ieee",)
+        for prec in precisions:
+            cases.append(pytest.param(dtype, dataclasses.replace(base, dot_precision=prec), id=f"{name}-{prec}"))
+    return cases
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="compiled configs on the GPU (the interpreter runs every "
+                    "precision and tile alike; the CPU tests above cover the math)")
+@pytest.mark.parametrize("dtype, config", _gpu_sweep())
+def test_gpu_config_sweep(dtype, config, record_property):
+    """On the GPU: every gradient of o3 16x16 (T 200, a partial last chunk; d_v 128) and o2 64
+    against float64 autograd, for the defaults and the tuner's space along each axis."""
+    for widths in ((16, 16), (64,)):
+        errors = check_gradients(widths, 200, 128, chunk_size=config.chunk_size, dtype=dtype, B=2, H=3,
+                                 config=config)
+        record_property(f"max_rel_err_{'x'.join(map(str, widths))}", max(errors.values()))

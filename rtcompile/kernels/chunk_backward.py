@@ -9,45 +9,37 @@ delta rule); P = Gq * D; O = s (diag(Gamma) phi(Q) S + P U); S' = gamma S + phi(
 
     dU = s P^T dO + diag(r) phi(K) dS'            dR' = T^T dU,  dR = diag(b) dR'
     dS = s phi(Q)^T diag(Gamma) dO + gamma dS' - phi(K)^T diag(Gamma) dR     (dv = dR, or dU)
-    dphi(Q) = s diag(Gamma) dO S^T,  dphi(K) = diag(r) U dS'^T - diag(Gamma) dR S^T
-    dP = s dO U^T,  dT = dU R^T diag(b),  dA = -(T^T dT T^T) strictly lower
+    dphi(Q) = s diag(Gamma) dO S^T + dGq phi(K),   dGq = s (dO U^T) * D (lower, diagonal included)
+    dphi(K) = diag(r) U dS'^T - diag(Gamma) dR S^T + dGq^T phi(Q) + (dGk + dGk^T) phi(K)
+    dT = dU R^T diag(b),  dA = -(T^T dT T^T) strictly lower,  dGk = dA * b_i D_ij
     db = rowsum(dR' * R) + rowsum(dA * Gk * D)
     dc: the D, Gamma, r and gamma terms; dg = the reverse cumulative sum of dc within the chunk
 
-and the Gram gradients go to the factors through Gq = prod_f Q_f K_f^T, Gk = prod_f K_f K_f^T.
+Five launches (``_launch``):
 
-Three steps (three kernels of our own, two of the split forward's):
+1. prepare (``chunk_prepare.prepare_backward``): phi(K) and phi(Q) normalised ([T, K] each in
+   the products' type), the scores P and the inverse T ([T, C] fp32 each), the cumulative log
+   decay;
+2. forward recompute: the split form's state loop with state_stride 1 (``chunk_split.py``),
+   storing every chunk's incoming state S ([K, V] in the products' type, as the split forward),
+   U and R ([T, V] fp32 each; R with the delta rule);
+3. :func:`chunk_bwd_state_kernel`, sequential in reverse per (sequence, head, value block): every
+   chunk's outgoing state gradient dS' ([K, V], the products' type) and dU ([T, V] fp32),
+   and d(initial state) = the dS after chunk 0 (fp32);
+4. ``chunk_backward_grads.chunk_bwd_grads_kernel``, chunk-parallel: dv, dbeta, dg and phi(Q)'s
+   and phi(K)'s gradients ([T, K] fp32 each), over key blocks of ``block_k`` columns;
+5. ``chunk_backward_grads.phi_grads_to_factors_kernel``, token-parallel: phi's gradients to
+   the factors, through the l2norm.
 
-1. forward recompute: the split form's prepare kernel (phi(K), the inverse T, the cumulative
-   log decay) and its state loop with state_stride 1 (``chunk_split.py``), storing every
-   chunk's incoming state S and U, here in fp32 (the split forward keeps them in the products'
-   type; bf16 states would put their 2^-8 rounding into every gradient);
-2. :func:`chunk_bwd_state_kernel`, sequential in reverse per (sequence, head, value block):
-   the outgoing state's gradient dS' of every chunk (every term is per value column, so value
-   blocks are independent), and d(initial state) = the dS after chunk 0;
-3. ``chunk_backward_grads.chunk_bwd_grads_kernel``, chunk-parallel, one program per (chunk,
-   head) over all value blocks (sums over value columns in registers, no atomics): the
-   factors' gradients (phi's gradient contracted to the factors on chip, the Gram path, the
-   l2norm backward), dv, dbeta and dg.
+Memory (``BackwardConfig.workspace_bytes``), per (sequence, head): per chunk S and dS' (K d_v
+each in the products' type); per token phi(K), phi(Q) (K each, the products' type), P and T (4 C
+each; T with the delta rule), U, R, dU (4 d_v each; R with the delta rule), the phi gradients (4 K
+each) and the log decay (4, gates). o3 16x16, d_v 64, C 64, bf16 inputs: 2 x 512 + 2 x 256 + 3 x
+256 + 2 x 1024 + 4 bytes per token, and 2 x 32 KiB per chunk (8.4 KiB per token at C 64).
 
-Memory (``BackwardConfig.workspace_bytes``), per (sequence, head): per chunk the state S and
-its gradient dS', K d_v fp32 each (8 K d_v bytes; o3 16x16 d_v 64: 128 KiB per chunk); per
-token U (4 d_v bytes, fp32), phi(K) (K bytes x 2 for 16-bit inputs, x 4 for fp32; freed after
-step 1), the inverse (4 C bytes, delta rule) and the cumulative log decay (4 bytes, gates).
-o3 16x16, d_v 64, C 32, bf16: 4096 + 256 + 512 + 128 + 4 bytes per token (phi(K) included).
-
-Scope of this pass (:func:`supports`): orders 2-4 with power-of-two key widths >= 16 and
-K <= 256 (the [K, block_v] state and the [C, K] phi tiles in registers; order 4 then never
-fits, 16^3 = 4096), any d_v, gates, delta rule, l2norm, initial state, final-state
-gradient, varlen and any T.
-
-Not yet measured on a GPU. Compiled offline for sm_90 (Triton 3.9 and 3.6's ptxas) every
-kernel builds, but the state-gradient loop and the gradients kernel spill at these tiles
-(fp32 products lowered to FMAs with ieee precision; the gradients kernel also reshapes [C, K]
-phi gradients to [C, d1, d2] for the factor contraction): e.g. o3 16x16 C 32, 8 warps, ieee,
-~9 KiB of stack per thread in the gradients kernel. The register estimate below ranks configs
-but does not see this; a speed pass should contract phi's gradients one index of axis 1 at a
-time (as the prepare kernel stores phi(K)) instead of holding [C, K] tiles.
+Scope (:func:`supports`): orders 2-4 with power-of-two key widths >= 16 and K <= 256 (the
+state-gradient loop keeps a [K, block_v] tile in registers; order 4 then never fits, 16^3 =
+4096), any d_v, gates, delta rule, l2norm, initial state, final-state gradient, varlen and any T.
 """
 
 from __future__ import annotations
@@ -62,39 +54,49 @@ import triton
 import triton.language as tl
 
 from . import args
-from .args import factor_args, lowp_dots, width_args
-from .blocks import (
-    chunk_log_decay, factor_tiles, phi_from_tiles, scores_from_tiles, sequence_of_program,
-)
-from .chunk_backward_grads import chunk_bwd_grads_kernel
-from .chunk_prepare import chunk_indices, prepare_keys
-from .chunk_split import SplitConfig, chunk_split_state_kernel
+from .args import dot_dtype, factor_args, lowp_dots, width_args
+from .blocks import dot, sequence_of_program
+from .chunk_backward_grads import chunk_bwd_grads_kernel, phi_grads_to_factors_kernel
+from .chunk_prepare import chunk_indices, prepare_backward
+from .chunk_split import KEY_GROUPS, SplitConfig, chunk_split_state_kernel
 from .config import (
-    DEFAULT_SMEM_BYTES, DOT_PRECISIONS, PREPARE_WARPS, SOLVES, CostFigures, KernelConfig, KernelShape, Workload,
-    chunk_count, chunk_programs, chunk_refusal, estimate_registers, resource_refusal,
+    DEFAULT_SMEM_BYTES, PREPARE_WARPS, SOLVES, CostFigures, KernelConfig, KernelShape, Workload,
+    chunk_count, chunk_programs, chunk_refusal, dot_operand_bytes, estimate_registers, resource_refusal,
 )
 from .inputs import Problem, check_inputs
 
 MAX_KEY_DIM = 256
 BWD_CHUNK_SIZES = (16, 32, 64)
+BLOCK_KS = (16, 32, 64, 128)
+# tf32x3 is not offered: at C 64 the gradients kernel faulted (illegal address) with it on the
+# H200 (Triton 3.6, 2026-12-01), and ran correctly with ieee and tf32 at the same tiles
+BWD_PRECISIONS = ("ieee", "tf32")
+GRADS_WARPS = (2, 4, 8)
+# the token-parallel phi-to-factors kernel: rows per program so its [rows, K] fp32 tile stays at
+# 4096 elements (32 registers per thread at 4 warps); it only streams the phi gradients once
+FACTOR_TILE = 4096
 
 
 @dataclass(frozen=True)
 class BackwardConfig(KernelConfig):
-    """The backward's kernels: ``chunk_size`` (16, 32, 64), ``block_v`` (the recompute's and
-    the state-gradient loop's value tile, and the gradients kernel's value step), ``num_warps``
-    and ``num_stages`` (>= 2: the split state loop's rule) of all three sequential / parallel
-    kernels, ``prepare_warps`` / ``solve`` / ``dot_precision`` of the prepare kernel and the
-    precision of every fp32 product of the backward."""
+    """The backward's kernels. ``chunk_size`` (16, 32, 64); ``block_v``, ``num_warps``,
+    ``num_stages`` (>= 2: the split state loop's rule): the recompute's and the state-gradient
+    loop's value tile, warps and stages, and the gradients kernel's value step; ``block_k`` (at most K
+    is used) and ``grads_warps``: the gradients kernel's key block and warps; ``prepare_warps`` / ``solve`` /
+    ``key_group``: the prepare kernel's; ``dot_precision``: every fp32 product (16-bit inputs
+    multiply the loaded operands in their own type)."""
 
     kernel: ClassVar[str] = "chunk_bwd"
     form: ClassVar[str] = "backward"
     chunk_size: int
     block_v: int
+    block_k: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    grads_warps: int = 8
     prepare_warps: int = 1
     solve: str = "tiles"
+    key_group: int = 1
     dot_precision: str = "ieee"
 
     def resident(self, shape: KernelShape) -> bool:
@@ -103,61 +105,74 @@ class BackwardConfig(KernelConfig):
     def check(self, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> str | None:
         if (reason := chunk_refusal(self, shape)) is not None:
             return reason
-        if (reason := self._check_choice("chunk_size", BWD_CHUNK_SIZES)) is not None:
-            return reason
+        for name, allowed in (("chunk_size", BWD_CHUNK_SIZES), ("block_k", BLOCK_KS), ("grads_warps", GRADS_WARPS),
+                              ("key_group", KEY_GROUPS), ("dot_precision", BWD_PRECISIONS)):
+            if (reason := self._check_choice(name, allowed)) is not None:
+                return reason
         if (reason := shape_refusal(shape)) is not None:
             return reason
+        if self.key_group > 1 and (len(shape.key_widths) < 2 or shape.key_widths[0] % self.key_group):
+            return (f"key_group={self.key_group} needs order >= 3 and a first key width it divides, got widths "
+                    f"{shape.key_widths} (or key_group=1)")
         if self.num_stages < 2:
             return f"num_stages={self.num_stages}; allowed: 2, 3 or 4 (the split state loop's rule)"
-        return resource_refusal(self, shape, smem_limit, "; try a smaller chunk_size or block_v, or more num_warps")
+        return resource_refusal(self, shape, smem_limit, "; try a smaller chunk_size, block_v or block_k")
 
     def estimate_registers(self, shape: KernelShape) -> int:
-        # the gradients kernel: phi(Q), phi(K) and one block's phi gradient [C, K], S and dS'
-        # [K, BV], ~6 [C, C] and ~6 [C, BV] tiles, the factor tiles and their gradients
-        C, K, bv = self.chunk_size, shape.key_dim_pow2, self.block_v
-        live = 3 * C * K + 2 * K * bv + 6 * C * C + 6 * C * bv + 4 * C * sum(shape.key_widths)
-        return estimate_registers(live, self.num_warps)
+        # the larger of the state-gradient loop (the [K, BV] gradient, phi(Q) and phi(K) [C, K],
+        # P and T, four [C, BV]) and the gradients kernel's key loop (T, dGq, dGs [C, C], five
+        # [C, BK], two [BK, BV], three [C, BV]) at their warps
+        C, K, bv, bk = self.chunk_size, shape.key_dim_pow2, self.block_v, min(self.block_k, shape.key_dim_pow2)
+        loop = K * bv + 2 * C * K * shape.input_bytes // 4 + 2 * C * C + 4 * C * bv
+        grads = 3 * C * C + 5 * C * bk + 2 * bk * bv + 3 * C * bv
+        return max(estimate_registers(loop, self.num_warps), estimate_registers(grads, self.grads_warps))
 
     def estimate_smem(self, shape: KernelShape) -> int:
-        # the products' fp32 operands staged per stage: a [C, K] and a [K, BV] tile, C x C and C x BV
-        C, K, bv = self.chunk_size, shape.key_dim_pow2, self.block_v
-        return 4 * (C * K + K * bv + C * C + C * bv) * max(1, self.num_stages)
+        # the state-gradient loop's loads that feed products, per stage: phi(Q), phi(K) in the
+        # products' type and P, T fp32
+        C, K = self.chunk_size, shape.key_dim_pow2
+        return max(1, self.num_stages) * (2 * C * K * dot_operand_bytes(shape.input_bytes) + 8 * C * C)
 
     @classmethod
     def space(cls, shape: KernelShape) -> dict[str, list]:
         if shape_refusal(shape) is not None:
             return {}
+        order3 = len(shape.key_widths) >= 2
         return {
             "chunk_size": list(BWD_CHUNK_SIZES),
             "block_v": [b for b in (16, 32, 64, 128) if b <= shape.value_dim_pow2],
+            "block_k": [b for b in BLOCK_KS if b <= shape.key_dim_pow2],
             "num_warps": [2, 4, 8],
             "num_stages": [2, 3],
+            "grads_warps": list(GRADS_WARPS),
             "prepare_warps": list(PREPARE_WARPS),
             "solve": list(SOLVES),
-            "dot_precision": list(DOT_PRECISIONS),
+            "key_group": [g for g in KEY_GROUPS if order3 and shape.key_widths[0] % g == 0] or [1],
+            "dot_precision": list(BWD_PRECISIONS),
         }
 
     def workspace_bytes(self, w: Workload) -> int:
-        """Per (sequence, head): S and dS' of every chunk ([K, V] fp32 each), U [T, V] fp32,
-        phi(K) [T, K] in the products' type, the inverse [T, C] fp32 (delta rule), the
-        cumulative log decay [T] fp32 (gates). (The initial state's gradient, an output, is
-        formed in an fp32 buffer of the state's size and cast to the state's dtype.)"""
-        K, V = w.shape.key_dim, w.shape.value_width
-        dot = w.shape.input_bytes if w.shape.input_bytes == 2 else 4
-        chunks = w.batch * w.heads * chunk_count(w, self.chunk_size)
-        work = 2 * chunks * K * V * 4 + w.rows * (V * 4 + K * dot)
+        """Per (sequence, head): S and dS' of every chunk ([K, V] each in the products' type);
+        per token phi(K) and phi(Q) (the products' type), the scores (fp32, C), U and dU (fp32,
+        V each), the phi gradients (fp32, K each); with the delta rule the inverse (fp32, C) and
+        R (fp32, V); with gates the cumulative log decay (fp32). (The initial state's gradient,
+        an output, is formed in an fp32 buffer of the state's size and cast to the state's dtype.)"""
+        K, V, C = w.shape.key_dim, w.shape.value_width, self.chunk_size
+        dot = dot_operand_bytes(w.shape.input_bytes)
+        chunks = w.batch * w.heads * chunk_count(w, C)
+        per_token = 2 * K * dot + 4 * C + 8 * V + 8 * K
         if w.delta_rule:
-            work += w.rows * self.chunk_size * 4
+            per_token += 4 * C + 4 * V
         if w.forget_gate:
-            work += w.rows * 4
-        return work
+            per_token += 4
+        return 2 * chunks * K * V * dot + w.rows * per_token
 
     def figures(self, w: Workload) -> CostFigures:
         # two sequential passes over the chunks (recompute, state gradient), the state crossing
         # HBM four times per chunk (S and dS' each stored and read once)
         return CostFigures(programs=chunk_programs(w, self.block_v), serial_steps=2 * chunk_count(w, self.chunk_size),
                            state_passes=4 * chunk_count(w, self.chunk_size), workspace_bytes=self.workspace_bytes(w),
-                           launches=4)
+                           launches=5)
 
 
 def shape_refusal(shape: KernelShape) -> str | None:
@@ -172,15 +187,21 @@ def shape_refusal(shape: KernelShape) -> str | None:
 
 
 def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> BackwardConfig:
-    """The first proposal that passes its check: C 32 (C 64 at K = 256 was estimated at ~430
-    registers per thread with 8 warps), 32 value columns, 4 then 8 warps; the smallest tiles
-    where nothing passes (the check then says why)."""
+    """The first proposal that passes its check: C 64 then 32 then 16, 32 value columns, key
+    blocks of 64 (or K), 4 then 8 warps, the prepare kernel's phi stores 4 indices of axis 1 at a
+    time where they divide (the split form's measured best); fp32 products in tf32 for 16-bit
+    inputs (their gradients are rounded to 8 or 11 bits anyway) and ieee for fp32 inputs (their
+    tests ask 1e-4 of float64). The smallest tiles where nothing passes (the check then says why)."""
     bv = min(32, shape.value_dim_pow2)
-    for C, warps, stages in ((64, 4, 2), (32, 4, 2), (32, 8, 2), (16, 4, 2), (16, 8, 2)):
-        cfg = BackwardConfig(chunk_size=C, block_v=bv, num_warps=warps, num_stages=stages)
+    bk = min(64, shape.key_dim_pow2)
+    group = 4 if len(shape.key_widths) >= 2 and shape.key_widths[0] % 4 == 0 else 1
+    prec = "tf32" if shape.input_bytes == 2 else "ieee"
+    for C, warps in ((64, 4), (64, 8), (32, 4), (32, 8), (16, 4), (16, 8)):
+        cfg = BackwardConfig(chunk_size=C, block_v=bv, block_k=bk, num_warps=warps, grads_warps=8, prepare_warps=4,
+                             key_group=group, dot_precision=prec)
         if cfg.check(shape, smem_limit) is None:
             return cfg
-    return BackwardConfig(chunk_size=16, block_v=16)
+    return BackwardConfig(chunk_size=16, block_v=16, block_k=16)
 
 
 def supports(p: Problem, cu_seqlens) -> str | None:
@@ -195,26 +216,27 @@ def supports(p: Problem, cu_seqlens) -> str | None:
 # ----- the state-gradient loop -----
 @triton.jit
 def chunk_bwd_state_kernel(
-    q1, q2, q3, k1, k2, k3, g, beta, do, dht, dh0, Ai, dHc, cu_seqlens, chunk_offsets, scale, T,
-    H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, V: tl.constexpr,
-    C: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr,
+    Qw, Kw, P, Ai, Gc, beta, do, dht, dh0, dHc, dUc, cu_seqlens, chunk_offsets, scale, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
+    LOWP: tl.constexpr, PREC: tl.constexpr,
 ):
     """The outgoing state's gradient dS' of every chunk, in reverse, for one (sequence, head,
-    value block): stored into ``dHc`` ([chunks, H, K, V] fp32; ``chunk_offsets``: each varlen
-    sequence's first chunk), starting from ``dht`` (None: zeros) and ending with d(initial
-    state) in ``dh0`` (None: not wanted). Per chunk dS = gamma dS' + s phi(Q)^T diag(Gamma) dO
-    - phi(K)^T diag(Gamma) dR (delta rule), with dR = diag(b) T^T (s P^T dO + diag(r) phi(K)
-    dS'), T from the prepare kernel's ``Ai``; phi(Q), phi(K) and P are rebuilt from the factor
-    tiles (fp32). The [K, BV] gradient stays in registers."""
-    K: tl.constexpr = D1 * D2 * D3
+    value block): stored into ``dHc`` ([chunks, H, K, V], the products' type; ``chunk_offsets``:
+    each varlen sequence's first chunk) with dU = s P^T dO + diag(r) phi(K) dS' into ``dUc`` (fp32,
+    laid out as v); starts from ``dht`` (None: zeros) and ends with d(initial state) in ``dh0``
+    (None: not wanted). Per chunk dS = gamma dS' + phi(Q)^T diag(s Gamma) dO - phi(K)^T
+    diag(Gamma b) T^T dU (the last term with the delta rule). phi(Q), phi(K) (``Qw``, ``Kw``),
+    the scores ``P``, the inverse ``Ai`` and the log decay ``Gc`` are the prepare kernel's, so the
+    chain is five products per chunk; only loaded tiles are transposed. The [K, BV] gradient
+    stays in registers (fp32)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos, i_b = sequence_of_program(i_n, T, cu_seqlens)
     n_c = tl.cdiv(eos - bos, C)
+    i_g0 = i_b * n_c
     if cu_seqlens is not None:
         i_g0 = tl.load(chunk_offsets + i_n).to(tl.int64)
-    else:
-        i_g0 = i_b * n_c
+    DT: tl.constexpr = Kw.dtype.element_ty
     o_c = tl.arange(0, C)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
@@ -227,31 +249,31 @@ def chunk_bwd_state_kernel(
         b_ds = tl.load(dht + off_s, mask=m_s, other=0.0).to(tl.float32)
     for i_r in range(0, n_c):
         i_c = n_c - 1 - i_r
-        tl.store(dHc + ((i_g0 + i_c) * H + i_h) * K * V + off_k, b_ds, mask=m_s)
+        tl.store(dHc + ((i_g0 + i_c) * H + i_h) * K * V + off_k, b_ds.to(dHc.dtype.element_ty), mask=m_s)
         tok = bos + i_c * C + o_c
         m_t = tok < eos
         r = (i_b * T + tok) * H + i_h
-        b_c = chunk_log_decay(g, r, m_t, C)
-        b_last = tl.sum(tl.where(o_c == C - 1, b_c, 0.0), axis=0)
-        b_gam = tl.exp(b_c)
-        b_q1, b_q2, b_q3, b_k1, b_k2, b_k3 = factor_tiles(q1, q2, q3, k1, k2, k3, r, m_t, NF, D1, D2, D3,
-                                                          D1, D2, D3, L2NORM)
-        b_P, _ = scores_from_tiles(q1, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_gam, b_c, NF, C, False, False, PREC,
-                                   "rows")
-        b_q = phi_from_tiles(b_q1, b_q2, b_q3, NF, C, D1, D2, D3)
-        b_k = phi_from_tiles(b_k1, b_k2, b_k3, NF, C, D1, D2, D3)
+        p_row = (i_b * H + i_h) * T + tok
+        b_c = tl.zeros([C], dtype=tl.float32)
+        b_last = 0.0
+        if Gc is not None:
+            b_c = tl.load(Gc + p_row, mask=m_t, other=0.0)
+            b_last = tl.load(Gc + (i_b * H + i_h) * T + tl.minimum(bos + i_c * C + C, eos) - 1)
+        b_k = tl.load(Kw + p_row[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+        b_q = tl.load(Qw + p_row[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+        b_pt = tl.load(P + p_row[None, :] * C + o_c[:, None], mask=m_t[None, :], other=0.0)  # P^T
         b_do = tl.load(do + r[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
         b_do = b_do.to(tl.float32)
-        b_new = tl.exp(b_last) * b_ds + scale * tl.dot(tl.trans(b_q), b_gam[:, None] * b_do, input_precision=PREC)
+        b_du = scale * dot(b_pt, b_do, LOWP, DT, PREC)
+        b_du += tl.where(m_t, tl.exp(b_last - b_c), 0.0)[:, None] * dot(b_k, b_ds, LOWP, DT, PREC)
+        tl.store(dUc + r[:, None] * V + o_v[None, :], b_du, mask=m_t[:, None] & m_v[None, :])
+        b_gam = tl.exp(b_c)
+        b_ds = tl.exp(b_last) * b_ds + dot(tl.trans(b_q), (scale * b_gam)[:, None] * b_do, LOWP, DT, PREC)
         if beta is not None:
-            b_du = scale * tl.dot(tl.trans(b_P), b_do, input_precision=PREC)
-            b_du += tl.exp(b_last - b_c)[:, None] * tl.dot(b_k, b_ds, input_precision=PREC)
             b_b = tl.load(beta + r, mask=m_t, other=0.0).to(tl.float32)
-            b_Ai = tl.load(Ai + ((i_b * H + i_h) * T + tok)[:, None] * C + o_c[None, :], mask=m_t[:, None],
-                           other=0.0)
-            b_dr = b_b[:, None] * tl.dot(tl.trans(b_Ai), b_du, input_precision=PREC)
-            b_new -= tl.dot(tl.trans(b_k), b_gam[:, None] * b_dr, input_precision=PREC)
-        b_ds = b_new
+            b_ait = tl.load(Ai + p_row[None, :] * C + o_c[:, None], mask=m_t[None, :], other=0.0)  # T^T
+            b_dr = (b_b * b_gam)[:, None] * dot(b_ait, b_du, LOWP, DT, PREC)
+            b_ds -= dot(tl.trans(b_k), b_dr, LOWP, DT, PREC)
     if dh0 is not None:
         tl.store(dh0 + off_s, b_ds, mask=m_s)
 
@@ -334,41 +356,53 @@ def _launch(config: BackwardConfig, p: Problem, q, k, v, g, beta, h0, cu_seqlens
     if varlen:
         idx = chunk_indices(p, C, dev)
         offsets = torch.tensor([0, *itertools.accumulate(n_chunks)], dtype=torch.int32).to(dev)
-    # 1. forward recompute: the split form's prepare kernel and state loop (every chunk's state)
+    lowp, prec, dt = lowp_dots(v.dtype), config.dot_precision, dot_dtype(v)
+    # 1. prepare: phi(K), phi(Q), P, T, c
     split = SplitConfig(chunk_size=C, block_v=bv, num_warps=config.num_warps, num_stages=config.num_stages,
-                        prepare_warps=config.prepare_warps, solve=config.solve, dot_precision=config.dot_precision)
-    ws = prepare_keys(split, p, q, k, v, g, beta, cu_seqlens=cu_seqlens, idx=idx, l2norm=l2norm)
-    Hc = args.empty(sum(n_chunks), H, K, V, dtype=torch.float32, device=dev)
+                        prepare_warps=config.prepare_warps, solve=config.solve, dot_precision=prec,
+                        key_group=config.key_group)
+    ws = prepare_backward(split, p, q, k, v, g, beta, cu_seqlens=cu_seqlens, idx=idx, l2norm=l2norm)
+    # 2. forward recompute: every chunk's incoming state S, U and R
+    Hc = args.empty(sum(n_chunks), H, K, V, dtype=dt, device=dev)
     Uc = args.empty(B, T, H, V, dtype=torch.float32, device=dev)
+    Rc = args.empty(B, T, H, V, dtype=torch.float32, device=dev) if beta is not None else None
     grid_v = (triton.cdiv(V, bv), p.num_seqs * H)
-    prec = config.dot_precision
     chunk_split_state_kernel[grid_v](
-        v, beta, h0, None, ws["Ai"], ws["Kw"], ws["Gc"], Hc, Uc, cu_seqlens, offsets, T,
-        H=H, K=K, V=V, C=C, BV=bv, LOWP=lowp_dots(v.dtype), PREC=prec, TMA=False, STRIDE=1,
+        v, beta, h0, None, ws["Ai"], ws["Kw"], ws["Gc"], Hc, Uc, Rc, cu_seqlens, offsets, T,
+        H=H, K=K, V=V, C=C, BV=bv, LOWP=lowp, PREC=prec, TMA=False, STRIDE=1,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    del ws["Kw"]  # phi(K) only fed the recompute
-    widths = {n: w for n, w in width_args(p.key_widths, 16).items() if not n.startswith("BD")}
-    # 2. the outgoing state's gradient of every chunk, in reverse; d(initial state)
-    dHc = args.empty(sum(n_chunks), H, K, V, dtype=torch.float32, device=dev)
+    # 3. the outgoing state's gradient of every chunk and dU, in reverse; d(initial state)
+    dHc = args.empty(sum(n_chunks), H, K, V, dtype=dt, device=dev)
+    dUc = args.empty(B, T, H, V, dtype=torch.float32, device=dev)
     dh0 = args.empty(p.state_shape, dtype=torch.float32, device=dev) if h0 is not None else None
     chunk_bwd_state_kernel[grid_v](
-        *factor_args(q), *factor_args(k), g, beta, do, dht, dh0, ws["Ai"], dHc, cu_seqlens, offsets, p.scale, T,
-        H=H, NF=len(q), **widths, V=V, C=C, BV=bv, L2NORM=l2norm, PREC=prec,
+        ws["Qw"], ws["Kw"], ws["P"], ws["Ai"], ws["Gc"], beta, do, dht, dh0, dHc, dUc, cu_seqlens, offsets,
+        p.scale, T, H=H, K=K, V=V, C=C, BV=bv, LOWP=lowp, PREC=prec,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    # 3. every input's gradient, chunk-parallel
-    dq = [args.empty(x.shape, dtype=x.dtype, device=dev) for x in q]
-    dk = [args.empty(x.shape, dtype=x.dtype, device=dev) for x in k]
+    # 4. dv, dbeta, dg and phi's gradients, chunk-parallel
+    dQp = args.empty(B, T, H, K, dtype=torch.float32, device=dev)
+    dKp = args.empty(B, T, H, K, dtype=torch.float32, device=dev)
     dv = args.empty(v.shape, dtype=v.dtype, device=dev)
     dg = args.empty(g.shape, dtype=g.dtype, device=dev) if g is not None else None
     dbeta = args.empty(beta.shape, dtype=beta.dtype, device=dev) if beta is not None else None
     grid = (idx.shape[0], H) if varlen else (n_chunks[0], B * H)
     chunk_bwd_grads_kernel[grid](
-        *factor_args(q), *factor_args(k), v, g, beta, do, ws["Ai"], Hc, Uc, dHc, *factor_args(dq), *factor_args(dk),
-        dv, dg, dbeta, cu_seqlens, idx, p.scale, T,
-        H=H, NF=len(q), **widths, V=V, C=C, BV=bv, L2NORM=l2norm, PREC=prec,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        ws["Qw"], ws["Kw"], ws["P"], ws["Ai"], ws["Gc"], v, beta, do, Hc, dHc, Uc, Rc, dUc, dQp, dKp, dv, dg, dbeta,
+        cu_seqlens, idx, p.scale, T, H=H, K=K, V=V, C=C, BK=min(config.block_k, K), BV=bv, PREC=prec,
+        num_warps=config.grads_warps,
+    )
+    del ws, Hc, dHc, Uc, Rc, dUc
+    # 5. phi's gradients to the factors, through the l2norm
+    dq = [args.empty(x.shape, dtype=x.dtype, device=dev) for x in q]
+    dk = [args.empty(x.shape, dtype=x.dtype, device=dev) for x in k]
+    rows = B * T * H
+    bt = max(1, min(256, FACTOR_TILE // K))
+    widths = {n: w for n, w in width_args(p.key_widths, 16).items() if not n.startswith("BD")}
+    phi_grads_to_factors_kernel[(triton.cdiv(rows, bt),)](
+        *factor_args(q), *factor_args(k), dQp, dKp, *factor_args(dq), *factor_args(dk), rows,
+        NF=len(q), **widths, BT=bt, L2NORM=l2norm, num_warps=4,
     )
     if dh0 is not None and dh0.dtype != h0.dtype:
         dh0 = dh0.to(h0.dtype)

@@ -1,20 +1,23 @@
-"""The chunk-parallel gradients kernel of the backward (``chunk_backward.py`` launches it).
+"""The chunk-parallel kernels of the backward (``chunk_backward.py`` launches them).
 
-One program per (chunk, head) covers every value column: it loops over the value blocks,
-adding each block's share of phi(Q)'s and phi(K)'s gradients (contracted to the factors on
-chip, so no [C, K] tile leaves the program), of the score and inverse gradients (C x C), of
-beta's and of the cumulative log decay's, and stores the block's dv. After the loop it takes
-the Gram path (the scores and the inverse as products of per-factor Grams) to the factors,
-applies the l2norm backward per factor and turns the log-decay gradient into dg (a reverse
-cumulative sum within the chunk). Every sum over value columns happens in registers: no
-atomics, no second pass. All products are fp32 (``input_precision`` PREC): the gradient path
-multiplies derived matrices (transposed products fed to products), the pattern Triton
-3.4-3.7 miscompiles on Hopper with 16-bit operands (fla #640).
+:func:`chunk_bwd_grads_kernel`, one program per (chunk, head): first, over value blocks, the
+C x C gradients (scores dP, inverse dT and through it dA), dv, dbeta's and dc's shares that need
+no key contraction; then, over key blocks of BK columns, phi(Q)'s and phi(K)'s full gradients
+(the state terms and the Gram terms at the phi level), stored in fp32 [B, T, H, K] workspaces,
+and dc's state share; last, dg (a reverse cumulative sum of dc within the chunk).
+:func:`phi_grads_to_factors_kernel`, token-parallel: the phi gradients contracted to each
+factor and taken through the l2norm.
 
-Notation (the backward's math: issue 19 and ``chunk_backward.py``): per chunk c = cumsum(g), Gamma = exp(c), gamma =
-exp(c_last), r = gamma / Gamma, D_ij = exp(c_i - c_j) (j <= i), T = (I + A)^-1 (``Ai``), S the
-incoming state (``Hc``), dS' the outgoing state's gradient (``dHc``), U as the forward stored it
-(``Uc``).
+No [C, K] or [K, V] tile is held whole: the key loop keeps [C, BK] and [BK, BV] tiles (the
+previous single-kernel form held [C, K] phi tiles and gradients and spilled ~14 KiB of stack
+per thread at o3 16x16 on sm_90). Two identities of the forward recompute save key
+contractions: Gamma phi(K) S = V - R (R stored by the recompute) and r (phi(K) dS') = dU - s P^T dO
+(dU stored by the state-gradient loop).
+
+Notation (``chunk_backward.py``): c = cumsum(g) within the chunk, Gamma = exp(c), gamma =
+exp(c_last), r = gamma / Gamma, D_ij = exp(c_i - c_j) (j <= i), P = Gq * D the scores, T = (I +
+A)^-1 (``Ai``), S the incoming state (``Hc``), dS' the outgoing state's gradient (``dHc``), U
+and R as the recompute stored them (``Uc``, ``Rc``), dU (``dUc``).
 """
 
 from __future__ import annotations
@@ -22,9 +25,174 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .blocks import chunk_log_decay, chunk_of_program, factor_tiles, phi_from_tiles
+from .blocks import chunk_of_program, factor_tiles
 
 
+@triton.jit
+def f32dot(a, b, PREC: tl.constexpr):
+    """a @ b in fp32 at precision PREC: every product here has a derived operand (a transposed
+    or masked product), the pattern Triton 3.4-3.7 miscompiles on Hopper with 16-bit operands
+    (fla #640); the tuner's gradient gate checks each precision on the GPU."""
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+
+
+@triton.jit
+def _rows(x, r, o_v, m, V: tl.constexpr):
+    """A [C, BV] block of a token-major [.., V] tensor, fp32."""
+    return tl.load(x + r[:, None] * V + o_v[None, :], mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _value_pass(b_P, b_Ai, b_b, v, do, Uc, Rc, dUc, dv, r, m_t, scale, V: tl.constexpr, C: tl.constexpr,
+                BV: tl.constexpr, USE_BETA: tl.constexpr, PREC: tl.constexpr):
+    """Over the value blocks: dP = dO U^T, dT = dU R^T diag(b), db = rowsum(dR' R), the dc terms
+    -r (U . phi(K) dS') and -(dR . Gamma phi(K) S), c_last's term sum(r (U . phi(K) dS')), and
+    dv (stored)."""
+    b_dP = tl.zeros([C, C], dtype=tl.float32)
+    b_dT = tl.zeros([C, C], dtype=tl.float32)
+    b_db = tl.zeros([C], dtype=tl.float32)
+    b_dc = tl.zeros([C], dtype=tl.float32)
+    b_ru = tl.zeros([C], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_o = m_t[:, None] & (o_v < V)[None, :]
+        b_do = _rows(do, r, o_v, m_o, V)
+        b_u = _rows(Uc, r, o_v, m_o, V)
+        b_du = _rows(dUc, r, o_v, m_o, V)
+        b_dP += f32dot(b_do, tl.trans(b_u), PREC)
+        # r (phi(K) dS') = dU - s P^T dO
+        b_ru += tl.sum(b_u * (b_du - scale * f32dot(tl.trans(b_P), b_do, PREC)), axis=1)
+        if USE_BETA:
+            b_R = _rows(Rc, r, o_v, m_o, V)
+            b_drp = f32dot(tl.trans(b_Ai), b_du, PREC)  # dR' = T^T dU
+            b_dr = b_b[:, None] * b_drp
+            b_db += tl.sum(b_drp * b_R, axis=1)
+            b_dT += f32dot(b_du, tl.trans(b_b[:, None] * b_R), PREC)
+            b_dc -= tl.sum(b_dr * (_rows(v, r, o_v, m_o, V) - b_R), axis=1)  # Gamma phi(K) S = V - R
+            tl.store(dv + r[:, None] * V + o_v[None, :], b_dr.to(dv.dtype.element_ty), mask=m_o)
+        else:
+            tl.store(dv + r[:, None] * V + o_v[None, :], b_du.to(dv.dtype.element_ty), mask=m_o)
+    return b_dP, b_dT, b_db, b_dc - b_ru, tl.sum(b_ru, axis=0)
+
+
+@triton.jit
+def _state_terms(b_Ai, b_b, do, Uc, dUc, Hc, dHc, r, m_t, o_k, off_s, V: tl.constexpr, C: tl.constexpr,
+                 BK: tl.constexpr, BV: tl.constexpr, USE_BETA: tl.constexpr, PREC: tl.constexpr):
+    """Key block ``o_k``'s state products, summed over value blocks: (dO S^T, U dS'^T, dR S^T,
+    sum(S * dS')), the first three [C, BK]."""
+    b_qs = tl.zeros([C, BK], dtype=tl.float32)
+    b_ks = tl.zeros([C, BK], dtype=tl.float32)
+    b_xs = tl.zeros([C, BK], dtype=tl.float32)
+    b_sds = 0.0
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_o = m_t[:, None] & m_v[None, :]
+        # S^T and dS'^T loaded as [BV, BK] (loaded, not derived, operands)
+        off = off_s + o_k[None, :] * V + o_v[:, None]
+        b_st = tl.load(Hc + off, mask=m_v[:, None], other=0.0).to(tl.float32)
+        b_dst = tl.load(dHc + off, mask=m_v[:, None], other=0.0).to(tl.float32)
+        b_sds += tl.sum(tl.sum(b_st * b_dst, axis=1), axis=0)
+        b_qs += f32dot(_rows(do, r, o_v, m_o, V), b_st, PREC)
+        b_ks += f32dot(_rows(Uc, r, o_v, m_o, V), b_dst, PREC)
+        if USE_BETA:
+            b_dr = b_b[:, None] * f32dot(tl.trans(b_Ai), _rows(dUc, r, o_v, m_o, V), PREC)
+            b_xs += f32dot(b_dr, b_st, PREC)
+    return b_qs, b_ks, b_xs, b_sds
+
+
+@triton.jit
+def _key_gram(Kw, p_row, m_t, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """phi(K) phi(K)^T of the chunk, over key blocks."""
+    b_G = tl.zeros([C, C], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_k = tl.load(Kw + p_row[:, None] * K + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :], other=0.0)
+        b_G += f32dot(b_k, tl.trans(b_k), PREC)
+    return b_G
+
+
+@triton.jit
+def chunk_bwd_grads_kernel(
+    Qw, Kw, P, Ai, Gc, v, beta, do, Hc, dHc, Uc, Rc, dUc, dQp, dKp, dv, dg, dbeta, cu_seqlens, chunk_indices,
+    scale, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, PREC: tl.constexpr,
+):
+    """One chunk's (program i: chunk i, varlen: pair i of ``chunk_indices``) gradients for one
+    head: dv, dbeta, dg, and phi(Q)'s and phi(K)'s into ``dQp`` / ``dKp`` ([B, T, H, K] fp32).
+    ``Qw``, ``Kw``, ``P``, ``Ai``, ``Gc``: the prepare kernel's; ``Hc``, ``Uc``, ``Rc``: the
+    recompute's; ``dHc``, ``dUc``: the state-gradient loop's. ``g`` / ``beta`` None (``Gc`` /
+    ``beta`` None here): no gates / no delta rule (``dg`` / ``dbeta`` None)."""
+    USE_BETA: tl.constexpr = beta is not None
+    i_nh = tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    i_c, bos, eos, i_b, i_s = chunk_of_program(tl.program_id(0), i_n, T, cu_seqlens, chunk_indices, chunk_indices, C)
+    o_c = tl.arange(0, C)
+    tok = bos + i_c * C + o_c
+    m_t = tok < eos
+    r = (i_b * T + tok) * H + i_h
+    p_row = (i_b * H + i_h) * T + tok
+    b_c = tl.zeros([C], dtype=tl.float32)
+    b_last = 0.0
+    if Gc is not None:  # padded rows add nothing: row C - 1 of the cumulative sum is c_last
+        b_c = tl.load(Gc + p_row, mask=m_t, other=0.0)
+        b_last = tl.load(Gc + (i_b * H + i_h) * T + tl.minimum(bos + i_c * C + C, eos) - 1)
+        b_c = tl.where(m_t, b_c, b_last)
+    b_gam = tl.exp(b_c)
+    b_r = tl.exp(b_last - b_c)
+    off_w = p_row[:, None] * C + o_c[None, :]
+    b_P = tl.load(P + off_w, mask=m_t[:, None], other=0.0)
+    b_b = tl.zeros([C], dtype=tl.float32)
+    b_Ai = tl.zeros([C, C], dtype=tl.float32)
+    if USE_BETA:
+        b_b = tl.load(beta + r, mask=m_t, other=0.0).to(tl.float32)
+        b_Ai = tl.load(Ai + off_w, mask=m_t[:, None], other=0.0)
+    b_dP, b_dT, b_db, b_dc, b_dlast = _value_pass(b_P, b_Ai, b_b, v, do, Uc, Rc, dUc, dv, r, m_t, scale, V, C,
+                                                  BV, USE_BETA, PREC)
+    # C x C: dGq = s dP * D (lower, diagonal included) and dGk = dA * b_i D_ij (strictly lower)
+    m_incl = o_c[:, None] >= o_c[None, :]
+    b_D = tl.exp(tl.where(m_incl, b_c[:, None] - b_c[None, :], float("-inf")))
+    b_dP = tl.where(m_incl, scale * b_dP, 0.0)
+    b_dGq = b_dP * b_D
+    b_E = b_dP * b_P
+    b_dGs = tl.zeros([C, C], dtype=tl.float32)
+    if USE_BETA:
+        b_dA = -f32dot(tl.trans(b_Ai), f32dot(b_dT, tl.trans(b_Ai), PREC), PREC)
+        b_dA = tl.where(o_c[:, None] > o_c[None, :], b_dA, 0.0)
+        b_gkD = _key_gram(Kw, p_row, m_t, K, C, BK, PREC) * b_D
+        b_db += tl.sum(b_dA * b_gkD, axis=1)
+        b_dGk = b_dA * b_b[:, None] * b_D
+        b_E += b_dA * b_b[:, None] * b_gkD
+        b_dGs = b_dGk + tl.trans(b_dGk)
+    b_dc += tl.sum(b_E, axis=1) - tl.sum(b_E, axis=0)
+    off_s = (i_s * H + i_h) * K * V
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = m_t[:, None] & (o_k < K)[None, :]
+        b_q = tl.load(Qw + p_row[:, None] * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(Kw + p_row[:, None] * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
+        b_qs, b_ks, b_xs, b_sds = _state_terms(b_Ai, b_b, do, Uc, dUc, Hc, dHc, r, m_t, o_k, off_s, V, C, BK, BV,
+                                               USE_BETA, PREC)
+        b_dq = (scale * b_gam)[:, None] * b_qs
+        b_dc += tl.sum(b_dq * b_q, axis=1)
+        b_dlast += tl.exp(b_last) * b_sds
+        b_dq += f32dot(b_dGq, b_k, PREC)
+        b_dk = b_r[:, None] * b_ks - b_gam[:, None] * b_xs + f32dot(tl.trans(b_dGq), b_q, PREC)
+        if USE_BETA:
+            b_dk += f32dot(b_dGs, b_k, PREC)
+        off_p = r[:, None] * K + o_k[None, :]
+        tl.store(dQp + off_p, b_dq, mask=m_k)
+        tl.store(dKp + off_p, b_dk, mask=m_k)
+    if USE_BETA:
+        tl.store(dbeta + r, b_db.to(dbeta.dtype.element_ty), mask=m_t)
+    if Gc is not None:
+        # dg_t = sum_{t' >= t} dc_t' within the chunk; c_last's share sits on the last row
+        b_dc += tl.where(o_c == C - 1, b_dlast, 0.0)
+        b_dg = tl.sum(b_dc, axis=0) - tl.cumsum(b_dc, axis=0) + b_dc
+        tl.store(dg + r, b_dg.to(dg.dtype.element_ty), mask=m_t)
+
+
+# ----- phi's gradients to the factors -----
 @triton.jit
 def phi_to_factors(b_d, b_x1, b_x2, b_x3, NF: tl.constexpr, C: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
                    D3: tl.constexpr):
@@ -49,106 +217,6 @@ def phi_to_factors(b_d, b_x1, b_x2, b_x3, NF: tl.constexpr, C: tl.constexpr, D1:
 
 
 @triton.jit
-def _value_block(b_q, b_k, b_P, b_Ai, b_b, b_gam, b_r, b_last, v, do, Hc, Uc, dHc, dv, r, m_t, i_s, i_h, i_v,
-                 scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                 USE_BETA: tl.constexpr, PREC: tl.constexpr):
-    """Value block ``i_v``'s shares: (dphi(Q), dphi(K), dP / scale, dT, db, dc, dc_last); its
-    dv is stored here (dR with the delta rule, else dU)."""
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    m_o = m_t[:, None] & m_v[None, :]
-    off_s = (i_s * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-    b_s = tl.load(Hc + off_s, mask=m_v[None, :], other=0.0)
-    b_ds = tl.load(dHc + off_s, mask=m_v[None, :], other=0.0)
-    b_do = tl.load(do + r[:, None] * V + o_v[None, :], mask=m_o, other=0.0).to(tl.float32)
-    b_u = tl.load(Uc + r[:, None] * V + o_v[None, :], mask=m_o, other=0.0)
-    b_kds = tl.dot(b_k, b_ds, input_precision=PREC)  # phi(K) dS'
-    # dU = s P^T dO + diag(r) phi(K) dS'
-    b_du = scale * tl.dot(tl.trans(b_P), b_do, input_precision=PREC) + b_r[:, None] * b_kds
-    b_ruk = tl.sum(b_u * b_kds, axis=1) * b_r
-    b_qs = tl.dot(b_q, b_s, input_precision=PREC)
-    b_dc = scale * b_gam * tl.sum(b_do * b_qs, axis=1) - b_ruk
-    b_dlast = tl.sum(b_ruk, axis=0) + tl.exp(b_last) * tl.sum(tl.sum(b_s * b_ds, axis=1), axis=0)
-    b_dP = tl.dot(b_do, tl.trans(b_u), input_precision=PREC)
-    b_dk = tl.dot(b_u * b_r[:, None], tl.trans(b_ds), input_precision=PREC)
-    b_dq = tl.dot(b_do * (scale * b_gam)[:, None], tl.trans(b_s), input_precision=PREC)
-    b_dT = tl.zeros_like(b_P)
-    b_db = tl.zeros_like(b_gam)
-    if USE_BETA:
-        b_v = tl.load(v + r[:, None] * V + o_v[None, :], mask=m_o, other=0.0).to(tl.float32)
-        b_ks = tl.dot(b_k, b_s, input_precision=PREC)
-        b_R = b_v - b_gam[:, None] * b_ks  # R = V - diag(Gamma) phi(K) S
-        b_drp = tl.dot(tl.trans(b_Ai), b_du, input_precision=PREC)  # dR' = T^T dU
-        b_dr = b_b[:, None] * b_drp
-        b_db = tl.sum(b_drp * b_R, axis=1)
-        b_dT = tl.dot(b_du, tl.trans(b_b[:, None] * b_R), input_precision=PREC)  # dU R^T diag(b)
-        b_dc -= b_gam * tl.sum(b_dr * b_ks, axis=1)
-        b_dk -= tl.dot(b_dr * b_gam[:, None], tl.trans(b_s), input_precision=PREC)
-        tl.store(dv + r[:, None] * V + o_v[None, :], b_dr.to(dv.dtype.element_ty), mask=m_o)
-    else:
-        tl.store(dv + r[:, None] * V + o_v[None, :], b_du.to(dv.dtype.element_ty), mask=m_o)
-    return b_dq, b_dk, b_dP, b_dT, b_db, b_dc, b_dlast
-
-
-@triton.jit
-def _factor_gram_grads(b_dGq, b_dGk, b_Ho, b_Go, b_qf, b_kf, USE_BETA: tl.constexpr, PREC: tl.constexpr):
-    """One factor's Gram-path gradients: dH = dGq * (the other factors' Q_f K_f^T), dq = dH K_f,
-    dk = dH^T Q_f (+ (dG + dG^T) K_f with dG = dGk * the other factors' K_f K_f^T)."""
-    b_dH = b_dGq * b_Ho
-    b_dq = tl.dot(b_dH, b_kf, input_precision=PREC)
-    b_dk = tl.dot(tl.trans(b_dH), b_qf, input_precision=PREC)
-    if USE_BETA:
-        b_dG = b_dGk * b_Go
-        b_dk += tl.dot(b_dG + tl.trans(b_dG), b_kf, input_precision=PREC)
-    return b_dq, b_dk
-
-
-@triton.jit
-def _gram_path(b_dP, b_dT, b_Ai, b_b, b_c, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, NF: tl.constexpr,
-               C: tl.constexpr, USE_BETA: tl.constexpr, PREC: tl.constexpr):
-    """From dP (masked here) and dT: the factors' Gram-path gradients, and db's and dc's
-    shares (dA = -(T^T dT T^T) strictly lower; dGk = dA diag(b) D, dGq = dP D; E = (dA b Gk +
-    dP Gq) D gives dc_i += sum_j E_ij, dc_j -= sum_i E_ij)."""
-    o_c = tl.arange(0, C)
-    m_incl = o_c[:, None] >= o_c[None, :]
-    b_D = tl.exp(tl.where(m_incl, b_c[:, None] - b_c[None, :], float("-inf")))
-    b_H1 = tl.dot(b_q1, tl.trans(b_k1), input_precision=PREC)
-    b_G1 = tl.dot(b_k1, tl.trans(b_k1), input_precision=PREC)
-    b_H2 = tl.full([C, C], 1.0, tl.float32)
-    b_G2 = b_H2
-    b_H3 = b_H2
-    b_G3 = b_H2
-    if NF > 1:
-        b_H2 = tl.dot(b_q2, tl.trans(b_k2), input_precision=PREC)
-        b_G2 = tl.dot(b_k2, tl.trans(b_k2), input_precision=PREC)
-    if NF > 2:
-        b_H3 = tl.dot(b_q3, tl.trans(b_k3), input_precision=PREC)
-        b_G3 = tl.dot(b_k3, tl.trans(b_k3), input_precision=PREC)
-    b_dP = tl.where(m_incl, b_dP, 0.0)
-    b_dGq = b_dP * b_D
-    b_E = b_dGq * (b_H1 * b_H2 * b_H3)
-    b_dGk = tl.zeros([C, C], dtype=tl.float32)
-    b_db = tl.zeros([C], dtype=tl.float32)
-    if USE_BETA:
-        b_dA = tl.dot(tl.trans(b_Ai), tl.dot(b_dT, tl.trans(b_Ai), input_precision=PREC), input_precision=PREC)
-        b_dA = tl.where(o_c[:, None] > o_c[None, :], -b_dA, 0.0)
-        b_gk = b_G1 * b_G2 * b_G3 * b_D
-        b_db = tl.sum(b_dA * b_gk, axis=1)
-        b_dGk = b_dA * b_b[:, None] * b_D
-        b_E += b_dA * b_b[:, None] * b_gk
-    b_dc = tl.sum(b_E, axis=1) - tl.sum(b_E, axis=0)
-    b_dq1, b_dk1 = _factor_gram_grads(b_dGq, b_dGk, b_H2 * b_H3, b_G2 * b_G3, b_q1, b_k1, USE_BETA, PREC)
-    b_dq2, b_dk2 = b_dq1, b_dk1
-    b_dq3, b_dk3 = b_dq1, b_dk1
-    if NF > 1:
-        b_dq2, b_dk2 = _factor_gram_grads(b_dGq, b_dGk, b_H1 * b_H3, b_G1 * b_G3, b_q2, b_k2, USE_BETA, PREC)
-    if NF > 2:
-        b_dq3, b_dk3 = _factor_gram_grads(b_dGq, b_dGk, b_H1 * b_H2, b_G1 * b_G2, b_q3, b_k3, USE_BETA, PREC)
-    return b_dq1, b_dq2, b_dq3, b_dk1, b_dk2, b_dk3, b_db, b_dc
-
-
-@triton.jit
 def store_factor_grad(dx, x, b_dxh, r, m_t, D: tl.constexpr, L2NORM: tl.constexpr):
     """Store a factor's gradient at rows ``r``: with L2NORM, through x_hat = x rho, rho =
     1 / sqrt(|x|^2 + eps): dx = rho (dx_hat - x_hat (x_hat . dx_hat))."""
@@ -164,86 +232,32 @@ def store_factor_grad(dx, x, b_dxh, r, m_t, D: tl.constexpr, L2NORM: tl.constexp
 
 
 @triton.jit
-def chunk_bwd_grads_kernel(
-    q1, q2, q3, k1, k2, k3, v, g, beta, do, Ai, Hc, Uc, dHc, dq1, dq2, dq3, dk1, dk2, dk3, dv, dg, dbeta,
-    cu_seqlens, chunk_indices, scale, T,
-    H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, V: tl.constexpr,
-    C: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr,
-):
-    """Every input's gradient of one chunk (program i: chunk i, varlen: pair i of
-    ``chunk_indices``) and head, from the forward recompute (``Hc`` the incoming state and
-    ``Uc`` U, both fp32; ``Ai`` the inverse, delta rule) and the state-gradient loop (``dHc``
-    the outgoing state's gradient of every chunk, fp32). ``dq*`` / ``dk*`` take the factors'
-    gradients (before the l2norm when L2NORM), ``dv`` the values', ``dg`` / ``dbeta`` the
-    gates' / beta's (None with ``g`` / ``beta`` None). Factor slots past NF repeat the first."""
+def _side_to_factors(dP, x1, x2, x3, dx1, dx2, dx3, b_x1, b_x2, b_x3, r, m_t, NF: tl.constexpr, BT: tl.constexpr,
+                     D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, L2NORM: tl.constexpr):
+    """One side's (queries' or keys') phi gradient rows to its factors' gradients (stored)."""
     K: tl.constexpr = D1 * D2 * D3
-    USE_BETA: tl.constexpr = beta is not None
-    i_nh = tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
-    i_c, bos, eos, i_b, i_s = chunk_of_program(tl.program_id(0), i_n, T, cu_seqlens, chunk_indices, chunk_indices, C)
-    o_c = tl.arange(0, C)
-    tok = bos + i_c * C + o_c
-    m_t = tok < eos
-    r = (i_b * T + tok) * H + i_h
-    # padded rows add 0 to the cumulative sum: row C - 1 holds c_last
-    b_c = chunk_log_decay(g, r, m_t, C)
-    b_last = tl.sum(tl.where(o_c == C - 1, b_c, 0.0), axis=0)
-    b_gam = tl.exp(b_c)
-    b_r = tl.exp(b_last - b_c)
+    o_k = tl.arange(0, K)
+    b_d = tl.load(dP + r[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+    d1, d2, d3 = phi_to_factors(b_d, b_x1, b_x2, b_x3, NF, BT, D1, D2, D3)
+    store_factor_grad(dx1, x1, d1, r, m_t, D1, L2NORM)
+    if NF > 1:
+        store_factor_grad(dx2, x2, d2, r, m_t, D2, L2NORM)
+    if NF > 2:
+        store_factor_grad(dx3, x3, d3, r, m_t, D3, L2NORM)
+
+
+@triton.jit
+def phi_grads_to_factors_kernel(
+    q1, q2, q3, k1, k2, k3, dQp, dKp, dq1, dq2, dq3, dk1, dk2, dk3, N,
+    NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, BT: tl.constexpr, L2NORM: tl.constexpr,
+):
+    """Rows [i BT, (i + 1) BT) of the N token-head rows: phi(Q)'s and phi(K)'s gradients
+    (``dQp`` / ``dKp``, [N, K] fp32) contracted to each factor (normalised when L2NORM) and
+    taken through the l2norm into ``dq*`` / ``dk*`` (the factors' types). Slots past NF repeat
+    the first."""
+    r = tl.program_id(0) * BT + tl.arange(0, BT)
+    m_t = r < N
     b_q1, b_q2, b_q3, b_k1, b_k2, b_k3 = factor_tiles(q1, q2, q3, k1, k2, k3, r, m_t, NF, D1, D2, D3,
                                                       D1, D2, D3, L2NORM)
-    b_q = phi_from_tiles(b_q1, b_q2, b_q3, NF, C, D1, D2, D3)
-    b_k = phi_from_tiles(b_k1, b_k2, b_k3, NF, C, D1, D2, D3)
-    b_Gq = tl.dot(b_q1, tl.trans(b_k1), input_precision=PREC)
-    if NF > 1:
-        b_Gq *= tl.dot(b_q2, tl.trans(b_k2), input_precision=PREC)
-    if NF > 2:
-        b_Gq *= tl.dot(b_q3, tl.trans(b_k3), input_precision=PREC)
-    b_P = b_Gq * tl.exp(tl.where(o_c[:, None] >= o_c[None, :], b_c[:, None] - b_c[None, :], float("-inf")))
-    b_b = tl.zeros([C], dtype=tl.float32)
-    b_Ai = tl.zeros([C, C], dtype=tl.float32)
-    if USE_BETA:
-        b_b = tl.load(beta + r, mask=m_t, other=0.0).to(tl.float32)
-        p_row = (i_b * H + i_h) * T + tok
-        b_Ai = tl.load(Ai + p_row[:, None] * C + o_c[None, :], mask=m_t[:, None], other=0.0)
-    b_dq1, b_dq2, b_dq3 = b_q1 * 0.0, b_q2 * 0.0, b_q3 * 0.0
-    b_dk1, b_dk2, b_dk3 = b_k1 * 0.0, b_k2 * 0.0, b_k3 * 0.0
-    b_dP = tl.zeros([C, C], dtype=tl.float32)
-    b_dT = tl.zeros([C, C], dtype=tl.float32)
-    b_db = tl.zeros([C], dtype=tl.float32)
-    b_dc = tl.zeros([C], dtype=tl.float32)  # c_last's share sits on row C - 1
-    for i_v in range(tl.cdiv(V, BV)):
-        b_dqp, b_dkp, b_dPv, b_dTv, b_dbv, b_dcv, b_dl = _value_block(
-            b_q, b_k, b_P, b_Ai, b_b, b_gam, b_r, b_last, v, do, Hc, Uc, dHc, dv, r, m_t, i_s, i_h, i_v, scale,
-            H, K, V, BV, USE_BETA, PREC)
-        b_dP += b_dPv
-        b_dT += b_dTv
-        b_db += b_dbv
-        b_dc += b_dcv + tl.where(o_c == C - 1, b_dl, 0.0)
-        d1, d2, d3 = phi_to_factors(b_dqp, b_q1, b_q2, b_q3, NF, C, D1, D2, D3)
-        e1, e2, e3 = phi_to_factors(b_dkp, b_k1, b_k2, b_k3, NF, C, D1, D2, D3)
-        b_dq1 += d1
-        b_dk1 += e1
-        if NF > 1:
-            b_dq2 += d2
-            b_dk2 += e2
-        if NF > 2:
-            b_dq3 += d3
-            b_dk3 += e3
-    g1, g2, g3, h1, h2, h3, b_dbg, b_dcg = _gram_path(scale * b_dP, b_dT, b_Ai, b_b, b_c, b_q1, b_q2, b_q3,
-                                                      b_k1, b_k2, b_k3, NF, C, USE_BETA, PREC)
-    store_factor_grad(dq1, q1, b_dq1 + g1, r, m_t, D1, L2NORM)
-    store_factor_grad(dk1, k1, b_dk1 + h1, r, m_t, D1, L2NORM)
-    if NF > 1:
-        store_factor_grad(dq2, q2, b_dq2 + g2, r, m_t, D2, L2NORM)
-        store_factor_grad(dk2, k2, b_dk2 + h2, r, m_t, D2, L2NORM)
-    if NF > 2:
-        store_factor_grad(dq3, q3, b_dq3 + g3, r, m_t, D3, L2NORM)
-        store_factor_grad(dk3, k3, b_dk3 + h3, r, m_t, D3, L2NORM)
-    if USE_BETA:
-        tl.store(dbeta + r, (b_db + b_dbg).to(dbeta.dtype.element_ty), mask=m_t)
-    if g is not None:
-        # dg_t = sum_{t' >= t} dc_t' (padded rows take part: c_last's share sits on row C - 1)
-        b_dc += b_dcg
-        b_dg = tl.sum(b_dc, axis=0) - tl.cumsum(b_dc, axis=0) + b_dc
-        tl.store(dg + r, b_dg.to(dg.dtype.element_ty), mask=m_t)
+    _side_to_factors(dQp, q1, q2, q3, dq1, dq2, dq3, b_q1, b_q2, b_q3, r, m_t, NF, BT, D1, D2, D3, L2NORM)
+    _side_to_factors(dKp, k1, k2, k3, dk1, dk2, dk3, b_k1, b_k2, b_k3, r, m_t, NF, BT, D1, D2, D3, L2NORM)

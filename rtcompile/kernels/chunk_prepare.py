@@ -98,13 +98,14 @@ def _store_wy(W, U0, k1, k2, k3, v, beta, b_Ai, b_c, b_inv, r, m_t, p_row, DT: t
     o_v = tl.arange(0, BV)
     m_v = (o_v < V)[None, :]
     b_v = tl.load(v + r[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v, other=0.0).to(tl.float32)
-    b_u0 = dot(b_Ai, b_b[:, None] * b_v, LOWP, DT, PREC)
-    tl.store(U0 + p_row[:, None] * V + o_v[None, :], b_u0, mask=m_t[:, None] & m_v)
+    if U0 is not None:
+        b_u0 = dot(b_Ai, b_b[:, None] * b_v, LOWP, DT, PREC)
+        tl.store(U0 + p_row[:, None] * V + o_v[None, :], b_u0, mask=m_t[:, None] & m_v)
 
 
 @triton.jit
 def chunk_prepare_kernel(
-    q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, W, U0, Kw, Gc, cu_seqlens, chunk_indices, T,
+    q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, W, U0, Kw, Qw, Gc, cu_seqlens, chunk_indices, T,
     H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
     BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, C: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
@@ -113,9 +114,9 @@ def chunk_prepare_kernel(
     """One program per (chunk, head): the chunk's workspaces. Each output is written when it is
     given and skipped when None: ``P`` the scores; ``Ai`` the inverse (delta rule: ``beta``
     given; SOLVE "tiles" inverts it in place there, in [16, 16] tiles); ``W`` and ``U0`` the WY
-    products (then Ai is stored only for the tile solve, which needs the memory);
-    ``Kw`` the normalised phi(K) ([B, H, T, K], its type), one column block of KEY_GROUP
-    indices of axis 1 per store; ``Gc`` the cumulative log decay within the chunk ([B, H, T]
+    products (then Ai is stored only when given: the tile solve needs the memory, the backward
+    reads it); ``Kw`` / ``Qw`` the normalised phi(K) / phi(Q) ([B, H, T, K], its type), one
+    column block of KEY_GROUP indices of axis 1 per store; ``Gc`` the cumulative log decay within the chunk ([B, H, T]
     fp32). ``g`` / ``beta`` / ``cu_seqlens`` None: no gates / no delta rule / not varlen (then
     programs are numbered over ``chunk_indices``' (sequence, chunk) pairs)."""
     USE_BETA: tl.constexpr = beta is not None
@@ -144,7 +145,7 @@ def chunk_prepare_kernel(
             if WY:  # the inverse back in registers, for W and U0 (padded rows read 0: never stored)
                 tl.debug_barrier()
                 b_Ai = tl.load(Ai + off_w, mask=m_t[:, None], other=0.0)
-        elif not WY:  # with wy the inverse is applied below and not stored
+        elif Ai is not None:  # the forward's wy applies the inverse below and does not store it
             tl.store(Ai + off_w, b_Ai, mask=m_t[:, None])
     p_row = (i_b * H + i_h) * T + tok
     if Gc is not None:
@@ -154,6 +155,11 @@ def chunk_prepare_kernel(
         b_inv = phi_inv_norm(k1, k2, k3, r[:, None], m_t[:, None], D1, D2, D3, BD1, BD2, BD3, NF)
     if Kw is not None:
         _store_key_columns(Kw, k1, k2, k3, r, m_t, p_row, b_inv, NF, C, D1, D2, D3, KEY_GROUP)
+    if Qw is not None:
+        b_qinv = tl.full([C], 1.0, tl.float32)
+        if L2NORM:
+            b_qinv = phi_inv_norm(q1, q2, q3, r[:, None], m_t[:, None], D1, D2, D3, BD1, BD2, BD3, NF)
+        _store_key_columns(Qw, q1, q2, q3, r, m_t, p_row, b_qinv, NF, C, D1, D2, D3, KEY_GROUP)
     if WY:
         _store_wy(W, U0, k1, k2, k3, v, beta, b_Ai, b_c, b_inv, r, m_t, p_row, q1.dtype.element_ty, NF,
                   D1, D2, D3, C, V, BK, BV, LOWP, PREC, OUTER)
@@ -173,7 +179,7 @@ def _run(p: Problem, q, k, v, g, beta, *, cu_seqlens, idx, l2norm: bool, config,
     grid = (idx.shape[0], H) if cu_seqlens is not None else (triton.cdiv(T, C), B * H)
     chunk_prepare_kernel[grid](
         *factor_args(q), *factor_args(k), v, g, beta, outputs.get("P"), outputs.get("Ai"), outputs.get("W"),
-        outputs.get("U0"), outputs.get("Kw"), outputs.get("Gc"), cu_seqlens, idx, T,
+        outputs.get("U0"), outputs.get("Kw"), outputs.get("Qw"), outputs.get("Gc"), cu_seqlens, idx, T,
         H=H, NF=len(q), **width_args(p.key_widths, 16), C=C, V=V, BK=block_k, BV=max(16, next_pow2(V)),
         L2NORM=l2norm, LOWP=lowp_dots(v.dtype), PREC=config.dot_precision, SOLVE=config.solve, OUTER=outer,
         KEY_GROUP=key_group, num_warps=config.prepare_warps, num_stages=config.num_stages,
@@ -211,6 +217,25 @@ def prepare_keys(config, p: Problem, q, k, v, g, beta, *, cu_seqlens, idx, l2nor
     out = {"Kw": args.empty(B, H, T, p.key_dim, dtype=dot_dtype(v), device=v.device), "Ai": None, "Gc": None}
     if beta is not None:
         out["Ai"] = args.empty(B, H, T, config.chunk_size, dtype=torch.float32, device=v.device)
+    if g is not None:
+        out["Gc"] = args.empty(B, H, T, dtype=torch.float32, device=v.device)
+    _run(p, q, k, v, g, beta, cu_seqlens=cu_seqlens, idx=idx, l2norm=l2norm, config=config, outputs=out,
+         block_k=p.key_dim, outer=False, key_group=config.key_group)
+    return out
+
+
+def prepare_backward(config, p: Problem, q, k, v, g, beta, *, cu_seqlens, idx, l2norm: bool) -> dict:
+    """The backward's prepare step (one launch): Kw and Qw (the normalised phi(K) and phi(Q),
+    [B, H, T, K] in the products' type), P (the scores, [B, H, T, C] fp32), Ai ([B, H, T, C]
+    fp32, delta rule) and Gc ([B, H, T] fp32, gates). Returns {"Kw", "Qw", "P", "Ai", "Gc"},
+    None for what is not made. ``idx``: :func:`chunk_indices` with varlen, else None."""
+    B, T, H, V = v.shape
+    C, dt = config.chunk_size, dot_dtype(v)
+    out = {"Kw": args.empty(B, H, T, p.key_dim, dtype=dt, device=v.device),
+           "Qw": args.empty(B, H, T, p.key_dim, dtype=dt, device=v.device),
+           "P": args.empty(B, H, T, C, dtype=torch.float32, device=v.device), "Ai": None, "Gc": None}
+    if beta is not None:
+        out["Ai"] = args.empty(B, H, T, C, dtype=torch.float32, device=v.device)
     if g is not None:
         out["Gc"] = args.empty(B, H, T, dtype=torch.float32, device=v.device)
     _run(p, q, k, v, g, beta, cu_seqlens=cu_seqlens, idx=idx, l2norm=l2norm, config=config, outputs=out,

@@ -180,7 +180,7 @@ def _store_chunk_state(Hc, i_row, b_s, off_k, m_s, i_v, K: tl.constexpr, V: tl.c
 
 @triton.jit
 def chunk_split_state_kernel(
-    v, beta, h0, ht, Ai, Kw, Gc, Hc, Uc, cu_seqlens, chunk_offsets, T,
+    v, beta, h0, ht, Ai, Kw, Gc, Hc, Uc, Rc, cu_seqlens, chunk_offsets, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
     LOWP: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr, STRIDE: tl.constexpr,
 ):
@@ -199,7 +199,8 @@ def chunk_split_state_kernel(
     0.164; compiled offline for sm_90 as launched, neither form spills). A block's rows past
     the sequence are the next sequence's (or zeros): U's rows there are set to zero, so they
     add nothing. ``beta`` / ``h0`` / ``ht`` / ``cu_seqlens`` None: no delta rule / zero
-    initial state / no final state / not varlen."""
+    initial state / no final state / not varlen. ``Rc`` (the backward's recompute, delta rule):
+    also store R = V - diag(Gamma) phi(K) S (fp32, laid out as v); None in the forward."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos, i_b = sequence_of_program(i_n, T, cu_seqlens)
@@ -244,7 +245,10 @@ def chunk_split_state_kernel(
             b_ks = dot(b_k, b_s, LOWP, DT, PREC)
             if TMA:  # rows past the sequence are the next one's: U's rows there are set to zero below
                 b_Ai = Ai.load([((i_b * H + i_h) * T + bos + i_c * C).to(tl.int32), 0])
-            b_u = dot(b_Ai, b_b[:, None] * (b_v - tl.exp(b_c)[:, None] * b_ks), LOWP, DT, PREC)
+            b_R = b_v - tl.exp(b_c)[:, None] * b_ks
+            if Rc is not None:
+                tl.store(Rc + r[:, None] * V + o_v[None, :], b_R, mask=m_t[:, None] & m_v[None, :])
+            b_u = dot(b_Ai, b_b[:, None] * b_R, LOWP, DT, PREC)
             if TMA:
                 b_u = tl.where(m_t[:, None], b_u, 0.0)
         else:
@@ -371,7 +375,7 @@ def launch(config: SplitConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seql
             Ad = TensorDescriptor(ws["Ai"].view(B * H * T, C), [B * H * T, C], [C, 1], [C, C])
     lowp, prec = lowp_dots(v.dtype), config.dot_precision
     chunk_split_state_kernel[(triton.cdiv(V, config.block_v), p.num_seqs * H)](
-        v, beta, h0, ht, Ad, Kd, ws["Gc"], Hd, Uc, cu_seqlens, offsets, T,
+        v, beta, h0, ht, Ad, Kd, ws["Gc"], Hd, Uc, None, cu_seqlens, offsets, T,
         H=H, K=K, V=V, C=C, BV=config.block_v, LOWP=lowp, PREC=prec, TMA=config.tma, STRIDE=config.state_stride,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
