@@ -46,6 +46,14 @@ def run_export(args) -> int:
             raise BundleError(f"bundle {args.out!r}: already exists; allowed: a new path, or --force to replace a bundle")
         check_replaceable(out)
     plan = Plan.load(args.plan) if args.plan else None
+    if plan is not None:
+        from .export.verify import plan_mismatch
+
+        diff = plan_mismatch(plan.spec, spec)
+        if diff is not None:
+            raise BundleError(f"--plan {args.plan!r}: made for another spec than {args.spec!r} (plan's vs the spec "
+                              f"file's: {diff}); allowed: a plan made from this spec (rtcompile plan / build "
+                              f"{args.spec})")
     if args.vocab < 2:
         raise BundleError(f"--vocab: got {args.vocab}; allowed: an integer >= 2")
     torch.manual_seed(0)
@@ -72,9 +80,9 @@ def run_inspect(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .export import read_manifest
+    from .export import verify_bundle
 
-    m = read_manifest(args.bundle)
+    m = verify_bundle(args.bundle).manifest  # every check load makes: what is shown is what load accepts
     if args.json:
         print(json.dumps(m, indent=1))
         return 0
@@ -97,10 +105,10 @@ def run_inspect(args) -> int:
 def run_onnx(args) -> int:
     import numpy as np
 
-    from .export import BundleError, read_manifest
+    from .export import BundleError, verify_bundle
     from .export.onnx_model import run_greedy
 
-    m = read_manifest(args.bundle)  # verifies hashes before anything is loaded
+    m = verify_bundle(args.bundle).manifest  # every check load makes, before onnxruntime opens a graph
     if "prefill.onnx" not in m["files"] or "decode.onnx" not in m["files"]:
         raise BundleError(f"bundle {args.bundle!r}: has no ONNX graphs (exported with --no-onnx?)")
     try:
