@@ -208,13 +208,13 @@ def export_onnx(lm, out_dir, *, opset27: bool = False) -> tuple[str, str]:
     batch = torch.export.Dim("batch", min=1, max=4096)
     seq = torch.export.Dim("seq", min=2, max=1 << 20)
     pre = torch.onnx.export(
-        _Prefill(lm), (tokens,), dynamo=True, custom_translation_table=table, verbose=False,
+        _Prefill(lm).eval(), (tokens,), dynamo=True, custom_translation_table=table, verbose=False,
         input_names=["tokens"], output_names=["logits", *cache_names(L, conv_count, "present")],
         dynamic_shapes=({0: batch, 1: seq},), optimize=True, opset_version=27 if opset27 else None,
     )
     step_tokens = tokens[:, :1]
     dec = torch.onnx.export(
-        _Decode(lm, conv_count), (step_tokens, *flat), dynamo=True, custom_translation_table=table, verbose=False,
+        _Decode(lm, conv_count).eval(), (step_tokens, *flat), dynamo=True, custom_translation_table=table, verbose=False,
         input_names=["tokens", *cache_names(L, conv_count, "past")],
         output_names=["logits", *cache_names(L, conv_count, "present")],
         dynamic_shapes=({0: batch}, tuple({0: batch} for _ in flat)), optimize=True,
