@@ -59,17 +59,15 @@ def run_export(args) -> int:
     torch.manual_seed(0)
     model = RunningTensorLM(spec, vocab_size=args.vocab)
     if args.weights:
-        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        try:
-            weights = load_file(args.weights)
-        except (OSError, SafetensorError) as exc:
-            raise BundleError(f"--weights {args.weights!r}: unreadable ({str(exc).splitlines()[0]})") from None
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        if missing or unexpected:
-            raise BundleError(f"--weights {args.weights!r}: does not fit the spec (missing {missing[:3]}, "
-                              f"unexpected {unexpected[:3]})")
+        from .export.verify import safetensors_problem
+
+        need = {k: (list(v.shape), v.is_floating_point()) for k, v in model.state_dict().items()}
+        problem = safetensors_problem(Path(args.weights), need, f"the spec (with --vocab {args.vocab})")
+        if problem is not None:
+            raise BundleError(f"--weights {args.weights!r}: {problem}")
+        model.load_state_dict(load_file(args.weights), strict=True)
     path = export_bundle(model, args.out, plan=plan, overwrite=args.force, onnx=not args.no_onnx,
                          opset27=args.opset27)
     print(f"bundle written to {path}")

@@ -329,3 +329,41 @@ def test_bundle_whose_plan_is_of_another_spec(bundle, tmp_path, capsys):
     data["spec"]["value_width"] = 7
     _edit(bundle, lambda m: m.update(plan=data))
     _refused(bundle, capsys, r"manifest\.json: plan: made for another spec .*value_width 7 vs 5")
+
+
+@pytest.mark.parametrize("field,value,pattern", [
+    ("batch", 0, r"plan\.decisions\[0\]: batch 0, seq_len 64; allowed: integers >= 1"),
+    ("mode", "fast", r"plan\.decisions\[0\]: phase 'prefill', mode 'fast'"),
+    ("variant", {"form": "turbo"}, r"plan\.decisions\[0\]\.variant: config: form 'turbo'; allowed:"),
+    ("state_dtype", "int8", r"plan\.decisions\[0\]: state_dtype 'int8'"),
+])
+def test_bundle_whose_plan_decision_cannot_be_followed(field, value, pattern, bundle, tmp_path, capsys):
+    (tmp_path / "order3.toml").write_text(SPEC_TOML)
+    plan = tmp_path / "p.json"
+    assert main(["plan", str(tmp_path / "order3.toml"), "--target", "h200", "--batch", "1", "--seq-len", "64",
+                 "--decode-batch", "1", "--out", str(plan)]) == 0
+    data = json.loads(plan.read_text())
+    data["decisions"][0][field] = value
+    _edit(bundle, lambda m: m.update(plan=data))
+    _refused(bundle, capsys, r"manifest\.json: " + pattern)
+
+
+@pytest.mark.parametrize("case", ["wrong-shape", "junk", "absent"])
+def test_export_of_weights_that_do_not_fit(case, tmp_path, capsys):
+    # a wrong shape gave load_state_dict's RuntimeError traceback
+    (tmp_path / "s.toml").write_text(SPEC_TOML)
+    w = tmp_path / "w.safetensors"
+    if case == "wrong-shape":
+        state = {k: v.clone() for k, v in RunningTensorLM(rtcompile.load_spec(tmp_path / "s.toml"), 11).state_dict().items()}
+        state["head.weight"] = torch.zeros(11, 13)
+        save_file(state, str(w))
+    elif case == "junk":
+        w.write_bytes(b"\0" * 64)
+    assert main(["export", str(tmp_path / "s.toml"), "--out", str(tmp_path / "b"), "--vocab", "11",
+                 "--weights", str(w), "--no-onnx"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(w) in err[0], err
+    pattern = {"wrong-shape": r"tensor 'head\.weight' has shape \[11, 13\]; the spec \(with --vocab 11\) need \[11, 12\]",
+               "junk": r"not a safetensors file", "absent": r"no such file"}[case]
+    assert re.search(pattern, err[0]), err
+    assert not (tmp_path / "b").exists()

@@ -255,14 +255,14 @@ def check_against_torch(lm, prefill_path, decode_path, tokens, logits, cache) ->
     from .verify import BundleError
 
     pre, dec = _session(prefill_path), _session(decode_path)
-    outs = pre.run(None, {"tokens": tokens.numpy()})
+    outs = pre.run(None, {"tokens": tokens.cpu().numpy()})
     tok = logits[:, -1].argmax(-1)
     with torch.no_grad():
         step, _ = lm.step(tok, cache, backend="reference")
     names = [i.name for i in dec.get_inputs()][1:]
-    got = dec.run(None, {"tokens": tok[:, None].numpy().astype(np.int64), **dict(zip(names, outs[1:]))})
+    got = dec.run(None, {"tokens": tok[:, None].cpu().numpy().astype(np.int64), **dict(zip(names, outs[1:]))})
     for path, out, ref in ((prefill_path, outs[0], logits), (decode_path, got[0][:, 0], step)):
-        ref = ref.numpy()
+        ref = ref.detach().cpu().numpy()
         err = float(np.abs(out - ref).max() / max(float(np.abs(ref).max()), 1e-30))
         if not err <= GRAPH_MATCH_RTOL:  # NaN fails too
             raise BundleError(f"{os.path.basename(path)}: onnxruntime's logits differ from the torch model's by "

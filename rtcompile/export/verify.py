@@ -200,6 +200,27 @@ def _check_onnx_entry(root: Path, manifest: dict[str, Any]) -> None:
                                      f"per graph: {', '.join(GRAPHS)}}}")
 
 
+def _check_decisions(root: Path, plan) -> None:
+    """Each decision of a bundle's plan is one the model can follow: the plan reader checks the
+    keys, this the values the forward uses (decision_for takes log2 of batch and length, the
+    launcher builds the config)."""
+    from ..kernels.forms import config_from_dict
+
+    for i, d in enumerate(plan.decisions):
+        where = f"plan.decisions[{i}]"
+        if d.phase not in ("prefill", "decode", "train") or d.mode not in ("chunk", "recurrent"):
+            raise refuse(root, MANIFEST, f"{where}: phase {d.phase!r}, mode {d.mode!r}; allowed: phase prefill, "
+                                         "decode or train, mode chunk or recurrent")
+        if not (_is_int(d.batch) and d.batch >= 1 and _is_int(d.seq_len) and d.seq_len >= 1):
+            raise refuse(root, MANIFEST, f"{where}: batch {d.batch!r}, seq_len {d.seq_len!r}; allowed: integers >= 1")
+        if d.state_dtype not in ("float32", "float16", "bfloat16"):
+            raise refuse(root, MANIFEST, f"{where}: state_dtype {d.state_dtype!r}; allowed: float32, float16, bfloat16")
+        try:
+            config_from_dict(d.variant, d.mode)
+        except (TypeError, ValueError) as exc:
+            raise refuse(root, MANIFEST, f"{where}.variant: {str(exc).splitlines()[0]}") from None
+
+
 def check_contents(root: Path, manifest: dict[str, Any]):
     """spec, plan, vocab_size and mlp of a read manifest, each validated."""
     from ..plan import Plan, PlanError
@@ -215,6 +236,7 @@ def check_contents(root: Path, manifest: dict[str, Any]):
         diff = plan_mismatch(plan.spec, spec)
         if diff is not None:
             raise refuse(root, MANIFEST, f"plan: made for another spec (plan's vs the bundle's: {diff})")
+        _check_decisions(root, plan)
     _check_onnx_entry(root, manifest)
     return spec, plan, vocab, mlp
 
@@ -231,27 +253,38 @@ def expected_tensors(spec, vocab_size: int, mlp: bool) -> dict[str, tuple[list[i
     return {k: (list(v.shape), v.is_floating_point()) for k, v in model.state_dict().items()}
 
 
-def check_weights(root: Path, spec, vocab_size: int, mlp: bool) -> None:
-    """weights.safetensors holds exactly the model's tensors, each of its shape (header only)."""
+def safetensors_problem(path: Path, need: dict[str, tuple[list[int], bool]], what: str) -> str | None:
+    """None when the safetensors file at ``path`` holds exactly the tensors ``need`` lists (name
+    -> shape, is floating), each of its shape and, where floating, of a float dtype; else the
+    problem in words. Reads the header only."""
     from safetensors import SafetensorError, safe_open
 
+    if not Path(path).is_file():
+        return "no such file"
     try:
-        with safe_open(str(root / WEIGHTS), framework="pt") as f:
+        with safe_open(str(path), framework="pt") as f:
             got = {k: (list(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
     except (SafetensorError, OSError) as exc:
-        raise refuse(root, WEIGHTS, f"not a safetensors file ({str(exc).splitlines()[0]})") from None
-    need = expected_tensors(spec, vocab_size, mlp)
+        return f"not a safetensors file ({str(exc).splitlines()[0]})"
     missing, extra = sorted(set(need) - set(got)), sorted(set(got) - set(need))
-    what = f"the manifest's spec and model (vocab_size {vocab_size}, mlp {str(mlp).lower()})"
     if missing:
-        raise refuse(root, WEIGHTS, f"lacks {len(missing)} tensors {missing[:3]} that {what} need")
+        return f"lacks {len(missing)} tensors {missing[:3]} that {what} need"
     if extra:
-        raise refuse(root, WEIGHTS, f"holds {len(extra)} tensors {extra[:3]} that {what} do not have")
+        return f"holds {len(extra)} tensors {extra[:3]} that {what} do not have"
     for name, (shape, floating) in need.items():
         if got[name][0] != shape:
-            raise refuse(root, WEIGHTS, f"tensor {name!r} has shape {got[name][0]}; {what} need {shape}")
+            return f"tensor {name!r} has shape {got[name][0]}; {what} need {shape}"
         if floating and got[name][1] not in FLOAT_DTYPES:
-            raise refuse(root, WEIGHTS, f"tensor {name!r} has dtype {got[name][1]}; allowed: {', '.join(FLOAT_DTYPES)}")
+            return f"tensor {name!r} has dtype {got[name][1]}; allowed: {', '.join(FLOAT_DTYPES)}"
+    return None
+
+
+def check_weights(root: Path, spec, vocab_size: int, mlp: bool) -> None:
+    """weights.safetensors holds exactly the model's tensors, each of its shape (header only)."""
+    what = f"the manifest's spec and model (vocab_size {vocab_size}, mlp {str(mlp).lower()})"
+    problem = safetensors_problem(root / WEIGHTS, expected_tensors(spec, vocab_size, mlp), what)
+    if problem is not None:
+        raise refuse(root, WEIGHTS, problem)
 
 
 def graph_tensors(model):
