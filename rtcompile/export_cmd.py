@@ -93,6 +93,8 @@ def run_inspect(args) -> int:
                       f"{s['heads']} heads, {s['layers']} layers")
     t.add_row("model", json.dumps(m["model"]))
     t.add_row("plan", "none" if m.get("plan") is None else f"for {m.get('target')} ({len(m['plan']['decisions'])} decisions)")
+    t.add_row("onnx", "none" if m["onnx"] is None else f"{m['onnx']['mixer']}; both graphs' weights match the digest "
+                                                         "recorded at export (verified)")
     t.add_row("versions", ", ".join(f"{k} {v}" for k, v in m["versions"].items()))
     for name, meta in m["files"].items():
         t.add_row(name, f"{meta['bytes']} bytes, sha256 {meta['sha256'][:16]}... (verified)")
