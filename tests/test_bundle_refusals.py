@@ -367,3 +367,9 @@ def test_export_of_weights_that_do_not_fit(case, tmp_path, capsys):
                "junk": r"not a safetensors file", "absent": r"no such file"}[case]
     assert re.search(pattern, err[0]), err
     assert not (tmp_path / "b").exists()
+
+
+def test_manifest_with_an_unknown_key(bundle, capsys):
+    # a newer exporter's field this version would silently ignore
+    _edit(bundle, lambda m: m.update(quantization={"bits": 4}))
+    _refused(bundle, capsys, r"manifest\.json: unknown keys \['quantization'\]; allowed: exactly format, spec")

@@ -100,8 +100,10 @@ def _safe_name(name: str) -> bool:
 
 
 def _check_files(root: Path, files: Any) -> None:
-    if not isinstance(files, dict) or WEIGHTS not in files:
-        raise refuse(root, MANIFEST, f"'files' must be an object listing {WEIGHTS}, got {_type_name(files)}")
+    if not isinstance(files, dict):
+        raise refuse(root, MANIFEST, f"'files' is {_type_name(files)}; allowed: an object (file name -> bytes, sha256)")
+    if WEIGHTS not in files:
+        raise refuse(root, MANIFEST, f"'files' lists no {WEIGHTS}")
     base = root.resolve()
     for name, meta in files.items():  # every entry first: nothing outside the bundle is ever opened
         if name == MANIFEST or not _safe_name(name) or base not in (root / name).resolve().parents:
@@ -142,8 +144,8 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     missing = [k for k in MANIFEST_KEYS if k not in manifest]
     unknown = sorted(k for k in manifest if k not in MANIFEST_KEYS)
     if missing or unknown:
-        raise refuse(root, MANIFEST, f"missing keys {missing}, unknown keys {unknown}; "
-                                     f"allowed: exactly {', '.join(MANIFEST_KEYS)}")
+        found = ", ".join(f"{what} keys {keys}" for what, keys in (("missing", missing), ("unknown", unknown)) if keys)
+        raise refuse(root, MANIFEST, f"{found}; allowed: exactly {', '.join(MANIFEST_KEYS)}")
     for key, kind, allowed in (("spec", dict, "an object"), ("model", dict, "an object"),
                                ("plan", (dict, type(None)), "an object or null"),
                                ("target", (str, type(None)), "a string or null"),
