@@ -46,22 +46,28 @@ def run_export(args) -> int:
             raise BundleError(f"bundle {args.out!r}: already exists; allowed: a new path, or --force to replace a bundle")
         check_replaceable(out)
     plan = Plan.load(args.plan) if args.plan else None
+    if plan is not None:
+        from .export.verify import plan_mismatch
+
+        diff = plan_mismatch(plan.spec, spec)
+        if diff is not None:
+            raise BundleError(f"--plan {args.plan!r}: made for another spec than {args.spec!r} (plan's vs the spec "
+                              f"file's: {diff}); allowed: a plan made from this spec (rtcompile plan / build "
+                              f"{args.spec})")
     if args.vocab < 2:
         raise BundleError(f"--vocab: got {args.vocab}; allowed: an integer >= 2")
     torch.manual_seed(0)
     model = RunningTensorLM(spec, vocab_size=args.vocab)
     if args.weights:
-        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        try:
-            weights = load_file(args.weights)
-        except (OSError, SafetensorError) as exc:
-            raise BundleError(f"--weights {args.weights!r}: unreadable ({str(exc).splitlines()[0]})") from None
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        if missing or unexpected:
-            raise BundleError(f"--weights {args.weights!r}: does not fit the spec (missing {missing[:3]}, "
-                              f"unexpected {unexpected[:3]})")
+        from .export.verify import safetensors_problem
+
+        need = {k: (list(v.shape), v.is_floating_point()) for k, v in model.state_dict().items()}
+        problem = safetensors_problem(Path(args.weights), need, f"the spec (with --vocab {args.vocab})")
+        if problem is not None:
+            raise BundleError(f"--weights {args.weights!r}: {problem}")
+        model.load_state_dict(load_file(args.weights), strict=True)
     path = export_bundle(model, args.out, plan=plan, overwrite=args.force, onnx=not args.no_onnx,
                          opset27=args.opset27)
     print(f"bundle written to {path}")
@@ -72,9 +78,9 @@ def run_inspect(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .export import read_manifest
+    from .export import verify_bundle
 
-    m = read_manifest(args.bundle)
+    m = verify_bundle(args.bundle).manifest  # every check load makes: what is shown is what load accepts
     if args.json:
         print(json.dumps(m, indent=1))
         return 0
@@ -87,6 +93,8 @@ def run_inspect(args) -> int:
                       f"{s['heads']} heads, {s['layers']} layers")
     t.add_row("model", json.dumps(m["model"]))
     t.add_row("plan", "none" if m.get("plan") is None else f"for {m.get('target')} ({len(m['plan']['decisions'])} decisions)")
+    t.add_row("onnx", "none" if m["onnx"] is None else f"{m['onnx']['mixer']}; both graphs' weights match the digest "
+                                                         "recorded at export (verified)")
     t.add_row("versions", ", ".join(f"{k} {v}" for k, v in m["versions"].items()))
     for name, meta in m["files"].items():
         t.add_row(name, f"{meta['bytes']} bytes, sha256 {meta['sha256'][:16]}... (verified)")
@@ -97,10 +105,10 @@ def run_inspect(args) -> int:
 def run_onnx(args) -> int:
     import numpy as np
 
-    from .export import BundleError, read_manifest
+    from .export import BundleError, verify_bundle
     from .export.onnx_model import run_greedy
 
-    m = read_manifest(args.bundle)  # verifies hashes before anything is loaded
+    m = verify_bundle(args.bundle).manifest  # every check load makes, before onnxruntime opens a graph
     if "prefill.onnx" not in m["files"] or "decode.onnx" not in m["files"]:
         raise BundleError(f"bundle {args.bundle!r}: has no ONNX graphs (exported with --no-onnx?)")
     try:

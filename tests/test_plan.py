@@ -134,7 +134,7 @@ def test_plan_of_the_previous_format_is_refused_naming_it(tmp_path):
     manifest = json.loads((bundle / "manifest.json").read_text())
     manifest["plan"] = _old_format(manifest["plan"])
     (bundle / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(BundleError, match=r"bundle .*manifest: plan: format 1 is rtcompile 0\.1's"):
+    with pytest.raises(BundleError, match=r"bundle .*manifest\.json: plan: format 1 is rtcompile 0\.1's"):
         load_bundle(bundle)
 
 

@@ -4,9 +4,10 @@ Layout: ``manifest.json`` (format version, spec, plan, target, tool/torch/triton
 sha256 and size of every other file), ``weights.safetensors``, ``prefill.onnx`` and
 ``decode.onnx`` (see ``onnx_model``). Writing goes to a temporary
 directory beside the destination, renamed into place at the end, so a reader never sees half a
-bundle. Loading checks the format, that every listed file is inside the bundle, exists and has
-its hash, before reading any weight; it reads JSON and safetensors only (no pickle), and never
-tunes: the plan's variants are pinned as they were exported.
+bundle. Loading first runs every check of ``verify`` (manifest keys and types, files inside
+the bundle with their sizes and hashes, spec, plan, the weights' names and shapes, the ONNX
+graphs' external data and weight digest); it reads JSON, safetensors and ONNX protobufs only (no
+pickle), and never tunes: the plan's variants are pinned as they were exported.
 """
 
 from __future__ import annotations
@@ -14,17 +15,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 from ..fileio import atomic_directory, file_sha256, honour_umask
+from .verify import (BUNDLE_FORMAT, GRAPHS, MANIFEST, WEIGHTS, BundleError, graph_weights_sha256, plan_mismatch,
+                     read_manifest, verify_bundle)
 
-BUNDLE_FORMAT = 1
-MANIFEST = "manifest.json"
-WEIGHTS = "weights.safetensors"
-
-
-class BundleError(ValueError):
-    """A bundle cannot be written or is refused on load (one line, naming the file)."""
+__all__ = ["BUNDLE_FORMAT", "BundleError", "check_replaceable", "export_bundle", "load_bundle", "read_manifest",
+           "verify_bundle"]
 
 
 def _versions() -> dict[str, str]:
@@ -48,20 +45,39 @@ def export_bundle(model, out: str | os.PathLike, *, plan=None, overwrite: bool =
     from safetensors.torch import save_file
 
     dest = Path(out)
+    if plan is not None:
+        diff = plan_mismatch(plan.spec, model.spec)
+        if diff is not None:
+            raise BundleError(f"bundle {str(dest)!r}: the plan was made for another spec (plan's vs the model's: "
+                              f"{diff}); allowed: a plan made from this spec (rtcompile plan / build)")
     if (dest.exists() or dest.is_symlink()) and not overwrite:
         raise BundleError(f"bundle {str(dest)!r}: already exists; allowed: a new path, or overwrite=True (--force)")
     with atomic_directory(dest, overwrite=overwrite, may_replace=check_replaceable) as tmp:
         state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
         save_file(state, str(tmp / WEIGHTS))
         honour_umask(tmp / WEIGHTS)  # save_file creates it 0600
-        names = [WEIGHTS]
+        names, onnx_entry = [WEIGHTS], None
         if onnx:
             import copy
 
+            import onnx as onnx_pkg
+
             from .onnx_model import export_onnx
 
-            export_onnx(copy.deepcopy(model), tmp, opset27=opset27)
-            names += ["prefill.onnx", "decode.onnx"]
+            # The exporter renames, transposes and folds the weights (q_proj.weight becomes a
+            # transposed `val_8`, a conv weight a reshaped `unsqueeze`), so a graph cannot be
+            # matched to weights.safetensors tensor by tensor at load. Instead export_onnx runs
+            # both graphs in onnxruntime against the torch model (equality where the weights are
+            # known to be the same), and the manifest records a digest of each checked graph's
+            # weights, which load compares: a graph swapped in later, even with its file's
+            # sha256 updated, is refused.
+            try:
+                export_onnx(copy.deepcopy(model), tmp, opset27=opset27)
+            except BundleError as exc:
+                raise BundleError(f"bundle {str(dest)!r}: {exc}") from None
+            names += list(GRAPHS)
+            onnx_entry = {"mixer": "LinearAttention (opset 27)" if opset27 else "ai.rtcompile::RunningTensor",
+                          "weights_sha256": {g: graph_weights_sha256(onnx_pkg.load(str(tmp / g))) for g in GRAPHS}}
         files = {n: {"sha256": file_sha256(tmp / n), "bytes": (tmp / n).stat().st_size} for n in names}
         manifest = {
             "format": BUNDLE_FORMAT,
@@ -69,7 +85,7 @@ def export_bundle(model, out: str | os.PathLike, *, plan=None, overwrite: bool =
             "model": {"class": "RunningTensorLM", "vocab_size": model.head.out_features, "mlp": model.mlps is not None},
             "plan": None if plan is None else plan.to_dict(),
             "target": None if plan is None else plan.target.get("name"),
-            "onnx": None if not onnx else {"mixer": "LinearAttention (opset 27)" if opset27 else "ai.rtcompile::RunningTensor"},
+            "onnx": onnx_entry,
             "versions": _versions(),
             "files": files,
         }
@@ -100,58 +116,20 @@ def check_replaceable(path: str | os.PathLike) -> None:
             raise refuse(f"holds {entry.name!r}, which its {MANIFEST} does not list")
 
 
-def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
-    """The verified manifest: format, file list inside the bundle, hashes. Reads no weights."""
-    root = Path(path)
-    mf = root / MANIFEST
-    try:
-        manifest = json.loads(mf.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise BundleError(f"bundle {str(root)!r}: no {MANIFEST}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BundleError(f"bundle {str(root)!r}: {MANIFEST} unreadable ({str(exc).splitlines()[0]})") from None
-    fmt = manifest.get("format") if isinstance(manifest, dict) else None
-    if not isinstance(fmt, int):
-        raise BundleError(f"bundle {str(root)!r}: {MANIFEST} has no integer 'format'")
-    if fmt > BUNDLE_FORMAT:
-        raise BundleError(f"bundle {str(root)!r}: format {fmt} is newer than this rtcompile reads ({BUNDLE_FORMAT})")
-    files = manifest.get("files")
-    if not isinstance(files, dict) or WEIGHTS not in files:
-        raise BundleError(f"bundle {str(root)!r}: {MANIFEST} lists no {WEIGHTS}")
-    base = root.resolve()
-    for name in files:  # every entry first: nothing outside the bundle is ever opened
-        if base not in (root / name).resolve().parents:
-            raise BundleError(f"bundle {str(root)!r}: manifest entry {name!r} points outside the bundle")
-    for name, meta in files.items():
-        target = (root / name).resolve()
-        if not target.is_file():
-            raise BundleError(f"bundle {str(root)!r}: {name} is missing")
-        if not isinstance(meta, dict) or file_sha256(target) != meta.get("sha256"):
-            raise BundleError(f"bundle {str(root)!r}: {name} does not match its sha256 in the manifest (tampered or corrupted)")
-    return manifest
-
-
 def load_bundle(path: str | os.PathLike):
-    """A ready :class:`~rtcompile.model.RunningTensorLM` (eval mode) and its plan, or BundleError."""
+    """A ready :class:`~rtcompile.model.RunningTensorLM` (eval mode) and its plan, or BundleError
+    (every check of :func:`verify_bundle` first: nothing is built from an unchecked bundle)."""
     from safetensors.torch import load_file
 
     from ..model import RunningTensorLM
-    from ..plan import Plan, PlanError
-    from ..spec import ModelSpec, SpecError, SpecTypeError
+    from ..spec import SpecError
 
-    manifest = read_manifest(path)
+    v = verify_bundle(path)
     try:
-        spec = ModelSpec.from_dict(manifest["spec"])
-        info = manifest["model"]
-        plan = None if manifest.get("plan") is None else Plan.from_dict(manifest["plan"])
-    except (KeyError, TypeError, SpecError, SpecTypeError, PlanError) as exc:
-        raise BundleError(f"bundle {str(path)!r}: manifest: {exc}") from None
-    model = RunningTensorLM(spec, vocab_size=int(info["vocab_size"]), mlp=bool(info["mlp"]))
-    weights = load_file(str(Path(path) / WEIGHTS))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if missing or unexpected:
-        raise BundleError(f"bundle {str(path)!r}: weights do not fit the spec (missing {missing[:3]}, "
-                          f"unexpected {unexpected[:3]})")
+        model = RunningTensorLM(v.spec, vocab_size=v.vocab_size, mlp=v.mlp)
+    except SpecError as exc:  # parameters larger than this machine's memory
+        raise BundleError(f"bundle {str(path)!r}: {MANIFEST}: {exc}") from None
+    model.load_state_dict(load_file(str(v.root / WEIGHTS)), strict=True)  # names and shapes checked above
     model.eval()
-    model.plan = plan
+    model.plan = v.plan
     return model

@@ -199,7 +199,7 @@ def export_onnx(lm, out_dir, *, opset27: bool = False) -> tuple[str, str]:
     lm = lm.float().eval()
     with torch.no_grad():
         tokens = torch.randint(0, lm.head.out_features, (2, 5))
-        _, cache = lm(tokens, backend="reference")
+        logits, cache = lm(tokens, backend="reference")
     flat = flatten_cache(cache)
     conv_count = len(cache[0]["conv"] or [])
     translate = _translation_opset27(spec) if opset27 else _translation(spec)
@@ -208,13 +208,13 @@ def export_onnx(lm, out_dir, *, opset27: bool = False) -> tuple[str, str]:
     batch = torch.export.Dim("batch", min=1, max=4096)
     seq = torch.export.Dim("seq", min=2, max=1 << 20)
     pre = torch.onnx.export(
-        _Prefill(lm), (tokens,), dynamo=True, custom_translation_table=table, verbose=False,
+        _Prefill(lm).eval(), (tokens,), dynamo=True, custom_translation_table=table, verbose=False,
         input_names=["tokens"], output_names=["logits", *cache_names(L, conv_count, "present")],
         dynamic_shapes=({0: batch, 1: seq},), optimize=True, opset_version=27 if opset27 else None,
     )
     step_tokens = tokens[:, :1]
     dec = torch.onnx.export(
-        _Decode(lm, conv_count), (step_tokens, *flat), dynamo=True, custom_translation_table=table, verbose=False,
+        _Decode(lm, conv_count).eval(), (step_tokens, *flat), dynamo=True, custom_translation_table=table, verbose=False,
         input_names=["tokens", *cache_names(L, conv_count, "past")],
         output_names=["logits", *cache_names(L, conv_count, "present")],
         dynamic_shapes=({0: batch}, tuple({0: batch} for _ in flat)), optimize=True,
@@ -227,7 +227,47 @@ def export_onnx(lm, out_dir, *, opset27: bool = False) -> tuple[str, str]:
         path = os.path.join(out_dir, name)
         onnx.save(model, path)
         paths.append(path)
+    check_against_torch(lm, paths[0], paths[1], tokens, logits, cache)
     return paths[0], paths[1]
+
+
+# fp32 graphs match the torch reference within 1e-4 relative (tests/test_onnx_model.py, orders
+# 2-4, every update rule); a weight that differs moves the logits by O(1). 1e-3 keeps a 10x margin.
+GRAPH_MATCH_RTOL = 1e-3
+
+
+def _session(path):
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+
+
+def check_against_torch(lm, prefill_path, decode_path, tokens, logits, cache) -> None:
+    """BundleError unless onnxruntime's prefill logits on ``tokens`` and one decode step after
+    them match the torch module's (``logits``, ``cache`` from its reference forward): graphs
+    whose weights are not the module's are never written into a bundle."""
+    import os
+
+    import numpy as np
+
+    from .verify import BundleError
+
+    pre, dec = _session(prefill_path), _session(decode_path)
+    outs = pre.run(None, {"tokens": tokens.cpu().numpy()})
+    tok = logits[:, -1].argmax(-1)
+    with torch.no_grad():
+        step, _ = lm.step(tok, cache, backend="reference")
+    names = [i.name for i in dec.get_inputs()][1:]
+    got = dec.run(None, {"tokens": tok[:, None].cpu().numpy().astype(np.int64), **dict(zip(names, outs[1:]))})
+    for path, out, ref in ((prefill_path, outs[0], logits), (decode_path, got[0][:, 0], step)):
+        ref = ref.detach().cpu().numpy()
+        err = float(np.abs(out - ref).max() / max(float(np.abs(ref).max()), 1e-30))
+        if not err <= GRAPH_MATCH_RTOL:  # NaN fails too
+            raise BundleError(f"{os.path.basename(path)}: onnxruntime's logits differ from the torch model's by "
+                              f"{err:.3g} relative (allowed: {GRAPH_MATCH_RTOL}); the graph does not compute the "
+                              "model it was exported from (an exporter bug)")
 
 
 def run_greedy(bundle_dir, prompt, steps: int):
@@ -236,12 +276,9 @@ def run_greedy(bundle_dir, prompt, steps: int):
     import os
 
     import numpy as np
-    import onnxruntime as ort
 
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    pre = ort.InferenceSession(os.path.join(bundle_dir, "prefill.onnx"), opts, providers=["CPUExecutionProvider"])
-    dec = ort.InferenceSession(os.path.join(bundle_dir, "decode.onnx"), opts, providers=["CPUExecutionProvider"])
+    pre = _session(os.path.join(bundle_dir, "prefill.onnx"))
+    dec = _session(os.path.join(bundle_dir, "decode.onnx"))
     outs = pre.run(None, {"tokens": prompt})
     names = [i.name for i in dec.get_inputs()][1:]
     state, tok, got = outs[1:], outs[0][:, -1].argmax(-1), []

@@ -1,0 +1,379 @@
+"""Everything checked about a bundle before any part of it is used (``load``, ``inspect``, ``run``).
+
+A bundle is refused with one :class:`BundleError` line naming the bundle, the file and the
+problem. The checks, in order (each reads only JSON, safetensors headers and ONNX protobufs,
+so nothing in a bundle is ever executed):
+
+1. ``manifest.json``: JSON (no repeated keys), a supported ``format``, exactly the known keys
+   with the right types; every listed file inside the bundle, present, of its ``bytes`` and
+   ``sha256``;
+2. ``spec`` through the spec module's own validation, ``model`` (class, ``vocab_size``,
+   ``mlp``), ``plan`` through the plan module's reader and made for this spec;
+3. ``weights.safetensors``: a safetensors file whose tensors are exactly the model's, each of
+   its shape and a floating dtype (read from the header; no weight is loaded);
+4. the ONNX graphs: parseable, external data only in files the manifest lists (never a path
+   leaving the bundle), and the digest of their weights equal to the one recorded at export.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any
+
+from ..fileio import file_sha256
+
+# 2: the manifest records a digest of the ONNX graphs' weights (onnx.weights_sha256), and
+#    every key is checked; 1: rtcompile before 0.2 (no digest).
+BUNDLE_FORMAT = 2
+OLD_FORMATS = {1: "written by rtcompile before 0.2 (no digest of the ONNX graphs' weights)"}
+MANIFEST = "manifest.json"
+WEIGHTS = "weights.safetensors"
+GRAPHS = ("prefill.onnx", "decode.onnx")
+MANIFEST_KEYS = ("format", "spec", "model", "plan", "target", "onnx", "versions", "files")
+MODEL_CLASS = "RunningTensorLM"
+# The largest vocabularies in use are ~256k tokens (Gemma: 262,144); 2**24 (16.8M) leaves 64x
+# headroom while refusing a manifest whose embedding alone would be terabytes.
+MAX_VOCAB = 1 << 24
+# The dtypes load_state_dict converts into the fp32 parameters without losing meaning; an
+# integer or boolean tensor in their place is a broken exporter, not a weight.
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+class BundleError(ValueError):
+    """A bundle cannot be written or is refused on load (one line, naming the file)."""
+
+
+@dataclass(frozen=True)
+class VerifiedBundle:
+    """A bundle that passed every check: what ``load``, ``inspect`` and ``run`` use."""
+
+    root: Path
+    manifest: dict[str, Any]
+    spec: Any  # ModelSpec
+    plan: Any  # Plan | None
+    vocab_size: int
+    mlp: bool
+
+
+def refuse(root: Path, where: str, problem: str) -> BundleError:
+    return BundleError(f"bundle {str(root)!r}: {where}: {problem}")
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:  # json keeps the last value silently; a manifest says each thing once
+            raise ValueError(f"key {key!r} appears more than once")
+        out[key] = value
+    return out
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_format(root: Path, fmt: Any) -> None:
+    if not _is_int(fmt):
+        raise refuse(root, MANIFEST, f"'format' is {_type_name(fmt)} {fmt!r}; allowed: the integer {BUNDLE_FORMAT}")
+    if fmt > BUNDLE_FORMAT:
+        raise refuse(root, MANIFEST, f"format {fmt} is newer than this rtcompile reads ({BUNDLE_FORMAT}); upgrade rtcompile")
+    if fmt != BUNDLE_FORMAT:
+        why = OLD_FORMATS.get(fmt, "not a format rtcompile ever wrote")
+        raise refuse(root, MANIFEST, f"format {fmt} is {why}; allowed: {BUNDLE_FORMAT} (re-export the bundle)")
+
+
+def _safe_name(name: str) -> bool:
+    """A plain relative path that stays inside the bundle on every OS."""
+    if not name or "\\" in name or "\0" in name or PureWindowsPath(name).drive or os.path.isabs(name):
+        return False
+    return all(part not in ("", ".", "..") for part in PurePosixPath(name).parts) and not name.endswith("/")
+
+
+def _check_files(root: Path, files: Any) -> None:
+    if not isinstance(files, dict):
+        raise refuse(root, MANIFEST, f"'files' is {_type_name(files)}; allowed: an object (file name -> bytes, sha256)")
+    if WEIGHTS not in files:
+        raise refuse(root, MANIFEST, f"'files' lists no {WEIGHTS}")
+    base = root.resolve()
+    for name, meta in files.items():  # every entry first: nothing outside the bundle is ever opened
+        if name == MANIFEST or not _safe_name(name) or base not in (root / name).resolve().parents:
+            raise refuse(root, MANIFEST, f"manifest entry {name!r} points outside the bundle or at the manifest")
+        if not isinstance(meta, dict) or sorted(meta) != ["bytes", "sha256"]:
+            got = sorted(meta) if isinstance(meta, dict) else _type_name(meta)
+            raise refuse(root, MANIFEST, f"files[{name!r}] has keys {got}; allowed: exactly 'bytes' and 'sha256'")
+        if not _is_int(meta["bytes"]) or meta["bytes"] < 0:
+            raise refuse(root, MANIFEST, f"files[{name!r}].bytes is {_type_name(meta['bytes'])} {meta['bytes']!r}; "
+                                         "allowed: an integer >= 0")
+        if not isinstance(meta["sha256"], str) or not _SHA256.fullmatch(meta["sha256"]):
+            raise refuse(root, MANIFEST, f"files[{name!r}].sha256 is {meta['sha256']!r}; allowed: 64 lowercase hex digits")
+    for name, meta in files.items():
+        target = (root / name).resolve()
+        if not target.is_file():
+            raise BundleError(f"bundle {str(root)!r}: {name} is missing")
+        if file_sha256(target) != meta["sha256"]:
+            raise refuse(root, name, "does not match its sha256 in the manifest (tampered or corrupted)")
+        size = target.stat().st_size
+        if size != meta["bytes"]:
+            raise refuse(root, MANIFEST, f"files[{name!r}].bytes is {meta['bytes']}, the file has {size}")
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """The manifest, its format, keys and types checked and every listed file hashed. Reads no weights."""
+    root = Path(path)
+    try:
+        manifest = json.loads((root / MANIFEST).read_text(encoding="utf-8"), object_pairs_hook=_unique_keys)
+    except FileNotFoundError:
+        raise BundleError(f"bundle {str(root)!r}: no {MANIFEST}") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError and repeated keys are ValueErrors
+        raise refuse(root, MANIFEST, f"unreadable ({str(exc).splitlines()[0]})") from None
+    except RecursionError:  # ~1000 nested brackets exhaust the parser's recursion; a manifest nests 4 levels
+        raise refuse(root, MANIFEST, "nested too deeply to parse") from None
+    if not isinstance(manifest, dict):
+        raise refuse(root, MANIFEST, f"is a JSON {_type_name(manifest)}; allowed: an object")
+    _check_format(root, manifest.get("format"))
+    missing = [k for k in MANIFEST_KEYS if k not in manifest]
+    unknown = sorted(k for k in manifest if k not in MANIFEST_KEYS)
+    if missing or unknown:
+        found = ", ".join(f"{what} keys {keys}" for what, keys in (("missing", missing), ("unknown", unknown)) if keys)
+        raise refuse(root, MANIFEST, f"{found}; allowed: exactly {', '.join(MANIFEST_KEYS)}")
+    for key, kind, allowed in (("spec", dict, "an object"), ("model", dict, "an object"),
+                               ("plan", (dict, type(None)), "an object or null"),
+                               ("target", (str, type(None)), "a string or null"),
+                               ("onnx", (dict, type(None)), "an object or null"),
+                               ("versions", dict, "an object")):
+        if not isinstance(manifest[key], kind):
+            raise refuse(root, MANIFEST, f"'{key}' is {_type_name(manifest[key])}; allowed: {allowed}")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in manifest["versions"].items()):
+        raise refuse(root, MANIFEST, "'versions' must map names to version strings")
+    _check_files(root, manifest["files"])
+    return manifest
+
+
+def plan_mismatch(plan_spec: Any, spec) -> str | None:
+    """None when a plan's recorded spec is ``spec`` (its name aside: renaming changes no
+    decision), else the fields that differ, as '<field> <plan's> vs <spec's>'."""
+    mine = {k: v for k, v in spec.to_dict().items() if k != "name"}
+    if not isinstance(plan_spec, dict):
+        return f"the plan records no spec (got {_type_name(plan_spec)})"
+    theirs = {k: v for k, v in plan_spec.items() if k != "name"}
+    diff = [f"{k} {theirs.get(k, '(none)')!r} vs {mine.get(k, '(none)')!r}"
+            for k in sorted(set(mine) | set(theirs)) if theirs.get(k) != mine.get(k)]
+    return None if not diff else "; ".join(diff)
+
+
+def _check_model(root: Path, model: dict[str, Any]) -> tuple[int, bool]:
+    if sorted(model) != ["class", "mlp", "vocab_size"]:
+        raise refuse(root, MANIFEST, f"'model' has keys {sorted(model)}; allowed: exactly class, mlp, vocab_size")
+    if model["class"] != MODEL_CLASS:
+        raise refuse(root, MANIFEST, f"model.class is {model['class']!r}; allowed: {MODEL_CLASS!r}")
+    vocab = model["vocab_size"]
+    if not _is_int(vocab) or not 2 <= vocab <= MAX_VOCAB:
+        raise refuse(root, MANIFEST, f"model.vocab_size is {_type_name(vocab)} {vocab!r}; "
+                                     f"allowed: an integer in [2, {MAX_VOCAB}]")
+    if not isinstance(model["mlp"], bool):
+        raise refuse(root, MANIFEST, f"model.mlp is {_type_name(model['mlp'])} {model['mlp']!r}; allowed: true or false")
+    return vocab, model["mlp"]
+
+
+def _check_onnx_entry(root: Path, manifest: dict[str, Any]) -> None:
+    listed = [g for g in GRAPHS if g in manifest["files"]]
+    entry = manifest["onnx"]
+    if entry is None:
+        if listed:
+            raise refuse(root, MANIFEST, f"lists {listed} but 'onnx' is null")
+        return
+    if len(listed) != len(GRAPHS):
+        raise refuse(root, MANIFEST, f"'onnx' is set but the files list only {listed}; allowed: both of {list(GRAPHS)}")
+    digests = entry.get("weights_sha256")
+    if sorted(entry) != ["mixer", "weights_sha256"] or not isinstance(entry["mixer"], str) \
+            or not isinstance(digests, dict) or sorted(digests) != sorted(GRAPHS) \
+            or not all(isinstance(d, str) and _SHA256.fullmatch(d) for d in digests.values()):
+        raise refuse(root, MANIFEST, "'onnx' must be {\"mixer\": a string, \"weights_sha256\": {one 64-hex digest "
+                                     f"per graph: {', '.join(GRAPHS)}}}")
+
+
+def _check_decisions(root: Path, plan) -> None:
+    """Each decision of a bundle's plan is one the model can follow: the plan reader checks the
+    keys, this the values the forward uses (decision_for takes log2 of batch and length, the
+    launcher builds the config)."""
+    from ..kernels.forms import config_from_dict
+
+    for i, d in enumerate(plan.decisions):
+        where = f"plan.decisions[{i}]"
+        if d.phase not in ("prefill", "decode", "train") or d.mode not in ("chunk", "recurrent"):
+            raise refuse(root, MANIFEST, f"{where}: phase {d.phase!r}, mode {d.mode!r}; allowed: phase prefill, "
+                                         "decode or train, mode chunk or recurrent")
+        if not (_is_int(d.batch) and d.batch >= 1 and _is_int(d.seq_len) and d.seq_len >= 1):
+            raise refuse(root, MANIFEST, f"{where}: batch {d.batch!r}, seq_len {d.seq_len!r}; allowed: integers >= 1")
+        if d.state_dtype not in ("float32", "float16", "bfloat16"):
+            raise refuse(root, MANIFEST, f"{where}: state_dtype {d.state_dtype!r}; allowed: float32, float16, bfloat16")
+        try:
+            config_from_dict(d.variant, d.mode)
+        except (TypeError, ValueError) as exc:
+            raise refuse(root, MANIFEST, f"{where}.variant: {str(exc).splitlines()[0]}") from None
+
+
+def check_contents(root: Path, manifest: dict[str, Any]):
+    """spec, plan, vocab_size and mlp of a read manifest, each validated."""
+    from ..plan import Plan, PlanError
+    from ..spec import ModelSpec, SpecError, SpecTypeError
+
+    try:
+        spec = ModelSpec.from_dict(manifest["spec"])
+        plan = None if manifest["plan"] is None else Plan.from_dict(manifest["plan"])
+    except (SpecError, SpecTypeError, PlanError) as exc:
+        raise refuse(root, MANIFEST, str(exc).splitlines()[0]) from None
+    vocab, mlp = _check_model(root, manifest["model"])
+    if plan is not None:
+        diff = plan_mismatch(plan.spec, spec)
+        if diff is not None:
+            raise refuse(root, MANIFEST, f"plan: made for another spec (plan's vs the bundle's: {diff})")
+        _check_decisions(root, plan)
+    _check_onnx_entry(root, manifest)
+    return spec, plan, vocab, mlp
+
+
+def expected_tensors(spec, vocab_size: int, mlp: bool) -> dict[str, tuple[list[int], bool]]:
+    """name -> (shape, is floating) of a RunningTensorLM's state dict, built on the meta device
+    (no memory, whatever the sizes)."""
+    import torch
+
+    from ..model import RunningTensorLM
+
+    with torch.device("meta"):
+        model = RunningTensorLM(spec, vocab_size=vocab_size, mlp=mlp)
+    return {k: (list(v.shape), v.is_floating_point()) for k, v in model.state_dict().items()}
+
+
+def safetensors_problem(path: Path, need: dict[str, tuple[list[int], bool]], what: str) -> str | None:
+    """None when the safetensors file at ``path`` holds exactly the tensors ``need`` lists (name
+    -> shape, is floating), each of its shape and, where floating, of a float dtype; else the
+    problem in words. Reads the header only."""
+    from safetensors import SafetensorError, safe_open
+
+    if not Path(path).is_file():
+        return "no such file"
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            got = {k: (list(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+    except (SafetensorError, OSError) as exc:
+        return f"not a safetensors file ({str(exc).splitlines()[0]})"
+    missing, extra = sorted(set(need) - set(got)), sorted(set(got) - set(need))
+    if missing:
+        return f"lacks {len(missing)} tensors {missing[:3]} that {what} need"
+    if extra:
+        return f"holds {len(extra)} tensors {extra[:3]} that {what} do not have"
+    for name, (shape, floating) in need.items():
+        if got[name][0] != shape:
+            return f"tensor {name!r} has shape {got[name][0]}; {what} need {shape}"
+        if floating and got[name][1] not in FLOAT_DTYPES:
+            return f"tensor {name!r} has dtype {got[name][1]}; allowed: {', '.join(FLOAT_DTYPES)}"
+    return None
+
+
+def check_weights(root: Path, spec, vocab_size: int, mlp: bool) -> None:
+    """weights.safetensors holds exactly the model's tensors, each of its shape (header only)."""
+    what = f"the manifest's spec and model (vocab_size {vocab_size}, mlp {str(mlp).lower()})"
+    problem = safetensors_problem(root / WEIGHTS, expected_tensors(spec, vocab_size, mlp), what)
+    if problem is not None:
+        raise refuse(root, WEIGHTS, problem)
+
+
+def graph_tensors(model):
+    """Every tensor an ONNX model carries, in file order: initializers (sparse ones too) and
+    tensor attributes of nodes, in the graph, its subgraphs and the model's functions."""
+    import onnx
+
+    def in_nodes(nodes):
+        for node in nodes:
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.TENSOR:
+                    yield attr.t
+                elif attr.type == onnx.AttributeProto.SPARSE_TENSOR:
+                    yield from (attr.sparse_tensor.values, attr.sparse_tensor.indices)
+                yield from attr.tensors
+                for s in attr.sparse_tensors:
+                    yield from (s.values, s.indices)
+                for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else []) + list(attr.graphs):
+                    yield from in_graph(g)
+
+    def in_graph(graph):
+        yield from graph.initializer
+        for s in graph.sparse_initializer:
+            yield from (s.values, s.indices)
+        yield from in_nodes(graph.node)
+
+    yield from in_graph(model.graph)
+    for fn in model.functions:
+        yield from in_nodes(fn.node)
+
+
+def graph_weights_sha256(model) -> str:
+    """sha256 over every tensor of an ONNX model (name, type, dims, values): what the manifest
+    records at export and load compares."""
+    import onnx
+    from onnx import numpy_helper
+
+    h = hashlib.sha256()
+    for t in graph_tensors(model):
+        if t.data_type == onnx.TensorProto.STRING:
+            data = b"".join(len(s).to_bytes(8, "little") + s for s in t.string_data)
+        else:
+            data = numpy_helper.to_array(t).tobytes()
+        h.update(f"{t.name}\0{t.data_type}\0{list(t.dims)}\0{len(data)}\0".encode())
+        h.update(data)
+    return h.hexdigest()
+
+
+def check_graphs(root: Path, manifest: dict[str, Any]) -> None:
+    """Each ONNX graph parses, keeps its external data in files the manifest lists (so hashed
+    and inside the bundle; onnxruntime would follow ``../x`` or ``/etc/x`` wherever it points),
+    and its weights are those recorded at export (``onnx.weights_sha256``)."""
+    import onnx
+    from google.protobuf.message import DecodeError
+    from onnx.external_data_helper import load_external_data_for_model
+
+    files = manifest["files"]
+    for name in GRAPHS:
+        try:
+            model = onnx.load(str(root / name), load_external_data=False)
+        except (DecodeError, OSError, ValueError) as exc:
+            raise refuse(root, name, f"not an ONNX model ({str(exc).splitlines()[0]})") from None
+        external = False
+        for t in graph_tensors(model):
+            if t.data_location != onnx.TensorProto.EXTERNAL:
+                continue
+            external = True
+            location = {e.key: e.value for e in t.external_data}.get("location", "")
+            if not _safe_name(location) or root.resolve() not in (root / location).resolve().parents:
+                raise refuse(root, name, f"tensor {t.name!r} keeps its data at {location!r}, outside the bundle; "
+                                         "allowed: a file of the bundle that the manifest lists")
+            if location not in files:
+                raise refuse(root, name, f"tensor {t.name!r} keeps its data in {location!r}, which the manifest "
+                                         "does not list (unverified)")
+        if external:
+            load_external_data_for_model(model, str(root))
+        if graph_weights_sha256(model) != manifest["onnx"]["weights_sha256"][name]:
+            raise refuse(root, name, f"its weights differ from those recorded at export (onnx.weights_sha256 in "
+                                     f"{MANIFEST}): the graph is not the one exported with {WEIGHTS}")
+
+
+def verify_bundle(path: str | os.PathLike) -> VerifiedBundle:
+    """Every check of the module docstring; BundleError at the first that fails."""
+    root = Path(path)
+    manifest = read_manifest(root)
+    spec, plan, vocab, mlp = check_contents(root, manifest)
+    check_weights(root, spec, vocab, mlp)
+    if manifest["onnx"] is not None:
+        check_graphs(root, manifest)
+    return VerifiedBundle(root, manifest, spec, plan, vocab, mlp)
