@@ -232,3 +232,25 @@ def test_messages_agree_with_the_store(tmp_path, capsys):
     for ln in (ln for ln in err.splitlines() if "trials run" in ln):
         done, total = map(int, ln.split(": ")[1].split()[0].split("/"))
         assert done <= total, ln
+
+
+def test_a_study_deleted_under_a_running_tune_stops_it_with_one_line(tmp_path, monkeypatch):
+    """What a --retune from another host (which cannot see this host's processes) would do:
+    the running tune stops with one line, exit 2, no traceback from it or its workers."""
+    import optuna
+
+    url = f"sqlite:///{tmp_path / 'd.db'}"
+    started = tmp_path / "started.log"
+    monkeypatch.setenv("RTCOMPILE_TEST_STARTED", str(started))
+    argv = _tune_argv(tmp_path, url, "--trials", "3")
+    proc = subprocess.Popen([sys.executable, "-m", "rtcompile.cli", "tune", *argv, "--impl", "tuning_impls:slow"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (started.exists() and started.read_text().split()):
+        time.sleep(0.1)
+    assert proc.poll() is None, "the tune finished before the deletion: nothing was tested"
+    optuna.delete_study(study_name=_study(url).study_name, storage=open_storage(url))
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in stderr, stderr
+    (line,) = [ln for ln in stderr.splitlines() if ln.startswith("rtcompile")]
+    assert "was deleted while it ran" in line
