@@ -170,10 +170,13 @@ def _tune_all(buckets, opts, err, start: float) -> list:
         last: dict[str, int] = {}
 
         def line(label: str, done: int, total: int) -> None:
-            if done != last.get(label, 0):
-                last[label] = done
-                of = f"/{total}" if total else ""
-                print(f"{label}: {done}{of} trials run ({time.time() - start:.0f} s)", file=sys.stderr, flush=True)
+            # one line per finished trial, also when two finished between polls; the first report of
+            # a resumed study states its count once
+            first = last.get(label, done - 1 if done else 0)
+            of = f"/{total}" if total else ""
+            for n in range(first + 1, done + 1):
+                print(f"{label}: {n}{of} trials run ({time.time() - start:.0f} s)", file=sys.stderr, flush=True)
+            last[label] = max(done, last.get(label, 0))
 
         return [tune_bucket(b, budget(i), line) for i, b in enumerate(buckets)]
     results = []

@@ -84,9 +84,8 @@ def test_killed_tune_then_a_plain_rerun_finishes_the_budget(tmp_path, monkeypatc
     started = tmp_path / "started.log"
     monkeypatch.setenv("RTCOMPILE_TEST_STARTED", str(started))
     argv = _tune_argv(tmp_path, url, *(["--trials", "4"] if budget == "trials" else ["--seconds", "8"]))
-    killed = [*argv, "--seconds", "120"] if budget == "seconds" else argv
-    if budget == "seconds":
-        killed = _tune_argv(tmp_path, url, "--seconds", "120")
+    # seconds: the killed run had a long budget (it must not end before the kill)
+    killed = _tune_argv(tmp_path, url, "--seconds", "120") if budget == "seconds" else argv
     left = _kill_mid_trial([*killed, "--impl", "tuning_impls:slow"], url, started)
     assert any(t.state.name == "RUNNING" for t in left), "the kill left no RUNNING trial: nothing was tested"
     assert not tuned.entries()
