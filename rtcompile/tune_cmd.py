@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
+import time
 
 from .cli_args import UsageError, fixed_param, int_list, positive_float, positive_int
 
@@ -20,7 +22,9 @@ def add_parser(sub) -> None:
                         "(default: a SQLite file in the rtcompile cache)")
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--trials", type=positive_int, metavar="N", help="trials per kernel and bucket (default 20)")
-    budget.add_argument("--seconds", type=positive_float, metavar="S", help="seconds per kernel and bucket")
+    budget.add_argument("--seconds", type=positive_float, metavar="S",
+                        help="time budget of the whole command, shared evenly by the kernels and buckets (a trial "
+                             "running at the end is finished)")
     budget.add_argument("--exhaustive", action="store_true",
                         help="one trial per valid config of the space, every form (a separate study: the reference a "
                              "TPE study is judged against)")
@@ -31,7 +35,8 @@ def add_parser(sub) -> None:
                    help="worker processes (default: one per visible GPU, 1 on the CPU); more workers than "
                         "GPUs overlap their compiles, while timings stay one at a time per GPU")
     again = p.add_mutually_exclusive_group()
-    again.add_argument("--resume", action="store_true", help="continue studies (after a crash, or for more trials)")
+    again.add_argument("--resume", action="store_true", help="continue finished studies for more trials (a killed run needs no flag: "
+                       "the same command again continues it)")
     again.add_argument("--retune", action="store_true", help="delete this machine's studies for the spec and start over")
     p.add_argument("--phase", choices=["prefill", "decode", "train", "all"], default="all",
                    help="tune the chunk (prefill) kernel, the recurrent (decode) kernel, or both (all); train: the "
@@ -76,7 +81,7 @@ def _list(args) -> int:
     from .tuning.store import default_url
 
     table = Table(title=f"tuning store: {args.storage or default_url()}", header_style="bold")
-    for c in ("study", "trials", "best ms", "default ms", "best variant"):
+    for c in ("study", "trials run", "best ms", "default ms", "best variant"):
         table.add_column(c)
     for r in rows:
         ms = lambda s: f"{s * 1e3:.4g}" if s else "-"
@@ -94,14 +99,12 @@ def run(args) -> int:
         return _list(args)
     if not args.spec:
         raise UsageError("rtcompile tune: give a SPEC file, or --list")
+    start = time.time()  # --seconds counts from here: imports, studies, compiles, checks and all
     import torch
     from rich.console import Console
-    from rich.markup import escape
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
 
     from .spec import load_spec
-    from .tuning import TuneOptions, refusal, search_space, tune_bucket
+    from .tuning import TuneOptions, refusal, search_space
 
     spec = load_spec(args.spec)
     from .tuning.store import check_store_file
@@ -128,6 +131,54 @@ def run(args) -> int:
             search_space(bucket, opts)
         except ValueError as exc:
             raise UsageError(f"rtcompile tune: --fix: {exc}") from None
+    _rebuild_unreadable_table(opts, err)
+    results = _tune_all(buckets, opts, err, start)
+    _print_results(results, spec, args, on_gpu)
+    if any(r.table_written for r in results if r.already_tuned):
+        print("already tuned, but the tuned-config table lacked the winner: rewritten from the store")
+    elif all(r.already_tuned for r in results):
+        print("already tuned for this machine: 0 trials run (--resume to continue, --retune to start over)")
+    return 0
+
+
+def _rebuild_unreadable_table(opts, err) -> None:
+    """A tuned-config table that cannot be read (corrupt, an older format) is rebuilt from the
+    store now, before any trial: it is derived data, and the store holds every winner."""
+    from .tuning import open_storage
+    from .tuning.store import table_problem, write_tuned
+
+    if (problem := table_problem(opts.table)) is not None:
+        path = write_tuned([], opts.table, rebuild_from=open_storage(opts.storage))
+        err.print(f"{problem}: rebuilt from the tuning store ({path})", markup=False, highlight=False)
+
+
+def _tune_all(buckets, opts, err, start: float) -> list:
+    """Each bucket's study in turn, with a progress bar on a terminal, else one line per
+    finished trial. With --seconds, bucket i must end by start + S (i + 1) / n (a bucket that
+    overruns takes the time from the next ones, so the command ends on time)."""
+    from rich.markup import escape
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .tuning import tune_bucket
+
+    def budget(i: int):
+        if opts.seconds is None:
+            return opts
+        return dataclasses.replace(opts, deadline=start + opts.seconds * (i + 1) / len(buckets))
+
+    if not err.is_terminal:
+        last: dict[str, int] = {}
+
+        def line(label: str, done: int, total: int) -> None:
+            # one line per finished trial, also when two finished between polls; the first report of
+            # a resumed study states its count once
+            first = last.get(label, done - 1 if done else 0)
+            of = f"/{total}" if total else ""
+            for n in range(first + 1, done + 1):
+                print(f"{label}: {n}{of} trials run ({time.time() - start:.0f} s)", file=sys.stderr, flush=True)
+            last[label] = max(done, last.get(label, 0))
+
+        return [tune_bucket(b, budget(i), line) for i, b in enumerate(buckets)]
     results = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=False) as bar:
@@ -136,26 +187,35 @@ def run(args) -> int:
         def progress(label: str, done: int, total: int) -> None:
             if label not in tasks:
                 tasks[label] = bar.add_task(escape(label), total=total or None)
-            bar.update(tasks[label], completed=done)
+            bar.update(tasks[label], completed=done, total=total or None)
 
-        for bucket in buckets:
-            results.append(tune_bucket(bucket, opts, progress))
+        for i, bucket in enumerate(buckets):
+            results.append(tune_bucket(bucket, budget(i), progress))
+    return results
+
+
+def _print_results(results, spec, args, on_gpu: bool) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
     how = ("exhaustive sweep" if args.exhaustive else "tuned") + (f" (fixed: {', '.join(f'{k}={v}' for k, v in args.fix)})"
                                                                    if args.fix else "")
     table = Table(title=f"{how} {spec.name or args.spec} on {'GPU' if on_gpu else 'CPU (interpreter timings)'}",
                   header_style="bold")
-    for c in ("bucket", "trials run", "ok", "pruned", "rejected", "failed", "best ms", "default ms", "speed-up", "best variant"):
+    # "trials run": the study's, every run's (as `tune --list` shows it); "this run": this command's
+    for c in ("bucket", "trials run", "this run", "ok", "pruned", "rejected", "failed", "best ms", "default ms",
+              "speed-up", "best variant"):
         table.add_column(c)
+    # stale: a killed worker's trial, retried (its retry is counted instead): not a trial run
+    failed = lambda c: str(c.get("failed", 0)) + (f" (+{c['stale']} stale)" if c.get("stale") else "")
     for r in results:
         c = r.counts
         ms = lambda s: f"{s * 1e3:.4g}" if s else "-"
         v = r.best_variant or {}
         vt = " ".join(f"{k}={x}" for k, x in v.items() if k != "kernel")
-        ran = "already tuned (0)" if r.already_tuned else str(r.trials_run)
-        table.add_row(escape(r.bucket.label), ran, str(c.get("ok", 0)), str(c.get("pruned", 0)), str(c.get("rejected", 0)),
-                      str(c.get("failed", 0) + c.get("stale", 0)), ms(r.best_seconds), ms(r.default_seconds),
-                      f"{r.speedup:.2f}x" if r.speedup else "-", escape(vt))
+        ran = "0 (already tuned)" if r.already_tuned else str(r.trials_run)
+        table.add_row(escape(r.bucket.label), str(r.trials_total), ran, str(c.get("ok", 0)), str(c.get("pruned", 0)),
+                      str(c.get("rejected", 0)), failed(c), ms(r.best_seconds),
+                      ms(r.default_seconds), f"{r.speedup:.2f}x" if r.speedup else "-", escape(vt))
     Console(width=200).print(table)
-    if all(r.already_tuned for r in results):
-        print("already tuned for this machine: 0 trials run (--resume to continue, --retune to start over)")
-    return 0

@@ -18,7 +18,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .inputs import LOG_DECAY_FLOOR
+
 L2NORM_EPS = 1e-6  # same as the references and flash-linear-attention
+DECAY_FLOOR = tl.constexpr(LOG_DECAY_FLOOR)  # see inputs.LOG_DECAY_FLOOR
 
 
 @triton.jit
@@ -398,9 +401,17 @@ def chunk_log_decay(g, r, m_t, C: tl.constexpr):
     """Cumulative log decay within the chunk (zeros when ``g`` is None); padded rows add 0, so
     the last row is c_C."""
     if g is not None:
-        return tl.cumsum(tl.load(g + r, mask=m_t, other=0.0).to(tl.float32), axis=0)
+        return floored_cumsum(tl.load(g + r, mask=m_t, other=0.0).to(tl.float32))
     else:
         return tl.zeros([C], dtype=tl.float32)
+
+
+@triton.jit
+def floored_cumsum(b_g):
+    """The within-chunk cumulative sum of the log decays ``b_g`` ([C] fp32), each first raised to
+    DECAY_FLOOR (g = -inf or -1e30: a closed gate, exp underflows to 0 all the same; see
+    inputs.LOG_DECAY_FLOOR for the number). Every chunk form forms c here and only here."""
+    return tl.cumsum(tl.maximum(b_g, DECAY_FLOOR), axis=0)
 
 
 @triton.jit

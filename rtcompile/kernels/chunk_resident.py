@@ -23,8 +23,8 @@ import triton.language as tl
 from . import args
 from .args import factor_args, lowp_dots, width_args
 from .blocks import (
-    chunk_inputs, dot, factor_tiles, load_row_inputs, load_state_tile, load_wy, phi_block, phi_from_tiles,
-    sequence_of_program, unit_lower_inverse_scratch,
+    chunk_inputs, dot, factor_tiles, floored_cumsum, load_row_inputs, load_state_tile, load_wy, phi_block,
+    phi_from_tiles, sequence_of_program, unit_lower_inverse_scratch,
 )
 from .chunk_prepare import prepare_scores
 from .config import (
@@ -197,7 +197,7 @@ def chunk_resident_kernel(
             )
             b_c = tl.zeros([C], dtype=tl.float32)
             if g is not None:
-                b_c = tl.cumsum(b_g, axis=0)
+                b_c = floored_cumsum(b_g)
         else:
             b_c, b_P, b_Ai, b_W, b_U0, r_q, r_k, b_v, b_b = chunk_inputs(
                 q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, W, U0, r, m_t, o_v, m_v, (i_b * H + i_h) * T + tok,

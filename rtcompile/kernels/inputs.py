@@ -14,6 +14,14 @@ from typing import Sequence
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# The chunk forms take each log decay g_t as max(g_t, LOG_DECAY_FLOOR) before the within-chunk
+# cumulative sum c, so a closed gate (g = -inf: forget everything before this token) or a huge
+# one (-1e10, -1e30) stays usable. exp(-104) = 6.8e-46 is below half fp32's smallest subnormal
+# (7.0e-46), so it rounds to 0 and a floored gate forgets exactly as g = -inf does in the
+# recurrent form; and |c| stays below 128 with one such gate in a chunk (C * 104 with all of
+# them), so fp32 keeps c to 2^-17 instead of -inf - -inf = NaN, or a 1e10 term absorbing every
+# other (g = -1e10 gave an error of 0.17 on outputs of at most 0.10).
+LOG_DECAY_FLOOR = -104.0
 
 
 @dataclass(frozen=True)

@@ -236,7 +236,7 @@ def running_tensor_decode_(
     # empty_like(v): v is contiguous by then, so its copy's layout is the output's
     o = args.empty_like(v)
     plan.launch((*factor_args(q), *factor_args(k), v, g, beta, o, state_cache, state_cache, state_indices, None,
-                 plan.scale, 1))
+                 plan.scale, 1, state_cache.shape[0]))
     return o
 
 

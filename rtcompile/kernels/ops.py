@@ -23,6 +23,7 @@ import torch
 
 from . import launch
 from .forms import FORMS, config_from_dict
+from .inputs import LOG_DECAY_FLOOR
 
 # each form's field names, read once: dynamo folds a dict lookup and attribute reads, not
 # dataclasses.fields
@@ -187,6 +188,8 @@ def _backward(ctx, do, dht):
     dq, dk, dv, dg, db, dh0 = running_tensor_bwd_op(
         q, k, v, g, beta, initial_state, cu_seqlens, do, dht, ctx.scale, ctx.l2norm, ctx.chunk_size,
     )
+    if g is not None:  # the forward floors g (inputs.LOG_DECAY_FLOOR): below it, o does not depend on g
+        dg = torch.where(g < LOG_DECAY_FLOOR, torch.zeros_like(dg), dg)
     drop = lambda grad, x: grad if x is not None else None
     # one gradient per op argument: q, k, v, g, beta, initial_state, then the non-differentiable
     # cu_seqlens, scale, output_final_state, l2norm, mode, chunk_size, variant

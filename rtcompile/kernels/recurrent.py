@@ -195,7 +195,7 @@ def _sum_keys(x, NF: tl.constexpr):
 @triton.jit
 def fused_recurrent_running_tensor_fwd_kernel(
     q1, q2, q3, k1, k2, k3, v, g, beta, o, h0, ht, state_indices, cu_seqlens,
-    scale, T,
+    scale, T, num_slots,
     H: tl.constexpr, NF: tl.constexpr,
     D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
     BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr,
@@ -223,9 +223,11 @@ def fused_recurrent_running_tensor_fwd_kernel(
         slot = i_n.to(tl.int64)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    # state mask: padding slots (< 0) are neither read nor written (a vector compare: the
-    # interpreter rejects masks built from scalar compares)
-    m_sv = m_v & ((tl.zeros([BV], dtype=tl.int64) + slot) >= 0)
+    # state mask: padding slots (< 0) and slots past the cache's ``num_slots`` rows (unchecked
+    # indices, validate=False) are neither read nor written (a vector compare: the interpreter
+    # rejects masks built from scalar compares)
+    b_slot = tl.zeros([BV], dtype=tl.int64) + slot
+    m_sv = m_v & (b_slot >= 0) & (b_slot < num_slots)
     p_state = (slot * H + i_h) * K * V
     NK: tl.constexpr = (K + BK - 1) // BK
 
@@ -337,7 +339,7 @@ def launch(config: RecurrentConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_
     o = args.empty(v.shape, dtype=v.dtype, device=v.device)
     fused_recurrent_running_tensor_fwd_kernel[grid](
         *factor_args(q), *factor_args(k), v, g, beta, o, h0, ht, state_indices, cu_seqlens, p.scale, p.seq_len,
-        **consts,
+        p.num_seqs if state_indices is None else (h0 if h0 is not None else ht).shape[0], **consts,
     )
     return o
 
@@ -356,9 +358,9 @@ class DecodePlan:
     Triton's ``kernel[grid](...)`` binds and specialises all ~30 arguments on every call; with
     it the eager decode step cost 65 us of host time on the H200 machine. The compiled launcher
     skips that work, and is reused only while the specialisation it was compiled for holds: the
-    one integer argument (T = 1) is fixed by the plan, floats are never specialised, the None
-    inputs (no gate, no delta rule, no cu_seqlens) are part of the plan's key, and every pointer
-    must be 16-byte aligned, as at the first launch (checked per call; an unaligned call takes
+    integer arguments (T = 1, the cache's slots) are fixed by the plan (its key holds the
+    cache's shape), floats are never specialised, the None inputs (no gate, no delta rule, no
+    cu_seqlens) are part of the plan's key, and every pointer must be 16-byte aligned, as at the first launch (checked per call; an unaligned call takes
     Triton's full path).
     """
 
@@ -370,8 +372,9 @@ class DecodePlan:
         self._tail: tuple = ()
 
     def launch(self, kargs: tuple) -> None:
-        """Launch with the runtime arguments ``kargs`` (tensors or None, then scale and T)."""
-        ptrs = [None if t is None else t.data_ptr() for t in kargs[:-2]]
+        """Launch with the runtime arguments ``kargs`` (tensors or None, then scale, T and the
+        number of cache slots)."""
+        ptrs = [None if t is None else t.data_ptr() for t in kargs[:-3]]
         # 0.8 us against 1.1 for any() on the CPU machine; filter drops the None inputs
         aligned = not functools.reduce(operator.or_, filter(None, ptrs)) & 15
         if self._runner is not None and aligned:
@@ -379,7 +382,7 @@ class DecodePlan:
             # driver pointer query) per tensor; the compiled launcher alone cost 19 us per call
             # with tensors on the H200 machine (benchmarks/probe_host.py). A None input's
             # position is a constexpr of the compiled kernel: its launcher skips the value.
-            self._runner(*ptrs, *kargs[-2:], *self._tail)
+            self._runner(*ptrs, *kargs[-3:], *self._tail)
             return
         kernel = fused_recurrent_running_tensor_fwd_kernel
         compiled = kernel[self.grid](*kargs, **self.consts)

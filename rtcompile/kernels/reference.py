@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .inputs import Problem, check_inputs
+from .inputs import LOG_DECAY_FLOOR, Problem, check_inputs
 
 L2NORM_EPS = 1e-6  # flash-linear-attention's l2norm eps, so order 2 matches its kernels
 
@@ -132,7 +132,7 @@ def _chunk_segment(qs, ks, v, g, beta, S, scale, chunk_size):
     Qs, Ks, Vc = [to_chunks(x) for x in qs], [to_chunks(x) for x in ks], to_chunks(v)
     cum = torch.zeros(B, H, NT, C, dtype=v.dtype, device=v.device)
     if g is not None:
-        cum = to_chunks(g).cumsum(-1)
+        cum = to_chunks(g).clamp_min(LOG_DECAY_FLOOR).cumsum(-1)  # as the chunk kernels: -inf - -inf is NaN
     bc = to_chunks(beta) if beta is not None else None
     idx = torch.arange(C, device=v.device)
     incl = idx[:, None] >= idx[None, :]

@@ -8,7 +8,9 @@ B and T) wins; with no match the caller falls back to the variant's default.
 
 The table file is ``$RTCOMPILE_TUNED`` if set, else ``tuned.json`` in the rtcompile cache
 directory (``$XDG_CACHE_HOME/rtcompile`` or ``~/.cache/rtcompile``). It is read once per
-process and on :func:`reload`.
+process and on :func:`reload`. The table is advice: a kernel call that finds it unreadable
+(corrupt, or an older format) warns once and runs the defaults; ``rtcompile tune`` rebuilds
+it from the tuning store.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import hashlib
 import json
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +82,16 @@ def reload(path: str | os.PathLike | None = None) -> list[dict[str, Any]]:
 
 
 def entries() -> list[dict[str, Any]]:
-    return _table if _table is not None else reload()
+    """The table's entries; an unreadable table is an empty one, with one warning per process
+    (until :func:`reload`): a bad table of advice must not stop every kernel call."""
+    global _table
+    if _table is None:
+        try:
+            reload()
+        except ValueError as exc:
+            _table = []
+            warnings.warn(f"{exc}; until then the kernels use their default configs", RuntimeWarning, stacklevel=2)
+    return _table
 
 
 def match_fields(kernel: str, key_widths, value_width: int, heads: int, dtype: str, gpu: str) -> dict[str, Any]:

@@ -65,7 +65,7 @@ class Heartbeat:
 def mark_stale(study, storage, timeout: float) -> int:
     """Fail the study's RUNNING trials whose worker is gone and enqueue each one's retry (same
     parameters, a new WAITING trial; :func:`rtcompile.tuning.store.retry_callback`). Returns
-    how many were failed.
+    how many were failed. A worker of this host that exited is gone at once (:func:`worker_gone`).
 
     RDB storages: Optuna's ``fail_stale_trials`` (a trial whose heartbeat is ``GRACE_S`` old;
     a worker beats before it moves a trial to RUNNING, so no RUNNING trial lacks a heartbeat).
@@ -78,20 +78,55 @@ def mark_stale(study, storage, timeout: float) -> int:
     before = failed()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        now, retry = time.time(), retry_callback()
+        for t in study.get_trials(deepcopy=False, states=(state.RUNNING,)):
+            aged = heartbeat_interval(storage) is None and t.datetime_start is not None \
+                and now - t.datetime_start.timestamp() > 2 * timeout
+            if aged or worker_gone(t):
+                fail_and_retry(study, storage, t.number, retry)
         if heartbeat_interval(storage) is not None:
             optuna.storages.fail_stale_trials(study)
-        else:
-            now, retry = time.time(), retry_callback()
-            for t in study.get_trials(deepcopy=False, states=(state.RUNNING,)):
-                if t.datetime_start is None or now - t.datetime_start.timestamp() <= 2 * timeout:
-                    continue
-                tid = trial_id(storage, study, t.number)
-                try:
-                    if storage.set_trial_state_values(tid, state=state.FAIL):
-                        retry(study, storage.get_trial(tid))
-                except optuna.exceptions.UpdateFinishedTrialError:
-                    continue  # another process finished or failed it first
     return len(failed() - before)
+
+
+def fail_and_retry(study, storage, number: int, retry) -> None:
+    """Fail a RUNNING trial and enqueue its retry (``retry``: the storage's callback)."""
+    import optuna
+
+    tid = trial_id(storage, study, number)
+    try:
+        if storage.set_trial_state_values(tid, state=optuna.trial.TrialState.FAIL):
+            retry(study, storage.get_trial(tid))
+    except optuna.exceptions.UpdateFinishedTrialError:
+        pass  # another process finished or failed it first
+
+
+def worker_gone(trial) -> bool:
+    """Did the trial's worker, recorded on this host at its claim, exit? A killed tune is then
+    recovered at once (without this, after the heartbeat's grace period on an RDB store and
+    after twice the trial timeout on a journal, where a rerun had already marked the study
+    tuned). A trial of another host, or one claimed before its pid was recorded, goes by its
+    heartbeat."""
+    pid = trial.user_attrs.get("pid")
+    if trial.user_attrs.get("host") != socket.gethostname() or not isinstance(pid, int):
+        return False
+    return not process_alive(pid)
+
+
+def process_alive(pid: int) -> bool:
+    """Is process ``pid`` running on this host (a zombie, whose parent died without reaping
+    it, is not)?"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process holds the number
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True  # no /proc (not Linux): the signal check stands
 
 
 def claim(study, storage, storage_url: str | None = None):

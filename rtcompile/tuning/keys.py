@@ -70,7 +70,9 @@ class Machine:
 
 def study_name(bucket: Bucket, machine: Machine, source: str) -> str:
     """A stable, readable study name carrying every part of the study key."""
-    return f"rtcompile:{bucket.label}:src {source}:{machine.gpu} cc{machine.capability}:triton {machine.triton}:rtcompile {machine.package}"
+    # off the GPU the capability is "cpu" and the name says so already ("cpu-interpreter")
+    where = machine.gpu if machine.capability == "cpu" else f"{machine.gpu} cc{machine.capability}"
+    return f"rtcompile:{bucket.label}:src {source}:{where}:triton {machine.triton}:rtcompile {machine.package}"
 
 
 def key_attrs(bucket: Bucket, machine: Machine, source: str) -> dict[str, str]:

@@ -209,18 +209,71 @@ def open_storage(url: str | None = None, *, create: bool = True):
         raise StoreError(f"storage {url!r}: cannot open ({first}); check the URL, or move a corrupted file away") from None
 
 
-def write_tuned(entries: list[dict[str, Any]], path: Path | None = None) -> Path:
-    """Merge ``entries`` into the tuned-config table (same key: replaced), atomically."""
+TABLE_KEYS = ("kernel", "source", "key_widths", "value_width", "heads", "dtype", "gpu", "triton", "package",
+              "batch", "seq_len")
+
+
+def study_entry(name: str, attrs: dict[str, Any]) -> dict[str, Any] | None:
+    """The tuned-table entry a finished study records (from its user attributes: the key
+    ``study.key_attrs`` wrote and the winner), or None for a study without a winner."""
+    if "best_variant" not in attrs or not {"bucket", "machine", "source"} <= set(attrs):
+        return None
+    try:
+        b, m = json.loads(attrs["bucket"]), json.loads(attrs["machine"])
+        return {"kernel": b["kernel"], "source": attrs["source"], "key_widths": list(b["key_widths"]),
+                "value_width": b["value_width"], "heads": b["heads"], "dtype": b["dtype"], "gpu": m["gpu"],
+                "triton": m["triton"], "package": m["package"], "batch": b["batch"], "seq_len": b["seq_len"],
+                "variant": attrs["best_variant"], "seconds": attrs.get("best_seconds"), "study": name}
+    except (TypeError, KeyError, ValueError):
+        return None  # a study some other tool wrote: not ours to record
+
+
+def store_entries(storage) -> list[dict[str, Any]]:
+    """Every winner the store holds, as table entries."""
+    import optuna
+
+    out = []
+    for s in optuna.get_all_study_summaries(storage, include_best_trial=False):
+        if s.study_name.startswith("rtcompile:") and (e := study_entry(s.study_name, s.user_attrs)) is not None:
+            out.append(e)
+    return out
+
+
+def table_problem(path: Path | None = None) -> str | None:
+    """Why the tuned-config table cannot be read (None: readable, or absent)."""
     path = Path(path) if path is not None else tuned.table_path()
-    keys = ("kernel", "source", "key_widths", "value_width", "heads", "dtype", "gpu", "triton",
-            "package", "batch", "seq_len")
+    try:
+        tuned.reload(path)
+    except ValueError as exc:
+        return str(exc).split(";")[0]
+    return None
+
+
+def write_tuned(entries: list[dict[str, Any]], path: Path | None = None, *, rebuild_from=None) -> Path:
+    """Merge ``entries`` into the tuned-config table (same key: replaced), atomically. A table
+    that cannot be read (corrupt, an older format) is replaced: by the winners of the storage
+    ``rebuild_from`` when given (the table is derived data, the store is the record), else by
+    ``entries`` alone."""
+    path = Path(path) if path is not None else tuned.table_path()
     with file_lock(path.with_name(path.name + ".lock")):
         try:
             old = tuned.reload(path) if path.exists() else []
-        except ValueError as exc:
-            raise StoreError(str(exc)) from None
-        new_keys = {tuple(json.dumps(e[k]) for k in keys) for e in entries}
-        merged = [e for e in old if tuple(json.dumps(e.get(k)) for k in keys) not in new_keys] + list(entries)
+        except ValueError:
+            old = store_entries(rebuild_from) if rebuild_from is not None else []
+        new_keys = {tuple(json.dumps(e[k]) for k in TABLE_KEYS) for e in entries}
+        merged = [e for e in old if tuple(json.dumps(e.get(k)) for k in TABLE_KEYS) not in new_keys] + list(entries)
         atomic_write(path, json.dumps({"format": tuned.FORMAT_VERSION, "entries": merged}, indent=1))
     tuned.reload(path)
     return path
+
+
+def has_entry(entry: dict[str, Any], path: Path | None = None) -> bool:
+    """Does the (readable) table hold ``entry``'s winner under its key?"""
+    path = Path(path) if path is not None else tuned.table_path()
+    try:
+        table = tuned.reload(path) if path.exists() else []
+    except ValueError:
+        return False
+    key = tuple(json.dumps(entry[k]) for k in TABLE_KEYS)
+    return any(tuple(json.dumps(e.get(k)) for k in TABLE_KEYS) == key and e.get("variant") == entry["variant"]
+               for e in table)

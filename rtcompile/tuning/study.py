@@ -18,8 +18,16 @@ result), ``failed`` (compile error, launch failure, crash or timeout), ``stale``
 died: Optuna's heartbeat lapsed, the trial was failed and retried with the same parameters as a
 new WAITING trial; :func:`stale_numbers` lists them).
 
-Finishing a study re-measures the best few variants and the default, then records the winner
-in the study's user attributes and in the tuned-config table the kernels read.
+Recovery needs no flag: every run first fails the trials whose worker is gone (on this host
+at once, by the worker's recorded pid; elsewhere by heartbeat) and retries them, so the same
+command after a kill -9 finishes the budget.
+
+Finishing a study re-measures the best few variants and the default (trials mode; with a
+time budget the time was the trials' and the study's own measurements decide), then records
+the winner in the tuned-config table the kernels read and then in the study's user attributes
+(a table that cannot be written leaves the study unfinished). An already tuned study whose
+winner is missing from the table writes it again; an unreadable table is rebuilt from the
+store. ``--retune`` is refused while another process tunes the study.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import socket
 import subprocess
 import sys
 import tempfile
@@ -37,12 +46,15 @@ from typing import Any, Callable
 
 from ..kernels import tuned
 from ..kernels.forms import default_config
-from .claims import Heartbeat, mark_stale, next_trial, stale_numbers, trial_id
+from .claims import Heartbeat, mark_stale, next_trial, process_alive, stale_numbers, trial_id
 from .keys import Bucket, Machine, key_attrs, study_name
 from .space import (
     bucket_shape, config_params, exhaustive_variants, params_config, search_space, smem_limit, suggest, warm_starts,
 )
-from .store import default_url, heartbeat_interval, open_storage, retried_numbers, store_file, write_tuned
+from .store import (
+    StoreError, default_url, has_entry, heartbeat_interval, open_storage, retried_numbers, store_file, study_entry,
+    write_tuned,
+)
 
 DEFAULT_SEED = 20261129  # recorded in every study; TPE's choices are reproducible from it
 RESULT_ATTRS = ("best_variant", "best_seconds", "default_seconds")
@@ -67,6 +79,7 @@ class TuneOptions:
     table: str | None = None  # tuned-config table path (default: the kernels' own)
     fixed: dict[str, Any] = field(default_factory=dict)  # form / FORM.FIELD held at one value (a sub-space)
     exhaustive: bool = False  # one trial per valid config of the (sub-)space instead of TPE's picks
+    deadline: float | None = None  # seconds mode: when this bucket's time is up (time.time()); else now + seconds
 
 
 @dataclass
@@ -79,6 +92,8 @@ class BucketResult:
     best_variant: dict | None = None
     best_seconds: float | None = None
     default_seconds: float | None = None
+    table_written: bool = False  # the winner was (re)written to the tuned-config table by this run
+    trials_total: int = 0  # the study's trials that ran a variant, every run's (what `tune --list` shows)
 
     @property
     def speedup(self) -> float | None:
@@ -313,21 +328,59 @@ def tune_bucket(bucket: Bucket, opts: TuneOptions,
     machine = Machine.current(opts.device)
     source = tuned.source_hash(bucket.kernel)
     name = _study_name(bucket, machine, source, opts)
-    exists = name in {s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)}
+    exists = study_exists(url, name)
     if exists and opts.retune:
+        _refuse_retune_while_running(optuna.load_study(study_name=name, storage=storage), storage, opts)
         optuna.delete_study(study_name=name, storage=storage)
         exists = False
     study = optuna.create_study(study_name=name, storage=storage, direction="minimize", load_if_exists=True,
                                 sampler=optuna.samplers.TPESampler(seed=opts.seed))
+    try:
+        return _tune_study(study, storage, exists, bucket, machine, source, opts, progress)
+    except KeyError as exc:  # Optuna's "Record does not exist.": the study was deleted under us
+        if study_exists(url, name):
+            raise
+        raise StoreError(f"study {name!r} was deleted while it ran (a `tune --retune` elsewhere?): "
+                         "stopped") from exc
+
+
+def _refuse_retune_while_running(study, storage, opts: TuneOptions) -> None:
+    """StoreError when another process is tuning ``study`` now: its coordinator, recorded on
+    this host, is alive, or it has RUNNING trials with a live heartbeat (deleting the study
+    under it would crash it)."""
+    import optuna
+
+    mark_stale(study, storage, opts.trial_timeout)  # a killed run's trials are not a live one's
+    running = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+    who = study.user_attrs.get("coordinator") or {}
+    alive = (who.get("host") == socket.gethostname() and isinstance(who.get("pid"), int)
+             and who["pid"] != os.getpid() and process_alive(who["pid"]))
+    if running or alive:
+        pid = f" (pid {who['pid']})" if alive else ""
+        raise StoreError(f"--retune: study {study.study_name!r} is being tuned by another `rtcompile tune`{pid}, "
+                         f"{len(running)} trial(s) running; let it finish or stop it first")
+
+
+def _tune_study(study, storage, exists: bool, bucket: Bucket, machine: Machine, source: str, opts: TuneOptions,
+                progress) -> BucketResult:
+    url, name = opts.storage, study.study_name
     if exists and "best_variant" in study.user_attrs and not opts.resume:
-        return _result_from(study, bucket, 0, already=True)
+        # tuned: the table must still hold the winner (it may have been deleted or rebuilt)
+        entry = study_entry(name, study.user_attrs)
+        written = entry is not None and not has_entry(entry, opts.table)
+        if written:
+            write_tuned([entry], opts.table, rebuild_from=storage)
+        result = _result_from(study, bucket, 0, already=True)
+        result.table_written = written
+        return result
     for k, v in {**key_attrs(bucket, machine, source), "seed": opts.seed}.items():
         study.set_user_attr(k, v)
-    if opts.resume:
-        mark_stale(study, storage, opts.trial_timeout)
+    study.set_user_attr("coordinator", {"host": socket.gethostname(), "pid": os.getpid()})  # see --retune
+    # a killed run's trials: failed now (their worker is gone) and retried, with or without --resume
+    mark_stale(study, storage, opts.trial_timeout)
     deadline = None
     if opts.seconds is not None:
-        deadline = time.time() + opts.seconds
+        deadline = opts.deadline if opts.deadline is not None else time.time() + opts.seconds
         if not study.get_trials(deepcopy=False):  # study.ask() takes enqueued trials first
             for i, params in enumerate(warm_starts(bucket, opts, None)):
                 study.enqueue_trial(params, user_attrs={"warm_start": i})
@@ -351,11 +404,20 @@ def tune_bucket(bucket: Bucket, opts: TuneOptions,
                 study.enqueue_trial({})
     before = _finished(study)
     total = len(exhaustive_variants(bucket, opts)) if opts.exhaustive else opts.trials or 0
-    _run_workers(study, storage, url, name, bucket, opts, deadline,
-                 lambda: progress and progress(bucket.label, _finished(study), total))
+
+    def report() -> None:
+        if progress:
+            done = _finished(study)
+            progress(bucket.label, done, max(total, done))  # a resumed study may hold more than asked
+
+    _run_workers(study, storage, url, name, bucket, opts, deadline, report)
     ran = _finished(study) - before
-    _finish(study, bucket, machine, source, opts)
-    return _result_from(study, bucket, ran, already=False)
+    # seconds mode: the time was the trials'; the winner is the study's own measurement
+    written = _finish(study, storage, bucket, machine, source, opts, remeasure=deadline is None)
+    study.set_user_attr("coordinator", None)
+    result = _result_from(study, bucket, ran, already=False)
+    result.table_written = written
+    return result
 
 
 # How often the coordinator looks for stale trials while it waits (one query of the RUNNING trials)
@@ -384,6 +446,8 @@ def _run_workers(study, storage, url: str | None, name: str, bucket: Bucket, opt
             time.sleep(0.5)
         report()
         bad = [p.returncode for p in procs if p.returncode != 0]
+        if bad and not study_exists(url, name):
+            raise StoreError(f"study {name!r} was deleted while it ran (a `tune --retune` elsewhere?): stopped")
         if bad:
             raise RuntimeError(f"tuning workers exited with {bad}: see their output above")
         if deadline is not None or heartbeat_interval(storage) is None:
@@ -397,6 +461,15 @@ def _run_workers(study, storage, url: str | None, name: str, bucket: Bucket, opt
             time.sleep(STALE_POLL_S)
         if not study.get_trials(deepcopy=False, states=(state.WAITING,)):
             return
+
+
+STUDY_DELETED_EXIT = 3  # a worker's exit status when its study was deleted while it ran
+
+
+def study_exists(url: str | None, name: str) -> bool:
+    import optuna
+
+    return name in {s.study_name for s in optuna.get_all_study_summaries(open_storage(url), include_best_trial=False)}
 
 
 def _default_url() -> str:
@@ -414,38 +487,43 @@ def _finished(study) -> int:
     return sum(1 for t in study.get_trials(deepcopy=False, states=(st.COMPLETE, st.FAIL)) if t.number not in stale)
 
 
-def _finish(study, bucket: Bucket, machine: Machine, source: str, opts: TuneOptions) -> None:
-    """Re-measure the best few and the default; record the winner in the study and the table."""
+def _finish(study, storage, bucket: Bucket, machine: Machine, source: str, opts: TuneOptions,
+            remeasure: bool = True) -> bool:
+    """Re-measure the best few and the default (``remeasure``; else take the study's own
+    measurements); record the winner in the table, then in the study (a table that cannot be
+    written leaves the study unfinished, so a rerun finishes it). Returns whether a winner was
+    recorded."""
     import optuna
 
     done = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))]
     done.sort(key=lambda t: t.value)
     default = default_config(bucket.kernel, bucket_shape(bucket), smem_limit(opts.device))
-    top = [params_config(t.params) for t in done[: opts.top_k]]
     timed = []
-    with TrialRunner(opts.trial_timeout) as runner:
-        for i, v in enumerate(dict.fromkeys(top + [default])):
-            r = run_objective(bucket, v.to_dict(), opts, seed=opts.seed + 10_000 + i, runner=runner)
-            if r["status"] == "ok":
-                timed.append((r["seconds"], v))
+    if remeasure:
+        top = [params_config(t.params) for t in done[: opts.top_k]]
+        with TrialRunner(opts.trial_timeout) as runner:
+            for i, v in enumerate(dict.fromkeys(top + [default])):
+                r = run_objective(bucket, v.to_dict(), opts, seed=opts.seed + 10_000 + i, runner=runner)
+                if r["status"] == "ok":
+                    timed.append((r["seconds"], v))
+    else:
+        timed = [(t.value, params_config(t.params)) for t in done]
     default_s = next((s for s, v in timed if v == default), None)
     if not timed:
-        return
+        return False
     best_s, best = min(timed, key=lambda sv: sv[0])
-    study.set_user_attr("best_variant", best.to_dict())
-    study.set_user_attr("best_seconds", best_s)
-    study.set_user_attr("default_seconds", default_s)
-    entry = {**tuned.match_fields(bucket.kernel, bucket.key_widths, bucket.value_width, bucket.heads, bucket.dtype,
-                                  machine.gpu),
-             "batch": bucket.batch, "seq_len": bucket.seq_len, "variant": best.to_dict(), "seconds": best_s,
-             "study": study.study_name}
-    write_tuned([entry], opts.table)
+    attrs = {**study.user_attrs, "best_variant": best.to_dict(), "best_seconds": best_s,
+             "default_seconds": default_s}
+    write_tuned([study_entry(study.study_name, attrs)], opts.table, rebuild_from=storage)
+    for k in RESULT_ATTRS:
+        study.set_user_attr(k, attrs[k])
+    return True
 
 
 def _result_from(study, bucket: Bucket, ran: int, already: bool) -> BucketResult:
     a = study.user_attrs
     return BucketResult(bucket, study.study_name, ran, already, _counts(study), a.get("best_variant"),
-                        a.get("best_seconds"), a.get("default_seconds"))
+                        a.get("best_seconds"), a.get("default_seconds"), trials_total=_finished(study))
 
 
 def list_studies(storage_url: str | None = None) -> list[dict[str, Any]]:
@@ -461,6 +539,7 @@ def list_studies(storage_url: str | None = None) -> list[dict[str, Any]]:
         if not s.study_name.startswith("rtcompile:"):
             continue
         a = s.user_attrs
-        rows.append({"study": s.study_name, "trials": s.n_trials, "best_variant": a.get("best_variant"),
+        ran = _finished(optuna.load_study(study_name=s.study_name, storage=storage))  # as tune's table counts
+        rows.append({"study": s.study_name, "trials": ran, "best_variant": a.get("best_variant"),
                      "best_seconds": a.get("best_seconds"), "default_seconds": a.get("default_seconds")})
     return rows

@@ -9,7 +9,7 @@ import json
 import sys
 
 from .keys import Bucket
-from .study import TuneOptions, run_worker
+from .study import STUDY_DELETED_EXIT, TuneOptions, run_worker, study_exists
 
 
 def main() -> int:
@@ -18,7 +18,12 @@ def main() -> int:
     b = job["bucket"]
     bucket = Bucket(**{**b, "key_widths": tuple(b["key_widths"])})
     opts = TuneOptions(**job["options"])
-    run_worker(job["storage"], job["study"], bucket, opts, index, job.get("deadline"))
+    try:
+        run_worker(job["storage"], job["study"], bucket, opts, index, job.get("deadline"))
+    except Exception:
+        if not study_exists(job["storage"], job["study"]):
+            return STUDY_DELETED_EXIT  # deleted under us (--retune elsewhere): the coordinator says so
+        raise
     return 0
 
 
