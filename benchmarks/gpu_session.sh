@@ -1,6 +1,6 @@
 # The measurements of one GPU session, in steps that each fit one 10-minute device call.
 #
-#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | bench | checks
+#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train | bench | checks
 #
 # Run from the project root on the device machine after installing the carried wheels (see
 # benchmarks/README.md). Everything lands under $OUT. Each step writes as it goes, so a call cut
@@ -19,6 +19,18 @@ step_tests() {  # the kernel tests on the GPU: 217 took ~305 s in one process on
   timeout 500 python3 -m pytest -v -p no:cacheprovider -o faulthandler_timeout=60 --durations=10 ${PYTEST_ARGS:-} \
     ${TESTS:-tests/test_kernels.py tests/test_ops.py tests/test_kernel_inputs.py} > "$OUT/tests.txt" 2>&1 || true
   tail -5 "$OUT/tests.txt"
+}
+
+step_train() {  # the backward on the GPU: gradient tests (-v into a file as it goes: a 170 s limit
+  # cut the config sweep short on 2026-12-01), then forward + backward timings; fla last and in a
+  # process of its own (its first K = 256 backward compiled and autotuned for over 3 minutes)
+  timeout "${TRAIN_TEST_S:-300}" python3 -m pytest -v -p no:cacheprovider -n "${TEST_WORKERS:-14}" \
+    tests/test_backward.py tests/test_autograd.py tests/test_extreme_decay.py tests/test_decode_guard.py \
+    > "$OUT/train_tests.txt" 2>&1 || true
+  echo "passed $(grep -c PASSED "$OUT/train_tests.txt") failed $(grep -c FAILED "$OUT/train_tests.txt")"
+  grep -E "^FAILED|^ERROR" "$OUT/train_tests.txt" | head -20 || true
+  python3 benchmarks/train_step.py --out "$OUT/train_ours.json"
+  timeout "${FLA_S:-400}" python3 benchmarks/train_step.py --fla --cases "o3 16x16" --out "$OUT/train_fla.json" || true
 }
 
 step_bench() {  # decode first (~60 s), so the prefill phase cannot starve it of budget
