@@ -58,7 +58,9 @@ def running_tensor(
             with ``cu_seqlens``).
         output_final_state: also return the final state (fp32; fp64 for fp64 inputs).
         l2norm: normalise every query and key factor to unit L2 norm.
-        cu_seqlens: int32 offsets ``[N + 1]`` of sequences packed along T, with B = 1.
+        cu_seqlens: int32 (or int64) offsets ``[N + 1]`` of sequences packed along T, with B = 1.
+        Every tensor may be a strided view (e.g. a slice of a fused projection); the Triton
+        backend copies such views once before its launches, and gradients have the inputs' shapes.
         mode: ``"recurrent"``, ``"chunk"`` or ``"auto"``.
         chunk_size: chunk length for ``mode="chunk"``; default: the variant's (Triton) or 64.
         backend: ``"triton"`` (CUDA, or the interpreter with TRITON_INTERPRET=1),
@@ -179,8 +181,9 @@ def running_tensor_decode_(
     """One decode step per sequence on the Triton kernel, updating ``state_cache`` in place.
 
     ``q``/``k``: o-1 factors ``[N, 1, H, d_i]``; ``v`` ``[N, 1, H, d_v]``; ``g``/``beta``
-    ``[N, 1, H]``; ``state_cache`` ``[slots, H, d_1, ..., d_v]``; ``state_indices`` int32 ``[N]``
-    (negative = padding). ``validate`` checks the indices (one device sync); pass False inside
+    ``[N, 1, H]`` (strided views accepted: copied before the launch); ``state_cache``
+    ``[slots, H, d_1, ..., d_v]``, contiguous (updated in place); ``state_indices`` int32 or
+    int64 ``[N]`` (negative = padding). ``validate`` checks the indices (one device sync); pass False inside
     CUDA graphs. Under torch.compile the call is the custom op ``rtcompile::running_tensor_decode_``.
     Returns o ``[N, 1, H, d_v]``.
     """

@@ -363,7 +363,7 @@ def _change(name):
     elif name == "cache-type":
         kw["state_cache"] = cache.tolist()
     elif name == "indices-dtype":
-        kw["state_indices"] = idx.long()
+        kw["state_indices"] = idx.to(torch.int16)  # int32 and int64 are both taken
     elif name == "indices-shape":
         kw["state_indices"] = torch.zeros(3, dtype=torch.int32, device=DEVICE)
     elif name == "indices-type":
@@ -383,7 +383,7 @@ def _change(name):
     ("cache-dtype", ValueError, r"state_cache: dtype torch.float64; allowed: float32, bfloat16, float16"),
     ("cache-strided", ValueError, r"state_cache: strides .* not contiguous"),
     ("cache-type", TypeError, r"state_cache: expected a torch.Tensor, got list"),
-    ("indices-dtype", TypeError, r"state_indices: dtype torch.int64; allowed: torch.int32"),
+    ("indices-dtype", TypeError, r"state_indices: dtype torch.int16; allowed: torch.int32, torch.int64"),
     ("indices-shape", ValueError, r"state_indices: expected shape \[2\]"),
     ("indices-type", TypeError, r"state_indices: expected a torch.Tensor, got list"),
     ("two-tokens", ValueError, r"v: T = 2; allowed: T = 1"),

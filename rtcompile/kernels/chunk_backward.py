@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from . import args
-from .args import dot_dtype, factor_args, lowp_dots, width_args
+from .args import contiguous_inputs, dot_dtype, factor_args, lowp_dots, width_args
 from .blocks import dot, sequence_of_program
 from .chunk_backward_grads import chunk_bwd_grads_kernel, phi_grads_to_factors_kernel
 from .chunk_prepare import chunk_indices, prepare_backward
@@ -300,6 +300,10 @@ def running_tensor_bwd(q, k, v, g, beta, *, scale: float, initial_state, cu_seql
         raise ValueError(f"dht: expected None or a tensor of the state's shape {list(p.state_shape)}")
     shape = KernelShape(p.key_widths, p.value_width, v.element_size())
     config = resolve_backward(shape, variant, chunk_size, v.device, p)
+    # strided inputs (slices of a fused projection) are copied once here, as the forward's
+    # launcher does (args.contiguous_inputs says why); the gradients are allocated with the
+    # inputs' shapes, contiguous, which autograd accumulates into views of any layout
+    q, k, v, g, beta, initial_state, cu_seqlens = contiguous_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     return _launch(config, p, q, k, v, g, beta, initial_state, cu_seqlens, l2norm, do.contiguous(),
                    None if dht is None else dht.contiguous())
 

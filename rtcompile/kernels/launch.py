@@ -2,9 +2,11 @@
 table's for the shape bucket, else the default), allocate, launch the config's form.
 
 Every argument is validated before anything is allocated or launched (``check_inputs`` plus
-:func:`check_layout`, the kernels' layout rules). Layout rule: every tensor is contiguous (as
-in flash-linear-attention), so one token-head row index addresses all per-token inputs; a
-strided view is refused with a message, never copied behind the caller's back. The kernels take
+:func:`check_layout`, the kernels' layout rules). Layout rule: the kernels address contiguous
+tensors (as in flash-linear-attention), so one token-head row index addresses all per-token
+inputs; a strided view (a model's slice of a fused projection) is accepted and copied once,
+after validation, at the launch boundary (``args.contiguous_inputs`` says why). Only the decode
+step's ``state_cache``, which the kernel updates in place, must be contiguous. The kernels take
 up to three factors (orders 2 to 4).
 
 Each config runs through the ``launch`` function of its form's module (:data:`LAUNCHERS`);
@@ -120,9 +122,9 @@ LAUNCHERS = {
 
 
 def check_layout(p: Problem, q, k, v, g, beta, initial_state, cu_seqlens) -> None:
-    """The kernels' own rules beyond ``check_inputs``: orders 2-4, floating inputs, contiguous
-    tensors, a state dtype they read, cu_seqlens beside v, and a CUDA device (or the
-    interpreter)."""
+    """The kernels' own rules beyond ``check_inputs``: orders 2-4, floating inputs, a state
+    dtype they read, cu_seqlens beside v, and a CUDA device (or the interpreter). Strided
+    inputs pass: the launchers copy them (``args.contiguous_inputs``)."""
     if len(q) > MAX_FACTORS:
         raise ValueError(
             f"q: {len(q)} factors (order {len(q) + 1}); allowed: the Triton kernels take orders 2-4 "
@@ -130,13 +132,6 @@ def check_layout(p: Problem, q, k, v, g, beta, initial_state, cu_seqlens) -> Non
         )
     if v.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"v: dtype {v.dtype}; allowed for the Triton kernels: float16, bfloat16, float32")
-    named = [(f"q[{i}]", x) for i, x in enumerate(q)] + [(f"k[{i}]", x) for i, x in enumerate(k)]
-    named += [("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state), ("cu_seqlens", cu_seqlens)]
-    for name, x in named:
-        if x is not None and not x.is_contiguous():
-            raise ValueError(
-                f"{name}: strides {x.stride()} are not contiguous; allowed: contiguous tensors (call .contiguous())"
-            )
     if initial_state is not None and initial_state.dtype not in STATE_DTYPES:
         raise ValueError(f"initial_state: dtype {initial_state.dtype}; allowed: float32, bfloat16, float16")
     if cu_seqlens is not None and cu_seqlens.device != v.device:
@@ -183,10 +178,12 @@ def fwd_checked(p: Problem, q, k, v, g, beta, *, initial_state, output_final_sta
     """:func:`running_tensor_fwd` after its argument checks. Invariant: ``p`` is what
     ``check_inputs`` returned for these very tensors, and ``mode``/``chunk_size`` passed the
     public checks (``rtcompile.running_tensor`` has done both; checking again cost ~27 us of
-    its ~84 us of Python per call on the CPU machine). Layout and config are checked here."""
+    its ~84 us of Python per call on the CPU machine). Layout and config are checked here;
+    strided inputs are then copied (once, for every kernel of the call to read)."""
     check_layout(p, q, k, v, g, beta, initial_state, cu_seqlens)
     kernel = "chunk" if mode == "chunk" else "recurrent"
     config = resolve_config(kernel, variant, p, v.device, chunk_size if kernel == "chunk" else None)
+    q, k, v, g, beta, initial_state, cu_seqlens = args.contiguous_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     # a streamed state lives in the final-state buffer while the kernel runs
     need_ht = output_final_state or not config.resident(kernel_shape(p))
     ht = args.empty(p.state_shape, dtype=torch.float32, device=v.device) if need_ht else None
@@ -213,9 +210,11 @@ def running_tensor_decode_(
 
     Args:
         q, k, v, g, beta: as :func:`running_tensor_fwd` with B = N sequences and T = 1.
-        state_cache: ``[slots, H, d_1, ..., d_{o-1}, d_v]`` (fp32, bf16 or fp16), contiguous.
-        state_indices: int32 ``[N]``: the cache row of each sequence; a negative entry is
-            padding (its state is neither read nor written, its output is meaningless).
+            Strided views are accepted (copied before the launch).
+        state_cache: ``[slots, H, d_1, ..., d_{o-1}, d_v]`` (fp32, bf16 or fp16), contiguous
+            (updated in place: a copy's update would be lost).
+        state_indices: int32 or int64 ``[N]``: the cache row of each sequence; a negative
+            entry is padding (its state is neither read nor written, its output is meaningless).
         validate: check that indices are in range and distinct (one device sync). Turn off
             inside CUDA graphs and hot loops whose indices are known good.
         variant: a RecurrentConfig, or None for the tuned table's (looked up once per new
@@ -233,6 +232,8 @@ def running_tensor_decode_(
         remember_plan(key, plan)
     if validate:
         check_indices(state_indices, state_cache.shape[0])
+    if plan.copy:  # the plan's key holds every input's contiguity: contiguous calls skip this
+        q, k, v, g, beta, state_indices = args.contiguous_inputs(q, k, v, g, beta, state_indices)
     # empty_like(v): v is contiguous by then, so its copy's layout is the output's
     o = args.empty_like(v)
     plan.launch((*factor_args(q), *factor_args(k), v, g, beta, o, state_cache, state_cache, state_indices, None,
@@ -256,14 +257,17 @@ def _plan_decode(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, va
     if state_cache.dtype not in STATE_DTYPES:
         raise ValueError(f"state_cache: dtype {state_cache.dtype}; allowed: float32, bfloat16, float16")
     if not state_cache.is_contiguous():
-        raise ValueError(f"state_cache: strides {state_cache.stride()} are not contiguous; allowed: a contiguous cache")
+        raise ValueError(f"state_cache: strides {state_cache.stride()} are not contiguous; allowed: a contiguous cache "
+                         "(the step updates it in place, so it cannot work on a copy)")
     if state_cache.device != v.device:
         raise ValueError(f"state_cache: on {state_cache.device}, v on {v.device}; allowed: the same device")
-    if state_indices.dtype != torch.int32:
-        raise TypeError(f"state_indices: dtype {state_indices.dtype}; allowed: torch.int32")
+    # the kernel widens each index to int64 as it loads it, so either width addresses the cache
+    if state_indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"state_indices: dtype {state_indices.dtype}; allowed: torch.int32, torch.int64")
     if tuple(state_indices.shape) != (p.batch,) or state_indices.device != v.device:
         raise ValueError(f"state_indices: expected shape [{p.batch}] on {v.device}, got {list(state_indices.shape)} "
                          f"on {state_indices.device}")
     config = resolve_config("recurrent", variant, p, v.device)
     grid, consts = recurrent.launch_consts(p, l2norm, config)
-    return DecodePlan(grid, consts, p.scale)
+    copy = not args.all_contiguous(*q, *k, v, g, beta, state_indices)
+    return DecodePlan(grid, consts, p.scale, copy=copy)

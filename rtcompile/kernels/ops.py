@@ -88,7 +88,9 @@ def running_tensor_fwd_op(
 @running_tensor_fwd_op.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, l2norm, mode, chunk_size, variant):
     shape = _state_shape(q, v, cu_seqlens) if output_final_state else (0,)
-    return torch.empty_like(v), v.new_empty(shape, dtype=torch.float32)
+    # new_empty, not empty_like: the real op's outputs are contiguous whatever v's layout (a
+    # strided v is copied by the launcher), and empty_like would keep a permuted v's strides
+    return v.new_empty(v.shape), v.new_empty(shape, dtype=torch.float32)
 
 
 @torch.library.custom_op("rtcompile::running_tensor_decode_", mutates_args=("state_cache",))
@@ -113,7 +115,7 @@ def running_tensor_decode_op(
 
 @running_tensor_decode_op.register_fake
 def _(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, variant):
-    return torch.empty_like(v)
+    return v.new_empty(v.shape)  # contiguous, as the real op's (see the forward's fake)
 
 
 def _placeholder(x: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -154,14 +156,15 @@ def running_tensor_bwd_op(
     )
     # an op's outputs may not alias its inputs (a backward may hand back a zero tensor it was given)
     ins = [*q, *k, v, g, beta, initial_state, cu_seqlens, do, dht]
-    fresh = lambda x: x.clone() if any(x is y for y in ins if y is not None) else x
+    fresh = lambda x: x.clone(memory_format=torch.contiguous_format) if any(x is y for y in ins if y is not None) else x
     return ([fresh(x) for x in dq], [fresh(x) for x in dk], fresh(dv), fresh(_placeholder(dg, v)),
             fresh(_placeholder(db, v)), fresh(_placeholder(dh0, v)))
 
 
 @running_tensor_bwd_op.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, scale, l2norm, chunk_size):
-    like = lambda x: torch.empty_like(x) if x is not None else v.new_empty((0,))
+    # contiguous gradients of the inputs' shapes, as the real op's (strided inputs included)
+    like = lambda x: x.new_empty(x.shape) if x is not None else v.new_empty((0,))
     return [like(x) for x in q], [like(x) for x in k], like(v), like(g), like(beta), like(initial_state)
 
 

@@ -364,10 +364,12 @@ class DecodePlan:
     Triton's full path).
     """
 
-    __slots__ = ("_runner", "_tail", "consts", "grid", "scale")
+    __slots__ = ("_runner", "_tail", "consts", "copy", "grid", "scale")
 
-    def __init__(self, grid: tuple, consts: dict, scale: float):
-        self.grid, self.consts, self.scale = grid, consts, scale
+    def __init__(self, grid: tuple, consts: dict, scale: float, *, copy: bool = False):
+        # copy: some input is a strided view, to be made contiguous before each launch (the
+        # plan's key holds each input's contiguity, so a plan serves calls of one layout only)
+        self.grid, self.consts, self.scale, self.copy = grid, consts, scale, copy
         self._runner = None
         self._tail: tuple = ()
 
