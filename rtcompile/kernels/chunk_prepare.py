@@ -229,7 +229,7 @@ def prepare_backward(config, p: Problem, q, k, v, g, beta, *, cu_seqlens, idx, l
     [B, H, T, K] in the products' type), P (the scores, [B, H, T, C] fp32), Ai ([B, H, T, C]
     fp32, delta rule) and Gc ([B, H, T] fp32, gates). Returns {"Kw", "Qw", "P", "Ai", "Gc"},
     None for what is not made. ``idx``: :func:`chunk_indices` with varlen, else None."""
-    B, T, H, V = v.shape
+    B, T, H, _ = v.shape
     C, dt = config.chunk_size, dot_dtype(v)
     out = {"Kw": args.empty(B, H, T, p.key_dim, dtype=dt, device=v.device),
            "Qw": args.empty(B, H, T, p.key_dim, dtype=dt, device=v.device),
