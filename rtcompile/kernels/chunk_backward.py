@@ -56,7 +56,7 @@ import triton.language as tl
 from . import args
 from .args import contiguous_inputs, dot_dtype, factor_args, lowp_dots, width_args
 from .blocks import dot, sequence_of_program
-from .chunk_backward_grads import chunk_bwd_grads_kernel, phi_grads_to_factors_kernel
+from .chunk_backward_grads import chunk_bwd_grads_kernel, phi_grads_to_factors_kernel, stored_log_decay
 from .chunk_prepare import chunk_indices, prepare_backward
 from .chunk_split import KEY_GROUPS, SplitConfig, chunk_split_state_kernel
 from .config import (
@@ -254,11 +254,8 @@ def chunk_bwd_state_kernel(
         m_t = tok < eos
         r = (i_b * T + tok) * H + i_h
         p_row = (i_b * H + i_h) * T + tok
-        b_c = tl.zeros([C], dtype=tl.float32)
-        b_last = 0.0
-        if Gc is not None:
-            b_c = tl.load(Gc + p_row, mask=m_t, other=0.0)
-            b_last = tl.load(Gc + (i_b * H + i_h) * T + tl.minimum(bos + i_c * C + C, eos) - 1)
+        b_c, b_last = stored_log_decay(Gc, p_row, m_t, (i_b * H + i_h) * T + tl.minimum(bos + i_c * C + C, eos) - 1,
+                                       C)
         b_k = tl.load(Kw + p_row[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
         b_q = tl.load(Qw + p_row[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
         b_pt = tl.load(P + p_row[None, :] * C + o_c[:, None], mask=m_t[None, :], other=0.0)  # P^T

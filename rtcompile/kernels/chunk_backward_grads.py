@@ -37,6 +37,19 @@ def f32dot(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
+def stored_log_decay(Gc, p_row, m_t, p_last, C: tl.constexpr):
+    """The chunk's cumulative log decay c from the prepare kernel's ``Gc`` at rows ``p_row`` and
+    c_last at row ``p_last`` (its last token); padded rows take c_last, as the within-chunk sum
+    gives them (they add 0). ``Gc`` None (no gates): zeros."""
+    b_c = tl.zeros([C], dtype=tl.float32)
+    b_last = 0.0
+    if Gc is not None:
+        b_last = tl.load(Gc + p_last)
+        b_c = tl.where(m_t, tl.load(Gc + p_row, mask=m_t, other=0.0), b_last)
+    return b_c, b_last
+
+
+@triton.jit
 def _rows(x, r, o_v, m, V: tl.constexpr):
     """A [C, BV] block of a token-major [.., V] tensor, fp32."""
     return tl.load(x + r[:, None] * V + o_v[None, :], mask=m, other=0.0).to(tl.float32)
@@ -132,12 +145,7 @@ def chunk_bwd_grads_kernel(
     m_t = tok < eos
     r = (i_b * T + tok) * H + i_h
     p_row = (i_b * H + i_h) * T + tok
-    b_c = tl.zeros([C], dtype=tl.float32)
-    b_last = 0.0
-    if Gc is not None:  # padded rows add nothing: row C - 1 of the cumulative sum is c_last
-        b_c = tl.load(Gc + p_row, mask=m_t, other=0.0)
-        b_last = tl.load(Gc + (i_b * H + i_h) * T + tl.minimum(bos + i_c * C + C, eos) - 1)
-        b_c = tl.where(m_t, b_c, b_last)
+    b_c, b_last = stored_log_decay(Gc, p_row, m_t, (i_b * H + i_h) * T + tl.minimum(bos + i_c * C + C, eos) - 1, C)
     b_gam = tl.exp(b_c)
     b_r = tl.exp(b_last - b_c)
     off_w = p_row[:, None] * C + o_c[None, :]
