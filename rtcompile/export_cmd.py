@@ -22,11 +22,19 @@ def add_parsers(sub) -> None:
     i.add_argument("bundle", metavar="DIR")
     i.add_argument("--json", action="store_true", help="print the manifest as JSON")
     i.set_defaults(func=run_inspect)
-    r = sub.add_parser("run", help="run a bundle's ONNX graphs in onnxruntime: prefill a prompt, then greedy decode")
+    r = sub.add_parser("run", help="run a bundle: prefill a prompt, then greedy decode (CUDA graphs on a GPU, "
+                                   "else the bundle's ONNX graphs in onnxruntime)")
     r.add_argument("bundle", metavar="DIR")
     r.add_argument("--tokens", default="1,2,3", help="prompt token ids, comma-separated (default 1,2,3)")
     r.add_argument("--steps", type=int, default=8, help="tokens to decode greedily (default 8)")
-    r.set_defaults(func=run_onnx)
+    r.add_argument("--engine", choices=ENGINES, default="auto",
+                   help="auto (default): torch on a CUDA GPU (RunningTensorLM.generate, the decode step as a CUDA "
+                        "graph), else onnxruntime; torch: the loaded model on this machine's best device (eager "
+                        "off CUDA); onnxruntime: the bundle's ONNX graphs (the CPU and portable path)")
+    r.set_defaults(func=run_bundle)
+
+
+ENGINES = ("auto", "torch", "onnxruntime")
 
 
 def run_export(args) -> int:
@@ -102,15 +110,19 @@ def run_inspect(args) -> int:
     return 0
 
 
-def run_onnx(args) -> int:
-    import numpy as np
+def run_bundle(args) -> int:
+    """``rtcompile run``: check the bundle and the prompt, then decode on the chosen engine."""
+    import torch
 
     from .export import BundleError, verify_bundle
-    from .export.onnx_model import run_greedy
 
-    m = verify_bundle(args.bundle).manifest  # every check load makes, before onnxruntime opens a graph
-    if "prefill.onnx" not in m["files"] or "decode.onnx" not in m["files"]:
-        raise BundleError(f"bundle {args.bundle!r}: has no ONNX graphs (exported with --no-onnx?)")
+    m = verify_bundle(args.bundle).manifest  # every check load makes, before a graph or weights are opened
+    engine = args.engine
+    if engine == "auto":
+        engine = "torch" if torch.cuda.is_available() else "onnxruntime"
+    if engine == "onnxruntime" and ("prefill.onnx" not in m["files"] or "decode.onnx" not in m["files"]):
+        raise BundleError(f"bundle {args.bundle!r}: has no ONNX graphs (exported with --no-onnx?); "
+                          "allowed: --engine torch, or a bundle exported with ONNX")
     try:
         prompt = [int(x) for x in args.tokens.split(",") if x.strip()]
     except ValueError:
@@ -118,7 +130,23 @@ def run_onnx(args) -> int:
     vocab = int(m["model"]["vocab_size"])
     if not prompt or any(not 0 <= t < vocab for t in prompt) or args.steps < 0:
         raise BundleError(f"--tokens/--steps: token ids in [0, {vocab}) and steps >= 0 required")
-    out = run_greedy(args.bundle, np.array([prompt], dtype=np.int64), args.steps)
+    if engine == "onnxruntime":
+        import numpy as np
+
+        from .export.onnx_model import run_greedy
+
+        decoded = run_greedy(args.bundle, np.array([prompt], dtype=np.int64), args.steps)[0].tolist()
+        how = "onnxruntime"
+    else:
+        from .export.bundle import load_bundle
+
+        model = load_bundle(args.bundle)
+        if torch.cuda.is_available():
+            model = model.cuda()
+        device = model.embed.weight.device
+        decoded = model.generate(torch.tensor([prompt], device=device), args.steps)[0].tolist()
+        how = f"torch on {device}" + (", decode step as a CUDA graph" if device.type == "cuda" else ", eager")
+    print("engine ", how)
     print("prompt ", prompt)
-    print("decoded", out[0].tolist())
+    print("decoded", decoded)
     return 0

@@ -149,8 +149,7 @@ class RunningTensorLayer(nn.Module):
     def _step_in_place(self, q, k, v, g, beta, state: torch.Tensor, plan, backend: str):
         spec = self.spec
         B = v.shape[0]
-        # a float64 model (the reference, for checking) keeps a float64 state throughout
-        dtype = torch.float64 if v.dtype == torch.float64 else decode_state_dtype(spec, plan, B)
+        dtype = step_state_dtype(spec, plan, B, v.dtype)
         if state.dtype != dtype or not state.is_contiguous():
             state = state.to(dtype).contiguous()
         grad = needs_grad(*q, *k, v, g, beta, state)
@@ -179,6 +178,14 @@ def decode_state_dtype(spec: ModelSpec, plan, batch: int) -> torch.dtype:
         except PlanError:
             pass  # a plan without decode decisions leaves the spec's choice
     return getattr(torch, name)
+
+
+def step_state_dtype(spec: ModelSpec, plan, batch: int, activations: torch.dtype) -> torch.dtype:
+    """The dtype the in-place step keeps a cache's state in for ``batch`` sequences whose
+    activations are ``activations``: float64 for a float64 model (the reference, for checking),
+    else :func:`decode_state_dtype`. The CUDA-graph decoder allocates its static state in it, so
+    the captured step converts nothing."""
+    return torch.float64 if activations == torch.float64 else decode_state_dtype(spec, plan, batch)
 
 
 @functools.lru_cache(maxsize=None)
@@ -273,3 +280,14 @@ class RunningTensorLM(nn.Module):
         are updated in place (``update_cache``): keep a copy to branch from an earlier point."""
         logits, cache = self.forward(tokens[:, None], cache, backend=backend, update_cache=True)
         return logits[:, 0], cache
+
+    def generate(self, tokens: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
+                 seed: int | None = None, cuda_graph: bool | None = None, backend: str = "auto") -> torch.Tensor:
+        """Prefill ``tokens`` [B, T], then decode ``max_new_tokens`` tokens per sequence; returns
+        them, [B, max_new_tokens] int64. Greedy at ``temperature`` 0, else sampled (``top_k``,
+        ``seed``); on CUDA the decode step runs as one CUDA graph per batch bucket
+        (``cuda_graph`` None: on when the model is on CUDA). See :func:`rtcompile.generate.generate`."""
+        from .generate import generate
+
+        return generate(self, tokens, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
+                        cuda_graph=cuda_graph, backend=backend)
