@@ -78,6 +78,21 @@ def test_static_buffers_are_reused_per_bucket_and_the_padding_is_reset():
     assert [bucket_of(b) for b in (1, 2, 3, 5, 8, 9, 200)] == [1, 2, 4, 8, 8, 16, 256]
 
 
+def test_static_buffers_hold_the_state_in_the_decode_dtype():
+    """A bf16 decode state (the spec's state_dtype): the static cache is allocated in it, so the
+    captured step converts nothing, and the tokens are the eager loop's (which converts the
+    prefill's fp32 state once, as the static load does)."""
+    torch.manual_seed(4)
+    spec = ModelSpec(order=3, key_widths=(3, 4), value_width=5, heads=2, model_width=12, layers=2,
+                     state_dtype="bfloat16")
+    lm = RunningTensorLM(spec, vocab_size=VOCAB).eval()
+    prompt = torch.randint(0, VOCAB, (3, 5), generator=torch.Generator().manual_seed(4))
+    eager = lm.generate(prompt, 6, backend="reference")
+    assert torch.equal(run_generate(lm, prompt, 6, mode="static", backend="reference"), eager)
+    step = lm.__dict__["_generate_steppers"][1][4]
+    assert all(c["state"].dtype == torch.bfloat16 for c in step.cache)
+
+
 def test_seeded_sampling_repeats_and_differs_across_seeds():
     lm = _lm()
     prompt = torch.randint(0, VOCAB, (3, 4), generator=torch.Generator().manual_seed(1))
