@@ -9,10 +9,11 @@ from typing import Sequence
 import torch
 
 from .kernels import Problem, check_inputs, running_tensor_chunk_ref, running_tensor_recurrent_ref
+from .kernels.inputs import AUTO_CHUNK, auto_mode
 
 MODES = ("auto", "recurrent", "chunk")
 BACKENDS = ("auto", "triton", "reference")
-DEFAULT_CHUNK = 64
+DEFAULT_CHUNK = AUTO_CHUNK
 MAX_TRITON_ORDER = 4
 
 
@@ -83,7 +84,8 @@ def running_tensor(
 
     Order 2 (one factor) is gated (delta) linear attention with flash-linear-attention's
     conventions. ``mode="auto"`` follows ``plan`` when given; without one it picks chunk for
-    sequences of at least one chunk.
+    sequences of at least one chunk, a choice the Triton custom op makes when it runs (so
+    ``torch.export`` and ``torch.compile(dynamic=True)`` keep T symbolic over its whole range).
     """
     if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"mode: got {mode!r}; allowed: {', '.join(MODES)}")
@@ -112,10 +114,6 @@ def running_tensor(
             variant = config_from_dict(decision.variant, "chunk" if mode == "chunk" else "recurrent")
             C = getattr(variant, "chunk_size", C)
             plan_variant = True
-    if mode == "auto":
-        # Until the planner measures the crossover: a sequence shorter than one chunk gains
-        # nothing from the chunk form.
-        mode = "chunk" if seq_len >= C else "recurrent"
     grad = needs_grad(*q, *k, v, g, beta, initial_state)
     why_no_backward = None
     if grad and backend != "reference":
@@ -137,6 +135,8 @@ def running_tensor(
         shape = kernel_shape(p)
         if (variant.check(shape) if limit is None else variant.check(shape, limit)) is not None:
             variant = None
+    if mode == "auto" and not (backend == "triton" and _tracing(v)):
+        mode = auto_mode(seq_len, C)  # traced Triton calls leave it to the op (no guard on T)
     if backend == "triton" and not grad and not _tracing(v):
         # Eager without grad: straight to the launcher; the custom op's dispatch adds Python
         # overhead and nothing else when no graph is being captured and no backward is needed

@@ -186,3 +186,14 @@ def random_inputs(batch: int, seq_len: int, heads: int, key_widths: Sequence[int
     g = torch.nn.functional.logsigmoid(randn(B, T, H)).to(device)
     beta = torch.sigmoid(randn(B, T, H)).to(device=device, dtype=dt)
     return q, k, v, g, beta, gen
+
+
+# mode "auto"'s chunk length when the caller names none (rtcompile.running_tensor's default)
+AUTO_CHUNK = 64
+
+
+def auto_mode(seq_len: int, chunk_size: int | None = None) -> str:
+    """Mode "auto" without a plan: chunk for sequences of at least one chunk (``chunk_size``,
+    default :data:`AUTO_CHUNK`), else recurrent. Until the planner measures the crossover: a
+    sequence shorter than one chunk gains nothing from the chunk form."""
+    return "chunk" if seq_len >= (chunk_size or AUTO_CHUNK) else "recurrent"

@@ -1,0 +1,104 @@
+"""Dynamic shapes (issue 21, item 4): mode "auto" is decided inside ``rtcompile::running_tensor_fwd``
+when it runs, so ``torch.export`` of the LM with a symbolic T over [2, 4096] (and a symbolic
+batch) and ``torch.compile(dynamic=True)`` trace one graph for every T. Under the interpreter
+the exported graph runs the Triton kernels on the CPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from rtcompile.kernels import ops
+from rtcompile.kernels.ops import running_tensor_fwd_op
+from rtcompile.model import RunningTensorLM
+from rtcompile.spec import Features, ModelSpec
+
+from conftest import make_inputs, rel_err
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="needs TRITON_INTERPRET=1 (CPU) or a CUDA GPU",
+)
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+SPEC = ModelSpec(order=3, key_widths=(4, 4), value_width=8, heads=2, model_width=16, layers=2,
+                 features=Features(query_skip=True, forget_gate=True, delta_rule=True, short_conv=3))
+
+
+class _Logits(torch.nn.Module):
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, tokens):
+        return self.lm(tokens, backend="triton")[0]
+
+
+@pytest.fixture
+def lm():
+    torch.manual_seed(0)
+    return RunningTensorLM(SPEC, vocab_size=11).to(DEVICE).eval()
+
+
+@pytest.fixture
+def modes(monkeypatch):
+    """The mode each run of the forward op launched (after the op resolved "auto")."""
+    seen = []
+    real = ops.launch.running_tensor_fwd
+
+    def spy(*args, mode, **kwargs):
+        seen.append(mode)
+        return real(*args, mode=mode, **kwargs)
+
+    monkeypatch.setattr(ops.launch, "running_tensor_fwd", spy)
+    return seen
+
+
+def test_export_lm_with_dynamic_batch_and_seq(lm, modes):
+    """T from 2 to 4096 symbolic (mode "auto" used to guard T <= 63 and refuse the range); the
+    exported program runs at T = 37 (recurrent) and T = 100 (chunk) and matches eager."""
+    batch = torch.export.Dim("batch", min=1, max=64)
+    seq = torch.export.Dim("seq", min=2, max=4096)
+    with torch.no_grad():
+        ep = torch.export.export(_Logits(lm), (torch.randint(0, 11, (2, 37), device=DEVICE),),
+                                 dynamic_shapes=({0: batch, 1: seq},))
+        assert "rtcompile.running_tensor_fwd" in str(ep.graph)
+        for b, t, mode in ((2, 37, "recurrent"), (3, 100, "chunk")):
+            tokens = torch.randint(0, 11, (b, t), device=DEVICE)
+            modes.clear()
+            got = ep.module()(tokens)
+            assert modes == [mode] * SPEC.layers  # decided by the op, at run time, from T
+            ref = lm(tokens, backend="reference")[0]
+            assert got.shape == (b, t, 11)
+            assert rel_err(got, lm(tokens, backend="triton")[0]) < 1e-6
+            assert rel_err(got, ref) < 1e-4
+
+
+def test_compile_dynamic_traces_one_graph_for_every_seq(lm):
+    """torch.compile(dynamic=True): T = 37, 100 and 5 run the one graph (no recompile per T)."""
+    import torch._dynamo.testing
+
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(_Logits(lm), dynamic=True, fullgraph=True, backend=counter)
+    with torch.no_grad():
+        for t in (37, 100, 5):
+            tokens = torch.randint(0, 11, (2, t), device=DEVICE)
+            assert rel_err(compiled(tokens), _Logits(lm)(tokens)) < 1e-6
+    assert counter.frame_count == 1
+
+
+def test_fwd_op_auto_fake_and_autograd_registration():
+    """The op with mode "auto": its fake (shapes only, no mode) and autograd registration pass
+    opcheck, and it equals the mode it resolves to."""
+    q, k, v, g, beta, s0 = make_inputs(1, 20, 2, (4, 4), 8, state=True, dtype=torch.float32, seed=3)
+    q, k, v, g, beta = [[x.to(DEVICE) for x in q], [x.to(DEVICE) for x in k], v.to(DEVICE), g.to(DEVICE),
+                        beta.to(DEVICE)]
+    s0 = s0.float().to(DEVICE)
+    args = lambda mode: (q, k, v, g, beta, s0, None, 0.3, True, True, mode, 16, "")
+    torch.library.opcheck(running_tensor_fwd_op, args("auto"),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    auto_o, auto_s = running_tensor_fwd_op(*args("auto"))
+    chunk_o, chunk_s = running_tensor_fwd_op(*args("chunk"))  # T = 20 >= chunk 16
+    assert torch.equal(auto_o, chunk_o) and torch.equal(auto_s, chunk_s)
