@@ -105,7 +105,9 @@ def running_tensor(
         order, seq_len, eff_scale = p.order, p.seq_len, p.scale
     C = chunk_size or DEFAULT_CHUNK
     plan_variant = False
-    if mode == "auto" and plan is not None:
+    # traced with a plan: the op finds the plan's bucket when it runs (finding it here guards B and T)
+    defer_plan = mode == "auto" and plan is not None and _tracing(v)
+    if mode == "auto" and plan is not None and not defer_plan:
         decision = plan.decision_for("prefill", v.shape[0], seq_len)
         mode = decision.mode
         if variant is None and chunk_size is None:
@@ -124,17 +126,14 @@ def running_tensor(
         else:
             why_no_backward = backward_refusal(p, cu_seqlens)
     backend = resolve_backend(backend, v, order, grad, why_no_backward=why_no_backward)
+    if defer_plan and backend != "triton":  # no op to defer to: the plan's mode, as eagerly
+        mode = plan.decision_for("prefill", v.shape[0], seq_len).mode
     if backend != "triton":
         variant = None  # a plan's kernel variant means nothing to the reference
     elif plan_variant and not torch.compiler.is_compiling():
-        from .kernels.launch import kernel_shape, smem_limit
+        from .kernels.launch import runnable
 
-        # a plan made for another GPU may name a config this device cannot run: then the
-        # launcher's own choice (tuned table or default) serves instead
-        limit = smem_limit(v.device)
-        shape = kernel_shape(p)
-        if (variant.check(shape) if limit is None else variant.check(shape, limit)) is not None:
-            variant = None
+        variant = runnable(variant, p, v.device)
     if mode == "auto" and not (backend == "triton" and _tracing(v)):
         mode = auto_mode(seq_len, C)  # traced Triton calls leave it to the op (no guard on T)
     if backend == "triton" and not grad and not _tracing(v):
@@ -148,6 +147,8 @@ def running_tensor(
     if backend == "triton":
         from .kernels.ops import running_tensor_fwd_op, variant_to_json
 
+        if defer_plan:
+            mode = plan_mode(plan)
         o, ht = running_tensor_fwd_op(
             list(q), list(k), v, g, beta, initial_state, cu_seqlens, eff_scale,
             output_final_state, l2norm, mode, chunk_size or 0, variant_to_json(variant),
@@ -248,6 +249,16 @@ def traced_backward_refusal(batch: int, seq_len: int, heads: int, widths: tuple[
     num_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
     p = Problem(batch, seq_len, heads, widths, value_width, num_seqs, None, scale, dtype, device)
     return backward_refusal(p, cu_seqlens)
+
+
+@torch.compiler.assume_constant_result
+def plan_mode(plan) -> str:
+    """The op's ``mode`` argument for a traced call under ``plan``: ``"plan:"`` and the plan's
+    prefill table (dynamo runs this at trace time and keeps the text as a constant: json.dumps
+    breaks a fullgraph trace)."""
+    from .kernels.ops import PLAN_PREFIX
+
+    return PLAN_PREFIX + plan.prefill_table()
 
 
 def _tracing(v: torch.Tensor) -> bool:

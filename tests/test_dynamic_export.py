@@ -89,6 +89,52 @@ def test_compile_dynamic_traces_one_graph_for_every_seq(lm):
     assert counter.frame_count == 1
 
 
+@pytest.fixture
+def launches(monkeypatch):
+    """(mode, variant) of every launch, eager (straight to the launcher) or through the op."""
+    seen = []
+    real = ops.launch.fwd_checked
+
+    def spy(*args, mode, variant, **kwargs):
+        seen.append((mode, variant))
+        return real(*args, mode=mode, variant=variant, **kwargs)
+
+    monkeypatch.setattr(ops.launch, "fwd_checked", spy)
+    return seen
+
+
+def test_export_and_compile_follow_the_plan_at_run_time(lm, launches):
+    """With a plan (as ``rtcompile.load`` sets it) the plan's bucket used to be found in Python,
+    specialising T; now the op finds it when it runs: the exported program and the dynamic
+    compile launch, at every T, the mode and config the eager call launches."""
+    import torch._dynamo.testing
+
+    from rtcompile.plan import make_plan
+    from rtcompile.target import get_target
+
+    lm.plan = make_plan(SPEC, get_target("h200"), batches=(1, 8), seq_lens=(16, 64, 4096), decode_batches=(1,))
+    seq = torch.export.Dim("seq", min=2, max=4096)
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(_Logits(lm), dynamic=True, fullgraph=True, backend=counter)
+    with torch.no_grad():
+        ep = torch.export.export(_Logits(lm), (torch.randint(0, 11, (2, 37), device=DEVICE),),
+                                 dynamic_shapes=({1: seq},))
+        modes = set()
+        for t in (10, 37, 100):
+            tokens = torch.randint(0, 11, (2, t), device=DEVICE)
+            launches.clear()
+            want = _Logits(lm)(tokens)
+            eager = launches[:]
+            for run in (ep.module(), compiled):
+                launches.clear()
+                assert rel_err(run(tokens), want) < 1e-6
+                assert launches == eager
+            modes.update(m for m, _ in eager)
+    assert modes == {"chunk", "recurrent"}  # the plan's buckets differ over these T
+    assert counter.frame_count == 1
+
+
 def test_fwd_op_auto_fake_and_autograd_registration():
     """The op with mode "auto": its fake (shapes only, no mode) and autograd registration pass
     opcheck, and it equals the mode it resolves to."""

@@ -197,3 +197,13 @@ def auto_mode(seq_len: int, chunk_size: int | None = None) -> str:
     default :data:`AUTO_CHUNK`), else recurrent. Until the planner measures the crossover: a
     sequence shorter than one chunk gains nothing from the chunk form."""
     return "chunk" if seq_len >= (chunk_size or AUTO_CHUNK) else "recurrent"
+
+
+def nearest_bucket(buckets, batch: int, seq_len: int):
+    """The entry of ``buckets`` (each with ``batch`` and ``seq_len`` attributes or keys) nearest
+    to (batch, seq_len) in log distance, the first of equals: how a plan's decision is found
+    for a shape, by the plan and, at run time, by the custom op."""
+    get = (lambda b, n: b[n]) if buckets and isinstance(buckets[0], dict) else getattr
+    dist = lambda b: (abs(math.log2(get(b, "batch")) - math.log2(max(1, batch)))
+                      + abs(math.log2(get(b, "seq_len")) - math.log2(max(1, seq_len))))
+    return min(buckets, key=dist)
