@@ -119,10 +119,10 @@ def running_tensor(
     grad = needs_grad(*q, *k, v, g, beta, initial_state)
     why_no_backward = None
     if grad and backend != "reference":
-        if p is None:  # traced by dynamo: the question is asked once, at trace time (shapes are guarded)
+        if p is None:  # traced by dynamo: the question is asked once, at trace time (widths are guarded)
             widths = tuple(int(x.shape[-1]) for x in q)
-            why_no_backward = traced_backward_refusal(
-                v.shape[0], seq_len, v.shape[2], widths, v.shape[3], eff_scale, v.dtype, v.device, cu_seqlens)
+            why_no_backward = traced_backward_refusal(widths, int(v.shape[3]), eff_scale, v.dtype, v.device,
+                                                      cu_seqlens)
         else:
             why_no_backward = backward_refusal(p, cu_seqlens)
     backend = resolve_backend(backend, v, order, grad, why_no_backward=why_no_backward)
@@ -239,15 +239,17 @@ def backward_refusal(p: Problem, cu_seqlens: torch.Tensor | None) -> str | None:
 
 
 @torch.compiler.assume_constant_result
-def traced_backward_refusal(batch: int, seq_len: int, heads: int, widths: tuple[int, ...], value_width: int,
-                            scale: float, dtype: torch.dtype, device: torch.device,
-                            cu_seqlens: torch.Tensor | None) -> str | None:
+def traced_backward_refusal(widths: tuple[int, ...], value_width: int, scale: float, dtype: torch.dtype,
+                            device: torch.device, cu_seqlens: torch.Tensor | None) -> str | None:
     """:func:`backward_refusal` for a call dynamo traces, from plain values: dynamo runs it
     eagerly at trace time and keeps the answer as a constant, so neither the lazy import
     (importlib breaks a fullgraph trace) nor ``supports`` is traced. ``check_inputs`` has not
-    run, so the problem's ``seq_bounds`` is None (reading ``cu_seqlens`` would sync)."""
-    num_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    p = Problem(batch, seq_len, heads, widths, value_width, num_seqs, None, scale, dtype, device)
+    run, so the problem's ``seq_bounds`` is None (reading ``cu_seqlens`` would sync). B, T and H
+    are not arguments (the problem holds 1 for each): the backward's support does not depend on
+    them, and a symbolic size (``torch.compile(dynamic=True)``) cannot be a constant-result
+    function's argument (dynamo would break the graph there)."""
+    num_seqs = 1 if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    p = Problem(1, 1, 1, widths, value_width, num_seqs, None, scale, dtype, device)
     return backward_refusal(p, cu_seqlens)
 
 

@@ -135,6 +135,39 @@ def test_export_and_compile_follow_the_plan_at_run_time(lm, launches):
     assert counter.frame_count == 1
 
 
+def test_compile_dynamic_trains_one_graph_for_every_seq():
+    """Training under torch.compile(dynamic=True, fullgraph=True): the forward op, its backward
+    op and the backward's support question (asked at trace time without B or T, which used to
+    break the graph under a symbolic size) trace once for T = 37 and T = 100; the gradients
+    equal eager's."""
+    import torch._dynamo.testing
+
+    spec = ModelSpec(order=3, key_widths=(16, 16), value_width=16, heads=2, model_width=16, layers=1,
+                     features=Features(query_skip=True, forget_gate=True, delta_rule=True, short_conv=3))
+    torch.manual_seed(2)
+    model = RunningTensorLM(spec, vocab_size=11).to(DEVICE)
+
+    def loss(tokens):
+        logits, _ = model(tokens, backend="triton")
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+
+    def grads(fn, tokens):
+        model.zero_grad()
+        fn(tokens).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(loss, dynamic=True, fullgraph=True, backend=counter)
+    compiles = []
+    for t in (37, 100):
+        tokens = torch.randint(0, 11, (2, t), device=DEVICE)
+        for a, b in zip(grads(compiled, tokens), grads(loss, tokens)):
+            assert rel_err(a, b) < 1e-5
+        compiles.append(counter.frame_count)
+    assert compiles[0] >= 1 and compiles[1] == compiles[0]  # T = 100 compiled nothing new
+
+
 def test_fwd_op_auto_fake_and_autograd_registration():
     """The op with mode "auto": its fake (shapes only, no mode) and autograd registration pass
     opcheck, and it equals the mode it resolves to."""
