@@ -9,10 +9,11 @@ from typing import Sequence
 import torch
 
 from .kernels import Problem, check_inputs, running_tensor_chunk_ref, running_tensor_recurrent_ref
+from .kernels.inputs import AUTO_CHUNK, auto_mode
 
 MODES = ("auto", "recurrent", "chunk")
 BACKENDS = ("auto", "triton", "reference")
-DEFAULT_CHUNK = 64
+DEFAULT_CHUNK = AUTO_CHUNK
 MAX_TRITON_ORDER = 4
 
 
@@ -85,7 +86,8 @@ def running_tensor(
 
     Order 2 (one factor) is gated (delta) linear attention with flash-linear-attention's
     conventions. ``mode="auto"`` follows ``plan`` when given; without one it picks chunk for
-    sequences of at least one chunk.
+    sequences of at least one chunk, a choice the Triton custom op makes when it runs (so
+    ``torch.export`` and ``torch.compile(dynamic=True)`` keep T symbolic over its whole range).
     """
     if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"mode: got {mode!r}; allowed: {', '.join(MODES)}")
@@ -105,7 +107,9 @@ def running_tensor(
         order, seq_len, eff_scale = p.order, p.seq_len, p.scale
     C = chunk_size or DEFAULT_CHUNK
     plan_variant = False
-    if mode == "auto" and plan is not None:
+    # traced with a plan: the op finds the plan's bucket when it runs (finding it here guards B and T)
+    defer_plan = mode == "auto" and plan is not None and _tracing(v)
+    if mode == "auto" and plan is not None and not defer_plan:
         decision = plan.decision_for("prefill", v.shape[0], seq_len)
         mode = decision.mode
         if variant is None and chunk_size is None:
@@ -114,31 +118,26 @@ def running_tensor(
             variant = config_from_dict(decision.variant, "chunk" if mode == "chunk" else "recurrent")
             C = getattr(variant, "chunk_size", C)
             plan_variant = True
-    if mode == "auto":
-        # Until the planner measures the crossover: a sequence shorter than one chunk gains
-        # nothing from the chunk form.
-        mode = "chunk" if seq_len >= C else "recurrent"
     grad = needs_grad(*q, *k, v, g, beta, initial_state)
     why_no_backward = None
     if grad and backend != "reference":
-        if p is None:  # traced by dynamo: the question is asked once, at trace time (shapes are guarded)
+        if p is None:  # traced by dynamo: the question is asked once, at trace time (widths are guarded)
             widths = tuple(int(x.shape[-1]) for x in q)
-            why_no_backward = traced_backward_refusal(
-                v.shape[0], seq_len, v.shape[2], widths, v.shape[3], eff_scale, v.dtype, v.device, cu_seqlens)
+            why_no_backward = traced_backward_refusal(widths, int(v.shape[3]), eff_scale, v.dtype, v.device,
+                                                      cu_seqlens)
         else:
             why_no_backward = backward_refusal(p, cu_seqlens)
     backend = resolve_backend(backend, v, order, grad, why_no_backward=why_no_backward)
+    if defer_plan and backend != "triton":  # no op to defer to: the plan's mode, as eagerly
+        mode = plan.decision_for("prefill", v.shape[0], seq_len).mode
     if backend != "triton":
         variant = None  # a plan's kernel variant means nothing to the reference
     elif plan_variant and not torch.compiler.is_compiling():
-        from .kernels.launch import kernel_shape, smem_limit
+        from .kernels.launch import runnable
 
-        # a plan made for another GPU may name a config this device cannot run: then the
-        # launcher's own choice (tuned table or default) serves instead
-        limit = smem_limit(v.device)
-        shape = kernel_shape(p)
-        if (variant.check(shape) if limit is None else variant.check(shape, limit)) is not None:
-            variant = None
+        variant = runnable(variant, p, v.device)
+    if mode == "auto" and not (backend == "triton" and _tracing(v)):
+        mode = auto_mode(seq_len, C)  # traced Triton calls leave it to the op (no guard on T)
     if backend == "triton" and not grad and not _tracing(v):
         # Eager without grad: straight to the launcher; the custom op's dispatch adds Python
         # overhead and nothing else when no graph is being captured and no backward is needed
@@ -150,6 +149,8 @@ def running_tensor(
     if backend == "triton":
         from .kernels.ops import running_tensor_fwd_op, variant_to_json
 
+        if defer_plan:
+            mode = plan_mode(plan)
         o, ht = running_tensor_fwd_op(
             list(q), list(k), v, g, beta, initial_state, cu_seqlens, eff_scale,
             output_final_state, l2norm, mode, chunk_size or 0, variant_to_json(variant),
@@ -241,16 +242,28 @@ def backward_refusal(p: Problem, cu_seqlens: torch.Tensor | None) -> str | None:
 
 
 @torch.compiler.assume_constant_result
-def traced_backward_refusal(batch: int, seq_len: int, heads: int, widths: tuple[int, ...], value_width: int,
-                            scale: float, dtype: torch.dtype, device: torch.device,
-                            cu_seqlens: torch.Tensor | None) -> str | None:
+def traced_backward_refusal(widths: tuple[int, ...], value_width: int, scale: float, dtype: torch.dtype,
+                            device: torch.device, cu_seqlens: torch.Tensor | None) -> str | None:
     """:func:`backward_refusal` for a call dynamo traces, from plain values: dynamo runs it
     eagerly at trace time and keeps the answer as a constant, so neither the lazy import
     (importlib breaks a fullgraph trace) nor ``supports`` is traced. ``check_inputs`` has not
-    run, so the problem's ``seq_bounds`` is None (reading ``cu_seqlens`` would sync)."""
-    num_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    p = Problem(batch, seq_len, heads, widths, value_width, num_seqs, None, scale, dtype, device)
+    run, so the problem's ``seq_bounds`` is None (reading ``cu_seqlens`` would sync). B, T and H
+    are not arguments (the problem holds 1 for each): the backward's support does not depend on
+    them, and a symbolic size (``torch.compile(dynamic=True)``) cannot be a constant-result
+    function's argument (dynamo would break the graph there)."""
+    num_seqs = 1 if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    p = Problem(1, 1, 1, widths, value_width, num_seqs, None, scale, dtype, device)
     return backward_refusal(p, cu_seqlens)
+
+
+@torch.compiler.assume_constant_result
+def plan_mode(plan) -> str:
+    """The op's ``mode`` argument for a traced call under ``plan``: ``"plan:"`` and the plan's
+    prefill table (dynamo runs this at trace time and keeps the text as a constant: json.dumps
+    breaks a fullgraph trace)."""
+    from .kernels.ops import PLAN_PREFIX
+
+    return PLAN_PREFIX + plan.prefill_table()
 
 
 def _tracing(v: torch.Tensor) -> bool:

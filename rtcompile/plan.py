@@ -32,6 +32,7 @@ from .costmodel import Calibration, calibrate, chunk_cost, recurrent_cost, shape
 from .kernels.chunk_backward import default_backward, shape_refusal
 from .kernels.config import KernelConfig
 from .kernels.forms import config_from_dict, default_config, low_memory, two_kernel
+from .kernels.inputs import nearest_bucket
 from .spec import DTYPE_BYTES, ModelSpec
 from .target import Target, profile_for
 
@@ -120,8 +121,17 @@ class Plan:
         cands = [d for d in self.decisions if d.phase == phase]
         if not cands:
             raise PlanError(f"plan: no decision for phase {phase!r}; allowed: {sorted({d.phase for d in self.decisions})}")
-        dist = lambda d: abs(math.log2(d.batch) - math.log2(max(1, batch))) + abs(math.log2(d.seq_len) - math.log2(max(1, seq_len)))
-        return min(cands, key=dist)
+        return nearest_bucket(cands, batch, seq_len)
+
+    def prefill_table(self) -> str:
+        """The prefill decisions as JSON text (batch, seq_len, mode, variant per bucket): the
+        custom op's ``mode`` argument ``"plan:" + table`` under tracing, where the op finds the
+        bucket when it runs (:func:`rtcompile.kernels.ops.plan_choice`)."""
+        rows = [{"batch": d.batch, "seq_len": d.seq_len, "mode": d.mode, "variant": d.variant}
+                for d in self.decisions if d.phase == "prefill"]
+        if not rows:
+            self.decision_for("prefill", 1, 1)  # the PlanError an eager call raises, at trace time
+        return json.dumps(rows, sort_keys=True, separators=(",", ":"))
 
 
 def _measured_seconds(spec: ModelSpec, target: Target) -> dict[tuple[str, int, int], tuple[KernelConfig, float]]:

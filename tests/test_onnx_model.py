@@ -79,3 +79,60 @@ def test_opset27_linear_attention(rule, tmp_path):
     with torch.no_grad():
         lg, _ = lm.step(torch.from_numpy(tok), cache, backend="reference")
     assert float(np.abs(o[0][:, 0] - lg.numpy()).max() / np.abs(lg.numpy()).max()) < 1e-4
+
+
+def _axes(value_info):
+    return [d.dim_param or d.dim_value for d in value_info.type.tensor_type.shape.dim]
+
+
+def test_export_warns_nothing_and_keeps_dynamic_axes(tmp_path, capfd):
+    """Exporting warns nothing (the decode caches' batch axis used to be named a second time:
+    "The axis name: batch will not be used") and writes nothing to stderr; every batch axis is
+    the one named ``batch``, the prefill's sequence axis ``seq``, and onnxruntime runs the
+    prefill graph at two (B, T) other than the export's (2, 5)."""
+    import warnings
+
+    spec = ModelSpec(order=3, key_widths=(2, 4), value_width=5, heads=2, model_width=12, layers=2,
+                     features=Features(forget_gate=True, delta_rule=True, short_conv=3))
+    torch.manual_seed(7)
+    lm = RunningTensorLM(spec, vocab_size=11).float().eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pre_path, dec_path = export_onnx(lm, tmp_path)
+    assert [str(w.message) for w in caught] == []
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Warning" not in err, err
+    pre, dec = onnx.load(pre_path), onnx.load(dec_path)
+    assert _axes(pre.graph.input[0]) == ["batch", "seq"] and _axes(pre.graph.output[0]) == ["batch", "seq", 11]
+    for v in [*pre.graph.output[1:], *dec.graph.input, *dec.graph.output]:
+        assert _axes(v)[0] == "batch", v.name
+    session = _session(pre_path)
+    for b, t in ((1, 3), (4, 70)):
+        tokens = torch.randint(0, 11, (b, t))
+        with torch.no_grad():
+            ref, _ = lm(tokens, backend="reference")
+        got = session.run(None, {"tokens": tokens.numpy()})[0]
+        assert got.shape == (b, t, 11)
+        assert float(np.abs(got - ref.numpy()).max() / np.abs(ref.numpy()).max()) < 1e-4
+
+
+def test_cli_export_opset27_prints_no_traceback(tmp_path):
+    """``rtcompile export --opset27`` in a fresh process: onnx's version converter (no Gelu
+    adapter) used to print two tracebacks per graph; now stderr is empty and the graphs are
+    labelled opset 27."""
+    import os
+    import subprocess
+    import sys
+
+    spec = tmp_path / "s.toml"
+    spec.write_text('order = 3\nkey_widths = [2, 4]\nvalue_width = 5\nheads = 2\nmodel_width = 12\nlayers = 1\n')
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package under test, first
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    out = tmp_path / "b"
+    run = subprocess.run([sys.executable, "-m", "rtcompile.cli", "export", str(spec), "--out", str(out), "--opset27",
+                          "--vocab", "11"], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "Traceback" not in run.stderr
+    assert run.stderr == ""
+    model = onnx.load(str(out / "prefill.onnx"))
+    assert [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")] == [27]

@@ -7,16 +7,29 @@ the node's function body (``onnx_mixer.running_tensor_function``) so plain onnxr
 it. ``decode.onnx`` carries the state explicitly, as ONNX's LinearAttention and the
 onnxruntime LLM exports do: inputs ``past_state.{layer}`` (and ``past_conv.{layer}.{i}`` for
 the short convolution), outputs ``present_state.{layer}`` / ``present_conv.{layer}.{i}``.
-Batch and sequence axes are dynamic.
+Batch and sequence axes are dynamic (named ``batch`` and ``seq`` in the graphs).
+
+Exporting prints nothing of its own: the exporter's notes that say nothing about this model
+(torchvision absent, a deprecated pytree check inside torch.export) are dropped, and with
+``opset27`` the version converter's failure (see :func:`_exporter_notes`) becomes one INFO
+line on the ``rtcompile.export`` logger instead of two tracebacks.
 """
 
 from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
 
 import torch
 
 from .onnx_mixer import DOMAIN, running_tensor_function
 
 _SCHEMA_DONE = False
+log = logging.getLogger("rtcompile.export")
+# the loggers whose records _exporter_notes takes over while a graph is exported
+CONVERTER_LOGGER = "onnxscript.version_converter"
+REGISTRY_LOGGER = "torch.onnx._internal.exporter._registration"
 
 
 @torch.library.custom_op("rtcompile::mixer_onnx", mutates_args=())
@@ -134,6 +147,8 @@ class _Decode(torch.nn.Module):
         self.lm, self.conv_count = lm, conv_count
 
     def forward(self, tokens, *state):
+        for s in state:  # one batch axis: named once (as the tokens'), never twice
+            torch._check(s.shape[0] == tokens.shape[0])
         logits, cache = self.lm(tokens, unflatten_cache(list(state), len(self.lm.mixers), self.conv_count),
                                 mixer=onnx_mixer)
         return (logits, *flatten_cache(cache))
@@ -158,6 +173,47 @@ def cache_names(layers: int, conv_count: int, prefix: str) -> list[str]:
         names.append(f"{prefix}_state.{i}")
         names.extend(f"{prefix}_conv.{i}.{j}" for j in range(conv_count))
     return names
+
+
+class _Notes(logging.Filter):
+    """Takes the exporter's records that say nothing about the model being exported."""
+
+    def __init__(self, converter: bool):
+        super().__init__()
+        self.converter, self.failures = converter, []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == REGISTRY_LOGGER and "torchvision is not installed" in record.getMessage():
+            return False  # no torchvision op is exported here
+        if self.converter and record.name == CONVERTER_LOGGER:
+            if record.exc_info and record.exc_info[1] is not None:
+                self.failures.append(str(record.exc_info[1]).strip().splitlines()[-1])
+            return False
+        return True
+
+
+@contextlib.contextmanager
+def _exporter_notes(opset27: bool):
+    """Quiet ``torch.onnx.export`` of what is noise here. With ``opset27`` the exporter
+    translates every op with the opset-27 registry, labels the graph 18, then runs onnx's
+    version converter to 27, which has no adapter for Gelu (onnx 1.23) and logs a traceback
+    per graph while leaving the graph as it was; :func:`_finish27` labels it 27 and the full
+    onnx check decides. The converter's records become one INFO line on ``rtcompile.export``."""
+    notes = _Notes(opset27)
+    loggers = [logging.getLogger(name) for name in (CONVERTER_LOGGER, REGISTRY_LOGGER)]
+    for logger in loggers:
+        logger.addFilter(notes)
+    try:
+        with warnings.catch_warnings():
+            # torch.export deep-copies a pytree spec whose class check torch itself deprecates
+            warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+            yield notes
+    finally:
+        for logger in loggers:
+            logger.removeFilter(notes)
+    if notes.failures:
+        log.info("onnx's version converter left the graphs unconverted (%s); they were translated at opset 27 "
+                 "and are labelled 27", notes.failures[0])
 
 
 def _finish27(program):
@@ -207,19 +263,23 @@ def export_onnx(lm, out_dir, *, opset27: bool = False) -> tuple[str, str]:
     L = len(lm.mixers)
     batch = torch.export.Dim("batch", min=1, max=4096)
     seq = torch.export.Dim("seq", min=2, max=1 << 20)
-    pre = torch.onnx.export(
-        _Prefill(lm).eval(), (tokens,), dynamo=True, custom_translation_table=table, verbose=False,
-        input_names=["tokens"], output_names=["logits", *cache_names(L, conv_count, "present")],
-        dynamic_shapes=({0: batch, 1: seq},), optimize=True, opset_version=27 if opset27 else None,
-    )
-    step_tokens = tokens[:, :1]
-    dec = torch.onnx.export(
-        _Decode(lm, conv_count).eval(), (step_tokens, *flat), dynamo=True, custom_translation_table=table, verbose=False,
-        input_names=["tokens", *cache_names(L, conv_count, "past")],
-        output_names=["logits", *cache_names(L, conv_count, "present")],
-        dynamic_shapes=({0: batch}, tuple({0: batch} for _ in flat)), optimize=True,
-        opset_version=27 if opset27 else None,
-    )
+    # the caches' batch axis is the tokens' (_Decode checks it, so the graph has one symbol named
+    # "batch"): the Dim again on every cache made the exporter warn that the name went unused
+    same = torch.export.Dim.DYNAMIC
+    with _exporter_notes(opset27):
+        pre = torch.onnx.export(
+            _Prefill(lm).eval(), (tokens,), dynamo=True, custom_translation_table=table, verbose=False,
+            input_names=["tokens"], output_names=["logits", *cache_names(L, conv_count, "present")],
+            dynamic_shapes=({0: batch, 1: seq},), optimize=True, opset_version=27 if opset27 else None,
+        )
+        step_tokens = tokens[:, :1]
+        dec = torch.onnx.export(
+            _Decode(lm, conv_count).eval(), (step_tokens, *flat), dynamo=True, custom_translation_table=table,
+            verbose=False, input_names=["tokens", *cache_names(L, conv_count, "past")],
+            output_names=["logits", *cache_names(L, conv_count, "present")],
+            dynamic_shapes=({0: batch}, tuple({0: same} for _ in flat)), optimize=True,
+            opset_version=27 if opset27 else None,
+        )
     os.makedirs(out_dir, exist_ok=True)
     paths = []
     for name, prog in (("prefill.onnx", pre), ("decode.onnx", dec)):

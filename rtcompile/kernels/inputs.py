@@ -186,3 +186,24 @@ def random_inputs(batch: int, seq_len: int, heads: int, key_widths: Sequence[int
     g = torch.nn.functional.logsigmoid(randn(B, T, H)).to(device)
     beta = torch.sigmoid(randn(B, T, H)).to(device=device, dtype=dt)
     return q, k, v, g, beta, gen
+
+
+# mode "auto"'s chunk length when the caller names none (rtcompile.running_tensor's default)
+AUTO_CHUNK = 64
+
+
+def auto_mode(seq_len: int, chunk_size: int | None = None) -> str:
+    """Mode "auto" without a plan: chunk for sequences of at least one chunk (``chunk_size``,
+    default :data:`AUTO_CHUNK`), else recurrent. Until the planner measures the crossover: a
+    sequence shorter than one chunk gains nothing from the chunk form."""
+    return "chunk" if seq_len >= (chunk_size or AUTO_CHUNK) else "recurrent"
+
+
+def nearest_bucket(buckets, batch: int, seq_len: int):
+    """The entry of ``buckets`` (each with ``batch`` and ``seq_len`` attributes or keys) nearest
+    to (batch, seq_len) in log distance, the first of equals: how a plan's decision is found
+    for a shape, by the plan and, at run time, by the custom op."""
+    get = (lambda b, n: b[n]) if buckets and isinstance(buckets[0], dict) else getattr
+    dist = lambda b: (abs(math.log2(get(b, "batch")) - math.log2(max(1, batch)))
+                      + abs(math.log2(get(b, "seq_len")) - math.log2(max(1, seq_len))))
+    return min(buckets, key=dist)

@@ -77,6 +77,12 @@ def _tuned_config(kernel: str, p: Problem, device: torch.device) -> KernelConfig
         return None  # an entry this version cannot read: the table is advice, not a contract
 
 
+def runnable(config: KernelConfig, p: Problem, device: torch.device) -> KernelConfig | None:
+    """``config`` when it can run problem ``p`` on ``device``, else None: a plan made for another
+    GPU may name a config this device cannot run (then the launcher's own choice serves)."""
+    return config if _reason(config, kernel_shape(p), smem_limit(device)) is None else None
+
+
 def resolve_config(kernel: str, variant: KernelConfig | None, p: Problem, device: torch.device,
                    chunk_size: int | None = None) -> KernelConfig:
     """The config a call runs: ``variant`` (checked), else the tuned table's, else the default

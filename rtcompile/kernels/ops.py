@@ -1,7 +1,11 @@
 """torch custom ops around the Triton launchers, so torch.compile and torch.export see one op.
 
-``rtcompile::running_tensor_fwd``: prefill (chunk or recurrent), returns (o, final_state);
-the final state is a 0-element tensor when not requested (custom ops cannot return None).
+``rtcompile::running_tensor_fwd``: prefill (chunk, recurrent, or "auto": the op picks one from
+T when it runs, so a traced graph holds one node for every T and tracing a symbolic T adds no
+guard; "plan:" + a plan's prefill table likewise picks the plan's bucket for (B, T) when it
+runs), returns (o, final_state); the final state is a 0-element tensor when not requested
+(custom ops cannot return None). The fake implementation and the autograd registration do not
+depend on the mode (both forms compute the same function).
 ``rtcompile::running_tensor_decode_``: one decode step, mutates ``state_cache`` in place.
 The kernel config travels as its JSON text (an op argument must be a plain type).
 
@@ -23,7 +27,10 @@ import torch
 
 from . import launch
 from .forms import FORMS, config_from_dict
-from .inputs import LOG_DECAY_FLOOR
+from .inputs import LOG_DECAY_FLOOR, auto_mode, check_inputs, nearest_bucket
+
+# a mode argument "plan:" + a plan's prefill table: the op finds the bucket when it runs
+PLAN_PREFIX = "plan:"
 
 # each form's field names, read once: dynamo folds a dict lookup and attribute reads, not
 # dataclasses.fields
@@ -76,13 +83,33 @@ def running_tensor_fwd_op(
     chunk_size: int,
     variant: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``chunk_size`` 0 means the variant's (or the default variant's) chunk size."""
+    """``chunk_size`` 0 means the variant's (or the default variant's) chunk size. ``mode``
+    "auto": :func:`inputs.auto_mode` of T; ``"plan:"`` + table: :func:`plan_choice`; both
+    decided here, at run time."""
+    config = variant_from_json(variant)
+    if mode.startswith(PLAN_PREFIX):
+        mode, config = plan_choice(mode[len(PLAN_PREFIX):], q, k, v, g, beta, initial_state, cu_seqlens, scale,
+                                   chunk_size, config)
+    elif mode == "auto":  # as the eager call decides (a variant of the other form is refused alike)
+        mode = auto_mode(v.shape[1], chunk_size or None)
     o, ht = launch.running_tensor_fwd(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, l2norm=l2norm, cu_seqlens=cu_seqlens,
-        mode=mode, chunk_size=chunk_size or None, variant=variant_from_json(variant),
+        mode=mode, chunk_size=chunk_size or None, variant=config,
     )
     return o, (ht if ht is not None else v.new_empty((0,), dtype=torch.float32))
+
+
+def plan_choice(table: str, q, k, v, g, beta, initial_state, cu_seqlens, scale: float, chunk_size: int, config):
+    """(mode, config) of a call under a plan's prefill ``table`` (``Plan.prefill_table``): the
+    nearest bucket's mode, and its config unless the caller named a variant or chunk size (or
+    this device cannot run it) -- what ``rtcompile.running_tensor`` does eagerly with a plan."""
+    bucket = nearest_bucket(json.loads(table), v.shape[0], v.shape[1])
+    mode = bucket["mode"]
+    if config is None and not chunk_size:
+        planned = config_from_dict(bucket["variant"], "chunk" if mode == "chunk" else "recurrent")
+        config = launch.runnable(planned, check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens), v.device)
+    return mode, config
 
 
 @running_tensor_fwd_op.register_fake
@@ -174,8 +201,10 @@ def _setup(ctx, inputs, output):
     ctx.orders = len(q)
     ctx.save_for_backward(*q, *k, v, g, beta, initial_state, cu_seqlens)
     ctx.scale, ctx.l2norm, ctx.output_final_state = scale, l2norm, output_final_state
-    # the chunk length the caller asked for applies to the chunk form; the recurrent form has none
-    ctx.chunk_size = chunk_size if mode == "chunk" else 0
+    # the chunk length the caller asked for applies to the chunk form; the recurrent form has none.
+    # "auto" and a plan keep it: deciding here would guard a traced T, and the backward's chunk length
+    # changes how it computes the gradient, not the gradient
+    ctx.chunk_size = 0 if mode == "recurrent" else chunk_size
 
 
 def _backward(ctx, do, dht):
