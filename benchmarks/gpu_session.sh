@@ -26,6 +26,7 @@ step_train() {  # the backward on the GPU: gradient tests (-v into a file as it 
   # process of its own (its first K = 256 backward compiled and autotuned for over 3 minutes)
   timeout "${TRAIN_TEST_S:-300}" python3 -m pytest -v -p no:cacheprovider -n "${TEST_WORKERS:-14}" \
     tests/test_backward.py tests/test_autograd.py tests/test_extreme_decay.py tests/test_decode_guard.py \
+    tests/test_generate.py tests/test_conventions.py \
     > "$OUT/train_tests.txt" 2>&1 || true
   echo "passed $(grep -c PASSED "$OUT/train_tests.txt") failed $(grep -c FAILED "$OUT/train_tests.txt")"
   grep -E "^FAILED|^ERROR" "$OUT/train_tests.txt" | head -20 || true
