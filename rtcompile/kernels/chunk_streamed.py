@@ -146,7 +146,7 @@ def _state_products(h0, ht, p_state, o_v, m_v, first, q1, q2, q3, k1, k2, k3, r,
 
 @triton.jit
 def chunk_streamed_kernel(
-    q1, q2, q3, k1, k2, k3, v, g, beta, o, h0, ht, P, Ai, cu_seqlens, scale, T,
+    q1, q2, q3, k1, k2, k3, v, g, beta, o, h0, ht, P, Ai, cu_seqlens, Hc, Uc, Rc, chunk_offsets, scale, T,
     H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
     BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
@@ -162,7 +162,10 @@ def chunk_streamed_kernel(
     MERGE_PASSES: the update pass of chunk c also forms chunk c+1's products from each updated
     tile while it is in registers, so the state is read once per chunk, not twice. ``g`` /
     ``beta`` / ``h0`` / ``cu_seqlens`` None: no gates / no delta rule / zero initial state /
-    not varlen."""
+    not varlen. ``o`` None: no outputs. ``Hc`` / ``Uc`` / ``Rc`` (the streamed backward's
+    recompute; None in the forward): store each chunk's incoming state (the products' type, row
+    (i_g0 + i_c) H + h, i_g0 from ``chunk_offsets`` with varlen), U and R = V - diag(Gamma)
+    phi(K) S (fp32, laid out as v), as ``chunk_split_state_kernel`` with STRIDE 1 does."""
     K: tl.constexpr = D1 * D2 * D3
     NK: tl.constexpr = (K + BK - 1) // BK
     USE_H0: tl.constexpr = h0 is not None
@@ -176,6 +179,10 @@ def chunk_streamed_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     p_state = (i_n.to(tl.int64) * H + i_h) * K * V
+    if Hc is not None:  # the sequence's first chunk in Hc
+        i_g0 = i_b * tl.cdiv(T, C)
+        if cu_seqlens is not None:
+            i_g0 = tl.load(chunk_offsets + i_n).to(tl.int64)
     if MERGE_PASSES:  # chunk 0's products; every later chunk's ride on the update pass
         tok = bos + o_c
         b_kn, b_qn = _state_products(h0, ht, p_state, o_v, m_v, True, q1, q2, q3, k1, k2, k3,
@@ -202,12 +209,19 @@ def chunk_streamed_kernel(
                                          NF, D1, D2, D3, V, C, BK, BV, OUTER, LOWP, PREC, PREFETCH_STATE)
         b_ks = b_ks * r_k[:, None]
         b_qs = b_qs * r_q[:, None]
+        m_o = m_t[:, None] & m_v[None, :]
         if beta is not None:
-            b_u = dot(b_Ai, b_b[:, None] * (b_v - b_gam[:, None] * b_ks), LOWP_SCORES, DT, PREC)
+            b_R = b_v - b_gam[:, None] * b_ks
+            if Rc is not None:
+                tl.store(Rc + r[:, None] * V + o_v[None, :], b_R, mask=m_o)
+            b_u = dot(b_Ai, b_b[:, None] * b_R, LOWP_SCORES, DT, PREC)
         else:
             b_u = b_v
-        b_o = scale * (b_gam[:, None] * b_qs + dot(b_P, b_u, LOWP_SCORES, DT, PREC))
-        tl.store(o + r[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+        if Uc is not None:
+            tl.store(Uc + r[:, None] * V + o_v[None, :], b_u, mask=m_o)
+        if o is not None:
+            b_o = scale * (b_gam[:, None] * b_qs + dot(b_P, b_u, LOWP_SCORES, DT, PREC))
+            tl.store(o + r[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_o)
         # the rows' scale (1 / ||phi(k)||, Gamma_C / Gamma_i) on U ([C, BV], once per chunk)
         # instead of on every [C, BK] block of phi(K)
         b_us = b_u * (r_k * b_ratio)[:, None]
@@ -228,6 +242,9 @@ def chunk_streamed_kernel(
                 b_sn = state_tile(h0, ht, p_state, i_k + 1, o_v, m_v, i_c == 0, K, BK, V, USE_H0)
             else:
                 b_s = load_state_tile(h0, ht, off_s, m_s, i_c == 0, USE_H0)
+            if Hc is not None:  # the incoming state, before the update
+                tl.store(Hc + ((i_g0 + i_c) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
+                         b_s.to(Hc.dtype.element_ty), mask=m_s)
             b_k = phi_block(k1, k2, k3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
             b_s = tl.exp(b_last) * b_s + dot(tl.trans(b_k), b_us, LOWP, DT, PREC)
             tl.store(ht + off_s, b_s.to(ht.dtype.element_ty), mask=m_s)
@@ -248,7 +265,8 @@ def run_streamed(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm: bo
     o = args.empty(B, T, H, V, dtype=v.dtype, device=v.device)
     grid = (triton.cdiv(V, block_v), p.num_seqs * H)
     chunk_streamed_kernel[grid](
-        *factor_args(q), *factor_args(k), v, g, beta, o, h0, ht, ws.get("P"), ws.get("Ai"), cu_seqlens, p.scale, T,
+        *factor_args(q), *factor_args(k), v, g, beta, o, h0, ht, ws.get("P"), ws.get("Ai"), cu_seqlens,
+        None, None, None, None, p.scale, T,
         H=H, NF=len(q), **width_args(p.key_widths, 16), V=V, C=chunk_size, BK=block_k, BV=block_v, L2NORM=l2norm,
         LOWP=lowp_dots(v.dtype), PREC=precision, OUTER=KernelShape(p.key_widths, V).outer_phi_ok(block_k),
         SCORES=scores, PREFETCH_STATE=prefetch_state, MERGE_PASSES=merge_passes,
