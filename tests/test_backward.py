@@ -119,6 +119,40 @@ def test_without_final_state_gradient_and_batch():
     check_gradients((16,), 33, 20, chunk_size=16, final_grad=False, B=2)
 
 
+STREAMED = dict(state_loop="streamed", state_block_k=16)  # several state tiles at every K below
+
+
+@needs_kernels
+@pytest.mark.parametrize("widths, T, C, bk, features", [
+    ((32,), 37, 16, 16, "gated-delta-l2-h0"), ((16, 16), 37, 16, 32, "gated-delta-l2-h0"),
+    ((16, 16), 37, 16, 16, "plain"), ((16, 16, 16), 20, 16, 32, "gated-delta-l2-h0"),
+    ((32, 16), 21, 16, 16, "gate-h0"),
+], ids=["o2-32", "o3-16x16", "o3-16x16-plain", "o4-16x16x16", "o3-32x16-K512"])
+def test_streamed_state_loops(widths, T, C, bk, features):
+    """The streamed state loops (any K; the default above K = 256) and phi built from the factors
+    in the gradients kernel: order 4 and K = 512 run here, past the resident loops' limit."""
+    config = BackwardConfig(chunk_size=C, block_v=16, block_k=bk, **STREAMED)
+    check_gradients(widths, T, 20, chunk_size=C, config=config, **FEATURES[features])
+
+
+@needs_kernels
+@pytest.mark.parametrize("widths, loop", [((16, 16), "resident"), ((16, 16), "streamed"), ((16, 16, 16), "streamed")],
+                         ids=["o3-resident", "o3-streamed", "o4-streamed"])
+def test_factor_grads_in_a_workspace(widths, loop):
+    """factor_grads="workspace": phi's gradients stored [T, K] and contracted token-parallel."""
+    config = BackwardConfig(chunk_size=16, block_v=16, block_k=32, factor_grads="workspace", state_loop=loop,
+                            state_block_k=32)
+    check_gradients(widths, 21 if len(widths) == 3 else 37, 20, chunk_size=16, config=config)
+
+
+@needs_kernels
+@pytest.mark.parametrize("widths", [(32,), (16, 16)], ids=["o2-32", "o3-16x16"])
+def test_streamed_varlen_and_half(widths):
+    config = BackwardConfig(chunk_size=16, block_v=16, block_k=16, **STREAMED)
+    check_gradients(widths, 41, 20, chunk_size=16, offsets=[0, 9, 30, 41], config=config)
+    check_gradients(widths, 37, 20, chunk_size=16, dtype=torch.bfloat16, config=config)
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("widths", [(16,), (16, 16)], ids=["o2-16", "o3-16x16"])
@@ -135,8 +169,6 @@ def _problem(widths, V=16, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("widths, dtype, needle", [
-    ((16, 16, 16), torch.float32, "K = 4096 > 256: the backward keeps the state in registers"),
-    ((32, 16), torch.bfloat16, "K = 512 > 256"),
     ((3, 5), torch.float32, "power-of-two key widths >= 16"),
     ((8,), torch.float32, "power-of-two key widths >= 16"),
     ((16,), torch.float64, "dtype torch.float64"),
@@ -146,7 +178,7 @@ def test_supports_refuses_with_the_reason(widths, dtype, needle):
     assert reason is not None and needle in reason, reason
 
 
-@pytest.mark.parametrize("widths", [(16,), (64,), (256,), (16, 16)])
+@pytest.mark.parametrize("widths", [(16,), (64,), (256,), (16, 16), (32, 32), (64, 64), (16, 16, 16)])
 def test_supports_its_scope(widths):
     assert supports(_problem(widths), None) is None
     assert supports(_problem(widths, dtype=torch.bfloat16), None) is None
@@ -154,9 +186,9 @@ def test_supports_its_scope(widths):
 
 @needs_kernels
 def test_refused_problem_raises_the_reason():
-    q, k, v, g, beta, _ = make_inputs(1, 4, 1, (16, 16, 16), 16, dtype=torch.float32)
+    q, k, v, g, beta, _ = make_inputs(1, 4, 1, (8, 8), 16, dtype=torch.float32)
     q, k, v, g, beta = [x.to(DEVICE) for x in q], [x.to(DEVICE) for x in k], v.to(DEVICE), g.to(DEVICE), beta.to(DEVICE)
-    with pytest.raises(ValueError, match="K = 4096 > 256"):
+    with pytest.raises(ValueError, match="power-of-two key widths >= 16"):
         running_tensor_bwd(q, k, v, g, beta, scale=1.0, initial_state=None, cu_seqlens=None, l2norm=False,
                            do=torch.zeros_like(v), dht=None)
 
@@ -167,14 +199,20 @@ def test_refused_problem_raises_the_reason():
     (BackwardConfig(chunk_size=16, block_v=128), "block_v=128; allowed: 16 .. 64"),
     (BackwardConfig(chunk_size=16, block_v=16, dot_precision="fp8"), "dot_precision='fp8'"),
     (BackwardConfig(chunk_size=64, block_v=64, num_warps=2), "registers per thread estimated"),
+    (BackwardConfig(chunk_size=16, block_v=16, block_k=16, state_loop="streamed"), "block_k=16 < the last key width 32"),
+    (BackwardConfig(chunk_size=16, block_v=16, block_k=32), "state_loop='resident' holds the [K, block_v] state"),
+    (BackwardConfig(chunk_size=16, block_v=16, block_k=32, state_loop="streamed", factor_grads="disk"),
+     "factor_grads='disk'"),
 ])
 def test_config_refusals_name_the_field(config, needle):
-    reason = config.check(KernelShape((16, 16), 64), 232448)
+    reason = config.check(KernelShape((16, 16) if "resident" not in needle and "last key" not in needle
+                                      and "disk" not in needle else (32, 32), 64), 232448)
     assert reason is not None and needle in reason, reason
 
 
 @pytest.mark.parametrize("shape", [KernelShape((16,), 64), KernelShape((64,), 128), KernelShape((256,), 64),
-                                   KernelShape((16, 16), 64, 4), KernelShape((16, 16), 20)], ids=str)
+                                   KernelShape((16, 16), 64, 4), KernelShape((16, 16), 20), KernelShape((32, 32), 64),
+                                   KernelShape((16, 16, 16), 64, 4)], ids=str)
 @pytest.mark.parametrize("limit", [DEFAULT_SMEM_BYTES, 232448])
 def test_default_and_space(shape, limit):
     default = default_backward(shape, limit)
@@ -183,7 +221,8 @@ def test_default_and_space(shape, limit):
     space = BackwardConfig.space(shape)
     found = list(iter_space(BackwardConfig, shape, smem_limit=limit))
     assert found and all(getattr(c, n) in vals for c in found for n, vals in space.items())
-    assert BackwardConfig.space(KernelShape((16, 16, 16), 64)) == {}
+    assert BackwardConfig.space(KernelShape((12, 16), 64)) == {}
+    assert (default.state_loop == "streamed") == (shape.key_dim > 256)
 
 
 @needs_kernels

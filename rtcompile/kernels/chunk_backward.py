@@ -56,12 +56,14 @@ import triton.language as tl
 from . import args
 from .args import contiguous_inputs, dot_dtype, factor_args, lowp_dots, width_args
 from .blocks import dot, sequence_of_program
+from .chunk_backward_streamed import recompute_streamed, state_grads_streamed
 from .chunk_backward_grads import chunk_bwd_grads_kernel, phi_grads_to_factors_kernel, stored_log_decay
 from .chunk_prepare import chunk_indices, prepare_backward
 from .chunk_split import KEY_GROUPS, SplitConfig, chunk_split_state_kernel
 from .config import (
     DEFAULT_SMEM_BYTES, PREPARE_WARPS, SOLVES, CostFigures, KernelConfig, KernelShape, Workload,
-    chunk_count, chunk_programs, chunk_refusal, dot_operand_bytes, estimate_registers, resource_refusal,
+    chunk_count, chunk_programs, chunk_refusal, chunk_smem_estimate, dot_operand_bytes, estimate_registers,
+    resource_refusal,
 )
 from .inputs import Problem, check_inputs
 
@@ -72,6 +74,15 @@ BLOCK_KS = (16, 32, 64, 128)
 # H200 (Triton 3.6, 2026-12-01), and ran correctly with ieee and tf32 at the same tiles
 BWD_PRECISIONS = ("ieee", "tf32")
 GRADS_WARPS = (2, 4, 8)
+# "resident": the state loops hold a [K, block_v] tile in registers and read phi from [T, K]
+# workspaces (K <= 256); "streamed": they visit the state in [state_block_k, block_v] tiles
+# through memory and build phi blocks from the factors (any K; chunk_backward_streamed.py)
+STATE_LOOPS = ("resident", "streamed")
+STATE_BLOCK_KS = (16, 32, 64, 128, 256)
+# where phi's gradients become the factors': "registers", in the gradients kernel per key block
+# (no [T, K] tensor); "workspace", stored as fp32 [T, K] and contracted by a token-parallel
+# kernel (order 2 always: its one factor is phi, and the l2norm needs the whole row)
+FACTOR_GRADS = ("registers", "workspace")
 # the token-parallel phi-to-factors kernel: rows per program so its [rows, K] fp32 tile stays at
 # 4096 elements (32 registers per thread at 4 warps); it only streams the phi gradients once
 FACTOR_TILE = 4096
@@ -84,7 +95,8 @@ class BackwardConfig(KernelConfig):
     loop's value tile, warps and stages, and the gradients kernel's value step; ``block_k`` (at most K
     is used) and ``grads_warps``: the gradients kernel's key block and warps; ``prepare_warps`` / ``solve`` /
     ``key_group``: the prepare kernel's; ``dot_precision``: every fp32 product (16-bit inputs
-    multiply the loaded operands in their own type)."""
+    multiply the loaded operands in their own type); ``state_loop`` (:data:`STATE_LOOPS`) and
+    ``state_block_k`` (the streamed loops' key tile; unused when resident)."""
 
     kernel: ClassVar[str] = "chunk_bwd"
     form: ClassVar[str] = "backward"
@@ -98,22 +110,34 @@ class BackwardConfig(KernelConfig):
     solve: str = "tiles"
     key_group: int = 1
     dot_precision: str = "ieee"
+    state_loop: str = "resident"
+    state_block_k: int = 128
+    factor_grads: str = "registers"
 
     def resident(self, shape: KernelShape) -> bool:
-        return True
+        return self.state_loop == "resident"
 
     def check(self, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> str | None:
         if (reason := chunk_refusal(self, shape)) is not None:
             return reason
         for name, allowed in (("chunk_size", BWD_CHUNK_SIZES), ("block_k", BLOCK_KS), ("grads_warps", GRADS_WARPS),
-                              ("key_group", KEY_GROUPS), ("dot_precision", BWD_PRECISIONS)):
+                              ("key_group", KEY_GROUPS), ("dot_precision", BWD_PRECISIONS),
+                              ("state_loop", STATE_LOOPS), ("state_block_k", STATE_BLOCK_KS),
+                              ("factor_grads", FACTOR_GRADS)):
             if (reason := self._check_choice(name, allowed)) is not None:
                 return reason
         if (reason := shape_refusal(shape)) is not None:
             return reason
+        if len(shape.key_widths) > 1 and min(self.block_k, shape.key_dim) < shape.key_widths[-1]:
+            return (f"block_k={self.block_k} < the last key width {shape.key_widths[-1]}: a key block of the "
+                    f"gradients kernel holds whole rows of the last factor; allowed: "
+                    f"{[b for b in BLOCK_KS if b >= shape.key_widths[-1]]}")
         if self.key_group > 1 and (len(shape.key_widths) < 2 or shape.key_widths[0] % self.key_group):
             return (f"key_group={self.key_group} needs order >= 3 and a first key width it divides, got widths "
                     f"{shape.key_widths} (or key_group=1)")
+        if self.state_loop == "resident" and shape.key_dim > MAX_KEY_DIM:
+            return (f"state_loop='resident' holds the [K, block_v] state in registers up to K = {MAX_KEY_DIM}, "
+                    f"got K = {shape.key_dim}; use state_loop='streamed'")
         if self.num_stages < 2:
             return f"num_stages={self.num_stages}; allowed: 2, 3 or 4 (the split state loop's rule)"
         return resource_refusal(self, shape, smem_limit, "; try a smaller chunk_size, block_v or block_k")
@@ -123,14 +147,22 @@ class BackwardConfig(KernelConfig):
         # P and T, four [C, BV]) and the gradients kernel's key loop (T, dGq, dGs [C, C], five
         # [C, BK], two [BK, BV], three [C, BV]) at their warps
         C, K, bv, bk = self.chunk_size, shape.key_dim_pow2, self.block_v, min(self.block_k, shape.key_dim_pow2)
-        loop = K * bv + 2 * C * K * shape.input_bytes // 4 + 2 * C * C + 4 * C * bv
-        grads = 3 * C * C + 5 * C * bk + 2 * bk * bv + 3 * C * bv
+        if self.state_loop == "resident":
+            loop = K * bv + 2 * C * K * shape.input_bytes // 4 + 2 * C * C + 4 * C * bv
+        else:  # a state tile, phi(Q) and phi(K) blocks, P and T, four [C, BV]
+            sk = min(self.state_block_k, K)
+            loop = sk * bv + 2 * C * sk + 2 * C * C + 4 * C * bv
+        # + both sides' factor tiles and their gradients' accumulators (NF >= 2)
+        factors = 4 * C * sum(shape.key_widths) if len(shape.key_widths) > 1 else 0
+        grads = 3 * C * C + 5 * C * bk + 2 * bk * bv + 3 * C * bv + factors
         return max(estimate_registers(loop, self.num_warps), estimate_registers(grads, self.grads_warps))
 
     def estimate_smem(self, shape: KernelShape) -> int:
         # the state-gradient loop's loads that feed products, per stage: phi(Q), phi(K) in the
         # products' type and P, T fp32
         C, K = self.chunk_size, shape.key_dim_pow2
+        if self.state_loop == "streamed":
+            return chunk_smem_estimate(C, min(self.state_block_k, K), self.block_v, self.num_stages)
         return max(1, self.num_stages) * (2 * C * K * dot_operand_bytes(shape.input_bytes) + 8 * C * C)
 
     @classmethod
@@ -141,7 +173,8 @@ class BackwardConfig(KernelConfig):
         return {
             "chunk_size": list(BWD_CHUNK_SIZES),
             "block_v": [b for b in (16, 32, 64, 128) if b <= shape.value_dim_pow2],
-            "block_k": [b for b in BLOCK_KS if b <= shape.key_dim_pow2],
+            "block_k": [b for b in BLOCK_KS if b <= shape.key_dim_pow2 and (len(shape.key_widths) < 2
+                                                                         or b >= shape.key_widths[-1])],
             "num_warps": [2, 4, 8],
             "num_stages": [2, 3],
             "grads_warps": list(GRADS_WARPS),
@@ -149,30 +182,44 @@ class BackwardConfig(KernelConfig):
             "solve": list(SOLVES),
             "key_group": [g for g in KEY_GROUPS if order3 and shape.key_widths[0] % g == 0] or [1],
             "dot_precision": list(BWD_PRECISIONS),
+            "state_loop": [s for s in STATE_LOOPS if s == "streamed" or shape.key_dim <= MAX_KEY_DIM],
+            "state_block_k": [b for b in STATE_BLOCK_KS if b <= shape.key_dim_pow2],
+            "factor_grads": list(FACTOR_GRADS),
         }
 
     def workspace_bytes(self, w: Workload) -> int:
         """Per (sequence, head): S and dS' of every chunk ([K, V] each in the products' type);
-        per token phi(K) and phi(Q) (the products' type), the scores (fp32, C), U and dU (fp32,
-        V each), the phi gradients (fp32, K each); with the delta rule the inverse (fp32, C) and
-        R (fp32, V); with gates the cumulative log decay (fp32). (The initial state's gradient,
-        an output, is formed in an fp32 buffer of the state's size and cast to the state's dtype.)"""
+        per token the scores (fp32, C), U and dU (fp32, V each), order 2's phi gradients (fp32,
+        K each: the factor's size); resident state loops: phi(K) and phi(Q) (the products' type,
+        K each); streamed: the running state and state gradient (fp32, K V each, once); with the
+        delta rule the inverse (fp32, C) and R (fp32, V); with gates the cumulative log decay
+        (fp32). (The initial state's gradient, an output, is formed in an fp32 buffer of the
+        state's size and cast to the state's dtype.)"""
         K, V, C = w.shape.key_dim, w.shape.value_width, self.chunk_size
         dot = dot_operand_bytes(w.shape.input_bytes)
         chunks = w.batch * w.heads * chunk_count(w, C)
-        per_token = 2 * K * dot + 4 * C + 8 * V + 8 * K
+        per_token = 4 * C + 8 * V + (8 * K if self.phi_grads_stored(w.shape) else 0)
+        running = 0
+        if self.state_loop == "resident":
+            per_token += 2 * K * dot
+        else:
+            running = 2 * w.batch * w.heads * K * V * 4
         if w.delta_rule:
             per_token += 4 * C + 4 * V
         if w.forget_gate:
             per_token += 4
-        return 2 * chunks * K * V * dot + w.rows * per_token
+        return 2 * chunks * K * V * dot + w.rows * per_token + running
+
+    def phi_grads_stored(self, shape: KernelShape) -> bool:
+        """Are phi's gradients stored ([T, K] fp32 each) and contracted by a fifth launch?"""
+        return self.factor_grads == "workspace" or len(shape.key_widths) == 1
 
     def figures(self, w: Workload) -> CostFigures:
         # two sequential passes over the chunks (recompute, state gradient), the state crossing
         # HBM four times per chunk (S and dS' each stored and read once)
         return CostFigures(programs=chunk_programs(w, self.block_v), serial_steps=2 * chunk_count(w, self.chunk_size),
                            state_passes=4 * chunk_count(w, self.chunk_size), workspace_bytes=self.workspace_bytes(w),
-                           launches=5)
+                           launches=5 if self.phi_grads_stored(w.shape) else 4)
 
 
 def shape_refusal(shape: KernelShape) -> str | None:
@@ -180,9 +227,6 @@ def shape_refusal(shape: KernelShape) -> str | None:
     if not shape.whole_factor_tiles:
         return (f"key widths {shape.key_widths}: the Triton backward needs power-of-two key widths >= 16 "
                 "(whole factor tiles); other widths are not implemented yet")
-    if shape.key_dim > MAX_KEY_DIM:
-        return (f"K = {shape.key_dim} > {MAX_KEY_DIM}: the backward keeps the state in registers; wider states "
-                "are not implemented yet")
     return None
 
 
@@ -191,17 +235,22 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -
     blocks of 64 (or K), 4 then 8 warps, the prepare kernel's phi stores 4 indices of axis 1 at a
     time where they divide (the split form's measured best); fp32 products in tf32 for 16-bit
     inputs (their gradients are rounded to 8 or 11 bits anyway) and ieee for fp32 inputs (their
-    tests ask 1e-4 of float64). The smallest tiles where nothing passes (the check then says why)."""
+    tests ask 1e-4 of float64). Above K = 256 the streamed state loops, in 128-row tiles (the
+    streamed forward's tile at o3 32x32), 8 warps first. The smallest tiles where nothing passes
+    (the check then says why)."""
     bv = min(32, shape.value_dim_pow2)
-    bk = min(64, shape.key_dim_pow2)
+    bk = max(min(64, shape.key_dim_pow2), shape.key_widths[-1] if len(shape.key_widths) > 1 else 16)
     group = 4 if len(shape.key_widths) >= 2 and shape.key_widths[0] % 4 == 0 else 1
     prec = "tf32" if shape.input_bytes == 2 else "ieee"
-    for C, warps in ((64, 4), (64, 8), (32, 4), (32, 8), (16, 4), (16, 8)):
+    streamed = shape.key_dim > MAX_KEY_DIM
+    loop = {"state_loop": "streamed", "state_block_k": 128} if streamed else {}
+    order = ((64, 8), (64, 4), (32, 8), (32, 4), (16, 4)) if streamed else ((64, 4), (64, 8), (32, 4), (32, 8), (16, 4))
+    for C, warps in order + ((16, 8),):
         cfg = BackwardConfig(chunk_size=C, block_v=bv, block_k=bk, num_warps=warps, grads_warps=8, prepare_warps=4,
-                             key_group=group, dot_precision=prec)
+                             key_group=group, dot_precision=prec, **loop)
         if cfg.check(shape, smem_limit) is None:
             return cfg
-    return BackwardConfig(chunk_size=16, block_v=16, block_k=16)
+    return BackwardConfig(chunk_size=16, block_v=16, block_k=bk, state_block_k=16, **loop)
 
 
 def supports(p: Problem, cu_seqlens) -> str | None:
@@ -348,6 +397,33 @@ def tuned_backward(p: Problem, device: torch.device) -> BackwardConfig | None:
     return config if isinstance(config, BackwardConfig) else None
 
 
+def _resident_state_loops(config: BackwardConfig, p: Problem, ws: dict, v, beta, h0, cu_seqlens, offsets, do, dht,
+                          total_chunks: int):
+    """Steps 2 and 3 with the state in registers: the split form's state loop (every chunk's S,
+    U, R) and :func:`chunk_bwd_state_kernel` (every chunk's dS', dU, d(initial state) in fp32)."""
+    B, T, H, V = v.shape
+    C, K, bv, dev = config.chunk_size, p.key_dim, config.block_v, v.device
+    lowp, prec, dt = lowp_dots(v.dtype), config.dot_precision, dot_dtype(v)
+    Hc = args.empty(total_chunks, H, K, V, dtype=dt, device=dev)
+    Uc = args.empty(B, T, H, V, dtype=torch.float32, device=dev)
+    Rc = args.empty(B, T, H, V, dtype=torch.float32, device=dev) if beta is not None else None
+    grid_v = (triton.cdiv(V, bv), p.num_seqs * H)
+    chunk_split_state_kernel[grid_v](
+        v, beta, h0, None, ws["Ai"], ws["Kw"], ws["Gc"], Hc, Uc, Rc, cu_seqlens, offsets, T,
+        H=H, K=K, V=V, C=C, BV=bv, LOWP=lowp, PREC=prec, TMA=False, STRIDE=1,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    dHc = args.empty(total_chunks, H, K, V, dtype=dt, device=dev)
+    dUc = args.empty(B, T, H, V, dtype=torch.float32, device=dev)
+    dh0 = args.empty(p.state_shape, dtype=torch.float32, device=dev) if h0 is not None else None
+    chunk_bwd_state_kernel[grid_v](
+        ws["Qw"], ws["Kw"], ws["P"], ws["Ai"], ws["Gc"], beta, do, dht, dh0, dHc, dUc, cu_seqlens, offsets,
+        p.scale, T, H=H, K=K, V=V, C=C, BV=bv, LOWP=lowp, PREC=prec,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return Hc, Uc, Rc, dHc, dUc, dh0
+
+
 def _launch(config: BackwardConfig, p: Problem, q, k, v, g, beta, h0, cu_seqlens, l2norm: bool, do, dht):
     B, T, H, V = v.shape
     C, K, bv, dev = config.chunk_size, p.key_dim, config.block_v, v.device
@@ -358,53 +434,46 @@ def _launch(config: BackwardConfig, p: Problem, q, k, v, g, beta, h0, cu_seqlens
         idx = chunk_indices(p, C, dev)
         offsets = torch.tensor([0, *itertools.accumulate(n_chunks)], dtype=torch.int32).to(dev)
     lowp, prec, dt = lowp_dots(v.dtype), config.dot_precision, dot_dtype(v)
-    # 1. prepare: phi(K), phi(Q), P, T, c
+    # 1. prepare: P, T, c (and for the resident loops phi(K), phi(Q))
     split = SplitConfig(chunk_size=C, block_v=bv, num_warps=config.num_warps, num_stages=config.num_stages,
                         prepare_warps=config.prepare_warps, solve=config.solve, dot_precision=prec,
                         key_group=config.key_group)
-    ws = prepare_backward(split, p, q, k, v, g, beta, cu_seqlens=cu_seqlens, idx=idx, l2norm=l2norm)
-    # 2. forward recompute: every chunk's incoming state S, U and R
-    Hc = args.empty(sum(n_chunks), H, K, V, dtype=dt, device=dev)
-    Uc = args.empty(B, T, H, V, dtype=torch.float32, device=dev)
-    Rc = args.empty(B, T, H, V, dtype=torch.float32, device=dev) if beta is not None else None
-    grid_v = (triton.cdiv(V, bv), p.num_seqs * H)
-    chunk_split_state_kernel[grid_v](
-        v, beta, h0, None, ws["Ai"], ws["Kw"], ws["Gc"], Hc, Uc, Rc, cu_seqlens, offsets, T,
-        H=H, K=K, V=V, C=C, BV=bv, LOWP=lowp, PREC=prec, TMA=False, STRIDE=1,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
-    # 3. the outgoing state's gradient of every chunk and dU, in reverse; d(initial state)
-    dHc = args.empty(sum(n_chunks), H, K, V, dtype=dt, device=dev)
-    dUc = args.empty(B, T, H, V, dtype=torch.float32, device=dev)
-    dh0 = args.empty(p.state_shape, dtype=torch.float32, device=dev) if h0 is not None else None
-    chunk_bwd_state_kernel[grid_v](
-        ws["Qw"], ws["Kw"], ws["P"], ws["Ai"], ws["Gc"], beta, do, dht, dh0, dHc, dUc, cu_seqlens, offsets,
-        p.scale, T, H=H, K=K, V=V, C=C, BV=bv, LOWP=lowp, PREC=prec,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
-    # 4. dv, dbeta, dg and phi's gradients, chunk-parallel
-    dQp = args.empty(B, T, H, K, dtype=torch.float32, device=dev)
-    dKp = args.empty(B, T, H, K, dtype=torch.float32, device=dev)
+    resident = config.state_loop == "resident"
+    ws = prepare_backward(split, p, q, k, v, g, beta, cu_seqlens=cu_seqlens, idx=idx, l2norm=l2norm, keys=resident)
+    if resident:
+        Hc, Uc, Rc, dHc, dUc, dh0 = _resident_state_loops(config, p, ws, v, beta, h0, cu_seqlens, offsets, do, dht,
+                                                          sum(n_chunks))
+    else:
+        loops = {"cu_seqlens": cu_seqlens, "offsets": offsets, "l2norm": l2norm, "ws": ws, "chunk_size": C,
+                 "block_k": min(config.state_block_k, K), "block_v": bv, "num_warps": config.num_warps,
+                 "num_stages": config.num_stages, "precision": prec}
+        Hc, Uc, Rc = recompute_streamed(p, q, k, v, g, beta, h0=h0, **loops)
+        dHc, dUc, dh0 = state_grads_streamed(p, q, k, beta, do, dht, want_dh0=h0 is not None, scale=p.scale, **loops)
+    # 4. dv, dbeta, dg and every factor's gradient (or phi's, to dQp / dKp), chunk-parallel
+    dq = [args.empty(x.shape, dtype=x.dtype, device=dev) for x in q]
+    dk = [args.empty(x.shape, dtype=x.dtype, device=dev) for x in k]
+    stored = config.phi_grads_stored(KernelShape(p.key_widths, V))
+    dQp = args.empty(B, T, H, K, dtype=torch.float32, device=dev) if stored else None
+    dKp = args.empty(B, T, H, K, dtype=torch.float32, device=dev) if stored else None
     dv = args.empty(v.shape, dtype=v.dtype, device=dev)
     dg = args.empty(g.shape, dtype=g.dtype, device=dev) if g is not None else None
     dbeta = args.empty(beta.shape, dtype=beta.dtype, device=dev) if beta is not None else None
+    widths = {n: w for n, w in width_args(p.key_widths, 16).items() if not n.startswith("BD")}
     grid = (idx.shape[0], H) if varlen else (n_chunks[0], B * H)
     chunk_bwd_grads_kernel[grid](
-        ws["Qw"], ws["Kw"], ws["P"], ws["Ai"], ws["Gc"], v, beta, do, Hc, dHc, Uc, Rc, dUc, dQp, dKp, dv, dg, dbeta,
-        cu_seqlens, idx, p.scale, T, H=H, K=K, V=V, C=C, BK=min(config.block_k, K), BV=bv, PREC=prec,
+        *factor_args(q), *factor_args(k), ws["Qw"], ws["Kw"], ws["P"], ws["Ai"], ws["Gc"], v, beta, do, Hc, dHc, Uc, Rc, dUc,
+        *factor_args(dq), *factor_args(dk), dQp, dKp, dv, dg, dbeta, cu_seqlens, idx, p.scale, T,
+        H=H, NF=len(q), **widths, V=V, C=C, BK=min(config.block_k, K), BV=bv, L2NORM=l2norm, PREC=prec,
         num_warps=config.grads_warps,
     )
     del ws, Hc, dHc, Uc, Rc, dUc
-    # 5. phi's gradients to the factors, through the l2norm
-    dq = [args.empty(x.shape, dtype=x.dtype, device=dev) for x in q]
-    dk = [args.empty(x.shape, dtype=x.dtype, device=dev) for x in k]
-    rows = B * T * H
-    bt = max(1, min(256, FACTOR_TILE // K))
-    widths = {n: w for n, w in width_args(p.key_widths, 16).items() if not n.startswith("BD")}
-    phi_grads_to_factors_kernel[(triton.cdiv(rows, bt),)](
-        *factor_args(q), *factor_args(k), dQp, dKp, *factor_args(dq), *factor_args(dk), rows,
-        NF=len(q), **widths, BT=bt, L2NORM=l2norm, num_warps=4,
-    )
+    if stored:  # 5. phi's gradients to the factors, through the l2norm, token-parallel
+        rows = B * T * H
+        bt = max(1, min(256, FACTOR_TILE // K))
+        phi_grads_to_factors_kernel[(triton.cdiv(rows, bt),)](
+            *factor_args(q), *factor_args(k), dQp, dKp, *factor_args(dq), *factor_args(dk), rows,
+            NF=len(q), **widths, BT=bt, L2NORM=l2norm, num_warps=4,
+        )
     if dh0 is not None and dh0.dtype != h0.dtype:
         dh0 = dh0.to(h0.dtype)
     return dq, dk, dv, dg, dbeta, dh0

@@ -2,14 +2,21 @@
 
 :func:`chunk_bwd_grads_kernel`, one program per (chunk, head): first, over value blocks, the
 C x C gradients (scores dP, inverse dT and through it dA), dv, dbeta's and dc's shares that need
-no key contraction; then, over key blocks of BK columns, phi(Q)'s and phi(K)'s full gradients
-(the state terms and the Gram terms at the phi level), stored in fp32 [B, T, H, K] workspaces,
-and dc's state share; last, dg (a reverse cumulative sum of dc within the chunk).
-:func:`phi_grads_to_factors_kernel`, token-parallel: the phi gradients contracted to each
-factor and taken through the l2norm.
+no key contraction; then, over key blocks of BK columns, phi(Q)'s and phi(K)'s gradients (the
+state terms and the Gram terms), contracted to the factors in registers, and dc's state share;
+last, dg (a reverse cumulative sum of dc within the chunk) and the factors' gradients through
+the l2norm. :func:`order2_factor_grads_kernel`: order 2's l2norm, token-parallel.
+
+The Kronecker structure does the work a [T, K] workspace did: a key block of phi is lead (x)
+trail (the last factor whole, the leading factors' product over M = BK / d_last consecutive
+indices), built from the [C, d_i] factor tiles in registers, so a block's gradient d contracts
+to the trail as sum_m d * lead and to the lead as sum_l d * trail, scattered to x1 (and x2) by
+index; phi(K) phi(K)^T is the product of the factors' Grams. The previous form stored phi(Q)
+and phi(K)'s gradients in fp32 [B, T, H, K] (2 x 1 KiB per token-head at K 256, 512 MiB at B8
+T4096 H8) and contracted them in a fifth launch.
 
 No [C, K] or [K, V] tile is held whole: the key loop keeps [C, BK] and [BK, BV] tiles (the
-previous single-kernel form held [C, K] phi tiles and gradients and spilled ~14 KiB of stack
+single-kernel form before it held [C, K] phi tiles and gradients and spilled ~14 KiB of stack
 per thread at o3 16x16 on sm_90). Two identities of the forward recompute save key
 contractions: Gamma phi(K) S = V - R (R stored by the recompute) and r (phi(K) dS') = dU - s P^T dO
 (dU stored by the state-gradient loop).
@@ -25,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .blocks import chunk_of_program, factor_tiles
+from .blocks import chunk_of_program, factor_inv_norm, factor_tiles, one_side_tiles
 
 
 @triton.jit
@@ -115,28 +122,148 @@ def _state_terms(b_Ai, b_b, do, Uc, dUc, Hc, dHc, r, m_t, o_k, off_s, V: tl.cons
 
 
 @triton.jit
-def _key_gram(Kw, p_row, m_t, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
-    """phi(K) phi(K)^T of the chunk, over key blocks."""
-    b_G = tl.zeros([C, C], dtype=tl.float32)
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        b_k = tl.load(Kw + p_row[:, None] * K + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :], other=0.0)
-        b_G += f32dot(b_k, tl.trans(b_k), PREC)
+def _gathered(x, r, idx, m, D: tl.constexpr, b_rho):
+    """x[r, idx] * rho ([C, BK] fp32): a factor's entries at each column of a key block."""
+    return tl.load(x + r[:, None] * D + idx, mask=m, other=0.0).to(tl.float32) * b_rho[:, None]
+
+
+@triton.jit
+def _onehot(idx, D: tl.constexpr):
+    """[BK, D] fp32: 1 where column a equals ``idx``'s entry j: the products below scatter a key
+    block's [C, BK] terms to a factor's [C, D] gradient on the tensor cores (exact in fp32)."""
+    return (idx[:, None] == tl.arange(0, D)[None, :]).to(tl.float32)
+
+
+@triton.jit
+def _phi_block(x1, x2, x3, b_rho1, b_rho2, b_rho3, r, m_t, i_k, NF: tl.constexpr, C: tl.constexpr,
+               BK: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
+    """Key block ``i_k`` ([C, BK] fp32) of the normalised phi = x1 (x) x2 (x) x3 (row-major),
+    each factor's entries read at every column (cached loads of [C, d_i] rows) and scaled by
+    the rows' 1 / ||x_i|| ``b_rho*``."""
+    o_k = i_k * BK + tl.arange(0, BK)
+    m = m_t[:, None] & (o_k < D1 * D2 * D3)[None, :]
+    b_phi = _gathered(x1, r, (o_k // (D2 * D3))[None, :], m, D1, b_rho1)
+    if NF > 1:
+        b_phi *= _gathered(x2, r, ((o_k // D3) % D2)[None, :], m, D2, b_rho2)
+    if NF > 2:
+        b_phi *= _gathered(x3, r, (o_k % D3)[None, :], m, D3, b_rho3)
+    return b_phi
+
+
+@triton.jit
+def _block_to_factors(b_d, x1, x2, x3, b_rho1, b_rho2, b_rho3, r, m_t, i_k, a1, a2, a3, NF: tl.constexpr,
+                      BK: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, PREC: tl.constexpr):
+    """Add key block ``i_k``'s share of phi's gradient ``b_d`` ([C, BK]) to the normalised
+    factors' gradients ``a1``..``a3`` ([C, d_i]): da_i[t, a] = sum over the block's columns j
+    with index a on axis i of d[t, j] times the other factors' entries at j. The other factors'
+    entries are read again (cached) rather than kept live through the block's products (kept,
+    the kernel spilled ~0.8 KB per thread at o3 16x16 C 64 on sm_90)."""
+    o_k = i_k * BK + tl.arange(0, BK)
+    m = m_t[:, None] & (o_k < D1 * D2 * D3)[None, :]
+    i1, i2, i3 = o_k // (D2 * D3), (o_k // D3) % D2, o_k % D3
+    b_1 = _gathered(x1, r, i1[None, :], m, D1, b_rho1)
+    b_2 = _gathered(x2, r, i2[None, :], m, D2, b_rho2)
+    if NF == 2:
+        a1 += f32dot(b_d * b_2, _onehot(i1, D1), PREC)
+        a2 += f32dot(b_d * b_1, _onehot(i2, D2), PREC)
+    else:
+        b_3 = _gathered(x3, r, i3[None, :], m, D3, b_rho3)
+        a1 += f32dot(b_d * b_2 * b_3, _onehot(i1, D1), PREC)
+        a2 += f32dot(b_d * b_1 * b_3, _onehot(i2, D2), PREC)
+        a3 += f32dot(b_d * b_1 * b_2, _onehot(i3, D3), PREC)
+    return a1, a2, a3
+
+
+@triton.jit
+def _key_gram(k1, b_k1, b_k2, b_k3, b_rho, r, m_t, NF: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+              D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, PREC: tl.constexpr):
+    """phi(K) phi(K)^T of the chunk (normalised): the product of the factors' Grams (the
+    Kronecker identity) for NF >= 2, over key blocks for NF 1."""
+    if NF == 1:
+        b_G = tl.zeros([C, C], dtype=tl.float32)
+        for i_k in range(tl.cdiv(D1, BK)):
+            b_k = _phi_block(k1, k1, k1, b_rho, b_rho, b_rho, r, m_t, i_k, NF, C, BK, D1, D2, D3)
+            b_G += f32dot(b_k, tl.trans(b_k), PREC)
+    else:
+        b_G = f32dot(b_k1, tl.trans(b_k1), PREC) * f32dot(b_k2, tl.trans(b_k2), PREC)
+        if NF == 3:
+            b_G *= f32dot(b_k3, tl.trans(b_k3), PREC)
     return b_G
 
 
 @triton.jit
+def _side_tiles(x1, x2, x3, r, m_t, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+                L2NORM: tl.constexpr):
+    """One side's normalised factor tiles (NF >= 2; NF 1: placeholders, phi read per block) and
+    each factor's 1 / ||x_i|| per row (with L2NORM, else ones)."""
+    b_rho1 = tl.full(m_t.shape, 1.0, tl.float32)
+    b_rho2, b_rho3 = b_rho1, b_rho1
+    if L2NORM:
+        b_rho1 = factor_inv_norm(x1, r[:, None], m_t[:, None], D1, D1)
+        if NF > 1:
+            b_rho2 = factor_inv_norm(x2, r[:, None], m_t[:, None], D2, D2)
+        if NF > 2:
+            b_rho3 = factor_inv_norm(x3, r[:, None], m_t[:, None], D3, D3)
+    if NF == 1:
+        b_x1 = b_rho1[:, None]
+        b_x2, b_x3 = b_x1, b_x1
+    else:
+        b_x1, b_x2, b_x3 = one_side_tiles(x1, x2, x3, r, m_t, NF, D1, D2, D3, D1, D2, D3, L2NORM)
+    return b_x1, b_x2, b_x3, b_rho1, b_rho2, b_rho3
+
+
+@triton.jit
+def _store_side(dx1, dx2, dx3, x1, x2, x3, a1, a2, a3, r, m_t, NF: tl.constexpr, D1: tl.constexpr,
+                D2: tl.constexpr, D3: tl.constexpr, L2NORM: tl.constexpr):
+    """One side's factors' gradients from their accumulators, through the l2norm."""
+    store_factor_grad(dx1, x1, a1, r, m_t, D1, L2NORM)
+    store_factor_grad(dx2, x2, a2, r, m_t, D2, L2NORM)
+    if NF == 3:
+        store_factor_grad(dx3, x3, a3, r, m_t, D3, L2NORM)
+
+
+@triton.jit
+def _cc_grads(b_dP, b_dT, b_db, b_dc, b_P, b_Ai, b_b, b_c, b_gk, scale, C: tl.constexpr, USE_BETA: tl.constexpr,
+              PREC: tl.constexpr):
+    """The C x C gradients: dGq = s dP * D (lower, diagonal included), with the delta rule dA =
+    -(T^T dT T^T) (strictly lower) and dGs = dGk + dGk^T, dGk = dA * b_i D_ij; dbeta's and dc's
+    shares from them (``b_gk``: phi(K) phi(K)^T). Returns (dGq, dGs, db, dc)."""
+    o_c = tl.arange(0, C)
+    m_incl = o_c[:, None] >= o_c[None, :]
+    b_D = tl.exp(tl.where(m_incl, b_c[:, None] - b_c[None, :], float("-inf")))
+    b_dP = tl.where(m_incl, scale * b_dP, 0.0)
+    b_dGq = b_dP * b_D
+    b_E = b_dP * b_P
+    b_dGs = tl.zeros([C, C], dtype=tl.float32)
+    if USE_BETA:
+        b_dA = -f32dot(tl.trans(b_Ai), f32dot(b_dT, tl.trans(b_Ai), PREC), PREC)
+        b_dA = tl.where(o_c[:, None] > o_c[None, :], b_dA, 0.0)
+        b_gkD = b_gk * b_D
+        b_db += tl.sum(b_dA * b_gkD, axis=1)
+        b_dGk = b_dA * b_b[:, None] * b_D
+        b_E += b_dA * b_b[:, None] * b_gkD
+        b_dGs = b_dGk + tl.trans(b_dGk)
+    b_dc += tl.sum(b_E, axis=1) - tl.sum(b_E, axis=0)
+    return b_dGq, b_dGs, b_db, b_dc
+
+
+@triton.jit
 def chunk_bwd_grads_kernel(
-    Qw, Kw, P, Ai, Gc, v, beta, do, Hc, dHc, Uc, Rc, dUc, dQp, dKp, dv, dg, dbeta, cu_seqlens, chunk_indices,
-    scale, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, PREC: tl.constexpr,
+    q1, q2, q3, k1, k2, k3, Qw, Kw, P, Ai, Gc, v, beta, do, Hc, dHc, Uc, Rc, dUc, dq1, dq2, dq3, dk1, dk2, dk3, dQp, dKp,
+    dv, dg, dbeta, cu_seqlens, chunk_indices, scale, T, H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr,
+    D2: tl.constexpr, D3: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    L2NORM: tl.constexpr, PREC: tl.constexpr,
 ):
     """One chunk's (program i: chunk i, varlen: pair i of ``chunk_indices``) gradients for one
-    head: dv, dbeta, dg, and phi(Q)'s and phi(K)'s into ``dQp`` / ``dKp`` ([B, T, H, K] fp32).
-    ``Qw``, ``Kw``, ``P``, ``Ai``, ``Gc``: the prepare kernel's; ``Hc``, ``Uc``, ``Rc``: the
-    recompute's; ``dHc``, ``dUc``: the state-gradient loop's. ``g`` / ``beta`` None (``Gc`` /
-    ``beta`` None here): no gates / no delta rule (``dg`` / ``dbeta`` None)."""
+    head: dv, dbeta, dg and every factor's. phi(Q), phi(K) are built per key block from the
+    factors' registers (:func:`_phi_block`) and their gradients contracted to the factors there
+    (:func:`_block_to_factors`), so no [T, K] tensor is read or written; with NF 1 (phi = x1)
+    phi's gradient goes to ``dQp`` / ``dKp`` ([B, T, H, K] fp32, factor-sized) for
+    :func:`order2_factor_grads_kernel`'s l2norm (None and unused with NF >= 2). ``P``, ``Ai``,
+    ``Gc``: the prepare kernel's; ``Hc``, ``Uc``, ``Rc``: the recompute's; ``dHc``, ``dUc``:
+    the state-gradient loop's. ``Gc`` / ``beta`` None: no gates / no delta rule."""
     USE_BETA: tl.constexpr = beta is not None
+    K: tl.constexpr = D1 * D2 * D3
     i_nh = tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     i_c, bos, eos, i_b, i_s = chunk_of_program(tl.program_id(0), i_n, T, cu_seqlens, chunk_indices, chunk_indices, C)
@@ -157,28 +284,25 @@ def chunk_bwd_grads_kernel(
         b_Ai = tl.load(Ai + off_w, mask=m_t[:, None], other=0.0)
     b_dP, b_dT, b_db, b_dc, b_dlast = _value_pass(b_P, b_Ai, b_b, v, do, Uc, Rc, dUc, dv, r, m_t, scale, V, C,
                                                   BV, USE_BETA, PREC)
-    # C x C: dGq = s dP * D (lower, diagonal included) and dGk = dA * b_i D_ij (strictly lower)
-    m_incl = o_c[:, None] >= o_c[None, :]
-    b_D = tl.exp(tl.where(m_incl, b_c[:, None] - b_c[None, :], float("-inf")))
-    b_dP = tl.where(m_incl, scale * b_dP, 0.0)
-    b_dGq = b_dP * b_D
-    b_E = b_dP * b_P
-    b_dGs = tl.zeros([C, C], dtype=tl.float32)
+    b_q1, b_q2, b_q3, rq1, rq2, rq3 = _side_tiles(q1, q2, q3, r, m_t, NF, D1, D2, D3, L2NORM)
+    b_k1, b_k2, b_k3, rk1, rk2, rk3 = _side_tiles(k1, k2, k3, r, m_t, NF, D1, D2, D3, L2NORM)
+    b_gk = b_P
     if USE_BETA:
-        b_dA = -f32dot(tl.trans(b_Ai), f32dot(b_dT, tl.trans(b_Ai), PREC), PREC)
-        b_dA = tl.where(o_c[:, None] > o_c[None, :], b_dA, 0.0)
-        b_gkD = _key_gram(Kw, p_row, m_t, K, C, BK, PREC) * b_D
-        b_db += tl.sum(b_dA * b_gkD, axis=1)
-        b_dGk = b_dA * b_b[:, None] * b_D
-        b_E += b_dA * b_b[:, None] * b_gkD
-        b_dGs = b_dGk + tl.trans(b_dGk)
-    b_dc += tl.sum(b_E, axis=1) - tl.sum(b_E, axis=0)
+        b_gk = _key_gram(k1, b_k1, b_k2, b_k3, rk1, r, m_t, NF, C, BK, D1, D2, D3, PREC)
+    b_dGq, b_dGs, b_db, b_dc = _cc_grads(b_dP, b_dT, b_db, b_dc, b_P, b_Ai, b_b, b_c, b_gk, scale, C, USE_BETA,
+                                         PREC)
+    aq1, aq2, aq3 = b_q1 * 0.0, b_q2 * 0.0, b_q3 * 0.0
+    ak1, ak2, ak3 = b_k1 * 0.0, b_k2 * 0.0, b_k3 * 0.0
     off_s = (i_s * H + i_h) * K * V
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        m_k = m_t[:, None] & (o_k < K)[None, :]
-        b_q = tl.load(Qw + p_row[:, None] * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
-        b_k = tl.load(Kw + p_row[:, None] * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
+        if Qw is not None:  # the resident state loops' normalised phi workspaces
+            m_k = m_t[:, None] & (o_k < K)[None, :]
+            b_q = tl.load(Qw + p_row[:, None] * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
+            b_k = tl.load(Kw + p_row[:, None] * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
+        else:
+            b_q = _phi_block(q1, q2, q3, rq1, rq2, rq3, r, m_t, i_k, NF, C, BK, D1, D2, D3)
+            b_k = _phi_block(k1, k2, k3, rk1, rk2, rk3, r, m_t, i_k, NF, C, BK, D1, D2, D3)
         b_qs, b_ks, b_xs, b_sds = _state_terms(b_Ai, b_b, do, Uc, dUc, Hc, dHc, r, m_t, o_k, off_s, V, C, BK, BV,
                                                USE_BETA, PREC)
         b_dq = (scale * b_gam)[:, None] * b_qs
@@ -188,9 +312,18 @@ def chunk_bwd_grads_kernel(
         b_dk = b_r[:, None] * b_ks - b_gam[:, None] * b_xs + f32dot(tl.trans(b_dGq), b_q, PREC)
         if USE_BETA:
             b_dk += f32dot(b_dGs, b_k, PREC)
-        off_p = r[:, None] * K + o_k[None, :]
-        tl.store(dQp + off_p, b_dq, mask=m_k)
-        tl.store(dKp + off_p, b_dk, mask=m_k)
+        if dQp is not None:
+            off_p = r[:, None] * K + o_k[None, :]
+            tl.store(dQp + off_p, b_dq, mask=m_t[:, None] & (o_k < K)[None, :])
+            tl.store(dKp + off_p, b_dk, mask=m_t[:, None] & (o_k < K)[None, :])
+        else:
+            aq1, aq2, aq3 = _block_to_factors(b_dq, q1, q2, q3, rq1, rq2, rq3, r, m_t, i_k, aq1, aq2, aq3, NF, BK,
+                                              D1, D2, D3, PREC)
+            ak1, ak2, ak3 = _block_to_factors(b_dk, k1, k2, k3, rk1, rk2, rk3, r, m_t, i_k, ak1, ak2, ak3, NF, BK,
+                                              D1, D2, D3, PREC)
+    if dQp is None:
+        _store_side(dq1, dq2, dq3, q1, q2, q3, aq1, aq2, aq3, r, m_t, NF, D1, D2, D3, L2NORM)
+        _store_side(dk1, dk2, dk3, k1, k2, k3, ak1, ak2, ak3, r, m_t, NF, D1, D2, D3, L2NORM)
     if USE_BETA:
         tl.store(dbeta + r, b_db.to(dbeta.dtype.element_ty), mask=m_t)
     if Gc is not None:

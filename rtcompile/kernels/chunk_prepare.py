@@ -224,16 +224,19 @@ def prepare_keys(config, p: Problem, q, k, v, g, beta, *, cu_seqlens, idx, l2nor
     return out
 
 
-def prepare_backward(config, p: Problem, q, k, v, g, beta, *, cu_seqlens, idx, l2norm: bool) -> dict:
-    """The backward's prepare step (one launch): Kw and Qw (the normalised phi(K) and phi(Q),
-    [B, H, T, K] in the products' type), P (the scores, [B, H, T, C] fp32), Ai ([B, H, T, C]
-    fp32, delta rule) and Gc ([B, H, T] fp32, gates). Returns {"Kw", "Qw", "P", "Ai", "Gc"},
-    None for what is not made. ``idx``: :func:`chunk_indices` with varlen, else None."""
+def prepare_backward(config, p: Problem, q, k, v, g, beta, *, cu_seqlens, idx, l2norm: bool, keys: bool = True) -> dict:
+    """The backward's prepare step (one launch): P (the scores, [B, H, T, C] fp32), Ai ([B, H,
+    T, C] fp32, delta rule), Gc ([B, H, T] fp32, gates) and, with ``keys`` (the resident state
+    loops read them), Kw and Qw (the normalised phi(K) and phi(Q), [B, H, T, K] in the products'
+    type). Returns {"Kw", "Qw", "P", "Ai", "Gc"}, None for what is not made. ``idx``:
+    :func:`chunk_indices` with varlen, else None."""
     B, T, H, _ = v.shape
     C, dt = config.chunk_size, dot_dtype(v)
-    out = {"Kw": args.empty(B, H, T, p.key_dim, dtype=dt, device=v.device),
-           "Qw": args.empty(B, H, T, p.key_dim, dtype=dt, device=v.device),
-           "P": args.empty(B, H, T, C, dtype=torch.float32, device=v.device), "Ai": None, "Gc": None}
+    out = {"Kw": None, "Qw": None, "P": args.empty(B, H, T, C, dtype=torch.float32, device=v.device), "Ai": None,
+           "Gc": None}
+    if keys:
+        out["Kw"] = args.empty(B, H, T, p.key_dim, dtype=dt, device=v.device)
+        out["Qw"] = args.empty(B, H, T, p.key_dim, dtype=dt, device=v.device)
     if beta is not None:
         out["Ai"] = args.empty(B, H, T, C, dtype=torch.float32, device=v.device)
     if g is not None:
