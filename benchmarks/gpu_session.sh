@@ -25,12 +25,13 @@ step_train() {  # the backward on the GPU: gradient tests (-v into a file as it 
   # cut the config sweep short on 2026-12-01), then forward + backward timings; fla last and in a
   # process of its own (its first K = 256 backward compiled and autotuned for over 3 minutes)
   timeout "${TRAIN_TEST_S:-300}" python3 -m pytest -v -p no:cacheprovider -n "${TEST_WORKERS:-14}" \
-    tests/test_backward.py tests/test_autograd.py tests/test_extreme_decay.py tests/test_decode_guard.py \
+    tests/test_backward.py tests/test_backward_streamed.py tests/test_autograd.py tests/test_extreme_decay.py tests/test_decode_guard.py \
     tests/test_generate.py tests/test_conventions.py \
     > "$OUT/train_tests.txt" 2>&1 || true
   echo "passed $(grep -c PASSED "$OUT/train_tests.txt") failed $(grep -c FAILED "$OUT/train_tests.txt")"
   grep -E "^FAILED|^ERROR" "$OUT/train_tests.txt" | head -20 || true
   python3 benchmarks/train_step.py --out "$OUT/train_ours.json"
+  python3 benchmarks/train_step.py --set factor_grads=workspace --out "$OUT/train_ours_ws.json"
   timeout "${FLA_S:-400}" python3 benchmarks/train_step.py --fla --cases "o3 16x16" --out "$OUT/train_fla.json" || true
 }
 

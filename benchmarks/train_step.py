@@ -25,7 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-CASES = [("o2 64", (64,)), ("o2 128", (128,)), ("o2 256", (256,)), ("o3 16x16", (16, 16))]
+CASES = [("o2 64", (64,)), ("o2 128", (128,)), ("o2 256", (256,)), ("o3 16x16", (16, 16)), ("o3 32x32", (32, 32)),
+         ("o3 64x64", (64, 64)), ("o4 16x16x16", (16, 16, 16))]
 B, T, H, V = 8, 4096, 8, 64
 REPEATS, CALLS = 7, 10
 
@@ -94,10 +95,20 @@ def _say(*parts) -> None:
     print(f"[{time.strftime('%H:%M:%S')}]", *parts, file=sys.stderr, flush=True)
 
 
-def measure(fla: bool, only: set[str] | None = None) -> list[dict]:
+def measure(fla: bool, only: set[str] | None = None, changes: dict | None = None) -> list[dict]:
     import torch
 
     import rtcompile
+
+    label = "rtcompile"
+    if changes:  # the backward's default config with fields changed (an experiment's row)
+        import dataclasses
+
+        from rtcompile.kernels import chunk_backward
+
+        base = chunk_backward.default_backward
+        chunk_backward.default_backward = lambda shape, limit=None: dataclasses.replace(base(shape, limit), **changes)
+        label = "rtcompile[" + ",".join(f"{k}={v}" for k, v in changes.items()) + "]"
 
     rows = []
     for name, widths in CASES:
@@ -112,7 +123,7 @@ def measure(fla: bool, only: set[str] | None = None) -> list[dict]:
         def ours():
             return rtcompile.running_tensor(q, k, v, g, beta, l2norm=True, output_final_state=True, mode="chunk",
                                             backend="triton")
-        row = {"case": name, "impl": "rtcompile"}
+        row = {"case": name, "impl": label}
         try:
             with torch.no_grad():
                 row["forward_s"] = _time(ours)
@@ -121,7 +132,7 @@ def measure(fla: bool, only: set[str] | None = None) -> list[dict]:
         except (ValueError, NotImplementedError, RuntimeError) as exc:  # a refusal is a row, not the end
             row["error"] = " ".join(str(exc).split())[:160]
         rows.append(row)
-        _say(name, "rtcompile", row)
+        _say(name, label, row)
         K = 1
         for w in widths:
             K *= w
@@ -155,7 +166,13 @@ def main() -> int:
     ap.add_argument("--fla", action="store_true")
     ap.add_argument("--out")
     ap.add_argument("--cases", help="comma-separated case names (default: all), e.g. 'o3 16x16,o2 64'")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="change a field of the backward's default config (a string, or an int)")
     args = ap.parse_args()
+    changes = {}
+    for item in args.set:
+        name, _, value = item.partition("=")
+        changes[name] = int(value) if value.isdigit() else value
     try:
         import torch
     except ImportError:
@@ -164,7 +181,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("train_step: needs a CUDA GPU", file=sys.stderr)
         return 2
-    rows = measure(args.fla, set(args.cases.split(",")) if args.cases else None)
+    rows = measure(args.fla, set(args.cases.split(",")) if args.cases else None, changes)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
     from rich.console import Console
