@@ -238,12 +238,16 @@ def test_run_engines_agree_and_onnxruntime_stays_the_cpu_default(bundle, capsys)
     from rtcompile.export import load_bundle
 
     argv = ["run", str(bundle / "b"), "--tokens", "1,2,3", "--steps", "6"]
+    # auto is torch with the CUDA-graph decode on a GPU machine, onnxruntime elsewhere
+    torch_label = "torch on cuda, decode step as a CUDA graph" if torch.cuda.is_available() else "torch on cpu, eager"
+    labels = {None: torch_label if torch.cuda.is_available() else "onnxruntime", "onnxruntime": "onnxruntime",
+              "torch": torch_label}
     got = {}
     for engine in (None, "onnxruntime", "torch"):
         assert main(argv + ([] if engine is None else ["--engine", engine])) == 0
         out = capsys.readouterr().out
         got[engine] = _decoded(out)
-        assert out.startswith("engine  " + ("torch on cpu, eager" if engine == "torch" else "onnxruntime")), out
+        assert out.startswith("engine  " + labels[engine]), out
     lm = load_bundle(bundle / "b")
     want = _recomputed(lm, torch.tensor([[1, 2, 3]]), 6, "auto")[0].tolist()
     assert got[None] == got["onnxruntime"] == got["torch"] == want, (got, want)
