@@ -239,7 +239,7 @@ def test_run_engines_agree_and_onnxruntime_stays_the_cpu_default(bundle, capsys)
 
     argv = ["run", str(bundle / "b"), "--tokens", "1,2,3", "--steps", "6"]
     # auto is torch with the CUDA-graph decode on a GPU machine, onnxruntime elsewhere
-    torch_label = "torch on cuda, decode step as a CUDA graph" if torch.cuda.is_available() else "torch on cpu, eager"
+    torch_label = "torch on cuda:0, decode step as a CUDA graph" if torch.cuda.is_available() else "torch on cpu, eager"
     labels = {None: torch_label if torch.cuda.is_available() else "onnxruntime", "onnxruntime": "onnxruntime",
               "torch": torch_label}
     got = {}
