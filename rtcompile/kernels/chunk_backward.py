@@ -15,31 +15,38 @@ delta rule); P = Gq * D; O = s (diag(Gamma) phi(Q) S + P U); S' = gamma S + phi(
     db = rowsum(dR' * R) + rowsum(dA * Gk * D)
     dc: the D, Gamma, r and gamma terms; dg = the reverse cumulative sum of dc within the chunk
 
-Five launches (``_launch``):
+Four or five launches (``_launch``):
 
-1. prepare (``chunk_prepare.prepare_backward``): phi(K) and phi(Q) normalised ([T, K] each in
-   the products' type), the scores P and the inverse T ([T, C] fp32 each), the cumulative log
-   decay;
-2. forward recompute: the split form's state loop with state_stride 1 (``chunk_split.py``),
-   storing every chunk's incoming state S ([K, V] in the products' type, as the split forward),
-   U and R ([T, V] fp32 each; R with the delta rule);
-3. :func:`chunk_bwd_state_kernel`, sequential in reverse per (sequence, head, value block): every
-   chunk's outgoing state gradient dS' ([K, V], the products' type) and dU ([T, V] fp32),
-   and d(initial state) = the dS after chunk 0 (fp32);
-4. ``chunk_backward_grads.chunk_bwd_grads_kernel``, chunk-parallel: dv, dbeta, dg and phi(Q)'s
-   and phi(K)'s gradients ([T, K] fp32 each), over key blocks of ``block_k`` columns;
-5. ``chunk_backward_grads.phi_grads_to_factors_kernel``, token-parallel: phi's gradients to
-   the factors, through the l2norm.
+1. prepare (``chunk_prepare.prepare_backward``): the scores P and the inverse T ([T, C] fp32
+   each), the cumulative log decay, and for the resident state loops phi(K) and phi(Q)
+   normalised ([T, K] each in the products' type);
+2. forward recompute, storing every chunk's incoming state S ([K, V] in the products' type), U
+   and R ([T, V] fp32 each; R with the delta rule): resident, the split form's state loop with
+   state_stride 1 (``chunk_split.py``); streamed, the streamed forward kernel with its stores
+   (``chunk_backward_streamed.recompute_streamed``);
+3. the state-gradient loop, sequential in reverse per (sequence, head, value block): every
+   chunk's outgoing state gradient dS' ([K, V], the products' type) and dU ([T, V] fp32), and
+   d(initial state) = the dS after chunk 0 (fp32): resident, :func:`chunk_bwd_state_kernel`
+   (the [K, block_v] gradient in registers, K <= 256); streamed,
+   ``chunk_backward_streamed.state_grads_streamed`` (the running dS in an fp32 buffer, visited
+   in [state_block_k, block_v] tiles, phi blocks from the factors);
+4. ``chunk_backward_grads.chunk_bwd_grads_kernel``, chunk-parallel, over key blocks of
+   ``block_k`` columns: dv, dbeta, dg and, with ``factor_grads="registers"``, every factor's
+   gradient (phi's contracted to the factors in registers), else phi(Q)'s and phi(K)'s ([T, K]
+   fp32 each; always at order 2, whose one factor is phi);
+5. (phi's gradients stored) ``chunk_backward_grads.phi_grads_to_factors_kernel``,
+   token-parallel: phi's gradients to the factors, through the l2norm.
 
 Memory (``BackwardConfig.workspace_bytes``), per (sequence, head): per chunk S and dS' (K d_v
-each in the products' type); per token phi(K), phi(Q) (K each, the products' type), P and T (4 C
-each; T with the delta rule), U, R, dU (4 d_v each; R with the delta rule), the phi gradients (4 K
-each) and the log decay (4, gates). o3 16x16, d_v 64, C 64, bf16 inputs: 2 x 512 + 2 x 256 + 3 x
-256 + 2 x 1024 + 4 bytes per token, and 2 x 32 KiB per chunk (8.4 KiB per token at C 64).
+each in the products' type); per token P and T (4 C each; T with the delta rule), U, R, dU (4
+d_v each; R with the delta rule), the log decay (4, gates), with resident loops phi(K), phi(Q) (K
+each, the products' type), with stored phi gradients 2 x 4 K; streamed loops add the running S
+and dS (fp32, K d_v each, once). o3 16x16, d_v 64, C 64, bf16, the default (resident, stored):
+2 x 512 + 2 x 256 + 3 x 256 + 2 x 1024 + 4 bytes per token and 2 x 32 KiB per chunk (8.4 KiB
+per token); o3 64x64 (streamed, registers): 2 x 512 KiB per chunk + 1.3 KiB per token.
 
-Scope (:func:`supports`): orders 2-4 with power-of-two key widths >= 16 and K <= 256 (the
-state-gradient loop keeps a [K, block_v] tile in registers; order 4 then never fits, 16^3 =
-4096), any d_v, gates, delta rule, l2norm, initial state, final-state gradient, varlen and any T.
+Scope (:func:`supports`): orders 2-4 with power-of-two key widths >= 16 at any K, any d_v,
+gates, delta rule, l2norm, initial state, final-state gradient, varlen and any T.
 """
 
 from __future__ import annotations
@@ -437,7 +444,7 @@ def _launch(config: BackwardConfig, p: Problem, q, k, v, g, beta, h0, cu_seqlens
     if varlen:
         idx = chunk_indices(p, C, dev)
         offsets = torch.tensor([0, *itertools.accumulate(n_chunks)], dtype=torch.int32).to(dev)
-    lowp, prec, dt = lowp_dots(v.dtype), config.dot_precision, dot_dtype(v)
+    prec = config.dot_precision
     # 1. prepare: P, T, c (and for the resident loops phi(K), phi(Q))
     split = SplitConfig(chunk_size=C, block_v=bv, num_warps=config.num_warps, num_stages=config.num_stages,
                         prepare_warps=config.prepare_warps, solve=config.solve, dot_precision=prec,
