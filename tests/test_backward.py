@@ -136,6 +136,19 @@ def test_streamed_state_loops(widths, T, C, bk, features):
 
 
 @needs_kernels
+@pytest.mark.parametrize("widths, dtype", [((32, 32), torch.float32), ((32, 32), torch.bfloat16),
+                                           ((16, 16, 16), torch.bfloat16)], ids=["o3-32x32-fp32", "o3-32x32-bf16",
+                                                                                  "o4-16x16x16-bf16"])
+def test_default_config_above_k256(widths, dtype):
+    """The default config where the resident loops cannot go (streamed, factors' gradients in
+    registers, one stage, prefetched recompute): what an untuned training run gets at K >= 1024."""
+    shape = KernelShape(widths, 20, 4 if dtype == torch.float32 else 2)
+    config = default_backward(shape, 232448)
+    assert config.state_loop == "streamed" and config.factor_grads == "registers"
+    check_gradients(widths, 70, 20, chunk_size=config.chunk_size, dtype=dtype, config=config)
+
+
+@needs_kernels
 @pytest.mark.parametrize("widths, loop", [((16, 16), "resident"), ((16, 16), "streamed"), ((16, 16, 16), "streamed")],
                          ids=["o3-resident", "o3-streamed", "o4-streamed"])
 def test_factor_grads_in_a_workspace(widths, loop):

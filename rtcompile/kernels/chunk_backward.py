@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -145,8 +146,8 @@ class BackwardConfig(KernelConfig):
         if self.state_loop == "resident" and shape.key_dim > MAX_KEY_DIM:
             return (f"state_loop='resident' holds the [K, block_v] state in registers up to K = {MAX_KEY_DIM}, "
                     f"got K = {shape.key_dim}; use state_loop='streamed'")
-        if self.num_stages < 2:
-            return f"num_stages={self.num_stages}; allowed: 2, 3 or 4 (the split state loop's rule)"
+        if self.num_stages < 2 and self.state_loop == "resident":
+            return f"num_stages={self.num_stages}; allowed: 2, 3 or 4 (the split state loop's rule; 1 streamed)"
         return resource_refusal(self, shape, smem_limit, "; try a smaller chunk_size, block_v or block_k")
 
     def estimate_registers(self, shape: KernelShape) -> int:
@@ -183,7 +184,7 @@ class BackwardConfig(KernelConfig):
             "block_k": [b for b in BLOCK_KS if b <= shape.key_dim_pow2 and (len(shape.key_widths) < 2
                                                                          or b >= shape.key_widths[-1])],
             "num_warps": [2, 4, 8],
-            "num_stages": [2, 3],
+            "num_stages": [1, 2, 3] if shape.key_dim > MAX_KEY_DIM else [2, 3],
             "grads_warps": list(GRADS_WARPS),
             "prepare_warps": list(PREPARE_WARPS),
             "solve": list(SOLVES),
@@ -254,7 +255,12 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -
     # phi's gradients through a [T, K] workspace up to K = 256: o3 16x16 fwd+bwd 3.34 ms against
     # 4.49 contracted in registers (H200, fad70b3; the key loop spilled ~0.6 KB per thread);
     # above, in registers (no [T, K] tensor; o3 32x32 25.5 ms against 14.4, 2.3 against 4.3 GiB)
-    loop = {"state_loop": "streamed", "state_block_k": 128} if streamed else {"factor_grads": "workspace"}
+    # streamed tiles as the streamed forward's: >= 128 rows and all of the trailing axes, so phi
+    # blocks are outer products of factor rows (o4 16^3 at 128 rows, gathered: 61 ms recompute)
+    tile = min(256, max(128, math.prod(shape.key_widths[1:])))
+    # one stage for the streamed loops, as the streamed forward (its 256-row tiles need the memory)
+    loop = {"state_loop": "streamed", "state_block_k": tile, "num_stages": 1} if streamed \
+        else {"factor_grads": "workspace"}
     order = ((64, 8), (64, 4), (32, 8), (32, 4), (16, 4)) if streamed else ((64, 4), (64, 8), (32, 4), (32, 8), (16, 4))
     for C, warps in order + ((16, 8),):
         cfg = BackwardConfig(chunk_size=C, block_v=bv, block_k=bk, num_warps=warps, grads_warps=8, prepare_warps=4,
@@ -458,7 +464,9 @@ def _launch(config: BackwardConfig, p: Problem, q, k, v, g, beta, h0, cu_seqlens
         loops = {"cu_seqlens": cu_seqlens, "offsets": offsets, "l2norm": l2norm, "ws": ws, "chunk_size": C,
                  "block_k": min(config.state_block_k, K), "block_v": bv, "num_warps": config.num_warps,
                  "num_stages": config.num_stages, "precision": prec}
-        Hc, Uc, Rc = recompute_streamed(p, q, k, v, g, beta, h0=h0, **loops)
+        # each state tile's load issued one ahead, as the streamed forward measured (~1.2 TB/s of
+        # state traffic without it at o3 64x64 on the H200)
+        Hc, Uc, Rc = recompute_streamed(p, q, k, v, g, beta, h0=h0, prefetch_state=True, **loops)
         dHc, dUc, dh0 = state_grads_streamed(p, q, k, beta, do, dht, want_dh0=h0 is not None, scale=p.scale, **loops)
     # 4. dv, dbeta, dg and every factor's gradient (or phi's, to dQp / dKp), chunk-parallel
     dq = [args.empty(x.shape, dtype=x.dtype, device=dev) for x in q]

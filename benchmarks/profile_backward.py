@@ -1,0 +1,82 @@
+"""Per-kernel GPU time of one forward + backward (torch.profiler), to see where the time goes.
+
+    python benchmarks/profile_backward.py [--widths 16 16] [--variant "field=value,field=value" ...]
+
+B8 T4096 H8 d_v 64 bf16, gate + delta rule + l2norm, as ``train_step.py``. Per variant (the
+backward's default config with those fields changed; none: the default): 3 warm-up calls, then
+5 profiled calls; prints each kernel's mean time per call (ms), largest first, and their sum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> int:
+    from rtcompile.kernels import chunk_backward
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--widths", type=int, nargs="+", default=[16, 16])
+    ap.add_argument("--variant", action="append", default=[], metavar="FIELD=VALUE,...")
+    args = ap.parse_args()
+    base = chunk_backward.default_backward
+    for variant in args.variant or [""]:
+        changes = {}
+        for item in filter(None, variant.split(",")):
+            name, _, value = item.partition("=")
+            changes[name] = int(value) if value.isdigit() else value
+        chunk_backward.default_backward = lambda shape, limit=None, c=changes: dataclasses.replace(base(shape, limit),
+                                                                                                    **c)
+        try:
+            _profile(args.widths, changes)
+        except Exception as exc:  # a variant that does not compile or fit is a line, not the end
+            print(f"widths {args.widths} changes {changes}: {type(exc).__name__}: {str(exc)[:200]}")
+    return 0
+
+
+def _profile(widths, changes):
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import rtcompile
+
+    B, T, H, V = 8, 4096, 8, 64
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=gen, dtype=torch.bfloat16)  # noqa: E731
+    q = [r(B, T, H, w).requires_grad_() for w in widths]
+    k = [r(B, T, H, w).requires_grad_() for w in widths]
+    v = r(B, T, H, V).requires_grad_()
+    g = (-torch.rand(B, T, H, device="cuda", generator=gen) * 0.1).to(torch.bfloat16).requires_grad_()
+    beta = torch.rand(B, T, H, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+    do = torch.randn_like(v)
+
+    def call():
+        o, s = rtcompile.running_tensor(q, k, v, g, beta, l2norm=True, output_final_state=True, mode="chunk",
+                                        backend="triton")
+        torch.autograd.backward([o, s], [do, torch.ones_like(s)])
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    n = 5
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            call()
+        torch.cuda.synchronize()
+    total = collections.Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:  # a kernel: its range is device time
+            total[e.name] += e.time_range.elapsed_us() / 1e3 / n  # ms per call
+    print(f"widths {widths} changes {changes}: kernel ms per fwd+bwd, sum {sum(total.values()):.3f}")
+    for name, ms in total.most_common(6):
+        print(f"  {ms:8.3f}  {name[:90]}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
