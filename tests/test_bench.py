@@ -486,10 +486,11 @@ def test_dry_run_lists_the_train_cases(no_cuda, capsys):
     assert main(["bench", "--dry-run", "--phase", "train"]) == 0
     out = capsys.readouterr().out
     cases = bench.plan("train")
-    assert {c.key_widths for c in cases} == {(16, 16), (64,), (128,), (256,)}
+    assert {c.key_widths for c in cases} == {(16, 16), (64,), (128,), (256,), (32, 32), (64, 64), (16, 16, 16)}
     assert all((c.B, c.T, c.H, c.V, c.dtype, c.phase) == (8, 4096, 8, 64, "bfloat16", "train") for c in cases)
-    for case in cases:
-        assert case.name in out and case.impl_names() == [IMPL_RT, IMPL_REF, IMPL_FLA]
+    for case in cases:  # above K = 256 ours alone (fla refuses it, the reference keeps every state)
+        want = [IMPL_RT, IMPL_REF, IMPL_FLA] if case.K <= 256 else [IMPL_RT]
+        assert case.name in out and case.impl_names() == want
     assert "prefill " not in out and "decode " not in out
     # "all" stays prefill + decode: the train phase runs only when named
     assert not [c for c in bench.plan("all") if c.phase == "train"]
