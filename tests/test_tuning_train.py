@@ -107,8 +107,9 @@ def test_unsupported_train_buckets_are_refused_before_the_store_is_touched(tmp_p
     with pytest.raises(ValueError, match="power-of-two key widths"):
         tune_bucket(odd, TuneOptions(storage=url, trials=1))
     assert not (tmp_path / "never.db").exists()
-    with pytest.raises(ValueError, match="K = 4096 > 256"):
-        search_space(Bucket("chunk_bwd", (64, 64), 16, 1, 1, 32, "float32"), TuneOptions())
+    # above K = 256 the space holds the streamed state loops only
+    wide = search_space(Bucket("chunk_bwd", (64, 64), 16, 1, 1, 32, "float32"), TuneOptions())
+    assert wide["backward"]["state_loop"] == ["streamed"], wide
 
 
 def _spec_file(tmp_path, widths) -> Path:
@@ -166,7 +167,14 @@ def test_the_train_decision_uses_measured_forward_plus_backward(tmp_path):
 
 
 def test_a_train_decision_the_backward_cannot_take_says_so():
+    spec = ModelSpec(order=3, key_widths=(24, 24), value_width=64, heads=8, model_width=512, layers=2)
+    plan = make_plan(spec, get_target("h200"), batches=(1,), seq_lens=(1024,), decode_batches=(1,))
+    (d,) = [d for d in plan.decisions if d.phase == "train"]
+    assert d.backward is None and "reference's autograd" in d.reason and "power-of-two key widths" in d.reason
+
+
+def test_a_train_decision_above_k256_takes_the_streamed_backward():
     spec = ModelSpec(order=3, key_widths=(64, 64), value_width=64, heads=8, model_width=512, layers=2)
     plan = make_plan(spec, get_target("h200"), batches=(1,), seq_lens=(1024,), decode_batches=(1,))
     (d,) = [d for d in plan.decisions if d.phase == "train"]
-    assert d.backward is None and "reference's autograd" in d.reason and "K = 4096 > 256" in d.reason
+    assert d.backward is not None and d.backward["state_loop"] == "streamed", d

@@ -260,7 +260,7 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -
     tile = min(256, max(128, math.prod(shape.key_widths[1:])))
     # one stage for the streamed loops, as the streamed forward (its 256-row tiles need the memory)
     loop = {"state_loop": "streamed", "state_block_k": tile, "num_stages": 1} if streamed \
-        else {"factor_grads": "workspace"}
+        else {"factor_grads": "workspace", "state_block_k": min(tile, shape.key_dim_pow2)}  # unused: in the space
     order = ((64, 8), (64, 4), (32, 8), (32, 4), (16, 4)) if streamed else ((64, 4), (64, 8), (32, 4), (32, 8), (16, 4))
     for C, warps in order + ((16, 8),):
         cfg = BackwardConfig(chunk_size=C, block_v=bv, block_k=bk, num_warps=warps, grads_warps=8, prepare_warps=4,
