@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_checks.py regret --out DIR     # every alternative measured at 18 points
     python benchmarks/gpu_checks.py bundle --out DIR     # a bundle on the GPU vs ONNX Runtime (CPU)
+    python benchmarks/gpu_checks.py first_call --out DIR # load + first calls, with / without compiled kernels
 
 ``regret``: for each example spec and each (phase, shape) point, the plan's decision is compared
 with a measurement of every alternative the planner considered (median of CUDA-event repeats on
@@ -15,6 +16,10 @@ odd-numbered ones (held out), so calibration is not judged on its own data.
 ``rtcompile.load`` and runs the torch module on the Triton kernels (the plan's pinned variants)
 in bf16 and in fp32, against ONNX Runtime on the CPU in fp32: prefill logits and 16 decode
 steps fed the same tokens (ONNX Runtime's greedy choice) on both sides.
+
+``first_call``: a fresh process (empty Triton cache) loads the example bundle and runs its first
+prefill (T 1024) and two decode steps; once with the compiled kernels export collected on this
+machine, once from the same bundle exported without them.
 
 ``--quick`` runs tiny shapes (with ``TRITON_INTERPRET=1`` on a CPU machine): the tests use it
 so the script cannot rot; its numbers mean nothing. Each subcommand writes ``DIR/<name>.json``
@@ -234,6 +239,55 @@ def bundle(args) -> dict:
     return {"summary": summary}
 
 
+_FIRST_CALL = """
+import sys, time
+t0 = time.perf_counter()
+import torch, rtcompile
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+m = rtcompile.load(sys.argv[1]).to(dev)
+t1 = time.perf_counter()
+with torch.no_grad():
+    m(torch.zeros(1, int(sys.argv[2]), dtype=torch.long, device=dev))
+    m.generate(torch.zeros(1, 4, dtype=torch.long, device=dev), 2)
+if dev == "cuda":
+    torch.cuda.synchronize()
+print(f"{t1 - t0:.3f} {time.perf_counter() - t1:.3f}")
+"""
+
+
+def first_call(args) -> dict:
+    """Seconds from a fresh process's ``rtcompile.load`` to its first prefill (T = the plan's) and
+    two decode steps, with an empty Triton cache each time: the bundle with its compiled kernels
+    (exported on this machine) and the same bundle exported without them."""
+    import subprocess
+    import tempfile
+
+    from rtcompile.export import export_bundle
+    from rtcompile.model import RunningTensorLM
+
+    device = _device()
+    target = get_target(args.target or ("auto" if device == "cuda" else "h200"))
+    spec = TINY if args.quick else load_spec(ROOT / "examples/order3_16x16.toml")
+    T = 9 if args.quick else 1024
+    torch.manual_seed(0)
+    model = RunningTensorLM(spec, vocab_size=64 if args.quick else 256).float().eval()
+    plan = make_plan(spec, target, batches=(1,), seq_lens=(T,), decode_batches=(1,))
+    rows = {}
+    for name, with_kernels in (("with compiled kernels", True), ("without", False)):
+        out = Path(args.out) / f"bundle-{'kernels' if with_kernels else 'plain'}"
+        export_bundle(model, out, plan=plan, overwrite=True, onnx=False, compiled=with_kernels)
+        kernels = json.loads((out / "manifest.json").read_text())["kernels"]
+        with tempfile.TemporaryDirectory() as cache:
+            env = {**os.environ, "TRITON_CACHE_DIR": cache}
+            done = subprocess.run([sys.executable, "-c", _FIRST_CALL, str(out), str(T)], env=env, capture_output=True,
+                                  text=True, check=True)
+        load_s, first_s = map(float, done.stdout.split()[-2:])
+        rows[name] = {"load_s": load_s, "first_calls_s": first_s, "kernels": kernels is not None}
+    summary = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "prompt": T, "rows": rows,
+               "quick": args.quick}
+    return {"summary": summary}
+
+
 def _table(name: str, data: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -254,13 +308,13 @@ def _table(name: str, data: dict) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("check", choices=["regret", "bundle"])
+    ap.add_argument("check", choices=["regret", "bundle", "first_call"])
     ap.add_argument("--out", required=True, help="directory for <check>.json (and the bundle)")
     ap.add_argument("--target", help="target profile (default: auto on a GPU, h200 on the CPU)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, for the CPU tests")
     args = ap.parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    data = {"regret": regret, "bundle": bundle}[args.check](args)
+    data = {"regret": regret, "bundle": bundle, "first_call": first_call}[args.check](args)
     path = Path(args.out) / f"{args.check}.json"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1, default=str))

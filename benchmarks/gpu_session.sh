@@ -42,6 +42,7 @@ step_bench() {  # decode first (~60 s), so the prefill phase cannot starve it of
 
 step_checks() {  # the bundle on the Triton kernels vs ONNX Runtime, then the planner's regret
   python3 benchmarks/gpu_checks.py bundle --out "$OUT/checks"
+  python3 benchmarks/gpu_checks.py first_call --out "$OUT/checks"
   python3 benchmarks/gpu_checks.py regret --out "$OUT/checks"
 }
 

@@ -16,7 +16,10 @@ def add_parsers(sub) -> None:
     e.add_argument("--opset27", action="store_true",
                    help="emit ONNX's standard LinearAttention (opset 27) on materialised Kronecker features "
                         "instead of the ai.rtcompile::RunningTensor node")
-    e.add_argument("--no-onnx", action="store_true", help="weights and manifest only")
+    e.add_argument("--no-onnx", action="store_true", help="no ONNX graphs")
+    e.add_argument("--no-kernels", action="store_true",
+                   help="no compiled Triton kernels (on a CUDA machine export compiles the plan's shapes and ships "
+                        "what Triton built, for this GPU and software; elsewhere there are none)")
     e.set_defaults(func=run_export)
     i = sub.add_parser("inspect", help="summarise a bundle (verifies its manifest and hashes)")
     i.add_argument("bundle", metavar="DIR")
@@ -77,7 +80,7 @@ def run_export(args) -> int:
             raise BundleError(f"--weights {args.weights!r}: {problem}")
         model.load_state_dict(load_file(args.weights), strict=True)
     path = export_bundle(model, args.out, plan=plan, overwrite=args.force, onnx=not args.no_onnx,
-                         opset27=args.opset27)
+                         opset27=args.opset27, compiled=not args.no_kernels)
     print(f"bundle written to {path}")
     return 0
 
@@ -103,6 +106,9 @@ def run_inspect(args) -> int:
     t.add_row("plan", "none" if m.get("plan") is None else f"for {m.get('target')} ({len(m['plan']['decisions'])} decisions)")
     t.add_row("onnx", "none" if m["onnx"] is None else f"{m['onnx']['mixer']}; both graphs' weights match the digest "
                                                          "recorded at export (verified)")
+    key = (m.get("kernels") or {}).get("key")
+    t.add_row("kernels", "none" if key is None else f"compiled for {key['gpu']} (sm {key['capability']}), "
+                                                    f"Triton {key['triton']}, CUDA {key['cuda']} (verified)")
     t.add_row("versions", ", ".join(f"{k} {v}" for k, v in m["versions"].items()))
     for name, meta in m["files"].items():
         t.add_row(name, f"{meta['bytes']} bytes, sha256 {meta['sha256'][:16]}... (verified)")

@@ -196,15 +196,15 @@ def test_spec_the_spec_module_refuses(field, value, pattern, bundle, capsys):
     _refused(bundle, capsys, r"manifest\.json: " + pattern)
 
 
-@pytest.mark.parametrize("fmt", [0, -1, True, 2.0, "2", None, 1, 3])
+@pytest.mark.parametrize("fmt", [0, -1, True, 3.0, "3", None, 1, 4])
 def test_format_other_than_the_supported_one(fmt, bundle, capsys):
     _edit(bundle, lambda m: m.update(format=fmt))
-    _refused(bundle, capsys, r"manifest\.json: .*format", r"allowed: the integer 2|allowed: 2|newer than")
+    _refused(bundle, capsys, r"manifest\.json: .*format", r"allowed: the integer 3|allowed: 2 or 3|newer than")
 
 
 def test_manifest_with_a_repeated_key(bundle, capsys):
     text = (bundle / "manifest.json").read_text()
-    (bundle / "manifest.json").write_text(text.replace('{', '{"format": 2, ', 1))
+    (bundle / "manifest.json").write_text(text.replace('{', '{"format": 3, ', 1))
     _refused(bundle, capsys, r"manifest\.json: unreadable \(key 'format' appears more than once\)")
 
 

@@ -28,3 +28,11 @@ def test_bundle_on_the_triton_kernels_matches_onnxruntime(tmp_path):
     assert res["steps"] == 4
     assert res["prefill_rel_rms"] < 1e-4 and res["decode_rel_rms_max"] < 1e-4
     assert res["tolerance"] == 1e-4 and res["within_tolerance"] is True
+
+
+def test_first_call_times_both_bundles_in_fresh_processes(tmp_path):
+    """On the CPU no kernels are collected (no CUDA): both rows run, neither has kernels."""
+    assert gpu_checks.main(["first_call", "--quick", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "first_call.json").read_text())["summary"]["rows"]
+    assert set(rows) == {"with compiled kernels", "without"}
+    assert all(r["load_s"] > 0 and r["first_calls_s"] > 0 and r["kernels"] is False for r in rows.values())

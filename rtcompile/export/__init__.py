@@ -3,7 +3,14 @@ without tuning or pickle. The state mixer is one ONNX node ``ai.rtcompile::Runni
 carrying a model-local function body that plain onnxruntime runs.
 """
 
-from .bundle import BUNDLE_FORMAT, BundleError, check_replaceable, export_bundle, load_bundle, read_manifest
+from .bundle import (
+           BUNDLE_FORMAT,
+           BundleError,
+           check_replaceable,
+           export_bundle,
+           load_bundle,
+           read_manifest,
+)
 from .onnx_mixer import DOMAIN, mixer_model, running_tensor_function
 from .verify import verify_bundle
 

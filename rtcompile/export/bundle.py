@@ -2,7 +2,8 @@
 
 Layout: ``manifest.json`` (format version, spec, plan, target, tool/torch/triton/onnx versions,
 sha256 and size of every other file), ``weights.safetensors``, ``prefill.onnx`` and
-``decode.onnx`` (see ``onnx_model``). Writing goes to a temporary
+``decode.onnx`` (see ``onnx_model``), and from a CUDA machine ``kernels/`` (compiled Triton
+kernels with the machine they are for: ``compiled``). Writing goes to a temporary
 directory beside the destination, renamed into place at the end, so a reader never sees half a
 bundle. Loading first runs every check of ``verify`` (manifest keys and types, files inside
 the bundle with their sizes and hashes, spec, plan, the weights' names and shapes, the ONNX
@@ -14,11 +15,23 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import warnings
 from pathlib import Path
 
 from ..fileio import atomic_directory, file_sha256, honour_umask
-from .verify import (BUNDLE_FORMAT, GRAPHS, MANIFEST, WEIGHTS, BundleError, graph_weights_sha256, plan_mismatch,
-                     read_manifest, verify_bundle)
+from .compiled import compile_into, install
+from .verify import (
+    BUNDLE_FORMAT,
+    GRAPHS,
+    MANIFEST,
+    WEIGHTS,
+    BundleError,
+    graph_weights_sha256,
+    plan_mismatch,
+    read_manifest,
+    verify_bundle,
+)
 
 __all__ = ["BUNDLE_FORMAT", "BundleError", "check_replaceable", "export_bundle", "load_bundle", "read_manifest",
            "verify_bundle"]
@@ -39,9 +52,13 @@ def _versions() -> dict[str, str]:
 
 
 def export_bundle(model, out: str | os.PathLike, *, plan=None, overwrite: bool = False, onnx: bool = True,
-                  opset27: bool = False) -> Path:
+                  opset27: bool = False, compiled: bool = False) -> Path:
     """Write ``model`` (a :class:`~rtcompile.model.RunningTensorLM`) as a bundle at ``out``:
-    manifest, weights and (``onnx``) ``prefill.onnx`` / ``decode.onnx``."""
+    manifest, weights, (``onnx``) ``prefill.onnx`` / ``decode.onnx`` and (``compiled``, on a
+    CUDA machine) the Triton kernels the plan's shapes compile, for this GPU and software
+    (``compiled.py``; without CUDA there are none to collect; ``rtcompile export`` asks for them
+    unless ``--no-kernels``). A compile that fails leaves the bundle without kernels and says
+    so once (the bundle is still complete)."""
     from safetensors.torch import save_file
 
     dest = Path(out)
@@ -78,6 +95,11 @@ def export_bundle(model, out: str | os.PathLike, *, plan=None, overwrite: bool =
             names += list(GRAPHS)
             onnx_entry = {"mixer": "LinearAttention (opset 27)" if opset27 else "ai.rtcompile::RunningTensor",
                           "weights_sha256": {g: graph_weights_sha256(onnx_pkg.load(str(tmp / g))) for g in GRAPHS}}
+        kernels = None
+        if compiled:
+            got = _compile_kernels(model, plan, tmp)
+            if got is not None and got[1]:
+                kernels, names = {"key": got[0]}, names + got[1]
         files = {n: {"sha256": file_sha256(tmp / n), "bytes": (tmp / n).stat().st_size} for n in names}
         manifest = {
             "format": BUNDLE_FORMAT,
@@ -86,11 +108,28 @@ def export_bundle(model, out: str | os.PathLike, *, plan=None, overwrite: bool =
             "plan": None if plan is None else plan.to_dict(),
             "target": None if plan is None else plan.target.get("name"),
             "onnx": onnx_entry,
+            "kernels": kernels,
             "versions": _versions(),
             "files": files,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
     return dest
+
+
+def _compile_kernels(model, plan, tmp: Path):
+    """:func:`compiled.compile_into` on the bundle being written (its weights and a warm-up
+    description, removed after)."""
+    info = tmp / "warmup.json"
+    info.write_text(json.dumps({"spec": model.spec.to_dict(), "vocab_size": model.head.out_features,
+                                "mlp": model.mlps is not None, "plan": None if plan is None else plan.to_dict()}),
+                    encoding="utf-8")
+    try:
+        return compile_into(tmp)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        warnings.warn(f"bundle: no compiled kernels ({exc}); they compile on first use", RuntimeWarning, stacklevel=3)
+        return None
+    finally:
+        info.unlink()
 
 
 def check_replaceable(path: str | os.PathLike) -> None:
@@ -111,9 +150,12 @@ def check_replaceable(path: str | os.PathLike) -> None:
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("format"), int) or not isinstance(files, dict):
         raise refuse(f"is not a bundle ({MANIFEST} is not a bundle manifest)")
-    for entry in sorted(root.iterdir()):
-        if entry.name != MANIFEST and (entry.name not in files or entry.is_symlink() or not entry.is_file()):
-            raise refuse(f"holds {entry.name!r}, which its {MANIFEST} does not list")
+    for entry in sorted(root.rglob("*")):
+        name = entry.relative_to(root).as_posix()
+        if entry.is_dir() and not entry.is_symlink() and any(f.startswith(name + "/") for f in files):
+            continue  # a folder of listed files (kernels/<entry>)
+        if name != MANIFEST and (name not in files or entry.is_symlink() or not entry.is_file()):
+            raise refuse(f"holds {name!r}, which its {MANIFEST} does not list")
 
 
 def load_bundle(path: str | os.PathLike):
@@ -132,4 +174,7 @@ def load_bundle(path: str | os.PathLike):
     model.load_state_dict(load_file(str(v.root / WEIGHTS)), strict=True)  # names and shapes checked above
     model.eval()
     model.plan = v.plan
+    done = install(v.root, v.manifest)  # hashes checked above; another machine's: said once, not installed
+    if done is not None and not done[0]:
+        warnings.warn(done[1], RuntimeWarning, stacklevel=2)
     return model

@@ -26,15 +26,18 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 from ..fileio import file_sha256
+from .compiled import check_entry
 
 # 2: the manifest records a digest of the ONNX graphs' weights (onnx.weights_sha256), and
 #    every key is checked; 1: rtcompile before 0.2 (no digest).
-BUNDLE_FORMAT = 2
+BUNDLE_FORMAT = 3
+# format 2 has no 'kernels' (compiled kernels) and still loads as a bundle without them
+READABLE_FORMATS = (2, 3)
 OLD_FORMATS = {1: "written by rtcompile before 0.2 (no digest of the ONNX graphs' weights)"}
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
 GRAPHS = ("prefill.onnx", "decode.onnx")
-MANIFEST_KEYS = ("format", "spec", "model", "plan", "target", "onnx", "versions", "files")
+MANIFEST_KEYS = ("format", "spec", "model", "plan", "target", "onnx", "kernels", "versions", "files")
 MODEL_CLASS = "RunningTensorLM"
 # The largest vocabularies in use are ~256k tokens (Gemma: 262,144); 2**24 (16.8M) leaves 64x
 # headroom while refusing a manifest whose embedding alone would be terabytes.
@@ -87,9 +90,10 @@ def _check_format(root: Path, fmt: Any) -> None:
         raise refuse(root, MANIFEST, f"'format' is {_type_name(fmt)} {fmt!r}; allowed: the integer {BUNDLE_FORMAT}")
     if fmt > BUNDLE_FORMAT:
         raise refuse(root, MANIFEST, f"format {fmt} is newer than this rtcompile reads ({BUNDLE_FORMAT}); upgrade rtcompile")
-    if fmt != BUNDLE_FORMAT:
+    if fmt not in READABLE_FORMATS:
         why = OLD_FORMATS.get(fmt, "not a format rtcompile ever wrote")
-        raise refuse(root, MANIFEST, f"format {fmt} is {why}; allowed: {BUNDLE_FORMAT} (re-export the bundle)")
+        raise refuse(root, MANIFEST, f"format {fmt} is {why}; allowed: {' or '.join(map(str, READABLE_FORMATS))} "
+                                     "(re-export the bundle)")
 
 
 def _safe_name(name: str) -> bool:
@@ -141,11 +145,13 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(manifest, dict):
         raise refuse(root, MANIFEST, f"is a JSON {_type_name(manifest)}; allowed: an object")
     _check_format(root, manifest.get("format"))
-    missing = [k for k in MANIFEST_KEYS if k not in manifest]
-    unknown = sorted(k for k in manifest if k not in MANIFEST_KEYS)
+    keys = MANIFEST_KEYS if manifest["format"] == BUNDLE_FORMAT else tuple(k for k in MANIFEST_KEYS if k != "kernels")
+    missing = [k for k in keys if k not in manifest]
+    unknown = sorted(k for k in manifest if k not in keys)
     if missing or unknown:
         found = ", ".join(f"{what} keys {keys}" for what, keys in (("missing", missing), ("unknown", unknown)) if keys)
-        raise refuse(root, MANIFEST, f"{found}; allowed: exactly {', '.join(MANIFEST_KEYS)}")
+        raise refuse(root, MANIFEST, f"{found}; allowed: exactly {', '.join(keys)}")
+    manifest.setdefault("kernels", None)
     for key, kind, allowed in (("spec", dict, "an object"), ("model", dict, "an object"),
                                ("plan", (dict, type(None)), "an object or null"),
                                ("target", (str, type(None)), "a string or null"),
@@ -156,6 +162,8 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in manifest["versions"].items()):
         raise refuse(root, MANIFEST, "'versions' must map names to version strings")
     _check_files(root, manifest["files"])
+    if (why := check_entry(manifest["kernels"], manifest["files"])) is not None:
+        raise refuse(root, MANIFEST, why)
     return manifest
 
 
