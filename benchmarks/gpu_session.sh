@@ -1,6 +1,6 @@
 # The measurements of one GPU session, in steps that each fit one 10-minute device call.
 #
-#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train | bench | checks
+#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train | sweep | bench | checks
 #
 # Run from the project root on the device machine after installing the carried wheels (see
 # benchmarks/README.md). Everything lands under $OUT. Each step writes as it goes, so a call cut
@@ -31,8 +31,17 @@ step_train() {  # the backward on the GPU: gradient tests (-v into a file as it 
   echo "passed $(grep -c PASSED "$OUT/train_tests.txt") failed $(grep -c FAILED "$OUT/train_tests.txt")"
   grep -E "^FAILED|^ERROR" "$OUT/train_tests.txt" | head -20 || true
   python3 benchmarks/train_step.py --out "$OUT/train_ours.json"
-  python3 benchmarks/train_step.py --set factor_grads=workspace --out "$OUT/train_ours_ws.json"
+  python3 benchmarks/train_step.py --set factor_grads=workspace --cases "o3 16x16,o3 32x32" \
+    --out "$OUT/train_ours_ws.json"
   timeout "${FLA_S:-400}" python3 benchmarks/train_step.py --fla --cases "o3 16x16" --out "$OUT/train_fla.json" || true
+}
+
+step_sweep() {  # the backward's config sweep on the GPU alone: its configs compile five kernels per
+  # shape each (none of 23 finished in 240 s beside other tests on 2026-12-01), so one call of its own
+  timeout "${SWEEP_S:-540}" python3 -m pytest -v -p no:cacheprovider -n "${TEST_WORKERS:-8}" \
+    tests/test_backward.py -k "gpu_config_sweep or default_config_above" > "$OUT/sweep.txt" 2>&1 || true
+  echo "passed $(grep -c PASSED "$OUT/sweep.txt") failed $(grep -c FAILED "$OUT/sweep.txt")"
+  grep -E "^FAILED|^ERROR" "$OUT/sweep.txt" | head -20 || true
 }
 
 step_bench() {  # decode first (~60 s), so the prefill phase cannot starve it of budget
@@ -47,6 +56,6 @@ step_checks() {  # the bundle on the Triton kernels vs ONNX Runtime, then the pl
 }
 
 for s in "$@"; do
-  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, bench, checks)" >&2; exit 2; }
+  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, sweep, bench, checks)" >&2; exit 2; }
   "step_$s"
 done
