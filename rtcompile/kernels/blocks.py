@@ -436,6 +436,19 @@ def states_per_sequence(T, C: tl.constexpr, STRIDE: tl.constexpr):
 
 
 @triton.jit
+def first_stored_state(i_n, i_b, T, cu_seqlens, state_offsets, C: tl.constexpr, STRIDE: tl.constexpr = 1):
+    """Where sequence ``i_n`` (batch index ``i_b``)'s stored per-chunk states start in a [states,
+    H, ...] buffer of every STRIDE-th chunk: ``state_offsets[i_n]`` with varlen, else ``i_b``
+    times :func:`states_per_sequence` (the sequential kernels' stores, the chunk-parallel
+    kernels' reads through :func:`chunk_of_program`)."""
+    if cu_seqlens is not None:
+        i_s = tl.load(state_offsets + i_n).to(tl.int64)
+    else:
+        i_s = i_b * states_per_sequence(T, C, STRIDE)
+    return i_s
+
+
+@triton.jit
 def chunk_of_program(i_c, i_n, T, cu_seqlens, chunk_indices, state_offsets, C: tl.constexpr,
                      STRIDE: tl.constexpr = 1):
     """Where a chunk-parallel program's chunk lies: (chunk within its sequence, sequence start and

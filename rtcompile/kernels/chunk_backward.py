@@ -63,7 +63,7 @@ import triton.language as tl
 
 from . import args
 from .args import contiguous_inputs, dot_dtype, factor_args, lowp_dots, width_args
-from .blocks import dot, sequence_of_program
+from .blocks import dot, first_stored_state, sequence_of_program
 from .chunk_backward_streamed import recompute_streamed, state_grads_streamed
 from .chunk_backward_grads import chunk_bwd_grads_kernel, phi_grads_to_factors_kernel, stored_log_decay
 from .chunk_prepare import chunk_indices, prepare_backward
@@ -299,9 +299,7 @@ def chunk_bwd_state_kernel(
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos, i_b = sequence_of_program(i_n, T, cu_seqlens)
     n_c = tl.cdiv(eos - bos, C)
-    i_g0 = i_b * n_c
-    if cu_seqlens is not None:
-        i_g0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    i_g0 = first_stored_state(i_n, i_b, T, cu_seqlens, chunk_offsets, C)
     DT: tl.constexpr = Kw.dtype.element_ty
     o_c = tl.arange(0, C)
     o_v = i_v * BV + tl.arange(0, BV)

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from . import args
 from .args import dot_dtype, factor_args, lowp_dots, width_args
-from .blocks import dot, phi_block, phi_inv_norm, sequence_of_program, state_tile
+from .blocks import dot, first_stored_state, phi_block, phi_inv_norm, sequence_of_program, state_tile
 from .chunk_backward_grads import stored_log_decay
 from .chunk_streamed import chunk_streamed_kernel
 from .config import KernelShape, is_pow2
@@ -115,9 +115,7 @@ def chunk_bwd_state_streamed_kernel(
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos, i_b = sequence_of_program(i_n, T, cu_seqlens)
     n_c = tl.cdiv(eos - bos, C)
-    i_g0 = i_b * n_c
-    if cu_seqlens is not None:
-        i_g0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    i_g0 = first_stored_state(i_n, i_b, T, cu_seqlens, chunk_offsets, C)
     o_c = tl.arange(0, C)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V

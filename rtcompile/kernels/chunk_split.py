@@ -20,7 +20,7 @@ from . import args
 from .args import dot_dtype, factor_args, lowp_dots, width_args
 from .blocks import (
     chunk_of_program, dot, factor_tiles, load_row_inputs, load_state_tile, one_side_tiles, phi_from_tiles,
-    scores_from_tiles, sequence_of_program, states_per_sequence,
+    first_stored_state, scores_from_tiles, sequence_of_program,
 )
 from .chunk_prepare import chunk_indices, prepare_keys
 from .config import (
@@ -204,10 +204,7 @@ def chunk_split_state_kernel(
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos, i_b = sequence_of_program(i_n, T, cu_seqlens)
-    if cu_seqlens is not None:
-        i_g0 = tl.load(chunk_offsets + i_n).to(tl.int64)  # the sequence's first stored state in Hc
-    else:
-        i_g0 = i_b * states_per_sequence(T, C, STRIDE)
+    i_g0 = first_stored_state(i_n, i_b, T, cu_seqlens, chunk_offsets, C, STRIDE)  # its first state in Hc
     DT: tl.constexpr = v.dtype.element_ty
     o_c = tl.arange(0, C)
     o_v = i_v * BV + tl.arange(0, BV)

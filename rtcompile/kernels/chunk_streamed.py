@@ -19,7 +19,10 @@ import triton.language as tl
 
 from . import args
 from .args import factor_args, lowp_dots, width_args
-from .blocks import chunk_inputs, dot, load_state_tile, phi_block, sequence_of_program, state_tile, unit_lower_inverse_scratch
+from .blocks import (
+    chunk_inputs, dot, first_stored_state, load_state_tile, phi_block, sequence_of_program, state_tile,
+    unit_lower_inverse_scratch,
+)
 from .chunk_prepare import prepare_scores
 from .config import (
     DEFAULT_SMEM_BYTES, DOT_PRECISIONS, PREPARE_WARPS, SOLVES, CostFigures, KernelConfig,
@@ -180,9 +183,7 @@ def chunk_streamed_kernel(
     m_v = o_v < V
     p_state = (i_n.to(tl.int64) * H + i_h) * K * V
     if Hc is not None:  # the sequence's first chunk in Hc
-        i_g0 = i_b * tl.cdiv(T, C)
-        if cu_seqlens is not None:
-            i_g0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+        i_g0 = first_stored_state(i_n, i_b, T, cu_seqlens, chunk_offsets, C)
     if MERGE_PASSES:  # chunk 0's products; every later chunk's ride on the update pass
         tok = bos + o_c
         b_kn, b_qn = _state_products(h0, ht, p_state, o_v, m_v, True, q1, q2, q3, k1, k2, k3,
