@@ -96,11 +96,26 @@ def _value_pass(b_P, b_Ai, b_b, v, do, Uc, Rc, dUc, dv, r, m_t, scale, V: tl.con
 
 
 @triton.jit
-def _state_terms(b_Ai, b_b, do, Uc, dUc, Hc, dHc, r, m_t, o_k, off_s, V: tl.constexpr, C: tl.constexpr,
-                 BK: tl.constexpr, BV: tl.constexpr, USE_BETA: tl.constexpr, PREC: tl.constexpr):
-    """Key block ``o_k``'s state products, summed over value blocks: (dO S^T, U dS'^T, dR S^T,
-    sum(S * dS')), the first three [C, BK]."""
+def _query_state_terms(do, Hc, r, m_t, o_k, off_s, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                       BV: tl.constexpr, PREC: tl.constexpr):
+    """Key block ``o_k``'s dO S^T ([C, BK]), summed over value blocks (S^T loaded as [BV, BK]:
+    a loaded, not derived, operand)."""
     b_qs = tl.zeros([C, BK], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        b_st = tl.load(Hc + off_s + o_k[None, :] * V + o_v[:, None], mask=m_v[:, None], other=0.0).to(tl.float32)
+        b_qs += f32dot(_rows(do, r, o_v, m_t[:, None] & m_v[None, :], V), b_st, PREC)
+    return b_qs
+
+
+@triton.jit
+def _key_state_terms(Uc, dv, Hc, dHc, r, m_t, o_k, off_s, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                     BV: tl.constexpr, USE_BETA: tl.constexpr, PREC: tl.constexpr):
+    """Key block ``o_k``'s (U dS'^T, dR S^T, sum(S * dS')), the first two [C, BK], summed over
+    value blocks. dR = diag(b) T^T dU is read back from ``dv`` (the value pass stored it there,
+    in v's type) instead of formed again per key block (which kept T live and cost a [C, C] x
+    [C, BV] product per key and value block)."""
     b_ks = tl.zeros([C, BK], dtype=tl.float32)
     b_xs = tl.zeros([C, BK], dtype=tl.float32)
     b_sds = 0.0
@@ -108,17 +123,29 @@ def _state_terms(b_Ai, b_b, do, Uc, dUc, Hc, dHc, r, m_t, o_k, off_s, V: tl.cons
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
         m_o = m_t[:, None] & m_v[None, :]
-        # S^T and dS'^T loaded as [BV, BK] (loaded, not derived, operands)
         off = off_s + o_k[None, :] * V + o_v[:, None]
         b_st = tl.load(Hc + off, mask=m_v[:, None], other=0.0).to(tl.float32)
         b_dst = tl.load(dHc + off, mask=m_v[:, None], other=0.0).to(tl.float32)
         b_sds += tl.sum(tl.sum(b_st * b_dst, axis=1), axis=0)
-        b_qs += f32dot(_rows(do, r, o_v, m_o, V), b_st, PREC)
         b_ks += f32dot(_rows(Uc, r, o_v, m_o, V), b_dst, PREC)
         if USE_BETA:
-            b_dr = b_b[:, None] * f32dot(tl.trans(b_Ai), _rows(dUc, r, o_v, m_o, V), PREC)
-            b_xs += f32dot(b_dr, b_st, PREC)
-    return b_qs, b_ks, b_xs, b_sds
+            b_xs += f32dot(_rows(dv, r, o_v, m_o, V), b_st, PREC)
+    return b_ks, b_xs, b_sds
+
+
+@triton.jit
+def _side_block(Xw, x1, x2, x3, b_rho1, b_rho2, b_rho3, p_row, r, m_t, i_k, NF: tl.constexpr, C: tl.constexpr,
+                BK: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
+    """Key block ``i_k`` of one side's normalised phi ([C, BK] fp32): from the resident state
+    loops' workspace ``Xw`` ([B, H, T, K]) when given, else built from the factors."""
+    K: tl.constexpr = D1 * D2 * D3
+    if Xw is not None:
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_x = tl.load(Xw + p_row[:, None] * K + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :], other=0.0)
+        b_x = b_x.to(tl.float32)
+    else:
+        b_x = _phi_block(x1, x2, x3, b_rho1, b_rho2, b_rho3, r, m_t, i_k, NF, C, BK, D1, D2, D3)
+    return b_x
 
 
 @triton.jit
@@ -292,37 +319,41 @@ def chunk_bwd_grads_kernel(
     b_dGq, b_dGs, b_db, b_dc = _cc_grads(b_dP, b_dT, b_db, b_dc, b_P, b_Ai, b_b, b_c, b_gk, scale, C, USE_BETA,
                                          PREC)
     aq1, aq2, aq3 = b_q1 * 0.0, b_q2 * 0.0, b_q3 * 0.0
-    ak1, ak2, ak3 = b_k1 * 0.0, b_k2 * 0.0, b_k3 * 0.0
+    # two passes over the key blocks, the queries' then the keys': one side's [C, BK] terms
+    # and accumulators live at a time (one pass held both and spilled 0.1-1.5 KB per thread on
+    # sm_90 at o3 16x16 to o4 16^3, probe_offline.py --backward)
     off_s = (i_s * H + i_h) * K * V
+    tl.debug_barrier()  # the value pass's dv (dR) stores, read back by every thread in the keys' pass
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        if Qw is not None:  # the resident state loops' normalised phi workspaces
-            m_k = m_t[:, None] & (o_k < K)[None, :]
-            b_q = tl.load(Qw + p_row[:, None] * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
-            b_k = tl.load(Kw + p_row[:, None] * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
-        else:
-            b_q = _phi_block(q1, q2, q3, rq1, rq2, rq3, r, m_t, i_k, NF, C, BK, D1, D2, D3)
-            b_k = _phi_block(k1, k2, k3, rk1, rk2, rk3, r, m_t, i_k, NF, C, BK, D1, D2, D3)
-        b_qs, b_ks, b_xs, b_sds = _state_terms(b_Ai, b_b, do, Uc, dUc, Hc, dHc, r, m_t, o_k, off_s, V, C, BK, BV,
-                                               USE_BETA, PREC)
-        b_dq = (scale * b_gam)[:, None] * b_qs
+        b_q = _side_block(Qw, q1, q2, q3, rq1, rq2, rq3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
+        b_k = _side_block(Kw, k1, k2, k3, rk1, rk2, rk3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
+        b_dq = (scale * b_gam)[:, None] * _query_state_terms(do, Hc, r, m_t, o_k, off_s, V, C, BK, BV, PREC)
         b_dc += tl.sum(b_dq * b_q, axis=1)
-        b_dlast += tl.exp(b_last) * b_sds
         b_dq += f32dot(b_dGq, b_k, PREC)
-        b_dk = b_r[:, None] * b_ks - b_gam[:, None] * b_xs + f32dot(tl.trans(b_dGq), b_q, PREC)
-        if USE_BETA:
-            b_dk += f32dot(b_dGs, b_k, PREC)
         if dQp is not None:
-            off_p = r[:, None] * K + o_k[None, :]
-            tl.store(dQp + off_p, b_dq, mask=m_t[:, None] & (o_k < K)[None, :])
-            tl.store(dKp + off_p, b_dk, mask=m_t[:, None] & (o_k < K)[None, :])
+            tl.store(dQp + r[:, None] * K + o_k[None, :], b_dq, mask=m_t[:, None] & (o_k < K)[None, :])
         else:
             aq1, aq2, aq3 = _block_to_factors(b_dq, q1, q2, q3, rq1, rq2, rq3, r, m_t, i_k, aq1, aq2, aq3, NF, BK,
                                               D1, D2, D3, PREC)
+    if dQp is None:  # the queries' factors now: their accumulators need not live through the keys' pass
+        _store_side(dq1, dq2, dq3, q1, q2, q3, aq1, aq2, aq3, r, m_t, NF, D1, D2, D3, L2NORM)
+    ak1, ak2, ak3 = b_k1 * 0.0, b_k2 * 0.0, b_k3 * 0.0
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_q = _side_block(Qw, q1, q2, q3, rq1, rq2, rq3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
+        b_k = _side_block(Kw, k1, k2, k3, rk1, rk2, rk3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
+        b_ks, b_xs, b_sds = _key_state_terms(Uc, dv, Hc, dHc, r, m_t, o_k, off_s, V, C, BK, BV, USE_BETA, PREC)
+        b_dlast += tl.exp(b_last) * b_sds
+        b_dk = b_r[:, None] * b_ks - b_gam[:, None] * b_xs + f32dot(tl.trans(b_dGq), b_q, PREC)
+        if USE_BETA:
+            b_dk += f32dot(b_dGs, b_k, PREC)
+        if dKp is not None:
+            tl.store(dKp + r[:, None] * K + o_k[None, :], b_dk, mask=m_t[:, None] & (o_k < K)[None, :])
+        else:
             ak1, ak2, ak3 = _block_to_factors(b_dk, k1, k2, k3, rk1, rk2, rk3, r, m_t, i_k, ak1, ak2, ak3, NF, BK,
                                               D1, D2, D3, PREC)
-    if dQp is None:
-        _store_side(dq1, dq2, dq3, q1, q2, q3, aq1, aq2, aq3, r, m_t, NF, D1, D2, D3, L2NORM)
+    if dKp is None:
         _store_side(dk1, dk2, dk3, k1, k2, k3, ak1, ak2, ak3, r, m_t, NF, D1, D2, D3, L2NORM)
     if USE_BETA:
         tl.store(dbeta + r, b_db.to(dbeta.dtype.element_ty), mask=m_t)
