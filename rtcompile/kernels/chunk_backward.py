@@ -99,12 +99,13 @@ FACTOR_TILE = 4096
 @dataclass(frozen=True)
 class BackwardConfig(KernelConfig):
     """The backward's kernels. ``chunk_size`` (16, 32, 64); ``block_v``, ``num_warps``,
-    ``num_stages`` (>= 2: the split state loop's rule): the recompute's and the state-gradient
-    loop's value tile, warps and stages, and the gradients kernel's value step; ``block_k`` (at most K
-    is used) and ``grads_warps``: the gradients kernel's key block and warps; ``prepare_warps`` / ``solve`` /
-    ``key_group``: the prepare kernel's; ``dot_precision``: every fp32 product (16-bit inputs
-    multiply the loaded operands in their own type); ``state_loop`` (:data:`STATE_LOOPS`) and
-    ``state_block_k`` (the streamed loops' key tile; unused when resident)."""
+    ``num_stages`` (>= 2 resident: the split state loop's rule): the recompute's and the
+    state-gradient loop's value tile, warps and stages, and the gradients kernel's value step;
+    ``block_k`` (at most K is used), ``grads_warps``, ``grads_stages``: the gradients kernel's
+    key block, warps and stages; ``prepare_warps`` / ``solve`` / ``key_group``: the prepare
+    kernel's; ``dot_precision``: every fp32 product (16-bit inputs multiply the loaded operands
+    in their own type); ``state_loop`` (:data:`STATE_LOOPS`) and ``state_block_k`` (the streamed
+    loops' key tile; unused when resident); ``factor_grads`` (:data:`FACTOR_GRADS`)."""
 
     kernel: ClassVar[str] = "chunk_bwd"
     form: ClassVar[str] = "backward"
@@ -114,6 +115,10 @@ class BackwardConfig(KernelConfig):
     num_warps: int = 4
     num_stages: int = 2
     grads_warps: int = 8
+    # the gradients kernel's software-pipelining stages: 1 by offline sm_90 counts only (spills
+    # o3 16x16 72 -> 56 B, o3 32x32 552 -> 392 B per thread, shared memory 118 -> 86 KB against
+    # Triton's default 3; its inner value loops run 1-2 iterations); not yet timed on a GPU
+    grads_stages: int = 1
     prepare_warps: int = 1
     solve: str = "tiles"
     key_group: int = 1
@@ -129,6 +134,7 @@ class BackwardConfig(KernelConfig):
         if (reason := chunk_refusal(self, shape)) is not None:
             return reason
         for name, allowed in (("chunk_size", BWD_CHUNK_SIZES), ("block_k", BLOCK_KS), ("grads_warps", GRADS_WARPS),
+                              ("grads_stages", (1, 2, 3)),
                               ("key_group", KEY_GROUPS), ("dot_precision", BWD_PRECISIONS),
                               ("state_loop", STATE_LOOPS), ("state_block_k", STATE_BLOCK_KS),
                               ("factor_grads", FACTOR_GRADS)):
@@ -186,6 +192,7 @@ class BackwardConfig(KernelConfig):
             "num_warps": [2, 4, 8],
             "num_stages": [1, 2, 3] if shape.key_dim > MAX_KEY_DIM else [2, 3],
             "grads_warps": list(GRADS_WARPS),
+            "grads_stages": [1, 2, 3],
             "prepare_warps": list(PREPARE_WARPS),
             "solve": list(SOLVES),
             "key_group": [g for g in KEY_GROUPS if order3 and shape.key_widths[0] % g == 0] or [1],
@@ -481,7 +488,7 @@ def _launch(config: BackwardConfig, p: Problem, q, k, v, g, beta, h0, cu_seqlens
         *factor_args(q), *factor_args(k), ws["Qw"], ws["Kw"], ws["P"], ws["Ai"], ws["Gc"], v, beta, do, Hc, dHc, Uc, Rc, dUc,
         *factor_args(dq), *factor_args(dk), dQp, dKp, dv, dg, dbeta, cu_seqlens, idx, p.scale, T,
         H=H, NF=len(q), **widths, V=V, C=C, BK=min(config.block_k, K), BV=bv, L2NORM=l2norm, PREC=prec,
-        num_warps=config.grads_warps,
+        num_warps=config.grads_warps, num_stages=config.grads_stages,
     )
     del ws, Hc, dHc, Uc, Rc, dUc
     if stored:  # 5. phi's gradients to the factors, through the l2norm, token-parallel
