@@ -296,13 +296,13 @@ def chunk_bwd_grads_kernel(
     L2NORM: tl.constexpr, PREC: tl.constexpr,
 ):
     """One chunk's (program i: chunk i, varlen: pair i of ``chunk_indices``) gradients for one
-    head: dv, dbeta, dg and every factor's. phi(Q), phi(K) are built per key block from the
-    factors' registers (:func:`_phi_block`) and their gradients contracted to the factors there
-    (:func:`_block_to_factors`), so no [T, K] tensor is read or written; with NF 1 (phi = x1)
-    phi's gradient goes to ``dQp`` / ``dKp`` ([B, T, H, K] fp32, factor-sized) for
-    :func:`order2_factor_grads_kernel`'s l2norm (None and unused with NF >= 2). ``P``, ``Ai``,
-    ``Gc``: the prepare kernel's; ``Hc``, ``Uc``, ``Rc``: the recompute's; ``dHc``, ``dUc``:
-    the state-gradient loop's. ``Gc`` / ``beta`` None: no gates / no delta rule."""
+    head: dv, dbeta, dg and phi's gradients. phi(Q), phi(K) blocks are read from ``Qw`` / ``Kw``
+    (the resident loops' workspaces) or, when those are None, built from the factors
+    (:func:`_side_block`). With ``dQp`` / ``dKp`` given ([B, T, H, K] fp32; always at order 2)
+    phi's gradients are stored there for :func:`phi_grads_to_factors_kernel`; None: contracted
+    to the factors here (:func:`_block_to_factors`) and stored into ``dq*`` / ``dk*``. ``P``,
+    ``Ai``, ``Gc``: the prepare kernel's; ``Hc``, ``Uc``, ``Rc``: the recompute's; ``dHc``,
+    ``dUc``: the state-gradient loop's. ``Gc`` / ``beta`` None: no gates / no delta rule."""
     USE_BETA: tl.constexpr = beta is not None
     K: tl.constexpr = D1 * D2 * D3
     i_nh = tl.program_id(1)
