@@ -247,7 +247,7 @@ def shape_refusal(shape: KernelShape) -> str | None:
 
 def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> BackwardConfig:
     """The first proposal that passes its check: C 64 then 32 then 16, 32 value columns, key
-    blocks of 64 (or K), 4 then 8 warps, the prepare kernel's phi stores 4 indices of axis 1 at a
+    blocks of 128 at K >= 256 through the workspace, else 64 (or K), 4 then 8 warps, the prepare kernel's phi stores 4 indices of axis 1 at a
     time where they divide (the split form's measured best); fp32 products in tf32 for 16-bit
     inputs (their gradients are rounded to 8 or 11 bits anyway) and ieee for fp32 inputs (their
     tests ask 1e-4 of float64). Above K = 256 the streamed state loops, in 128-row tiles (the
@@ -255,13 +255,17 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -
     registers; up to 256, through the workspace (see the numbers below). The smallest tiles where nothing passes
     (the check then says why)."""
     bv = min(32, shape.value_dim_pow2)
-    bk = max(min(64, shape.key_dim_pow2), shape.key_widths[-1] if len(shape.key_widths) > 1 else 16)
+    streamed = shape.key_dim > MAX_KEY_DIM
+    # key blocks of 128 at K = 256 through the workspace: the gradients kernel 2.08 -> 1.93 ms at
+    # o3 16x16 (H200, profile_backward.py, 2026-12-01); 64 elsewhere (not measured otherwise)
+    bk = 128 if shape.key_dim_pow2 >= 256 and not streamed else min(64, shape.key_dim_pow2)
+    bk = max(bk, shape.key_widths[-1] if len(shape.key_widths) > 1 else 16)
     group = 4 if len(shape.key_widths) >= 2 and shape.key_widths[0] % 4 == 0 else 1
     prec = "tf32" if shape.input_bytes == 2 else "ieee"
-    streamed = shape.key_dim > MAX_KEY_DIM
-    # phi's gradients through a [T, K] workspace up to K = 256: o3 16x16 fwd+bwd 3.34 ms against
-    # 4.49 contracted in registers (H200, fad70b3; the key loop spilled ~0.6 KB per thread);
-    # above, in registers (no [T, K] tensor; o3 32x32 25.5 ms against 14.4, 2.3 against 4.3 GiB)
+    # phi's gradients through a [T, K] workspace up to K = 256: o3 16x16 fwd+bwd 3.58 ms against
+    # 4.33 contracted in registers (H200, 2026-12-01, the two-pass gradients kernel; 1381 against
+    # 869 MiB); above, in registers (no [T, K] tensor; o3 32x32 25.5 ms against 14.4 at fad70b3,
+    # 2.3 against 4.3 GiB)
     # streamed tiles as the streamed forward's: >= 128 rows and all of the trailing axes, so phi
     # blocks are outer products of factor rows (o4 16^3 at 128 rows, gathered: 61 ms recompute)
     tile = min(256, max(128, math.prod(shape.key_widths[1:])))

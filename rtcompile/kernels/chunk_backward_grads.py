@@ -178,36 +178,25 @@ def _phi_block(x1, x2, x3, b_rho1, b_rho2, b_rho3, r, m_t, i_k, NF: tl.constexpr
 
 
 @triton.jit
-def _block_to_factors(b_d, x1, x2, x3, b_x2, b_rho1, b_rho2, b_rho3, r, m_t, i_k, a1, a2, a3, NF: tl.constexpr,
+def _block_to_factors(b_d, x1, x2, x3, b_rho1, b_rho2, b_rho3, r, m_t, i_k, a1, a2, a3, NF: tl.constexpr,
                       C: tl.constexpr, BK: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
                       PREC: tl.constexpr):
     """Add key block ``i_k``'s share of phi's gradient ``b_d`` ([C, BK]) to the normalised
     factors' gradients ``a1``..``a3`` ([C, d_i]): da_i[t, a] = sum over the block's columns j
-    with index a on axis i of d[t, j] times the other factors' entries at j. Order 3 with BK >=
-    2 d_2: the block is M = BK / d_2 consecutive rows of x1 times all of x2 (``b_x2``, its
-    normalised tile), so d reshaped [C, M, d_2] contracts with x1's M entries and with x2's
-    row (sm_90 at o3 16x16: 136 B of spills and 4824 instructions against 176 and 5512 for the
-    one-hot form); otherwise each other factor's entries are read again (cached) and scattered by
-    a one-hot [BK, d_i] product."""
+    with index a on axis i of d[t, j] times the other factors' entries at j, each other factor's
+    entries read again (cached) and scattered by a one-hot [BK, d_i] product. (A form that
+    reshaped the block to [C, BK / d_2, d_2] instead compiled to fewer spills on sm_90 but gave
+    wrong gradients on the H200 under Triton 3.6 (9 of 9 order-3 tests with BK >= 2 d_2 failed,
+    2026-12-01) and was removed.)"""
     o_k = i_k * BK + tl.arange(0, BK)
     m = m_t[:, None] & (o_k < D1 * D2 * D3)[None, :]
     i1, i2, i3 = o_k // (D2 * D3), (o_k // D3) % D2, o_k % D3
-    if NF == 2 and BK >= 2 * D2:
-        M: tl.constexpr = BK // D2
-        o_l = i_k * M + tl.arange(0, M)
-        b_lead = _gathered(x1, r, o_l[None, :], m_t[:, None] & (o_l < D1)[None, :], D1, b_rho1)
-        b_d3 = tl.reshape(b_d, [C, M, D2])
-        a2 += tl.sum(b_d3 * b_lead[:, :, None], axis=1)
-        b_dlead = tl.sum(b_d3 * b_x2[:, None, :], axis=2)
-        a1 += tl.sum(b_dlead[:, :, None] * _onehot(o_l, D1)[None, :, :], axis=1)
-    elif NF == 2:
-        b_1 = _gathered(x1, r, i1[None, :], m, D1, b_rho1)
-        b_2 = _gathered(x2, r, i2[None, :], m, D2, b_rho2)
+    b_1 = _gathered(x1, r, i1[None, :], m, D1, b_rho1)
+    b_2 = _gathered(x2, r, i2[None, :], m, D2, b_rho2)
+    if NF == 2:
         a1 += f32dot(b_d * b_2, _onehot(i1, D1), PREC)
         a2 += f32dot(b_d * b_1, _onehot(i2, D2), PREC)
     else:
-        b_1 = _gathered(x1, r, i1[None, :], m, D1, b_rho1)
-        b_2 = _gathered(x2, r, i2[None, :], m, D2, b_rho2)
         b_3 = _gathered(x3, r, i3[None, :], m, D3, b_rho3)
         a1 += f32dot(b_d * b_2 * b_3, _onehot(i1, D1), PREC)
         a2 += f32dot(b_d * b_1 * b_3, _onehot(i2, D2), PREC)
@@ -348,7 +337,7 @@ def chunk_bwd_grads_kernel(
         if dQp is not None:
             tl.store(dQp + r[:, None] * K + o_k[None, :], b_dq, mask=m_t[:, None] & (o_k < K)[None, :])
         else:
-            aq1, aq2, aq3 = _block_to_factors(b_dq, q1, q2, q3, b_q2, rq1, rq2, rq3, r, m_t, i_k, aq1, aq2, aq3,
+            aq1, aq2, aq3 = _block_to_factors(b_dq, q1, q2, q3, rq1, rq2, rq3, r, m_t, i_k, aq1, aq2, aq3,
                                               NF, C, BK, D1, D2, D3, PREC)
     if dQp is None:  # the queries' factors now: their accumulators need not live through the keys' pass
         _store_side(dq1, dq2, dq3, q1, q2, q3, aq1, aq2, aq3, r, m_t, NF, D1, D2, D3, L2NORM)
@@ -365,7 +354,7 @@ def chunk_bwd_grads_kernel(
         if dKp is not None:
             tl.store(dKp + r[:, None] * K + o_k[None, :], b_dk, mask=m_t[:, None] & (o_k < K)[None, :])
         else:
-            ak1, ak2, ak3 = _block_to_factors(b_dk, k1, k2, k3, b_k2, rk1, rk2, rk3, r, m_t, i_k, ak1, ak2, ak3,
+            ak1, ak2, ak3 = _block_to_factors(b_dk, k1, k2, k3, rk1, rk2, rk3, r, m_t, i_k, ak1, ak2, ak3,
                                               NF, C, BK, D1, D2, D3, PREC)
     if dKp is None:
         _store_side(dk1, dk2, dk3, k1, k2, k3, ak1, ak2, ak3, r, m_t, NF, D1, D2, D3, L2NORM)
