@@ -132,7 +132,7 @@ def _chunk(task: MQARTask, rows: int, gen: torch.Generator, weights: torch.Tenso
     n = task.num_kv_pairs
     keys = 1 + _distinct(gen, rows, task.num_keys, n, device)
     values = 1 + task.num_keys + _distinct(gen, rows, task.num_values, n, device)
-    slots = torch.multinomial(weights.expand(rows, -1), n, replacement=False, generator=gen)  # [rows, n]
+    slots = torch.multinomial(weights.expand(rows, -1).contiguous(), n, replacement=False, generator=gen)  # [rows, n]
     # slots[:, i] is queried with key order[:, i], a random permutation per row
     order = torch.rand(rows, n, generator=gen, device=device).argsort(dim=1)
     inputs = torch.full((rows, task.seq_len), FILLER, dtype=torch.int64, device=device)
