@@ -1,0 +1,151 @@
+"""The MQAR trainer (rtcompile.explore.trainer) on the CPU with the reference backend and a tiny
+model: the loss falls, the learning-rate sweep returns the best rate, early stop, a killed run
+resumes from its checkpoint at the same step without re-running finished rates, checkpoints are
+safetensors + JSON (no pickle), and bad settings are refused naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rtcompile.explore import MQARTask, RecallResult, TrainSettings, split_seeds, train_recall
+from rtcompile.spec import Features, ModelSpec
+
+SPEC = ModelSpec(order=3, key_widths=(4, 4), value_width=8, heads=2, model_width=32, layers=1,
+                 features=Features(short_conv=2))
+# 2 pairs over 7 keys and 8 values: the model first learns to answer with some value (1/8 right),
+# recall itself takes longer than a test can wait; the two are enough to tell rates apart.
+TASK = MQARTask(vocab_size=16, seq_len=16, num_kv_pairs=2)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """These models are tiny: one intra-op thread runs a step in ~12 ms, two threads on this 2-core
+    machine (shared with other work) took 30-130 ms per step (measured)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _settings(**changes) -> TrainSettings:
+    base = dict(learning_rates=(3e-3,), max_steps=12, batch_size=16, train_examples=512, test_examples=128,
+                eval_every=4, warmup_fraction=0.1, target_accuracy=1.0, backend="reference", seed=0)
+    return TrainSettings(**{**base, **changes})
+
+
+class Steps:
+    """The on_step hook: records (lr, step, loss); raises at ``stop`` = (lr, step) to simulate a kill."""
+
+    def __init__(self, stop=None):
+        self.seen, self.stop = [], stop
+
+    def __call__(self, lr, step, loss):
+        self.seen.append((lr, step, loss))
+        if (lr, step) == self.stop:
+            raise KeyboardInterrupt
+
+    def losses(self, lr):
+        return {s: loss for r, s, loss in self.seen if r == lr}
+
+
+def test_loss_falls_and_the_sweep_returns_the_best_rate():
+    hook = Steps()
+    # 1e-6 barely moves the weights in 40 steps; 3e-3 learns to answer with a value token
+    result = train_recall(SPEC, TASK, _settings(learning_rates=(1e-6, 3e-3), max_steps=40, eval_every=20),
+                          progress=False, on_step=hook)
+    losses = [hook.losses(3e-3)[s] for s in range(1, 41)]
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < first - 0.3, (first, last)  # measured: ~2.9 -> ~2.2 nats
+    assert result.per_rate[3e-3] > result.per_rate[1e-6]  # the rates are distinguishable ...
+    assert result.learning_rate == 3e-3 and result.accuracy == result.per_rate[3e-3]  # ... and the best is chosen
+    assert result.steps == 40 and result.per_rate_steps == {1e-6: 40, 3e-3: 40}
+    assert (result.train_seed, result.test_seed) == split_seeds(0)
+    json.dumps(result.to_dict())  # JSON-ready
+
+
+def test_early_stop_at_a_reached_target():
+    hook = Steps()
+    result = train_recall(SPEC, TASK, _settings(learning_rates=(3e-3, 1e-3), max_steps=50, eval_every=3,
+                                                target_accuracy=0.0), progress=False, on_step=hook)
+    assert result.per_rate_steps == {3e-3: 3, 1e-3: 3}  # each rate stops at its first evaluation
+    assert len(hook.seen) == 6
+
+
+def _no_pickle(folder):
+    from safetensors.torch import load_file
+
+    files = sorted(p for p in folder.iterdir())
+    assert files
+    for path in files:
+        head = path.read_bytes()[:16]
+        # pickle streams start with PROTO 0x80; torch.save writes a zip ("PK")
+        assert not head.startswith((b"\x80", b"PK")), path
+        if path.suffix == ".safetensors":
+            assert load_file(path)  # safetensors reads it without unpickling anything
+        else:
+            assert path.suffix == ".json"
+            json.loads(path.read_text())
+    return [p.name for p in files]
+
+
+def test_a_killed_run_resumes_at_its_checkpoint_and_skips_finished_rates(tmp_path):
+    settings = _settings(learning_rates=(3e-3, 1e-3))
+    whole_hook = Steps()
+    whole = train_recall(SPEC, TASK, settings, progress=False, on_step=whole_hook, checkpoint_dir=tmp_path / "a")
+
+    folder = tmp_path / "b"
+    with pytest.raises(KeyboardInterrupt):  # killed during step 10 of the second rate: last checkpoint at 8
+        train_recall(SPEC, TASK, settings, progress=False, on_step=Steps(stop=(1e-3, 10)), checkpoint_dir=folder)
+    names = _no_pickle(folder)
+    assert set(names) == {"results.json", "lr-0.001.json", "lr-0.001.step-8.safetensors"}
+    meta = json.loads((folder / "lr-0.001.json").read_text())
+    assert meta["step"] == 8 and [h["step"] for h in meta["history"]] == [4, 8]
+
+    again = Steps()
+    resumed = train_recall(SPEC, TASK, settings, progress=False, on_step=again, checkpoint_dir=folder)
+    assert [(lr, s) for lr, s, _ in again.seen] == [(1e-3, s) for s in (9, 10, 11, 12)]  # nothing finished re-runs
+    for step, loss in again.losses(1e-3).items():  # the same batches and optimizer state as the unbroken run
+        assert loss == pytest.approx(whole_hook.losses(1e-3)[step], rel=1e-6), step
+    assert resumed.per_rate == whole.per_rate and resumed.learning_rate == whole.learning_rate
+    assert resumed.per_rate_steps == {3e-3: 12, 1e-3: 12}
+    assert _no_pickle(folder) == ["results.json"]  # a finished rate's checkpoint is removed
+
+    third = Steps()
+    assert train_recall(SPEC, TASK, settings, progress=False, on_step=third, checkpoint_dir=folder).per_rate == whole.per_rate
+    assert not third.seen
+    with pytest.raises(ValueError, match=r"checkpoint_dir: .*settings\.weight_decay"):
+        train_recall(SPEC, TASK, _settings(learning_rates=(3e-3, 1e-3), weight_decay=0.5), progress=False,
+                     checkpoint_dir=folder)
+
+
+@pytest.mark.parametrize("fields, error, name", [
+    (dict(learning_rates=()), TypeError, "learning_rates"),
+    (dict(learning_rates=(1e-3, -1.0)), ValueError, r"learning_rates\[1\]"),
+    (dict(learning_rates=(1e-3, 1e-3)), ValueError, "learning_rates"),
+    (dict(max_steps=0), ValueError, "max_steps"),
+    (dict(batch_size=2.5), TypeError, "batch_size"),
+    (dict(eval_every=0), ValueError, "eval_every"),
+    (dict(warmup_fraction=1.0), ValueError, "warmup_fraction"),
+    (dict(target_accuracy=1.5), ValueError, "target_accuracy"),
+    (dict(weight_decay=float("inf")), ValueError, "weight_decay"),
+    (dict(seed=-1), ValueError, "seed"),
+    (dict(backend="cuda"), ValueError, "backend"),
+    (dict(autocast_bf16=1), TypeError, "autocast_bf16"),
+])
+def test_bad_settings_raise_naming_the_field(fields, error, name):
+    with pytest.raises(error, match=rf"TrainSettings\.{name}"):
+        _settings(**fields)
+
+
+def test_bad_arguments_raise_before_any_work(tmp_path):
+    with pytest.raises(TypeError, match="task"):
+        train_recall(SPEC, {"vocab_size": 16}, _settings(), progress=False)
+    with pytest.raises(TypeError, match="spec"):
+        train_recall(SPEC.to_dict(), TASK, _settings(), progress=False)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="checkpoint_dir"):
+        train_recall(SPEC, TASK, _settings(), progress=False, checkpoint_dir=tmp_path / "file")
+    assert isinstance(RecallResult(1.0, 1e-3, {1e-3: 1.0}, 1, 0.0, 0, 1).to_dict(), dict)
