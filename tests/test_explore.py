@@ -264,6 +264,17 @@ def test_state_match_and_a_refused_point(tmp_path, capsys):
     assert "o3_w65536" in table and "refused" in table
 
 
+def test_a_grid_of_refused_points_still_reports(tmp_path, capsys):
+    opts = SweepOptions(orders=(3, 4), widths=(65536,), storage=_storage(tmp_path))
+    res = run_sweep(load_spec(SPEC), opts, tmp_path / "out")
+    assert res.ran == 0 and not res.results
+    paths = write_report(res, tmp_path / "out")
+    pts = json.loads(paths["json"].read_text())["points"]
+    assert [p["status"] for p in pts] == ["refused", "refused"] and not any(p["pareto"] for p in pts)
+    assert paths["decode_plot"].read_bytes().startswith(b"\x89PNG")
+    assert capsys.readouterr().out.count("refused") == 2
+
+
 def test_pareto_front_on_a_hand_made_set():
     pts = [{"s": 1, "t": 5}, {"s": 2, "t": 3}, {"s": 3, "t": 3}, {"s": 4, "t": 1}, {"s": 5, "t": 5},
            {"s": 2, "t": 3}, {"s": 0.5, "t": None}]
@@ -287,3 +298,23 @@ def test_two_worker_processes_split_the_points(tmp_path):
     done = [t for t in study.get_trials() if t.state.name == "COMPLETE"]
     assert len(done) == len(GRID)  # none twice
     assert os.getpid() not in {t.user_attrs["pid"] for t in done}  # the workers ran them, not this process
+
+
+def test_measured_figures_come_from_the_bench_measures(monkeypatch):
+    """The measured path, on the CPU at a tiny shape (the interpreter: the plumbing, not a GPU
+    timing): bench's prefill and decode measures run the kernels and every figure says measured."""
+    import functools
+
+    from rtcompile.spec import ModelSpec
+
+    spec = ModelSpec(order=3, key_widths=(4, 4), value_width=8, heads=1, model_width=16, layers=2, chunk_size=16)
+    monkeypatch.setattr(sweep_mod, "PREFILL_SHAPES", ((1, 16),))
+    monkeypatch.setattr(sweep_mod, "DECODE_BATCHES", (2,))
+    monkeypatch.setattr(sweep_mod, "measured_layer_seconds",
+                        functools.partial(sweep_mod.measured_layer_seconds, device="cpu", repeats=3))
+    figs = sweep_mod.speed_figures(spec, sweep_mod.SpeedMode("measured", "cpu (test)", "test"))
+    assert [(f["phase"], f["batch"], f["seq_len"]) for f in figs] == [("prefill", 1, 16), ("decode", 2, 1)]
+    for f in figs:
+        assert f["source"] == "measured" and f["seconds_per_layer"] > 0, f
+        assert f["seconds"] == pytest.approx(2 * f["seconds_per_layer"]) and "median of 3" in f["note"]
+    assert "state err" in figs[1]["note"]  # the decode step was checked against float64 before timing

@@ -32,6 +32,7 @@ HEADER_IN_CSV = ("gpu", "speed_source", "target", "match", "commit", "date")  # 
 LATENCY_MEANS = ("the state mixer of every layer: one layer's call x layers (projections, MLP, embedding and head "
                  "excluded); measured: `rtcompile bench`'s timing (CUDA-graph replays, median, L2 rotated), gate, "
                  "delta rule and l2norm on, fp32 state; model: the planner's choice and cost on the target")
+NOTE_IN_TABLE = 90  # characters of a note the table shows (a refusal runs to ~250); the JSON keeps it whole
 PARAMETERS_MEAN = f"RunningTensorLM({'with' if MLP else 'without'} MLP) parameters, embedding and head excluded"
 
 
@@ -187,6 +188,11 @@ def _count(n: float | None) -> str:
     return f"{n:.3g}"
 
 
+def _clip(note: str | None, n: int = NOTE_IN_TABLE) -> str:
+    note = note or ""
+    return note if len(note) <= n else note[: n - 3] + "..."
+
+
 def _speed_cell(f: Mapping[str, Any] | None) -> str:
     if f is None or f["seconds"] is None:
         return "-"
@@ -215,7 +221,7 @@ def print_table(recs: Sequence[Mapping[str, Any]], head: Mapping[str, Any], file
     for r in recs:
         axes = "x".join(map(str, r["key_widths"]))
         if r["status"] == "refused":
-            table.add_row(r["id"], axes, *["-"] * (len(cols) - 4), "", escape(r["note"] or ""))
+            table.add_row(r["id"], axes, *["-"] * (len(cols) - 4), "", escape(_clip(r["note"])))
             continue
         figs = {(f["phase"], f["batch"], f["seq_len"]): f for f in r["speed"]}
         sources = sorted({f["source"] for f in r["speed"] if f["seconds"] is not None})
@@ -225,7 +231,7 @@ def print_table(recs: Sequence[Mapping[str, Any]], head: Mapping[str, Any], file
         row.append("+".join(sources) or "-")
         if head["recall"]:
             row.append("-" if r["recall_accuracy"] is None else f"{r['recall_accuracy']:.3f}")
-        row += ["*" if r["pareto"] else "", escape(r["note"] or "")]
+        row += ["*" if r["pareto"] else "", escape(_clip(r["note"]))]
         table.add_row(*row)
     Console(file=file or sys.stdout, width=220).print(table)
 
@@ -249,9 +255,12 @@ def _plot(path: Path, recs: Sequence[Mapping[str, Any]], y_key: str, y_label: st
             ax.legend(loc="best")
         for x, y, r in zip(xs, ys, pts):
             ax.annotate(r["id"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-        ax.set_xscale("log", base=2)
-        if log_y:
-            ax.set_yscale("log")
+        if pts:  # log axes of no data refuse to draw
+            ax.set_xscale("log", base=2)
+            if log_y:
+                ax.set_yscale("log")
+        else:
+            ax.text(0.5, 0.5, "no point has this figure (see the table's notes)", ha="center", transform=ax.transAxes)
         ax.set_xlabel("state bytes per sequence (all layers)")
         ax.set_ylabel(y_label)
         ax.set_title(title, fontsize=10)

@@ -75,19 +75,22 @@ def speed_mode(target: str = "auto") -> SpeedMode:
     return SpeedMode("model", DEFAULT_TARGET, f"the cost model for {DEFAULT_TARGET} (no measuring: {reason})")
 
 
-def _measured_layer_seconds(spec: ModelSpec, phase: str, batch: int, seq_len: int) -> tuple[float | None, str]:
+def measured_layer_seconds(spec: ModelSpec, phase: str, batch: int, seq_len: int, device: str = "cuda",
+                           repeats: int | None = None) -> tuple[float | None, str]:
     """One layer's mixer call timed as `rtcompile bench` times it (the spec's heads, widths and
-    input dtype; gate, delta rule and l2norm on; fp32 state), the launcher's tuned config."""
+    input dtype; gate, delta rule and l2norm on; fp32 state), the launcher's tuned config:
+    (seconds or None, the timing method and any failure). ``device`` "cpu" is for tests."""
     import torch
 
-    from ..bench.core import DEFAULT_L2_BYTES, IMPL_RT, BenchContext, Case, Ceilings, case_work, run_one
+    from ..bench.core import DEFAULT_L2_BYTES, DEFAULT_REPEATS, IMPL_RT, BenchContext, Case, Ceilings, case_work, run_one
     from ..bench.measure import measures_for
 
     case = Case(f"{phase}_B{batch}_T{seq_len}", phase, spec.key_widths, batch, seq_len, H=spec.heads,
                 V=spec.value_width, dtype=spec.input_dtype, impls=(IMPL_RT,), chunk_size=spec.resolved_chunk_size)
-    dev = torch.device("cuda")
-    l2 = int(getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or DEFAULT_L2_BYTES)
-    ctx = BenchContext(dev, l2_bytes=l2)
+    dev = torch.device(device)
+    l2 = int(getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or DEFAULT_L2_BYTES) \
+        if dev.type == "cuda" else 0  # no L2 rotation off the GPU (as bench's CPU tests)
+    ctx = BenchContext(dev, repeats=repeats or DEFAULT_REPEATS, l2_bytes=l2)
     with torch.no_grad():
         row = run_one(case, IMPL_RT, measures_for(case, ctx)[IMPL_RT], work=case_work(case), ceilings=Ceilings())
     note = "; ".join(x for x in (row.timing, row.note) if x)
@@ -124,7 +127,7 @@ def speed_figures(spec: ModelSpec, mode: SpeedMode) -> list[dict[str, Any]]:
         source = mode.source
         try:
             if mode.source == "measured":
-                per_layer, note = _measured_layer_seconds(spec, phase, batch, seq_len)
+                per_layer, note = measured_layer_seconds(spec, phase, batch, seq_len)
             else:
                 per_layer, note, source = _modelled_layer_seconds(spec, mode.target, phase, batch, seq_len)
         except Exception as exc:  # noqa: BLE001 -- a shape that cannot run is a figure with a note
