@@ -69,7 +69,8 @@ def add_parser(sub) -> None:
     p.add_argument("--workers", type=positive_int, metavar="N",
                    help="processes running points (default: one per visible GPU when the points use one, else 1)")
     p.add_argument("--out", metavar="DIR", default=DEFAULT_OUT,
-                   help=f"folder for results.json, results.csv, the plots and recall checkpoints (default {DEFAULT_OUT})")
+                   help=f"folder for results.json, results.csv, the plots and recall checkpoints "
+                        f"(default {DEFAULT_OUT})")
     r = p.add_argument_group("recall (MQAR)")
     r.add_argument("--recall", action="store_true", help="train each point on MQAR and report its accuracy")
     r.add_argument("--seq-len", type=positive_int, default=256, metavar="T", help="MQAR sequence length (default 256)")

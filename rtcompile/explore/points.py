@@ -24,8 +24,9 @@ from ..target import PROFILES
 
 KERNEL_ORDERS = (2, 3, 4)  # the Triton kernels' orders (kernels/launch.py): every point must run on them
 MATCH_MODES = ("params", "state")
-# A model width moves the parameter count by ~2/D per unit (the MLP's 8 D^2 dominates), 1.6% at
-# D = 128: the nearest width is within ~0.8%; 2% leaves room for the mixer's linear terms.
+# One unit of model width moves the parameter count by 1/D (the mixer's terms, linear in D) to 2/D
+# (the MLP's 8 D^2): 0.8-1.6% at D = 128, so the nearest width is within 0.4-0.8%; 2% leaves room
+# for smaller widths (D 64: within 1.6%).
 MATCH_TOLERANCE = 0.02
 MLP = True  # the LM the parameters count (and the trainer builds) has an MLP per layer
 RECALL_D_MODEL = 128  # the paper's MQAR ablation width (issue 23), the default model width with recall
@@ -113,9 +114,9 @@ class SweepOptions:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SweepOptions":
         r = d.get("recall")
-        return cls(**{**d, "orders": tuple(d["orders"]), "widths": tuple(d["widths"]),
-                      "recall": None if r is None else RecallOptions(**{**r, "learning_rates": tuple(r["learning_rates"]),
-                                                                          "seeds": tuple(r["seeds"])})})
+        recall = None if r is None else RecallOptions(**{**r, "learning_rates": tuple(r["learning_rates"]),
+                                                            "seeds": tuple(r["seeds"])})
+        return cls(**{**d, "orders": tuple(d["orders"]), "widths": tuple(d["widths"]), "recall": recall})
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ class Point:
     width: int
     spec: ModelSpec | None
     refusal: str | None = None
-    match: dict[str, Any] | None = None  # how it was matched: by, reference, value, gap, within
+    match: dict[str, Any] | None = None  # by (the fields set), mode, reference, matched, gap, within
 
     @property
     def id(self) -> str:
@@ -194,7 +195,8 @@ def make_point(base: ModelSpec, opts: SweepOptions, order: int, width: int) -> P
     """The point (order, width) of the sweep of ``base``: refused (with the spec's one-line
     reason) where the spec validation refuses it, matched as ``opts.match`` asks."""
     try:
-        spec = base.replace(order=order, key_widths=(width,) * (order - 1), name=f"{base.name or 'explore'}-{point_id(order, width)}")
+        spec = base.replace(order=order, key_widths=(width,) * (order - 1),
+                            name=f"{base.name or 'explore'}-{point_id(order, width)}")
     except (SpecError, SpecTypeError) as exc:
         return Point(order, width, None, refusal=f"refused: {exc}")
     if opts.match is None:
@@ -208,7 +210,8 @@ def make_point(base: ModelSpec, opts: SweepOptions, order: int, width: int) -> P
         spec, how = _match_state(spec, ref)
         value = spec.state_bytes_per_sequence
     gap = _gap(value, ref)
-    match = {**how, "mode": opts.match, "reference": ref, "matched": value, "gap": gap, "within": gap <= MATCH_TOLERANCE}
+    match = {**how, "mode": opts.match, "reference": ref, "matched": value, "gap": gap,
+             "within": gap <= MATCH_TOLERANCE}
     return Point(order, width, spec, match=match)
 
 

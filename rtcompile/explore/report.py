@@ -48,12 +48,15 @@ def pareto_front(items: Sequence[Mapping[str, Any]], objectives: Sequence[tuple[
         vals = [it.get(k) for k, _ in objectives]
         ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in vals)
         signed.append([v if s == "min" else -v for v, (_, s) in zip(vals, objectives)] if ok else None)
-    dominated = lambda a, b: all(y <= x for x, y in zip(a, b)) and any(y < x for x, y in zip(a, b))  # b beats a
+    # b dominates a: no worse in every objective, better in one
+    dominated = lambda a, b: all(y <= x for x, y in zip(a, b)) and any(y < x for x, y in zip(a, b))
     return [a is not None and not any(b is not None and dominated(a, b) for b in signed) for a in signed]
 
 
 def _tag(figure: Mapping[str, Any]) -> str:
-    return f"prefill_B{figure['batch']}_T{figure['seq_len']}" if figure["phase"] == "prefill" else f"decode_B{figure['batch']}"
+    if figure["phase"] == "prefill":
+        return f"prefill_B{figure['batch']}_T{figure['seq_len']}"
+    return f"decode_B{figure['batch']}"
 
 
 def objectives(recall: bool) -> list[tuple[str, str]]:

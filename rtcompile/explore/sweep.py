@@ -82,7 +82,8 @@ def measured_layer_seconds(spec: ModelSpec, phase: str, batch: int, seq_len: int
     (seconds or None, the timing method and any failure). ``device`` "cpu" is for tests."""
     import torch
 
-    from ..bench.core import DEFAULT_L2_BYTES, DEFAULT_REPEATS, IMPL_RT, BenchContext, Case, Ceilings, case_work, run_one
+    from ..bench.core import (DEFAULT_L2_BYTES, DEFAULT_REPEATS, IMPL_RT, BenchContext, Case, Ceilings, case_work,
+                              run_one)
     from ..bench.measure import measures_for
 
     case = Case(f"{phase}_B{batch}_T{seq_len}", phase, spec.key_widths, batch, seq_len, H=spec.heads,
