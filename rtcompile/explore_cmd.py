@@ -155,6 +155,6 @@ def run(args) -> int:
     from .explore.report import write_report
 
     paths = write_report(result, args.out)
-    print(f"{result.ran} point(s) run here, {len(result.results)} finished in all "
+    print(f"{result.ran} point(s) run now, {len(result.results)} of {len(result.points)} finished "
           f"(study {result.study}); wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
     return 0

@@ -293,7 +293,7 @@ def test_two_worker_processes_split_the_points(tmp_path):
     url = _storage(tmp_path)
     res = run_sweep(load_spec(SPEC), SweepOptions(orders=(2, 3), widths=(8, 16), storage=url, workers=2),
                     tmp_path / "out")
-    assert set(res.results) == {f"o{o}_w{w}" for o, w in GRID} and not res.errors
+    assert set(res.results) == {f"o{o}_w{w}" for o, w in GRID} and not res.errors and res.ran == len(GRID)
     (study,) = [optuna.load_study(study_name=s.study_name, storage=url) for s in optuna.get_all_study_summaries(url)]
     done = [t for t in study.get_trials() if t.state.name == "COMPLETE"]
     assert len(done) == len(GRID)  # none twice

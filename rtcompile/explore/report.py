@@ -133,7 +133,7 @@ def header(result: SweepResult) -> dict[str, Any]:
         "pareto_objectives": [list(o) for o in objectives(recall is not None)],
         "pareto_decode_batch": PARETO_DECODE_BATCH, "recall": recall,
         "base_spec": result.base.to_dict(), "options": opts,
-        "study": result.study, "storage": _mask(result.storage), "points_run_here": result.ran, "wall_s": result.wall_s,
+        "study": result.study, "storage": _mask(result.storage), "points_run_now": result.ran, "wall_s": result.wall_s,
     }
 
 

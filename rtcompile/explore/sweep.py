@@ -273,7 +273,8 @@ def _trial_label(trial) -> str:
 @dataclass
 class SweepResult:
     """A sweep's outcome: every point (refused ones too), the stored figures of the finished
-    ones, why the others are missing, and how many this process evaluated."""
+    ones, why the others are missing, and how many finished while it ran (here, in its
+    workers, or in other processes sharing the store)."""
 
     base: ModelSpec
     opts: SweepOptions
@@ -326,11 +327,12 @@ def run_sweep(spec: ModelSpec, opts: SweepOptions, out: str | os.PathLike, *,
     with claim_lock(opts.storage):  # one process enqueues a missing point, not two
         mark_stale(study, storage, POINT_TIMEOUT_S)  # a killed run's points: failed and retried
         enqueue_missing(study, points)
+    finished_before = {t.number for t in _ours(study, points, (optuna.trial.TrialState.COMPLETE,))}
     ctx = Context(base, opts, mode, Path(out), compute_device(), progress, show_training)
-    ran = 0
     if opts.workers > 1:
         _run_workers(study, storage, name, ctx)
-    ran += _drain(study, storage, ctx, points)
+    _drain(study, storage, ctx, points)
+    ran = len({t.number for t in _ours(study, points, (optuna.trial.TrialState.COMPLETE,))} - finished_before)
     result = SweepResult(base, opts, mode, points, ran=ran, study=name, storage=opts.storage or default_url())
     collect(study, result)
     result.wall_s = round(time.monotonic() - t0, 3)
