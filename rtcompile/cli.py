@@ -161,11 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--only", action="append", metavar="TEXT",
                        help="measure only the cases whose name contains TEXT (repeatable; see --dry-run for names)")
     bench.set_defaults(func=_cmd_bench)
-    from . import export_cmd, plan_cmd, tune_cmd
+    from . import explore_cmd, export_cmd, plan_cmd, tune_cmd
 
     tune_cmd.add_parser(sub)
     plan_cmd.add_parsers(sub)
     export_cmd.add_parsers(sub)
+    explore_cmd.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,160 @@
+"""``rtcompile explore``: sweep order x key widths from a base spec and report, per point, the
+state bytes, parameters, prefill and decode speed (measured on the GPU present, else the cost
+model for a target) and, with ``--recall``, MQAR accuracy; the Pareto front marked.
+
+Input errors (a bad option, a spec that does not load, a store that does not open) print one
+line on stderr and exit 2 before any point runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from .cli_args import UsageError, int_list, positive_int
+
+# SweepOptions / RecallOptions field -> the option that sets it (their errors name the field)
+OPTION_OF = {"orders": "--orders", "widths": "--widths", "d_model": "--d-model", "match": "--match",
+             "target": "--target", "workers": "--workers", "seq_len": "--seq-len", "kv_pairs": "--kv-pairs",
+             "steps": "--steps", "learning_rates": "--lrs", "seeds": "--seeds", "batch_size": "--batch-size"}
+DEFAULT_OUT = "explore-results"
+
+
+def _float_list(text: str) -> list[float]:
+    """Comma-separated numbers (``1e-3,3e-3``); their range is the options' check."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}")
+    return values
+
+
+def _seed_list(text: str) -> list[int]:
+    """Comma-separated integers >= 0 (``0,1,2``)."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got {text!r}") from None
+    if not values or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got {text!r}")
+    return values
+
+
+def add_parser(sub) -> None:
+    from .target import PROFILES
+
+    p = sub.add_parser("explore", help="sweep order x key widths: state, prefill/decode speed, MQAR recall, "
+                                       "Pareto front (table, JSON, CSV, plots)")
+    p.add_argument("spec", help="base model spec (.toml or .json): heads, value width, layers, features; each point "
+                                "replaces its order and key widths")
+    p.add_argument("--orders", type=int_list, required=True, metavar="O,..",
+                   help="orders to sweep (2-4, the Triton kernels' orders); order o has o - 1 key axes")
+    p.add_argument("--widths", type=int_list, required=True, metavar="W,..",
+                   help="key-axis widths to sweep; a point's axes all have one width")
+    p.add_argument("--d-model", type=positive_int, metavar="N",
+                   help="model width of the base spec (default: 128 with --recall, else the spec's)")
+    p.add_argument("--match", choices=["params", "state"],
+                   help="params: each point's model width set so its parameters (LM with MLP, no embedding) equal "
+                        "the base spec's within 2%%; state: its heads (else value width) so its state bytes do")
+    p.add_argument("--target", default="auto", choices=["auto", *PROFILES],
+                   help="auto (default): measure on the CUDA GPU present, else the cost model for h200; a GPU "
+                        "name: the cost model for it")
+    p.add_argument("--storage", metavar="URL",
+                   help="Optuna storage the points are trials of (default: the tuner's SQLite file in the rtcompile "
+                        "cache); a shared database lets several hosts split the points")
+    p.add_argument("--workers", type=positive_int, metavar="N",
+                   help="processes running points (default: one per visible GPU when the points use one, else 1)")
+    p.add_argument("--out", metavar="DIR", default=DEFAULT_OUT,
+                   help=f"folder for results.json, results.csv, the plots and recall checkpoints "
+                        f"(default {DEFAULT_OUT})")
+    r = p.add_argument_group("recall (MQAR)")
+    r.add_argument("--recall", action="store_true", help="train each point on MQAR and report its accuracy")
+    r.add_argument("--seq-len", type=positive_int, default=256, metavar="T", help="MQAR sequence length (default 256)")
+    r.add_argument("--kv-pairs", type=positive_int, default=16, metavar="N", help="key-value pairs (default 16)")
+    r.add_argument("--steps", type=positive_int, default=2000, metavar="N", help="training steps per learning rate "
+                   "(default 2000; early stop at 0.99 validation accuracy)")
+    r.add_argument("--lrs", type=_float_list, default=[1e-3, 3e-3, 1e-2], metavar="LR,..",
+                   help="learning rates swept per point, the best kept (default 1e-3,3e-3,1e-2)")
+    r.add_argument("--seeds", type=_seed_list, default=[0], metavar="S,..",
+                   help="training seeds; the accuracy reported is their mean (default 0)")
+    r.add_argument("--batch-size", type=positive_int, default=64, metavar="N", help="training batch (default 64)")
+    p.set_defaults(func=run)
+
+
+def _options(args):
+    """The sweep's options from the arguments; their ValueError / TypeError, which names a
+    field, becomes a usage error naming the option."""
+    from .explore.points import RecallOptions, SweepOptions
+
+    try:
+        recall = None
+        if args.recall:
+            recall = RecallOptions(seq_len=args.seq_len, kv_pairs=args.kv_pairs, steps=args.steps,
+                                   learning_rates=tuple(args.lrs), seeds=tuple(args.seeds), batch_size=args.batch_size)
+        return SweepOptions(orders=tuple(args.orders), widths=tuple(args.widths), d_model=args.d_model,
+                            match=args.match, target=args.target, recall=recall, storage=args.storage,
+                            workers=args.workers or 1)
+    except (ValueError, TypeError) as exc:
+        field, sep, rest = str(exc).partition(": ")
+        if sep and field in OPTION_OF:
+            if field == "kv_pairs":  # the pair count and the length limit each other
+                rest = rest.replace("seq_len", "--seq-len")
+            raise UsageError(f"rtcompile explore: {OPTION_OF[field]}: {rest}") from None
+        raise UsageError(f"rtcompile explore: {exc}") from None
+
+
+def _check_out(out: str) -> None:
+    """The folder must be creatable and writable before minutes of points, not after."""
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"rtcompile explore: --out {out!r}: cannot create ({exc.strerror})") from None
+    if not os.access(out, os.W_OK):
+        raise UsageError(f"rtcompile explore: --out {out!r}: not writable")
+
+
+def _check_recall_task(args) -> None:
+    """The MQAR task's own check (vocabulary, layout), where its module is installed."""
+    try:
+        from .explore.mqar import MQARTask
+    except ImportError:
+        return
+    try:
+        MQARTask(seq_len=args.seq_len, num_kv_pairs=args.kv_pairs).check()
+    except ValueError as exc:
+        raise UsageError(f"rtcompile explore: --seq-len / --kv-pairs: {str(exc).splitlines()[0]}") from None
+
+
+def run(args) -> int:
+    start = time.monotonic()
+    from .spec import load_spec
+
+    spec = load_spec(args.spec)
+    opts = _options(args)
+    if args.recall:
+        _check_recall_task(args)
+    from .explore.sweep import compute_device, run_sweep, visible_gpus
+    from .tuning.store import check_store_file
+
+    check_store_file(args.storage, create=True)  # a typo'd folder: refused before any point
+    _check_out(args.out)
+    if args.workers is None:
+        import dataclasses
+
+        uses_gpu = compute_device() == "cuda" and (opts.recall is not None or opts.target == "auto")
+        opts = dataclasses.replace(opts, workers=max(1, len(visible_gpus())) if uses_gpu else 1)
+
+    def progress(point: str, what: str) -> None:
+        print(f"{point}: {what} ({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)
+
+    result = run_sweep(spec, opts, args.out, progress=progress, show_training=sys.stderr.isatty())
+    from .explore.report import write_report
+
+    paths = write_report(result, args.out)
+    print(f"{result.ran} point(s) run now, {len(result.results)} of {len(result.points)} finished "
+          f"(study {result.study}); wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
+    return 0

@@ -1,0 +1,320 @@
+"""``rtcompile explore`` on the CPU: the cost-model sweep and its files, resume after a kill,
+the recall path (with a stand-in trainer), bad input, matching, refusals and the Pareto front."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from rtcompile.cli import main
+from rtcompile.explore import RecallOptions, SweepOptions, pareto_front, run_sweep, write_report
+from rtcompile.explore import sweep as sweep_mod
+from rtcompile.explore.report import records
+from rtcompile.spec import load_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = ROOT / "examples" / "order3_16x16.toml"
+GRID = [(2, 8), (2, 16), (3, 8), (3, 16)]
+
+
+def _storage(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'explore.db'}"
+
+
+def _point_spec(order: int, width: int, **changes):
+    return load_spec(SPEC).replace(order=order, key_widths=(width,) * (order - 1), **changes)
+
+
+def test_cost_model_sweep_writes_table_json_csv_and_plots(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # measuring is refused under the interpreter: the model, GPU or not
+    out = tmp_path / "out"
+    rc = main(["explore", str(SPEC), "--orders", "2,3", "--widths", "8,16", "--out", str(out),
+               "--storage", _storage(tmp_path)])
+    assert rc == 0
+    table = capsys.readouterr().out
+    for o, w in GRID:
+        assert sum(line.startswith(f"│ o{o}_w{w} ") for line in table.splitlines()) == 1, table
+    assert "model: h200" in table
+
+    doc = json.loads((out / "results.json").read_text())
+    head, pts = doc["header"], doc["points"]
+    assert head["speed_source"] == "model" and head["target"] == "h200" and head["match"] is None
+    assert head["torch"] and "triton" in head and head["commit"]
+    import torch
+
+    assert head["gpu"] == (torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")
+    assert [(p["order"], p["width"]) for p in pts] == GRID
+    for p in pts:
+        spec = _point_spec(p["order"], p["width"])
+        assert p["status"] == "ok"
+        assert p["state_bytes_per_sequence"] == spec.state_bytes_per_sequence
+        assert p["state_bytes_per_layer"] == spec.state_bytes_per_layer
+        assert p["spec"]["key_widths"] == [p["width"]] * (p["order"] - 1)
+        shapes = {(f["phase"], f["batch"], f["seq_len"]) for f in p["speed"]}
+        assert shapes == {("prefill", 1, 4096), ("prefill", 8, 4096), ("decode", 1, 1), ("decode", 32, 1)}
+        for f in p["speed"]:
+            assert f["source"] == "model" and f["target"] == "h200", f
+            assert f["seconds"] > 0 and f["seconds"] == pytest.approx(f["seconds_per_layer"] * spec.layers)
+            assert f["tokens_per_s"] == pytest.approx(f["batch"] * f["seq_len"] / f["seconds"])
+    assert any(p["pareto"] for p in pts)
+    # the smallest state cannot be dominated: nothing has less state
+    smallest = min(pts, key=lambda p: p["state_bytes_per_sequence"])
+    assert smallest["pareto"]
+
+    with open(out / "results.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["id"] for r in rows] == [p["id"] for p in pts]
+    for r, p in zip(rows, pts):
+        assert int(r["state_bytes_per_sequence"]) == p["state_bytes_per_sequence"]
+        assert r["decode_B32_source"] == r["prefill_B1_T4096_source"] == "model"
+        assert float(r["decode_B32_s"]) == pytest.approx(p["decode_s"])
+
+    png = (out / "state_vs_decode.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 5000
+    assert not (out / "state_vs_recall.png").exists()  # no --recall, no recall plot
+
+
+_KILL_SCRIPT = textwrap.dedent("""
+    import os, sys
+    from rtcompile.explore import SweepOptions, run_sweep, sweep
+    from rtcompile.spec import load_spec
+    real, calls = sweep.evaluate_point, []
+    def dying(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            os._exit(9)  # killed in the middle of the third point: its trial stays RUNNING
+        return real(*a, **k)
+    sweep.evaluate_point = dying
+    run_sweep(load_spec(sys.argv[1]), SweepOptions(orders=(2, 3), widths=(8, 16), storage=sys.argv[2]), sys.argv[3])
+""")
+
+
+def test_killed_sweep_resumes_without_recomputing(tmp_path, monkeypatch):
+    import optuna
+
+    url, out = _storage(tmp_path), tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", _KILL_SCRIPT, str(SPEC), url, str(out)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 9, proc.stderr
+    (study,) = [optuna.load_study(study_name=s.study_name, storage=url) for s in optuna.get_all_study_summaries(url)]
+    states = sorted(t.state.name for t in study.get_trials())
+    assert states == ["COMPLETE", "COMPLETE", "RUNNING", "WAITING"], states
+    before = {(t.params["order"], t.params["width"]): t.user_attrs["result"]
+              for t in study.get_trials() if t.state.name == "COMPLETE"}
+
+    real, evaluated = sweep_mod.evaluate_point, []
+
+    def counting(point, *a, **k):
+        evaluated.append((point.order, point.width))
+        return real(point, *a, **k)
+
+    monkeypatch.setattr(sweep_mod, "evaluate_point", counting)
+    opts = SweepOptions(orders=(2, 3), widths=(8, 16), storage=url)
+    res = run_sweep(load_spec(SPEC), opts, out)
+    # the killed point and the one never started; not the two finished before the kill
+    assert sorted(evaluated) == sorted(set(GRID) - set(before)) and len(evaluated) == 2
+    assert res.ran == 2 and set(res.results) == {f"o{o}_w{w}" for o, w in GRID} and not res.errors
+    for (o, w), result in before.items():
+        assert res.results[f"o{o}_w{w}"] == result  # read back, not recomputed
+    evaluated.clear()
+    again = run_sweep(load_spec(SPEC), opts, out)  # a finished sweep: nothing runs
+    assert evaluated == [] and again.ran == 0 and again.results == res.results
+
+
+@dataclass
+class _FakeTask:
+    vocab_size: int = 8192
+    seq_len: int = 256
+    num_kv_pairs: int = 16
+    alpha: float = 0.01
+
+    def check(self) -> None:
+        if 4 * self.num_kv_pairs > self.seq_len:
+            raise ValueError("num_kv_pairs: too many")
+
+
+@dataclass(frozen=True)
+class _FakeSettings:
+    learning_rates: tuple = (1e-3,)
+    max_steps: int = 2000
+    batch_size: int = 64
+    seed: int = 0
+
+
+@dataclass
+class _FakeResult:
+    accuracy: float
+    learning_rate: float
+    per_rate: dict = field(default_factory=dict)
+    steps: int = 1
+    wall_s: float = 0.0
+    train_seed: int = 0
+    test_seed: int = 1
+
+    def to_dict(self) -> dict:
+        return {"accuracy": self.accuracy, "learning_rate": self.learning_rate, "per_rate": self.per_rate,
+                "steps": self.steps, "wall_s": self.wall_s, "train_seed": self.train_seed, "test_seed": self.test_seed}
+
+
+def test_recall_path_calls_the_trainer_and_reports_accuracy(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    calls = []
+
+    def train_recall(spec, task, settings, *, device="cpu", checkpoint_dir=None, progress=True):
+        calls.append((spec, task, settings, device, Path(checkpoint_dir), progress))
+        acc = 0.95 if spec.order == 3 else 0.3 + spec.key_widths[0] / 100 + settings.seed / 1000
+        return _FakeResult(acc, settings.learning_rates[-1], {lr: acc for lr in settings.learning_rates})
+
+    monkeypatch.setitem(sys.modules, "rtcompile.explore.mqar", types.SimpleNamespace(MQARTask=_FakeTask))
+    monkeypatch.setitem(sys.modules, "rtcompile.explore.trainer",
+                        types.SimpleNamespace(TrainSettings=_FakeSettings, train_recall=train_recall))
+    out = tmp_path / "out"
+    rc = main(["explore", str(SPEC), "--orders", "2,3", "--widths", "8,16", "--match", "params", "--recall",
+               "--steps", "5", "--lrs", "1e-3,1e-2", "--seeds", "0,1", "--kv-pairs", "8", "--seq-len", "64",
+               "--out", str(out), "--storage", _storage(tmp_path)])
+    assert rc == 0
+    assert len(calls) == len(GRID) * 2  # every point, every seed
+    for spec, task, settings, device, ckpt, progress in calls:
+        assert (task.seq_len, task.num_kv_pairs) == (64, 8)
+        assert settings == _FakeSettings((1e-3, 1e-2), 5, 64, settings.seed) and settings.seed in (0, 1)
+        assert device == "cpu" and progress is False
+        pid = f"o{spec.order}_w{spec.key_widths[0]}"
+        assert ckpt == out / "points" / pid / "ckpt" / f"seed{settings.seed}" and ckpt.is_dir()
+    base = next(c[0] for c in calls if c[0].order == 3 and c[0].key_widths == (16, 16))
+    assert base.model_width == 128  # the recall default d_model; the base point is itself
+
+    doc = json.loads((out / "results.json").read_text())
+    head, pts = doc["header"], {p["id"]: p for p in doc["points"]}
+    assert head["recall"]["seeds"] == [0, 1] and head["recall"]["learning_rates_swept"] == [1e-3, 1e-2]
+    assert head["recall"]["learning_rates_chosen"]["o3_w16"] == [1e-2, 1e-2]
+    assert pts["o2_w8"]["recall"]["accuracy"] == pytest.approx((0.38 + 0.381) / 2)
+    assert pts["o3_w16"]["recall_accuracy"] == pytest.approx(0.95)
+    for p in pts.values():
+        assert p["match"]["within"] and p["match"]["gap"] <= 0.02 and "model_width" in p["match"]["by"]
+    # o3_w8: the best recall at the least order-3 state; o2_w8: the least state of all
+    assert pts["o3_w8"]["pareto"] and pts["o2_w8"]["pareto"] and not pts["o3_w16"]["pareto"]
+    assert (out / "state_vs_recall.png").read_bytes().startswith(b"\x89PNG")
+    assert "recall" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("args", "option"), [
+    (["--orders", "5", "--widths", "8"], "--orders"),
+    (["--orders", "2", "--widths", "0"], "--widths"),
+    (["--orders", "2", "--widths", "8", "--match", "foo"], "--match"),
+    (["--orders", "2", "--widths", "8", "--d-model", "0"], "--d-model"),
+    (["--orders", "2", "--widths", "8", "--target", "nope"], "--target"),
+    (["--orders", "2", "--widths", "8", "--recall", "--kv-pairs", "100"], "--kv-pairs"),
+    (["--orders", "2", "--widths", "8", "--recall", "--lrs", "2"], "--lrs"),
+    (["--widths", "8"], "--orders"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, option):
+    out = tmp_path / "out"
+    rc = main(["explore", str(SPEC), *args, "--out", str(out), "--storage", _storage(tmp_path)])
+    cap = capsys.readouterr()
+    assert rc == 2
+    lines = cap.err.strip().splitlines()
+    assert len(lines) == 1 and option in lines[0] and "explore" in lines[0], cap.err
+    assert cap.out == "" and not out.exists() and not (tmp_path / "explore.db").exists()
+
+
+def test_options_name_the_field():
+    with pytest.raises(ValueError, match=r"^orders: got 1; allowed: 2, 3, 4"):
+        SweepOptions(orders=(1,), widths=(8,))
+    with pytest.raises(ValueError, match=r"^match: got 'foo'; allowed: params, state"):
+        SweepOptions(orders=(2,), widths=(8,), match="foo")
+    with pytest.raises(TypeError, match=r"^widths: expected integers"):
+        SweepOptions(orders=(2,), widths=(8.0,))
+    with pytest.raises(ValueError, match=r"^seeds: got -1"):
+        RecallOptions(seeds=(-1,))
+
+
+def test_state_match_and_a_refused_point(tmp_path, capsys):
+    """A spec the validation refuses is a line, not a crash; --match state says what it changed
+    per point, and a match out of reach is reported with its gap."""
+    opts = SweepOptions(orders=(2, 3), widths=(8, 512, 65536), match="state", target="l4", storage=_storage(tmp_path))
+    res = run_sweep(load_spec(SPEC), opts, tmp_path / "out")
+    recs = {r["id"]: r for r in records(res)}
+    base = load_spec(SPEC)
+    assert recs["o3_w65536"]["status"] == "refused" and "spec.key_widths" in recs["o3_w65536"]["note"]
+    assert not recs["o3_w65536"]["pareto"] and "o3_w65536" not in res.results  # never run
+    o2 = recs["o2_w8"]
+    assert o2["state_bytes_per_sequence"] == base.state_bytes_per_sequence and o2["match"]["by"] == {"heads": 256}
+    assert o2["heads"] == 256 and all(f["target"] == "l4" for f in o2["speed"])
+    assert recs["o3_w8"]["match"]["by"] == {"heads": 32}
+    # K = 65536: below one head of d_v 64, so one head of d_v 2 (the same 1 MiB)
+    assert recs["o2_w65536"]["match"]["by"] == {"heads": 1, "value_width": 2}
+    for pid in ("o2_w8", "o3_w8", "o2_w65536"):
+        assert recs[pid]["state_bytes_per_sequence"] == base.state_bytes_per_sequence and recs[pid]["match"]["within"]
+    far = recs["o3_w512"]  # K = 262144: one head of d_v 1 holds 2 MiB, twice the base's state
+    assert far["match"]["by"] == {"heads": 1, "value_width": 1} and not far["match"]["within"]
+    assert far["state_bytes_per_sequence"] == 2 * base.state_bytes_per_sequence
+    assert "state match missed by 100.0%" in far["note"]
+    write_report(res, tmp_path / "out")
+    table = capsys.readouterr().out
+    assert "o3_w65536" in table and "refused" in table
+
+
+def test_a_grid_of_refused_points_still_reports(tmp_path, capsys):
+    opts = SweepOptions(orders=(3, 4), widths=(65536,), storage=_storage(tmp_path))
+    res = run_sweep(load_spec(SPEC), opts, tmp_path / "out")
+    assert res.ran == 0 and not res.results
+    paths = write_report(res, tmp_path / "out")
+    pts = json.loads(paths["json"].read_text())["points"]
+    assert [p["status"] for p in pts] == ["refused", "refused"] and not any(p["pareto"] for p in pts)
+    assert paths["decode_plot"].read_bytes().startswith(b"\x89PNG")
+    assert capsys.readouterr().out.count("refused") == 2
+
+
+def test_pareto_front_on_a_hand_made_set():
+    pts = [{"s": 1, "t": 5}, {"s": 2, "t": 3}, {"s": 3, "t": 3}, {"s": 4, "t": 1}, {"s": 5, "t": 5},
+           {"s": 2, "t": 3}, {"s": 0.5, "t": None}]
+    assert pareto_front(pts, [("s", "min"), ("t", "min")]) == [True, True, False, True, False, True, False]
+    with_recall = [{"s": 1, "t": 5, "r": 0.2}, {"s": 3, "t": 3, "r": 0.9}, {"s": 3, "t": 3, "r": 0.8},
+                   {"s": 4, "t": 6, "r": 0.9}]
+    assert pareto_front(with_recall, [("s", "min"), ("t", "min"), ("r", "max")]) == [True, True, False, False]
+    with pytest.raises(ValueError, match="allowed: min, max"):
+        pareto_front(pts, [("s", "least")])
+
+
+def test_two_worker_processes_split_the_points(tmp_path):
+    """--workers 2: two processes claim the points from the store; each point runs once."""
+    import optuna
+
+    url = _storage(tmp_path)
+    res = run_sweep(load_spec(SPEC), SweepOptions(orders=(2, 3), widths=(8, 16), storage=url, workers=2),
+                    tmp_path / "out")
+    assert set(res.results) == {f"o{o}_w{w}" for o, w in GRID} and not res.errors and res.ran == len(GRID)
+    (study,) = [optuna.load_study(study_name=s.study_name, storage=url) for s in optuna.get_all_study_summaries(url)]
+    done = [t for t in study.get_trials() if t.state.name == "COMPLETE"]
+    assert len(done) == len(GRID)  # none twice
+    assert os.getpid() not in {t.user_attrs["pid"] for t in done}  # the workers ran them, not this process
+
+
+def test_measured_figures_come_from_the_bench_measures(monkeypatch):
+    """The measured path, on the CPU at a tiny shape (the interpreter: the plumbing, not a GPU
+    timing): bench's prefill and decode measures run the kernels and every figure says measured."""
+    import functools
+
+    from rtcompile.spec import ModelSpec
+
+    spec = ModelSpec(order=3, key_widths=(4, 4), value_width=8, heads=1, model_width=16, layers=2, chunk_size=16)
+    monkeypatch.setattr(sweep_mod, "PREFILL_SHAPES", ((1, 16),))
+    monkeypatch.setattr(sweep_mod, "DECODE_BATCHES", (2,))
+    monkeypatch.setattr(sweep_mod, "measured_layer_seconds",
+                        functools.partial(sweep_mod.measured_layer_seconds, device="cpu", repeats=3))
+    figs = sweep_mod.speed_figures(spec, sweep_mod.SpeedMode("measured", "cpu (test)", "test"))
+    assert [(f["phase"], f["batch"], f["seq_len"]) for f in figs] == [("prefill", 1, 16), ("decode", 2, 1)]
+    for f in figs:
+        assert f["source"] == "measured" and f["seconds_per_layer"] > 0, f
+        assert f["seconds"] == pytest.approx(2 * f["seconds_per_layer"]) and "median of 3" in f["note"]
+    assert "state err" in figs[1]["note"]  # the decode step was checked against float64 before timing
