@@ -17,7 +17,7 @@ from .cli_args import UsageError, int_list, positive_int
 
 # SweepOptions / RecallOptions field -> the option that sets it (their errors name the field)
 OPTION_OF = {"orders": "--orders", "widths": "--widths", "d_model": "--d-model", "match": "--match",
-             "target": "--target", "workers": "--workers", "seq_len": "--seq-len", "kv_pairs": "--kv-pairs",
+             "target": "--target", "workers": "--workers", "seq_len": "--seq-len", "kv_pairs": "--kv-pairs", "vocab_size": "--vocab",
              "steps": "--steps", "learning_rates": "--lrs", "seeds": "--seeds", "batch_size": "--batch-size"}
 DEFAULT_OUT = "explore-results"
 
@@ -75,6 +75,8 @@ def add_parser(sub) -> None:
     r.add_argument("--recall", action="store_true", help="train each point on MQAR and report its accuracy")
     r.add_argument("--seq-len", type=positive_int, default=256, metavar="T", help="MQAR sequence length (default 256)")
     r.add_argument("--kv-pairs", type=positive_int, default=16, metavar="N", help="key-value pairs (default 16)")
+    r.add_argument("--vocab", type=positive_int, default=8192, metavar="V",
+                   help="MQAR vocabulary: keys from one half, values from the other (default 8192, Zoology's)")
     r.add_argument("--steps", type=positive_int, default=2000, metavar="N", help="training steps per learning rate "
                    "(default 2000; early stop at 0.99 validation accuracy)")
     r.add_argument("--lrs", type=_float_list, default=[1e-3, 3e-3, 1e-2], metavar="LR,..",
@@ -93,8 +95,9 @@ def _options(args):
     try:
         recall = None
         if args.recall:
-            recall = RecallOptions(seq_len=args.seq_len, kv_pairs=args.kv_pairs, steps=args.steps,
-                                   learning_rates=tuple(args.lrs), seeds=tuple(args.seeds), batch_size=args.batch_size)
+            recall = RecallOptions(seq_len=args.seq_len, kv_pairs=args.kv_pairs, vocab_size=args.vocab,
+                                   steps=args.steps, learning_rates=tuple(args.lrs), seeds=tuple(args.seeds),
+                                   batch_size=args.batch_size)
         return SweepOptions(orders=tuple(args.orders), widths=tuple(args.widths), d_model=args.d_model,
                             match=args.match, target=args.target, recall=recall, storage=args.storage,
                             workers=args.workers or 1)
@@ -117,26 +120,12 @@ def _check_out(out: str) -> None:
         raise UsageError(f"rtcompile explore: --out {out!r}: not writable")
 
 
-def _check_recall_task(args) -> None:
-    """The MQAR task's own check (vocabulary, layout), where its module is installed."""
-    try:
-        from .explore.mqar import MQARTask
-    except ImportError:
-        return
-    try:
-        MQARTask(seq_len=args.seq_len, num_kv_pairs=args.kv_pairs).check()
-    except ValueError as exc:
-        raise UsageError(f"rtcompile explore: --seq-len / --kv-pairs: {str(exc).splitlines()[0]}") from None
-
-
 def run(args) -> int:
     start = time.monotonic()
     from .spec import load_spec
 
     spec = load_spec(args.spec)
     opts = _options(args)
-    if args.recall:
-        _check_recall_task(args)
     from .explore.sweep import compute_device, run_sweep, visible_gpus
     from .tuning.store import check_store_file
 

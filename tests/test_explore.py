@@ -181,11 +181,12 @@ def test_recall_path_calls_the_trainer_and_reports_accuracy(tmp_path, capsys, mo
     out = tmp_path / "out"
     rc = main(["explore", str(SPEC), "--orders", "2,3", "--widths", "8,16", "--match", "params", "--recall",
                "--steps", "5", "--lrs", "1e-3,1e-2", "--seeds", "0,1", "--kv-pairs", "8", "--seq-len", "64",
+               "--vocab", "40",
                "--out", str(out), "--storage", _storage(tmp_path)])
     assert rc == 0
     assert len(calls) == len(GRID) * 2  # every point, every seed
     for spec, task, settings, device, ckpt, progress in calls:
-        assert (task.seq_len, task.num_kv_pairs) == (64, 8)
+        assert (task.seq_len, task.num_kv_pairs, task.vocab_size) == (64, 8, 40)
         assert settings == _FakeSettings((1e-3, 1e-2), 5, 64, settings.seed) and settings.seed in (0, 1)
         assert device == "cpu" and progress is False
         pid = f"o{spec.order}_w{spec.key_widths[0]}"
@@ -214,6 +215,7 @@ def test_recall_path_calls_the_trainer_and_reports_accuracy(tmp_path, capsys, mo
     (["--orders", "2", "--widths", "8", "--d-model", "0"], "--d-model"),
     (["--orders", "2", "--widths", "8", "--target", "nope"], "--target"),
     (["--orders", "2", "--widths", "8", "--recall", "--kv-pairs", "100"], "--kv-pairs"),
+    (["--orders", "2", "--widths", "8", "--recall", "--kv-pairs", "8", "--vocab", "16"], "--vocab"),
     (["--orders", "2", "--widths", "8", "--recall", "--lrs", "2"], "--lrs"),
     (["--widths", "8"], "--orders"),
 ])

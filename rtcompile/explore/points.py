@@ -54,6 +54,7 @@ class RecallOptions:
 
     seq_len: int = 256
     kv_pairs: int = 16
+    vocab_size: int = 8192  # Zoology's MQAR vocabulary: keys from one half, values from the other
     steps: int = 2000
     learning_rates: tuple[float, ...] = (1e-3, 3e-3, 1e-2)
     seeds: tuple[int, ...] = (0,)
@@ -62,6 +63,9 @@ class RecallOptions:
     def __post_init__(self) -> None:
         for name in ("seq_len", "kv_pairs", "steps", "batch_size"):
             _check_ints(name, [getattr(self, name)], 1, 1 << 24, "an integer >= 1")
+        # distinct keys and values per sequence, and the filler token
+        _check_ints("vocab_size", [self.vocab_size], 2 * self.kv_pairs + 1, 1 << 24,
+                    f"an integer >= 2 * kv_pairs + 1 = {2 * self.kv_pairs + 1}")
         # MQAR lays out the pairs and their queries in the sequence: 4 tokens per pair at least
         if 4 * self.kv_pairs > self.seq_len:
             raise _fail("kv_pairs", f"got {self.kv_pairs} for seq_len {self.seq_len}; allowed: at most seq_len / 4 "

@@ -117,7 +117,7 @@ def header(result: SweepResult) -> dict[str, Any]:
     recall = None
     if result.opts.recall is not None:
         r = result.opts.recall
-        recall = {"seq_len": r.seq_len, "kv_pairs": r.kv_pairs, "steps": r.steps, "batch_size": r.batch_size,
+        recall = {"seq_len": r.seq_len, "kv_pairs": r.kv_pairs, "vocab_size": r.vocab_size, "steps": r.steps, "batch_size": r.batch_size,
                   "seeds": list(r.seeds), "learning_rates_swept": list(r.learning_rates),
                   "learning_rates_chosen": {pid: (res.get("recall") or {}).get("learning_rates_chosen")
                                             for pid, res in result.results.items()}}

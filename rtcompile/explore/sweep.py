@@ -147,7 +147,7 @@ def recall_figures(spec: ModelSpec, recall: RecallOptions, device: str, checkpoi
     from .mqar import MQARTask
     from .trainer import TrainSettings, train_recall
 
-    task = MQARTask(seq_len=recall.seq_len, num_kv_pairs=recall.kv_pairs)
+    task = MQARTask(vocab_size=recall.vocab_size, seq_len=recall.seq_len, num_kv_pairs=recall.kv_pairs)
     runs = []
     for seed in recall.seeds:
         settings = TrainSettings(learning_rates=recall.learning_rates, max_steps=recall.steps,
@@ -161,7 +161,7 @@ def recall_figures(spec: ModelSpec, recall: RecallOptions, device: str, checkpoi
     return {"accuracy": sum(accs) / len(accs), "accuracy_min": min(accs), "accuracy_max": max(accs),
             "learning_rates_chosen": [r["learning_rate"] for r in runs], "seeds": list(recall.seeds),
             "task": {"seq_len": recall.seq_len, "num_kv_pairs": recall.kv_pairs,
-                     "vocab_size": getattr(task, "vocab_size", None)}, "runs": runs}
+                     "vocab_size": task.vocab_size}, "runs": runs}
 
 
 def evaluate_point(point: Point, opts: SweepOptions, mode: SpeedMode, out: Path, device: str,
