@@ -1,6 +1,6 @@
 # The measurements of one GPU session, in steps that each fit one 10-minute device call.
 #
-#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train | sweep | bench | checks
+#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train | sweep | bench | checks | recall
 #
 # Run from the project root on the device machine after installing the carried wheels (see
 # benchmarks/README.md). Everything lands under $OUT. Each step writes as it goes, so a call cut
@@ -55,7 +55,16 @@ step_checks() {  # the bundle on the Triton kernels vs ONNX Runtime, then the pl
   python3 benchmarks/gpu_checks.py regret --out "$OUT/checks"
 }
 
+step_recall() {  # issue 23's comparison: order 2 vs order 3 at matched parameters on MQAR (d_model
+  # 128, 2 layers, 256 tokens, 16 pairs). 3000 steps at 1e-3 / 3e-3 left both at chance on
+  # 2026-12-01 (20-27 ms a step): hence more steps and larger rates by default. The store sits
+  # under $OUT, so a call cut at its limit brings back the points it finished.
+  timeout "${RECALL_S:-540}" python3 -m rtcompile.cli explore examples/mqar_d128.toml --orders 2,3 --widths 16 \
+    --recall --target h200 --match params --steps "${RECALL_STEPS:-8000}" --lrs "${RECALL_LRS:-3e-3,1e-2}" \
+    --vocab "${RECALL_VOCAB:-8192}" --out "$OUT/explore" --storage "sqlite:///$OUT/explore.db" || true
+}
+
 for s in "$@"; do
-  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, sweep, bench, checks)" >&2; exit 2; }
+  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, sweep, bench, checks, recall)" >&2; exit 2; }
   "step_$s"
 done
