@@ -1,6 +1,6 @@
 # The measurements of one GPU session, in steps that each fit one 10-minute device call.
 #
-#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train | sweep | bench | checks | recall
+#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train | sweep | bench | model | checks | recall
 #
 # Run from the project root on the device machine after installing the carried wheels (see
 # benchmarks/README.md). Everything lands under $OUT. Each step writes as it goes, so a call cut
@@ -49,6 +49,11 @@ step_bench() {  # decode first (~60 s), so the prefill phase cannot starve it of
   python3 -m rtcompile.cli bench --out "$OUT/bench_prefill" --phase prefill --budget-s 360
 }
 
+step_model() {  # the whole model (issue 21): prefill tokens/s at B1, B8 T4096 and CUDA-graph decode
+  # tokens/s at B1, B32, B256, ours and fla's mixer (K = 256) in the same run
+  python3 -m rtcompile.cli bench --model examples/order3_16x16.toml --out "$OUT/bench_model"
+}
+
 step_checks() {  # the bundle on the Triton kernels vs ONNX Runtime, then the planner's regret
   python3 benchmarks/gpu_checks.py bundle --out "$OUT/checks"
   python3 benchmarks/gpu_checks.py first_call --out "$OUT/checks"
@@ -65,6 +70,6 @@ step_recall() {  # issue 23's comparison: order 2 vs order 3 at matched paramete
 }
 
 for s in "$@"; do
-  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, sweep, bench, checks, recall)" >&2; exit 2; }
+  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, sweep, bench, model, checks, recall)" >&2; exit 2; }
   "step_$s"
 done

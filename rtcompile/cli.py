@@ -100,9 +100,51 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_out_dir(out) -> None:
+    """Fail before minutes of measuring, not after: --out must be creatable and writable."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"rtcompile bench: --out {str(out)!r}: cannot create ({exc.strerror})") from None
+    if not os.access(out, os.W_OK):
+        raise UsageError(f"rtcompile bench: --out {str(out)!r}: not writable")
+
+
+def _cmd_bench_model(args: argparse.Namespace) -> int:
+    """``bench --model SPEC``: the whole model's prefill and CUDA-graph decode (bench/lm.py)."""
+    from pathlib import Path
+
+    from .spec import load_spec
+
+    if args.phase != "all":
+        raise UsageError(f"rtcompile bench: --phase {args.phase} with --model; allowed: --phase only without --model "
+                         "(--model times the model's prefill and decode)")
+    spec = load_spec(args.model)
+    from .bench import cuda_unavailable_reason, lm
+
+    opts = lm.ModelBenchOptions(spec=spec, spec_path=args.model, quick=args.quick,
+                                out=Path(args.out) if args.out else None, repeats=args.repeats,
+                                budget_s=args.budget_s, only=tuple(args.only or ()))
+    if opts.only and not lm.model_cases(spec, opts.quick, opts.only):
+        raise UsageError(f"rtcompile bench: --only {' '.join(opts.only)!r}: no case of --model matches; "
+                         "allowed: parts of the case names that --dry-run lists")
+    if args.dry_run:
+        print("\n".join(lm.model_dry_run_lines(opts)))
+        return 0
+    reason = cuda_unavailable_reason()
+    if reason is not None:
+        raise UsageError(f"rtcompile bench: {reason}")
+    if opts.out is not None:
+        _check_out_dir(opts.out)
+    lm.run_model_bench(opts)
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    if args.model is not None:
+        return _cmd_bench_model(args)
     from . import bench
 
     opts = bench.BenchOptions(
@@ -119,13 +161,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if reason is not None:
         raise UsageError(f"rtcompile bench: {reason}")
     if opts.out is not None:
-        # Fail before minutes of measuring, not after: the folder must be creatable and writable.
-        try:
-            opts.out.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise UsageError(f"rtcompile bench: --out {str(opts.out)!r}: cannot create ({exc.strerror})") from None
-        if not os.access(opts.out, os.W_OK):
-            raise UsageError(f"rtcompile bench: --out {str(opts.out)!r}: not writable")
+        _check_out_dir(opts.out)
     bench.run_bench(opts)
     return 0
 
@@ -150,8 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--phase", choices=PHASES, default="all",
                        help="what to measure (default all = prefill + decode; train: forward + backward, only when named)")
+    bench.add_argument("--model", metavar="SPEC",
+                       help="time the whole model of a spec file instead: prefill tokens/s (B1, B8 at T4096) and "
+                       "CUDA-graph decode tokens/s (B1, B32, B256), ours and fla's mixer where K <= 256")
     bench.add_argument("--quick", action="store_true", help="T=1024 and fewer cases (a smoke run)")
-    bench.add_argument("--out", metavar="DIR", help="write bench.json and bench.csv into DIR (rewritten after every case)")
+    bench.add_argument("--out", metavar="DIR", help="write bench.json and bench.csv (model.json and model.csv with "
+                       "--model) into DIR (rewritten after every case)")
     bench.add_argument("--dry-run", action="store_true", help="list the cases a run would measure; needs no GPU")
     bench.add_argument("--repeats", type=int_at_least(MIN_REPEATS), default=DEFAULT_REPEATS, metavar="N",
                        help=f"timed repeats per measurement, median reported (default {DEFAULT_REPEATS})")

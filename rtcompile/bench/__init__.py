@@ -14,6 +14,9 @@ One invocation on one CUDA GPU measures, in this order, and writes every number 
 5. train (``--phase train`` only, :mod:`.train`): forward + backward of our Triton kernels, the
    reference's autograd and fla's on materialised keys, the forward alone, peak extra memory.
 
+``--model SPEC`` (:mod:`.lm`, imported only then) measures the whole model of a spec instead:
+prefill and CUDA-graph decode tokens/s, ours beside fla's mixer where K <= 256.
+
 Invariants that keep the numbers honest:
 
 * all implementations of a case see the same inputs (same seeds on the same device);

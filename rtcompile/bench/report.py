@@ -112,11 +112,13 @@ def row_dict(row: Row) -> dict[str, Any]:
     return {k: _plain(v) for k, v in asdict(row).items()}
 
 
-def write_results(out_dir: Path, header: Mapping[str, Any], rows: Sequence[Row]) -> tuple[Path, Path]:
-    """Write ``bench.json`` ({header, rows}) and ``bench.csv`` (rows + header columns), atomically."""
+def write_results(out_dir: Path, header: Mapping[str, Any], rows: Sequence[Row],
+                  stem: str = "bench") -> tuple[Path, Path]:
+    """Write ``<stem>.json`` ({header, rows}) and ``<stem>.csv`` (rows + header columns), atomically
+    (``stem`` "model": the model-level run of :mod:`.lm`)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    jpath, cpath = out_dir / "bench.json", out_dir / "bench.csv"
+    jpath, cpath = out_dir / f"{stem}.json", out_dir / f"{stem}.csv"
     doc = {"header": {k: _plain(v) for k, v in header.items()}, "rows": [row_dict(r) for r in rows]}
     atomic_write(jpath, json.dumps(doc, indent=2, allow_nan=False) + "\n")
     buf = io.StringIO()
@@ -223,6 +225,25 @@ def print_tables(rows: Sequence[Row], header: Mapping[str, Any], file: Any = Non
              f"bf16 matmul {_num(c.get('matmul_tflops'), '.0f')} TFLOP/s | commit {str(header.get('commit'))[:12]}"
              f"{' (dirty)' if header.get('git_dirty') else ''}")
     _print_table(title, TIMING_COLUMNS, timing_table_rows(rows), file)
+
+
+MODEL_COLUMNS = ("phase", "case", "impl", "ms", "tok/s", "mem+", "err", "timing", "note")
+
+
+def model_table_rows(rows: Sequence[Row]) -> list[tuple[str, ...]]:
+    """Cells of the model-level table (:mod:`.lm`): time, tokens/s, memory, fla's logits error."""
+    return [(r.phase, r.case, r.impl, _num(r.ms, ".4g"), _si(r.tokens_per_s), _mib(r.peak_extra_mem_bytes),
+             _num(r.rel_rms_err, ".1e"), r.timing[:60], r.note[:60]) for r in rows]
+
+
+def print_model_table(rows: Sequence[Row], header: Mapping[str, Any], file: Any = None) -> None:
+    """The model-level run's one table, titled with the GPU, the spec and the commit."""
+    spec = header.get("spec") or {}
+    widths = "x".join(map(str, spec.get("key_widths", ())))
+    title = (f"{header.get('gpu')} | model {spec.get('name') or header.get('spec_path')}: order {spec.get('order')} "
+             f"{widths}, {spec.get('layers')} layers, d_model {spec.get('model_width')}, {header.get('weights_dtype')} "
+             f"| commit {str(header.get('commit'))[:12]}{' (dirty)' if header.get('git_dirty') else ''}")
+    _print_table(title, MODEL_COLUMNS, model_table_rows(rows), file or sys.stdout)
 
 
 def dry_run_lines(options: BenchOptions) -> list[str]:
