@@ -120,23 +120,32 @@ def _cmd_bench_model(args: argparse.Namespace) -> int:
         raise UsageError(f"rtcompile bench: --phase {args.phase} with --model; allowed: --phase only without --model "
                          "(--model times the model's prefill and decode)")
     spec = load_spec(args.model)
-    from .bench import cuda_unavailable_reason, lm
+    from .bench import lm
 
     opts = lm.ModelBenchOptions(spec=spec, spec_path=args.model, quick=args.quick,
                                 out=Path(args.out) if args.out else None, repeats=args.repeats,
                                 budget_s=args.budget_s, only=tuple(args.only or ()))
-    if opts.only and not lm.model_cases(spec, opts.quick, opts.only):
-        raise UsageError(f"rtcompile bench: --only {' '.join(opts.only)!r}: no case of --model matches; "
+    return _bench_run(args, opts, bool(lm.model_cases(spec, opts.quick, opts.only)), "--model",
+                      lm.model_dry_run_lines, lm.run_model_bench)
+
+
+def _bench_run(args: argparse.Namespace, opts, matches: bool, scope: str, dry_run_lines, run) -> int:
+    """What both bench modes do once their options are built: --only that matches nothing,
+    --dry-run, no GPU, an unwritable --out (each a usage error before any work), then ``run``."""
+    from .bench import cuda_unavailable_reason
+
+    if opts.only and not matches:
+        raise UsageError(f"rtcompile bench: --only {' '.join(opts.only)!r}: no case of {scope} matches; "
                          "allowed: parts of the case names that --dry-run lists")
     if args.dry_run:
-        print("\n".join(lm.model_dry_run_lines(opts)))
+        print("\n".join(dry_run_lines(opts)))
         return 0
     reason = cuda_unavailable_reason()
     if reason is not None:
         raise UsageError(f"rtcompile bench: {reason}")
     if opts.out is not None:
         _check_out_dir(opts.out)
-    lm.run_model_bench(opts)
+    run(opts)
     return 0
 
 
@@ -151,19 +160,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         phase=args.phase, quick=args.quick, out=Path(args.out) if args.out else None,
         repeats=args.repeats, budget_s=args.budget_s, only=tuple(args.only or ()),
     )
-    if opts.only and not bench.plan(opts.phase, opts.quick, opts.variants, opts.only):
-        raise UsageError(f"rtcompile bench: --only {' '.join(opts.only)!r}: no case of phase {opts.phase} matches; "
-                         "allowed: parts of the case names that --dry-run lists")
-    if args.dry_run:
-        print("\n".join(bench.dry_run_lines(opts)))
-        return 0
-    reason = bench.cuda_unavailable_reason()
-    if reason is not None:
-        raise UsageError(f"rtcompile bench: {reason}")
-    if opts.out is not None:
-        _check_out_dir(opts.out)
-    bench.run_bench(opts)
-    return 0
+    return _bench_run(args, opts, bool(bench.plan(opts.phase, opts.quick, opts.variants, opts.only)),
+                      f"phase {opts.phase}", bench.dry_run_lines, bench.run_bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -48,15 +48,22 @@ def positive_float(text: str) -> float:
     return value
 
 
-def int_list(text: str) -> list[int]:
-    """Comma-separated positive integers (``8,32``)."""
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return values
+def int_list_of(minimum: int, what: str):
+    """An argparse type: comma-separated integers >= ``minimum`` (``what`` names them in the error)."""
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from None
+        if not values or any(v < minimum for v in values):
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}")
+        return values
+
+    return parse
+
+
+int_list = int_list_of(1, "positive integers")  # ``8,32``
 
 
 def positive_int(text: str) -> int:

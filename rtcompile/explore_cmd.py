@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from .cli_args import UsageError, int_list, positive_int
+from .cli_args import UsageError, int_list, int_list_of, positive_int
 
 # SweepOptions / RecallOptions field -> the option that sets it (their errors name the field)
 OPTION_OF = {"orders": "--orders", "widths": "--widths", "d_model": "--d-model", "match": "--match",
@@ -30,17 +30,6 @@ def _float_list(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
     if not values:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}")
-    return values
-
-
-def _seed_list(text: str) -> list[int]:
-    """Comma-separated integers >= 0 (``0,1,2``)."""
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got {text!r}") from None
-    if not values or any(v < 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got {text!r}")
     return values
 
 
@@ -81,7 +70,7 @@ def add_parser(sub) -> None:
                    "(default 2000; early stop at 0.99 validation accuracy)")
     r.add_argument("--lrs", type=_float_list, default=[1e-3, 3e-3, 1e-2], metavar="LR,..",
                    help="learning rates swept per point, the best kept (default 1e-3,3e-3,1e-2)")
-    r.add_argument("--seeds", type=_seed_list, default=[0], metavar="S,..",
+    r.add_argument("--seeds", type=int_list_of(0, "integers >= 0"), default=[0], metavar="S,..",
                    help="training seeds; the accuracy reported is their mean (default 0)")
     r.add_argument("--batch-size", type=positive_int, default=64, metavar="N", help="training batch (default 64)")
     p.set_defaults(func=run)
