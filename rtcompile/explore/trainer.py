@@ -292,7 +292,13 @@ class _Rate:
         return contextlib.nullcontext()
 
     def train_step(self, inputs: torch.Tensor, labels: torch.Tensor, device: torch.device) -> torch.Tensor:
-        idx = torch.randint(0, inputs.shape[0], (self.settings.batch_size,), generator=self.batches).to(device)
+        idx = torch.randint(0, inputs.shape[0], (self.settings.batch_size,), generator=self.batches)
+        if device.type == "cuda":
+            # a blocking copy from pageable memory waits for the stream: every step would wait for
+            # the previous one and the host could never queue ahead (not yet timed on a GPU)
+            idx = idx.pin_memory().to(device, non_blocking=True)
+        else:
+            idx = idx.to(device)
         self.model.train()
         with self.autocast(device):
             logits, _ = self.model(inputs[idx], backend=self.settings.backend)
