@@ -82,6 +82,12 @@ REFUSALS = {
                                 "prefetch_state / merge_passes need a streamed state"),
     "fused-merge-resident": (FusedConfig(chunk_size=16, block_k=256, block_v=16, merge_passes=True), O3,
                              "prefetch_state / merge_passes need a streamed state"),
+    "resident-materialise-order2": (ResidentConfig(chunk_size=16, block_v=16, materialise=True), KernelShape((16,), 16),
+                                    "materialise=True needs order >= 3"),
+    "resident-materialise-k512": (ResidentConfig(chunk_size=16, block_v=16, materialise=True),
+                                  KernelShape((32, 16), 16), "materialise=True forms [T, K] keys up to K = 256"),
+    "resident-prefetch-narrow": (ResidentConfig(chunk_size=16, block_v=16, prefetch_inputs=True), KernelShape((8, 8), 16),
+                                 "prefetch_inputs=True needs power-of-two key widths >= 16"),
     "split-widths": (SplitConfig(chunk_size=16, block_v=16), KernelShape((3, 5), 16),
                      "the split form needs power-of-two key widths >= 16"),
     "split-one-stage": (SplitConfig(chunk_size=16, block_v=16, num_stages=1), O3, "num_stages=1; allowed: 2, 3 or 4"),
@@ -125,7 +131,9 @@ def test_refused_cases_run_once_the_field_is_fixed():
              (REFUSALS["fused-prefetch-resident"][0], {"block_k": 128}, O3),
              (REFUSALS["split-one-stage"][0], {"num_stages": 2}, O3),
              (REFUSALS["resident-tiles-c128"][0], {"solve": "rows"}, KernelShape((4, 4), 16)),
-             (REFUSALS["streamed-block-k-covers"][0], {"block_k": 128}, O3)]
+             (REFUSALS["streamed-block-k-covers"][0], {"block_k": 128}, O3),
+             # materialised 8x8 keys are one 64-wide factor: its tiles can be prefetched
+             (REFUSALS["resident-prefetch-narrow"][0], {"materialise": True}, KernelShape((8, 8), 16))]
     for config, change, shape in fixed:
         assert dataclasses.replace(config, **change).check(shape, H200_SMEM) is None, (config, change)
 

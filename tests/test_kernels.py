@@ -110,6 +110,11 @@ FORMS = {
                                                             wy=True, prepare_warps=2), (16,), 77, 6),
     "resident-o3-16x16-prefetch-c16": (ResidentConfig(16, 16, num_warps=8, solve="tiles", prefetch_inputs=True,
                                                       prepare_warps=1), (16, 16), 21, 6),
+    # phi(q), phi(k) materialised and the order-2 kernels run on them: prefetch and wy become
+    # possible below 16-wide factors (4x4: K 16); a non-power-of-two K (2x3x2: 12) at order 4
+    "resident-o3-4x4-materialised-prefetch-wy-c32": (ResidentConfig(32, 16, prefetch_inputs=True, wy=True,
+                                                                    materialise=True), (4, 4), 45, 6),
+    "resident-o4-2x3x2-materialised-rows": (ResidentConfig(16, 16, solve="rows", materialise=True), (2, 3, 2), 21, 5),
     # state streamed in key tiles: gathered and outer-product phi, state read ahead, merged passes
     "streamed-o3-4x5-rows": (StreamedConfig(16, 16, 16, solve="rows"), (4, 5), 21, 5),
     "streamed-o4-2x4x4-outer-prefetch": (StreamedConfig(16, 16, 16, prefetch_state=True), (2, 4, 4), 21, 6),
@@ -143,6 +148,8 @@ def test_form_matches_float64(form, feat):
 HALF = {  # 16-bit inputs: products in the input type (fp16 here; bf16 is upcast under the interpreter)
     "resident-o3-3x4-tiles-c32": (ResidentConfig(32, 16), (3, 4)),
     "resident-o2-16-prefetch-wy": (ResidentConfig(32, 16, prefetch_inputs=True, wy=True), (16,)),
+    "resident-o3-4x4-materialised-prefetch-wy": (ResidentConfig(32, 16, prefetch_inputs=True, wy=True,
+                                                                materialise=True), (4, 4)),
     "streamed-o3-4x8-merge-prefetch": (StreamedConfig(16, 16, 16, prefetch_state=True, merge_passes=True), (4, 8)),
     "streamed-o3-5x7-gathered": (StreamedConfig(32, 16, 16, solve="rows"), (5, 7)),
     "fused-streamed-o3-4x8-tiles-c32": (FusedConfig(32, 16, 16, prefetch_state=True), (4, 8)),
@@ -163,6 +170,8 @@ VARLEN = {  # sequences of 5, 1, 17 and 7 tokens packed along T (split: 5, 1, 54
     "resident-o3-3x4-tiles-c32": (ResidentConfig(32, 16), (3, 4), None),
     "resident-o2-16-prefetch-wy-c16": (ResidentConfig(16, 16, prefetch_inputs=True, wy=True), (16,), None),
     "resident-o3-3x4-wy-tiles-c32": (ResidentConfig(32, 16, wy=True), (3, 4), None),
+    "resident-o3-4x4-materialised-prefetch-c16": (ResidentConfig(16, 16, prefetch_inputs=True, materialise=True),
+                                                  (4, 4), None),
     "streamed-o3-3x7-merge": (StreamedConfig(16, 16, 16, prefetch_state=True, merge_passes=True), (3, 7), None),
     "fused-resident-o4-2x3x2-tiles-c32": (FusedConfig(32, 16, 16), (2, 3, 2), None),
     "fused-streamed-o3-4x5-rows": (FusedConfig(16, 16, 16, solve="rows"), (4, 5), None),
@@ -241,11 +250,13 @@ def test_unit_lower_inverse_tiles_is_the_inverse(C, n_rows):
     ResidentConfig(chunk_size=16, block_v=16),
     ResidentConfig(chunk_size=16, block_v=16, solve="rows", wy=True),
     ResidentConfig(chunk_size=32, block_v=16, wy=True),
+    ResidentConfig(chunk_size=16, block_v=16, wy=True, materialise=True),
     StreamedConfig(chunk_size=16, block_k=64, block_v=16),
     FusedConfig(chunk_size=16, block_k=256, block_v=16),
     FusedConfig(chunk_size=16, block_k=256, block_v=16, solve="rows"),
     SplitConfig(chunk_size=16, block_v=16, state_stride=2),
-], ids=lambda c: f"{c.form}-{c.solve}{'-wy' if getattr(c, 'wy', False) else ''}")
+], ids=lambda c: f"{c.form}-{c.solve}{'-wy' if getattr(c, 'wy', False) else ''}"
+                 f"{'-materialised' if getattr(c, 'materialise', False) else ''}")
 def test_launcher_allocates_the_workspace_its_config_declares(monkeypatch, config, delta, gate):
     """What a form's launcher allocates beyond the output is what its config's ``workspace_bytes``
     says (the planner's memory check and the cost model read that figure)."""

@@ -348,7 +348,7 @@ def test_exhaustive_sweep_runs_each_valid_config_of_every_form_once_in_its_own_s
 
     url = f"sqlite:///{tmp_path / 'sweep.db'}"
     fixed = {"resident.chunk_size": 16, "resident.num_stages": 1, "resident.dot_precision": "ieee",
-             "resident.wy": False, "resident.prepare_warps": 4, "resident.solve": "rows",
+             "resident.wy": False, "resident.prepare_warps": 4, "resident.solve": "rows", "resident.materialise": False,
              "fused.chunk_size": 16, "fused.num_stages": 1, "fused.solve": "rows"}
     opts = TuneOptions(storage=url, workers=2, repeats=2, fixed=fixed, exhaustive=True)
     expected = exhaustive_variants(TINY, opts)

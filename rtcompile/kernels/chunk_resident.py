@@ -13,6 +13,7 @@ Per chunk (local cumulative log decay c, Gamma = exp(c)), with P and Ai as in ``
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -34,6 +35,10 @@ from .config import (
 )
 from .inputs import Problem
 
+# materialised keys cost 2 x 2 K bytes per token-head; above K = 256 the resident state tile does
+# not fit registers anyway (the check's own limit)
+MATERIALISE_MAX_K = 256
+
 
 @dataclass(frozen=True)
 class ResidentConfig(KernelConfig):
@@ -51,6 +56,12 @@ class ResidentConfig(KernelConfig):
     ``wy``: the prepare kernel applies the solve (W = Ai diag(b Gamma) phi(K), U0 = Ai diag(b) V,
     a [T, K] and a [T, V] workspace), leaving two products on the sequential chain instead of
     three (o2 64 on the H200: 0.415 ms with prefetch + wy, 0.574 with prefetch alone).
+    ``materialise`` (order >= 3, K <= 256): form phi(q), phi(k) as [B, T, H, K] tensors in the
+    inputs' type first (factors normalised in fp32 when l2norm) and run the order-2 kernels on
+    them: 2 x 2 K bytes per token-head written and read again, against factored tiles that
+    cannot be prefetched below 16-wide factors (o3 8x8 ran 0.486 ms where o2 64, the same
+    problem materialised, ran 0.359: issue 22). The tuner chooses it by measurement; no
+    default uses it yet.
     """
 
     kernel: ClassVar[str] = "chunk"
@@ -64,6 +75,7 @@ class ResidentConfig(KernelConfig):
     dot_precision: str = "ieee"
     prefetch_inputs: bool = False
     wy: bool = False
+    materialise: bool = False
 
     def block_k(self, shape: KernelShape) -> int:
         return shape.key_dim_pow2
@@ -74,6 +86,13 @@ class ResidentConfig(KernelConfig):
     def check(self, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> str | None:
         if (reason := chunk_refusal(self, shape)) is not None:
             return reason
+        if self.materialise:
+            if len(shape.key_widths) < 2:
+                return "materialise=True needs order >= 3 (an order-2 key is its one factor already)"
+            if shape.key_dim > MATERIALISE_MAX_K:
+                return (f"materialise=True forms [T, K] keys up to K = {MATERIALISE_MAX_K}, got K = "
+                        f"{shape.key_dim}; allowed: materialise=False")
+            shape = materialised(shape)
         if self.prefetch_inputs and not shape.whole_factor_tiles:
             return f"prefetch_inputs=True needs power-of-two key widths >= 16, got {shape.key_widths}"
         return resource_refusal(self, shape, smem_limit,
@@ -95,6 +114,7 @@ class ResidentConfig(KernelConfig):
     def space(cls, shape: KernelShape) -> dict[str, list]:
         if cls(chunk_size=16, block_v=16, num_warps=8).check(shape, 1 << 30) is not None:
             return {}  # even the smallest tile does not fit registers
+        can_materialise = len(shape.key_widths) >= 2 and shape.key_dim <= MATERIALISE_MAX_K
         return {
             "chunk_size": [16, 32, 64, 128],
             "block_v": [b for b in (16, 32, 64) if b <= shape.value_dim_pow2],
@@ -103,16 +123,20 @@ class ResidentConfig(KernelConfig):
             "prepare_warps": list(PREPARE_WARPS),
             "solve": list(SOLVES),
             "dot_precision": list(DOT_PRECISIONS),
-            "prefetch_inputs": [False, True] if shape.whole_factor_tiles else [False],
+            "prefetch_inputs": [False, True] if shape.whole_factor_tiles or can_materialise else [False],
             "wy": [False, True],
+            "materialise": [False, True] if can_materialise else [False],
         }
 
     def workspace_bytes(self, w: Workload) -> int:
-        return two_kernel_workspace(self, w, wy=self.wy)
+        keys = 2 * w.rows * w.shape.key_dim * w.shape.input_bytes if self.materialise else 0  # phi(q), phi(k)
+        return two_kernel_workspace(self, w, wy=self.wy) + keys
 
     def figures(self, w: Workload) -> CostFigures:
+        # materialised keys add torch's elementwise launches: about two per factor and side
+        extra = 2 * len(w.shape.key_widths) if self.materialise else 0
         return CostFigures(programs=chunk_programs(w, self.block_v), serial_steps=chunk_count(w, self.chunk_size),
-                           state_passes=2, workspace_bytes=self.workspace_bytes(w), launches=2)
+                           state_passes=2, workspace_bytes=self.workspace_bytes(w), launches=2 + extra)
 
 
 # ----- the sequential kernel -----
@@ -252,9 +276,38 @@ def run_resident(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm: bo
     return o
 
 
+def materialised(shape: KernelShape) -> KernelShape:
+    """The order-2 shape of ``shape``'s problem with its keys materialised (K = prod d_i)."""
+    return KernelShape((shape.key_dim,), shape.value_width, shape.input_bytes)
+
+
+def materialise_phi(factors, l2norm: bool) -> torch.Tensor:
+    """phi = x1 (x) x2 (x) .. ([B, T, H, K], row-major, in the factors' type) of the factors
+    [B, T, H, d_i], each normalised in fp32 first when ``l2norm`` (eps as the kernels'). The last
+    product is written straight into the 16-bit result (no [T, K] fp32 temporary)."""
+    xs = [x.float() for x in factors]
+    if l2norm:
+        xs = [x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in xs]
+    lead = xs[0]
+    for x in xs[1:-1]:
+        lead = (lead[..., :, None] * x[..., None, :]).flatten(-2)
+    B, T, H, d = lead.shape
+    out = args.empty(B, T, H, d * xs[-1].shape[-1], dtype=factors[0].dtype, device=factors[0].device)
+    torch.mul(lead[..., :, None], xs[-1][..., None, :], out=out.view(B, T, H, d, xs[-1].shape[-1]))
+    return out
+
+
 def launch(config: ResidentConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm: bool) -> torch.Tensor:
     """Run ``config`` on checked inputs (``p`` from ``check_inputs``); ``ht``: None, or the fp32
-    final-state buffer to store into. Returns o."""
+    final-state buffer to store into. Returns o. With ``materialise``, the order-2 kernels run on
+    phi(q), phi(k) (the flattened state [.., K, V] is the same memory as [.., d_1, .., V])."""
+    if config.materialise:
+        q, k = [materialise_phi(q, l2norm)], [materialise_phi(k, l2norm)]
+        p = dataclasses.replace(p, key_widths=(p.key_dim,))
+        flat = (p.num_seqs, p.heads, p.key_dim, p.value_width)
+        h0 = None if h0 is None else h0.view(flat)
+        ht = None if ht is None else ht.view(flat)
+        l2norm = False
     bk = max(16, next_pow2(p.key_dim))
     ws = prepare_scores(config, p, q, k, v, g, beta, cu_seqlens=cu_seqlens, l2norm=l2norm, block_k=bk,
                         outer=KernelShape(p.key_widths, p.value_width).outer_phi_ok(bk), wy=config.wy)
