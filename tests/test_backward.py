@@ -167,6 +167,21 @@ def test_streamed_varlen_and_half(widths):
 
 
 @needs_kernels
+@pytest.mark.parametrize("widths, features", [((4, 4), "gated-delta-l2-h0"), ((8, 8), "plain"), ((2, 4, 2), "gate-h0"),
+                                              ((2, 8), "delta-l2")], ids=["o3-4x4", "o3-8x8", "o4-2x4x2", "o3-2x8"])
+def test_materialised_keys(widths, features):
+    """Factors the kernels cannot tile, K a power of two: order 2's backward on materialised
+    phi(q), phi(k), the factors' gradients (through the l2norm) by autograd of phi."""
+    check_gradients(widths, 37, 20, chunk_size=16, **FEATURES[features])
+
+
+@needs_kernels
+def test_materialised_keys_varlen_and_half():
+    check_gradients((4, 4), 41, 20, chunk_size=16, offsets=[0, 9, 30, 41])
+    check_gradients((4, 4), 37, 20, chunk_size=16, dtype=torch.bfloat16)
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("widths", [(16,), (16, 16)], ids=["o2-16", "o3-16x16"])
 def test_half_inputs(widths, dtype):
@@ -184,6 +199,8 @@ def _problem(widths, V=16, dtype=torch.float32):
 @pytest.mark.parametrize("widths, dtype, needle", [
     ((3, 5), torch.float32, "power-of-two key widths >= 16"),
     ((8,), torch.float32, "power-of-two key widths >= 16"),
+    ((8, 64), torch.float32, "or their product K a power of two from 16 to 256"),  # K 512: not materialised
+    ((3, 4), torch.float32, "or their product K a power of two from 16 to 256"),
     ((16,), torch.float64, "dtype torch.float64"),
 ])
 def test_supports_refuses_with_the_reason(widths, dtype, needle):
@@ -191,7 +208,8 @@ def test_supports_refuses_with_the_reason(widths, dtype, needle):
     assert reason is not None and needle in reason, reason
 
 
-@pytest.mark.parametrize("widths", [(16,), (64,), (256,), (16, 16), (32, 32), (64, 64), (16, 16, 16)])
+@pytest.mark.parametrize("widths", [(16,), (64,), (256,), (16, 16), (32, 32), (64, 64), (16, 16, 16), (8, 8), (4, 4),
+                                    (4, 4, 4), (2, 8)])
 def test_supports_its_scope(widths):
     assert supports(_problem(widths), None) is None
     assert supports(_problem(widths, dtype=torch.bfloat16), None) is None

@@ -67,6 +67,7 @@ from .blocks import dot, first_stored_state, sequence_of_program
 from .chunk_backward_streamed import recompute_streamed, state_grads_streamed
 from .chunk_backward_grads import chunk_bwd_grads_kernel, phi_grads_to_factors_kernel, stored_log_decay
 from .chunk_prepare import chunk_indices, prepare_backward
+from .chunk_resident import MATERIALISE_MAX_K, kronecker_keys, materialised
 from .chunk_split import KEY_GROUPS, SplitConfig, chunk_split_state_kernel
 from .config import (
     DEFAULT_SMEM_BYTES, PREPARE_WARPS, SOLVES, CostFigures, KernelConfig, KernelShape, Workload,
@@ -247,8 +248,9 @@ def shape_refusal(shape: KernelShape) -> str | None:
 
 def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> BackwardConfig:
     """The first proposal that passes its check: C 64 then 32 then 16, 32 value columns, key
-    blocks of 128 at K >= 256 through the workspace, else 64 (or K), 4 then 8 warps, the prepare kernel's phi stores 4 indices of axis 1 at a
-    time where they divide (the split form's measured best); fp32 products in tf32 for 16-bit
+    blocks of 128 at K >= 256 through the workspace, else 64 (or K), 4 then 8 warps, the prepare
+    kernel's phi stores 4 indices of axis 1 at a time where they divide (the split form's
+    measured best); fp32 products in tf32 for 16-bit
     inputs (their gradients are rounded to 8 or 11 bits anyway) and ieee for fp32 inputs (their
     tests ask 1e-4 of float64). Above K = 256 the streamed state loops, in 128-row tiles (the
     streamed forward's tile at o3 32x32), 8 warps first, and the factors' gradients formed in
@@ -281,13 +283,27 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -
     return BackwardConfig(chunk_size=16, block_v=16, block_k=bk, state_block_k=16, **loop)
 
 
+def materialised_keys(shape: KernelShape) -> bool:
+    """Whether the backward runs ``shape`` on materialised keys: order >= 3 with factors the
+    kernels cannot tile (widths < 16 or not powers of two) but K = prod d_i a power of two from
+    16 to MATERIALISE_MAX_K, which order 2's kernels take (o3 8x8, 4x4, o4 4x4x4...)."""
+    return (len(shape.key_widths) >= 2 and shape_refusal(shape) is not None
+            and shape.key_dim <= MATERIALISE_MAX_K and shape_refusal(materialised(shape)) is None)
+
+
 def supports(p: Problem, cu_seqlens) -> str | None:
     """None when the Triton backward can run the problem, else the reason (a sentence)."""
     if p.order > 4:
         return f"order {p.order}: the Triton kernels take orders 2-4"
     if p.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {p.dtype}: the Triton backward takes float16, bfloat16 and float32 inputs"
-    return shape_refusal(KernelShape(p.key_widths, p.value_width, torch.empty((), dtype=p.dtype).element_size()))
+    shape = KernelShape(p.key_widths, p.value_width, torch.empty((), dtype=p.dtype).element_size())
+    if materialised_keys(shape):
+        return None
+    reason = shape_refusal(shape)
+    if reason is not None and len(p.key_widths) >= 2:
+        reason += f" (or their product K a power of two from 16 to {MATERIALISE_MAX_K}: keys materialised)"
+    return reason
 
 
 # ----- the state-gradient loop -----
@@ -371,6 +387,9 @@ def running_tensor_bwd(q, k, v, g, beta, *, scale: float, initial_state, cu_seql
     if dht is not None and (not isinstance(dht, torch.Tensor) or tuple(dht.shape) != p.state_shape):
         raise ValueError(f"dht: expected None or a tensor of the state's shape {list(p.state_shape)}")
     shape = KernelShape(p.key_widths, p.value_width, v.element_size())
+    if materialised_keys(shape):
+        return _materialised_bwd(p, q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                                 l2norm=l2norm, do=do, dht=dht, chunk_size=chunk_size, variant=variant)
     config = resolve_backward(shape, variant, chunk_size, v.device, p)
     # strided inputs (slices of a fused projection) are copied once here, as the forward's
     # launcher does (args.contiguous_inputs says why); the gradients are allocated with the
@@ -378,6 +397,26 @@ def running_tensor_bwd(q, k, v, g, beta, *, scale: float, initial_state, cu_seql
     q, k, v, g, beta, initial_state, cu_seqlens = contiguous_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     return _launch(config, p, q, k, v, g, beta, initial_state, cu_seqlens, l2norm, do.contiguous(),
                    None if dht is None else dht.contiguous())
+
+
+def _materialised_bwd(p: Problem, q, k, v, g, beta, *, scale, initial_state, cu_seqlens, l2norm, do, dht, chunk_size,
+                      variant):
+    """The backward of factors the kernels cannot tile: phi(q), phi(k) materialised ([B, T, H, K]
+    in the inputs' type, 2 x 2 K bytes per token-head, as the forward's ``materialise``), order
+    2's backward on them, and phi's gradients taken to the factors (and through the l2norm) by
+    autograd of the materialisation. The state's [.., d_1, .., d_v] is the same memory as [.., K, d_v]."""
+    with torch.enable_grad():
+        fq = [x.detach().requires_grad_() for x in q]
+        fk = [x.detach().requires_grad_() for x in k]
+        pq, pk = kronecker_keys(fq, l2norm), kronecker_keys(fk, l2norm)
+    flat = (p.num_seqs, p.heads, p.key_dim, p.value_width)
+    dpq, dpk, dv, dg, db, dh0 = running_tensor_bwd(
+        [pq.detach()], [pk.detach()], v, g, beta, scale=scale,
+        initial_state=None if initial_state is None else initial_state.reshape(flat), cu_seqlens=cu_seqlens,
+        l2norm=False, do=do, dht=None if dht is None else dht.reshape(flat), chunk_size=chunk_size, variant=variant)
+    grads = torch.autograd.grad([pq, pk], [*fq, *fk], [dpq[0], dpk[0]])
+    dh0 = None if dh0 is None else dh0.reshape(initial_state.shape)
+    return list(grads[:len(fq)]), list(grads[len(fq):]), dv, dg, db, dh0
 
 
 def resolve_backward(shape: KernelShape, variant, chunk_size: int | None, device: torch.device,

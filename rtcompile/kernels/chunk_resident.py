@@ -281,20 +281,40 @@ def materialised(shape: KernelShape) -> KernelShape:
     return KernelShape((shape.key_dim,), shape.value_width, shape.input_bytes)
 
 
-def materialise_phi(factors, l2norm: bool) -> torch.Tensor:
-    """phi = x1 (x) x2 (x) .. ([B, T, H, K], row-major, in the factors' type) of the factors
-    [B, T, H, d_i], each normalised in fp32 first when ``l2norm`` (eps as the kernels'). The last
-    product is written straight into the 16-bit result (no [T, K] fp32 temporary)."""
+def _unit_factors(factors, l2norm: bool) -> list[torch.Tensor]:
+    """The factors in fp32, each normalised when ``l2norm`` (eps as the kernels')."""
     xs = [x.float() for x in factors]
     if l2norm:
         xs = [x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in xs]
+    return xs
+
+
+def _outer(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a[..., :, None] * b[..., None, :]).flatten(-2)
+
+
+def materialise_phi(factors, l2norm: bool) -> torch.Tensor:
+    """phi = x1 (x) x2 (x) .. ([B, T, H, K], row-major, in the factors' type) of the factors
+    [B, T, H, d_i], normalised in fp32 first when ``l2norm``. The last product is written
+    straight into the 16-bit result (no [T, K] fp32 temporary)."""
+    xs = _unit_factors(factors, l2norm)
     lead = xs[0]
     for x in xs[1:-1]:
-        lead = (lead[..., :, None] * x[..., None, :]).flatten(-2)
+        lead = _outer(lead, x)
     B, T, H, d = lead.shape
     out = args.empty(B, T, H, d * xs[-1].shape[-1], dtype=factors[0].dtype, device=factors[0].device)
     torch.mul(lead[..., :, None], xs[-1][..., None, :], out=out.view(B, T, H, d, xs[-1].shape[-1]))
     return out
+
+
+def kronecker_keys(factors, l2norm: bool) -> torch.Tensor:
+    """:func:`materialise_phi` differentiably (the backward's materialised keys take their
+    factors' gradients through it by autograd); it holds a [T, K] fp32 temporary."""
+    xs = _unit_factors(factors, l2norm)
+    phi = xs[0]
+    for x in xs[1:]:
+        phi = _outer(phi, x)
+    return phi.to(factors[0].dtype)
 
 
 def launch(config: ResidentConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm: bool) -> torch.Tensor:
