@@ -217,7 +217,7 @@ def test_supports_its_scope(widths):
 
 @needs_kernels
 def test_refused_problem_raises_the_reason():
-    q, k, v, g, beta, _ = make_inputs(1, 4, 1, (8, 8), 16, dtype=torch.float32)
+    q, k, v, g, beta, _ = make_inputs(1, 4, 1, (3, 5), 16, dtype=torch.float32)
     q, k, v, g, beta = [x.to(DEVICE) for x in q], [x.to(DEVICE) for x in k], v.to(DEVICE), g.to(DEVICE), beta.to(DEVICE)
     with pytest.raises(ValueError, match="power-of-two key widths >= 16"):
         running_tensor_bwd(q, k, v, g, beta, scale=1.0, initial_state=None, cu_seqlens=None, l2norm=False,
