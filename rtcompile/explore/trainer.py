@@ -31,7 +31,6 @@ import contextlib
 import hashlib
 import json
 import math
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path

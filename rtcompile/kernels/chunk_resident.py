@@ -34,6 +34,7 @@ from .config import (
     estimate_registers, next_pow2, resource_refusal, two_kernel_workspace,
 )
 from .inputs import Problem
+from .reference import l2normalize
 
 # materialised keys cost 2 x 2 K bytes per token-head; above K = 256 the resident state tile does
 # not fit registers anyway (the check's own limit)
@@ -282,11 +283,9 @@ def materialised(shape: KernelShape) -> KernelShape:
 
 
 def _unit_factors(factors, l2norm: bool) -> list[torch.Tensor]:
-    """The factors in fp32, each normalised when ``l2norm`` (eps as the kernels')."""
+    """The factors in fp32, each normalised when ``l2norm`` (the reference's eps, the kernels')."""
     xs = [x.float() for x in factors]
-    if l2norm:
-        xs = [x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in xs]
-    return xs
+    return [l2normalize(x) for x in xs] if l2norm else xs
 
 
 def _outer(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
