@@ -69,18 +69,28 @@ def pid_tagged(bucket, variant, inp):
     return run_kernel(bucket, variant, inp)
 
 
+_PLANTED_RUNS: dict = {}
+
+
 def planted_wrong_backward(bucket, variant, inp):
     """Train trials (kernel chunk_bwd): chunk size 16 returns a wrong first key factor's gradient
-    (1% off) and is the fastest; chunk size 64 is correct and slow; chunk size 32 correct and
-    fast. The gate must reject C 16 whatever its speed, so C 32 wins."""
+    (1% off); chunk size 64 is correct and slow; chunk size 32 correct and fast. The gate must
+    reject C 16 whatever its speed, so C 32 wins.
+
+    The speeds are planted, not measured: the first call on each input set runs the real backward
+    (its check, and the timing's warm-up), later calls return that result after a planted sleep.
+    Under a loaded interpreter the real C 32 and C 64 runs differ by more than any sleep that would
+    keep the test short (CI once timed C 64 faster with 0.2 s planted on top of the real run)."""
     from rtcompile.tuning.train_objective import run_train
 
-    out = run_train(bucket, variant, inp)
-    if variant is not None and variant.chunk_size == 16:
-        return {**out, "dk0": out["dk0"] * 1.01}
-    if variant is None or variant.chunk_size == 64:
-        time.sleep(0.2)
-    return out
+    c = None if variant is None else variant.chunk_size
+    key = (id(inp), c)
+    if key not in _PLANTED_RUNS:
+        _PLANTED_RUNS[key] = (inp, run_train(bucket, variant, inp))  # keep inp alive: ids stay unique
+    else:
+        time.sleep(0.01 if c in (16, 32) else 0.2)
+    out = _PLANTED_RUNS[key][1]
+    return {**out, "dk0": out["dk0"] * 1.01} if c == 16 else out
 
 
 def missing_gradient(bucket, variant, inp):
