@@ -84,11 +84,28 @@ def running_tensor(
     Returns:
         ``(o, final_state)``: o ``[B, T, H, d_v]`` in v's dtype; final_state or ``None``.
 
+    Eager recurrent calls on the Triton backend without grad (a decode step through this API)
+    keep a launch plan per argument signature (shapes, dtypes, devices, contiguity, flags, the
+    tuned table's generation): a later call with the same signature skips the checks and the
+    config lookup, which it cannot change (``kernels/launch.py``'s ``CallPlan``).
+
     Order 2 (one factor) is gated (delta) linear attention with flash-linear-attention's
     conventions. ``mode="auto"`` follows ``plan`` when given; without one it picks chunk for
     sequences of at least one chunk, a choice the Triton custom op makes when it runs (so
     ``torch.export`` and ``torch.compile(dynamic=True)`` keep T symbolic over its whole range).
     """
+    plan_key = None
+    if cu_seqlens is None and plan is None and mode != "chunk" and backend != "reference" \
+            and not torch.compiler.is_compiling():
+        # the eager recurrent fast path (a decode step through this API): a call whose
+        # signature a validated call already had runs that call's plan (kernels/launch.py)
+        from .kernels.launch import call_key, find_call
+
+        plan_key = call_key(q, k, v, g, beta, initial_state, scale, output_final_state, l2norm, mode, chunk_size,
+                            backend, variant)
+        hit = find_call(plan_key) if plan_key is not None else None
+        if hit is not None and not needs_grad(*q, *k, v, g, beta, initial_state):
+            return hit(q, k, v, g, beta, initial_state, output_final_state)
     if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"mode: got {mode!r}; allowed: {', '.join(MODES)}")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)):
@@ -145,7 +162,8 @@ def running_tensor(
         from .kernels.launch import fwd_checked
 
         return fwd_checked(p, q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
-                           l2norm=l2norm, cu_seqlens=cu_seqlens, mode=mode, chunk_size=chunk_size, variant=variant)
+                           l2norm=l2norm, cu_seqlens=cu_seqlens, mode=mode, chunk_size=chunk_size, variant=variant,
+                           plan_key=plan_key if mode == "recurrent" else None)
     if backend == "triton":
         from .kernels.ops import running_tensor_fwd_op, variant_to_json
 

@@ -180,15 +180,21 @@ def running_tensor_fwd(
 
 
 def fwd_checked(p: Problem, q, k, v, g, beta, *, initial_state, output_final_state: bool, l2norm: bool,
-                cu_seqlens, mode: str, chunk_size: int | None, variant: KernelConfig | None):
+                cu_seqlens, mode: str, chunk_size: int | None, variant: KernelConfig | None, plan_key=None):
     """:func:`running_tensor_fwd` after its argument checks. Invariant: ``p`` is what
     ``check_inputs`` returned for these very tensors, and ``mode``/``chunk_size`` passed the
     public checks (``rtcompile.running_tensor`` has done both; checking again cost ~27 us of
     its ~84 us of Python per call on the CPU machine). Layout and config are checked here;
-    strided inputs are then copied (once, for every kernel of the call to read)."""
+    strided inputs are then copied (once, for every kernel of the call to read). ``plan_key``
+    (:func:`call_key` of the public call): a recurrent call is run through a :class:`CallPlan`
+    kept under that key, which later calls with the same key run without these checks."""
     check_layout(p, q, k, v, g, beta, initial_state, cu_seqlens)
     kernel = "chunk" if mode == "chunk" else "recurrent"
     config = resolve_config(kernel, variant, p, v.device, chunk_size if kernel == "chunk" else None)
+    if plan_key is not None and kernel == "recurrent" and cu_seqlens is None:
+        plan = CallPlan(p, config, l2norm, initial_state, copy=not args.all_contiguous(*q, *k, v, g, beta, initial_state))
+        remember_call(plan_key, plan)
+        return plan(q, k, v, g, beta, initial_state, output_final_state)
     q, k, v, g, beta, initial_state, cu_seqlens = args.contiguous_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     # a streamed state lives in the final-state buffer while the kernel runs
     need_ht = output_final_state or not config.resident(kernel_shape(p))
@@ -196,6 +202,79 @@ def fwd_checked(p: Problem, q, k, v, g, beta, *, initial_state, output_final_sta
     o = LAUNCHERS[type(config)](config, p, q, k, v, g, beta, h0=initial_state, ht=ht, cu_seqlens=cu_seqlens,
                                 l2norm=l2norm)
     return o, (ht if output_final_state else None)
+
+
+# ----- the eager recurrent call's host path --------------------------------------------------
+# A recurrent call at T = 1 (a model's decode step through the public API) runs its kernel for a
+# few microseconds; validating and resolving its config again each call cost ~80 us of Python on
+# the CPU machine (benchmarks/probe_host.py). As for the decode step, a plan found once per
+# argument signature is reused; the signature holds everything the checks and the config depend
+# on (shapes, dtypes, devices, contiguity, flags, the tuned table's generation).
+
+
+class CallPlan:
+    """A validated eager recurrent call of ``running_tensor``: the kernel's launch plan (a
+    :class:`DecodePlan`: grid, constexprs, scale, the compiled launcher) and the outputs'
+    shapes. Invariant: only called with arguments whose :func:`call_key` found it."""
+
+    __slots__ = ("kernel", "need_ht", "state_shape", "tail")
+
+    def __init__(self, p: Problem, config: RecurrentConfig, l2norm: bool, initial_state, *, copy: bool):
+        grid, consts = recurrent.launch_consts(p, l2norm, config)
+        self.kernel = DecodePlan(grid, consts, p.scale, copy=copy)
+        # a streamed state (block_k < K) lives in the final-state buffer while the kernel runs
+        self.need_ht = config.block_k < p.key_dim
+        self.state_shape = p.state_shape
+        self.tail = (p.scale, p.seq_len, p.num_seqs)
+
+    def __call__(self, q, k, v, g, beta, initial_state, output_final_state: bool):
+        if self.kernel.copy:
+            q, k, v, g, beta, initial_state = args.contiguous_inputs(q, k, v, g, beta, initial_state)
+        ht = args.empty(self.state_shape, dtype=torch.float32, device=v.device) \
+            if output_final_state or self.need_ht else None
+        o = args.empty_like(v)  # v is contiguous here: its layout is the output's
+        self.kernel.launch((*factor_args(q), *factor_args(k), v, g, beta, o, initial_state, ht, None, None,
+                            *self.tail))
+        return o, (ht if output_final_state else None)
+
+
+CALL_PLANS: dict = {}  # call_key(...) -> CallPlan
+MAX_CALL_PLANS = 1024
+
+
+def call_key(q, k, v, g, beta, initial_state, scale, output_final_state, l2norm, mode, chunk_size, backend,
+             variant):
+    """The call-plan key of a public ``running_tensor`` call, or None when a plan cannot serve it
+    (an argument that is not a plain tensor, as tracers hand in, or unhashable)."""
+    try:
+        out = [len(q), len(k), g is None, beta is None, initial_state is None, scale, bool(output_final_state),
+               bool(l2norm), mode, chunk_size, backend, variant, interpreting(), tuned.generation()]
+        for x in (*q, *k, v, g, beta, initial_state):
+            if x is not None:
+                if type(x) is not torch.Tensor:
+                    return None
+                out += (x.shape, x.dtype, x.get_device(), x.is_contiguous())
+        return tuple(out)  # hashed by the lookup, which treats an unhashable key as no key
+    except (AttributeError, TypeError):  # not tensors: the full checks will say why
+        return None
+
+
+def find_call(key) -> CallPlan | None:
+    """The plan kept under ``key`` (None: none, or an unhashable key such as a dict variant)."""
+    try:
+        return CALL_PLANS.get(key)
+    except TypeError:
+        return None
+
+
+def remember_call(key, plan: CallPlan) -> None:
+    try:
+        hash(key)
+    except TypeError:
+        return
+    if len(CALL_PLANS) >= MAX_CALL_PLANS:
+        CALL_PLANS.clear()
+    CALL_PLANS[key] = plan
 
 
 def running_tensor_decode_(
@@ -231,7 +310,7 @@ def running_tensor_decode_(
     """
     # the eager hot path (~20 us on the H200 with its kernel): a plan found by the arguments'
     # signature, the index check, one allocation and the compiled kernel's own launcher
-    key = decode_key(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, variant)
+    key = decode_key(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, variant, tuned.generation())
     plan = DECODE_PLANS.get(key) if key is not None else None
     if plan is None:
         plan = _plan_decode(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, variant)

@@ -405,12 +405,13 @@ def remember_plan(key, plan: DecodePlan) -> None:
         DECODE_PLANS[key] = plan
 
 
-def decode_key(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, variant):
-    """The plan-cache key, or None when an argument is not what a plan can describe. One flat
+def decode_key(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, variant, generation: int = 0):
+    """The plan-cache key, or None when an argument is not what a plan can describe
+    (``generation``: the tuned table's, so a plan found before the table changed is not reused). One flat
     tuple with the device as ``get_device()``: 5.5 us on the CPU machine against 12 us for
     per-tensor tuples holding ``torch.device`` objects (11 tensors)."""
     try:
-        out = [len(q), len(k), g is None, beta is None, scale, bool(l2norm), variant, args.interpreting()]
+        out = [len(q), len(k), g is None, beta is None, scale, bool(l2norm), variant, args.interpreting(), generation]
         for x in (*q, *k, v, g, beta, state_cache, state_indices):
             if x is not None:
                 out += (x.shape, x.dtype, x.get_device(), x.is_contiguous())

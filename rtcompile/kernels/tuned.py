@@ -35,6 +35,9 @@ _SOURCES = {
     "chunk_bwd": ("chunk_backward.py", "chunk_backward_grads.py", "chunk_prepare.py", "chunk_split.py", "blocks.py"),
 }
 _table: list[dict[str, Any]] | None = None
+# Bumped whenever the table is (re)read: the launch-plan caches key on it, so a plan found
+# before a table changed is not reused after (launch.py's call plans, the decode plans).
+_generation = 0
 
 
 def cache_dir() -> Path:
@@ -61,7 +64,8 @@ def source_hash(kernel: str) -> str:
 
 def reload(path: str | os.PathLike | None = None) -> list[dict[str, Any]]:
     """(Re)read the table; a missing file is an empty table, a malformed one an error."""
-    global _table
+    global _table, _generation
+    _generation += 1
     p = Path(path) if path is not None else table_path()
     if not p.exists():
         _table = []
@@ -79,6 +83,14 @@ def reload(path: str | os.PathLike | None = None) -> list[dict[str, Any]]:
                          "delete it or re-run `rtcompile tune`")
     _table = data["entries"]
     return _table
+
+
+def generation() -> int:
+    """A number that changes whenever the table is (re)read (see the launch-plan caches); reads
+    the table first if no call has yet, so a plan's key is not retired by that first read."""
+    if _table is None:
+        entries()
+    return _generation
 
 
 def entries() -> list[dict[str, Any]]:

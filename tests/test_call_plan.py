@@ -1,0 +1,137 @@
+"""The eager recurrent fast path of the public ``running_tensor`` (a model's decode step through
+the public API, issue 21): a call whose signature an earlier validated call had runs that call's
+plan (``kernels/launch.py``'s ``CallPlan``) without re-validating; anything else takes the full
+path. Interpreter (or a GPU), tiny shapes, outputs poisoned."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import rtcompile.functional as functional
+from rtcompile import running_tensor
+from rtcompile.kernels import tuned
+from rtcompile.kernels.launch import CALL_PLANS
+from rtcompile.kernels.reference import running_tensor_recurrent_ref
+
+from conftest import make_inputs, rel_err
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="needs TRITON_INTERPRET=1 (CPU) or a CUDA GPU",
+)
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+TOL = 2e-5  # fp32 kernels vs float64 (observed ~1e-6)
+
+
+@pytest.fixture(autouse=True)
+def fresh(poison, monkeypatch):
+    """An empty plan cache, poisoned outputs, and a count of full validations."""
+    saved = dict(CALL_PLANS)
+    CALL_PLANS.clear()
+    checks = []
+    real = functional.check_inputs
+    monkeypatch.setattr(functional, "check_inputs", lambda *a: checks.append(1) or real(*a))
+    yield checks
+    CALL_PLANS.clear()
+    CALL_PLANS.update(saved)
+
+
+def _steps(T=3, B=2, H=2, widths=(3, 4), V=5, **kw):
+    """Per-token device inputs (contiguous [B, 1, H, .] slices) and the float64 originals."""
+    q, k, v, g, beta, s0 = make_inputs(B, T, H, widths, V, dtype=torch.float64, state=True, **kw)
+    dev = lambda x, t: None if x is None else x[:, t : t + 1].float().contiguous().to(DEVICE)
+    steps = [([dev(x, t) for x in q], [dev(x, t) for x in k], dev(v, t), dev(g, t), dev(beta, t)) for t in range(T)]
+    return steps, (q, k, v, g, beta), s0
+
+
+def _cut(x):
+    """Round to fp32 and back, as the device inputs are."""
+    return None if x is None else x.float().double()
+
+
+@pytest.mark.parametrize("feat", ["gated-delta-l2", "plain"])
+def test_token_steps_reuse_one_plan_and_equal_the_float64_loop(feat, fresh):
+    """Three T = 1 calls, each from the previous final state: the first validates and keeps a
+    plan, the next two run it (no validation), and the outputs and final state equal the float64
+    recurrence over the three tokens."""
+    gated = feat != "plain"
+    steps, ref, s0 = _steps(gate=gated, delta=gated)
+    state = s0.float().to(DEVICE)
+    for t, (q, k, v, g, beta) in enumerate(steps):
+        o, state = running_tensor(q, k, v, g, beta, initial_state=state, output_final_state=True, l2norm=gated,
+                                  mode="recurrent", backend="triton")
+        o_ref, _ = running_tensor_recurrent_ref(
+            [_cut(x[:, : t + 1]) for x in ref[0]], [_cut(x[:, : t + 1]) for x in ref[1]], _cut(ref[2][:, : t + 1]),
+            None if ref[3] is None else ref[3][:, : t + 1].float().double(), _cut(None if ref[4] is None else ref[4][:, : t + 1]),
+            initial_state=_cut(s0), output_final_state=True, l2norm=gated)
+        assert rel_err(o.cpu(), o_ref[:, t : t + 1]) < TOL, f"step {t}"
+    _, s_ref = running_tensor_recurrent_ref([_cut(x) for x in ref[0]], [_cut(x) for x in ref[1]], _cut(ref[2]),
+                                            None if ref[3] is None else ref[3].float().double(), _cut(ref[4]),
+                                            initial_state=_cut(s0), output_final_state=True, l2norm=gated)
+    assert rel_err(state.cpu(), s_ref) < TOL
+    assert len(fresh) == 1 and len(CALL_PLANS) == 1, (len(fresh), len(CALL_PLANS))
+
+
+def test_a_call_without_final_state_or_initial_state_keeps_plans_of_its_own(fresh):
+    (q, k, v, g, beta), *_ = _steps(T=1)[0]
+    o1, s1 = running_tensor(q, k, v, g, beta, output_final_state=True, mode="recurrent", backend="triton")
+    o2, s2 = running_tensor(q, k, v, g, beta, mode="recurrent", backend="triton")
+    o3, s3 = running_tensor(q, k, v, g, beta, mode="recurrent", backend="triton")
+    assert s2 is None and s3 is None and s1 is not None
+    assert torch.equal(o1, o2) and torch.equal(o2, o3)
+    assert len(fresh) == 2 and len(CALL_PLANS) == 2
+
+
+def test_a_changed_signature_is_validated_again(fresh):
+    """A wrong shape after a plan exists is still refused with the field named; a new dtype or
+    flag gets its own plan."""
+    (q, k, v, g, beta), *_ = _steps(T=1)[0]
+    running_tensor(q, k, v, g, beta, mode="recurrent", backend="triton")
+    with pytest.raises(ValueError, match="^g: expected shape"):
+        running_tensor(q, k, v, g[:1], beta, mode="recurrent", backend="triton")
+    running_tensor(q, k, v, g, beta, l2norm=True, mode="recurrent", backend="triton")
+    assert len(CALL_PLANS) == 2 and len(fresh) == 3
+
+
+def test_inputs_that_require_grad_take_the_autograd_path(fresh):
+    """backend "auto": widths 3x4 have no Triton backward, so a call that needs grad falls back
+    to the (differentiable) reference, never to the plan."""
+    (q, k, v, g, beta), *_ = _steps(T=1)[0]
+    o, _ = running_tensor(q, k, v, g, beta, mode="recurrent")
+    assert o.grad_fn is None and len(CALL_PLANS) == 1
+    v = v.clone().requires_grad_()
+    o, _ = running_tensor(q, k, v, g, beta, mode="recurrent")
+    assert o.grad_fn is not None
+    with torch.no_grad():  # grad mode off: the plan serves again
+        o, _ = running_tensor(q, k, v, g, beta, mode="recurrent")
+    assert o.grad_fn is None and len(fresh) == 2
+
+
+def test_a_reread_tuned_table_retires_the_plans(fresh, tuning_cache):
+    (q, k, v, g, beta), *_ = _steps(T=1)[0]
+    running_tensor(q, k, v, g, beta, mode="recurrent", backend="triton")
+    running_tensor(q, k, v, g, beta, mode="recurrent", backend="triton")
+    assert len(fresh) == 1
+    tuned.reload()  # a new table may pick another config: the next call resolves it again
+    running_tensor(q, k, v, g, beta, mode="recurrent", backend="triton")
+    assert len(fresh) == 2
+
+
+def test_strided_slices_of_a_fused_projection_equal_contiguous_inputs(fresh):
+    """Inputs that are views into one [B, 1, H, 3 + 4 + 3 + 4 + 5] tensor (as a model's fused
+    projection gives them): the plan copies them before each launch."""
+    B, H, widths, V = 2, 2, (3, 4), 5
+    fused = torch.randn(B, 1, H, 2 * sum(widths) + V, device=DEVICE)
+    cuts = torch.split(fused, [*widths, *widths, V], dim=-1)
+    q, k, v = list(cuts[:2]), list(cuts[2:4]), cuts[4]
+    assert not v.is_contiguous()
+    g = -torch.rand(B, 1, H, device=DEVICE)
+    want, _ = running_tensor([x.contiguous() for x in q], [x.contiguous() for x in k], v.contiguous(), g,
+                             mode="recurrent", backend="triton")
+    for _ in range(2):
+        got, _ = running_tensor(q, k, v, g, mode="recurrent", backend="triton")
+        assert torch.equal(got, want)
+    assert len(CALL_PLANS) == 2 and len(fresh) == 2
