@@ -282,12 +282,14 @@ class RunningTensorLM(nn.Module):
         return logits[:, 0], cache
 
     def generate(self, tokens: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
-                 seed: int | None = None, cuda_graph: bool | None = None, backend: str = "auto") -> torch.Tensor:
+                 seed: int | None = None, cuda_graph: bool | None = None, backend: str = "auto",
+                 compile_step: bool = False) -> torch.Tensor:
         """Prefill ``tokens`` [B, T], then decode ``max_new_tokens`` tokens per sequence; returns
         them, [B, max_new_tokens] int64. Greedy at ``temperature`` 0, else sampled (``top_k``,
         ``seed``); on CUDA the decode step runs as one CUDA graph per batch bucket
-        (``cuda_graph`` None: on when the model is on CUDA). See :func:`rtcompile.generate.generate`."""
+        (``cuda_graph`` None: on when the model is on CUDA), fused by torch.compile first with
+        ``compile_step``. See :func:`rtcompile.generate.generate`."""
         from .generate import generate
 
         return generate(self, tokens, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
-                        cuda_graph=cuda_graph, backend=backend)
+                        cuda_graph=cuda_graph, backend=backend, compile_step=compile_step)

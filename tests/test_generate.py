@@ -67,6 +67,41 @@ def test_greedy_on_the_triton_decode_kernel():
     assert torch.equal(run_generate(lm, prompt, 4, mode="static", backend="triton"), want)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not CUDA,
+                    reason="needs TRITON_INTERPRET=1 (CPU) or a CUDA GPU")
+def test_the_compiled_static_step_updates_the_state_in_place_and_matches_the_eager_step():
+    """compile_step: torch.compile (inductor) of the whole step with the Triton decode kernel as
+    the in-place custom op: B3 in bucket 4 (a padding row), three steps, logits and states as
+    the eager step's; the static state tensors are the ones the compiled step wrote (no copy
+    left behind by functionalization). On the CPU inductor compiles C++ (~40 s here)."""
+    device = "cuda" if CUDA else "cpu"
+    lm = _lm(dtype=torch.float32, seed=5, device=device)
+    prompt = torch.randint(0, VOCAB, (3, 4), generator=torch.Generator().manual_seed(5)).to(device)
+    with torch.no_grad():
+        logits, cache = lm(prompt, backend="triton")
+        step = StaticStep(lm, 4, "triton", capture=CUDA, compiled=True)
+        step.load(cache, 3)
+        states = [c["state"] for c in step.cache]
+        tok = logits[:, -1].argmax(-1)
+        for i in range(3):
+            want, cache = lm.step(tok, cache, backend="triton")
+            got = step(tok)
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (i, float((got - want).abs().max()))
+            for static, c in zip(step.cache, cache):
+                assert torch.allclose(static["state"][:3], c["state"], rtol=1e-5, atol=1e-6), i
+            tok = want.argmax(-1)
+    assert all(c["state"] is s for c, s in zip(step.cache, states))
+
+
+def test_compile_step_needs_cuda_graphs():
+    lm = _lm()
+    with pytest.raises(TypeError, match="compile_step: expected a bool"):
+        lm.generate(torch.tensor([[1, 2]]), 3, compile_step=1)
+    if not CUDA:
+        with pytest.raises(ValueError, match="compile_step: True without CUDA graphs"):
+            lm.generate(torch.tensor([[1, 2]]), 3, compile_step=True)
+
+
 def test_static_buffers_are_reused_per_bucket_and_the_padding_is_reset():
     lm = _lm()
     prompts = [torch.randint(0, VOCAB, (b, 4), generator=torch.Generator().manual_seed(b)) for b in (3, 4, 3)]
