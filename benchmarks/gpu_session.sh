@@ -26,7 +26,7 @@ step_train() {  # the backward on the GPU: gradient tests (-v into a file as it 
   # process of its own (its first K = 256 backward compiled and autotuned for over 3 minutes)
   timeout "${TRAIN_TEST_S:-300}" python3 -m pytest -v -p no:cacheprovider -n "${TEST_WORKERS:-14}" \
     tests/test_backward.py tests/test_backward_streamed.py tests/test_autograd.py tests/test_extreme_decay.py tests/test_decode_guard.py \
-    tests/test_generate.py tests/test_conventions.py \
+    tests/test_generate.py tests/test_conventions.py tests/test_call_plan.py \
     > "$OUT/train_tests.txt" 2>&1 || true
   echo "passed $(grep -c PASSED "$OUT/train_tests.txt") failed $(grep -c FAILED "$OUT/train_tests.txt")"
   grep -E "^FAILED|^ERROR" "$OUT/train_tests.txt" | head -20 || true
@@ -50,8 +50,10 @@ step_bench() {  # decode first (~60 s), so the prefill phase cannot starve it of
 }
 
 step_model() {  # the whole model (issue 21): prefill tokens/s at B1, B8 T4096 and CUDA-graph decode
-  # tokens/s at B1, B32, B256, ours and fla's mixer (K = 256) in the same run
+  # tokens/s at B1, B32, B256, ours (plain and torch.compile-fused step) and fla's mixer (K = 256)
+  # in the same run; then the eager T = 1 paths' time per call (public API, decode_, fla)
   python3 -m rtcompile.cli bench --model examples/order3_16x16.toml --out "$OUT/bench_model"
+  python3 benchmarks/serving_host.py --out "$OUT/serving_host.json"
 }
 
 step_checks() {  # the bundle on the Triton kernels vs ONNX Runtime, then the planner's regret
