@@ -119,7 +119,10 @@ def test_without_final_state_gradient_and_batch():
     check_gradients((16,), 33, 20, chunk_size=16, final_grad=False, B=2)
 
 
-STREAMED = dict(state_loop="streamed", state_block_k=16)  # several state tiles at every K below
+# several state tiles at every K below; order 4 (K = 4096) in tiles of 256, as its default: 16-row
+# tiles took ~170 s of interpreter time there, 256 of them per chunk
+STREAMED = dict(state_loop="streamed", state_block_k=16)
+STREAMED_O4 = dict(state_loop="streamed", state_block_k=256)
 
 
 @needs_kernels
@@ -131,7 +134,7 @@ STREAMED = dict(state_loop="streamed", state_block_k=16)  # several state tiles 
 def test_streamed_state_loops(widths, T, C, bk, features):
     """The streamed state loops (any K; the default above K = 256) and phi built from the factors
     in the gradients kernel: order 4 and K = 512 run here, past the resident loops' limit."""
-    config = BackwardConfig(chunk_size=C, block_v=16, block_k=bk, **STREAMED)
+    config = BackwardConfig(chunk_size=C, block_v=16, block_k=bk, **(STREAMED_O4 if len(widths) == 3 else STREAMED))
     check_gradients(widths, T, 20, chunk_size=C, config=config, **FEATURES[features])
 
 
@@ -154,7 +157,7 @@ def test_default_config_above_k256(widths, dtype):
 def test_factor_grads_in_a_workspace(widths, loop):
     """factor_grads="workspace": phi's gradients stored [T, K] and contracted token-parallel."""
     config = BackwardConfig(chunk_size=16, block_v=16, block_k=32, factor_grads="workspace", state_loop=loop,
-                            state_block_k=32)
+                            state_block_k=256 if len(widths) == 3 else 32)  # o4: 16 tiles (STREAMED_O4)
     check_gradients(widths, 21 if len(widths) == 3 else 37, 20, chunk_size=16, config=config)
 
 
