@@ -12,6 +12,15 @@ _CACHE = tempfile.mkdtemp(prefix="rtcompile-tests-")
 os.environ["XDG_CACHE_HOME"] = _CACHE
 os.environ["RTCOMPILE_TUNED"] = os.path.join(_CACHE, "rtcompile", "tuned.json")
 
+# pytest-xdist workers share the cores: each torch process (and the trial processes it starts)
+# gets its share of intra-op threads instead of all of them (-n 2 on the 2-core CI machine:
+# 108 -> 98 s on the generate / ONNX / conventions tests; oversubscribed OpenMP regions spin).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)
+    torch.set_num_threads(_THREADS)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+
 
 def make_inputs(B, T, H, widths, V, *, gate=True, delta=True, state=False, num_seqs=None,
                 dtype=torch.float64, seed=None):
