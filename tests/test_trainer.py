@@ -6,6 +6,7 @@ safetensors + JSON (no pickle), and bad settings are refused naming the field.""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -134,6 +135,7 @@ def test_a_killed_run_resumes_at_its_checkpoint_and_skips_finished_rates(tmp_pat
     (dict(seed=-1), ValueError, "seed"),
     (dict(backend="cuda"), ValueError, "backend"),
     (dict(autocast_bf16=1), TypeError, "autocast_bf16"),
+    (dict(tie_embeddings="yes"), TypeError, "tie_embeddings"),
 ])
 def test_bad_settings_raise_naming_the_field(fields, error, name):
     with pytest.raises(error, match=rf"TrainSettings\.{name}"):
@@ -149,3 +151,27 @@ def test_bad_arguments_raise_before_any_work(tmp_path):
     with pytest.raises(ValueError, match="checkpoint_dir"):
         train_recall(SPEC, TASK, _settings(), progress=False, checkpoint_dir=tmp_path / "file")
     assert isinstance(RecallResult(1.0, 1e-3, {1e-3: 1.0}, 1, 0.0, 0, 1).to_dict(), dict)
+
+
+def test_the_tied_head_checkpoint_resumes(tmp_path):
+    """The head shares the embedding (untied at vocabulary 1024 the loss stayed at ln 512 for 2000
+    steps, issue 23's runs): a tied model's checkpoint (one shared tensor, which safetensors
+    refuses to write twice) resumes to the unbroken run's losses, and untied is another model."""
+    task = MQARTask(vocab_size=1024, seq_len=16, num_kv_pairs=2)
+    settings = _settings(max_steps=6, eval_every=3)
+    assert settings.tie_embeddings  # the default
+    whole = Steps()
+    train_recall(SPEC, task, settings, progress=False, on_step=whole)
+    # the head is the N(0, 1) embedding: first logits of std ~sqrt(32), loss far above ln(1024)
+    assert whole.losses(3e-3)[1] > math.log(1024) + 3, whole.losses(3e-3)[1]
+    with pytest.raises(KeyboardInterrupt):
+        train_recall(SPEC, task, settings, progress=False, on_step=Steps(stop=(3e-3, 5)), checkpoint_dir=tmp_path)
+    assert "lr-0.003.step-3.safetensors" in _no_pickle(tmp_path)
+    again = Steps()
+    train_recall(SPEC, task, settings, progress=False, on_step=again, checkpoint_dir=tmp_path)
+    assert sorted(again.losses(3e-3)) == [4, 5, 6]
+    for step, loss in again.losses(3e-3).items():
+        assert loss == pytest.approx(whole.losses(3e-3)[step], rel=1e-6), step
+    untied = Steps()  # the model's own small head init: the first loss near ln(1024)
+    train_recall(SPEC, task, _settings(max_steps=1, tie_embeddings=False), progress=False, on_step=untied)
+    assert abs(untied.losses(3e-3)[1] - math.log(1024)) < 1.0, untied.losses(3e-3)[1]
