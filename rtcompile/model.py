@@ -217,13 +217,15 @@ def check_memory(needed: int, what: str, device) -> None:
                                       "reduce key_widths, value_width, heads, layers or the batch")
 
 
-def parameter_count(spec: ModelSpec, vocab_size: int, mlp: bool) -> int:
-    """Parameters of a RunningTensorLM (embedding, head, layers, norms, MLPs), before building it."""
+def parameter_count(spec: ModelSpec, vocab_size: int, mlp: bool, tie_embeddings: bool = False) -> int:
+    """Parameters of a RunningTensorLM (embedding, head unless tied, layers, norms, MLPs), before
+    building it."""
     from .figures import parameters_per_layer
 
     D = spec.model_width
     per_mlp = D + D * 4 * D + 4 * D + 4 * D * D + D if mlp else 0  # norm, up (with bias), down (with bias)
-    return 2 * vocab_size * D + D + spec.layers * (parameters_per_layer(spec) + D + per_mlp)
+    tables = 1 if tie_embeddings else 2
+    return tables * vocab_size * D + D + spec.layers * (parameters_per_layer(spec) + D + per_mlp)
 
 
 def state_bytes(spec: ModelSpec, batch: int, dtype: torch.dtype = torch.float32) -> int:
@@ -234,13 +236,18 @@ def state_bytes(spec: ModelSpec, batch: int, dtype: torch.dtype = torch.float32)
 class RunningTensorLM(nn.Module):
     """Embedding, ``spec.layers`` pre-norm blocks (mixer, then an optional MLP), norm, head."""
 
-    def __init__(self, spec: ModelSpec, vocab_size: int = 256, mlp: bool = True):
+    def __init__(self, spec: ModelSpec, vocab_size: int = 256, mlp: bool = True, tie_embeddings: bool = False):
+        """``tie_embeddings``: the head shares the embedding's matrix (as Zoology's recall models
+        do; see ``explore/trainer.py`` for what it changes on MQAR); its ``state_dict`` then
+        holds the one tensor under both names."""
         super().__init__()
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
             raise ValueError(f"vocab_size: got {vocab_size!r}; allowed: an integer >= 2")
+        if not isinstance(tie_embeddings, bool):
+            raise TypeError(f"tie_embeddings: expected a bool, got {type(tie_embeddings).__name__}")
         self.spec = spec
         D = spec.model_width
-        check_memory(4 * parameter_count(spec, vocab_size, mlp), "RunningTensorLM: the fp32 parameters",
+        check_memory(4 * parameter_count(spec, vocab_size, mlp, tie_embeddings), "RunningTensorLM: the fp32 parameters",
                      torch.get_default_device())
         self.embed = nn.Embedding(vocab_size, D)
         self.mixers = nn.ModuleList(RunningTensorLayer(spec) for _ in range(spec.layers))
@@ -250,6 +257,8 @@ class RunningTensorLM(nn.Module):
         ) if mlp else None
         self.final = nn.RMSNorm(D)
         self.head = nn.Linear(D, vocab_size, bias=False)
+        if tie_embeddings:
+            self.head.weight = self.embed.weight
         self.plan = None  # a Plan to follow (set by rtcompile.load from the bundle)
 
     def forward(self, tokens: torch.Tensor, cache: list | None = None, *, plan=None, backend: str = "auto",

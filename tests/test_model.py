@@ -143,8 +143,12 @@ def test_parameter_count_is_exact():
     from rtcompile.model import parameter_count
 
     for mlp in (True, False):
-        lm = RunningTensorLM(HUGE_KEYS, vocab_size=11, mlp=mlp)
-        assert parameter_count(HUGE_KEYS, 11, mlp) == sum(p.numel() for p in lm.parameters())
+        for tie in (False, True):
+            lm = RunningTensorLM(HUGE_KEYS, vocab_size=11, mlp=mlp, tie_embeddings=tie)
+            assert parameter_count(HUGE_KEYS, 11, mlp, tie) == sum(p.numel() for p in lm.parameters())  # unique
+            assert (lm.head.weight is lm.embed.weight) == tie
+    with pytest.raises(TypeError, match="tie_embeddings: expected a bool"):
+        RunningTensorLM(HUGE_KEYS, vocab_size=11, tie_embeddings="yes")
 
 
 def test_huge_key_widths_refused_before_allocating(eight_gib):

@@ -224,10 +224,9 @@ class _Rate:
         self.lr, self.settings = float(lr), settings
         with torch.random.fork_rng(devices=[]), torch.device("cpu"):
             torch.manual_seed(settings.seed)  # the same initial weights for every rate and device
-            model = RunningTensorLM(spec, vocab_size=task.vocab_size, mlp=settings.mlp)
+            model = RunningTensorLM(spec, vocab_size=task.vocab_size, mlp=settings.mlp,
+                                    tie_embeddings=settings.tie_embeddings)
         self.model = model.to(device)
-        if settings.tie_embeddings:
-            self.model.head.weight = self.model.embed.weight
         decay, keep = [], []
         for name, p in self.model.named_parameters():
             (keep if p.dim() < 2 or name.startswith("embed.") else decay).append(p)
