@@ -63,12 +63,15 @@ step_checks() {  # the bundle on the Triton kernels vs ONNX Runtime, then the pl
 }
 
 step_recall() {  # issue 23's comparison: order 2 vs order 3 at matched parameters on MQAR (d_model
-  # 128, 2 layers, 256 tokens, 16 pairs). 3000 steps at 1e-3 / 3e-3 left both at chance on
-  # 2026-12-01 (20-27 ms a step): hence more steps and larger rates by default. The store sits
-  # under $OUT, so a call cut at its limit brings back the points it finished.
+  # 128, 2 layers, 256 tokens, 16 pairs). 3000 steps at vocabulary 8192 left both at chance on
+  # 2026-12-01 with an untied head; the trainer now ties it (CPU, vocabulary 1024, 64 tokens:
+  # untied at chance for 2000 steps, tied 0.99 by step 1500). Vocabulary 1024 is the largest with
+  # evidence; two points in two worker processes on the one GPU. The store sits under $OUT, so a
+  # call cut at its limit brings back the points it finished.
   timeout "${RECALL_S:-540}" python3 -m rtcompile.cli explore examples/mqar_d128.toml --orders 2,3 --widths 16 \
-    --recall --target h200 --match params --steps "${RECALL_STEPS:-8000}" --lrs "${RECALL_LRS:-3e-3,1e-2}" \
-    --vocab "${RECALL_VOCAB:-8192}" --out "$OUT/explore" --storage "sqlite:///$OUT/explore.db" || true
+    --recall --target h200 --match params --steps "${RECALL_STEPS:-4000}" --lrs "${RECALL_LRS:-1e-3,3e-3}" \
+    --vocab "${RECALL_VOCAB:-1024}" --seq-len 256 --kv-pairs 16 --batch-size 64 --workers 2 \
+    --out "$OUT/explore" --storage "sqlite:///$OUT/explore.db" || true
 }
 
 for s in "$@"; do
