@@ -35,10 +35,11 @@ seed is ever a train seed of any run.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 import torch
+
+from ..fields import check_float, check_int
 
 __all__ = ["FILLER", "IGNORE", "MQARTask", "TEST_SEED_OFFSET", "make_batch", "query_accuracy", "query_gaps",
            "slot_weights", "split_seeds"]
@@ -71,15 +72,8 @@ class MQARTask:
         """TypeError for a field of the wrong type, ValueError naming the field and its allowed
         values for one out of range (the pairs must fit the vocabulary and the sequence)."""
         for name, lo, hi in (("vocab_size", 3, MAX_VOCAB), ("seq_len", 4, MAX_SEQ_LEN), ("num_kv_pairs", 1, MAX_SEQ_LEN)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"MQARTask.{name}: expected an integer in [{lo}, {hi}], got {type(value).__name__} {value!r}")
-            if not lo <= value <= hi:
-                raise ValueError(f"MQARTask.{name}: got {value}; allowed: an integer in [{lo}, {hi}]")
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)):
-            raise TypeError(f"MQARTask.alpha: expected a number > 0, got {type(self.alpha).__name__} {self.alpha!r}")
-        if not (math.isfinite(self.alpha) and self.alpha > 0):
-            raise ValueError(f"MQARTask.alpha: got {self.alpha}; allowed: a finite number > 0 (1 = uniform gaps)")
+            check_int(f"MQARTask.{name}", getattr(self, name), lo, hi)
+        check_float("MQARTask.alpha", self.alpha, lambda x: x > 0, "a finite number > 0 (1 = uniform gaps)")
         n = self.num_kv_pairs
         if self.num_keys < n or self.num_values < n:
             raise ValueError(f"MQARTask.vocab_size: got {self.vocab_size} for {n} key-value pairs; allowed: at least "

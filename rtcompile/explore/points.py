@@ -19,6 +19,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..fields import check_ints
 from ..spec import MAX_WIDTH, ModelSpec, SpecError, SpecTypeError
 from ..target import PROFILES
 
@@ -36,17 +37,6 @@ def _fail(name: str, message: str) -> ValueError:
     return ValueError(f"{name}: {message}")
 
 
-def _check_ints(name: str, values: Any, lo: int, hi: int, allowed: str) -> tuple[int, ...]:
-    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)) or not values:
-        raise TypeError(f"{name}: expected a non-empty list of integers, got {values!r}")
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"{name}: expected integers, got {type(v).__name__} {v!r}")
-        if not lo <= v <= hi:
-            raise _fail(name, f"got {v}; allowed: {allowed}")
-    return tuple(dict.fromkeys(values))
-
-
 @dataclass(frozen=True)
 class RecallOptions:
     """MQAR settings of a recall sweep: the task (sequence length, key-value pairs) and the
@@ -62,9 +52,9 @@ class RecallOptions:
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "kv_pairs", "steps", "batch_size"):
-            _check_ints(name, [getattr(self, name)], 1, 1 << 24, "an integer >= 1")
+            check_ints(name, [getattr(self, name)], 1, 1 << 24, "an integer >= 1")
         # distinct keys and values per sequence, and the filler token
-        _check_ints("vocab_size", [self.vocab_size], 2 * self.kv_pairs + 1, 1 << 24,
+        check_ints("vocab_size", [self.vocab_size], 2 * self.kv_pairs + 1, 1 << 24,
                     f"an integer >= 2 * kv_pairs + 1 = {2 * self.kv_pairs + 1}")
         # MQAR lays out the pairs and their queries in the sequence: 4 tokens per pair at least
         if 4 * self.kv_pairs > self.seq_len:
@@ -77,7 +67,7 @@ class RecallOptions:
             if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and 0 < lr < 1):
                 raise _fail("learning_rates", f"got {lr!r}; allowed: numbers in (0, 1)")
         object.__setattr__(self, "learning_rates", tuple(float(x) for x in dict.fromkeys(lrs)))
-        object.__setattr__(self, "seeds", _check_ints("seeds", self.seeds, 0, 2**31 - 1, "integers in [0, 2^31)"))
+        object.__setattr__(self, "seeds", check_ints("seeds", self.seeds, 0, 2**31 - 1, "integers in [0, 2^31)"))
 
 
 @dataclass(frozen=True)
@@ -98,19 +88,19 @@ class SweepOptions:
 
     def __post_init__(self) -> None:
         allowed = ", ".join(map(str, KERNEL_ORDERS))
-        object.__setattr__(self, "orders", _check_ints("orders", self.orders, KERNEL_ORDERS[0], KERNEL_ORDERS[-1],
+        object.__setattr__(self, "orders", check_ints("orders", self.orders, KERNEL_ORDERS[0], KERNEL_ORDERS[-1],
                                                        f"{allowed} (the Triton kernels' orders)"))
-        object.__setattr__(self, "widths", _check_ints("widths", self.widths, 1, MAX_WIDTH,
+        object.__setattr__(self, "widths", check_ints("widths", self.widths, 1, MAX_WIDTH,
                                                        f"integers in [1, {MAX_WIDTH}]"))
         if self.d_model is not None:
-            _check_ints("d_model", [self.d_model], 1, 1 << 20, "an integer in [1, 2^20]")
+            check_ints("d_model", [self.d_model], 1, 1 << 20, "an integer in [1, 2^20]")
         if self.match is not None and self.match not in MATCH_MODES:
             raise _fail("match", f"got {self.match!r}; allowed: {', '.join(MATCH_MODES)}")
         if not isinstance(self.target, str) or self.target.lower() not in ("auto", *PROFILES):
             raise _fail("target", f"got {self.target!r}; allowed: auto, {', '.join(PROFILES)}")
         if self.recall is not None and not isinstance(self.recall, RecallOptions):
             raise TypeError(f"recall: expected RecallOptions or None, got {type(self.recall).__name__}")
-        _check_ints("workers", [self.workers], 1, 1024, "an integer in [1, 1024]")
+        check_ints("workers", [self.workers], 1, 1024, "an integer in [1, 1024]")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -49,6 +49,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..fields import check_float, check_int
 from ..fileio import atomic_write
 from ..functional import BACKENDS
 from ..model import RunningTensorLM
@@ -65,20 +66,6 @@ MAX_EXAMPLES = 1 << 26  # 2**26 x 256 int64 tokens is 128 GiB: beyond any device
 # Called after every optimizer step with (learning rate, steps done, that step's loss): tests
 # count the steps a call really runs and interrupt a run through it.
 StepHook = Callable[[float, int, float], None]
-
-
-def _int_field(name: str, value, lo: int, hi: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"TrainSettings.{name}: expected an integer in [{lo}, {hi}], got {type(value).__name__} {value!r}")
-    if not lo <= value <= hi:
-        raise ValueError(f"TrainSettings.{name}: got {value}; allowed: an integer in [{lo}, {hi}]")
-
-
-def _float_field(name: str, value, ok: Callable[[float], bool], allowed: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"TrainSettings.{name}: expected {allowed}, got {type(value).__name__} {value!r}")
-    if not (math.isfinite(value) and ok(value)):
-        raise ValueError(f"TrainSettings.{name}: got {value}; allowed: {allowed}")
 
 
 @dataclass(frozen=True)
@@ -111,18 +98,18 @@ class TrainSettings:
         if not isinstance(rates, tuple) or not rates:
             raise TypeError(f"TrainSettings.learning_rates: expected a non-empty tuple of numbers > 0, got {rates!r}")
         for i, lr in enumerate(rates):
-            _float_field(f"learning_rates[{i}]", lr, lambda x: 0 < x <= 1, "a finite number in (0, 1]")
+            check_float(f"TrainSettings.learning_rates[{i}]", lr, lambda x: 0 < x <= 1, "a finite number in (0, 1]")
         if len({float(lr) for lr in rates}) != len(rates):
             raise ValueError(f"TrainSettings.learning_rates: got {rates}; allowed: distinct rates (each is run once)")
-        _int_field("max_steps", self.max_steps, 1, MAX_STEPS)
-        _int_field("batch_size", self.batch_size, 1, MAX_EXAMPLES)
-        _int_field("train_examples", self.train_examples, 1, MAX_EXAMPLES)
-        _int_field("test_examples", self.test_examples, 1, MAX_EXAMPLES)
-        _int_field("eval_every", self.eval_every, 1, MAX_STEPS)
-        _int_field("seed", self.seed, 0, TEST_SEED_OFFSET - 1)
-        _float_field("weight_decay", self.weight_decay, lambda x: x >= 0, "a finite number >= 0")
-        _float_field("warmup_fraction", self.warmup_fraction, lambda x: 0 <= x < 1, "a number in [0, 1)")
-        _float_field("target_accuracy", self.target_accuracy, lambda x: 0 <= x <= 1, "a number in [0, 1]")
+        check_int("TrainSettings.max_steps", self.max_steps, 1, MAX_STEPS)
+        check_int("TrainSettings.batch_size", self.batch_size, 1, MAX_EXAMPLES)
+        check_int("TrainSettings.train_examples", self.train_examples, 1, MAX_EXAMPLES)
+        check_int("TrainSettings.test_examples", self.test_examples, 1, MAX_EXAMPLES)
+        check_int("TrainSettings.eval_every", self.eval_every, 1, MAX_STEPS)
+        check_int("TrainSettings.seed", self.seed, 0, TEST_SEED_OFFSET - 1)
+        check_float("TrainSettings.weight_decay", self.weight_decay, lambda x: x >= 0, "a finite number >= 0")
+        check_float("TrainSettings.warmup_fraction", self.warmup_fraction, lambda x: 0 <= x < 1, "a number in [0, 1)")
+        check_float("TrainSettings.target_accuracy", self.target_accuracy, lambda x: 0 <= x <= 1, "a number in [0, 1]")
         if not isinstance(self.backend, str) or self.backend not in BACKENDS:
             raise ValueError(f"TrainSettings.backend: got {self.backend!r}; allowed: {', '.join(BACKENDS)}")
         for name in ("autocast_bf16", "mlp", "tie_embeddings"):
