@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 
 import pytest
 import torch
@@ -170,6 +171,28 @@ def test_streamed_varlen_and_half(widths):
 
 
 @needs_kernels
+@pytest.mark.parametrize("widths, extra", [
+    ((16,), {}), ((16, 16), {"factor_grads": "workspace"}), ((16, 16), {"factor_grads": "registers"}),
+    ((16, 16), {"factor_grads": "workspace", **STREAMED}),
+], ids=["o2-16", "o3-16x16-workspace", "o3-16x16-registers", "o3-16x16-streamed"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_workspaces_in_the_inputs_type(widths, extra, dtype, monkeypatch):
+    """workspace_dtype="inputs": U, R, dU and phi's stored gradients in the 16-bit input type
+    still meet the 16-bit tolerance against float64 autograd, every feature on, partial chunk;
+    the [B, T, H, d_v] workspaces are allocated in that type (dv, the output, is the fourth)."""
+    from rtcompile.kernels import args
+
+    config = BackwardConfig(chunk_size=16, block_v=16, block_k=32, workspace_dtype="inputs", **extra)
+    shape = KernelShape(widths, 20, 2)
+    assert config.workspace_bytes_per_element(shape) == 2 and config.check(shape) is None
+    made, empty = [], args.empty
+    monkeypatch.setattr(args, "empty", lambda *a, **kw: made.append((tuple(a[0] if len(a) == 1 else a), kw["dtype"]))
+                        or empty(*a, **kw))
+    check_gradients(widths, 37, 20, chunk_size=16, dtype=dtype, config=config, **FEATURES["gated-delta-l2-h0"])
+    assert made.count(((1, 37, 2, 20), dtype)) == 4, made
+
+
+@needs_kernels
 @pytest.mark.parametrize("widths, features", [((4, 4), "gated-delta-l2-h0"), ((8, 8), "plain"), ((2, 4, 2), "gate-h0"),
                                               ((2, 8), "delta-l2")], ids=["o3-4x4", "o3-8x8", "o4-2x4x2", "o3-2x8"])
 def test_materialised_keys(widths, features):
@@ -253,15 +276,27 @@ def test_default_and_space(shape, limit):
     assert default.check(shape, limit) is None
     assert BackwardConfig.from_dict(default.to_dict()) == default
     space = BackwardConfig.space(shape)
-    found = list(iter_space(BackwardConfig, shape, smem_limit=limit))
+    # Fields that no resource estimate reads (any allowed value passes or fails alike) are
+    # enumerated at their first value, and a random sample of the whole space shows they change
+    # no check: the full product (up to 2.6 M configs) took 20-50 s per shape on the CPU machine.
+    free = ("grads_stages", "prepare_warps", "solve", "dot_precision", "factor_grads", "workspace_dtype")
+    found = list(iter_space(BackwardConfig, shape, {**space, **{n: space[n][:1] for n in free}}, limit))
     assert found and all(getattr(c, n) in vals for c in found for n, vals in space.items())
+    rng = random.Random(0)
+    for _ in range(300):
+        c = BackwardConfig(**{n: rng.choice(vals) for n, vals in space.items()})
+        first = dataclasses.replace(c, **{n: space[n][0] for n in free})
+        assert (c.check(shape, limit) is None) == (first.check(shape, limit) is None), c
+    assert space["workspace_dtype"] == (["float32", "inputs"] if shape.input_bytes == 2 else ["float32"])
     assert BackwardConfig.space(KernelShape((12, 16), 64)) == {}
     assert (default.state_loop == "streamed") == (shape.key_dim > 256)
 
 
 @needs_kernels
-@pytest.mark.parametrize("delta, gate", [(True, True), (False, False)])
-def test_launcher_allocates_the_workspace_its_config_declares(monkeypatch, delta, gate):
+@pytest.mark.parametrize("delta, gate, dtype, wdtype", [
+    (True, True, torch.float32, "float32"), (False, False, torch.float32, "float32"),
+    (True, True, torch.float16, "inputs")], ids=["gated-delta", "plain", "fp16-inputs-workspace"])
+def test_launcher_allocates_the_workspace_its_config_declares(monkeypatch, delta, gate, dtype, wdtype):
     """Allocated beyond the gradients (and the fp32 initial-state gradient) is ``workspace_bytes``."""
     sizes = []
 
@@ -272,16 +307,17 @@ def test_launcher_allocates_the_workspace_its_config_declares(monkeypatch, delta
 
     monkeypatch.setattr(args, "empty", counting_empty)
     B, T, H, widths, V = 2, 40, 2, (16,), 24
-    q, k, v, g, beta, s0 = make_inputs(B, T, H, widths, V, gate=gate, delta=delta, state=True, dtype=torch.float32)
+    q, k, v, g, beta, s0 = make_inputs(B, T, H, widths, V, gate=gate, delta=delta, state=True, dtype=dtype)
     dev = lambda x: None if x is None else x.to(DEVICE)  # noqa: E731
     q, k, v, g, beta, s0 = [dev(x) for x in q], [dev(x) for x in k], dev(v), dev(g), dev(beta), dev(s0).float()
-    config = BackwardConfig(chunk_size=16, block_v=16)
+    g = None if g is None else g.float()
+    config = BackwardConfig(chunk_size=16, block_v=16, workspace_dtype=wdtype)
     out = running_tensor_bwd(q, k, v, g, beta, scale=0.5, initial_state=s0, cu_seqlens=None, l2norm=True,
                              do=torch.randn_like(v), dht=None, variant=config)
     dq, dk, dv, dg, db, dh0 = out
     grads = [*dq, *dk, dv, dg, db, dh0]
     outputs = sum(x.numel() * x.element_size() for x in grads if x is not None)
-    work = Workload(KernelShape(widths, V, 4), B, H, T, delta_rule=delta, forget_gate=gate)
+    work = Workload(KernelShape(widths, V, v.element_size()), B, H, T, delta_rule=delta, forget_gate=gate)
     assert sum(sizes) - outputs == config.workspace_bytes(work)
 
 
@@ -301,6 +337,10 @@ def _gpu_sweep():
         precisions = ("ieee", "tf32") if dtype != torch.float32 else ("ieee",)
         for prec in precisions:
             cases.append(pytest.param(dtype, dataclasses.replace(base, dot_precision=prec), id=f"{name}-{prec}"))
+        if dtype != torch.float32:  # the 16-bit workspaces, with either form of phi's gradients
+            for fg in ("workspace", "registers"):
+                cfg = dataclasses.replace(base, workspace_dtype="inputs", factor_grads=fg)
+                cases.append(pytest.param(dtype, cfg, id=f"{name}-ws16-{fg}"))
     return cases
 
 

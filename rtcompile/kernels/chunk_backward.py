@@ -92,6 +92,10 @@ STATE_BLOCK_KS = (16, 32, 64, 128, 256)
 # (no [T, K] tensor); "workspace", stored as fp32 [T, K] and contracted by a token-parallel
 # kernel (order 2 always: its one factor is phi, and the l2norm needs the whole row)
 FACTOR_GRADS = ("registers", "workspace")
+# the type of the per-token workspaces (U, R, dU and stored phi gradients): fp32, or the inputs'
+# own 16-bit type (as fla keeps its recomputed values and their gradients), which halves their
+# bytes: o3 16x16 bf16 B8 T4096 H8, 1.38 -> ~1.0 GiB beyond the inputs by workspace_bytes
+WORKSPACE_DTYPES = ("float32", "inputs")
 # the token-parallel phi-to-factors kernel: rows per program so its [rows, K] fp32 tile stays at
 # 4096 elements (32 registers per thread at 4 warps); it only streams the phi gradients once
 FACTOR_TILE = 4096
@@ -127,6 +131,7 @@ class BackwardConfig(KernelConfig):
     state_loop: str = "resident"
     state_block_k: int = 128
     factor_grads: str = "registers"
+    workspace_dtype: str = "float32"
 
     def resident(self, shape: KernelShape) -> bool:
         return self.state_loop == "resident"
@@ -138,7 +143,7 @@ class BackwardConfig(KernelConfig):
                               ("grads_stages", (1, 2, 3)),
                               ("key_group", KEY_GROUPS), ("dot_precision", BWD_PRECISIONS),
                               ("state_loop", STATE_LOOPS), ("state_block_k", STATE_BLOCK_KS),
-                              ("factor_grads", FACTOR_GRADS)):
+                              ("factor_grads", FACTOR_GRADS), ("workspace_dtype", WORKSPACE_DTYPES)):
             if (reason := self._check_choice(name, allowed)) is not None:
                 return reason
         if (reason := shape_refusal(shape)) is not None:
@@ -201,33 +206,39 @@ class BackwardConfig(KernelConfig):
             "state_loop": [s for s in STATE_LOOPS if s == "streamed" or shape.key_dim <= MAX_KEY_DIM],
             "state_block_k": [b for b in STATE_BLOCK_KS if b <= shape.key_dim_pow2],
             "factor_grads": list(FACTOR_GRADS),
+            "workspace_dtype": list(WORKSPACE_DTYPES) if shape.input_bytes == 2 else ["float32"],
         }
 
     def workspace_bytes(self, w: Workload) -> int:
         """Per (sequence, head): S and dS' of every chunk ([K, V] each in the products' type);
-        per token the scores (fp32, C), U and dU (fp32, V each), order 2's phi gradients (fp32,
-        K each: the factor's size); resident state loops: phi(K) and phi(Q) (the products' type,
-        K each); streamed: the running state and state gradient (fp32, K V each, once); with the
-        delta rule the inverse (fp32, C) and R (fp32, V); with gates the cumulative log decay
-        (fp32). (The initial state's gradient, an output, is formed in an fp32 buffer of the
+        per token the scores (fp32, C), U and dU (V each), stored phi gradients (K each: always at
+        order 2, whose factor is phi); resident state loops: phi(K) and phi(Q) (the products'
+        type, K each); streamed: the running state and state gradient (fp32, K V each, once);
+        with the delta rule the inverse (fp32, C) and R (V); with gates the cumulative log decay
+        (fp32). U, R, dU and phi's gradients take :meth:`workspace_bytes_per_element`. (The initial state's gradient, an output, is formed in an fp32 buffer of the
         state's size and cast to the state's dtype.)"""
         K, V, C = w.shape.key_dim, w.shape.value_width, self.chunk_size
         dot = dot_operand_bytes(w.shape.input_bytes)
         chunks = w.batch * w.heads * chunk_count(w, C)
-        per_token = 4 * C + 8 * V + (8 * K if self.phi_grads_stored(w.shape) else 0)
+        e = self.workspace_bytes_per_element(w.shape)
+        per_token = 4 * C + 2 * e * V + (2 * e * K if self.phi_grads_stored(w.shape) else 0)
         running = 0
         if self.state_loop == "resident":
             per_token += 2 * K * dot
         else:
             running = 2 * w.batch * w.heads * K * V * 4
         if w.delta_rule:
-            per_token += 4 * C + 4 * V
+            per_token += 4 * C + e * V
         if w.forget_gate:
             per_token += 4
         return 2 * chunks * K * V * dot + w.rows * per_token + running
 
+    def workspace_bytes_per_element(self, shape: KernelShape) -> int:
+        """Bytes of an element of U, R, dU and the stored phi gradients (``workspace_dtype``)."""
+        return shape.input_bytes if self.workspace_dtype == "inputs" else 4
+
     def phi_grads_stored(self, shape: KernelShape) -> bool:
-        """Are phi's gradients stored ([T, K] fp32 each) and contracted by a fifth launch?"""
+        """Are phi's gradients stored ([T, K] each) and contracted by a fifth launch?"""
         return self.factor_grads == "workspace" or len(shape.key_widths) == 1
 
     def figures(self, w: Workload) -> CostFigures:
@@ -463,15 +474,15 @@ def tuned_backward(p: Problem, device: torch.device) -> BackwardConfig | None:
 
 
 def _resident_state_loops(config: BackwardConfig, p: Problem, ws: dict, v, beta, h0, cu_seqlens, offsets, do, dht,
-                          total_chunks: int):
+                          total_chunks: int, store: torch.dtype):
     """Steps 2 and 3 with the state in registers: the split form's state loop (every chunk's S,
     U, R) and :func:`chunk_bwd_state_kernel` (every chunk's dS', dU, d(initial state) in fp32)."""
     B, T, H, V = v.shape
     C, K, bv, dev = config.chunk_size, p.key_dim, config.block_v, v.device
     lowp, prec, dt = lowp_dots(v.dtype), config.dot_precision, dot_dtype(v)
     Hc = args.empty(total_chunks, H, K, V, dtype=dt, device=dev)
-    Uc = args.empty(B, T, H, V, dtype=torch.float32, device=dev)
-    Rc = args.empty(B, T, H, V, dtype=torch.float32, device=dev) if beta is not None else None
+    Uc = args.empty(B, T, H, V, dtype=store, device=dev)
+    Rc = args.empty(B, T, H, V, dtype=store, device=dev) if beta is not None else None
     grid_v = (triton.cdiv(V, bv), p.num_seqs * H)
     chunk_split_state_kernel[grid_v](
         v, beta, h0, None, ws["Ai"], ws["Kw"], ws["Gc"], Hc, Uc, Rc, cu_seqlens, offsets, T,
@@ -479,7 +490,7 @@ def _resident_state_loops(config: BackwardConfig, p: Problem, ws: dict, v, beta,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     dHc = args.empty(total_chunks, H, K, V, dtype=dt, device=dev)
-    dUc = args.empty(B, T, H, V, dtype=torch.float32, device=dev)
+    dUc = args.empty(B, T, H, V, dtype=store, device=dev)
     dh0 = args.empty(p.state_shape, dtype=torch.float32, device=dev) if h0 is not None else None
     chunk_bwd_state_kernel[grid_v](
         ws["Qw"], ws["Kw"], ws["P"], ws["Ai"], ws["Gc"], beta, do, dht, dh0, dHc, dUc, cu_seqlens, offsets,
@@ -504,14 +515,15 @@ def _launch(config: BackwardConfig, p: Problem, q, k, v, g, beta, h0, cu_seqlens
                         prepare_warps=config.prepare_warps, solve=config.solve, dot_precision=prec,
                         key_group=config.key_group)
     resident = config.state_loop == "resident"
+    store = torch.float32 if config.workspace_dtype == "float32" else v.dtype  # U, R, dU, phi's gradients
     ws = prepare_backward(split, p, q, k, v, g, beta, cu_seqlens=cu_seqlens, idx=idx, l2norm=l2norm, keys=resident)
     if resident:
         Hc, Uc, Rc, dHc, dUc, dh0 = _resident_state_loops(config, p, ws, v, beta, h0, cu_seqlens, offsets, do, dht,
-                                                          sum(n_chunks))
+                                                          sum(n_chunks), store)
     else:
         loops = {"cu_seqlens": cu_seqlens, "offsets": offsets, "l2norm": l2norm, "ws": ws, "chunk_size": C,
                  "block_k": min(config.state_block_k, K), "block_v": bv, "num_warps": config.num_warps,
-                 "num_stages": config.num_stages, "precision": prec}
+                 "num_stages": config.num_stages, "precision": prec, "store_dtype": store}
         # each state tile's load issued one ahead, as the streamed forward measured (~1.2 TB/s of
         # state traffic without it at o3 64x64 on the H200)
         Hc, Uc, Rc = recompute_streamed(p, q, k, v, g, beta, h0=h0, prefetch_state=True, **loops)
@@ -520,8 +532,8 @@ def _launch(config: BackwardConfig, p: Problem, q, k, v, g, beta, h0, cu_seqlens
     dq = [args.empty(x.shape, dtype=x.dtype, device=dev) for x in q]
     dk = [args.empty(x.shape, dtype=x.dtype, device=dev) for x in k]
     stored = config.phi_grads_stored(KernelShape(p.key_widths, V))
-    dQp = args.empty(B, T, H, K, dtype=torch.float32, device=dev) if stored else None
-    dKp = args.empty(B, T, H, K, dtype=torch.float32, device=dev) if stored else None
+    dQp = args.empty(B, T, H, K, dtype=store, device=dev) if stored else None
+    dKp = args.empty(B, T, H, K, dtype=store, device=dev) if stored else None
     dv = args.empty(v.shape, dtype=v.dtype, device=dev)
     dg = args.empty(g.shape, dtype=g.dtype, device=dev) if g is not None else None
     dbeta = args.empty(beta.shape, dtype=beta.dtype, device=dev) if beta is not None else None

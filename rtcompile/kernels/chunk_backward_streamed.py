@@ -165,9 +165,11 @@ def _chunk_total(p: Problem, T: int, C: int) -> int:
 
 def recompute_streamed(p: Problem, q, k, v, g, beta, *, h0, cu_seqlens, offsets, l2norm: bool, ws: dict,
                        chunk_size: int, block_k: int, block_v: int, num_warps: int, num_stages: int, precision: str,
-                       prefetch_state: bool = False, merge_passes: bool = False):
+                       prefetch_state: bool = False, merge_passes: bool = False,
+                       store_dtype: torch.dtype = torch.float32):
     """The forward recompute with a streamed state: (Hc, Uc, Rc) as ``chunk_backward``'s split
-    recompute stores them (Hc [chunks, H, K, V] in the products' type; Uc, Rc fp32 of v's shape;
+    recompute stores them (Hc [chunks, H, K, V] in the products' type; Uc, Rc of v's shape in
+    ``store_dtype``;
     Rc None without the delta rule). ``ws``: ``chunk_prepare.prepare_backward``'s dict (its "P"
     and "Ai" are read; "Kw" and "Qw" are not); ``offsets``: each varlen sequence's first chunk
     (int32, with ``cu_seqlens``), else None."""
@@ -175,8 +177,8 @@ def recompute_streamed(p: Problem, q, k, v, g, beta, *, h0, cu_seqlens, offsets,
     B, T, H, V = v.shape
     dev = v.device
     Hc = args.empty(_chunk_total(p, T, chunk_size), H, p.key_dim, V, dtype=dot_dtype(v), device=dev)
-    Uc = args.empty(B, T, H, V, dtype=torch.float32, device=dev)
-    Rc = args.empty(B, T, H, V, dtype=torch.float32, device=dev) if beta is not None else None
+    Uc = args.empty(B, T, H, V, dtype=store_dtype, device=dev)
+    Rc = args.empty(B, T, H, V, dtype=store_dtype, device=dev) if beta is not None else None
     ht = args.empty(p.state_shape, dtype=torch.float32, device=dev)  # the running state
     grid = (triton.cdiv(V, block_v), p.num_seqs * H)
     chunk_streamed_kernel[grid](
@@ -192,16 +194,16 @@ def recompute_streamed(p: Problem, q, k, v, g, beta, *, h0, cu_seqlens, offsets,
 
 def state_grads_streamed(p: Problem, q, k, beta, do, dht, *, ws: dict, cu_seqlens, offsets, l2norm: bool,
                          want_dh0: bool, scale: float, chunk_size: int, block_k: int, block_v: int, num_warps: int,
-                         num_stages: int, precision: str):
+                         num_stages: int, precision: str, store_dtype: torch.dtype = torch.float32):
     """Run :func:`chunk_bwd_state_streamed_kernel`: (dHc [chunks, H, K, V] in the products'
-    type, dUc fp32 of v's shape, d(initial state) fp32 of the state's shape or None when not
+    type, dUc of v's shape in ``store_dtype``, d(initial state) fp32 of the state's shape or None when not
     ``want_dh0``). ``dht``: the final state's gradient (fp32, the state's shape) or None;
     ``ws``: ``chunk_prepare.prepare_backward``'s dict ("P", "Ai", "Gc" are read)."""
     _check_tiles(chunk_size, block_k, block_v)
     B, T, H, V = do.shape
     dev = do.device
     dHc = args.empty(_chunk_total(p, T, chunk_size), H, p.key_dim, V, dtype=dot_dtype(do), device=dev)
-    dUc = args.empty(B, T, H, V, dtype=torch.float32, device=dev)
+    dUc = args.empty(B, T, H, V, dtype=store_dtype, device=dev)
     # the running gradient; after chunk 0 it is d(initial state), every element written
     dS = args.empty(p.state_shape, dtype=torch.float32, device=dev)
     grid = (triton.cdiv(V, block_v), p.num_seqs * H)
