@@ -33,6 +33,11 @@ step_train() {  # the backward on the GPU: gradient tests (-v into a file as it 
   python3 benchmarks/train_step.py --out "$OUT/train_ours.json"
   python3 benchmarks/train_step.py --set factor_grads=workspace --cases "o3 16x16,o3 32x32" \
     --out "$OUT/train_ours_ws.json"
+  # the 16-bit workspaces (workspace_bytes: 1345 -> 993 MiB at o3 16x16), both forms of phi's gradients
+  python3 benchmarks/train_step.py --set workspace_dtype=inputs --cases "o3 16x16,o3 32x32" \
+    --out "$OUT/train_ours_ws16.json"
+  python3 benchmarks/train_step.py --set workspace_dtype=inputs --set factor_grads=registers --cases "o3 16x16" \
+    --out "$OUT/train_ours_ws16_reg.json"
   timeout "${FLA_S:-400}" python3 benchmarks/train_step.py --fla --cases "o3 16x16" --out "$OUT/train_fla.json" || true
 }
 
