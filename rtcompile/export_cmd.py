@@ -34,6 +34,9 @@ def add_parsers(sub) -> None:
                    help="auto (default): torch on a CUDA GPU (RunningTensorLM.generate, the decode step as a CUDA "
                         "graph), else onnxruntime; torch: the loaded model on this machine's best device (eager "
                         "off CUDA); onnxruntime: the bundle's ONNX graphs (the CPU and portable path)")
+    r.add_argument("--compile-step", action="store_true",
+                   help="torch engine on a CUDA GPU: fuse the decode step with torch.compile before capturing "
+                        "it (fewer launches per step; one compile per batch bucket)")
     r.set_defaults(func=run_bundle)
 
 
@@ -126,6 +129,9 @@ def run_bundle(args) -> int:
     engine = args.engine
     if engine == "auto":
         engine = "torch" if torch.cuda.is_available() else "onnxruntime"
+    if args.compile_step and not (engine == "torch" and torch.cuda.is_available()):
+        raise BundleError(f"--compile-step: with engine {engine} on {'a CUDA GPU' if torch.cuda.is_available() else 'no GPU'}; "
+                          "allowed: the torch engine on a CUDA GPU (it fuses the captured decode step)")
     if engine == "onnxruntime" and ("prefill.onnx" not in m["files"] or "decode.onnx" not in m["files"]):
         raise BundleError(f"bundle {args.bundle!r}: has no ONNX graphs (exported with --no-onnx?); "
                           "allowed: --engine torch, or a bundle exported with ONNX")
@@ -150,8 +156,10 @@ def run_bundle(args) -> int:
         if torch.cuda.is_available():
             model = model.cuda()
         device = model.embed.weight.device
-        decoded = model.generate(torch.tensor([prompt], device=device), args.steps)[0].tolist()
-        how = f"torch on {device}" + (", decode step as a CUDA graph" if device.type == "cuda" else ", eager")
+        decoded = model.generate(torch.tensor([prompt], device=device), args.steps,
+                                 compile_step=args.compile_step)[0].tolist()
+        how = f"torch on {device}" + (", decode step as a CUDA graph" if device.type == "cuda" else ", eager") + \
+            (" (torch.compile-fused)" if args.compile_step else "")
     print("engine ", how)
     print("prompt ", prompt)
     print("decoded", decoded)

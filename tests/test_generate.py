@@ -299,3 +299,7 @@ def test_run_torch_engine_needs_no_onnx_graphs(bundle, capsys):
     assert main(["run", str(bundle / "plain"), "--engine", "tensorrt"]) == 2
     err = capsys.readouterr().err
     assert "--engine" in err and "onnxruntime" in err and "Traceback" not in err, err
+    if not CUDA:  # the fused step is a CUDA-graph option: refused in one line elsewhere
+        assert main(["run", str(bundle / "plain"), "--engine", "torch", "--compile-step"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--compile-step" in err[0] and "CUDA GPU" in err[0], err
