@@ -41,7 +41,7 @@ def poison_outputs(poison):
 
 def check_gradients(widths, T, V, *, chunk_size, dtype=torch.float32, gate=True, delta=True, l2norm=True,
                     h0=True, final_grad=True, offsets=None, B=1, H=2, block_v=16, num_warps=4, scale=0.6,
-                    config=None):
+                    config=None, tol=None):
     """Run the backward on fresh inputs and compare every gradient with float64 autograd of the
     recurrent reference on the very (rounded) inputs the kernels see."""
     num_seqs = None if offsets is None else len(offsets) - 1
@@ -70,7 +70,7 @@ def check_gradients(widths, T, V, *, chunk_size, dtype=torch.float32, gate=True,
            "g": dg, "beta": db, "h0": dh0}
     inputs = {"v": kv, **{f"q{i}": x for i, x in enumerate(kq)}, **{f"k{i}": x for i, x in enumerate(kk)},
               "g": kg, "beta": kb, "h0": ks0}
-    tol = HALF_TOL.get(dtype, FP32_TOL)
+    tol = tol or HALF_TOL.get(dtype, FP32_TOL)
     errors = {}
     for name, x in inputs.items():
         if x is None:
@@ -188,7 +188,11 @@ def test_workspaces_in_the_inputs_type(widths, extra, dtype, monkeypatch):
     made, empty = [], args.empty
     monkeypatch.setattr(args, "empty", lambda *a, **kw: made.append((tuple(a[0] if len(a) == 1 else a), kw["dtype"]))
                         or empty(*a, **kw))
-    check_gradients(widths, 37, 20, chunk_size=16, dtype=dtype, config=config, **FEATURES["gated-delta-l2-h0"])
+    # one more 16-bit rounding of U, R, dU and phi's gradients (2^-9 each for bf16): typical
+    # errors 4e-3 - 1.4e-2 against 2e-3 - 6e-3 with fp32 workspaces, the worst seen 2.3e-2 (dbeta,
+    # streamed, bf16, once in CI); a wrong term gives errors of order 1
+    check_gradients(widths, 37, 20, chunk_size=16, dtype=dtype, config=config, tol=4e-2,
+                    **FEATURES["gated-delta-l2-h0"])
     assert made.count(((1, 37, 2, 20), dtype)) == 4, made
 
 
