@@ -317,15 +317,14 @@ class _Rate:
         """Query accuracy over the whole test set, in batches of batch_size (the logits of a batch
         are B x T x V; training already holds that much)."""
         self.model.eval()
-        hits = total = 0
+        # counted on the device, read once: a read per batch would sync the GPU per test batch
+        hits = torch.zeros((), dtype=torch.int64, device=inputs.device)
         for start in range(0, inputs.shape[0], self.settings.batch_size):
             x, y = inputs[start:start + self.settings.batch_size], labels[start:start + self.settings.batch_size]
             with self.autocast(device):
                 logits, _ = self.model(x, backend=self.settings.backend)
-            mask = y != IGNORE
-            hits += int(((logits.argmax(dim=-1) == y) & mask).sum())
-            total += int(mask.sum())
-        return hits / total
+            hits += ((logits.argmax(dim=-1) == y) & (y != IGNORE)).sum()
+        return int(hits) / int((labels != IGNORE).sum())
 
 
 def _remove_stale(folder: Path, lr: float, keep: str | None) -> None:
