@@ -288,8 +288,12 @@ def _unit_factors(factors, l2norm: bool) -> list[torch.Tensor]:
     return [l2normalize(x) for x in xs] if l2norm else xs
 
 
-def _outer(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return (a[..., :, None] * b[..., None, :]).flatten(-2)
+def _kron(xs: list[torch.Tensor]) -> torch.Tensor:
+    """x1 (x) x2 (x) .. over the last axis, row-major (factor 1 major), in the factors' type."""
+    out = xs[0]
+    for x in xs[1:]:
+        out = (out[..., :, None] * x[..., None, :]).flatten(-2)
+    return out
 
 
 def materialise_phi(factors, l2norm: bool) -> torch.Tensor:
@@ -297,9 +301,7 @@ def materialise_phi(factors, l2norm: bool) -> torch.Tensor:
     [B, T, H, d_i], normalised in fp32 first when ``l2norm``. The last product is written
     straight into the 16-bit result (no [T, K] fp32 temporary)."""
     xs = _unit_factors(factors, l2norm)
-    lead = xs[0]
-    for x in xs[1:-1]:
-        lead = _outer(lead, x)
+    lead = _kron(xs[:-1])
     B, T, H, d = lead.shape
     out = args.empty(B, T, H, d * xs[-1].shape[-1], dtype=factors[0].dtype, device=factors[0].device)
     torch.mul(lead[..., :, None], xs[-1][..., None, :], out=out.view(B, T, H, d, xs[-1].shape[-1]))
@@ -309,11 +311,7 @@ def materialise_phi(factors, l2norm: bool) -> torch.Tensor:
 def kronecker_keys(factors, l2norm: bool) -> torch.Tensor:
     """:func:`materialise_phi` differentiably (the backward's materialised keys take their
     factors' gradients through it by autograd); it holds a [T, K] fp32 temporary."""
-    xs = _unit_factors(factors, l2norm)
-    phi = xs[0]
-    for x in xs[1:]:
-        phi = _outer(phi, x)
-    return phi.to(factors[0].dtype)
+    return _kron(_unit_factors(factors, l2norm)).to(factors[0].dtype)
 
 
 def launch(config: ResidentConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm: bool) -> torch.Tensor:

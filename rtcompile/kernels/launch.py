@@ -30,7 +30,9 @@ from .chunk_streamed import StreamedConfig
 from .config import KernelConfig, KernelShape
 from .forms import check_config, config_from_dict, default_config
 from .inputs import Problem, check_inputs
-from .recurrent import DECODE_PLANS, DecodePlan, RecurrentConfig, check_indices, decode_key, remember_plan
+from .recurrent import (
+    DECODE_PLANS, DecodePlan, RecurrentConfig, check_indices, decode_key, remember_plan, signature_key,
+)
 
 MODES = ("chunk", "recurrent")
 
@@ -192,7 +194,7 @@ def fwd_checked(p: Problem, q, k, v, g, beta, *, initial_state, output_final_sta
     kernel = "chunk" if mode == "chunk" else "recurrent"
     config = resolve_config(kernel, variant, p, v.device, chunk_size if kernel == "chunk" else None)
     if plan_key is not None and kernel == "recurrent" and cu_seqlens is None:
-        plan = CallPlan(p, config, l2norm, initial_state, copy=not args.all_contiguous(*q, *k, v, g, beta, initial_state))
+        plan = CallPlan(p, config, l2norm, copy=not args.all_contiguous(*q, *k, v, g, beta, initial_state))
         remember_call(plan_key, plan)
         return plan(q, k, v, g, beta, initial_state, output_final_state)
     q, k, v, g, beta, initial_state, cu_seqlens = args.contiguous_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
@@ -206,8 +208,8 @@ def fwd_checked(p: Problem, q, k, v, g, beta, *, initial_state, output_final_sta
 
 # ----- the eager recurrent call's host path --------------------------------------------------
 # A recurrent call at T = 1 (a model's decode step through the public API) runs its kernel for a
-# few microseconds; validating and resolving its config again each call cost ~80 us of Python on
-# the CPU machine (benchmarks/probe_host.py). As for the decode step, a plan found once per
+# few microseconds; validating and resolving its config again each call cost 22 us of Python on
+# the idle CPU machine, 11 us with the plan (benchmarks/serving_host.py, launches stubbed). As for the decode step, a plan found once per
 # argument signature is reused; the signature holds everything the checks and the config depend
 # on (shapes, dtypes, devices, contiguity, flags, the tuned table's generation).
 
@@ -219,7 +221,7 @@ class CallPlan:
 
     __slots__ = ("kernel", "need_ht", "state_shape", "tail")
 
-    def __init__(self, p: Problem, config: RecurrentConfig, l2norm: bool, initial_state, *, copy: bool):
+    def __init__(self, p: Problem, config: RecurrentConfig, l2norm: bool, *, copy: bool):
         grid, consts = recurrent.launch_consts(p, l2norm, config)
         self.kernel = DecodePlan(grid, consts, p.scale, copy=copy)
         # a streamed state (block_k < K) lives in the final-state buffer while the kernel runs
@@ -244,34 +246,19 @@ MAX_CALL_PLANS = 1024
 
 def call_key(q, k, v, g, beta, initial_state, scale, output_final_state, l2norm, mode, chunk_size, backend,
              variant):
-    """The call-plan key of a public ``running_tensor`` call, or None when a plan cannot serve it
-    (an argument that is not a plain tensor, as tracers hand in, or unhashable)."""
+    """The call-plan key of a public ``running_tensor`` call (:func:`signature_key`), or None
+    when a plan cannot serve it (an argument that is not a plain tensor, as tracers hand in, or
+    unhashable)."""
     try:
-        out = [len(q), len(k), g is None, beta is None, initial_state is None, scale, bool(output_final_state),
-               bool(l2norm), mode, chunk_size, backend, variant, interpreting(), tuned.generation()]
-        for x in (*q, *k, v, g, beta, initial_state):
-            if x is not None:
-                if type(x) is not torch.Tensor:
-                    return None
-                out += (x.shape, x.dtype, x.get_device(), x.is_contiguous())
-        return tuple(out)  # hashed by the lookup, which treats an unhashable key as no key
-    except (AttributeError, TypeError):  # not tensors: the full checks will say why
+        head = (len(q), len(k), g is None, beta is None, initial_state is None, scale, bool(output_final_state),
+                bool(l2norm), mode, chunk_size, backend, variant, interpreting(), tuned.generation())
+        tensors = (*q, *k, v, g, beta, initial_state)
+    except TypeError:  # factors that are not sequences: the full checks will say why
         return None
-
-
-def find_call(key) -> CallPlan | None:
-    """The plan kept under ``key`` (None: none, or an unhashable key such as a dict variant)."""
-    try:
-        return CALL_PLANS.get(key)
-    except TypeError:
-        return None
+    return signature_key(head, tensors, exact=True)
 
 
 def remember_call(key, plan: CallPlan) -> None:
-    try:
-        hash(key)
-    except TypeError:
-        return
     if len(CALL_PLANS) >= MAX_CALL_PLANS:
         CALL_PLANS.clear()
     CALL_PLANS[key] = plan

@@ -405,21 +405,36 @@ def remember_plan(key, plan: DecodePlan) -> None:
         DECODE_PLANS[key] = plan
 
 
-def decode_key(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, variant, generation: int = 0):
-    """The plan-cache key, or None when an argument is not what a plan can describe
-    (``generation``: the tuned table's, so a plan found before the table changed is not reused). One flat
-    tuple with the device as ``get_device()``: 5.5 us on the CPU machine against 12 us for
-    per-tensor tuples holding ``torch.device`` objects (11 tensors)."""
+def signature_key(head, tensors, *, exact: bool = False) -> tuple | None:
+    """A plan cache's key: ``head`` then (shape, dtype, device index, contiguity) of each tensor
+    that is not None, in one flat tuple (the device as ``get_device()``: 5.5 us on the CPU
+    machine for 11 tensors against 12 us with per-tensor tuples of ``torch.device``). None when
+    an entry is not a tensor (with ``exact``: not a plain ``torch.Tensor``, as tracers hand in)
+    or the key is unhashable: the full checks then say why, or run every call."""
     try:
-        out = [len(q), len(k), g is None, beta is None, scale, bool(l2norm), variant, args.interpreting(), generation]
-        for x in (*q, *k, v, g, beta, state_cache, state_indices):
+        out = list(head)
+        for x in tensors:
             if x is not None:
+                if exact and type(x) is not torch.Tensor:
+                    return None
                 out += (x.shape, x.dtype, x.get_device(), x.is_contiguous())
         key = tuple(out)
         hash(key)
         return key
-    except (AttributeError, TypeError):  # not tensors / unhashable: the full checks will say why
+    except (AttributeError, TypeError):
         return None
+
+
+def decode_key(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, variant, generation: int = 0):
+    """The decode plan-cache key (:func:`signature_key`), or None when an argument is not what a
+    plan can describe (``generation``: the tuned table's, so a plan found before the table
+    changed is not reused)."""
+    try:
+        head = (len(q), len(k), g is None, beta is None, scale, bool(l2norm), variant, args.interpreting(), generation)
+        tensors = (*q, *k, v, g, beta, state_cache, state_indices)
+    except TypeError:  # factors that are not sequences: the full checks will say why
+        return None
+    return signature_key(head, tensors)
 
 
 def check_indices(state_indices: torch.Tensor, slots: int) -> None:
