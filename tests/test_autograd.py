@@ -158,9 +158,12 @@ def _check_grads(bwd, leaves, expected):
         assert rel_err(x.grad, ref) < _tol(bwd), f"leaf {i}: rel err {rel_err(x.grad, ref):.2e}"
 
 
-CASES = [  # (order widths, gate, delta, l2norm): shapes the Triton backward takes (power-of-two
-    # widths >= 16, K <= 256), so the same cases run against the stand-in and the real kernels
+CASES = [  # (order widths, gate, delta, l2norm): shapes the Triton backward takes, so the same
+    # cases run against the stand-in and the real kernels. 8x8 takes the materialised-keys form
+    # (factors too narrow to tile): through the op its kernel runs with autograd's dispatch keys
+    # excluded, which broke its autograd of phi on the H200 (MQAR training at 8x8, 2026-12-02)
     ((16,), True, True, True),
+    ((8, 8), True, True, True),
     ((16,), False, False, False),
     ((16, 16), True, False, True),
     ((32,), False, True, False),
@@ -180,7 +183,9 @@ def test_every_gradient_reaches_its_leaf(bwd, mode, widths, gate, delta, l2norm)
     w = torch.randn_like(o)
     wf = torch.randn_like(ht)
     ((o * w).sum() + (ht * wf).sum()).backward()
-    assert bwd.calls == {"fwd": 1, "bwd": 1}
+    # the real materialised-keys form (8x8) runs order 2's backward on phi: one nested call
+    nested = int(not bwd.standin and len(widths) > 1 and min(widths) < 16)
+    assert bwd.calls == {"fwd": 1, "bwd": 1 + nested}
     expected = _reference_grads(q, k, v, g, beta, s0, w, l2norm=l2norm, final_weight=wf)
     _check_grads(bwd, _flat(q, k, v, g, beta, s0), expected)
 

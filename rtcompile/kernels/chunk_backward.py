@@ -67,7 +67,7 @@ from .blocks import dot, first_stored_state, sequence_of_program
 from .chunk_backward_streamed import recompute_streamed, state_grads_streamed
 from .chunk_backward_grads import chunk_bwd_grads_kernel, phi_grads_to_factors_kernel, stored_log_decay
 from .chunk_prepare import chunk_indices, prepare_backward
-from .chunk_resident import MATERIALISE_MAX_K, kronecker_keys, materialised
+from .chunk_resident import MATERIALISE_MAX_K, kronecker_factor_grads, materialise_phi, materialised
 from .chunk_split import KEY_GROUPS, SplitConfig, chunk_split_state_kernel
 from .config import (
     DEFAULT_SMEM_BYTES, PREPARE_WARPS, SOLVES, CostFigures, KernelConfig, KernelShape, Workload,
@@ -415,20 +415,18 @@ def _materialised_bwd(p: Problem, q, k, v, g, beta, *, scale, initial_state, cu_
                       variant):
     """The backward of factors the kernels cannot tile: phi(q), phi(k) materialised ([B, T, H, K]
     in the inputs' type, 2 x 2 K bytes per token-head, as the forward's ``materialise``), order
-    2's backward on them, and phi's gradients taken to the factors (and through the l2norm) by
-    autograd of the materialisation. The state's [.., d_1, .., d_v] is the same memory as [.., K, d_v]."""
-    with torch.enable_grad():
-        fq = [x.detach().requires_grad_() for x in q]
-        fk = [x.detach().requires_grad_() for x in k]
-        pq, pk = kronecker_keys(fq, l2norm), kronecker_keys(fk, l2norm)
+    2's backward on them, and phi's gradients taken to the factors (and through the l2norm) in
+    closed form (:func:`kronecker_factor_grads`). The state's [.., d_1, .., d_v] is the same memory
+    as [.., K, d_v]."""
+    pq, pk = materialise_phi(q, l2norm), materialise_phi(k, l2norm)
     flat = (p.num_seqs, p.heads, p.key_dim, p.value_width)
     dpq, dpk, dv, dg, db, dh0 = running_tensor_bwd(
-        [pq.detach()], [pk.detach()], v, g, beta, scale=scale,
+        [pq], [pk], v, g, beta, scale=scale,
         initial_state=None if initial_state is None else initial_state.reshape(flat), cu_seqlens=cu_seqlens,
         l2norm=False, do=do, dht=None if dht is None else dht.reshape(flat), chunk_size=chunk_size, variant=variant)
-    grads = torch.autograd.grad([pq, pk], [*fq, *fk], [dpq[0], dpk[0]])
+    dq, dk = kronecker_factor_grads(q, l2norm, dpq[0]), kronecker_factor_grads(k, l2norm, dpk[0])
     dh0 = None if dh0 is None else dh0.reshape(initial_state.shape)
-    return list(grads[:len(fq)]), list(grads[len(fq):]), dv, dg, db, dh0
+    return dq, dk, dv, dg, db, dh0
 
 
 def resolve_backward(shape: KernelShape, variant, chunk_size: int | None, device: torch.device,

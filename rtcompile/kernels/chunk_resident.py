@@ -34,7 +34,7 @@ from .config import (
     estimate_registers, next_pow2, resource_refusal, two_kernel_workspace,
 )
 from .inputs import Problem
-from .reference import l2normalize
+from .reference import L2NORM_EPS, l2normalize
 
 # materialised keys cost 2 x 2 K bytes per token-head; above K = 256 the resident state tile does
 # not fit registers anyway (the check's own limit)
@@ -308,10 +308,27 @@ def materialise_phi(factors, l2norm: bool) -> torch.Tensor:
     return out
 
 
-def kronecker_keys(factors, l2norm: bool) -> torch.Tensor:
-    """:func:`materialise_phi` differentiably (the backward's materialised keys take their
-    factors' gradients through it by autograd); it holds a [T, K] fp32 temporary."""
-    return _kron(_unit_factors(factors, l2norm)).to(factors[0].dtype)
+def kronecker_factor_grads(factors, l2norm: bool, dphi: torch.Tensor) -> list[torch.Tensor]:
+    """The factors' gradients given phi's (``dphi`` [B, T, H, K]) for phi = :func:`materialise_phi`,
+    in closed form: du_i is dphi contracted with every other (unit) factor, and through the l2norm
+    dx = r (du - u <u, du>) with r = 1 / sqrt(|x|^2 + eps). Plain ATen ops, no autograd: the
+    backward runs inside a custom op's kernel, where autograd's dispatch keys are excluded and a
+    graph built there records nothing (o3 8x8 MQAR training failed so on the H200, 2026-12-02).
+    Holds dphi in fp32 ([T, K] temporary) and the factors in the inputs' type."""
+    xs = [x.float() for x in factors]
+    us = [l2normalize(x) for x in xs] if l2norm else xs
+    d = dphi.float().reshape(*dphi.shape[:-1], *(u.shape[-1] for u in us))
+    axes = "abcdefgh"[:len(us)]
+    out = []
+    for i, (x, u) in enumerate(zip(xs, us)):
+        others = [us[j] for j in range(len(us)) if j != i]
+        eq = f"...{axes}," + ",".join(f"...{axes[j]}" for j in range(len(us)) if j != i) + f"->...{axes[i]}"
+        du = torch.einsum(eq, d, *others)
+        if l2norm:
+            r = torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+            du = r * (du - u * (u * du).sum(-1, keepdim=True))
+        out.append(du.to(factors[i].dtype))
+    return out
 
 
 def launch(config: ResidentConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm: bool) -> torch.Tensor:
