@@ -1,6 +1,6 @@
 # The measurements of one GPU session, in steps that each fit one 10-minute device call.
 #
-#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train | trainfla | sweep | bench | model | checks | recall
+#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train (= traintests traintime) | trainfla | sweep | bench | model | checks | recall
 #
 # Run from the project root on the device machine after installing the carried wheels (see
 # benchmarks/README.md). Everything lands under $OUT. Each step writes as it goes, so a call cut
@@ -16,20 +16,25 @@ step_tests() {  # the kernel tests on the GPU: 217 took ~305 s in one process on
   # 129 s in four (PYTEST_ARGS="-n 4", with pytest-xdist and execnet carried). -v into a file, not
   # a pipe: a hung compile then still leaves its log; faulthandler prints the stack of a test
   # still running after 60 s. TESTS overrides the file list.
-  timeout 500 python3 -m pytest -v -p no:cacheprovider -o faulthandler_timeout=60 --durations=10 ${PYTEST_ARGS:-} \
+  timeout -s INT -k 30 500 python3 -m pytest -v -p no:cacheprovider -o faulthandler_timeout=60 --durations=10 ${PYTEST_ARGS:-} \
     ${TESTS:-tests/test_kernels.py tests/test_ops.py tests/test_kernel_inputs.py} > "$OUT/tests.txt" 2>&1 || true
   tail -5 "$OUT/tests.txt"
 }
 
-step_train() {  # the backward on the GPU: gradient tests (-v into a file as it goes: a 170 s limit
+step_train() { step_traintests; step_traintime; }
+
+step_traintests() {  # the backward on the GPU: gradient tests (-v into a file as it goes: a 170 s limit
   # cut the config sweep short on 2026-12-01), then forward + backward timings; fla last and in a
   # process of its own (its first K = 256 backward compiled and autotuned for over 3 minutes)
-  timeout "${TRAIN_TEST_S:-300}" python3 -m pytest -v -p no:cacheprovider -n "${TEST_WORKERS:-14}" \
+  timeout -s INT -k 30 "${TRAIN_TEST_S:-300}" python3 -m pytest -v -p no:cacheprovider -n "${TEST_WORKERS:-14}" \
     tests/test_backward.py tests/test_backward_streamed.py tests/test_autograd.py tests/test_extreme_decay.py tests/test_decode_guard.py \
     tests/test_generate.py tests/test_conventions.py tests/test_call_plan.py \
     > "$OUT/train_tests.txt" 2>&1 || true
   echo "passed $(grep -c PASSED "$OUT/train_tests.txt") failed $(grep -c FAILED "$OUT/train_tests.txt")"
   grep -E "^FAILED|^ERROR" "$OUT/train_tests.txt" | head -20 || true
+}
+
+step_traintime() {  # the forward + backward timings alone on the GPU (a recall run beside them would skew them)
   python3 benchmarks/train_step.py --out "$OUT/train_ours.json"
   python3 benchmarks/train_step.py --set factor_grads=workspace --cases "o3 16x16,o3 32x32" \
     --out "$OUT/train_ours_ws.json"
@@ -47,7 +52,7 @@ step_trainfla() {  # fla's forward + backward at K = 256 in a call of its own: i
 
 step_sweep() {  # the backward's config sweep on the GPU alone: its configs compile five kernels per
   # shape each (none of 23 finished in 240 s beside other tests on 2026-12-01), so one call of its own
-  timeout "${SWEEP_S:-540}" python3 -m pytest -v -p no:cacheprovider -n "${TEST_WORKERS:-8}" \
+  timeout -s INT -k 30 "${SWEEP_S:-540}" python3 -m pytest -v -p no:cacheprovider -n "${TEST_WORKERS:-8}" \
     tests/test_backward.py -k "gpu_config_sweep or default_config_above" > "$OUT/sweep.txt" 2>&1 || true
   echo "passed $(grep -c PASSED "$OUT/sweep.txt") failed $(grep -c FAILED "$OUT/sweep.txt")"
   grep -E "^FAILED|^ERROR" "$OUT/sweep.txt" | head -20 || true
@@ -72,18 +77,19 @@ step_checks() {  # the bundle on the Triton kernels vs ONNX Runtime, then the pl
 }
 
 step_recall() {  # issue 23's comparison: order 2 vs order 3 at matched parameters on MQAR (d_model
-  # 128, 2 layers, 256 tokens, 16 pairs). 3000 steps at vocabulary 8192 left both at chance on
-  # 2026-12-01 with an untied head; the trainer now ties it (CPU, vocabulary 1024, 64 tokens:
-  # untied at chance for 2000 steps, tied 0.99 by step 1500). Vocabulary 1024 is the largest with
-  # evidence; two points in two worker processes on the one GPU. The store sits under $OUT, so a
-  # call cut at its limit brings back the points it finished.
-  timeout "${RECALL_S:-540}" python3 -m rtcompile.cli explore examples/mqar_d128.toml --orders 2,3 --widths 16 \
-    --recall --target h200 --match params --steps "${RECALL_STEPS:-4000}" --lrs "${RECALL_LRS:-1e-3,3e-3}" \
+  # 128, 2 layers, 256 tokens, 16 pairs, vocabulary 1024, tied head). On 2026-12-02 order 3 left
+  # the plateau at chance only at step ~4000 of an 8000-step schedule at lr 1e-3 (0.995, early stop
+  # at 4800); 3e-3 stayed at chance for 8000 steps, 1e-2 reached 0.38; order 2 stayed at chance at
+  # 3e-3 and 1e-2 (benchmarks/RESULTS.md). Two points in two worker processes on the one GPU, the
+  # rates in turn: order 2 runs 2 x 8000 steps (~20 ms a step beside the other point). The store
+  # sits under $OUT, so a call cut at its limit brings back the points it finished.
+  timeout "${RECALL_S:-570}" python3 -m rtcompile.cli explore examples/mqar_d128.toml --orders 2,3 --widths 16 \
+    --recall --target h200 --match params --steps "${RECALL_STEPS:-8000}" --lrs "${RECALL_LRS:-1e-3,1e-2}" \
     --vocab "${RECALL_VOCAB:-1024}" --seq-len 256 --kv-pairs 16 --batch-size 64 --workers 2 \
     --out "$OUT/explore" --storage "sqlite:///$OUT/explore.db" || true
 }
 
 for s in "$@"; do
-  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, trainfla, sweep, bench, model, checks, recall)" >&2; exit 2; }
+  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, traintests, traintime, trainfla, sweep, bench, model, checks, recall)" >&2; exit 2; }
   "step_$s"
 done

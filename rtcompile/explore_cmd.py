@@ -66,8 +66,8 @@ def add_parser(sub) -> None:
     r.add_argument("--kv-pairs", type=positive_int, default=16, metavar="N", help="key-value pairs (default 16)")
     r.add_argument("--vocab", type=positive_int, default=8192, metavar="V",
                    help="MQAR vocabulary: keys from one half, values from the other (default 8192, Zoology's)")
-    r.add_argument("--steps", type=positive_int, default=2000, metavar="N", help="training steps per learning rate "
-                   "(default 2000; early stop at 0.99 validation accuracy)")
+    r.add_argument("--steps", type=positive_int, default=8000, metavar="N", help="training steps per learning rate "
+                   "(default 8000; early stop at 0.99 validation accuracy)")
     r.add_argument("--lrs", type=_float_list, default=[1e-3, 3e-3, 1e-2], metavar="LR,..",
                    help="learning rates swept per point, the best kept (default 1e-3,3e-3,1e-2)")
     r.add_argument("--seeds", type=int_list_of(0, "integers >= 0"), default=[0], metavar="S,..",

@@ -42,7 +42,7 @@ PARETO_DECODE_BATCH = 32  # the decode latency the Pareto front minimises: the m
 STUDY_PREFIX = "rtcompile-explore:"
 RESULT_FORMAT = 1  # in the study key: a change of what a result holds starts new studies
 # A journal store keeps no heartbeats: a RUNNING point older than twice this is stale there. A
-# recall point trains up to 3 learning rates x 2000 steps; 6 h covers that on a CPU-sized model.
+# recall point trains up to 3 learning rates x 8000 steps; 6 h covers that on a CPU-sized model.
 POINT_TIMEOUT_S = 6 * 3600.0
 STALE_POLL_S = 2.0
 # A worker process runs main(); not `python -m` on this module, which the package has imported

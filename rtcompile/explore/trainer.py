@@ -73,7 +73,7 @@ class TrainSettings:
     """How :func:`train_recall` trains (validated on construction)."""
 
     learning_rates: tuple[float, ...] = (1e-3, 3e-3, 1e-2)
-    max_steps: int = 2000
+    max_steps: int = 8000  # order 3 at d_model 128 left MQAR's plateau at step ~4000 (RESULTS.md)
     batch_size: int = 64
     train_examples: int = 20000  # drawn once from the train seed
     test_examples: int = 1000  # drawn once from the test seed (a disjoint range)
