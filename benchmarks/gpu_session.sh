@@ -53,9 +53,11 @@ step_trainfla() {  # fla's forward + backward at K = 256 in a call of its own: i
 step_sweep() {  # the backward's config sweep on the GPU alone: its configs compile five kernels per
   # shape each (none of 23 finished in 240 s beside other tests on 2026-12-01), so one call of its own
   timeout -s INT -k 30 "${SWEEP_S:-540}" python3 -m pytest -v -p no:cacheprovider -n "${TEST_WORKERS:-8}" \
-    tests/test_backward.py -k "gpu_config_sweep or default_config_above" > "$OUT/sweep.txt" 2>&1 || true
+    tests/test_backward.py -k "gpu_config_sweep or default_config_above" --junitxml "$OUT/sweep.xml" > "$OUT/sweep.txt" 2>&1 || true
   echo "passed $(grep -c PASSED "$OUT/sweep.txt") failed $(grep -c FAILED "$OUT/sweep.txt")"
   grep -E "^FAILED|^ERROR" "$OUT/sweep.txt" | head -20 || true
+  # each config's worst gradient error (record_property) for the results file
+  python3 -c "import sys, xml.etree.ElementTree as E; [print(c.get('name'), *(p.get('name') + '=' + p.get('value') for p in c.iter('property'))) for c in E.parse(sys.argv[1]).iter('testcase')]" "$OUT/sweep.xml" || true
 }
 
 step_bench() {  # decode first (~60 s), so the prefill phase cannot starve it of budget
