@@ -522,3 +522,49 @@ def test_list_of_the_default_store_before_any_tuning_creates_nothing(tuning_cach
     assert main(["tune", "--list"]) == 0
     assert "no rtcompile studies" in capsys.readouterr().err
     assert not store_file(None).exists()
+
+
+def test_device_lock_shares_between_trainings_and_excludes_a_timing(tmp_path, monkeypatch):
+    """Shared holders (the explorer's recall training) hold the device together; an exclusive
+    holder (a timing) waits until every shared one has left, and a shared one waits for it."""
+    import threading
+
+    from rtcompile.tuning import store
+
+    monkeypatch.setattr(tuned, "cache_dir", lambda: tmp_path)
+    events = []
+
+    def hold(shared, started, release):
+        with store.device_lock("cpu", shared=shared):
+            events.append(("in", shared))
+            started.set()
+            release.wait(10)
+        events.append(("out", shared))
+
+    def thread(shared):
+        started, release = threading.Event(), threading.Event()
+        t = threading.Thread(target=hold, args=(shared, started, release))
+        t.start()
+        return t, started, release
+
+    a, a_in, a_go = thread(True)
+    assert a_in.wait(5)
+    b, b_in, b_go = thread(True)
+    assert b_in.wait(5), "a second shared holder waited for the first"
+    c, c_in, c_go = thread(False)
+    assert not c_in.wait(0.3), "the exclusive holder entered beside shared ones"
+    a_go.set()
+    a.join(5)
+    assert not c_in.wait(0.3), "the exclusive holder entered beside the remaining shared one"
+    b_go.set()
+    b.join(5)
+    assert c_in.wait(5)
+    assert store.HELD_DEVICE == "cpu"  # the exclusive holder says so; shared ones do not
+    d, d_in, d_go = thread(True)
+    assert not d_in.wait(0.3), "a shared holder entered beside the exclusive one"
+    c_go.set()
+    c.join(5)
+    assert d_in.wait(5)
+    d_go.set()
+    d.join(5)
+    assert [e for e in events if e[0] == "in"] == [("in", True), ("in", True), ("in", False), ("in", True)]

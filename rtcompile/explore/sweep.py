@@ -166,12 +166,20 @@ def recall_figures(spec: ModelSpec, recall: RecallOptions, device: str, checkpoi
 
 def evaluate_point(point: Point, opts: SweepOptions, mode: SpeedMode, out: Path, device: str,
                    progress: bool = False) -> dict[str, Any]:
-    """A point's measured or predicted figures (what its trial stores): speed, and recall."""
+    """A point's measured or predicted figures (what its trial stores): speed, and recall. On a
+    GPU the measured speed holds the device exclusively and the training shares it
+    (``store.device_lock``), so workers on one GPU train side by side but never time beside a
+    training."""
+    from ..tuning.store import device_lock
+
+    gpu = device.startswith("cuda")
     t0 = time.monotonic()
-    result: dict[str, Any] = {"speed": speed_figures(point.spec, mode), "recall": None}
+    with device_lock(device) if gpu and mode.source == "measured" else nullcontext():
+        result: dict[str, Any] = {"speed": speed_figures(point.spec, mode), "recall": None}
     if opts.recall is not None:
-        result["recall"] = recall_figures(point.spec, opts.recall, device, Path(out) / "points" / point.id / "ckpt",
-                                          progress)
+        with device_lock(device, shared=True) if gpu else nullcontext():
+            result["recall"] = recall_figures(point.spec, opts.recall, device,
+                                              Path(out) / "points" / point.id / "ckpt", progress)
     result["wall_s"] = round(time.monotonic() - t0, 3)
     return result
 
@@ -232,7 +240,6 @@ def work(study, storage, url: str | None, ctx: Context) -> int:
     import optuna
 
     from ..tuning.claims import Heartbeat, claim, trial_id
-    from ..tuning.store import device_lock
 
     ran = 0
     while (trial := claim(study, storage, url)) is not None:
@@ -242,9 +249,7 @@ def work(study, storage, url: str | None, ctx: Context) -> int:
                                trial.suggest_int("width", 1, MAX_WIDTH))
             if ctx.progress:
                 ctx.progress(point.id, "started")
-            lock = device_lock(ctx.device) if ctx.device.startswith("cuda") else nullcontext()
-            with lock:  # timings and training never share a GPU with another worker's
-                result = evaluate_point(point, ctx.opts, ctx.mode, ctx.out, ctx.device, ctx.show_training)
+            result = evaluate_point(point, ctx.opts, ctx.mode, ctx.out, ctx.device, ctx.show_training)
             trial.set_user_attr("result", result)
             trial.set_user_attr("spec", point.spec.to_dict())
             study.tell(trial, float(point.spec.state_bytes_per_sequence))
