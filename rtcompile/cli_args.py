@@ -48,19 +48,25 @@ def positive_float(text: str) -> float:
     return value
 
 
-def int_list_of(minimum: int, what: str):
-    """An argparse type: comma-separated integers >= ``minimum`` (``what`` names them in the error)."""
+def number_list_of(kind: type, minimum: float | None, what: str):
+    """An argparse type: comma-separated ``kind`` values (int or float) >= ``minimum`` (None: any;
+    ``what`` names them in the error)."""
 
-    def parse(text: str) -> list[int]:
+    def parse(text: str) -> list:
         try:
-            values = [int(x) for x in text.split(",") if x.strip()]
+            values = [kind(x) for x in text.split(",") if x.strip()]
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from None
-        if not values or any(v < minimum for v in values):
+        if not values or (minimum is not None and any(v < minimum for v in values)):
             raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}")
         return values
 
     return parse
+
+
+def int_list_of(minimum: int, what: str):
+    """An argparse type: comma-separated integers >= ``minimum`` (``what`` names them in the error)."""
+    return number_list_of(int, minimum, what)
 
 
 int_list = int_list_of(1, "positive integers")  # ``8,32``

@@ -8,29 +8,17 @@ line on stderr and exit 2 before any point runs.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 
-from .cli_args import UsageError, int_list, int_list_of, positive_int
+from .cli_args import UsageError, int_list, int_list_of, number_list_of, positive_int
 
 # SweepOptions / RecallOptions field -> the option that sets it (their errors name the field)
 OPTION_OF = {"orders": "--orders", "widths": "--widths", "d_model": "--d-model", "match": "--match",
              "target": "--target", "workers": "--workers", "seq_len": "--seq-len", "kv_pairs": "--kv-pairs", "vocab_size": "--vocab",
              "steps": "--steps", "learning_rates": "--lrs", "seeds": "--seeds", "batch_size": "--batch-size"}
 DEFAULT_OUT = "explore-results"
-
-
-def _float_list(text: str) -> list[float]:
-    """Comma-separated numbers (``1e-3,3e-3``); their range is the options' check."""
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}")
-    return values
 
 
 def add_parser(sub) -> None:
@@ -68,7 +56,7 @@ def add_parser(sub) -> None:
                    help="MQAR vocabulary: keys from one half, values from the other (default 8192, Zoology's)")
     r.add_argument("--steps", type=positive_int, default=8000, metavar="N", help="training steps per learning rate "
                    "(default 8000; early stop at 0.99 validation accuracy)")
-    r.add_argument("--lrs", type=_float_list, default=[1e-3, 3e-3, 1e-2], metavar="LR,..",
+    r.add_argument("--lrs", type=number_list_of(float, None, "numbers"), default=[1e-3, 3e-3, 1e-2], metavar="LR,..",
                    help="learning rates swept per point, the best kept (default 1e-3,3e-3,1e-2)")
     r.add_argument("--seeds", type=int_list_of(0, "integers >= 0"), default=[0], metavar="S,..",
                    help="training seeds; the accuracy reported is their mean (default 0)")

@@ -95,8 +95,11 @@ def running_tensor(
     ``torch.export`` and ``torch.compile(dynamic=True)`` keep T symbolic over its whole range).
     """
     plan_key = None
-    if cu_seqlens is None and plan is None and mode != "chunk" and backend != "reference" \
-            and not torch.compiler.is_compiling():
+    # "auto" runs the chunk form from one chunk on: a prefill would pay the key (~5 us) for no plan
+    short = isinstance(v, torch.Tensor) and v.dim() == 4 and isinstance(chunk_size, (int, type(None))) \
+        and v.shape[1] < (chunk_size or DEFAULT_CHUNK)
+    if cu_seqlens is None and plan is None and (mode == "recurrent" or (mode == "auto" and short)) \
+            and backend != "reference" and not torch.compiler.is_compiling():
         # the eager recurrent fast path (a decode step through this API): a call whose
         # signature a validated call already had runs that call's plan (kernels/launch.py)
         from .kernels.launch import CALL_PLANS, call_key

@@ -135,3 +135,19 @@ def test_strided_slices_of_a_fused_projection_equal_contiguous_inputs(fresh):
         got, _ = running_tensor(q, k, v, g, mode="recurrent", backend="triton")
         assert torch.equal(got, want)
     assert len(CALL_PLANS) == 2 and len(fresh) == 2
+
+
+def test_auto_mode_prefill_takes_no_plan_key(monkeypatch):
+    """mode "auto" from one chunk on runs the chunk form, which keeps no plan: such a call does
+    not build the key (host time a prefill would pay for nothing); a shorter one does."""
+    import rtcompile.kernels.launch as launch
+
+    keys = []
+    real = launch.call_key
+    monkeypatch.setattr(launch, "call_key", lambda *a: keys.append(a[2].shape[1]) or real(*a))
+    for T in (16, 3):
+        q, k, v, g, beta, _ = make_inputs(1, T, 1, (16,), 16, dtype=torch.float32)
+        d = lambda x: x.to(DEVICE)
+        running_tensor([d(x) for x in q], [d(x) for x in k], d(v), d(g), d(beta), mode="auto", chunk_size=16,
+                       backend="triton")
+    assert keys == [3]

@@ -382,8 +382,9 @@ class DecodePlan:
         if self._runner is not None and aligned:
             # raw addresses: the launcher then skips a data_ptr() call (and, on older Tritons, a
             # driver pointer query) per tensor; the compiled launcher alone cost 19 us per call
-            # with tensors on the H200 machine (benchmarks/probe_host.py). A None input's
-            # position is a constexpr of the compiled kernel: its launcher skips the value.
+            # with tensors on the H200 machine (benchmarks/probe_host.py, removed at 7e8e601;
+            # serving_host.py times these paths now). A None input's position is a constexpr of
+            # the compiled kernel: its launcher skips the value.
             self._runner(*ptrs, *kargs[-3:], *self._tail)
             return
         kernel = fused_recurrent_running_tensor_fwd_kernel
