@@ -29,6 +29,14 @@ def needs_grad(*xs) -> bool:
     return any(isinstance(x, torch.Tensor) and x.requires_grad for x in xs)
 
 
+def _short_eager(v, chunk_size) -> bool:
+    """Whether "auto" runs this call in the recurrent form, asked only of a plain int T: the
+    chunk form (from one chunk on) keeps no plan, so a prefill would pay the key (~5 us) for
+    nothing; a traced T (torch.export, a SymInt) must not be compared here (that guards it)."""
+    T = v.shape[1] if isinstance(v, torch.Tensor) and v.dim() == 4 else None
+    return type(T) is int and isinstance(chunk_size, (int, type(None))) and T < (chunk_size or DEFAULT_CHUNK)
+
+
 def running_tensor(
     q: Sequence[torch.Tensor],
     k: Sequence[torch.Tensor],
@@ -95,11 +103,8 @@ def running_tensor(
     ``torch.export`` and ``torch.compile(dynamic=True)`` keep T symbolic over its whole range).
     """
     plan_key = None
-    # "auto" runs the chunk form from one chunk on: a prefill would pay the key (~5 us) for no plan
-    short = isinstance(v, torch.Tensor) and v.dim() == 4 and isinstance(chunk_size, (int, type(None))) \
-        and v.shape[1] < (chunk_size or DEFAULT_CHUNK)
-    if cu_seqlens is None and plan is None and (mode == "recurrent" or (mode == "auto" and short)) \
-            and backend != "reference" and not torch.compiler.is_compiling():
+    if cu_seqlens is None and plan is None and mode in ("recurrent", "auto") and backend != "reference" \
+            and not torch.compiler.is_compiling() and (mode == "recurrent" or _short_eager(v, chunk_size)):
         # the eager recurrent fast path (a decode step through this API): a call whose
         # signature a validated call already had runs that call's plan (kernels/launch.py)
         from .kernels.launch import CALL_PLANS, call_key
