@@ -1,6 +1,6 @@
 # The measurements of one GPU session, in steps that each fit one 10-minute device call.
 #
-#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train (= traintests traintime) | trainfla | sweep | bench | model | checks | recall
+#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train (= traintests traintime) | recallcompile | trainfla | sweep | bench | model | checks | recall
 #
 # Run from the project root on the device machine after installing the carried wheels (see
 # benchmarks/README.md). Everything lands under $OUT. Each step writes as it goes, so a call cut
@@ -91,7 +91,18 @@ step_recall() {  # issue 23's comparison: order 2 vs order 3 at matched paramete
     --out "$OUT/explore" --storage "sqlite:///$OUT/explore.db" || true
 }
 
+step_recallcompile() {  # the trainer's compile_backend experiment: the same 1000 steps of order 3 16x16
+  # (lr 1e-3) eager and through inductor, side by side on the GPU (so each sees the other's load);
+  # wall_s of each, compile included. Runs beside `recall` in one call.
+  timeout "${RECALLC_S:-400}" python3 benchmarks/recall_probe.py curve --steps 1000 --lr 1e-3 \
+    > "$OUT/recallcompile_eager.txt" 2>&1 &
+  timeout "${RECALLC_S:-400}" python3 benchmarks/recall_probe.py curve --steps 1000 --lr 1e-3 --compile inductor \
+    > "$OUT/recallcompile_inductor.txt" 2>&1 &
+  wait
+  tail -n 1 "$OUT"/recallcompile_*.txt
+}
+
 for s in "$@"; do
-  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, traintests, traintime, trainfla, sweep, bench, model, checks, recall)" >&2; exit 2; }
+  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, traintests, traintime, recallcompile, trainfla, sweep, bench, model, checks, recall)" >&2; exit 2; }
   "step_$s"
 done

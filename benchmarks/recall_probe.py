@@ -2,7 +2,7 @@
 the reference (float32, same weights), then short training curves per backend / precision.
 
     python3 benchmarks/recall_probe.py grads --spec examples/mqar_d128.toml
-    python3 benchmarks/recall_probe.py curve --spec examples/mqar_d128.toml --backend triton --autocast 1
+    python3 benchmarks/recall_probe.py curve --spec examples/mqar_d128.toml --backend triton --autocast 1 [--compile inductor]
 """
 from __future__ import annotations
 
@@ -40,9 +40,9 @@ def grads(spec, task, dev):
         print(f"{name}: loss {loss:.5f} (reference {ref_loss:.5f}); worst grad rel err {worst[:4]}; missing {missing}")
 
 
-def curve(spec, task, dev, backend, autocast, steps, lr):
+def curve(spec, task, dev, backend, autocast, steps, lr, compile_backend=None):
     s = TrainSettings(learning_rates=(lr,), max_steps=steps, batch_size=64, eval_every=max(steps // 8, 1),
-                      test_examples=512, backend=backend, autocast_bf16=autocast)
+                      test_examples=512, backend=backend, autocast_bf16=autocast, compile_backend=compile_backend)
     t = time.perf_counter()
     losses = []
 
@@ -52,7 +52,7 @@ def curve(spec, task, dev, backend, autocast, steps, lr):
             print(f"  {backend} ac={autocast} o{spec.order} step {step} loss {sum(losses[-50:]) / len(losses[-50:]):.3f}", flush=True)
 
     r = train_recall(spec, task, s, device=dev, progress=False, on_step=hook)
-    print(json.dumps({"backend": backend, "autocast": autocast, "order": spec.order, "widths": spec.key_widths,
+    print(json.dumps({"backend": backend, "autocast": autocast, "compile": compile_backend, "order": spec.order, "widths": spec.key_widths,
                       "d_model": spec.model_width, "lr": lr, "acc": r.accuracy, "wall_s": round(time.perf_counter() - t, 1)}))
 
 
@@ -68,6 +68,7 @@ def main():
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--compile", default=None, help="TrainSettings.compile_backend (e.g. inductor)")
     a = ap.parse_args()
     spec = load_spec(a.spec)
     if a.order:
@@ -81,7 +82,7 @@ def main():
     if a.what == "grads":
         grads(spec, task, dev)
     else:
-        curve(spec, task, dev, a.backend, bool(a.autocast), a.steps, a.lr)
+        curve(spec, task, dev, a.backend, bool(a.autocast), a.steps, a.lr, a.compile)
 
 
 if __name__ == "__main__":

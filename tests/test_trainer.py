@@ -175,3 +175,24 @@ def test_the_tied_head_checkpoint_resumes(tmp_path):
     untied = Steps()  # the model's own small head init: the first loss near ln(1024)
     train_recall(SPEC, task, _settings(max_steps=1, tie_embeddings=False), progress=False, on_step=untied)
     assert abs(untied.losses(3e-3)[1] - math.log(1024)) < 1.0, untied.losses(3e-3)[1]
+
+
+def test_a_compiled_model_trains_as_the_eager_one():
+    """compile_backend: the same steps through torch.compile (aot_eager: the same ATen ops,
+    traced) give the eager run's losses; fullgraph, so a graph break would fail here."""
+    from torch._dynamo.utils import counters
+
+    eager, compiled = Steps(), Steps()
+    train_recall(SPEC, TASK, _settings(max_steps=6), progress=False, on_step=eager)
+    graphs = counters["stats"]["unique_graphs"]
+    train_recall(SPEC, TASK, _settings(max_steps=6, compile_backend="aot_eager"), progress=False, on_step=compiled)
+    assert counters["stats"]["unique_graphs"] > graphs  # dynamo did trace the model
+    want, got = eager.losses(3e-3), compiled.losses(3e-3)
+    assert sorted(got) == list(range(1, 7))
+    assert all(math.isclose(got[s], want[s], rel_tol=1e-4) for s in want), (want, got)
+
+
+@pytest.mark.parametrize("value, error", [("no-such-backend", ValueError), (3, TypeError)])
+def test_compile_backend_is_checked(value, error):
+    with pytest.raises(error, match=r"TrainSettings\.compile_backend"):
+        _settings(compile_backend=value)
