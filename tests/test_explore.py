@@ -320,3 +320,37 @@ def test_measured_figures_come_from_the_bench_measures(monkeypatch):
         assert f["source"] == "measured" and f["seconds_per_layer"] > 0, f
         assert f["seconds"] == pytest.approx(2 * f["seconds_per_layer"]) and "median of 3" in f["note"]
     assert "state err" in figs[1]["note"]  # the decode step was checked against float64 before timing
+
+
+def test_measured_speeds_come_first_then_the_trainings(tmp_path, monkeypatch):
+    """Measured speed with recall: every point's speed is measured before any training starts
+    (measured inside the trials, a timing would wait for the trainings sharing its GPU), the
+    trial stores those figures, and a rerun measures nothing again."""
+    events = []
+
+    def fake_speed(spec, mode):
+        events.append(("speed", spec.order, spec.key_widths[0]))
+        return [{"phase": "decode", "batch": 1, "seq_len": 1, "seconds": 1e-3 * spec.order, "source": "measured"}]
+
+    def train_recall(spec, task, settings, *, device="cpu", checkpoint_dir=None, progress=True):
+        events.append(("train", spec.order, spec.key_widths[0]))
+        return _FakeResult(0.5, settings.learning_rates[0], {settings.learning_rates[0]: 0.5})
+
+    monkeypatch.setattr(sweep_mod, "speed_mode", lambda target: sweep_mod.SpeedMode("measured", "cpu (test)", "test"))
+    monkeypatch.setattr(sweep_mod, "speed_figures", fake_speed)
+    monkeypatch.setitem(sys.modules, "rtcompile.explore.mqar", types.SimpleNamespace(MQARTask=_FakeTask))
+    monkeypatch.setitem(sys.modules, "rtcompile.explore.trainer",
+                        types.SimpleNamespace(TrainSettings=_FakeSettings, train_recall=train_recall))
+    opts = SweepOptions(orders=(2, 3), widths=(8, 16), storage=_storage(tmp_path),
+                        recall=RecallOptions(steps=5, kv_pairs=8, seq_len=64, vocab_size=40))
+    out = tmp_path / "out"
+    res = run_sweep(load_spec(SPEC), opts, out)
+    kinds = [e[0] for e in events]
+    assert kinds == ["speed"] * len(GRID) + ["train"] * len(GRID), events
+    assert sorted(e[1:] for e in events if e[0] == "speed") == sorted(GRID)
+    for (o, w) in GRID:
+        assert res.results[f"o{o}_w{w}"]["speed"][0]["seconds"] == pytest.approx(1e-3 * o)
+        assert list((out / "points" / f"o{o}_w{w}").glob("speed-*.json"))
+    events.clear()
+    again = run_sweep(load_spec(SPEC), opts, out)
+    assert events == [] and again.ran == 0

@@ -164,18 +164,54 @@ def recall_figures(spec: ModelSpec, recall: RecallOptions, device: str, checkpoi
                      "vocab_size": task.vocab_size}, "runs": runs}
 
 
+def speed_cache(out: Path, point: Point, study: str) -> Path:
+    """Where :func:`measure_speeds_first` leaves a point's measured figures for its trial."""
+    return Path(out) / "points" / point.id / f"speed-{study.rsplit(':', 1)[-1]}.json"
+
+
+def point_speed(point: Point, mode: SpeedMode, device: str, cache: Path | None = None) -> list[dict[str, Any]]:
+    """The point's speed figures: read from ``cache`` when a measuring pass left them there,
+    else computed, a measurement holding the GPU exclusively (``store.device_lock``: no timing
+    beside another worker's timing or training)."""
+    from ..tuning.store import device_lock
+
+    if cache is not None and cache.exists():
+        return json.loads(cache.read_text())
+    with device_lock(device) if device.startswith("cuda") and mode.source == "measured" else nullcontext():
+        return speed_figures(point.spec, mode)
+
+
+def measure_speeds_first(points: list[Point], ctx: "Context", study: str, skip: set) -> int:
+    """Measured speed with recall: the speed of every point not in ``skip`` (finished) measured
+    here, one point at a time, and left in :func:`speed_cache` before any worker trains. Measured
+    inside the trials instead, a point's timing would wait for every training sharing its GPU
+    and the points would run in turn. Returns how many it measured."""
+    from ..fileio import atomic_write
+
+    n = 0
+    for p in points:
+        if p.spec is None or (p.order, p.width) in skip or speed_cache(ctx.out, p, study).exists():
+            continue
+        figures = point_speed(p, ctx.mode, ctx.device)
+        path = speed_cache(ctx.out, p, study)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, json.dumps(figures))
+        n += 1
+        if ctx.progress:
+            ctx.progress(p.id, "speed measured")
+    return n
+
+
 def evaluate_point(point: Point, opts: SweepOptions, mode: SpeedMode, out: Path, device: str,
-                   progress: bool = False) -> dict[str, Any]:
-    """A point's measured or predicted figures (what its trial stores): speed, and recall. On a
-    GPU the measured speed holds the device exclusively and the training shares it
-    (``store.device_lock``), so workers on one GPU train side by side but never time beside a
-    training."""
+                   progress: bool = False, speed_from: Path | None = None) -> dict[str, Any]:
+    """A point's measured or predicted figures (what its trial stores): speed (from
+    ``speed_from`` when :func:`measure_speeds_first` measured it), and recall. On a GPU the
+    training shares the device with other workers' trainings (``store.device_lock``)."""
     from ..tuning.store import device_lock
 
     gpu = device.startswith("cuda")
     t0 = time.monotonic()
-    with device_lock(device) if gpu and mode.source == "measured" else nullcontext():
-        result: dict[str, Any] = {"speed": speed_figures(point.spec, mode), "recall": None}
+    result: dict[str, Any] = {"speed": point_speed(point, mode, device, speed_from), "recall": None}
     if opts.recall is not None:
         with device_lock(device, shared=True) if gpu else nullcontext():
             result["recall"] = recall_figures(point.spec, opts.recall, device,
@@ -249,7 +285,8 @@ def work(study, storage, url: str | None, ctx: Context) -> int:
                                trial.suggest_int("width", 1, MAX_WIDTH))
             if ctx.progress:
                 ctx.progress(point.id, "started")
-            result = evaluate_point(point, ctx.opts, ctx.mode, ctx.out, ctx.device, ctx.show_training)
+            result = evaluate_point(point, ctx.opts, ctx.mode, ctx.out, ctx.device, ctx.show_training,
+                                    speed_cache(ctx.out, point, study.study_name))
             trial.set_user_attr("result", result)
             trial.set_user_attr("spec", point.spec.to_dict())
             study.tell(trial, float(point.spec.state_bytes_per_sequence))
@@ -334,6 +371,9 @@ def run_sweep(spec: ModelSpec, opts: SweepOptions, out: str | os.PathLike, *,
         enqueue_missing(study, points)
     finished_before = {t.number for t in _ours(study, points, (optuna.trial.TrialState.COMPLETE,))}
     ctx = Context(base, opts, mode, Path(out), compute_device(), progress, show_training)
+    if mode.source == "measured" and opts.recall is not None:
+        done = {_trial_point(t) for t in _ours(study, points, (optuna.trial.TrialState.COMPLETE,))}
+        measure_speeds_first(points, ctx, name, done)
     if opts.workers > 1:
         _run_workers(study, storage, name, ctx)
     _drain(study, storage, ctx, points)
