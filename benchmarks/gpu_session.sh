@@ -85,8 +85,9 @@ step_recall() {  # issue 23's comparison: order 2 vs order 3 at matched paramete
   # 3e-3 and 1e-2 (benchmarks/RESULTS.md). Two points in two worker processes on the one GPU, the
   # rates in turn: order 2 runs 2 x 8000 steps (~20 ms a step beside the other point). The store
   # sits under $OUT, so a call cut at its limit brings back the points it finished.
+  # RECALL_TARGET=auto measures the speeds on the GPU first (about a minute more) instead of the model.
   timeout "${RECALL_S:-570}" python3 -m rtcompile.cli explore examples/mqar_d128.toml --orders 2,3 --widths 16 \
-    --recall --target h200 --match params --steps "${RECALL_STEPS:-8000}" --lrs "${RECALL_LRS:-1e-3,1e-2}" \
+    --recall --target "${RECALL_TARGET:-h200}" --match params --steps "${RECALL_STEPS:-8000}" --lrs "${RECALL_LRS:-1e-3,1e-2}" \
     --vocab "${RECALL_VOCAB:-1024}" --seq-len 256 --kv-pairs 16 --batch-size 64 --workers 2 \
     --out "$OUT/explore" --storage "sqlite:///$OUT/explore.db" || true
 }
