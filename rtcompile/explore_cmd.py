@@ -44,7 +44,8 @@ def add_parser(sub) -> None:
                    help="Optuna storage the points are trials of (default: the tuner's SQLite file in the rtcompile "
                         "cache); a shared database lets several hosts split the points")
     p.add_argument("--workers", type=positive_int, metavar="N",
-                   help="processes running points (default: one per visible GPU when the points use one, else 1)")
+                   help="processes running points (default: one per visible GPU when the points use one, four "
+                        "per GPU with --recall, at most one per point; else 1)")
     p.add_argument("--out", metavar="DIR", default=DEFAULT_OUT,
                    help=f"folder for results.json, results.csv, the plots and recall checkpoints "
                         f"(default {DEFAULT_OUT})")
@@ -97,13 +98,27 @@ def _check_out(out: str) -> None:
         raise UsageError(f"rtcompile explore: --out {out!r}: not writable")
 
 
+def default_workers(spec, opts) -> int:
+    """``--workers`` left out: one process per visible GPU when the points use one (measured
+    speed or recall), RECALL_WORKERS_PER_GPU per GPU with recall, never more than the points
+    that can run; 1 without a GPU."""
+    from .explore.points import base_spec, make_points
+    from .explore.sweep import RECALL_WORKERS_PER_GPU, compute_device, visible_gpus
+
+    if compute_device() != "cuda" or (opts.recall is None and opts.target != "auto"):
+        return 1
+    per_gpu = RECALL_WORKERS_PER_GPU if opts.recall is not None else 1
+    runnable = sum(p.spec is not None for p in make_points(base_spec(spec, opts), opts))
+    return max(1, min(max(1, len(visible_gpus())) * per_gpu, runnable))
+
+
 def run(args) -> int:
     start = time.monotonic()
     from .spec import load_spec
 
     spec = load_spec(args.spec)
     opts = _options(args)
-    from .explore.sweep import compute_device, run_sweep, visible_gpus
+    from .explore.sweep import run_sweep
     from .tuning.store import check_store_file
 
     check_store_file(args.storage, create=True)  # a typo'd folder: refused before any point
@@ -111,8 +126,7 @@ def run(args) -> int:
     if args.workers is None:
         import dataclasses
 
-        uses_gpu = compute_device() == "cuda" and (opts.recall is not None or opts.target == "auto")
-        opts = dataclasses.replace(opts, workers=max(1, len(visible_gpus())) if uses_gpu else 1)
+        opts = dataclasses.replace(opts, workers=default_workers(spec, opts))
 
     def progress(point: str, what: str) -> None:
         print(f"{point}: {what} ({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)

@@ -354,3 +354,24 @@ def test_measured_speeds_come_first_then_the_trainings(tmp_path, monkeypatch):
     events.clear()
     again = run_sweep(load_spec(SPEC), opts, out)
     assert events == [] and again.ran == 0
+
+
+def test_default_workers(monkeypatch):
+    """--workers left out: 1 without a GPU; one per GPU for measured speed; four per GPU with
+    recall (trainings share a GPU), never more than the runnable points."""
+    from rtcompile import explore_cmd
+
+    spec = load_spec(SPEC)
+    grid = SweepOptions(orders=(2, 3), widths=(8, 16))  # 4 points
+    recall = SweepOptions(orders=(2, 3), widths=(8, 16, 32), recall=RecallOptions())  # 6 points
+    monkeypatch.setattr(sweep_mod, "compute_device", lambda: "cpu")
+    assert explore_cmd.default_workers(spec, recall) == 1  # no GPU
+    monkeypatch.setattr(sweep_mod, "compute_device", lambda: "cuda")
+    monkeypatch.setattr(sweep_mod, "visible_gpus", lambda: ["0"])
+    assert explore_cmd.default_workers(spec, grid) == 1
+    assert explore_cmd.default_workers(spec, recall) == 4
+    monkeypatch.setattr(sweep_mod, "visible_gpus", lambda: ["0", "1"])
+    assert explore_cmd.default_workers(spec, grid) == 2
+    assert explore_cmd.default_workers(spec, recall) == 6  # 8 workers, 6 points
+    named = SweepOptions(orders=(2, 3), widths=(8, 16), target="h200")
+    assert explore_cmd.default_workers(spec, named) == 1  # the cost model: nothing on the GPU

@@ -45,6 +45,10 @@ RESULT_FORMAT = 1  # in the study key: a change of what a result holds starts ne
 # recall point trains up to 3 learning rates x 8000 steps; 6 h covers that on a CPU-sized model.
 POINT_TIMEOUT_S = 6 * 3600.0
 STALE_POLL_S = 2.0
+# rtcompile explore's default workers per GPU with --recall: a recall step of the 400 k-parameter
+# MQAR model is host-bound (~18 ms alone on the H200); six trained side by side there at 29-65 ms
+# a step each (2026-12-02), so a GPU trains several points in the time of one
+RECALL_WORKERS_PER_GPU = 4
 # A worker process runs main(); not `python -m` on this module, which the package has imported
 # already (runpy then warns of, and executes, a second copy of it)
 WORKER_CODE = "import sys; from rtcompile.explore.sweep import main; sys.exit(main())"
