@@ -1,6 +1,6 @@
 # The measurements of one GPU session, in steps that each fit one 10-minute device call.
 #
-#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train (= traintests traintime) | recallcompile | trainfla | sweep | bench | model | checks | recall
+#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train (= traintests traintime) | recalltests | recallcompile | trainfla | sweep | bench | model | checks | recall
 #
 # Run from the project root on the device machine after installing the carried wheels (see
 # benchmarks/README.md). Everything lands under $OUT. Each step writes as it goes, so a call cut
@@ -103,7 +103,18 @@ step_recallcompile() {  # the trainer's compile_backend experiment: the same 100
   tail -n 1 "$OUT"/recallcompile_*.txt
 }
 
+step_recalltests() {  # one call's worth: the recall comparison (its trainings leave the GPU mostly
+  # idle) with the gradient tests and the config sweep beside it, as the first call of 2026-12-02
+  # ran them (recall 2 x 4000 steps, 307 tests and the sweep, within 600 s). No timings here.
+  RECALL_S="${RECALL_S:-550}" step_recall > "$OUT/recall.log" 2>&1 &
+  local recall=$!
+  TRAIN_TEST_S="${TRAIN_TEST_S:-280}" TEST_WORKERS="${TEST_WORKERS:-8}" step_traintests
+  SWEEP_S="${SWEEP_S:-220}" TEST_WORKERS=6 step_sweep
+  wait "$recall" || true
+  tail -n 8 "$OUT/recall.log"
+}
+
 for s in "$@"; do
-  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, traintests, traintime, recallcompile, trainfla, sweep, bench, model, checks, recall)" >&2; exit 2; }
+  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, traintests, traintime, recalltests, recallcompile, trainfla, sweep, bench, model, checks, recall)" >&2; exit 2; }
   "step_$s"
 done
