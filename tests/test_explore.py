@@ -160,10 +160,12 @@ class _FakeResult:
     wall_s: float = 0.0
     train_seed: int = 0
     test_seed: int = 1
+    per_rate_history: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {"accuracy": self.accuracy, "learning_rate": self.learning_rate, "per_rate": self.per_rate,
-                "steps": self.steps, "wall_s": self.wall_s, "train_seed": self.train_seed, "test_seed": self.test_seed}
+                "steps": self.steps, "wall_s": self.wall_s, "train_seed": self.train_seed, "test_seed": self.test_seed,
+                "per_rate_history": {repr(lr): h for lr, h in self.per_rate_history.items()}}
 
 
 def test_recall_path_calls_the_trainer_and_reports_accuracy(tmp_path, capsys, monkeypatch):
@@ -173,7 +175,10 @@ def test_recall_path_calls_the_trainer_and_reports_accuracy(tmp_path, capsys, mo
     def train_recall(spec, task, settings, *, device="cpu", checkpoint_dir=None, progress=True):
         calls.append((spec, task, settings, device, Path(checkpoint_dir), progress))
         acc = 0.95 if spec.order == 3 else 0.3 + spec.key_widths[0] / 100 + settings.seed / 1000
-        return _FakeResult(acc, settings.learning_rates[-1], {lr: acc for lr in settings.learning_rates})
+        history = {lr: [{"step": 2, "accuracy": 0.01, "loss": 6.0}, {"step": 5, "accuracy": acc, "loss": 1.0}]
+                   for lr in settings.learning_rates}
+        return _FakeResult(acc, settings.learning_rates[-1], {lr: acc for lr in settings.learning_rates},
+                           per_rate_history=history)
 
     monkeypatch.setitem(sys.modules, "rtcompile.explore.mqar", types.SimpleNamespace(MQARTask=_FakeTask))
     monkeypatch.setitem(sys.modules, "rtcompile.explore.trainer",
@@ -205,6 +210,9 @@ def test_recall_path_calls_the_trainer_and_reports_accuracy(tmp_path, capsys, mo
     # o3_w8: the best recall at the least order-3 state; o2_w8: the least state of all
     assert pts["o3_w8"]["pareto"] and pts["o2_w8"]["pareto"] and not pts["o3_w16"]["pareto"]
     assert (out / "state_vs_recall.png").read_bytes().startswith(b"\x89PNG")
+    assert (out / "recall_curves.png").read_bytes().startswith(b"\x89PNG")
+    hist = pts["o3_w16"]["recall"]["runs"][0]["per_rate_history"]  # what the curves are drawn from
+    assert sorted(hist) == ["0.001", "0.01"] and [h["step"] for h in hist["0.01"]] == [2, 5]
     assert "recall" in capsys.readouterr().out
 
 

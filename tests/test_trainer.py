@@ -63,6 +63,10 @@ def test_loss_falls_and_the_sweep_returns_the_best_rate():
     assert result.per_rate[3e-3] > result.per_rate[1e-6]  # the rates are distinguishable ...
     assert result.learning_rate == 3e-3 and result.accuracy == result.per_rate[3e-3]  # ... and the best is chosen
     assert result.steps == 40 and result.per_rate_steps == {1e-6: 40, 3e-3: 40}
+    for lr in (1e-6, 3e-3):  # the evaluations, in order, for the explorer's training curves
+        hist = result.per_rate_history[lr]
+        assert [h["step"] for h in hist] == [20, 40] and hist[-1]["accuracy"] <= result.per_rate[lr]
+        assert max(h["accuracy"] for h in hist) == result.per_rate[lr]
     assert (result.train_seed, result.test_seed) == split_seeds(0)
     json.dumps(result.to_dict())  # JSON-ready
 

@@ -28,6 +28,10 @@ from .sweep import DECODE_BATCHES, PARETO_DECODE_BATCH, PREFILL_SHAPES, SweepRes
 
 RESULTS_JSON, RESULTS_CSV = "results.json", "results.csv"
 PLOT_DECODE, PLOT_RECALL = "state_vs_decode.png", "state_vs_recall.png"
+# validation accuracy against step per point and rate: MQAR sits at chance for thousands of steps
+# before it learns (order 3 16x16 left it at step ~4000 of 8000 on the H200), so a point that ends
+# at chance may only have run out of schedule; the curves show which
+PLOT_CURVES = "recall_curves.png"
 HEADER_IN_CSV = ("gpu", "speed_source", "target", "match", "commit", "date")  # so one CSV row says where it came from
 LATENCY_MEANS = ("the state mixer of every layer: one layer's call x layers (projections, MLP, embedding and head "
                  "excluded); measured: `rtcompile bench`'s timing (CUDA-graph replays, median, L2 rotated), gate, "
@@ -275,6 +279,41 @@ def _plot(path: Path, recs: Sequence[Mapping[str, Any]], y_key: str, y_label: st
     return atomic_write(path, buf.getvalue())
 
 
+def _plot_curves(path: Path, recs: Sequence[Mapping[str, Any]]) -> Path:
+    """Each point's validation accuracy against training step, one line per learning rate (the
+    first seed's run), from the trainer's ``per_rate_history``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    try:
+        drawn = 0
+        for i, r in enumerate(recs):
+            runs = (r.get("recall") or {}).get("runs") or []
+            history = (runs[0].get("per_rate_history") or {}) if runs else {}
+            for j, (lr, hist) in enumerate(sorted(history.items(), key=lambda kv: float(kv[0]))):
+                if hist:
+                    ax.plot([h["step"] for h in hist], [h["accuracy"] for h in hist], color=f"C{i % 10}",
+                            linestyle=("-", "--", ":", "-.")[j % 4], label=f"{r['id']} lr {float(lr):g}")
+                    drawn += 1
+        if drawn:
+            ax.legend(loc="best", fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "no training history recorded", ha="center", transform=ax.transAxes)
+        ax.set_xlabel("training step")
+        ax.set_ylabel("MQAR validation accuracy")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_title("recall during training (first seed)", fontsize=10)
+        ax.grid(True, alpha=0.3)
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", bbox_inches="tight")
+    finally:
+        plt.close(fig)
+    return atomic_write(path, buf.getvalue())
+
+
 def write_report(result: SweepResult, out: str | Path, *, file: Any = None) -> dict[str, Path]:
     """Write results.json, results.csv and the plots into ``out`` (created), then print the
     table to ``file`` (stdout); returns the paths written by name."""
@@ -296,5 +335,6 @@ def write_report(result: SweepResult, out: str | Path, *, file: Any = None) -> d
     if result.opts.recall is not None:
         paths["recall_plot"] = _plot(out / PLOT_RECALL, recs, "recall_accuracy", "MQAR accuracy",
                                      "state vs recall", log_y=False)
+        paths["curves_plot"] = _plot_curves(out / PLOT_CURVES, recs)
     print_table(recs, head, file)
     return paths

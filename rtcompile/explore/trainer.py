@@ -145,11 +145,14 @@ class RecallResult:
     train_seed: int
     test_seed: int
     per_rate_steps: dict[float, int] = field(default_factory=dict)  # lr -> steps run
+    # lr -> its evaluations in order, {"step", "accuracy", "loss"} (the loss: mean since the last)
+    per_rate_history: dict[float, list] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {"accuracy": self.accuracy, "learning_rate": self.learning_rate,
                 "per_rate": {repr(float(lr)): a for lr, a in self.per_rate.items()},
                 "per_rate_steps": {repr(float(lr)): s for lr, s in self.per_rate_steps.items()},
+                "per_rate_history": {repr(float(lr)): h for lr, h in self.per_rate_history.items()},
                 "steps": self.steps, "wall_s": self.wall_s, "train_seed": self.train_seed, "test_seed": self.test_seed}
 
 
@@ -446,4 +449,5 @@ def train_recall(spec: ModelSpec, task: MQARTask, settings: TrainSettings, *, de
     return RecallResult(accuracy=float(results[best]["accuracy"]), learning_rate=best,
                         per_rate={lr: float(r["accuracy"]) for lr, r in results.items()}, steps=int(results[best]["steps"]),
                         wall_s=earlier + time.perf_counter() - began, train_seed=train_seed, test_seed=test_seed,
-                        per_rate_steps={lr: int(r["steps"]) for lr, r in results.items()})
+                        per_rate_steps={lr: int(r["steps"]) for lr, r in results.items()},
+                        per_rate_history={lr: list(r.get("history") or []) for lr, r in results.items()})
