@@ -57,7 +57,7 @@ class RecallOptions:
             check_ints(name, [getattr(self, name)], 1, 1 << 24, "an integer >= 1")
         # distinct keys and values per sequence, and the filler token
         check_ints("vocab_size", [self.vocab_size], 2 * self.kv_pairs + 1, 1 << 24,
-                    f"an integer >= 2 * kv_pairs + 1 = {2 * self.kv_pairs + 1}")
+                   f"an integer >= 2 * kv_pairs + 1 = {2 * self.kv_pairs + 1}")
         # MQAR lays out the pairs and their queries in the sequence: 4 tokens per pair at least
         if 4 * self.kv_pairs > self.seq_len:
             raise _fail("kv_pairs", f"got {self.kv_pairs} for seq_len {self.seq_len}; allowed: at most seq_len / 4 "
@@ -91,9 +91,9 @@ class SweepOptions:
     def __post_init__(self) -> None:
         allowed = ", ".join(map(str, KERNEL_ORDERS))
         object.__setattr__(self, "orders", check_ints("orders", self.orders, KERNEL_ORDERS[0], KERNEL_ORDERS[-1],
-                                                       f"{allowed} (the Triton kernels' orders)"))
+                                                      f"{allowed} (the Triton kernels' orders)"))
         object.__setattr__(self, "widths", check_ints("widths", self.widths, 1, MAX_WIDTH,
-                                                       f"integers in [1, {MAX_WIDTH}]"))
+                                                      f"integers in [1, {MAX_WIDTH}]"))
         if self.d_model is not None:
             check_ints("d_model", [self.d_model], 1, 1 << 20, "an integer in [1, 2^20]")
         if self.match is not None and self.match not in MATCH_MODES:

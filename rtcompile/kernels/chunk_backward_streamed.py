@@ -169,10 +169,9 @@ def recompute_streamed(p: Problem, q, k, v, g, beta, *, h0, cu_seqlens, offsets,
                        store_dtype: torch.dtype = torch.float32):
     """The forward recompute with a streamed state: (Hc, Uc, Rc) as ``chunk_backward``'s split
     recompute stores them (Hc [chunks, H, K, V] in the products' type; Uc, Rc of v's shape in
-    ``store_dtype``;
-    Rc None without the delta rule). ``ws``: ``chunk_prepare.prepare_backward``'s dict (its "P"
-    and "Ai" are read; "Kw" and "Qw" are not); ``offsets``: each varlen sequence's first chunk
-    (int32, with ``cu_seqlens``), else None."""
+    ``store_dtype``; Rc None without the delta rule). ``ws``: ``chunk_prepare.prepare_backward``'s
+    dict (its "P" and "Ai" are read; "Kw" and "Qw" are not); ``offsets``: each varlen sequence's
+    first chunk (int32, with ``cu_seqlens``), else None."""
     _check_tiles(chunk_size, block_k, block_v)
     B, T, H, V = v.shape
     dev = v.device
@@ -196,8 +195,8 @@ def state_grads_streamed(p: Problem, q, k, beta, do, dht, *, ws: dict, cu_seqlen
                          want_dh0: bool, scale: float, chunk_size: int, block_k: int, block_v: int, num_warps: int,
                          num_stages: int, precision: str, store_dtype: torch.dtype = torch.float32):
     """Run :func:`chunk_bwd_state_streamed_kernel`: (dHc [chunks, H, K, V] in the products'
-    type, dUc of v's shape in ``store_dtype``, d(initial state) fp32 of the state's shape or None when not
-    ``want_dh0``). ``dht``: the final state's gradient (fp32, the state's shape) or None;
+    type, dUc of v's shape in ``store_dtype``, d(initial state) fp32 of the state's shape or None
+    when not ``want_dh0``). ``dht``: the final state's gradient (fp32, the state's shape) or None;
     ``ws``: ``chunk_prepare.prepare_backward``'s dict ("P", "Ai", "Gc" are read)."""
     _check_tiles(chunk_size, block_k, block_v)
     B, T, H, V = do.shape

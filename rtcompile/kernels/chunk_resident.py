@@ -315,16 +315,16 @@ def kronecker_factor_grads(factors, l2norm: bool, dphi: torch.Tensor) -> list[to
     backward runs inside a custom op's kernel, where autograd's dispatch keys are excluded and a
     graph built there records nothing (o3 8x8 MQAR training failed so on the H200, 2026-12-02).
     Holds dphi in fp32 ([T, K] temporary) and the factors in the inputs' type."""
-    xs = [x.float() for x in factors]
-    us = [l2normalize(x) for x in xs] if l2norm else xs
+    us = _unit_factors(factors, l2norm)
     d = dphi.float().reshape(*dphi.shape[:-1], *(u.shape[-1] for u in us))
     axes = "abcdefgh"[:len(us)]
     out = []
-    for i, (x, u) in enumerate(zip(xs, us)):
+    for i, u in enumerate(us):
         others = [us[j] for j in range(len(us)) if j != i]
         eq = f"...{axes}," + ",".join(f"...{axes[j]}" for j in range(len(us)) if j != i) + f"->...{axes[i]}"
         du = torch.einsum(eq, d, *others)
         if l2norm:
+            x = factors[i].float()
             r = torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
             du = r * (du - u * (u * du).sum(-1, keepdim=True))
         out.append(du.to(factors[i].dtype))

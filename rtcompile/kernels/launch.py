@@ -209,8 +209,8 @@ def fwd_checked(p: Problem, q, k, v, g, beta, *, initial_state, output_final_sta
 # ----- the eager recurrent call's host path --------------------------------------------------
 # A recurrent call at T = 1 (a model's decode step through the public API) runs its kernel for a
 # few microseconds; validating and resolving its config again each call cost 22 us of Python on
-# the idle CPU machine, 11 us with the plan (benchmarks/serving_host.py, launches stubbed). As for the decode step, a plan found once per
-# argument signature is reused; the signature holds everything the checks and the config depend
+# the idle CPU machine, 11 us with the plan (benchmarks/serving_host.py, launches stubbed). As for
+# the decode step, a plan found once per argument signature is reused; the signature holds everything the checks and the config depend
 # on (shapes, dtypes, devices, contiguity, flags, the tuned table's generation).
 
 
