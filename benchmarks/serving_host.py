@@ -75,9 +75,9 @@ def main(argv=None) -> int:
         except ImportError:
             fused_recurrent_gated_delta_rule = None
         if fused_recurrent_gated_delta_rule is not None:
-            from rtcompile.kernels.chunk_resident import kronecker_keys
+            from rtcompile.kernels.chunk_resident import materialise_phi
 
-            pq, pk = kronecker_keys(q, l2norm=True), kronecker_keys(k, l2norm=True)
+            pq, pk = materialise_phi(q, l2norm=True), materialise_phi(k, l2norm=True)
             s2 = torch.zeros(B, H, 256, V, device=dev)
             rows["fla fused_recurrent_gated_delta_rule (materialised keys)"] = lambda: fused_recurrent_gated_delta_rule(
                 pq, pk, v, g, beta.float().to(dt), initial_state=s2, output_final_state=True)

@@ -139,7 +139,11 @@ class RunningTensorLayer(nn.Module):
 
     def _slots(self, batch: int, device: torch.device) -> torch.Tensor:
         """Slot i for sequence i, made once per (batch, device): an arange per layer and step
-        would be one more launch on the decode hot path."""
+        would be one more launch on the decode hot path. Under torch.compile a plain arange (the
+        compiled step captures it once): torch 2.11's dynamo cannot trace the cache's
+        ``__dict__.setdefault`` (the H200's compiled decode step failed on it, 2026-12-02)."""
+        if torch.compiler.is_compiling():
+            return torch.arange(batch, dtype=torch.int32, device=device)
         cache = self.__dict__.setdefault("_slot_cache", {})
         key = (batch, device)
         if key not in cache:

@@ -75,9 +75,9 @@ def test_the_compiled_static_step_updates_the_state_in_place_and_matches_the_eag
     the eager step's; the static state tensors are the ones the compiled step wrote (no copy
     left behind by functionalization). On the CPU inductor compiles C++ (~40 s here)."""
     device = "cuda" if CUDA else "cpu"
-    # on the GPU the bucket's 4-row matmuls and inductor's fused reductions round unlike the
-    # eager 3-row step: the uncompiled bucket test's bound there (this test failed on the H200
-    # at 1e-5 on 2026-12-02, its message lost to the call's limit)
+    # on the GPU the bucket's 4-row matmuls and inductor's fused reductions may round unlike the
+    # eager 3-row step: the uncompiled bucket test's bound there. (Its H200 failures on 2026-12-02
+    # were dynamo refusing the model's slot cache, fixed in RunningTensorLayer._slots.)
     tol = 1e-4 if CUDA else 1e-5
     if CUDA:  # (a CPU build's cuBLAS module refuses the attribute)
         monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
