@@ -351,10 +351,11 @@ def _gpu_sweep():
         precisions = ("ieee", "tf32") if dtype != torch.float32 else ("ieee",)
         for prec in precisions:
             cases.append(pytest.param(dtype, [dataclasses.replace(base, dot_precision=prec)], id=f"{name}-{prec}"))
-        if dtype != torch.float32:  # the 16-bit workspaces, with either form of phi's gradients
-            for fg in ("workspace", "registers"):
-                cfg = dataclasses.replace(base, workspace_dtype="inputs", factor_grads=fg)
-                cases.append(pytest.param(dtype, [cfg], id=f"{name}-ws16-{fg}"))
+        if dtype != torch.float32:  # both workspace types, with either form of phi's gradients
+            for wd, wname in (("inputs", "ws16"), ("float32", "ws32")):
+                for fg in ("workspace", "registers"):
+                    cfg = dataclasses.replace(base, workspace_dtype=wd, factor_grads=fg)
+                    cases.append(pytest.param(dtype, [cfg], id=f"{name}-{wname}-{fg}"))
     return cases
 
 

@@ -383,3 +383,16 @@ def test_default_workers(monkeypatch):
     assert explore_cmd.default_workers(spec, recall) == 6  # 8 workers, 6 points
     named = SweepOptions(orders=(2, 3), widths=(8, 16), target="h200")
     assert explore_cmd.default_workers(spec, named) == 1  # the cost model: nothing on the GPU
+
+
+def test_the_cli_recall_defaults_are_the_options_defaults():
+    """`rtcompile explore --recall` with no task or training flags trains what RecallOptions()
+    describes (the documented defaults cannot drift apart)."""
+    import argparse
+
+    from rtcompile import explore_cmd
+
+    parser = argparse.ArgumentParser()
+    explore_cmd.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["explore", str(SPEC), "--orders", "2", "--widths", "8", "--recall"])
+    assert explore_cmd._options(args).recall == RecallOptions()

@@ -264,7 +264,7 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -
     kernel's phi stores 4 indices of axis 1 at a time where they divide (the split form's
     measured best); fp32 products in tf32 for 16-bit
     inputs (their gradients are rounded to 8 or 11 bits anyway) and ieee for fp32 inputs (their
-    tests ask 1e-4 of float64). Above K = 256 the streamed state loops, in 128-row tiles (the
+    tests ask 1e-4 of float64); the workspaces in the input type for 16-bit inputs. Above K = 256 the streamed state loops, in 128-row tiles (the
     streamed forward's tile at o3 32x32), 8 warps first, and the factors' gradients formed in
     registers; up to 256, through the workspace (see the numbers below). The smallest tiles where nothing passes
     (the check then says why)."""
@@ -276,6 +276,10 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -
     bk = max(bk, shape.key_widths[-1] if len(shape.key_widths) > 1 else 16)
     group = 4 if len(shape.key_widths) >= 2 and shape.key_widths[0] % 4 == 0 else 1
     prec = "tf32" if shape.input_bytes == 2 else "ieee"
+    # U, R, dU and phi's stored gradients in the 16-bit input type for 16-bit inputs: o3 16x16
+    # fwd+bwd 3.44 -> 3.29 ms and 1381 -> 1029 MiB (fla 1064), o3 32x32 17.3 -> 17.2 ms (H200,
+    # 2026-12-02, 76a95a8); worst bf16 gradient error 5.2e-3 against the fp32 workspace's 4.3e-3
+    ws = "inputs" if shape.input_bytes == 2 else "float32"
     # phi's gradients through a [T, K] workspace up to K = 256: o3 16x16 fwd+bwd 3.58 ms against
     # 4.33 contracted in registers (H200, 2026-12-01, the two-pass gradients kernel; 1381 against
     # 869 MiB); above, in registers (no [T, K] tensor; o3 32x32 25.5 ms against 14.4 at fad70b3,
@@ -289,10 +293,10 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -
     order = ((64, 8), (64, 4), (32, 8), (32, 4), (16, 4)) if streamed else ((64, 4), (64, 8), (32, 4), (32, 8), (16, 4))
     for C, warps in order + ((16, 8),):
         cfg = BackwardConfig(chunk_size=C, block_v=bv, block_k=bk, num_warps=warps, grads_warps=8, prepare_warps=4,
-                             key_group=group, dot_precision=prec, **loop)
+                             key_group=group, dot_precision=prec, workspace_dtype=ws, **loop)
         if cfg.check(shape, smem_limit) is None:
             return cfg
-    return BackwardConfig(chunk_size=16, block_v=16, block_k=bk, state_block_k=16, **loop)
+    return BackwardConfig(chunk_size=16, block_v=16, block_k=bk, state_block_k=16, workspace_dtype=ws, **loop)
 
 
 def materialised_keys(shape: KernelShape) -> bool:
