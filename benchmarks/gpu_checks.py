@@ -34,6 +34,7 @@ import math
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -273,9 +274,13 @@ def first_call(args) -> dict:
     model = RunningTensorLM(spec, vocab_size=64 if args.quick else 256).float().eval()
     plan = make_plan(spec, target, batches=(1,), seq_lens=(T,), decode_batches=(1,))
     rows = {}
+    t0 = time.perf_counter()
+    # each stage stamped on stderr, each row in first_call.partial.json as it lands: a run of 2026-12-02
+    # overran a 170 s limit and left nothing to say which stage took the time
     for name, with_kernels in (("with compiled kernels", True), ("without", False)):
         out = Path(args.out) / f"bundle-{'kernels' if with_kernels else 'plain'}"
         export_bundle(model, out, plan=plan, overwrite=True, onnx=False, compiled=with_kernels)
+        print(f"[{time.perf_counter() - t0:6.1f}s] exported {out.name}", file=sys.stderr, flush=True)
         kernels = json.loads((out / "manifest.json").read_text())["kernels"]
         with tempfile.TemporaryDirectory() as cache:
             env = {**os.environ, "TRITON_CACHE_DIR": cache}
@@ -283,6 +288,9 @@ def first_call(args) -> dict:
                                   text=True, check=True)
         load_s, first_s = map(float, done.stdout.split()[-2:])
         rows[name] = {"load_s": load_s, "first_calls_s": first_s, "kernels": kernels is not None}
+        print(f"[{time.perf_counter() - t0:6.1f}s] {name}: load {load_s:.2f} s, first calls {first_s:.2f} s",
+              file=sys.stderr, flush=True)
+        (Path(args.out) / "first_call.partial.json").write_text(json.dumps(rows, indent=1))
     summary = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "prompt": T, "rows": rows,
                "quick": args.quick}
     return {"summary": summary}

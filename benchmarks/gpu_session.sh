@@ -1,6 +1,6 @@
 # The measurements of one GPU session, in steps that each fit one 10-minute device call.
 #
-#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train (= traintests traintime) | recalltests | recallcompile | trainfla | sweep | bench | model | checks | recall
+#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train (= traintests traintime) | recalltests | recallcompile | trainfla | sweep | bench | model | profiledecode | checks | recall
 #
 # Run from the project root on the device machine after installing the carried wheels (see
 # benchmarks/README.md). Everything lands under $OUT. Each step writes as it goes, so a call cut
@@ -72,6 +72,11 @@ step_model() {  # the whole model (issue 21): prefill tokens/s at B1, B8 T4096 a
   python3 benchmarks/serving_host.py --out "$OUT/serving_host.json"
 }
 
+step_profiledecode() {  # where the CUDA-graph decode step's time goes (issue 21: B1 <= 80 us, B256 >= 1.2 M
+  # tokens/s): per-kernel time of the plain, stacked and compiled steps at B1 and B256
+  timeout "${PROFILE_S:-300}" python3 benchmarks/profile_decode.py --out "$OUT/profile_decode.json" || true
+}
+
 step_checks() {  # the bundle on the Triton kernels vs ONNX Runtime, then the planner's regret
   python3 benchmarks/gpu_checks.py bundle --out "$OUT/checks"
   python3 benchmarks/gpu_checks.py first_call --out "$OUT/checks"
@@ -115,6 +120,6 @@ step_recalltests() {  # one call's worth: the recall comparison (its trainings l
 }
 
 for s in "$@"; do
-  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, traintests, traintime, recalltests, recallcompile, trainfla, sweep, bench, model, checks, recall)" >&2; exit 2; }
+  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, traintests, traintime, recalltests, recallcompile, trainfla, sweep, bench, model, profiledecode, checks, recall)" >&2; exit 2; }
   "step_$s"
 done

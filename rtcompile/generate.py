@@ -96,11 +96,19 @@ class StaticStep:
     """The decode step of ``model`` for one bucket of ``bucket`` rows, on static buffers.
 
     ``capture``: record the step as a CUDA graph (CUDA only) and replay it per call; False
-    runs the same body eagerly on the same buffers (what CPU tests check of this class)."""
+    runs the same body eagerly on the same buffers (what CPU tests check of this class).
+    ``fuse_projections``: each layer's five input maps as one matrix product on a stacked copy
+    of their weights (:meth:`RunningTensorLM.input_projections`), taken here: a later in-place
+    change of those weights needs a new StaticStep (``generate`` makes one: its key holds the
+    parameters' versions when this is on)."""
 
-    def __init__(self, model, bucket: int, backend: str, capture: bool, compiled: bool = False):
+    def __init__(self, model, bucket: int, backend: str, capture: bool, compiled: bool = False,
+                 fuse_projections: bool = False):
         p = model.embed.weight
         self.model, self.bucket, self.backend = model, bucket, backend
+        # in a CUDA graph each launch costs ~1.5 us at B1 (H200): the stacked product launches one
+        # matrix product per layer where the maps launch five
+        self.fused = model.input_projections() if fuse_projections else None
         # compiled: the step's ~100 small ops (per layer: norms, gates, convolution tail, skip
         # mixing) fused by torch.compile (inductor) into fewer kernels, the decode kernel called
         # in place as the custom op rtcompile::running_tensor_decode_ (no copy of the state: the
@@ -122,7 +130,7 @@ class StaticStep:
             self._capture()
 
     def _body(self) -> torch.Tensor:
-        logits, new = self._step(self.tokens, self.cache, backend=self.backend)
+        logits, new = self._step(self.tokens, self.cache, backend=self.backend, fused=self.fused)
         for static, c in zip(self.cache, new):
             # the state is updated in place (same tensor); a converted copy would be copied back
             if c["state"] is not static["state"]:
@@ -173,8 +181,10 @@ class StaticStep:
 
 def _steppers(model, backend: str, capture: bool, compiled: bool = False) -> dict[int, StaticStep]:
     """The model's captured steps per bucket, kept across calls; rebuilt when what a graph holds
-    pointers to or decided from changes (parameters moved or cast, another plan, backend)."""
-    key = (backend, capture, compiled, id(model.plan), tuple((p.data_ptr(), p.dtype) for p in model.parameters()))
+    pointers to or decided from changes (parameters moved or cast, another plan, backend) and,
+    for a compiled step (its input maps stacked: a copy), when a parameter changed in place."""
+    params = tuple((p.data_ptr(), p.dtype, p._version if compiled else 0) for p in model.parameters())
+    key = (backend, capture, compiled, id(model.plan), params)
     held = model.__dict__.get("_generate_steppers")
     if held is None or held[0] != key:
         held = (key, {})
@@ -187,7 +197,7 @@ def run_generate(model, tokens: torch.Tensor, max_new_tokens: int, *, temperatur
     """The loop behind :func:`generate`, on checked arguments. ``mode``: "eager" (the model's
     ``step``), "static" (the graph's static buffers and padding, run eagerly: testable on the
     CPU) or "graph" (captured and replayed; CUDA). ``compile_step``: the static or graph step
-    through torch.compile (:class:`StaticStep`)."""
+    with its input maps stacked and through torch.compile (:class:`StaticStep`)."""
     if mode not in MODES:
         raise ValueError(f"mode: got {mode!r}; allowed: {', '.join(MODES)}")
     B = tokens.shape[0]
@@ -213,7 +223,8 @@ def run_generate(model, tokens: torch.Tensor, max_new_tokens: int, *, temperatur
             steppers = _steppers(model, backend, mode == "graph", compile_step)
             bucket = bucket_of(B)
             if bucket not in steppers:
-                steppers[bucket] = StaticStep(model, bucket, backend, capture=mode == "graph", compiled=compile_step)
+                steppers[bucket] = StaticStep(model, bucket, backend, capture=mode == "graph", compiled=compile_step,
+                                              fuse_projections=compile_step)
             step = steppers[bucket]
             step.load(cache, B)
         for i in range(1, max_new_tokens):
@@ -233,8 +244,9 @@ def generate(model, tokens: torch.Tensor, max_new_tokens: int, *, temperature: f
     ``torch.Generator`` seeded by ``seed`` (None: torch's global generator), so a seed repeats
     its tokens. ``cuda_graph``: None is on when the model is on CUDA; True off CUDA is refused.
     ``backend``: as :meth:`RunningTensorLM.forward`. The model's :attr:`plan` applies.
-    ``compile_step``: with CUDA graphs, the captured step is first fused by torch.compile (fewer
-    launches per replay; one compile per batch bucket, tens of seconds); off CUDA graphs it is
+    ``compile_step``: with CUDA graphs, the captured step is first fused: each layer's input maps
+    stacked into one product, then torch.compile (fewer launches per replay; one compile per
+    batch bucket, ~10 s on the H200); off CUDA graphs it is
     refused (the eager loop has nothing to gain from it that its host time does not swallow).
     """
     graph = check_generate_args(model, tokens, max_new_tokens, temperature, top_k, seed, cuda_graph, backend)

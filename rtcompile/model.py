@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,15 @@ from .spec import ModelSpec, SpecError
 # the factor lists [B, T, H, d_i], v [B, T, H, d_v], g (log decay, fp32) and beta [B, T, H] or
 # None, and ``state`` the cache's [B, H, d_1, ..., d_v] or None (no cache: a zero state).
 Mixer = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+class InputProjection(NamedTuple):
+    """A layer's input maps stacked (:meth:`RunningTensorLayer.input_projection`): ``weight``
+    [sum(sizes), D], ``bias`` [sum(sizes)] or None, ``sizes`` the maps' output widths in row order."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    sizes: tuple[int, ...]
 
 
 class _CausalDepthwise(nn.Module):
@@ -77,10 +86,35 @@ class RunningTensorLayer(nn.Module):
             self.norm_weight = nn.Parameter(torch.ones(V))
         self.out = nn.Linear(H * V, D, bias=False)
 
-    def _streams(self, x: torch.Tensor, tails):
-        """The q factors, k factors and v as [B, T, channels] streams, and the new conv tails."""
+    def input_projection(self) -> InputProjection:
+        """Every linear map the layer applies to its input (the dense projection, forget gate,
+        beta, query skip, output gate), stacked into one weight [sum of outputs, D] and bias: a
+        snapshot (no grad), for a decode step that launches one matrix product per layer for
+        five. Rows in that order; the maps' biases where they have one, zeros elsewhere."""
+        maps = [m for m in (self.proj, self.forget, self.beta, self.skip, getattr(self, "gate", None))
+                if m is not None]
+        ref = self.out.weight  # every layer has its output map: the dtype and device
+        with torch.no_grad():  # torch.cat copies: a snapshot
+            weight = torch.cat([m.weight for m in maps]) if maps else ref.new_empty(0, self.spec.model_width)
+            bias = None
+            if any(m.bias is not None for m in maps):
+                bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features)
+                                  for m in maps])
+        return InputProjection(weight, bias, tuple(m.out_features for m in maps))
+
+    def _projected(self, x: torch.Tensor, fused: InputProjection | None) -> dict:
+        """Each input map's output by name ("proj", "forget", "beta", "skip", "gate"; absent maps
+        left out): from the maps in turn, or sliced from one product with ``fused``."""
+        names = [n for n in ("proj", "forget", "beta", "skip", "gate") if getattr(self, n, None) is not None]
+        if fused is None or not names:
+            return {n: getattr(self, n)(x) for n in names}
+        return dict(zip(names, F.linear(x, fused.weight, fused.bias).split(fused.sizes, dim=-1)))
+
+    def _streams(self, x: torch.Tensor, tails, projected: torch.Tensor | None = None):
+        """The q factors, k factors and v as [B, T, channels] streams, and the new conv tails
+        (``projected``: the dense projection of ``x``, when computed already)."""
         if self.proj is not None:
-            y = self.proj(x)
+            y = self.proj(x) if projected is None else projected
             if self.conv is None:
                 return list(y.split(self.widths, dim=-1)), None
             y, tail = self.conv(y, self.conv.weight, None if tails is None else tails[0])
@@ -97,11 +131,15 @@ class RunningTensorLayer(nn.Module):
         return outs, new
 
     def forward(self, x: torch.Tensor, cache: dict | None = None, *, plan=None, backend: str = "auto",
-                update_cache: bool = False, mixer: Mixer | None = None):
+                update_cache: bool = False, mixer: Mixer | None = None, fused: InputProjection | None = None):
         """x [B, T, D] -> (y [B, T, D], new cache).
 
         ``mixer`` (a :data:`Mixer`) replaces the state mixer (``plan``, ``backend`` and
         ``update_cache`` then do not apply to it); the exporter's ONNX node is one.
+
+        ``fused`` (this layer's :meth:`input_projection`) computes the input maps as one matrix
+        product (same values up to the product's rounding; no gradient reaches the layer's own
+        parameters through it).
 
         ``update_cache`` (T = 1 with a cache: the serving step) updates the cache's state in
         place, kept in the decode decision's state dtype (:func:`decode_state_dtype`), through
@@ -111,16 +149,17 @@ class RunningTensorLayer(nn.Module):
         spec, f = self.spec, self.spec.features
         B, T, _ = x.shape
         H, o1 = spec.heads, len(spec.key_widths)
-        streams, tails = self._streams(x, None if cache is None else cache.get("conv"))
+        pre = self._projected(x, fused)
+        streams, tails = self._streams(x, None if cache is None else cache.get("conv"), pre.get("proj"))
         heads = lambda t, w: t.reshape(B, T, H, w)
         q = [heads(s, w) for s, w in zip(streams[:o1], spec.key_widths)]
         k = [heads(s, w) for s, w in zip(streams[o1:2 * o1], spec.key_widths)]
         v = heads(streams[-1], spec.value_width)
         if self.skip is not None:
-            s = torch.sigmoid(self.skip(x)).reshape(B, T, H, o1)
+            s = torch.sigmoid(pre["skip"]).reshape(B, T, H, o1)
             q = [s[..., i : i + 1] * qi + (1 - s[..., i : i + 1]) for i, qi in enumerate(q)]
-        g = F.logsigmoid(self.forget(x)).float() if self.forget is not None else None
-        beta = torch.sigmoid(self.beta(x)) if self.beta is not None else None
+        g = F.logsigmoid(pre["forget"]).float() if self.forget is not None else None
+        beta = torch.sigmoid(pre["beta"]) if self.beta is not None else None
         q, k, v = [qi.contiguous() for qi in q], [ki.contiguous() for ki in k], v.contiguous()
         beta = None if beta is None else beta.contiguous()
         if mixer is not None:
@@ -133,7 +172,7 @@ class RunningTensorLayer(nn.Module):
                                       output_final_state=True, l2norm=f.l2norm, plan=plan, backend=backend)
         if f.output_gate:
             o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm_weight
-            o = o * F.silu(heads(self.gate(x), spec.value_width))
+            o = o * F.silu(heads(pre["gate"], spec.value_width))
         y = self.out(o.reshape(B, T, H * spec.value_width))
         return y, {"state": state, "conv": tails}
 
@@ -266,10 +305,10 @@ class RunningTensorLM(nn.Module):
         self.plan = None  # a Plan to follow (set by rtcompile.load from the bundle)
 
     def forward(self, tokens: torch.Tensor, cache: list | None = None, *, plan=None, backend: str = "auto",
-                update_cache: bool = False, mixer: Mixer | None = None):
+                update_cache: bool = False, mixer: Mixer | None = None, fused: list | None = None):
         """tokens [B, T] -> (logits [B, T, vocab], cache): a prompt, or T tokens after a cache.
-        ``update_cache`` and ``mixer``: see :meth:`RunningTensorLayer.forward` (``update_cache``:
-        T = 1 only)."""
+        ``update_cache``, ``mixer`` and ``fused`` (one per layer: :meth:`input_projections`): see
+        :meth:`RunningTensorLayer.forward` (``update_cache``: T = 1 only)."""
         # a replaced mixer (the ONNX exporter's) allocates no state here; under tracing the
         # eager call has checked already
         if mixer is None and not torch.compiler.is_compiling():
@@ -281,18 +320,23 @@ class RunningTensorLM(nn.Module):
         new = []
         for i, layer in enumerate(self.mixers):
             y, c = layer(self.norms[i](x), None if cache is None else cache[i], plan=plan, backend=backend,
-                         update_cache=update_cache, mixer=mixer)
+                         update_cache=update_cache, mixer=mixer, fused=None if fused is None else fused[i])
             x = x + y
             if self.mlps is not None:
                 x = x + self.mlps[i](x)
             new.append(c)
         return self.head(self.final(x)), new
 
-    def step(self, tokens: torch.Tensor, cache: list, *, backend: str = "auto"):
+    def step(self, tokens: torch.Tensor, cache: list, *, backend: str = "auto", fused: list | None = None):
         """One token per sequence: tokens [B] -> (logits [B, vocab], cache). The cache's states
-        are updated in place (``update_cache``): keep a copy to branch from an earlier point."""
-        logits, cache = self.forward(tokens[:, None], cache, backend=backend, update_cache=True)
+        are updated in place (``update_cache``): keep a copy to branch from an earlier point.
+        ``fused``: :meth:`input_projections`, one product per layer for its input maps."""
+        logits, cache = self.forward(tokens[:, None], cache, backend=backend, update_cache=True, fused=fused)
         return logits[:, 0], cache
+
+    def input_projections(self) -> list[InputProjection]:
+        """Every layer's :meth:`RunningTensorLayer.input_projection` (snapshots of the weights)."""
+        return [layer.input_projection() for layer in self.mixers]
 
     def generate(self, tokens: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
                  seed: int | None = None, cuda_graph: bool | None = None, backend: str = "auto",

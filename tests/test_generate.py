@@ -70,8 +70,9 @@ def test_greedy_on_the_triton_decode_kernel():
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not CUDA,
                     reason="needs TRITON_INTERPRET=1 (CPU) or a CUDA GPU")
 def test_the_compiled_static_step_updates_the_state_in_place_and_matches_the_eager_step(monkeypatch):
-    """compile_step: torch.compile (inductor) of the whole step with the Triton decode kernel as
-    the in-place custom op: B3 in bucket 4 (a padding row), three steps, logits and states as
+    """compile_step: the input maps stacked, then torch.compile (inductor) of the whole step
+    with the Triton decode kernel as the in-place custom op: B3 in bucket 4 (a padding row),
+    three steps, logits and states as
     the eager step's; the static state tensors are the ones the compiled step wrote (no copy
     left behind by functionalization). On the CPU inductor compiles C++ (~40 s here)."""
     device = "cuda" if CUDA else "cpu"
@@ -85,7 +86,7 @@ def test_the_compiled_static_step_updates_the_state_in_place_and_matches_the_eag
     prompt = torch.randint(0, VOCAB, (3, 4), generator=torch.Generator().manual_seed(5)).to(device)
     with torch.no_grad():
         logits, cache = lm(prompt, backend="triton")
-        step = StaticStep(lm, 4, "triton", capture=CUDA, compiled=True)
+        step = StaticStep(lm, 4, "triton", capture=CUDA, compiled=True, fuse_projections=True)  # as generate
         step.load(cache, 3)
         states = [c["state"] for c in step.cache]
         tok = logits[:, -1].argmax(-1)
@@ -97,6 +98,79 @@ def test_the_compiled_static_step_updates_the_state_in_place_and_matches_the_eag
                 assert torch.allclose(static["state"][:3], c["state"], rtol=tol, atol=tol / 10), i
             tok = want.argmax(-1)
     assert all(c["state"] is s for c, s in zip(step.cache, states))
+
+
+FEATURE_SETS = {
+    "all": Features(query_skip=True),
+    "no-gates": Features(forget_gate=False, delta_rule=False, output_gate=False),
+    "conconlyc": Features(projection="conconlyc", short_conv=3, query_skip=True),
+    "conconlyc-bare": Features(projection="conconlyc", short_conv=2, forget_gate=False, delta_rule=False,
+                               output_gate=False),
+}
+
+
+@pytest.mark.parametrize("features", list(FEATURE_SETS.values()), ids=list(FEATURE_SETS))
+def test_stacked_input_maps_give_the_layer_its_own_outputs(features):
+    """input_projection stacks every input map the layer has (dense projection, forget, beta,
+    skip, output gate: whichever exist) with their biases; the layer run on it gives the
+    outputs and cache of its maps run one by one (float64: equal to rounding)."""
+    torch.manual_seed(7)
+    spec = ModelSpec(order=3, key_widths=(3, 4), value_width=5, heads=2, model_width=12, layers=1, features=features)
+    lm = RunningTensorLM(spec, vocab_size=VOCAB).double().eval()
+    layer = lm.mixers[0]
+    stacked = layer.input_projection()
+    maps = [m for m in (layer.proj, layer.forget, layer.beta, layer.skip, getattr(layer, "gate", None)) if m is not None]
+    assert stacked.sizes == tuple(m.out_features for m in maps) and stacked.weight.shape == (sum(stacked.sizes), 12)
+    assert not stacked.weight.requires_grad
+    x = torch.randn(3, 6, 12, dtype=torch.float64)
+    with torch.no_grad():
+        want, want_cache = layer(x, backend="reference")
+        got, got_cache = layer(x, backend="reference", fused=stacked)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got_cache["state"], want_cache["state"], rtol=1e-12, atol=1e-12)
+        # and the model's step, from that cache
+        prompt = torch.randint(0, VOCAB, (3, 4), generator=torch.Generator().manual_seed(7))
+        _, cache = lm(prompt, backend="reference")
+        kept = [{"state": c["state"].clone(), "conv": c["conv"]} for c in cache]
+        tok = torch.tensor([1, 5, 16])
+        a, _ = lm.step(tok, cache, backend="reference")
+        b, _ = lm.step(tok, kept, backend="reference", fused=lm.input_projections())
+    torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("projection", ["dense", "conconlyc"])
+def test_the_static_step_with_stacked_maps_gives_the_eager_tokens(projection):
+    """StaticStep(fuse_projections=True), the compiled step's layout run eagerly: B3 in bucket 4
+    (a padding row), the eager loop's tokens and logits."""
+    lm = _lm(projection)
+    prompt = torch.randint(0, VOCAB, (3, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits, cache = lm(prompt, backend="reference")
+        step = StaticStep(lm, 4, "reference", capture=False, fuse_projections=True)
+        step.load(cache, 3)
+        tok = logits[:, -1].argmax(-1)
+        for i in range(4):
+            want, cache = lm.step(tok, cache, backend="reference")
+            got = step(tok)
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+            tok = want.argmax(-1)
+
+
+def test_a_compiled_steps_key_holds_the_weights_versions():
+    """The compiled step stacks a copy of the input maps: an in-place change of a weight must
+    give a new step (the plain step's graph reads the weights where they are)."""
+    from rtcompile.generate import _steppers
+
+    lm = _lm()
+    compiled = _steppers(lm, "reference", False, True)
+    assert _steppers(lm, "reference", False, True) is compiled
+    with torch.no_grad():
+        lm.mixers[0].forget.weight.add_(1.0)
+    assert _steppers(lm, "reference", False, True) is not compiled
+    plain = _steppers(lm, "reference", False, False)  # (one cache per model: it replaces the compiled one)
+    with torch.no_grad():
+        lm.mixers[0].forget.weight.add_(1.0)
+    assert _steppers(lm, "reference", False, False) is plain
 
 
 def test_compile_step_needs_cuda_graphs():

@@ -68,7 +68,8 @@ DECODE_PROMPT_T = 16  # the prompt prefilled before decoding (its cache is what 
 VOCAB = 256  # rtcompile export's default vocabulary: the example bundle's of issue 21's numbers
 SEED = 0
 RT_BACKEND = "triton"  # ours, never a silent fall back to the reference
-IMPL_RT_COMPILED = "rtcompile+compile"  # decode: the step fused by torch.compile before capture
+IMPL_RT_FUSED = "rtcompile+stacked"  # decode: each layer's input maps as one product (StaticStep(fuse_projections))
+IMPL_RT_COMPILED = "rtcompile+compile"  # decode: maps stacked, then the step fused by torch.compile before capture
 
 MODEL_METHOD = (
     "Model: RunningTensorLM(spec, vocab {vocab}, MLP on), weights initialised after "
@@ -91,9 +92,10 @@ MODEL_METHOD = (
     "random prompt of {prompt} tokens prefilled, its cache loaded into generate.StaticStep (the decode step of "
     "all layers captured as one CUDA graph for a bucket of B rows: what RunningTensorLM.generate replays), "
     "{warmup} warm-up steps, then CUDA events around each step (copy of the B input tokens + graph replay; "
-    "sampling not included), median of --repeats; tokens/s = B / step time. rtcompile+compile (decode, CUDA "
-    "only): the same with the step fused by torch.compile(fullgraph=True) before capture "
-    "(generate(compile_step=True)); its compile is part of the warm-up, never timed."
+    "sampling not included), median of --repeats; tokens/s = B / step time. rtcompile+stacked (decode): the "
+    "same with each layer's five input maps computed as one matrix product on their stacked weights. "
+    "rtcompile+compile (decode, CUDA only): stacked, and the step fused by torch.compile(fullgraph=True) before "
+    "capture (generate(compile_step=True)); its compile is part of the warm-up, never timed."
 ).format(vocab=VOCAB, seed=SEED, backend=RT_BACKEND, fla_k=FLA_MAX_K, warmup=WARMUP_PASSES,
          graph_ms=GRAPH_BELOW_S * 1e3, prompt=DECODE_PROMPT_T)
 
@@ -117,7 +119,7 @@ def model_cases(spec: ModelSpec, quick: bool = False, only: Sequence[str] = ()) 
     shape = {"key_widths": tuple(spec.key_widths), "H": spec.heads, "V": spec.value_width,
              "dtype": spec.input_dtype, "impls": impls}
     cases = [Case(f"prefill_B{B}_T{T}", "prefill", B=B, T=T, **shape) for B in PREFILL_BATCHES]
-    decode_impls = (IMPL_RT, IMPL_RT_COMPILED, *impls[1:])
+    decode_impls = (IMPL_RT, IMPL_RT_FUSED, IMPL_RT_COMPILED, *impls[1:])
     cases += [Case(f"decode_B{B}", "decode", B=B, T=1, **{**shape, "impls": decode_impls})
               for B in (QUICK_DECODE_BATCHES if quick else DECODE_BATCHES)]
     return [c for c in cases if not only or any(s in c.name for s in only)]
@@ -218,7 +220,8 @@ def measure_model_decode(lm: MixerLM, case: Case, impl: str, ctx: BenchContext) 
     try:
         logits, cache = lm(_prompt(lm, case, DECODE_PROMPT_T, ctx.device), backend=RT_BACKEND)
         bucket = bucket_of(case.B)
-        step = StaticStep(lm, bucket, RT_BACKEND, capture=ctx.is_cuda, compiled=compiled)
+        step = StaticStep(lm, bucket, RT_BACKEND, capture=ctx.is_cuda, compiled=compiled,
+                          fuse_projections=impl in (IMPL_RT_FUSED, IMPL_RT_COMPILED))
         step.load(cache, case.B)
         del cache
         tok = logits[:, -1].argmax(-1)

@@ -1,0 +1,107 @@
+"""Per-kernel GPU time of the example model's CUDA-graph decode step (torch.profiler), to see
+where the step's time goes against issue 21's targets (B1 <= 80 us, B256 >= 1.2 M tokens/s).
+
+    python benchmarks/profile_decode.py [--spec examples/order3_16x16.toml] [--batches 1 256]
+                                        [--steps plain,stacked,compiled] [--out FILE.json]
+
+Per batch and step kind (``plain``: generate's StaticStep; ``stacked``: its input maps as one
+product per layer; ``compiled``: stacked and fused by torch.compile, as ``compile_step``):
+the step captured as ``rtcompile bench --model`` captures it, 3 warm-up replays, then 20
+profiled replays; prints each kernel's mean time per step (us), largest first, their sum, the
+kernel count per step and the step's wall time between CUDA events, so launch gaps show as the
+difference. Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+STEPS = {"plain": (False, False), "stacked": (False, True), "compiled": (True, True)}
+REPLAYS = 20
+
+
+def _profile(lm, batch: int, kind: str) -> dict:
+    import torch
+
+    from rtcompile.generate import StaticStep, bucket_of
+
+    compiled, stacked = STEPS[kind]
+    with torch.no_grad():
+        prompt = torch.randint(0, lm.embed.num_embeddings, (batch, 16), device="cuda",
+                               generator=torch.Generator(device="cuda").manual_seed(0))
+        logits, cache = lm(prompt, backend="triton")
+        step = StaticStep(lm, bucket_of(batch), "triton", capture=True, compiled=compiled, fuse_projections=stacked)
+        step.load(cache, batch)
+    tok = logits[:, -1].argmax(-1)
+    for _ in range(3):
+        step(tok)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(REPLAYS):
+        step(tok)
+    end.record()
+    torch.cuda.synchronize()
+    wall_us = start.elapsed_time(end) * 1e3 / REPLAYS
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(REPLAYS):
+            step(tok)
+        torch.cuda.synchronize()
+    per_kernel = collections.defaultdict(float)
+    launches = collections.Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[e.name] += e.device_time / REPLAYS  # us
+            launches[e.name] += 1
+    rows = sorted(per_kernel.items(), key=lambda kv: -kv[1])
+    return {"batch": batch, "step": kind, "wall_us": wall_us, "kernel_us": sum(per_kernel.values()),
+            "kernels_per_step": sum(launches.values()) / REPLAYS,
+            "top": [{"kernel": name[:90], "us": round(us, 2), "per_step": launches[name] / REPLAYS}
+                    for name, us in rows[:15]]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--spec", default="examples/order3_16x16.toml")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 256])
+    ap.add_argument("--steps", default="plain,stacked,compiled", help=f"comma list of {', '.join(STEPS)}")
+    ap.add_argument("--out", help="write the rows as JSON")
+    args = ap.parse_args(argv)
+    kinds = [k for k in args.steps.split(",") if k]
+    unknown = [k for k in kinds if k not in STEPS]
+    if unknown:
+        ap.error(f"--steps: {', '.join(unknown)}; allowed: {', '.join(STEPS)}")
+    import torch
+
+    if not torch.cuda.is_available():
+        print("profile_decode.py: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from rtcompile.bench.lm import VOCAB
+    from rtcompile.model import RunningTensorLM
+    from rtcompile.spec import load_spec
+
+    spec = load_spec(args.spec)
+    torch.manual_seed(0)
+    lm = RunningTensorLM(spec, vocab_size=VOCAB).to("cuda", getattr(torch, spec.input_dtype)).eval()
+    results = []
+    for batch in args.batches:
+        for kind in kinds:
+            r = _profile(lm, batch, kind)
+            results.append(r)
+            print(f"B{batch} {kind}: wall {r['wall_us']:.1f} us, kernels {r['kernel_us']:.1f} us, "
+                  f"{r['kernels_per_step']:.0f} kernels a step")
+            for t in r["top"]:
+                print(f"    {t['us']:8.2f} us  x{t['per_step']:.0f}  {t['kernel']}")
+            if args.out:
+                Path(args.out).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
