@@ -41,9 +41,12 @@ Memory (``BackwardConfig.workspace_bytes``), per (sequence, head): per chunk S a
 each in the products' type); per token P and T (4 C each; T with the delta rule), U, R, dU (4
 d_v each; R with the delta rule), the log decay (4, gates), with resident loops phi(K), phi(Q) (K
 each, the products' type), with stored phi gradients 2 x 4 K; streamed loops add the running S
-and dS (fp32, K d_v each, once). o3 16x16, d_v 64, C 64, bf16, the default (resident, stored):
-2 x 512 + 2 x 256 + 3 x 256 + 2 x 1024 + 4 bytes per token and 2 x 32 KiB per chunk (8.4 KiB
-per token); o3 64x64 (streamed, registers): 2 x 512 KiB per chunk + 1.3 KiB per token.
+and dS (fp32, K d_v each, once); ``workspace_dtype="inputs"`` (the default for 16-bit inputs) keeps
+U, R, dU and phi's stored gradients in the inputs' type. o3 16x16, d_v 64, C 64, bf16, the
+default (resident, stored, 16-bit workspaces), per token-head: 2 x 512 (phi) + 2 x 256 (P, T) +
+3 x 128 (U, R, dU) + 2 x 512 (phi's gradients) + 4 bytes per token and 2 x 32 KiB per chunk:
+3.9 KiB per token (5.3 KiB with fp32 workspaces); o3 64x64 (streamed, registers): 2 x 512 KiB
+per chunk + 1.3 KiB per token.
 
 Scope (:func:`supports`): orders 2-4 with power-of-two key widths >= 16 at any K, any d_v,
 gates, delta rule, l2norm, initial state, final-state gradient, varlen and any T.
@@ -262,12 +265,12 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -
     """The first proposal that passes its check: C 64 then 32 then 16, 32 value columns, key
     blocks of 128 at K >= 256 through the workspace, else 64 (or K), 4 then 8 warps, the prepare
     kernel's phi stores 4 indices of axis 1 at a time where they divide (the split form's
-    measured best); fp32 products in tf32 for 16-bit
-    inputs (their gradients are rounded to 8 or 11 bits anyway) and ieee for fp32 inputs (their
-    tests ask 1e-4 of float64); the workspaces in the input type for 16-bit inputs. Above K = 256 the streamed state loops, in 128-row tiles (the
-    streamed forward's tile at o3 32x32), 8 warps first, and the factors' gradients formed in
-    registers; up to 256, through the workspace (see the numbers below). The smallest tiles where nothing passes
-    (the check then says why)."""
+    measured best); fp32 products in tf32 for 16-bit inputs (their gradients are rounded to 8
+    or 11 bits anyway) and ieee for fp32 inputs (their tests ask 1e-4 of float64); the
+    workspaces in the input type for 16-bit inputs. Above K = 256 the streamed state loops, in
+    128-row tiles (the streamed forward's tile at o3 32x32), 8 warps first, and the factors'
+    gradients formed in registers; up to 256, through the workspace (see the numbers below).
+    The smallest tiles where nothing passes (the check then says why)."""
     bv = min(32, shape.value_dim_pow2)
     streamed = shape.key_dim > MAX_KEY_DIM
     # key blocks of 128 at K = 256 through the workspace: the gradients kernel 2.08 -> 1.93 ms at
