@@ -1,6 +1,6 @@
 # The measurements of one GPU session, in steps that each fit one 10-minute device call.
 #
-#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train (= traintests traintime) | recalltests | recallcompile | trainfla | sweep | bench | model | profiledecode | checks | recall
+#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train (= traintests traintime) | recalltests | recallcompile | tunetrain | trainfla | sweep | bench | model | profiledecode | checks | recall
 #
 # Run from the project root on the device machine after installing the carried wheels (see
 # benchmarks/README.md). Everything lands under $OUT. Each step writes as it goes, so a call cut
@@ -43,6 +43,16 @@ step_traintime() {  # the forward + backward timings alone on the GPU (a recall 
     --out "$OUT/train_ours_ws16.json"
   python3 benchmarks/train_step.py --set workspace_dtype=inputs --set factor_grads=registers --cases "o3 16x16" \
     --out "$OUT/train_ours_ws16_reg.json"
+}
+
+step_tunetrain() {  # issue 19's speed: the tuner's train bucket (forward + backward timed together, every
+  # trial's gradients checked against float64) at the benchmark's shape, then the timings with its
+  # winner (train_step.py reads the tuned table from this step's cache) beside the default's
+  timeout "${TUNE_S:-420}" python3 -m rtcompile.cli tune examples/order3_16x16.toml --phase train --batch 8 \
+    --seq-len 4096 --seconds "${TUNE_BUDGET_S:-330}" --workers 4 --storage "sqlite:///$OUT/tune_train.db" \
+    > "$OUT/tune_train.txt" 2>&1 || true
+  tail -n 15 "$OUT/tune_train.txt"
+  python3 benchmarks/train_step.py --cases "o3 16x16" --out "$OUT/train_tuned.json"
 }
 
 step_trainfla() {  # fla's forward + backward at K = 256 in a call of its own: its first backward
@@ -120,6 +130,6 @@ step_recalltests() {  # one call's worth: the recall comparison (its trainings l
 }
 
 for s in "$@"; do
-  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, traintests, traintime, recalltests, recallcompile, trainfla, sweep, bench, model, profiledecode, checks, recall)" >&2; exit 2; }
+  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, traintests, traintime, recalltests, recallcompile, tunetrain, trainfla, sweep, bench, model, profiledecode, checks, recall)" >&2; exit 2; }
   "step_$s"
 done
