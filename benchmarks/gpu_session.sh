@@ -36,13 +36,13 @@ step_traintests() {  # the backward on the GPU: gradient tests (-v into a file a
 
 step_traintime() {  # the forward + backward timings alone on the GPU (a recall run beside them would skew them)
   python3 benchmarks/train_step.py --out "$OUT/train_ours.json"
-  python3 benchmarks/train_step.py --set factor_grads=workspace --cases "o3 16x16,o3 32x32" \
-    --out "$OUT/train_ours_ws.json"
-  # the 16-bit workspaces (workspace_bytes: 1345 -> 993 MiB at o3 16x16), both forms of phi's gradients
-  python3 benchmarks/train_step.py --set workspace_dtype=inputs --cases "o3 16x16,o3 32x32" \
-    --out "$OUT/train_ours_ws16.json"
-  python3 benchmarks/train_step.py --set workspace_dtype=inputs --set factor_grads=registers --cases "o3 16x16" \
-    --out "$OUT/train_ours_ws16_reg.json"
+  # the former default's fp32 workspaces (3.44 ms, 1381 MiB at o3 16x16 against 3.29, 1029 on 2026-12-02)
+  python3 benchmarks/train_step.py --set workspace_dtype=float32 --cases "o3 16x16" --out "$OUT/train_ours_ws32.json"
+  # the split gradients kernels (grads_split, an experiment): at the default's key blocks and at 64
+  python3 benchmarks/train_step.py --set grads_split=True --cases "o3 16x16,o3 32x32,o4 16x16x16" \
+    --out "$OUT/train_ours_split.json"
+  python3 benchmarks/train_step.py --set grads_split=True --set block_k=64 --cases "o3 16x16,o3 32x32" \
+    --out "$OUT/train_ours_split64.json"
 }
 
 step_tunetrain() {  # issue 19's speed: the tuner's train bucket (forward + backward timed together, every

@@ -30,7 +30,7 @@ def main() -> int:
         changes = {}
         for item in filter(None, variant.split(",")):
             name, _, value = item.partition("=")
-            changes[name] = int(value) if value.isdigit() else value
+            changes[name] = int(value) if value.isdigit() else {"True": True, "False": False}.get(value, value)
         chunk_backward.default_backward = lambda shape, limit=None, c=changes: dataclasses.replace(base(shape, limit),
                                                                                                     **c)
         try:

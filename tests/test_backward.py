@@ -283,7 +283,8 @@ def test_default_and_space(shape, limit):
     # Fields that no resource estimate reads (any allowed value passes or fails alike) are
     # enumerated at their first value, and a random sample of the whole space shows they change
     # no check: the full product (up to 2.6 M configs) took 20-50 s per shape on the CPU machine.
-    free = ("grads_stages", "prepare_warps", "solve", "dot_precision", "factor_grads", "workspace_dtype")
+    free = ("grads_stages", "prepare_warps", "solve", "dot_precision", "factor_grads", "workspace_dtype",
+            "grads_split")
     found = list(iter_space(BackwardConfig, shape, {**space, **{n: space[n][:1] for n in free}}, limit))
     assert found and all(getattr(c, n) in vals for c in found for n, vals in space.items())
     rng = random.Random(0)
@@ -351,6 +352,10 @@ def _gpu_sweep():
         precisions = ("ieee", "tf32") if dtype != torch.float32 else ("ieee",)
         for prec in precisions:
             cases.append(pytest.param(dtype, [dataclasses.replace(base, dot_precision=prec)], id=f"{name}-{prec}"))
+        # the split gradients kernels (an experiment), at the default's tiles and at key blocks of 64
+        for bk in (base.block_k, 64):
+            cfg = dataclasses.replace(base, grads_split=True, block_k=bk)
+            cases.append(pytest.param(dtype, [cfg], id=f"{name}-split-bk{bk}"))
         if dtype != torch.float32:  # both workspace types, with either form of phi's gradients
             for wd, wname in (("inputs", "ws16"), ("float32", "ws32")):
                 for fg in ("workspace", "registers"):
@@ -427,3 +432,49 @@ def test_gradcheck_through_the_op(monkeypatch, widths):
 
     assert torch.autograd.gradcheck(f, tuple(leaves), eps=1e-3, atol=2e-3, rtol=2e-3, fast_mode=True)
     assert calls, "the Triton backward did not run"
+
+
+SPLIT_CASES = {  # (widths, T, config fields, gradient-check keywords)
+    "o2-32": ((32,), 37, {}, {}),
+    "o3-16x16": ((16, 16), 37, {}, {}),
+    "o3-16x16-bk16": ((16, 16), 21, {"block_k": 16}, {}),
+    "o3-16x16-no-gate": ((16, 16), 21, {}, {"gate": False}),
+    "o3-16x16-no-delta": ((16, 16), 21, {}, {"delta": False, "h0": False}),
+    "o3-16x16-plain": ((16, 16), 21, {}, {"gate": False, "delta": False, "l2norm": False}),
+    "o3-16x16-varlen": ((16, 16), 41, {}, {"offsets": [0, 9, 30, 41]}),
+    "o3-16x16-streamed": ((16, 16), 37, {"state_loop": "streamed", "state_block_k": 32, "num_stages": 1}, {}),
+    "o4-streamed": ((16, 16, 16), 21, {"state_loop": "streamed", "state_block_k": 256, "num_stages": 1}, {}),
+    "o3-16x16-bf16-ws16": ((16, 16), 37, {"workspace_dtype": "inputs"}, {"dtype": torch.bfloat16}),
+}
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", list(SPLIT_CASES))
+def test_split_gradients_kernels(case, monkeypatch):
+    """grads_split: the C x C gradients, the key-block programs and dg from the blocks' partial
+    sums give every gradient of the one-kernel form (against float64 autograd), partial chunks,
+    varlen, each feature off, the streamed loops; the split launches are what ran."""
+    from rtcompile.kernels import chunk_backward
+
+    calls = []
+    inner = chunk_backward._split_grads
+    monkeypatch.setattr(chunk_backward, "_split_grads", lambda *a, **kw: calls.append(1) or inner(*a, **kw))
+    widths, T, fields, kw = SPLIT_CASES[case]
+    fields = dict(fields)
+    config = BackwardConfig(chunk_size=16, block_v=16, block_k=fields.pop("block_k", 32), grads_split=True, **fields)
+    check_gradients(widths, T, 20, chunk_size=16, config=config, **kw)
+    assert calls == [1]
+
+
+def test_split_gradients_store_phi_gradients():
+    """grads_split stores phi's gradients whatever factor_grads says (its key-block programs
+    cannot sum a factor's gradient across blocks), and counts that workspace."""
+    shape = KernelShape((16, 16), 64, 2)
+    split = BackwardConfig(chunk_size=16, block_v=16, block_k=64, factor_grads="registers", grads_split=True)
+    assert split.check(shape) is None and split.phi_grads_stored(shape)
+    work = Workload(shape, 2, 3, 100, delta_rule=True, forget_gate=True)
+    one = dataclasses.replace(split, grads_split=False, factor_grads="workspace")
+    # dGq and dGs (C fp32 each), dc and the 4 key blocks' shares (fp32) per token
+    assert split.workspace_bytes(work) - one.workspace_bytes(work) == work.rows * (2 * 4 * 16 + 4 * (1 + 4))
+    assert split.figures(work).launches == one.figures(work).launches + 2
+    assert BackwardConfig(chunk_size=16, block_v=16, grads_split=1).check(shape) is not None

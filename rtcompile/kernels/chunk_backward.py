@@ -15,7 +15,7 @@ delta rule); P = Gq * D; O = s (diag(Gamma) phi(Q) S + P U); S' = gamma S + phi(
     db = rowsum(dR' * R) + rowsum(dA * Gk * D)
     dc: the D, Gamma, r and gamma terms; dg = the reverse cumulative sum of dc within the chunk
 
-Four or five launches (``_launch``):
+Four to seven launches (``_launch``):
 
 1. prepare (``chunk_prepare.prepare_backward``): the scores P and the inverse T ([T, C] fp32
    each), the cumulative log decay, and for the resident state loops phi(K) and phi(Q)
@@ -34,6 +34,14 @@ Four or five launches (``_launch``):
    ``block_k`` columns: dv, dbeta, dg and, with ``factor_grads="registers"``, every factor's
    gradient (phi's contracted to the factors in registers), else phi(Q)'s and phi(K)'s ([T, K]
    fp32 each; always at order 2, whose one factor is phi);
+   With ``grads_split`` (an experiment, untimed on a GPU) step 4 is three launches instead: the
+   value pass and the C x C gradients per chunk (``chunk_bwd_cc_kernel``: dv, dbeta, and dGq,
+   dGs stored, fp32 C per token each), phi's gradients per chunk and key block
+   (``chunk_bwd_key_block_kernel``, K / block_k times the programs), dg from the blocks' partial
+   sums (``chunk_bwd_dg_kernel``); phi's gradients are then stored. Compiled offline for sm_90
+   (Triton 3.9, o3 16x16, ``benchmarks/probe_offline.py --backward``): the one kernel takes 255
+   registers and spills 168 B a thread at 8 warps; split, 220 and 127 (key blocks of 64) with no
+   spill, so two key-block programs fit an SM;
 5. (phi's gradients stored) ``chunk_backward_grads.phi_grads_to_factors_kernel``,
    token-parallel: phi's gradients to the factors, through the l2norm.
 
@@ -68,7 +76,10 @@ from . import args
 from .args import contiguous_inputs, dot_dtype, factor_args, lowp_dots, width_args
 from .blocks import dot, first_stored_state, sequence_of_program
 from .chunk_backward_streamed import recompute_streamed, state_grads_streamed
-from .chunk_backward_grads import chunk_bwd_grads_kernel, phi_grads_to_factors_kernel, stored_log_decay
+from .chunk_backward_grads import (
+    chunk_bwd_cc_kernel, chunk_bwd_dg_kernel, chunk_bwd_grads_kernel, chunk_bwd_key_block_kernel,
+    phi_grads_to_factors_kernel, stored_log_decay,
+)
 from .chunk_prepare import chunk_indices, prepare_backward
 from .chunk_resident import MATERIALISE_MAX_K, kronecker_factor_grads, materialise_phi, materialised
 from .chunk_split import KEY_GROUPS, SplitConfig, chunk_split_state_kernel
@@ -135,6 +146,11 @@ class BackwardConfig(KernelConfig):
     state_block_k: int = 128
     factor_grads: str = "registers"
     workspace_dtype: str = "float32"
+    # an experiment, untimed: the gradients kernel split in three (the C x C gradients once per
+    # chunk, one program per chunk and key block for phi's gradients, dg from the blocks' partial
+    # sums), for more and smaller programs than one per chunk holding everything; phi's
+    # gradients are then always stored (``factor_grads`` does not apply)
+    grads_split: bool = False
 
     def resident(self, shape: KernelShape) -> bool:
         return self.state_loop == "resident"
@@ -161,6 +177,8 @@ class BackwardConfig(KernelConfig):
         if self.state_loop == "resident" and shape.key_dim > MAX_KEY_DIM:
             return (f"state_loop='resident' holds the [K, block_v] state in registers up to K = {MAX_KEY_DIM}, "
                     f"got K = {shape.key_dim}; use state_loop='streamed'")
+        if not isinstance(self.grads_split, bool):
+            return f"grads_split={self.grads_split!r}; allowed: False, True"
         if self.num_stages < 2 and self.state_loop == "resident":
             return f"num_stages={self.num_stages}; allowed: 2, 3 or 4 (the split state loop's rule; 1 streamed)"
         return resource_refusal(self, shape, smem_limit, "; try a smaller chunk_size, block_v or block_k")
@@ -210,6 +228,7 @@ class BackwardConfig(KernelConfig):
             "state_block_k": [b for b in STATE_BLOCK_KS if b <= shape.key_dim_pow2],
             "factor_grads": list(FACTOR_GRADS),
             "workspace_dtype": list(WORKSPACE_DTYPES) if shape.input_bytes == 2 else ["float32"],
+            "grads_split": [False, True],
         }
 
     def workspace_bytes(self, w: Workload) -> int:
@@ -218,7 +237,9 @@ class BackwardConfig(KernelConfig):
         order 2, whose factor is phi); resident state loops: phi(K) and phi(Q) (the products'
         type, K each); streamed: the running state and state gradient (fp32, K V each, once);
         with the delta rule the inverse (fp32, C) and R (V); with gates the cumulative log decay
-        (fp32). U, R, dU and phi's gradients take :meth:`workspace_bytes_per_element`. (The
+        (fp32); ``grads_split``: dGq (and dGs) per token, C fp32 each, and with gates dc and
+        each key block's share of it. U, R, dU and phi's gradients take
+        :meth:`workspace_bytes_per_element`. (The
         initial state's gradient, an output, is formed in an fp32 buffer of the state's size and
         cast to the state's dtype.)"""
         K, V, C = w.shape.key_dim, w.shape.value_width, self.chunk_size
@@ -235,6 +256,10 @@ class BackwardConfig(KernelConfig):
             per_token += 4 * C + e * V
         if w.forget_gate:
             per_token += 4
+        if self.grads_split:  # dGq (and dGs), fp32 C each; dc and each key block's share of it
+            per_token += 4 * C * (2 if w.delta_rule else 1)
+            if w.forget_gate:
+                per_token += 4 * (1 + math.ceil(K / min(self.block_k, w.shape.key_dim_pow2)))
         return 2 * chunks * K * V * dot + w.rows * per_token + running
 
     def workspace_bytes_per_element(self, shape: KernelShape) -> int:
@@ -243,14 +268,14 @@ class BackwardConfig(KernelConfig):
 
     def phi_grads_stored(self, shape: KernelShape) -> bool:
         """Are phi's gradients stored ([T, K] each) and contracted by a fifth launch?"""
-        return self.factor_grads == "workspace" or len(shape.key_widths) == 1
+        return self.factor_grads == "workspace" or len(shape.key_widths) == 1 or self.grads_split
 
     def figures(self, w: Workload) -> CostFigures:
         # two sequential passes over the chunks (recompute, state gradient), the state crossing
         # HBM four times per chunk (S and dS' each stored and read once)
         return CostFigures(programs=chunk_programs(w, self.block_v), serial_steps=2 * chunk_count(w, self.chunk_size),
                            state_passes=4 * chunk_count(w, self.chunk_size), workspace_bytes=self.workspace_bytes(w),
-                           launches=5 if self.phi_grads_stored(w.shape) else 4)
+                           launches=(5 if self.phi_grads_stored(w.shape) else 4) + (2 if self.grads_split else 0))
 
 
 def shape_refusal(shape: KernelShape) -> str | None:
@@ -506,6 +531,35 @@ def _resident_state_loops(config: BackwardConfig, p: Problem, ws: dict, v, beta,
     return Hc, Uc, Rc, dHc, dUc, dh0
 
 
+def _split_grads(config: BackwardConfig, p: Problem, q, k, v, g, beta, do, ws: dict, Hc, dHc, Uc, Rc, dUc, dQp, dKp,
+                 dv, dg, dbeta, cu_seqlens, idx, grid: tuple, widths: dict, l2norm: bool) -> None:
+    """Step 4 in three launches (``grads_split``): the C x C gradients per chunk
+    (:func:`chunk_bwd_cc_kernel`: dv, dbeta, dGq, dGs, dc's share), phi's gradients per chunk and
+    key block (:func:`chunk_bwd_key_block_kernel`), then dg (:func:`chunk_bwd_dg_kernel`)."""
+    B, T, H, V = v.shape
+    C, K, dev = config.chunk_size, p.key_dim, v.device
+    bk = min(config.block_k, K)
+    nkb = triton.cdiv(K, bk)
+    rows = B * H * T
+    consts = {"H": H, "NF": len(q), **widths, "V": V, "C": C, "BK": bk, "BV": config.block_v, "L2NORM": l2norm,
+              "PREC": config.dot_precision}
+    dGq = args.empty(B, H, T, C, dtype=torch.float32, device=dev)
+    dGs = args.empty(B, H, T, C, dtype=torch.float32, device=dev) if beta is not None else None
+    dc = args.empty(B, H, T, dtype=torch.float32, device=dev) if g is not None else None
+    dc_part = args.empty(nkb, B, H, T, dtype=torch.float32, device=dev) if g is not None else None
+    chunk_bwd_cc_kernel[grid](
+        *factor_args(k), ws["P"], ws["Ai"], ws["Gc"], v, beta, do, Uc, Rc, dUc, dGq, dGs, dv, dbeta, dc, cu_seqlens,
+        idx, p.scale, T, **consts, num_warps=config.grads_warps, num_stages=config.grads_stages,
+    )
+    chunk_bwd_key_block_kernel[(*grid, nkb)](
+        *factor_args(q), *factor_args(k), ws["Qw"], ws["Kw"], ws["Gc"], do, Hc, dHc, Uc, dv, dGq, dGs, dQp, dKp,
+        dc_part, cu_seqlens, idx, p.scale, T, rows, **consts, num_warps=config.grads_warps,
+        num_stages=config.grads_stages,
+    )
+    if g is not None:
+        chunk_bwd_dg_kernel[grid](dc, dc_part, dg, cu_seqlens, idx, T, rows, H=H, C=C, NKB=nkb, num_warps=4)
+
+
 def _launch(config: BackwardConfig, p: Problem, q, k, v, g, beta, h0, cu_seqlens, l2norm: bool, do, dht):
     B, T, H, V = v.shape
     C, K, bv, dev = config.chunk_size, p.key_dim, config.block_v, v.device
@@ -545,12 +599,16 @@ def _launch(config: BackwardConfig, p: Problem, q, k, v, g, beta, h0, cu_seqlens
     dbeta = args.empty(beta.shape, dtype=beta.dtype, device=dev) if beta is not None else None
     widths = {n: w for n, w in width_args(p.key_widths, 16).items() if not n.startswith("BD")}
     grid = (idx.shape[0], H) if varlen else (n_chunks[0], B * H)
-    chunk_bwd_grads_kernel[grid](
-        *factor_args(q), *factor_args(k), ws["Qw"], ws["Kw"], ws["P"], ws["Ai"], ws["Gc"], v, beta, do, Hc, dHc, Uc, Rc, dUc,
-        *factor_args(dq), *factor_args(dk), dQp, dKp, dv, dg, dbeta, cu_seqlens, idx, p.scale, T,
-        H=H, NF=len(q), **widths, V=V, C=C, BK=min(config.block_k, K), BV=bv, L2NORM=l2norm, PREC=prec,
-        num_warps=config.grads_warps, num_stages=config.grads_stages,
-    )
+    if config.grads_split:
+        _split_grads(config, p, q, k, v, g, beta, do, ws, Hc, dHc, Uc, Rc, dUc, dQp, dKp, dv, dg, dbeta, cu_seqlens,
+                     idx, grid, widths, l2norm)
+    else:
+        chunk_bwd_grads_kernel[grid](
+            *factor_args(q), *factor_args(k), ws["Qw"], ws["Kw"], ws["P"], ws["Ai"], ws["Gc"], v, beta, do, Hc, dHc, Uc,
+            Rc, dUc, *factor_args(dq), *factor_args(dk), dQp, dKp, dv, dg, dbeta, cu_seqlens, idx, p.scale, T,
+            H=H, NF=len(q), **widths, V=V, C=C, BK=min(config.block_k, K), BV=bv, L2NORM=l2norm, PREC=prec,
+            num_warps=config.grads_warps, num_stages=config.grads_stages,
+        )
     del ws, Hc, dHc, Uc, Rc, dUc
     if stored:  # 5. phi's gradients to the factors, through the l2norm, token-parallel
         rows = B * T * H

@@ -222,10 +222,10 @@ def _key_gram(k1, b_k1, b_k2, b_k3, b_rho, r, m_t, NF: tl.constexpr, C: tl.const
 
 
 @triton.jit
-def _side_tiles(x1, x2, x3, r, m_t, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+def _side_norms(x1, x2, x3, r, m_t, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
                 L2NORM: tl.constexpr):
-    """One side's normalised factor tiles (NF >= 2; NF 1: placeholders, phi read per block) and
-    each factor's 1 / ||x_i|| per row (with L2NORM, else ones)."""
+    """Each factor's 1 / ||x_i|| per row (with L2NORM, else ones): what a phi block built from
+    the factors scales by."""
     b_rho1 = tl.full(m_t.shape, 1.0, tl.float32)
     b_rho2, b_rho3 = b_rho1, b_rho1
     if L2NORM:
@@ -234,6 +234,15 @@ def _side_tiles(x1, x2, x3, r, m_t, NF: tl.constexpr, D1: tl.constexpr, D2: tl.c
             b_rho2 = factor_inv_norm(x2, r[:, None], m_t[:, None], D2, D2)
         if NF > 2:
             b_rho3 = factor_inv_norm(x3, r[:, None], m_t[:, None], D3, D3)
+    return b_rho1, b_rho2, b_rho3
+
+
+@triton.jit
+def _side_tiles(x1, x2, x3, r, m_t, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+                L2NORM: tl.constexpr):
+    """One side's normalised factor tiles (NF >= 2; NF 1: placeholders, phi read per block) and
+    each factor's 1 / ||x_i|| per row (with L2NORM, else ones)."""
+    b_rho1, b_rho2, b_rho3 = _side_norms(x1, x2, x3, r, m_t, NF, D1, D2, D3, L2NORM)
     if NF == 1:
         b_x1 = b_rho1[:, None]
         b_x2, b_x3 = b_x1, b_x1
@@ -278,6 +287,39 @@ def _cc_grads(b_dP, b_dT, b_db, b_dc, b_P, b_Ai, b_b, b_c, b_gk, scale, C: tl.co
 
 
 @triton.jit
+def _chunk_rows(T, H: tl.constexpr, C: tl.constexpr, cu_seqlens, chunk_indices):
+    """The program's chunk rows (program axis 0: chunk, or pair of ``chunk_indices`` when varlen;
+    axis 1: sequence x head): token offsets, their mask, the token-head rows ``r`` of [B, T, H, ..]
+    tensors, the rows ``p_row`` of [B, H, T, ..] workspaces, the chunk's last valid row index
+    among ``o_c``, the last token's ``p_row``, and the state chunk index."""
+    i_nh = tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    i_c, bos, eos, i_b, i_s = chunk_of_program(tl.program_id(0), i_n, T, cu_seqlens, chunk_indices, chunk_indices, C)
+    o_c = tl.arange(0, C)
+    tok = bos + i_c * C + o_c
+    m_t = tok < eos
+    r = (i_b * T + tok) * H + i_h
+    p_row = (i_b * H + i_h) * T + tok
+    n_valid = tl.minimum(bos + i_c * C + C, eos) - (bos + i_c * C)
+    p_last = (i_b * H + i_h) * T + bos + i_c * C + n_valid - 1
+    return o_c, m_t, r, p_row, n_valid - 1, p_last, i_s, i_h
+
+
+@triton.jit
+def _chunk_scores(P, Ai, beta, r, p_row, m_t, o_c, C: tl.constexpr, USE_BETA: tl.constexpr):
+    """The prepare kernel's scores P and inverse T (``Ai``; zeros without the delta rule) of the
+    chunk and beta (zeros without), fp32, and the [C, C] workspace offsets ``off_w``."""
+    off_w = p_row[:, None] * C + o_c[None, :]
+    b_P = tl.load(P + off_w, mask=m_t[:, None], other=0.0)
+    b_b = tl.zeros([C], dtype=tl.float32)
+    b_Ai = tl.zeros([C, C], dtype=tl.float32)
+    if USE_BETA:
+        b_b = tl.load(beta + r, mask=m_t, other=0.0).to(tl.float32)
+        b_Ai = tl.load(Ai + off_w, mask=m_t[:, None], other=0.0)
+    return b_P, b_Ai, b_b, off_w
+
+
+@triton.jit
 def chunk_bwd_grads_kernel(
     q1, q2, q3, k1, k2, k3, Qw, Kw, P, Ai, Gc, v, beta, do, Hc, dHc, Uc, Rc, dUc, dq1, dq2, dq3, dk1, dk2, dk3, dQp, dKp,
     dv, dg, dbeta, cu_seqlens, chunk_indices, scale, T, H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr,
@@ -294,24 +336,11 @@ def chunk_bwd_grads_kernel(
     ``dUc``: the state-gradient loop's. ``Gc`` / ``beta`` None: no gates / no delta rule."""
     USE_BETA: tl.constexpr = beta is not None
     K: tl.constexpr = D1 * D2 * D3
-    i_nh = tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
-    i_c, bos, eos, i_b, i_s = chunk_of_program(tl.program_id(0), i_n, T, cu_seqlens, chunk_indices, chunk_indices, C)
-    o_c = tl.arange(0, C)
-    tok = bos + i_c * C + o_c
-    m_t = tok < eos
-    r = (i_b * T + tok) * H + i_h
-    p_row = (i_b * H + i_h) * T + tok
-    b_c, b_last = stored_log_decay(Gc, p_row, m_t, (i_b * H + i_h) * T + tl.minimum(bos + i_c * C + C, eos) - 1, C)
+    o_c, m_t, r, p_row, i_last, p_last, i_s, i_h = _chunk_rows(T, H, C, cu_seqlens, chunk_indices)
+    b_c, b_last = stored_log_decay(Gc, p_row, m_t, p_last, C)
     b_gam = tl.exp(b_c)
     b_r = tl.exp(b_last - b_c)
-    off_w = p_row[:, None] * C + o_c[None, :]
-    b_P = tl.load(P + off_w, mask=m_t[:, None], other=0.0)
-    b_b = tl.zeros([C], dtype=tl.float32)
-    b_Ai = tl.zeros([C, C], dtype=tl.float32)
-    if USE_BETA:
-        b_b = tl.load(beta + r, mask=m_t, other=0.0).to(tl.float32)
-        b_Ai = tl.load(Ai + off_w, mask=m_t[:, None], other=0.0)
+    b_P, b_Ai, b_b, off_w = _chunk_scores(P, Ai, beta, r, p_row, m_t, o_c, C, USE_BETA)
     b_dP, b_dT, b_db, b_dc, b_dlast = _value_pass(b_P, b_Ai, b_b, v, do, Uc, Rc, dUc, dv, r, m_t, scale, V, C,
                                                   BV, USE_BETA, PREC)
     b_q1, b_q2, b_q3, rq1, rq2, rq3 = _side_tiles(q1, q2, q3, r, m_t, NF, D1, D2, D3, L2NORM)
@@ -436,3 +465,93 @@ def phi_grads_to_factors_kernel(
                                                       D1, D2, D3, L2NORM)
     _side_to_factors(dQp, q1, q2, q3, dq1, dq2, dq3, b_q1, b_q2, b_q3, r, m_t, NF, BT, D1, D2, D3, L2NORM)
     _side_to_factors(dKp, k1, k2, k3, dk1, dk2, dk3, b_k1, b_k2, b_k3, r, m_t, NF, BT, D1, D2, D3, L2NORM)
+
+
+# ----- the split form (``BackwardConfig.grads_split``): the C x C gradients once per chunk, the
+# key blocks in programs of their own, dg from the blocks' partial sums -----
+@triton.jit
+def chunk_bwd_cc_kernel(
+    k1, k2, k3, P, Ai, Gc, v, beta, do, Uc, Rc, dUc, dGq, dGs, dv, dbeta, dc, cu_seqlens, chunk_indices, scale, T,
+    H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, V: tl.constexpr,
+    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr,
+):
+    """The split form's first kernel, one program per (chunk, head): the value pass (dv stored)
+    and the C x C gradients: dGq and, with the delta rule, dGs stored ([B, H, T, C] fp32) for the
+    key-block kernel; dbeta stored; dc's shares that need no key block into ``dc`` ([B, H, T]
+    fp32, c_last's share on the chunk's last row; gates only)."""
+    USE_BETA: tl.constexpr = beta is not None
+    o_c, m_t, r, p_row, i_last, p_last, i_s, i_h = _chunk_rows(T, H, C, cu_seqlens, chunk_indices)
+    b_c, b_last = stored_log_decay(Gc, p_row, m_t, p_last, C)
+    b_P, b_Ai, b_b, off_w = _chunk_scores(P, Ai, beta, r, p_row, m_t, o_c, C, USE_BETA)
+    b_dP, b_dT, b_db, b_dc, b_dlast = _value_pass(b_P, b_Ai, b_b, v, do, Uc, Rc, dUc, dv, r, m_t, scale, V, C,
+                                                  BV, USE_BETA, PREC)
+    b_gk = b_P
+    if USE_BETA:
+        b_k1, b_k2, b_k3, rk1, rk2, rk3 = _side_tiles(k1, k2, k3, r, m_t, NF, D1, D2, D3, L2NORM)
+        b_gk = _key_gram(k1, b_k1, b_k2, b_k3, rk1, r, m_t, NF, C, BK, D1, D2, D3, PREC)
+    b_dGq, b_dGs, b_db, b_dc = _cc_grads(b_dP, b_dT, b_db, b_dc, b_P, b_Ai, b_b, b_c, b_gk, scale, C, USE_BETA,
+                                         PREC)
+    tl.store(dGq + off_w, b_dGq, mask=m_t[:, None])
+    if USE_BETA:
+        tl.store(dGs + off_w, b_dGs, mask=m_t[:, None])
+        tl.store(dbeta + r, b_db.to(dbeta.dtype.element_ty), mask=m_t)
+    if Gc is not None:
+        # padded rows add nothing to dc, so c_last's share may sit on the last valid row
+        tl.store(dc + p_row, b_dc + tl.where(o_c == i_last, b_dlast, 0.0), mask=m_t)
+
+
+@triton.jit
+def chunk_bwd_key_block_kernel(
+    q1, q2, q3, k1, k2, k3, Qw, Kw, Gc, do, Hc, dHc, Uc, dv, dGq, dGs, dQp, dKp, dc_part, cu_seqlens, chunk_indices,
+    scale, T, rows, H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+    V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """The split form's second kernel, one program per (chunk, head, key block ``program_id(2)``):
+    phi(Q)'s and phi(K)'s gradients at the block's columns, stored to ``dQp`` / ``dKp``
+    ([B, T, H, K] in the workspace type), from the first kernel's dGq, dGs and dv (dR) and the
+    state loops' S, dS', U; dc's share of the block (with c_last's on the chunk's last row) into
+    ``dc_part[program_id(2)]`` (``rows`` = B H T apart; gates only). ``dGs`` None: no delta rule."""
+    USE_BETA: tl.constexpr = dGs is not None
+    K: tl.constexpr = D1 * D2 * D3
+    i_k = tl.program_id(2)
+    o_c, m_t, r, p_row, i_last, p_last, i_s, i_h = _chunk_rows(T, H, C, cu_seqlens, chunk_indices)
+    b_c, b_last = stored_log_decay(Gc, p_row, m_t, p_last, C)
+    b_gam = tl.exp(b_c)
+    b_r = tl.exp(b_last - b_c)
+    # (the norms go unused where phi comes normalised from the resident loops' workspaces)
+    rq1, rq2, rq3 = _side_norms(q1, q2, q3, r, m_t, NF, D1, D2, D3, L2NORM)
+    rk1, rk2, rk3 = _side_norms(k1, k2, k3, r, m_t, NF, D1, D2, D3, L2NORM)
+    off_w = p_row[:, None] * C + o_c[None, :]
+    b_dGq = tl.load(dGq + off_w, mask=m_t[:, None], other=0.0)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = m_t[:, None] & (o_k < K)[None, :]
+    off_s = (i_s * H + i_h) * K * V
+    b_q = _side_block(Qw, q1, q2, q3, rq1, rq2, rq3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
+    b_k = _side_block(Kw, k1, k2, k3, rk1, rk2, rk3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
+    b_dq = (scale * b_gam)[:, None] * _query_state_terms(do, Hc, r, m_t, o_k, off_s, V, C, BK, BV, PREC)
+    b_dc = tl.sum(b_dq * b_q, axis=1)
+    b_dq += f32dot(b_dGq, b_k, PREC)
+    tl.store(dQp + r[:, None] * K + o_k[None, :], b_dq.to(dQp.dtype.element_ty), mask=m_k)
+    b_ks, b_xs, b_sds = _key_state_terms(Uc, dv, Hc, dHc, r, m_t, o_k, off_s, V, C, BK, BV, USE_BETA, PREC)
+    b_dk = b_r[:, None] * b_ks - b_gam[:, None] * b_xs + f32dot(tl.trans(b_dGq), b_q, PREC)
+    if USE_BETA:
+        b_dk += f32dot(tl.load(dGs + off_w, mask=m_t[:, None], other=0.0), b_k, PREC)
+    tl.store(dKp + r[:, None] * K + o_k[None, :], b_dk.to(dKp.dtype.element_ty), mask=m_k)
+    if Gc is not None:
+        b_dc += tl.where(o_c == i_last, tl.exp(b_last) * b_sds, 0.0)
+        tl.store(dc_part + i_k * rows + p_row, b_dc, mask=m_t)
+
+
+@triton.jit
+def chunk_bwd_dg_kernel(dc, dc_part, dg, cu_seqlens, chunk_indices, T, rows, H: tl.constexpr, C: tl.constexpr,
+                        NKB: tl.constexpr):
+    """The split form's last kernel, one program per (chunk, head): dc = the first kernel's share
+    + every key block's (``dc_part``, ``NKB`` x ``rows``), then dg_t = the sum of dc over the
+    chunk's rows from t on."""
+    o_c, m_t, r, p_row, i_last, p_last, i_s, i_h = _chunk_rows(T, H, C, cu_seqlens, chunk_indices)
+    b_dc = tl.load(dc + p_row, mask=m_t, other=0.0)
+    for i_k in range(NKB):
+        b_dc += tl.load(dc_part + i_k * rows + p_row, mask=m_t, other=0.0)
+    b_dg = tl.sum(b_dc, axis=0) - tl.cumsum(b_dc, axis=0) + b_dc
+    tl.store(dg + r, b_dg.to(dg.dtype.element_ty), mask=m_t)
