@@ -457,8 +457,8 @@ def test_split_gradients_kernels(case, monkeypatch):
     from rtcompile.kernels import chunk_backward
 
     calls = []
-    inner = chunk_backward._split_grads
-    monkeypatch.setattr(chunk_backward, "_split_grads", lambda *a, **kw: calls.append(1) or inner(*a, **kw))
+    inner = chunk_backward.split_grads
+    monkeypatch.setattr(chunk_backward, "split_grads", lambda *a, **kw: calls.append(1) or inner(*a, **kw))
     widths, T, fields, kw = SPLIT_CASES[case]
     fields = dict(fields)
     config = BackwardConfig(chunk_size=16, block_v=16, block_k=fields.pop("block_k", 32), grads_split=True, **fields)

@@ -33,15 +33,8 @@ Four to seven launches (``_launch``):
 4. ``chunk_backward_grads.chunk_bwd_grads_kernel``, chunk-parallel, over key blocks of
    ``block_k`` columns: dv, dbeta, dg and, with ``factor_grads="registers"``, every factor's
    gradient (phi's contracted to the factors in registers), else phi(Q)'s and phi(K)'s ([T, K]
-   fp32 each; always at order 2, whose one factor is phi);
-   With ``grads_split`` (an experiment, untimed on a GPU) step 4 is three launches instead: the
-   value pass and the C x C gradients per chunk (``chunk_bwd_cc_kernel``: dv, dbeta, and dGq,
-   dGs stored, fp32 C per token each), phi's gradients per chunk and key block
-   (``chunk_bwd_key_block_kernel``, K / block_k times the programs), dg from the blocks' partial
-   sums (``chunk_bwd_dg_kernel``); phi's gradients are then stored. Compiled offline for sm_90
-   (Triton 3.9, o3 16x16, ``benchmarks/probe_offline.py --backward``): the one kernel takes 255
-   registers and spills 168 B a thread at 8 warps; split, 220 and 127 (key blocks of 64) with no
-   spill, so two key-block programs fit an SM;
+   fp32 each; always at order 2, whose one factor is phi); with ``grads_split`` (an experiment)
+   three launches instead (``chunk_backward_split``);
 5. (phi's gradients stored) ``chunk_backward_grads.phi_grads_to_factors_kernel``,
    token-parallel: phi's gradients to the factors, through the l2norm.
 
@@ -76,10 +69,8 @@ from . import args
 from .args import contiguous_inputs, dot_dtype, factor_args, lowp_dots, width_args
 from .blocks import dot, first_stored_state, sequence_of_program
 from .chunk_backward_streamed import recompute_streamed, state_grads_streamed
-from .chunk_backward_grads import (
-    chunk_bwd_cc_kernel, chunk_bwd_dg_kernel, chunk_bwd_grads_kernel, chunk_bwd_key_block_kernel,
-    phi_grads_to_factors_kernel, stored_log_decay,
-)
+from .chunk_backward_grads import chunk_bwd_grads_kernel, phi_grads_to_factors_kernel, stored_log_decay
+from .chunk_backward_split import split_grads
 from .chunk_prepare import chunk_indices, prepare_backward
 from .chunk_resident import MATERIALISE_MAX_K, kronecker_factor_grads, materialise_phi, materialised
 from .chunk_split import KEY_GROUPS, SplitConfig, chunk_split_state_kernel
@@ -531,35 +522,6 @@ def _resident_state_loops(config: BackwardConfig, p: Problem, ws: dict, v, beta,
     return Hc, Uc, Rc, dHc, dUc, dh0
 
 
-def _split_grads(config: BackwardConfig, p: Problem, q, k, v, g, beta, do, ws: dict, Hc, dHc, Uc, Rc, dUc, dQp, dKp,
-                 dv, dg, dbeta, cu_seqlens, idx, grid: tuple, widths: dict, l2norm: bool) -> None:
-    """Step 4 in three launches (``grads_split``): the C x C gradients per chunk
-    (:func:`chunk_bwd_cc_kernel`: dv, dbeta, dGq, dGs, dc's share), phi's gradients per chunk and
-    key block (:func:`chunk_bwd_key_block_kernel`), then dg (:func:`chunk_bwd_dg_kernel`)."""
-    B, T, H, V = v.shape
-    C, K, dev = config.chunk_size, p.key_dim, v.device
-    bk = min(config.block_k, K)
-    nkb = triton.cdiv(K, bk)
-    rows = B * H * T
-    consts = {"H": H, "NF": len(q), **widths, "V": V, "C": C, "BK": bk, "BV": config.block_v, "L2NORM": l2norm,
-              "PREC": config.dot_precision}
-    dGq = args.empty(B, H, T, C, dtype=torch.float32, device=dev)
-    dGs = args.empty(B, H, T, C, dtype=torch.float32, device=dev) if beta is not None else None
-    dc = args.empty(B, H, T, dtype=torch.float32, device=dev) if g is not None else None
-    dc_part = args.empty(nkb, B, H, T, dtype=torch.float32, device=dev) if g is not None else None
-    chunk_bwd_cc_kernel[grid](
-        *factor_args(k), ws["P"], ws["Ai"], ws["Gc"], v, beta, do, Uc, Rc, dUc, dGq, dGs, dv, dbeta, dc, cu_seqlens,
-        idx, p.scale, T, **consts, num_warps=config.grads_warps, num_stages=config.grads_stages,
-    )
-    chunk_bwd_key_block_kernel[(*grid, nkb)](
-        *factor_args(q), *factor_args(k), ws["Qw"], ws["Kw"], ws["Gc"], do, Hc, dHc, Uc, dv, dGq, dGs, dQp, dKp,
-        dc_part, cu_seqlens, idx, p.scale, T, rows, **consts, num_warps=config.grads_warps,
-        num_stages=config.grads_stages,
-    )
-    if g is not None:
-        chunk_bwd_dg_kernel[grid](dc, dc_part, dg, cu_seqlens, idx, T, rows, H=H, C=C, NKB=nkb, num_warps=4)
-
-
 def _launch(config: BackwardConfig, p: Problem, q, k, v, g, beta, h0, cu_seqlens, l2norm: bool, do, dht):
     B, T, H, V = v.shape
     C, K, bv, dev = config.chunk_size, p.key_dim, config.block_v, v.device
@@ -600,8 +562,8 @@ def _launch(config: BackwardConfig, p: Problem, q, k, v, g, beta, h0, cu_seqlens
     widths = {n: w for n, w in width_args(p.key_widths, 16).items() if not n.startswith("BD")}
     grid = (idx.shape[0], H) if varlen else (n_chunks[0], B * H)
     if config.grads_split:
-        _split_grads(config, p, q, k, v, g, beta, do, ws, Hc, dHc, Uc, Rc, dUc, dQp, dKp, dv, dg, dbeta, cu_seqlens,
-                     idx, grid, widths, l2norm)
+        split_grads(config, p, q, k, v, g, beta, do, ws, Hc, dHc, Uc, Rc, dUc, dQp, dKp, dv, dg, dbeta, cu_seqlens,
+                    idx, grid, widths, l2norm)
     else:
         chunk_bwd_grads_kernel[grid](
             *factor_args(q), *factor_args(k), ws["Qw"], ws["Kw"], ws["P"], ws["Ai"], ws["Gc"], v, beta, do, Hc, dHc, Uc,

@@ -1,0 +1,146 @@
+"""The split form of the backward's step 4 (``BackwardConfig.grads_split``, an experiment,
+untimed on a GPU): three launches where :func:`chunk_backward_grads.chunk_bwd_grads_kernel` is
+one. The value pass and the C x C gradients once per chunk (:func:`chunk_bwd_cc_kernel`: dv,
+dbeta, and dGq, dGs stored, fp32 C per token each), phi's gradients per chunk *and key block*
+(:func:`chunk_bwd_key_block_kernel`: K / block_k times the programs, each holding one key block),
+dg from the blocks' partial sums (:func:`chunk_bwd_dg_kernel`); phi's gradients are stored and
+contracted to the factors by the token-parallel kernel, as ``factor_grads="workspace"``.
+
+Why: the one kernel is ~5x its own memory floor on the H200 (1.93 of 3.31 ms at o3 16x16),
+so latency-bound; compiled offline for sm_90 (Triton 3.9, o3 16x16, ``benchmarks/
+probe_offline.py --backward``) it takes 255 registers and spills 168 B a thread at 8 warps,
+where the split kernels take 220 and 127 (key blocks of 64) with no spill, so two key-block
+programs fit an SM. Notation as ``chunk_backward_grads``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import args
+from .args import factor_args
+from .chunk_backward_grads import (
+    _chunk_rows, _chunk_scores, _cc_grads, _key_gram, _key_state_terms, _query_state_terms, _side_block, _side_norms,
+    _side_tiles, _value_pass, f32dot, stored_log_decay,
+)
+
+
+@triton.jit
+def chunk_bwd_cc_kernel(
+    k1, k2, k3, P, Ai, Gc, v, beta, do, Uc, Rc, dUc, dGq, dGs, dv, dbeta, dc, cu_seqlens, chunk_indices, scale, T,
+    H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, V: tl.constexpr,
+    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr,
+):
+    """The split form's first kernel, one program per (chunk, head): the value pass (dv stored)
+    and the C x C gradients: dGq and, with the delta rule, dGs stored ([B, H, T, C] fp32) for the
+    key-block kernel; dbeta stored; dc's shares that need no key block into ``dc`` ([B, H, T]
+    fp32, c_last's share on the chunk's last row; gates only)."""
+    USE_BETA: tl.constexpr = beta is not None
+    o_c, m_t, r, p_row, i_last, p_last, i_s, i_h = _chunk_rows(T, H, C, cu_seqlens, chunk_indices)
+    b_c, b_last = stored_log_decay(Gc, p_row, m_t, p_last, C)
+    b_P, b_Ai, b_b, off_w = _chunk_scores(P, Ai, beta, r, p_row, m_t, o_c, C, USE_BETA)
+    b_dP, b_dT, b_db, b_dc, b_dlast = _value_pass(b_P, b_Ai, b_b, v, do, Uc, Rc, dUc, dv, r, m_t, scale, V, C,
+                                                  BV, USE_BETA, PREC)
+    b_gk = b_P
+    if USE_BETA:
+        b_k1, b_k2, b_k3, rk1, rk2, rk3 = _side_tiles(k1, k2, k3, r, m_t, NF, D1, D2, D3, L2NORM)
+        b_gk = _key_gram(k1, b_k1, b_k2, b_k3, rk1, r, m_t, NF, C, BK, D1, D2, D3, PREC)
+    b_dGq, b_dGs, b_db, b_dc = _cc_grads(b_dP, b_dT, b_db, b_dc, b_P, b_Ai, b_b, b_c, b_gk, scale, C, USE_BETA,
+                                         PREC)
+    tl.store(dGq + off_w, b_dGq, mask=m_t[:, None])
+    if USE_BETA:
+        tl.store(dGs + off_w, b_dGs, mask=m_t[:, None])
+        tl.store(dbeta + r, b_db.to(dbeta.dtype.element_ty), mask=m_t)
+    if Gc is not None:
+        # padded rows add nothing to dc, so c_last's share may sit on the last valid row
+        tl.store(dc + p_row, b_dc + tl.where(o_c == i_last, b_dlast, 0.0), mask=m_t)
+
+
+@triton.jit
+def chunk_bwd_key_block_kernel(
+    q1, q2, q3, k1, k2, k3, Qw, Kw, Gc, do, Hc, dHc, Uc, dv, dGq, dGs, dQp, dKp, dc_part, cu_seqlens, chunk_indices,
+    scale, T, rows, H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+    V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """The split form's second kernel, one program per (chunk, head, key block ``program_id(2)``):
+    phi(Q)'s and phi(K)'s gradients at the block's columns, stored to ``dQp`` / ``dKp``
+    ([B, T, H, K] in the workspace type), from the first kernel's dGq, dGs and dv (dR) and the
+    state loops' S, dS', U; dc's share of the block (with c_last's on the chunk's last row) into
+    ``dc_part[program_id(2)]`` (``rows`` = B H T apart; gates only). ``dGs`` None: no delta rule."""
+    USE_BETA: tl.constexpr = dGs is not None
+    K: tl.constexpr = D1 * D2 * D3
+    i_k = tl.program_id(2)
+    o_c, m_t, r, p_row, i_last, p_last, i_s, i_h = _chunk_rows(T, H, C, cu_seqlens, chunk_indices)
+    b_c, b_last = stored_log_decay(Gc, p_row, m_t, p_last, C)
+    b_gam = tl.exp(b_c)
+    b_r = tl.exp(b_last - b_c)
+    # (the norms go unused where phi comes normalised from the resident loops' workspaces)
+    rq1, rq2, rq3 = _side_norms(q1, q2, q3, r, m_t, NF, D1, D2, D3, L2NORM)
+    rk1, rk2, rk3 = _side_norms(k1, k2, k3, r, m_t, NF, D1, D2, D3, L2NORM)
+    off_w = p_row[:, None] * C + o_c[None, :]
+    b_dGq = tl.load(dGq + off_w, mask=m_t[:, None], other=0.0)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = m_t[:, None] & (o_k < K)[None, :]
+    off_s = (i_s * H + i_h) * K * V
+    b_q = _side_block(Qw, q1, q2, q3, rq1, rq2, rq3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
+    b_k = _side_block(Kw, k1, k2, k3, rk1, rk2, rk3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
+    b_dq = (scale * b_gam)[:, None] * _query_state_terms(do, Hc, r, m_t, o_k, off_s, V, C, BK, BV, PREC)
+    b_dc = tl.sum(b_dq * b_q, axis=1)
+    b_dq += f32dot(b_dGq, b_k, PREC)
+    tl.store(dQp + r[:, None] * K + o_k[None, :], b_dq.to(dQp.dtype.element_ty), mask=m_k)
+    b_ks, b_xs, b_sds = _key_state_terms(Uc, dv, Hc, dHc, r, m_t, o_k, off_s, V, C, BK, BV, USE_BETA, PREC)
+    b_dk = b_r[:, None] * b_ks - b_gam[:, None] * b_xs + f32dot(tl.trans(b_dGq), b_q, PREC)
+    if USE_BETA:
+        b_dk += f32dot(tl.load(dGs + off_w, mask=m_t[:, None], other=0.0), b_k, PREC)
+    tl.store(dKp + r[:, None] * K + o_k[None, :], b_dk.to(dKp.dtype.element_ty), mask=m_k)
+    if Gc is not None:
+        b_dc += tl.where(o_c == i_last, tl.exp(b_last) * b_sds, 0.0)
+        tl.store(dc_part + i_k * rows + p_row, b_dc, mask=m_t)
+
+
+@triton.jit
+def chunk_bwd_dg_kernel(dc, dc_part, dg, cu_seqlens, chunk_indices, T, rows, H: tl.constexpr, C: tl.constexpr,
+                        NKB: tl.constexpr):
+    """The split form's last kernel, one program per (chunk, head): dc = the first kernel's share
+    + every key block's (``dc_part``, ``NKB`` x ``rows``), then dg_t = the sum of dc over the
+    chunk's rows from t on."""
+    o_c, m_t, r, p_row, i_last, p_last, i_s, i_h = _chunk_rows(T, H, C, cu_seqlens, chunk_indices)
+    b_dc = tl.load(dc + p_row, mask=m_t, other=0.0)
+    for i_k in range(NKB):
+        b_dc += tl.load(dc_part + i_k * rows + p_row, mask=m_t, other=0.0)
+    b_dg = tl.sum(b_dc, axis=0) - tl.cumsum(b_dc, axis=0) + b_dc
+    tl.store(dg + r, b_dg.to(dg.dtype.element_ty), mask=m_t)
+
+
+def split_grads(config, p, q, k, v, g, beta, do, ws: dict, Hc, dHc, Uc, Rc, dUc, dQp, dKp,
+                dv, dg, dbeta, cu_seqlens, idx, grid: tuple, widths: dict, l2norm: bool) -> None:
+    """Step 4 of ``chunk_backward._launch`` in three launches (``config.grads_split``; ``p`` the
+    checked Problem, ``ws`` the prepare kernel's workspaces, the rest its tensors and the grads
+    kernel's grid and widths): the C x C gradients per chunk
+    (:func:`chunk_bwd_cc_kernel`: dv, dbeta, dGq, dGs, dc's share), phi's gradients per chunk and
+    key block (:func:`chunk_bwd_key_block_kernel`), then dg (:func:`chunk_bwd_dg_kernel`)."""
+    B, T, H, V = v.shape
+    C, K, dev = config.chunk_size, p.key_dim, v.device
+    bk = min(config.block_k, K)
+    nkb = triton.cdiv(K, bk)
+    rows = B * H * T
+    consts = {"H": H, "NF": len(q), **widths, "V": V, "C": C, "BK": bk, "BV": config.block_v, "L2NORM": l2norm,
+              "PREC": config.dot_precision}
+    dGq = args.empty(B, H, T, C, dtype=torch.float32, device=dev)
+    dGs = args.empty(B, H, T, C, dtype=torch.float32, device=dev) if beta is not None else None
+    dc = args.empty(B, H, T, dtype=torch.float32, device=dev) if g is not None else None
+    dc_part = args.empty(nkb, B, H, T, dtype=torch.float32, device=dev) if g is not None else None
+    chunk_bwd_cc_kernel[grid](
+        *factor_args(k), ws["P"], ws["Ai"], ws["Gc"], v, beta, do, Uc, Rc, dUc, dGq, dGs, dv, dbeta, dc, cu_seqlens,
+        idx, p.scale, T, **consts, num_warps=config.grads_warps, num_stages=config.grads_stages,
+    )
+    chunk_bwd_key_block_kernel[(*grid, nkb)](
+        *factor_args(q), *factor_args(k), ws["Qw"], ws["Kw"], ws["Gc"], do, Hc, dHc, Uc, dv, dGq, dGs, dQp, dKp,
+        dc_part, cu_seqlens, idx, p.scale, T, rows, **consts, num_warps=config.grads_warps,
+        num_stages=config.grads_stages,
+    )
+    if g is not None:
+        chunk_bwd_dg_kernel[grid](dc, dc_part, dg, cu_seqlens, idx, T, rows, H=H, C=C, NKB=nkb, num_warps=4)
