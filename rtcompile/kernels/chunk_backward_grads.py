@@ -63,7 +63,7 @@ def _rows(x, r, o_v, m, V: tl.constexpr):
 
 
 @triton.jit
-def _value_pass(b_P, b_Ai, b_b, v, do, Uc, Rc, dUc, dv, r, m_t, scale, V: tl.constexpr, C: tl.constexpr,
+def value_pass(b_P, b_Ai, b_b, v, do, Uc, Rc, dUc, dv, r, m_t, scale, V: tl.constexpr, C: tl.constexpr,
                 BV: tl.constexpr, USE_BETA: tl.constexpr, PREC: tl.constexpr):
     """Over the value blocks: dP = dO U^T, dT = dU R^T diag(b), db = rowsum(dR' R), the dc terms
     -r (U . phi(K) dS') and -(dR . Gamma phi(K) S), c_last's term sum(r (U . phi(K) dS')), and
@@ -96,7 +96,7 @@ def _value_pass(b_P, b_Ai, b_b, v, do, Uc, Rc, dUc, dv, r, m_t, scale, V: tl.con
 
 
 @triton.jit
-def _query_state_terms(do, Hc, r, m_t, o_k, off_s, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+def query_state_terms(do, Hc, r, m_t, o_k, off_s, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
                        BV: tl.constexpr, PREC: tl.constexpr):
     """Key block ``o_k``'s dO S^T ([C, BK]), summed over value blocks (S^T loaded as [BV, BK]:
     a loaded, not derived, operand)."""
@@ -110,7 +110,7 @@ def _query_state_terms(do, Hc, r, m_t, o_k, off_s, V: tl.constexpr, C: tl.conste
 
 
 @triton.jit
-def _key_state_terms(Uc, dv, Hc, dHc, r, m_t, o_k, off_s, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+def key_state_terms(Uc, dv, Hc, dHc, r, m_t, o_k, off_s, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, USE_BETA: tl.constexpr, PREC: tl.constexpr):
     """Key block ``o_k``'s (U dS'^T, dR S^T, sum(S * dS')), the first two [C, BK], summed over
     value blocks. dR = diag(b) T^T dU is read back from ``dv`` (the value pass stored it there,
@@ -134,7 +134,7 @@ def _key_state_terms(Uc, dv, Hc, dHc, r, m_t, o_k, off_s, V: tl.constexpr, C: tl
 
 
 @triton.jit
-def _side_block(Xw, x1, x2, x3, b_rho1, b_rho2, b_rho3, p_row, r, m_t, i_k, NF: tl.constexpr, C: tl.constexpr,
+def side_block(Xw, x1, x2, x3, b_rho1, b_rho2, b_rho3, p_row, r, m_t, i_k, NF: tl.constexpr, C: tl.constexpr,
                 BK: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
     """Key block ``i_k`` of one side's normalised phi ([C, BK] fp32): from the resident state
     loops' workspace ``Xw`` ([B, H, T, K]) when given, else built from the factors."""
@@ -205,7 +205,7 @@ def _block_to_factors(b_d, x1, x2, x3, b_rho1, b_rho2, b_rho3, r, m_t, i_k, a1, 
 
 
 @triton.jit
-def _key_gram(k1, b_k1, b_k2, b_k3, b_rho, r, m_t, NF: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+def key_gram(k1, b_k1, b_k2, b_k3, b_rho, r, m_t, NF: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
               D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, PREC: tl.constexpr):
     """phi(K) phi(K)^T of the chunk (normalised): the product of the factors' Grams (the
     Kronecker identity) for NF >= 2, over key blocks for NF 1."""
@@ -222,7 +222,7 @@ def _key_gram(k1, b_k1, b_k2, b_k3, b_rho, r, m_t, NF: tl.constexpr, C: tl.const
 
 
 @triton.jit
-def _side_norms(x1, x2, x3, r, m_t, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+def side_norms(x1, x2, x3, r, m_t, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
                 L2NORM: tl.constexpr):
     """Each factor's 1 / ||x_i|| per row (with L2NORM, else ones): what a phi block built from
     the factors scales by."""
@@ -238,11 +238,11 @@ def _side_norms(x1, x2, x3, r, m_t, NF: tl.constexpr, D1: tl.constexpr, D2: tl.c
 
 
 @triton.jit
-def _side_tiles(x1, x2, x3, r, m_t, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+def side_tiles(x1, x2, x3, r, m_t, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
                 L2NORM: tl.constexpr):
     """One side's normalised factor tiles (NF >= 2; NF 1: placeholders, phi read per block) and
     each factor's 1 / ||x_i|| per row (with L2NORM, else ones)."""
-    b_rho1, b_rho2, b_rho3 = _side_norms(x1, x2, x3, r, m_t, NF, D1, D2, D3, L2NORM)
+    b_rho1, b_rho2, b_rho3 = side_norms(x1, x2, x3, r, m_t, NF, D1, D2, D3, L2NORM)
     if NF == 1:
         b_x1 = b_rho1[:, None]
         b_x2, b_x3 = b_x1, b_x1
@@ -262,7 +262,7 @@ def _store_side(dx1, dx2, dx3, x1, x2, x3, a1, a2, a3, r, m_t, NF: tl.constexpr,
 
 
 @triton.jit
-def _cc_grads(b_dP, b_dT, b_db, b_dc, b_P, b_Ai, b_b, b_c, b_gk, scale, C: tl.constexpr, USE_BETA: tl.constexpr,
+def cc_grads(b_dP, b_dT, b_db, b_dc, b_P, b_Ai, b_b, b_c, b_gk, scale, C: tl.constexpr, USE_BETA: tl.constexpr,
               PREC: tl.constexpr):
     """The C x C gradients: dGq = s dP * D (lower, diagonal included), with the delta rule dA =
     -(T^T dT T^T) (strictly lower) and dGs = dGk + dGk^T, dGk = dA * b_i D_ij; dbeta's and dc's
@@ -287,7 +287,7 @@ def _cc_grads(b_dP, b_dT, b_db, b_dc, b_P, b_Ai, b_b, b_c, b_gk, scale, C: tl.co
 
 
 @triton.jit
-def _chunk_rows(T, H: tl.constexpr, C: tl.constexpr, cu_seqlens, chunk_indices):
+def chunk_rows(T, H: tl.constexpr, C: tl.constexpr, cu_seqlens, chunk_indices):
     """The program's chunk rows (program axis 0: chunk, or pair of ``chunk_indices`` when varlen;
     axis 1: sequence x head): token offsets, their mask, the token-head rows ``r`` of [B, T, H, ..]
     tensors, the rows ``p_row`` of [B, H, T, ..] workspaces, the chunk's last valid row index
@@ -306,7 +306,7 @@ def _chunk_rows(T, H: tl.constexpr, C: tl.constexpr, cu_seqlens, chunk_indices):
 
 
 @triton.jit
-def _chunk_scores(P, Ai, beta, r, p_row, m_t, o_c, C: tl.constexpr, USE_BETA: tl.constexpr):
+def chunk_scores(P, Ai, beta, r, p_row, m_t, o_c, C: tl.constexpr, USE_BETA: tl.constexpr):
     """The prepare kernel's scores P and inverse T (``Ai``; zeros without the delta rule) of the
     chunk and beta (zeros without), fp32, and the [C, C] workspace offsets ``off_w``."""
     off_w = p_row[:, None] * C + o_c[None, :]
@@ -329,26 +329,26 @@ def chunk_bwd_grads_kernel(
     """One chunk's (program i: chunk i, varlen: pair i of ``chunk_indices``) gradients for one
     head: dv, dbeta, dg and phi's gradients. phi(Q), phi(K) blocks are read from ``Qw`` / ``Kw``
     (the resident loops' workspaces) or, when those are None, built from the factors
-    (:func:`_side_block`). With ``dQp`` / ``dKp`` given ([B, T, H, K] fp32; always at order 2)
+    (:func:`side_block`). With ``dQp`` / ``dKp`` given ([B, T, H, K] fp32; always at order 2)
     phi's gradients are stored there for :func:`phi_grads_to_factors_kernel`; None: contracted
     to the factors here (:func:`_block_to_factors`) and stored into ``dq*`` / ``dk*``. ``P``,
     ``Ai``, ``Gc``: the prepare kernel's; ``Hc``, ``Uc``, ``Rc``: the recompute's; ``dHc``,
     ``dUc``: the state-gradient loop's. ``Gc`` / ``beta`` None: no gates / no delta rule."""
     USE_BETA: tl.constexpr = beta is not None
     K: tl.constexpr = D1 * D2 * D3
-    o_c, m_t, r, p_row, i_last, p_last, i_s, i_h = _chunk_rows(T, H, C, cu_seqlens, chunk_indices)
+    o_c, m_t, r, p_row, i_last, p_last, i_s, i_h = chunk_rows(T, H, C, cu_seqlens, chunk_indices)
     b_c, b_last = stored_log_decay(Gc, p_row, m_t, p_last, C)
     b_gam = tl.exp(b_c)
     b_r = tl.exp(b_last - b_c)
-    b_P, b_Ai, b_b, off_w = _chunk_scores(P, Ai, beta, r, p_row, m_t, o_c, C, USE_BETA)
-    b_dP, b_dT, b_db, b_dc, b_dlast = _value_pass(b_P, b_Ai, b_b, v, do, Uc, Rc, dUc, dv, r, m_t, scale, V, C,
+    b_P, b_Ai, b_b, off_w = chunk_scores(P, Ai, beta, r, p_row, m_t, o_c, C, USE_BETA)
+    b_dP, b_dT, b_db, b_dc, b_dlast = value_pass(b_P, b_Ai, b_b, v, do, Uc, Rc, dUc, dv, r, m_t, scale, V, C,
                                                   BV, USE_BETA, PREC)
-    b_q1, b_q2, b_q3, rq1, rq2, rq3 = _side_tiles(q1, q2, q3, r, m_t, NF, D1, D2, D3, L2NORM)
-    b_k1, b_k2, b_k3, rk1, rk2, rk3 = _side_tiles(k1, k2, k3, r, m_t, NF, D1, D2, D3, L2NORM)
+    b_q1, b_q2, b_q3, rq1, rq2, rq3 = side_tiles(q1, q2, q3, r, m_t, NF, D1, D2, D3, L2NORM)
+    b_k1, b_k2, b_k3, rk1, rk2, rk3 = side_tiles(k1, k2, k3, r, m_t, NF, D1, D2, D3, L2NORM)
     b_gk = b_P
     if USE_BETA:
-        b_gk = _key_gram(k1, b_k1, b_k2, b_k3, rk1, r, m_t, NF, C, BK, D1, D2, D3, PREC)
-    b_dGq, b_dGs, b_db, b_dc = _cc_grads(b_dP, b_dT, b_db, b_dc, b_P, b_Ai, b_b, b_c, b_gk, scale, C, USE_BETA,
+        b_gk = key_gram(k1, b_k1, b_k2, b_k3, rk1, r, m_t, NF, C, BK, D1, D2, D3, PREC)
+    b_dGq, b_dGs, b_db, b_dc = cc_grads(b_dP, b_dT, b_db, b_dc, b_P, b_Ai, b_b, b_c, b_gk, scale, C, USE_BETA,
                                          PREC)
     aq1, aq2, aq3 = b_q1 * 0.0, b_q2 * 0.0, b_q3 * 0.0
     # two passes over the key blocks, the queries' then the keys': one side's [C, BK] terms
@@ -358,9 +358,9 @@ def chunk_bwd_grads_kernel(
     tl.debug_barrier()  # the value pass's dv (dR) stores, read back by every thread in the keys' pass
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_q = _side_block(Qw, q1, q2, q3, rq1, rq2, rq3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
-        b_k = _side_block(Kw, k1, k2, k3, rk1, rk2, rk3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
-        b_dq = (scale * b_gam)[:, None] * _query_state_terms(do, Hc, r, m_t, o_k, off_s, V, C, BK, BV, PREC)
+        b_q = side_block(Qw, q1, q2, q3, rq1, rq2, rq3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
+        b_k = side_block(Kw, k1, k2, k3, rk1, rk2, rk3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
+        b_dq = (scale * b_gam)[:, None] * query_state_terms(do, Hc, r, m_t, o_k, off_s, V, C, BK, BV, PREC)
         b_dc += tl.sum(b_dq * b_q, axis=1)
         b_dq += f32dot(b_dGq, b_k, PREC)
         if dQp is not None:
@@ -373,9 +373,9 @@ def chunk_bwd_grads_kernel(
     ak1, ak2, ak3 = b_k1 * 0.0, b_k2 * 0.0, b_k3 * 0.0
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_q = _side_block(Qw, q1, q2, q3, rq1, rq2, rq3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
-        b_k = _side_block(Kw, k1, k2, k3, rk1, rk2, rk3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
-        b_ks, b_xs, b_sds = _key_state_terms(Uc, dv, Hc, dHc, r, m_t, o_k, off_s, V, C, BK, BV, USE_BETA, PREC)
+        b_q = side_block(Qw, q1, q2, q3, rq1, rq2, rq3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
+        b_k = side_block(Kw, k1, k2, k3, rk1, rk2, rk3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
+        b_ks, b_xs, b_sds = key_state_terms(Uc, dv, Hc, dHc, r, m_t, o_k, off_s, V, C, BK, BV, USE_BETA, PREC)
         b_dlast += tl.exp(b_last) * b_sds
         b_dk = b_r[:, None] * b_ks - b_gam[:, None] * b_xs + f32dot(tl.trans(b_dGq), b_q, PREC)
         if USE_BETA:

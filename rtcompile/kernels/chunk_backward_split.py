@@ -22,8 +22,8 @@ import triton.language as tl
 from . import args
 from .args import factor_args
 from .chunk_backward_grads import (
-    _chunk_rows, _chunk_scores, _cc_grads, _key_gram, _key_state_terms, _query_state_terms, _side_block, _side_norms,
-    _side_tiles, _value_pass, f32dot, stored_log_decay,
+    chunk_rows, chunk_scores, cc_grads, key_gram, key_state_terms, query_state_terms, side_block, side_norms,
+    side_tiles, value_pass, f32dot, stored_log_decay,
 )
 
 
@@ -38,16 +38,16 @@ def chunk_bwd_cc_kernel(
     key-block kernel; dbeta stored; dc's shares that need no key block into ``dc`` ([B, H, T]
     fp32, c_last's share on the chunk's last row; gates only)."""
     USE_BETA: tl.constexpr = beta is not None
-    o_c, m_t, r, p_row, i_last, p_last, i_s, i_h = _chunk_rows(T, H, C, cu_seqlens, chunk_indices)
+    o_c, m_t, r, p_row, i_last, p_last, i_s, i_h = chunk_rows(T, H, C, cu_seqlens, chunk_indices)
     b_c, b_last = stored_log_decay(Gc, p_row, m_t, p_last, C)
-    b_P, b_Ai, b_b, off_w = _chunk_scores(P, Ai, beta, r, p_row, m_t, o_c, C, USE_BETA)
-    b_dP, b_dT, b_db, b_dc, b_dlast = _value_pass(b_P, b_Ai, b_b, v, do, Uc, Rc, dUc, dv, r, m_t, scale, V, C,
+    b_P, b_Ai, b_b, off_w = chunk_scores(P, Ai, beta, r, p_row, m_t, o_c, C, USE_BETA)
+    b_dP, b_dT, b_db, b_dc, b_dlast = value_pass(b_P, b_Ai, b_b, v, do, Uc, Rc, dUc, dv, r, m_t, scale, V, C,
                                                   BV, USE_BETA, PREC)
     b_gk = b_P
     if USE_BETA:
-        b_k1, b_k2, b_k3, rk1, rk2, rk3 = _side_tiles(k1, k2, k3, r, m_t, NF, D1, D2, D3, L2NORM)
-        b_gk = _key_gram(k1, b_k1, b_k2, b_k3, rk1, r, m_t, NF, C, BK, D1, D2, D3, PREC)
-    b_dGq, b_dGs, b_db, b_dc = _cc_grads(b_dP, b_dT, b_db, b_dc, b_P, b_Ai, b_b, b_c, b_gk, scale, C, USE_BETA,
+        b_k1, b_k2, b_k3, rk1, rk2, rk3 = side_tiles(k1, k2, k3, r, m_t, NF, D1, D2, D3, L2NORM)
+        b_gk = key_gram(k1, b_k1, b_k2, b_k3, rk1, r, m_t, NF, C, BK, D1, D2, D3, PREC)
+    b_dGq, b_dGs, b_db, b_dc = cc_grads(b_dP, b_dT, b_db, b_dc, b_P, b_Ai, b_b, b_c, b_gk, scale, C, USE_BETA,
                                          PREC)
     tl.store(dGq + off_w, b_dGq, mask=m_t[:, None])
     if USE_BETA:
@@ -73,25 +73,25 @@ def chunk_bwd_key_block_kernel(
     USE_BETA: tl.constexpr = dGs is not None
     K: tl.constexpr = D1 * D2 * D3
     i_k = tl.program_id(2)
-    o_c, m_t, r, p_row, i_last, p_last, i_s, i_h = _chunk_rows(T, H, C, cu_seqlens, chunk_indices)
+    o_c, m_t, r, p_row, i_last, p_last, i_s, i_h = chunk_rows(T, H, C, cu_seqlens, chunk_indices)
     b_c, b_last = stored_log_decay(Gc, p_row, m_t, p_last, C)
     b_gam = tl.exp(b_c)
     b_r = tl.exp(b_last - b_c)
     # (the norms go unused where phi comes normalised from the resident loops' workspaces)
-    rq1, rq2, rq3 = _side_norms(q1, q2, q3, r, m_t, NF, D1, D2, D3, L2NORM)
-    rk1, rk2, rk3 = _side_norms(k1, k2, k3, r, m_t, NF, D1, D2, D3, L2NORM)
+    rq1, rq2, rq3 = side_norms(q1, q2, q3, r, m_t, NF, D1, D2, D3, L2NORM)
+    rk1, rk2, rk3 = side_norms(k1, k2, k3, r, m_t, NF, D1, D2, D3, L2NORM)
     off_w = p_row[:, None] * C + o_c[None, :]
     b_dGq = tl.load(dGq + off_w, mask=m_t[:, None], other=0.0)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = m_t[:, None] & (o_k < K)[None, :]
     off_s = (i_s * H + i_h) * K * V
-    b_q = _side_block(Qw, q1, q2, q3, rq1, rq2, rq3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
-    b_k = _side_block(Kw, k1, k2, k3, rk1, rk2, rk3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
-    b_dq = (scale * b_gam)[:, None] * _query_state_terms(do, Hc, r, m_t, o_k, off_s, V, C, BK, BV, PREC)
+    b_q = side_block(Qw, q1, q2, q3, rq1, rq2, rq3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
+    b_k = side_block(Kw, k1, k2, k3, rk1, rk2, rk3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
+    b_dq = (scale * b_gam)[:, None] * query_state_terms(do, Hc, r, m_t, o_k, off_s, V, C, BK, BV, PREC)
     b_dc = tl.sum(b_dq * b_q, axis=1)
     b_dq += f32dot(b_dGq, b_k, PREC)
     tl.store(dQp + r[:, None] * K + o_k[None, :], b_dq.to(dQp.dtype.element_ty), mask=m_k)
-    b_ks, b_xs, b_sds = _key_state_terms(Uc, dv, Hc, dHc, r, m_t, o_k, off_s, V, C, BK, BV, USE_BETA, PREC)
+    b_ks, b_xs, b_sds = key_state_terms(Uc, dv, Hc, dHc, r, m_t, o_k, off_s, V, C, BK, BV, USE_BETA, PREC)
     b_dk = b_r[:, None] * b_ks - b_gam[:, None] * b_xs + f32dot(tl.trans(b_dGq), b_q, PREC)
     if USE_BETA:
         b_dk += f32dot(tl.load(dGs + off_w, mask=m_t[:, None], other=0.0), b_k, PREC)
@@ -107,7 +107,7 @@ def chunk_bwd_dg_kernel(dc, dc_part, dg, cu_seqlens, chunk_indices, T, rows, H: 
     """The split form's last kernel, one program per (chunk, head): dc = the first kernel's share
     + every key block's (``dc_part``, ``NKB`` x ``rows``), then dg_t = the sum of dc over the
     chunk's rows from t on."""
-    o_c, m_t, r, p_row, i_last, p_last, i_s, i_h = _chunk_rows(T, H, C, cu_seqlens, chunk_indices)
+    o_c, m_t, r, p_row, i_last, p_last, i_s, i_h = chunk_rows(T, H, C, cu_seqlens, chunk_indices)
     b_dc = tl.load(dc + p_row, mask=m_t, other=0.0)
     for i_k in range(NKB):
         b_dc += tl.load(dc_part + i_k * rows + p_row, mask=m_t, other=0.0)
