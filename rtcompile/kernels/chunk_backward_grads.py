@@ -64,7 +64,7 @@ def _rows(x, r, o_v, m, V: tl.constexpr):
 
 @triton.jit
 def value_pass(b_P, b_Ai, b_b, v, do, Uc, Rc, dUc, dv, r, m_t, scale, V: tl.constexpr, C: tl.constexpr,
-                BV: tl.constexpr, USE_BETA: tl.constexpr, PREC: tl.constexpr):
+               BV: tl.constexpr, USE_BETA: tl.constexpr, PREC: tl.constexpr):
     """Over the value blocks: dP = dO U^T, dT = dU R^T diag(b), db = rowsum(dR' R), the dc terms
     -r (U . phi(K) dS') and -(dR . Gamma phi(K) S), c_last's term sum(r (U . phi(K) dS')), and
     dv (stored)."""
@@ -97,7 +97,7 @@ def value_pass(b_P, b_Ai, b_b, v, do, Uc, Rc, dUc, dv, r, m_t, scale, V: tl.cons
 
 @triton.jit
 def query_state_terms(do, Hc, r, m_t, o_k, off_s, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                       BV: tl.constexpr, PREC: tl.constexpr):
+                      BV: tl.constexpr, PREC: tl.constexpr):
     """Key block ``o_k``'s dO S^T ([C, BK]), summed over value blocks (S^T loaded as [BV, BK]:
     a loaded, not derived, operand)."""
     b_qs = tl.zeros([C, BK], dtype=tl.float32)
@@ -111,7 +111,7 @@ def query_state_terms(do, Hc, r, m_t, o_k, off_s, V: tl.constexpr, C: tl.constex
 
 @triton.jit
 def key_state_terms(Uc, dv, Hc, dHc, r, m_t, o_k, off_s, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                     BV: tl.constexpr, USE_BETA: tl.constexpr, PREC: tl.constexpr):
+                    BV: tl.constexpr, USE_BETA: tl.constexpr, PREC: tl.constexpr):
     """Key block ``o_k``'s (U dS'^T, dR S^T, sum(S * dS')), the first two [C, BK], summed over
     value blocks. dR = diag(b) T^T dU is read back from ``dv`` (the value pass stored it there,
     in v's type) instead of formed again per key block (which kept T live and cost a [C, C] x
@@ -135,7 +135,7 @@ def key_state_terms(Uc, dv, Hc, dHc, r, m_t, o_k, off_s, V: tl.constexpr, C: tl.
 
 @triton.jit
 def side_block(Xw, x1, x2, x3, b_rho1, b_rho2, b_rho3, p_row, r, m_t, i_k, NF: tl.constexpr, C: tl.constexpr,
-                BK: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
+               BK: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
     """Key block ``i_k`` of one side's normalised phi ([C, BK] fp32): from the resident state
     loops' workspace ``Xw`` ([B, H, T, K]) when given, else built from the factors."""
     K: tl.constexpr = D1 * D2 * D3
@@ -206,7 +206,7 @@ def _block_to_factors(b_d, x1, x2, x3, b_rho1, b_rho2, b_rho3, r, m_t, i_k, a1, 
 
 @triton.jit
 def key_gram(k1, b_k1, b_k2, b_k3, b_rho, r, m_t, NF: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-              D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, PREC: tl.constexpr):
+             D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, PREC: tl.constexpr):
     """phi(K) phi(K)^T of the chunk (normalised): the product of the factors' Grams (the
     Kronecker identity) for NF >= 2, over key blocks for NF 1."""
     if NF == 1:
@@ -223,7 +223,7 @@ def key_gram(k1, b_k1, b_k2, b_k3, b_rho, r, m_t, NF: tl.constexpr, C: tl.conste
 
 @triton.jit
 def side_norms(x1, x2, x3, r, m_t, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
-                L2NORM: tl.constexpr):
+               L2NORM: tl.constexpr):
     """Each factor's 1 / ||x_i|| per row (with L2NORM, else ones): what a phi block built from
     the factors scales by."""
     b_rho1 = tl.full(m_t.shape, 1.0, tl.float32)
@@ -239,7 +239,7 @@ def side_norms(x1, x2, x3, r, m_t, NF: tl.constexpr, D1: tl.constexpr, D2: tl.co
 
 @triton.jit
 def side_tiles(x1, x2, x3, r, m_t, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
-                L2NORM: tl.constexpr):
+               L2NORM: tl.constexpr):
     """One side's normalised factor tiles (NF >= 2; NF 1: placeholders, phi read per block) and
     each factor's 1 / ||x_i|| per row (with L2NORM, else ones)."""
     b_rho1, b_rho2, b_rho3 = side_norms(x1, x2, x3, r, m_t, NF, D1, D2, D3, L2NORM)
@@ -263,7 +263,7 @@ def _store_side(dx1, dx2, dx3, x1, x2, x3, a1, a2, a3, r, m_t, NF: tl.constexpr,
 
 @triton.jit
 def cc_grads(b_dP, b_dT, b_db, b_dc, b_P, b_Ai, b_b, b_c, b_gk, scale, C: tl.constexpr, USE_BETA: tl.constexpr,
-              PREC: tl.constexpr):
+             PREC: tl.constexpr):
     """The C x C gradients: dGq = s dP * D (lower, diagonal included), with the delta rule dA =
     -(T^T dT T^T) (strictly lower) and dGs = dGk + dGk^T, dGk = dA * b_i D_ij; dbeta's and dc's
     shares from them (``b_gk``: phi(K) phi(K)^T). Returns (dGq, dGs, db, dc)."""
@@ -342,14 +342,14 @@ def chunk_bwd_grads_kernel(
     b_r = tl.exp(b_last - b_c)
     b_P, b_Ai, b_b, off_w = chunk_scores(P, Ai, beta, r, p_row, m_t, o_c, C, USE_BETA)
     b_dP, b_dT, b_db, b_dc, b_dlast = value_pass(b_P, b_Ai, b_b, v, do, Uc, Rc, dUc, dv, r, m_t, scale, V, C,
-                                                  BV, USE_BETA, PREC)
+                                                 BV, USE_BETA, PREC)
     b_q1, b_q2, b_q3, rq1, rq2, rq3 = side_tiles(q1, q2, q3, r, m_t, NF, D1, D2, D3, L2NORM)
     b_k1, b_k2, b_k3, rk1, rk2, rk3 = side_tiles(k1, k2, k3, r, m_t, NF, D1, D2, D3, L2NORM)
     b_gk = b_P
     if USE_BETA:
         b_gk = key_gram(k1, b_k1, b_k2, b_k3, rk1, r, m_t, NF, C, BK, D1, D2, D3, PREC)
     b_dGq, b_dGs, b_db, b_dc = cc_grads(b_dP, b_dT, b_db, b_dc, b_P, b_Ai, b_b, b_c, b_gk, scale, C, USE_BETA,
-                                         PREC)
+                                        PREC)
     aq1, aq2, aq3 = b_q1 * 0.0, b_q2 * 0.0, b_q3 * 0.0
     # two passes over the key blocks, the queries' then the keys': one side's [C, BK] terms
     # and accumulators live at a time (one pass held both and spilled 0.1-1.5 KB per thread on

@@ -42,13 +42,13 @@ def chunk_bwd_cc_kernel(
     b_c, b_last = stored_log_decay(Gc, p_row, m_t, p_last, C)
     b_P, b_Ai, b_b, off_w = chunk_scores(P, Ai, beta, r, p_row, m_t, o_c, C, USE_BETA)
     b_dP, b_dT, b_db, b_dc, b_dlast = value_pass(b_P, b_Ai, b_b, v, do, Uc, Rc, dUc, dv, r, m_t, scale, V, C,
-                                                  BV, USE_BETA, PREC)
+                                                 BV, USE_BETA, PREC)
     b_gk = b_P
     if USE_BETA:
         b_k1, b_k2, b_k3, rk1, rk2, rk3 = side_tiles(k1, k2, k3, r, m_t, NF, D1, D2, D3, L2NORM)
         b_gk = key_gram(k1, b_k1, b_k2, b_k3, rk1, r, m_t, NF, C, BK, D1, D2, D3, PREC)
     b_dGq, b_dGs, b_db, b_dc = cc_grads(b_dP, b_dT, b_db, b_dc, b_P, b_Ai, b_b, b_c, b_gk, scale, C, USE_BETA,
-                                         PREC)
+                                        PREC)
     tl.store(dGq + off_w, b_dGq, mask=m_t[:, None])
     if USE_BETA:
         tl.store(dGs + off_w, b_dGs, mask=m_t[:, None])
