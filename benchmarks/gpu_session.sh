@@ -38,11 +38,10 @@ step_traintime() {  # the forward + backward timings alone on the GPU (a recall 
   python3 benchmarks/train_step.py --out "$OUT/train_ours.json"
   # the former default's fp32 workspaces (3.44 ms, 1381 MiB at o3 16x16 against 3.29, 1029 on 2026-12-02)
   python3 benchmarks/train_step.py --set workspace_dtype=float32 --cases "o3 16x16" --out "$OUT/train_ours_ws32.json"
-  # the split gradients kernels (grads_split, an experiment): at the default's key blocks and at 64
-  python3 benchmarks/train_step.py --set grads_split=True --cases "o3 16x16,o3 32x32,o4 16x16x16" \
-    --out "$OUT/train_ours_split.json"
-  python3 benchmarks/train_step.py --set grads_split=True --set block_k=64 --cases "o3 16x16,o3 32x32" \
-    --out "$OUT/train_ours_split64.json"
+  # the split gradients kernels (grads_split, in the tuner's space): 15-24% faster above K = 256 at
+  # 2.5-2.9x the memory on 2026-12-02; key blocks of 64 gained nothing (3.48 ms at o3 16x16 against 3.07)
+  python3 benchmarks/train_step.py --set grads_split=True --set factor_grads=workspace \
+    --cases "o3 16x16,o3 32x32,o4 16x16x16" --out "$OUT/train_ours_split.json"
 }
 
 step_tunetrain() {  # issue 19's speed: the tuner's train bucket (forward + backward timed together, every

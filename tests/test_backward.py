@@ -290,6 +290,9 @@ def test_default_and_space(shape, limit):
     rng = random.Random(0)
     for _ in range(300):
         c = BackwardConfig(**{n: rng.choice(vals) for n, vals in space.items()})
+        if c.grads_split and c.factor_grads != "workspace":  # the one pair of free fields that is refused
+            assert c.check(shape, limit) is not None
+            continue
         first = dataclasses.replace(c, **{n: space[n][0] for n in free})
         assert (c.check(shape, limit) is None) == (first.check(shape, limit) is None), c
     assert space["workspace_dtype"] == (["float32", "inputs"] if shape.input_bytes == 2 else ["float32"])
@@ -344,7 +347,7 @@ def _gpu_sweep():
                 # wrong gradient) (fp32 at C 64 needs the streamed state loop)
                 tries = (dataclasses.replace(base, chunk_size=C, block_v=bv, block_k=bk, state_loop=loop,
                                              state_block_k=min(bk, base.state_block_k),
-                                             num_warps=8 if bv == 128 else 4)
+                                             num_warps=8 if bv == 128 else 4, num_stages=2, grads_warps=8)
                          for loop in ("resident", "streamed") for bk in (128, 64, 32))
                 accepted = [c for c in tries if c.check(shape, 232448) is None]
                 assert accepted, f"no key block runs C {C} block_v {bv} at {shape}"
@@ -461,17 +464,21 @@ def test_split_gradients_kernels(case, monkeypatch):
     monkeypatch.setattr(chunk_backward, "split_grads", lambda *a, **kw: calls.append(1) or inner(*a, **kw))
     widths, T, fields, kw = SPLIT_CASES[case]
     fields = dict(fields)
-    config = BackwardConfig(chunk_size=16, block_v=16, block_k=fields.pop("block_k", 32), grads_split=True, **fields)
+    config = BackwardConfig(chunk_size=16, block_v=16, block_k=fields.pop("block_k", 32), grads_split=True,
+                            factor_grads="workspace", **fields)
     check_gradients(widths, T, 20, chunk_size=16, config=config, **kw)
     assert calls == [1]
 
 
 def test_split_gradients_store_phi_gradients():
-    """grads_split stores phi's gradients whatever factor_grads says (its key-block programs
-    cannot sum a factor's gradient across blocks), and counts that workspace."""
+    """grads_split stores phi's gradients (its key-block programs cannot sum a factor's gradient
+    across blocks), counts that workspace, and is refused with factor_grads="registers" (the
+    same config twice in the tuner's space otherwise), naming the field and what is allowed."""
     shape = KernelShape((16, 16), 64, 2)
-    split = BackwardConfig(chunk_size=16, block_v=16, block_k=64, factor_grads="registers", grads_split=True)
+    split = BackwardConfig(chunk_size=16, block_v=16, block_k=64, factor_grads="workspace", grads_split=True)
     assert split.check(shape) is None and split.phi_grads_stored(shape)
+    refused = dataclasses.replace(split, factor_grads="registers").check(shape)
+    assert refused is not None and "factor_grads" in refused and "'workspace'" in refused
     work = Workload(shape, 2, 3, 100, delta_rule=True, forget_gate=True)
     one = dataclasses.replace(split, grads_split=False, factor_grads="workspace")
     # dGq and dGs (C fp32 each), dc and the 4 key blocks' shares (fp32) per token

@@ -70,7 +70,7 @@ from .args import contiguous_inputs, dot_dtype, factor_args, lowp_dots, width_ar
 from .blocks import dot, first_stored_state, sequence_of_program
 from .chunk_backward_streamed import recompute_streamed, state_grads_streamed
 from .chunk_backward_grads import chunk_bwd_grads_kernel, phi_grads_to_factors_kernel, stored_log_decay
-from .chunk_backward_split import split_grads
+from .chunk_backward_split import GradsTensors, split_grads
 from .chunk_prepare import chunk_indices, prepare_backward
 from .chunk_resident import MATERIALISE_MAX_K, kronecker_factor_grads, materialise_phi, materialised
 from .chunk_split import KEY_GROUPS, SplitConfig, chunk_split_state_kernel
@@ -137,10 +137,9 @@ class BackwardConfig(KernelConfig):
     state_block_k: int = 128
     factor_grads: str = "registers"
     workspace_dtype: str = "float32"
-    # an experiment, untimed: the gradients kernel split in three (the C x C gradients once per
-    # chunk, one program per chunk and key block for phi's gradients, dg from the blocks' partial
-    # sums), for more and smaller programs than one per chunk holding everything; phi's
-    # gradients are then always stored (``factor_grads`` does not apply)
+    # the gradients kernel in three (C x C gradients per chunk; phi's per chunk and key block,
+    # stored; dg), with factor_grads="workspace". No default (H200, 2026-12-02): fwd+bwd o3 32x32
+    # 17.2 -> 14.6 ms, o4 16^3 92.9 -> 70.5, but 1.4 -> 3.5 and 4.4 -> 12.6 GiB
     grads_split: bool = False
 
     def resident(self, shape: KernelShape) -> bool:
@@ -170,6 +169,8 @@ class BackwardConfig(KernelConfig):
                     f"got K = {shape.key_dim}; use state_loop='streamed'")
         if not isinstance(self.grads_split, bool):
             return f"grads_split={self.grads_split!r}; allowed: False, True"
+        if self.grads_split and self.factor_grads != "workspace":  # else a duplicate the tuner times twice
+            return f"factor_grads={self.factor_grads!r} with grads_split=True; allowed: 'workspace'"
         if self.num_stages < 2 and self.state_loop == "resident":
             return f"num_stages={self.num_stages}; allowed: 2, 3 or 4 (the split state loop's rule; 1 streamed)"
         return resource_refusal(self, shape, smem_limit, "; try a smaller chunk_size, block_v or block_k")
@@ -278,7 +279,8 @@ def shape_refusal(shape: KernelShape) -> str | None:
 
 
 def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> BackwardConfig:
-    """The first proposal that passes its check: C 64 then 32 then 16, 32 value columns, key
+    """The first proposal that passes its check: C 64 then 32 then 16 (16-bit inputs up to K = 256:
+    32 first, the train tuner's measured winner), 32 value columns, key
     blocks of 128 at K >= 256 through the workspace, else 64 (or K), 4 then 8 warps, the prepare
     kernel's phi stores 4 indices of axis 1 at a time where they divide (the split form's
     measured best); fp32 products in tf32 for 16-bit inputs (their gradients are rounded to 8
@@ -312,9 +314,17 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -
     loop = {"state_loop": "streamed", "state_block_k": tile, "num_stages": 1} if streamed \
         else {"factor_grads": "workspace", "state_block_k": min(tile, shape.key_dim_pow2)}  # unused: in the space
     order = ((64, 8), (64, 4), (32, 8), (32, 4), (16, 4)) if streamed else ((64, 4), (64, 8), (32, 4), (32, 8), (16, 4))
+    kernels = {"grads_warps": 8, "prepare_warps": 4}
+    if shape.input_bytes == 2 and not streamed:
+        # 16-bit inputs up to K = 256: the train tuner's winner at o3 16x16 B8 T4096 (422 trials, all
+        # through the gradient gate): chunks of 32, 4 warps and 3 stages in the gradients kernel, one
+        # warp preparing. fwd+bwd 3.23 -> 2.35 ms at o3 16x16, o2 64 2.51 -> 2.26, o2 128 2.58 -> 2.34,
+        # o2 256 3.89 -> 3.87 (H200, 2026-12-02, dd966ea; fla 3.58 in the run that timed the winner)
+        order = ((32, 4), (32, 8), (64, 4), (64, 8), (16, 4))
+        kernels = {"grads_warps": 4, "grads_stages": 3, "num_stages": 3, "prepare_warps": 1}
     for C, warps in order + ((16, 8),):
-        cfg = BackwardConfig(chunk_size=C, block_v=bv, block_k=bk, num_warps=warps, grads_warps=8, prepare_warps=4,
-                             key_group=group, dot_precision=prec, workspace_dtype=ws, **loop)
+        cfg = BackwardConfig(chunk_size=C, block_v=bv, block_k=bk, num_warps=warps, key_group=group,
+                             dot_precision=prec, workspace_dtype=ws, **kernels, **loop)
         if cfg.check(shape, smem_limit) is None:
             return cfg
     return BackwardConfig(chunk_size=16, block_v=16, block_k=bk, state_block_k=16, workspace_dtype=ws, **loop)
@@ -564,8 +574,10 @@ def _launch(config: BackwardConfig, p: Problem, q, k, v, g, beta, h0, cu_seqlens
     widths = {n: w for n, w in width_args(p.key_widths, 16).items() if not n.startswith("BD")}
     grid = (idx.shape[0], H) if varlen else (n_chunks[0], B * H)
     if config.grads_split:
-        split_grads(config, p, q, k, v, g, beta, do, ws, Hc, dHc, Uc, Rc, dUc, dQp, dKp, dv, dg, dbeta, cu_seqlens,
-                    idx, grid, widths, l2norm)
+        tensors = GradsTensors(q=q, k=k, v=v, g=g, beta=beta, do=do, ws=ws, Hc=Hc, dHc=dHc, Uc=Uc, Rc=Rc, dUc=dUc,
+                               dQp=dQp, dKp=dKp, dv=dv, dg=dg, dbeta=dbeta, cu_seqlens=cu_seqlens, idx=idx)
+        split_grads(config, p, tensors, grid, widths, l2norm)
+        del tensors
     else:
         chunk_bwd_grads_kernel[grid](
             *factor_args(q), *factor_args(k), ws["Qw"], ws["Kw"], ws["P"], ws["Ai"], ws["Gc"], v, beta, do, Hc, dHc, Uc,

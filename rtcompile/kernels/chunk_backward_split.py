@@ -15,6 +15,8 @@ programs fit an SM. Notation as ``chunk_backward_grads``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -115,13 +117,42 @@ def chunk_bwd_dg_kernel(dc, dc_part, dg, cu_seqlens, chunk_indices, T, rows, H: 
     tl.store(dg + r, b_dg.to(dg.dtype.element_ty), mask=m_t)
 
 
-def split_grads(config, p, q, k, v, g, beta, do, ws: dict, Hc, dHc, Uc, Rc, dUc, dQp, dKp,
-                dv, dg, dbeta, cu_seqlens, idx, grid: tuple, widths: dict, l2norm: bool) -> None:
+@dataclass(frozen=True)
+class GradsTensors:
+    """What step 4 of ``chunk_backward._launch`` reads and writes, by its names there: the inputs
+    (``q``, ``k`` tuples of factors; ``g``, ``beta`` None when the feature is off) and ``do``, the
+    prepare kernel's workspaces ``ws``, the stored chunk states and their gradients (``Hc``,
+    ``dHc``), the recomputed ``Uc``, ``Rc``, ``dUc``, the outputs it writes (phi's stored
+    gradients ``dQp``, ``dKp``; ``dv``, ``dg``, ``dbeta``) and the varlen index (``cu_seqlens``
+    None when dense). Keyword construction only: 19 tensors in a positional list were a defect."""
+    q: tuple
+    k: tuple
+    v: torch.Tensor
+    g: torch.Tensor | None
+    beta: torch.Tensor | None
+    do: torch.Tensor
+    ws: dict
+    Hc: torch.Tensor
+    dHc: torch.Tensor
+    Uc: torch.Tensor
+    Rc: torch.Tensor
+    dUc: torch.Tensor
+    dQp: torch.Tensor
+    dKp: torch.Tensor
+    dv: torch.Tensor
+    dg: torch.Tensor | None
+    dbeta: torch.Tensor | None
+    cu_seqlens: torch.Tensor | None
+    idx: torch.Tensor
+
+
+def split_grads(config, p, t: GradsTensors, grid: tuple, widths: dict, l2norm: bool) -> None:
     """Step 4 of ``chunk_backward._launch`` in three launches (``config.grads_split``; ``p`` the
-    checked Problem, ``ws`` the prepare kernel's workspaces, the rest its tensors and the grads
-    kernel's grid and widths): the C x C gradients per chunk
+    checked Problem, ``t`` the step's tensors, ``grid`` and ``widths`` the monolithic grads
+    kernel's): the C x C gradients per chunk
     (:func:`chunk_bwd_cc_kernel`: dv, dbeta, dGq, dGs, dc's share), phi's gradients per chunk and
     key block (:func:`chunk_bwd_key_block_kernel`), then dg (:func:`chunk_bwd_dg_kernel`)."""
+    q, k, v, g, beta, do, ws = t.q, t.k, t.v, t.g, t.beta, t.do, t.ws
     B, T, H, V = v.shape
     C, K, dev = config.chunk_size, p.key_dim, v.device
     bk = min(config.block_k, K)
@@ -134,13 +165,13 @@ def split_grads(config, p, q, k, v, g, beta, do, ws: dict, Hc, dHc, Uc, Rc, dUc,
     dc = args.empty(B, H, T, dtype=torch.float32, device=dev) if g is not None else None
     dc_part = args.empty(nkb, B, H, T, dtype=torch.float32, device=dev) if g is not None else None
     chunk_bwd_cc_kernel[grid](
-        *factor_args(k), ws["P"], ws["Ai"], ws["Gc"], v, beta, do, Uc, Rc, dUc, dGq, dGs, dv, dbeta, dc, cu_seqlens,
-        idx, p.scale, T, **consts, num_warps=config.grads_warps, num_stages=config.grads_stages,
+        *factor_args(k), ws["P"], ws["Ai"], ws["Gc"], v, beta, do, t.Uc, t.Rc, t.dUc, dGq, dGs, t.dv, t.dbeta, dc,
+        t.cu_seqlens, t.idx, p.scale, T, **consts, num_warps=config.grads_warps, num_stages=config.grads_stages,
     )
     chunk_bwd_key_block_kernel[(*grid, nkb)](
-        *factor_args(q), *factor_args(k), ws["Qw"], ws["Kw"], ws["Gc"], do, Hc, dHc, Uc, dv, dGq, dGs, dQp, dKp,
-        dc_part, cu_seqlens, idx, p.scale, T, rows, **consts, num_warps=config.grads_warps,
+        *factor_args(q), *factor_args(k), ws["Qw"], ws["Kw"], ws["Gc"], do, t.Hc, t.dHc, t.Uc, t.dv, dGq, dGs, t.dQp,
+        t.dKp, dc_part, t.cu_seqlens, t.idx, p.scale, T, rows, **consts, num_warps=config.grads_warps,
         num_stages=config.grads_stages,
     )
     if g is not None:
-        chunk_bwd_dg_kernel[grid](dc, dc_part, dg, cu_seqlens, idx, T, rows, H=H, C=C, NKB=nkb, num_warps=4)
+        chunk_bwd_dg_kernel[grid](dc, dc_part, t.dg, t.cu_seqlens, t.idx, T, rows, H=H, C=C, NKB=nkb, num_warps=4)
