@@ -1,6 +1,6 @@
 # The measurements of one GPU session, in steps that each fit one 10-minute device call.
 #
-#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train (= traintests traintime) | recalltests | recallcompile | tunetrain | trainfla | sweep | bench | model | profiledecode | checks | recall
+#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train (= traintests traintime) | recalltests | recallcompile | tunetrain | trainfla | sweep | bench | tunedecode | model | modelbf16 | profiledecode | checks | recall
 #
 # Run from the project root on the device machine after installing the carried wheels (see
 # benchmarks/README.md). Everything lands under $OUT. Each step writes as it goes, so a call cut
@@ -36,8 +36,10 @@ step_traintests() {  # the backward on the GPU: gradient tests (-v into a file a
 
 step_traintime() {  # the forward + backward timings alone on the GPU (a recall run beside them would skew them)
   python3 benchmarks/train_step.py --out "$OUT/train_ours.json"
-  # the former default's fp32 workspaces (3.44 ms, 1381 MiB at o3 16x16 against 3.29, 1029 on 2026-12-02)
-  python3 benchmarks/train_step.py --set workspace_dtype=float32 --cases "o3 16x16" --out "$OUT/train_ours_ws32.json"
+  # the former default up to K = 256 (chunks of 64): 3.23 ms but 1029 MiB at o3 16x16 against the
+  # tuned default's 2.35 ms and 1221 MiB on 2026-12-02 (fla 1064): the memory-bound user's choice
+  python3 benchmarks/train_step.py --set chunk_size=64 --set grads_warps=8 --set grads_stages=1 --set num_stages=2 \
+    --set prepare_warps=4 --cases "o3 16x16,o2 64,o2 128" --out "$OUT/train_ours_c64.json"
   # the split gradients kernels (grads_split, in the tuner's space): 15-24% faster above K = 256 at
   # 2.5-2.9x the memory on 2026-12-02; key blocks of 64 gained nothing (3.48 ms at o3 16x16 against 3.07)
   python3 benchmarks/train_step.py --set grads_split=True --set factor_grads=workspace \
@@ -67,6 +69,26 @@ step_sweep() {  # the backward's config sweep on the GPU alone: its configs comp
   grep -E "^FAILED|^ERROR" "$OUT/sweep.txt" | head -20 || true
   # each config's worst gradient error (record_property) for the results file
   python3 -c "import sys, xml.etree.ElementTree as E; [print(c.get('name'), *(p.get('name') + '=' + p.get('value') for p in c.iter('property'))) for c in E.parse(sys.argv[1]).iter('testcase')]" "$OUT/sweep.xml" || true
+}
+
+step_tunedecode() {  # issue 22's decode rows (>= 0.90 of a copy at K 256 B256, >= 0.85 at K 1024 B32):
+  # the tuner's decode bucket at those batches, then the bench's decode phase with its tables
+  # (the bench's rtcompile rows take the tuned table of this step's cache, as a user's calls do)
+  for spec in examples/order3_16x16.toml examples/order3_32x32.toml; do
+    timeout "${TUNE_S:-200}" python3 -m rtcompile.cli tune "$spec" --phase decode --decode-batch 32,256 \
+      --seconds "${TUNE_BUDGET_S:-150}" --workers 4 --storage "sqlite:///$OUT/tune_decode.db" \
+      > "$OUT/tune_decode_$(basename "$spec" .toml).txt" 2>&1 || true
+    tail -n 8 "$OUT/tune_decode_$(basename "$spec" .toml).txt"
+  done
+  python3 -m rtcompile.cli bench --out "$OUT/bench_decode_tuned" --phase decode --budget-s 60
+}
+
+step_modelbf16() {  # issue 21's B256 decode (>= 1.2 M tokens/s): the example model with a bf16 state
+  # cache (the spec's state_dtype; 134 MB of fp32 state per layer at B256 is 147 of the fused
+  # step's 248 us in kernels on 2026-12-02), decode only, beside the fp32 cache's rows
+  sed 's/^state_dtype = "float32"/state_dtype = "bfloat16"/' examples/order3_16x16.toml > /tmp/order3_16x16_bf16state.toml
+  grep -q 'state_dtype = "bfloat16"' /tmp/order3_16x16_bf16state.toml
+  python3 -m rtcompile.cli bench --model /tmp/order3_16x16_bf16state.toml --only decode --out "$OUT/bench_model_bf16state"
 }
 
 step_bench() {  # decode first (~60 s), so the prefill phase cannot starve it of budget
@@ -129,6 +151,6 @@ step_recalltests() {  # one call's worth: the recall comparison (its trainings l
 }
 
 for s in "$@"; do
-  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, traintests, traintime, recalltests, recallcompile, tunetrain, trainfla, sweep, bench, model, profiledecode, checks, recall)" >&2; exit 2; }
+  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, traintests, traintime, recalltests, recallcompile, tunetrain, trainfla, sweep, bench, tunedecode, model, modelbf16, profiledecode, checks, recall)" >&2; exit 2; }
   "step_$s"
 done
