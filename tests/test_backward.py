@@ -15,7 +15,7 @@ import torch
 
 from rtcompile.kernels import args, running_tensor_recurrent_ref
 from rtcompile.kernels.chunk_backward import (
-    BackwardConfig, default_backward, running_tensor_bwd, supports,
+    BackwardConfig, default_backward, resolve_backward, running_tensor_bwd, supports,
 )
 from rtcompile.kernels.config import DEFAULT_SMEM_BYTES, KernelShape, Workload
 from rtcompile.kernels.forms import iter_space
@@ -269,6 +269,24 @@ def test_config_refusals_name_the_field(config, needle):
     reason = config.check(KernelShape((16, 16) if "resident" not in needle and "last key" not in needle
                                       and "disk" not in needle else (32, 32), 64), 232448)
     assert reason is not None and needle in reason, reason
+
+
+@pytest.mark.parametrize("shape", [KernelShape((64,), 64), KernelShape((16, 16), 64), KernelShape((256,), 64),
+                                   KernelShape((32, 32), 64)], ids=str)
+@pytest.mark.parametrize("chunk_size", [16, 32, 64])
+def test_default_at_a_given_chunk_size(shape, chunk_size):
+    """A call that names its chunk size gets a default that runs it: the fields measured for that
+    chunk (the tuned winner's 4 gradient warps and 3 stages at C 32 only), never the C 32 fields
+    moved to C 64, which the register check refuses (a training call with chunk_size=64 at o3
+    16x16 would otherwise fail)."""
+    # on the CPU: the default for a 99 KiB device, checked without a shared-memory limit
+    cfg = resolve_backward(shape, None, chunk_size, torch.device("cpu"))
+    assert cfg.chunk_size == chunk_size and cfg == default_backward(shape, DEFAULT_SMEM_BYTES, chunk_size)
+    h200 = default_backward(shape, 232448, chunk_size)
+    assert h200.chunk_size == chunk_size and h200.check(shape, 232448) is None, h200
+    tuned = shape.input_bytes == 2 and shape.key_dim <= 256 and chunk_size == 32
+    assert (h200.grads_warps, h200.grads_stages) == ((4, 3) if tuned else (8, 1)), h200
+    assert default_backward(KernelShape((8, 8), 64), 232448).check(KernelShape((8, 8), 64)) is not None  # no crash
 
 
 @pytest.mark.parametrize("shape", [KernelShape((16,), 64), KernelShape((64,), 128), KernelShape((256,), 64),

@@ -55,7 +55,6 @@ gates, delta rule, l2norm, initial state, final-state gradient, varlen and any T
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -278,9 +277,11 @@ def shape_refusal(shape: KernelShape) -> str | None:
     return None
 
 
-def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> BackwardConfig:
-    """The first proposal that passes its check: C 64 then 32 then 16 (16-bit inputs up to K = 256:
-    32 first, the train tuner's measured winner), 32 value columns, key
+def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
+                     chunk_size: int | None = None) -> BackwardConfig:
+    """The first proposal that passes its check (with ``chunk_size`` only its proposals, each with
+    the fields measured for it): C 64 then 32 then 16 (16-bit inputs up to K = 256: 32 first,
+    the train tuner's measured winner), 32 value columns, key
     blocks of 128 at K >= 256 through the workspace, else 64 (or K), 4 then 8 warps, the prepare
     kernel's phi stores 4 indices of axis 1 at a time where they divide (the split form's
     measured best); fp32 products in tf32 for 16-bit inputs (their gradients are rounded to 8
@@ -314,20 +315,21 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -
     loop = {"state_loop": "streamed", "state_block_k": tile, "num_stages": 1} if streamed \
         else {"factor_grads": "workspace", "state_block_k": min(tile, shape.key_dim_pow2)}  # unused: in the space
     order = ((64, 8), (64, 4), (32, 8), (32, 4), (16, 4)) if streamed else ((64, 4), (64, 8), (32, 4), (32, 8), (16, 4))
-    kernels = {"grads_warps": 8, "prepare_warps": 4}
-    if shape.input_bytes == 2 and not streamed:
-        # 16-bit inputs up to K = 256: the train tuner's winner at o3 16x16 B8 T4096 (422 trials, all
-        # through the gradient gate): chunks of 32, 4 warps and 3 stages in the gradients kernel, one
-        # warp preparing. fwd+bwd 3.23 -> 2.35 ms at o3 16x16, o2 64 2.51 -> 2.26, o2 128 2.58 -> 2.34,
-        # o2 256 3.89 -> 3.87 (H200, 2026-12-02, dd966ea; fla 3.58 in the run that timed the winner)
-        order = ((32, 4), (32, 8), (64, 4), (64, 8), (16, 4))
-        kernels = {"grads_warps": 4, "grads_stages": 3, "num_stages": 3, "prepare_warps": 1}
+    # 16-bit inputs up to K = 256, chunks of 32: the train tuner's winner at o3 16x16 B8 T4096 (422
+    # trials, all through the gradient gate): 4 warps and 3 stages in the gradients kernel, one warp
+    # preparing. fwd+bwd 3.23 -> 2.35 ms at o3 16x16, o2 64 2.51 -> 2.26, o2 128 2.58 -> 2.34, o2
+    # 256 3.89 -> 3.87 (H200, 2026-12-02, dd966ea; fla 3.58 in the run that timed the winner)
+    tuned = shape.input_bytes == 2 and not streamed
+    order = ((32, 4), (32, 8), (64, 4), (64, 8), (16, 4)) if tuned else order
     for C, warps in order + ((16, 8),):
+        kernels = {"grads_warps": 4, "grads_stages": 3, "num_stages": 3, "prepare_warps": 1} if tuned and C == 32 \
+            else {"grads_warps": 8, "prepare_warps": 4}
         cfg = BackwardConfig(chunk_size=C, block_v=bv, block_k=bk, num_warps=warps, key_group=group,
                              dot_precision=prec, workspace_dtype=ws, **kernels, **loop)
-        if cfg.check(shape, smem_limit) is None:
+        if (chunk_size is None or C == chunk_size) and cfg.check(shape, smem_limit) is None:
             return cfg
-    return BackwardConfig(chunk_size=16, block_v=16, block_k=bk, state_block_k=16, workspace_dtype=ws, **loop)
+    return BackwardConfig(chunk_size=chunk_size or 16, block_v=16, block_k=bk, workspace_dtype=ws,
+                          **{**loop, "state_block_k": 16})
 
 
 def materialised_keys(shape: KernelShape) -> bool:
@@ -478,9 +480,7 @@ def resolve_backward(shape: KernelShape, variant, chunk_size: int | None, device
         if variant is not None and variant.check(shape, check_limit) is not None:
             variant = None
     if variant is None:
-        variant = default_backward(shape, limit)
-        if chunk_size is not None:
-            variant = dataclasses.replace(variant, chunk_size=chunk_size)
+        variant = default_backward(shape, limit, chunk_size)
     elif not isinstance(variant, BackwardConfig):
         raise TypeError(f"variant: expected a BackwardConfig, got {type(variant).__name__}")
     elif chunk_size is not None and chunk_size != variant.chunk_size:
