@@ -86,13 +86,16 @@ class RunningTensorLayer(nn.Module):
             self.norm_weight = nn.Parameter(torch.ones(V))
         self.out = nn.Linear(H * V, D, bias=False)
 
+    def _input_maps(self) -> list[str]:
+        """The names of the layer's linear maps of its input, in the stacked product's row order."""
+        return [n for n in ("proj", "forget", "beta", "skip", "gate") if getattr(self, n, None) is not None]
+
     def input_projection(self) -> InputProjection:
         """Every linear map the layer applies to its input (the dense projection, forget gate,
         beta, query skip, output gate), stacked into one weight [sum of outputs, D] and bias: a
         snapshot (no grad), for a decode step that launches one matrix product per layer for
         five. Rows in that order; the maps' biases where they have one, zeros elsewhere."""
-        maps = [m for m in (self.proj, self.forget, self.beta, self.skip, getattr(self, "gate", None))
-                if m is not None]
+        maps = [getattr(self, n) for n in self._input_maps()]
         ref = self.out.weight  # every layer has its output map: the dtype and device
         with torch.no_grad():  # torch.cat copies: a snapshot
             weight = torch.cat([m.weight for m in maps]) if maps else ref.new_empty(0, self.spec.model_width)
@@ -105,7 +108,7 @@ class RunningTensorLayer(nn.Module):
     def _projected(self, x: torch.Tensor, fused: InputProjection | None) -> dict:
         """Each input map's output by name ("proj", "forget", "beta", "skip", "gate"; absent maps
         left out): from the maps in turn, or sliced from one product with ``fused``."""
-        names = [n for n in ("proj", "forget", "beta", "skip", "gate") if getattr(self, n, None) is not None]
+        names = self._input_maps()
         if fused is None or not names:
             return {n: getattr(self, n)(x) for n in names}
         return dict(zip(names, F.linear(x, fused.weight, fused.bias).split(fused.sizes, dim=-1)))

@@ -469,6 +469,25 @@ def chunk_of_program(i_c, i_n, T, cu_seqlens, chunk_indices, state_offsets, C: t
 
 
 @triton.jit
+def chunk_rows(T, H: tl.constexpr, C: tl.constexpr, cu_seqlens, chunk_indices):
+    """The program's chunk rows (program axis 0: chunk, or pair of ``chunk_indices`` when varlen;
+    axis 1: sequence x head): token offsets, their mask, the token-head rows ``r`` of [B, T, H, ..]
+    tensors, the rows ``p_row`` of [B, H, T, ..] workspaces, the chunk's last valid row index
+    among ``o_c``, the last token's ``p_row``, and the state chunk index."""
+    i_nh = tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    i_c, bos, eos, i_b, i_s = chunk_of_program(tl.program_id(0), i_n, T, cu_seqlens, chunk_indices, chunk_indices, C)
+    o_c = tl.arange(0, C)
+    tok = bos + i_c * C + o_c
+    m_t = tok < eos
+    r = (i_b * T + tok) * H + i_h
+    p_row = (i_b * H + i_h) * T + tok
+    n_valid = tl.minimum(bos + i_c * C + C, eos) - (bos + i_c * C)
+    p_last = (i_b * H + i_h) * T + bos + i_c * C + n_valid - 1
+    return o_c, m_t, r, p_row, n_valid - 1, p_last, i_s, i_h
+
+
+@triton.jit
 def load_wy(W, U0, p_row, m_t, o_v, m_v, K: tl.constexpr, BK: tl.constexpr, V: tl.constexpr):
     """The chunk's [C, BK] rows of W (BK >= K) and [C, BV] block of U0 (see the WY prepare)."""
     o_k = tl.arange(0, BK)

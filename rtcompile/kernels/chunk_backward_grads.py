@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .blocks import chunk_of_program, factor_inv_norm, factor_tiles, one_side_tiles
+from .blocks import chunk_rows, factor_inv_norm, factor_tiles, one_side_tiles
 
 
 @triton.jit
@@ -284,25 +284,6 @@ def cc_grads(b_dP, b_dT, b_db, b_dc, b_P, b_Ai, b_b, b_c, b_gk, scale, C: tl.con
         b_dGs = b_dGk + tl.trans(b_dGk)
     b_dc += tl.sum(b_E, axis=1) - tl.sum(b_E, axis=0)
     return b_dGq, b_dGs, b_db, b_dc
-
-
-@triton.jit
-def chunk_rows(T, H: tl.constexpr, C: tl.constexpr, cu_seqlens, chunk_indices):
-    """The program's chunk rows (program axis 0: chunk, or pair of ``chunk_indices`` when varlen;
-    axis 1: sequence x head): token offsets, their mask, the token-head rows ``r`` of [B, T, H, ..]
-    tensors, the rows ``p_row`` of [B, H, T, ..] workspaces, the chunk's last valid row index
-    among ``o_c``, the last token's ``p_row``, and the state chunk index."""
-    i_nh = tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
-    i_c, bos, eos, i_b, i_s = chunk_of_program(tl.program_id(0), i_n, T, cu_seqlens, chunk_indices, chunk_indices, C)
-    o_c = tl.arange(0, C)
-    tok = bos + i_c * C + o_c
-    m_t = tok < eos
-    r = (i_b * T + tok) * H + i_h
-    p_row = (i_b * H + i_h) * T + tok
-    n_valid = tl.minimum(bos + i_c * C + C, eos) - (bos + i_c * C)
-    p_last = (i_b * H + i_h) * T + bos + i_c * C + n_valid - 1
-    return o_c, m_t, r, p_row, n_valid - 1, p_last, i_s, i_h
 
 
 @triton.jit

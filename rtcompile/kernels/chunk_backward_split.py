@@ -23,8 +23,9 @@ import triton.language as tl
 
 from . import args
 from .args import factor_args
+from .blocks import chunk_rows
 from .chunk_backward_grads import (
-    chunk_rows, chunk_scores, cc_grads, key_gram, key_state_terms, query_state_terms, side_block, side_norms,
+    chunk_scores, cc_grads, key_gram, key_state_terms, query_state_terms, side_block, side_norms,
     side_tiles, value_pass, f32dot, stored_log_decay,
 )
 

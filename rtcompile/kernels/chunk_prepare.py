@@ -20,7 +20,7 @@ import triton.language as tl
 from . import args
 from .args import dot_dtype, factor_args, lowp_dots, width_args
 from .blocks import (
-    chunk_log_decay, chunk_of_program, chunk_scores, dot, phi_block, phi_inv_norm, unit_lower_inverse_tiles,
+    chunk_log_decay, chunk_rows, chunk_scores, dot, phi_block, phi_inv_norm, unit_lower_inverse_tiles,
 )
 from .config import next_pow2
 from .inputs import Problem
@@ -121,33 +121,27 @@ def chunk_prepare_kernel(
     programs are numbered over ``chunk_indices``' (sequence, chunk) pairs)."""
     USE_BETA: tl.constexpr = beta is not None
     WY: tl.constexpr = W is not None
-    i_nh = tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
-    i_c, bos, eos, i_b, _ = chunk_of_program(tl.program_id(0), i_n, T, cu_seqlens, chunk_indices, chunk_indices, C)
-    o_c = tl.arange(0, C)
-    tok = bos + i_c * C + o_c
-    m_t = tok < eos
-    r = (i_b * T + tok) * H + i_h
+    o_c, m_t, r, p_row, i_last, p_last, _, _ = chunk_rows(T, H, C, cu_seqlens, chunk_indices)
     b_c = chunk_log_decay(g, r, m_t, C)
     b_P, b_Ai = chunk_scores(
         q1, q2, q3, k1, k2, k3, beta, r, m_t, b_c,
         NF, D1, D2, D3, BD1, BD2, BD3, C, L2NORM, LOWP, PREC, SOLVE, P is not None,
     )
     # workspace [B, H, T, C]: row = token, as the sequential kernel reads it
-    off_w = ((i_b * H + i_h) * T + tok)[:, None] * C + o_c[None, :]
+    off_w = p_row[:, None] * C + o_c[None, :]
     if P is not None:
         tl.store(P + off_w, b_P, mask=m_t[:, None])
     if USE_BETA:
         if SOLVE == "tiles":  # b_Ai is A; invert it in place in the workspace, in [16, 16] tiles
             tl.store(Ai + off_w, b_Ai, mask=m_t[:, None])
             tl.debug_barrier()
-            unit_lower_inverse_tiles(Ai + ((i_b * H + i_h) * T + bos + i_c * C) * C, eos - bos - i_c * C, C, PREC)
+            # the chunk's first row and its valid rows (rows from C on are never touched)
+            unit_lower_inverse_tiles(Ai + (p_last - i_last) * C, i_last + 1, C, PREC)
             if WY:  # the inverse back in registers, for W and U0 (padded rows read 0: never stored)
                 tl.debug_barrier()
                 b_Ai = tl.load(Ai + off_w, mask=m_t[:, None], other=0.0)
         elif Ai is not None:  # the forward's wy applies the inverse below and does not store it
             tl.store(Ai + off_w, b_Ai, mask=m_t[:, None])
-    p_row = (i_b * H + i_h) * T + tok
     if Gc is not None:
         tl.store(Gc + p_row, b_c, mask=m_t)
     b_inv = tl.full([C], 1.0, tl.float32)
