@@ -2,10 +2,11 @@
 where the step's time goes against issue 21's targets (B1 <= 80 us, B256 >= 1.2 M tokens/s).
 
     python benchmarks/profile_decode.py [--spec examples/order3_16x16.toml] [--batches 1 256]
-                                        [--steps plain,stacked,compiled] [--out FILE.json]
+                                        [--steps plain,stacked,compiled,combo] [--out FILE.json]
 
 Per batch and step kind (``plain``: generate's StaticStep; ``stacked``: its input maps as one
-product per layer; ``compiled``: stacked and fused by torch.compile, as ``compile_step``):
+product per layer; ``compiled``: stacked and fused by torch.compile, as ``compile_step``;
+``combo``: compiled with inductor's combo kernels):
 the step captured as ``rtcompile bench --model`` captures it, 3 warm-up replays, then 20
 profiled replays; prints each kernel's mean time per step (us), largest first, their sum, the
 kernel count per step and the step's wall time between CUDA events, so launch gaps show as the
@@ -22,7 +23,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-STEPS = {"plain": (False, False), "stacked": (False, True), "compiled": (True, True)}
+# kind: (compiled, stacked, inductor options); "combo": inductor's combo kernels, which launch
+# independent pointwise kernels (the decode kernel's inputs: five per layer) as one
+STEPS = {"plain": (False, False, None), "stacked": (False, True, None), "compiled": (True, True, None),
+         "combo": (True, True, {"combo_kernels": True}),
+         # and inductor's GEMM autotuning (its Triton templates against cuBLAS): the step's small-M
+         # products are latency-bound, 38 us of the B256 step for ~2 us of bf16 FLOPs (H200)
+         "autotune": (True, True, {"combo_kernels": True, "max_autotune_gemm": True})}
 REPLAYS = 20
 
 
@@ -31,12 +38,13 @@ def _profile(lm, batch: int, kind: str) -> dict:
 
     from rtcompile.generate import StaticStep, bucket_of
 
-    compiled, stacked = STEPS[kind]
+    compiled, stacked, options = STEPS[kind]
     with torch.no_grad():
         prompt = torch.randint(0, lm.embed.num_embeddings, (batch, 16), device="cuda",
                                generator=torch.Generator(device="cuda").manual_seed(0))
         logits, cache = lm(prompt, backend="triton")
-        step = StaticStep(lm, bucket_of(batch), "triton", capture=True, compiled=compiled, fuse_projections=stacked)
+        step = StaticStep(lm, bucket_of(batch), "triton", capture=True, compiled=compiled, fuse_projections=stacked,
+                          inductor_options=options)
         step.load(cache, batch)
     tok = logits[:, -1].argmax(-1)
     for _ in range(3):

@@ -100,10 +100,11 @@ class StaticStep:
     ``fuse_projections``: each layer's five input maps as one matrix product on a stacked copy
     of their weights (:meth:`RunningTensorLM.input_projections`), taken here: a later in-place
     change of those weights needs a new StaticStep (``generate`` makes one: its key holds the
-    parameters' versions when this is on)."""
+    parameters' versions when this is on). ``inductor_options``: torch.compile's ``options``
+    for a compiled step (an experiment's knob, e.g. ``{"combo_kernels": True}``)."""
 
     def __init__(self, model, bucket: int, backend: str, capture: bool, compiled: bool = False,
-                 fuse_projections: bool = False):
+                 fuse_projections: bool = False, inductor_options: dict | None = None):
         p = model.embed.weight
         self.model, self.bucket, self.backend = model, bucket, backend
         # in a CUDA graph each launch costs ~1.5 us at B1 (H200): the stacked product launches one
@@ -114,7 +115,8 @@ class StaticStep:
         # in place as the custom op rtcompile::running_tensor_decode_ (no copy of the state: the
         # mutation is re-inplaced); in a CUDA graph each launch left costs ~1.5 us at B1 (148 us
         # for the ~100 launches of the uncompiled step, H200). Costs one compile per bucket.
-        self._step = torch.compile(model.step, fullgraph=True) if compiled else model.step
+        self._step = (torch.compile(model.step, fullgraph=True, options=inductor_options or None) if compiled
+                      else model.step)
         self.tokens = torch.zeros(bucket, dtype=torch.int64, device=p.device)
         # the state cache and tails as a step would have them after its first in-place update;
         # made by a zero-prompt prefill so that their shapes follow the layers, whatever the spec
@@ -136,7 +138,8 @@ class StaticStep:
             if c["state"] is not static["state"]:
                 static["state"].copy_(c["state"])
             for dst, src in zip(static["conv"] or [], c["conv"] or []):
-                dst.copy_(src)
+                if src is not dst:  # the step shifts its tails in place: no copy onto itself
+                    dst.copy_(src)
         return logits
 
     def _capture(self) -> None:

@@ -131,7 +131,8 @@ def test_stacked_input_maps_give_the_layer_its_own_outputs(features):
         # and the model's step, from that cache
         prompt = torch.randint(0, VOCAB, (3, 4), generator=torch.Generator().manual_seed(7))
         _, cache = lm(prompt, backend="reference")
-        kept = [{"state": c["state"].clone(), "conv": c["conv"]} for c in cache]
+        # the step shifts the state and the conv tails in place: the branch gets copies of both
+        kept = [{"state": c["state"].clone(), "conv": [t.clone() for t in c["conv"] or []] or None} for c in cache]
         tok = torch.tensor([1, 5, 16])
         a, _ = lm.step(tok, cache, backend="reference")
         b, _ = lm.step(tok, kept, backend="reference", fused=lm.input_projections())

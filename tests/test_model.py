@@ -96,10 +96,30 @@ def test_step_updates_the_state_in_place_in_the_spec_dtype(backend):
     err = float((got16 - ref32).abs().max() / ref32.abs().max())
     assert 0 < err < 2e-2, err  # rounded (so not equal), within bf16's reach
     # the step writes into the cache it is given: same storage before and after
-    state = cache16[0]["state"]
+    state, tails = cache16[0]["state"], cache16[0]["conv"]
     with torch.no_grad():
         _, again = lm16.step(tokens[:, 0], cache16, backend=backend)
     assert again[0]["state"].data_ptr() == state.data_ptr()
+    assert tails and [t.data_ptr() for t in again[0]["conv"]] == [t.data_ptr() for t in tails]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["f64", "bf16"])
+def test_conv_step_in_place_equals_the_convolution(dtype):
+    """The serving step's short convolution (a weighted sum, its tail shifted in place) gives the
+    convolution's output and new tail, with a 5-channel, width-4 window at B3."""
+    from rtcompile.model import _CausalDepthwise
+
+    torch.manual_seed(3)
+    conv = _CausalDepthwise(5, 4).to(dtype)
+    x, tail = torch.randn(3, 1, 5, dtype=dtype), torch.randn(3, 5, 3, dtype=dtype)
+    with torch.no_grad():
+        want, want_tail = conv(x, conv.weight, tail.clone())
+        kept = tail.clone()
+        got, got_tail = conv(x, conv.weight, kept, in_place=True)
+    assert got_tail is kept and got.shape == want.shape == (3, 1, 5)
+    torch.testing.assert_close(got_tail, want_tail, rtol=0, atol=0)
+    tol = 1e-12 if dtype == torch.float64 else 1e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
 def test_auto_state_dtype_follows_the_plan():
