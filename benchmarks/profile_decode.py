@@ -5,8 +5,8 @@ where the step's time goes against issue 21's targets (B1 <= 80 us, B256 >= 1.2 
                                         [--steps plain,stacked,compiled,combo] [--out FILE.json]
 
 Per batch and step kind (``plain``: generate's StaticStep; ``stacked``: its input maps as one
-product per layer; ``compiled``: stacked and fused by torch.compile, as ``compile_step``;
-``combo``: compiled with inductor's combo kernels):
+product per layer; ``compiled``: stacked and fused by torch.compile with inductor's defaults; ``combo``: with
+inductor's combo kernels too, as ``compile_step`` does; ``autotune``: and GEMM autotuning):
 the step captured as ``rtcompile bench --model`` captures it, 3 warm-up replays, then 20
 profiled replays; prints each kernel's mean time per step (us), largest first, their sum, the
 kernel count per step and the step's wall time between CUDA events, so launch gaps show as the
@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # kind: (compiled, stacked, inductor options); "combo": inductor's combo kernels, which launch
 # independent pointwise kernels (the decode kernel's inputs: five per layer) as one
-STEPS = {"plain": (False, False, None), "stacked": (False, True, None), "compiled": (True, True, None),
-         "combo": (True, True, {"combo_kernels": True}),
+STEPS = {"plain": (False, False, None), "stacked": (False, True, None), "compiled": (True, True, {}),
+         "combo": (True, True, {"combo_kernels": True}),  # the compiled step's default since 2026-12-02
          # and inductor's GEMM autotuning (its Triton templates against cuBLAS): the step's small-M
          # products are latency-bound, 38 us of the B256 step for ~2 us of bf16 FLOPs (H200)
          "autotune": (True, True, {"combo_kernels": True, "max_autotune_gemm": True})}
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--spec", default="examples/order3_16x16.toml")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 256])
-    ap.add_argument("--steps", default="plain,stacked,compiled", help=f"comma list of {', '.join(STEPS)}")
+    ap.add_argument("--steps", default="plain,stacked,compiled,combo", help=f"comma list of {', '.join(STEPS)}")
     ap.add_argument("--out", help="write the rows as JSON")
     args = ap.parse_args(argv)
     kinds = [k for k in args.steps.split(",") if k]

@@ -92,6 +92,14 @@ def bucket_of(batch: int) -> int:
     return 1 << (batch - 1).bit_length()
 
 
+# The compiled step's inductor options. combo_kernels launches the step's independent pointwise
+# kernels (each layer's five decode-kernel inputs, its norms) as one: 43 -> 26 kernels a step,
+# B1 79.5 -> 63.2 us, B256 260.0 -> 238.4 us (fp32 state; bf16 state 186.8 -> 170.6 us), order 3
+# 16x16 example model, H200, 2026-12-02. Inductor's GEMM autotuning on top was slower at B1 (72.9
+# us: its Triton templates lose to cuBLAS at M = 1) and failed to compile some at B256.
+STEP_INDUCTOR_OPTIONS = {"combo_kernels": True}
+
+
 class StaticStep:
     """The decode step of ``model`` for one bucket of ``bucket`` rows, on static buffers.
 
@@ -101,7 +109,7 @@ class StaticStep:
     of their weights (:meth:`RunningTensorLM.input_projections`), taken here: a later in-place
     change of those weights needs a new StaticStep (``generate`` makes one: its key holds the
     parameters' versions when this is on). ``inductor_options``: torch.compile's ``options``
-    for a compiled step (an experiment's knob, e.g. ``{"combo_kernels": True}``)."""
+    for a compiled step (None: :data:`STEP_INDUCTOR_OPTIONS`; ``{}``: inductor's defaults)."""
 
     def __init__(self, model, bucket: int, backend: str, capture: bool, compiled: bool = False,
                  fuse_projections: bool = False, inductor_options: dict | None = None):
@@ -115,8 +123,8 @@ class StaticStep:
         # in place as the custom op rtcompile::running_tensor_decode_ (no copy of the state: the
         # mutation is re-inplaced); in a CUDA graph each launch left costs ~1.5 us at B1 (148 us
         # for the ~100 launches of the uncompiled step, H200). Costs one compile per bucket.
-        self._step = (torch.compile(model.step, fullgraph=True, options=inductor_options or None) if compiled
-                      else model.step)
+        options = STEP_INDUCTOR_OPTIONS if inductor_options is None else inductor_options
+        self._step = torch.compile(model.step, fullgraph=True, options=options or None) if compiled else model.step
         self.tokens = torch.zeros(bucket, dtype=torch.int64, device=p.device)
         # the state cache and tails as a step would have them after its first in-place update;
         # made by a zero-prompt prefill so that their shapes follow the layers, whatever the spec
