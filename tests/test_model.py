@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -15,6 +17,19 @@ CASES = {
     "o3-conconlyc": ((2, 4), Features(projection="conconlyc", short_conv=3, query_skip=True)),
     "o4-plain": ((2, 3, 2), Features(forget_gate=False, delta_rule=False, l2norm=False, short_conv=0, output_gate=False)),
 }
+
+
+# The Triton backend's tests run on the GPU where there is one (the interpreter on the CPU)
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
+
+@pytest.fixture
+def exact_fp32(monkeypatch):
+    """fp32 convolutions and products without TF32 on the GPU (its 1e-3 rounding would exceed the
+    1e-4 bounds that compare a prefill's convolution with the step's weighted sum)."""
+    if DEVICE == "cuda":  # (torch 2.13's CPU build has no allow_tf32 attributes)
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
 
 
 def _spec(widths, features, layers=2):
@@ -49,11 +64,11 @@ def test_prefill_equals_token_by_token_steps(case):
         assert torch.allclose(a["state"], b["state"], rtol=1e-9, atol=1e-10)
 
 
-def test_triton_backend_matches_reference():
+def test_triton_backend_matches_reference(exact_fp32):
     torch.manual_seed(1)
     spec = _spec((2, 4), Features(query_skip=True))
-    lm = RunningTensorLM(spec, vocab_size=9)
-    tokens = torch.randint(0, 9, (1, 20))
+    lm = RunningTensorLM(spec, vocab_size=9).to(DEVICE)
+    tokens = torch.randint(0, 9, (1, 20)).to(DEVICE)
     with torch.no_grad():
         ref, _ = lm(tokens, backend="reference")
         tri, _ = lm(tokens, backend="triton")
@@ -78,18 +93,18 @@ def _stepped(lm, tokens, backend, plan=None):
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
-def test_step_updates_the_state_in_place_in_the_spec_dtype(backend):
+def test_step_updates_the_state_in_place_in_the_spec_dtype(backend, exact_fp32):
     torch.manual_seed(2)
     spec32 = _spec((2, 4), Features(query_skip=True), layers=1)
     spec16 = ModelSpec(**{**spec32.to_dict(), "state_dtype": "bfloat16", "features": spec32.features})
-    lm = RunningTensorLM(spec32, vocab_size=9)
-    tokens = torch.randint(0, 9, (2, 9))
+    lm = RunningTensorLM(spec32, vocab_size=9).to(DEVICE)
+    tokens = torch.randint(0, 9, (2, 9)).to(DEVICE)
     with torch.no_grad():
         full, _ = lm(tokens, backend="reference")
     ref32, cache32 = _stepped(lm, tokens, backend)
     assert cache32[0]["state"].dtype == torch.float32
     assert float((ref32 - full[:, 3:]).abs().max() / full.abs().max()) < 1e-4
-    lm16 = RunningTensorLM(spec16, vocab_size=9)
+    lm16 = RunningTensorLM(spec16, vocab_size=9).to(DEVICE)
     lm16.load_state_dict(lm.state_dict())
     got16, cache16 = _stepped(lm16, tokens, backend)
     assert cache16[0]["state"].dtype == torch.bfloat16
@@ -137,8 +152,8 @@ def test_auto_state_dtype_follows_the_plan():
     (d,) = [d for d in plan.decisions if d.phase == "decode"]
     assert d.state_dtype == "float32" and "fp32 kept" in d.reason  # latency-bound: nothing to gain
     torch.manual_seed(3)
-    lm = RunningTensorLM(tiny, vocab_size=9)
-    tokens = torch.randint(0, 9, (2, 5))
+    lm = RunningTensorLM(tiny, vocab_size=9).to(DEVICE)
+    tokens = torch.randint(0, 9, (2, 5)).to(DEVICE)
     _, cache = _stepped(lm, tokens, "triton", plan=plan)
     assert cache[0]["state"].dtype == torch.float32
     bf16 = dataclasses.replace(plan, decisions=[dataclasses.replace(x, state_dtype="bfloat16") if x.phase == "decode"
