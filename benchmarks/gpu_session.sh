@@ -1,6 +1,6 @@
 # The measurements of one GPU session, in steps that each fit one 10-minute device call.
 #
-#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train (= traintests traintime) | recalltests | recallcompile | tunetrain | trainfla | sweep | bench | tunedecode | model | modelbf16 | profiledecode | checks | recall
+#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train (= traintests traintime) | recalltests | recallcompile | tunetrain | trainfla | sweep | bench | tunedecode | model | modelbf16 | serving | profiledecode | checks | recall
 #
 # Run from the project root on the device machine after installing the carried wheels (see
 # benchmarks/README.md). Everything lands under $OUT. Each step writes as it goes, so a call cut
@@ -103,6 +103,14 @@ step_model() {  # the whole model (issue 21): prefill tokens/s at B1, B8 T4096 a
   python3 benchmarks/serving_host.py --out "$OUT/serving_host.json"
 }
 
+step_serving() {  # issue 21's table in one call (~7 min on 2026-12-02): the model bench (prefill, the
+  # CUDA-graph decode steps, fla's mixer) and the eager T = 1 calls, the bf16 state cache's decode
+  # rows, then the first call after load with and without the bundle's compiled kernels
+  step_model
+  step_modelbf16
+  timeout 240 python3 benchmarks/gpu_checks.py first_call --out "$OUT/checks" || true
+}
+
 step_profiledecode() {  # where the CUDA-graph decode step's time goes (issue 21: B1 <= 80 us, B256 >= 1.2 M
   # tokens/s): per-kernel time of the plain, stacked and compiled steps at B1 and B256
   timeout "${PROFILE_S:-300}" python3 benchmarks/profile_decode.py --out "$OUT/profile_decode.json" || true
@@ -151,6 +159,6 @@ step_recalltests() {  # one call's worth: the recall comparison (its trainings l
 }
 
 for s in "$@"; do
-  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, traintests, traintime, recalltests, recallcompile, tunetrain, trainfla, sweep, bench, tunedecode, model, modelbf16, profiledecode, checks, recall)" >&2; exit 2; }
+  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, traintests, traintime, recalltests, recallcompile, tunetrain, trainfla, sweep, bench, tunedecode, model, modelbf16, serving, profiledecode, checks, recall)" >&2; exit 2; }
   "step_$s"
 done

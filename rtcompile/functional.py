@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from typing import Sequence
 
 import torch
@@ -267,7 +268,19 @@ def backward_refusal(p: Problem, cu_seqlens: torch.Tensor | None) -> str | None:
     return chunk_backward.supports(p, cu_seqlens)
 
 
-@torch.compiler.assume_constant_result
+def constant_result(fn):
+    """``torch.compiler.assume_constant_result(fn)`` without importing torch._dynamo, which that
+    call does: 3.5 of the 4.4 s that ``rtcompile.load`` of the example bundle took on the CPU
+    machine went to that import, paid by every serving process that never compiles. Dynamo's
+    decorator only sets the mark below on the function (torch 2.11-2.13; a test checks that the
+    two agree), so it is set here, and the real decorator runs when dynamo is loaded already."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@constant_result
 def traced_backward_refusal(widths: tuple[int, ...], value_width: int, scale: float, dtype: torch.dtype,
                             device: torch.device, cu_seqlens: torch.Tensor | None) -> str | None:
     """:func:`backward_refusal` for a call dynamo traces, from plain values: dynamo runs it
@@ -282,7 +295,7 @@ def traced_backward_refusal(widths: tuple[int, ...], value_width: int, scale: fl
     return backward_refusal(p, cu_seqlens)
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def plan_mode(plan) -> str:
     """The op's ``mode`` argument for a traced call under ``plan``: ``"plan:"`` and the plan's
     prefill table (dynamo runs this at trace time and keeps the text as a constant: json.dumps

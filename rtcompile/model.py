@@ -52,7 +52,9 @@ class _CausalDepthwise(nn.Module):
     def __init__(self, weight_channels: int, width: int):
         super().__init__()
         self.width = width
-        self.weight = nn.Parameter(torch.randn(weight_channels, width) / math.sqrt(width))
+        # N(0, 1 / width) through nn.init, which the bundle check's meta build skips
+        self.weight = nn.Parameter(torch.empty(weight_channels, width))
+        nn.init.normal_(self.weight, std=1 / math.sqrt(width))
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None, in_place: bool = False):
         """(y [B, T, C], the new tail). ``in_place`` (the serving step: T = 1 and a tail): the
