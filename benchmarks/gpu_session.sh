@@ -1,6 +1,6 @@
 # The measurements of one GPU session, in steps that each fit one 10-minute device call.
 #
-#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train (= traintests traintime) | recalltests | recallcompile | tunetrain | trainfla | sweep | bench | tunedecode | model | modelbf16 | serving | profiledecode | checks | recall
+#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train (= traintests traintime) | recalltests | recallcompile | tunetrain | trainfla | sweep | bench | tunedecode | model | modelbf16 | serving | profiletrain | profiledecode | checks | recall
 #
 # Run from the project root on the device machine after installing the carried wheels (see
 # benchmarks/README.md). Everything lands under $OUT. Each step writes as it goes, so a call cut
@@ -111,6 +111,14 @@ step_serving() {  # issue 21's table in one call (~7 min on 2026-12-02): the mod
   timeout 240 python3 benchmarks/gpu_checks.py first_call --out "$OUT/checks" || true
 }
 
+step_profiletrain() {  # issue 19's large-K rows (13-15x our forward; target 3.5x): where forward +
+  # backward's time goes per kernel at the default configs, K 256 (C 32 default), 1024 and 4096
+  for w in "16 16" "32 32" "16 16 16"; do
+    timeout 150 python3 benchmarks/profile_backward.py --widths $w > "$OUT/profile_train_${w// /x}.txt" 2>&1 || true
+    tail -n 12 "$OUT/profile_train_${w// /x}.txt"
+  done
+}
+
 step_profiledecode() {  # where the CUDA-graph decode step's time goes (issue 21: B1 <= 80 us, B256 >= 1.2 M
   # tokens/s): per-kernel time of the plain, stacked and compiled steps at B1 and B256
   timeout "${PROFILE_S:-300}" python3 benchmarks/profile_decode.py --out "$OUT/profile_decode.json" || true
@@ -159,6 +167,6 @@ step_recalltests() {  # one call's worth: the recall comparison (its trainings l
 }
 
 for s in "$@"; do
-  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, traintests, traintime, recalltests, recallcompile, tunetrain, trainfla, sweep, bench, tunedecode, model, modelbf16, serving, profiledecode, checks, recall)" >&2; exit 2; }
+  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, traintests, traintime, recalltests, recallcompile, tunetrain, trainfla, sweep, bench, tunedecode, model, modelbf16, serving, profiletrain, profiledecode, checks, recall)" >&2; exit 2; }
   "step_$s"
 done

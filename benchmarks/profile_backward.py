@@ -31,8 +31,8 @@ def main() -> int:
         for item in filter(None, variant.split(",")):
             name, _, value = item.partition("=")
             changes[name] = int(value) if value.isdigit() else {"True": True, "False": False}.get(value, value)
-        chunk_backward.default_backward = lambda shape, limit=None, c=changes: dataclasses.replace(base(shape, limit),
-                                                                                                    **c)
+        # every argument passed on as given (the launcher passes chunk_size third since 57afb3f)
+        chunk_backward.default_backward = lambda *a, c=changes, **kw: dataclasses.replace(base(*a, **kw), **c)
         try:
             _profile(args.widths, changes)
         except Exception as exc:  # a variant that does not compile or fit is a line, not the end

@@ -95,6 +95,19 @@ def _say(*parts) -> None:
     print(f"[{time.strftime('%H:%M:%S')}]", *parts, file=sys.stderr, flush=True)
 
 
+def override_default(changes: dict) -> str:
+    """Make the backward's default config (``chunk_backward.default_backward``, which the launcher
+    takes when no tuned entry applies) the default with ``changes`` applied; returns the row label."""
+    import dataclasses
+
+    from rtcompile.kernels import chunk_backward
+
+    base = chunk_backward.default_backward
+    # every argument passed on as given (the launcher passes chunk_size third since 57afb3f)
+    chunk_backward.default_backward = lambda *a, **kw: dataclasses.replace(base(*a, **kw), **changes)
+    return "rtcompile[" + ",".join(f"{k}={v}" for k, v in changes.items()) + "]"
+
+
 def measure(fla: bool, only: set[str] | None = None, changes: dict | None = None) -> list[dict]:
     import torch
 
@@ -102,13 +115,7 @@ def measure(fla: bool, only: set[str] | None = None, changes: dict | None = None
 
     label = "rtcompile"
     if changes:  # the backward's default config with fields changed (an experiment's row)
-        import dataclasses
-
-        from rtcompile.kernels import chunk_backward
-
-        base = chunk_backward.default_backward
-        chunk_backward.default_backward = lambda shape, limit=None: dataclasses.replace(base(shape, limit), **changes)
-        label = "rtcompile[" + ",".join(f"{k}={v}" for k, v in changes.items()) + "]"
+        label = override_default(changes)
 
     rows = []
     for name, widths in CASES:

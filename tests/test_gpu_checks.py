@@ -37,3 +37,21 @@ def test_first_call_times_both_bundles_in_fresh_processes(tmp_path):
     assert set(rows) == {"with compiled kernels", "without"}
     assert all(r["import_s"] > 0 and r["load_s"] > 0 and r["first_prefill_s"] > 0 and r["first_decode_s"] > 0
                and r["kernels"] is False for r in rows.values())
+
+
+def test_train_step_set_changes_the_config_the_launcher_resolves(monkeypatch):
+    """train_step.py --set: the launcher's default (resolved as a training call resolves it, with
+    chunk_size passed on) carries the changed fields (a wrapper with an older signature made every
+    --set row fail)."""
+    import torch
+
+    import train_step
+    from rtcompile.kernels import chunk_backward
+    from rtcompile.kernels.config import KernelShape
+
+    monkeypatch.setattr(chunk_backward, "default_backward", chunk_backward.default_backward)
+    label = train_step.override_default({"chunk_size": 64, "grads_warps": 8, "grads_stages": 1, "num_stages": 2,
+                                         "prepare_warps": 4})
+    cfg = chunk_backward.resolve_backward(KernelShape((16, 16), 64, 2), None, None, torch.device("cpu"))
+    assert (cfg.chunk_size, cfg.grads_warps, cfg.grads_stages, cfg.prepare_warps) == (64, 8, 1, 4)
+    assert label.startswith("rtcompile[chunk_size=64,")
