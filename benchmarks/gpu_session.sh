@@ -27,7 +27,7 @@ step_traintests() {  # the backward on the GPU: gradient tests (-v into a file a
   # cut the config sweep short on 2026-12-01), then forward + backward timings; fla last and in a
   # process of its own (its first K = 256 backward compiled and autotuned for over 3 minutes)
   timeout -s INT -k 30 "${TRAIN_TEST_S:-300}" python3 -m pytest -v -p no:cacheprovider -n "${TEST_WORKERS:-14}" \
-    tests/test_backward.py tests/test_backward_streamed.py tests/test_autograd.py tests/test_extreme_decay.py tests/test_decode_guard.py \
+    tests/test_backward.py tests/test_backward_streamed.py tests/test_backward_kept.py tests/test_autograd.py tests/test_extreme_decay.py tests/test_decode_guard.py \
     tests/test_generate.py tests/test_conventions.py tests/test_call_plan.py \
     > "$OUT/train_tests.txt" 2>&1 || true
   echo "passed $(grep -c PASSED "$OUT/train_tests.txt") failed $(grep -c FAILED "$OUT/train_tests.txt")"
@@ -44,6 +44,10 @@ step_traintime() {  # the forward + backward timings alone on the GPU (a recall 
   # 2.5-2.9x the memory on 2026-12-02; key blocks of 64 gained nothing (3.48 ms at o3 16x16 against 3.07)
   python3 benchmarks/train_step.py --set grads_split=True --set factor_grads=workspace \
     --cases "o3 16x16,o3 32x32,o4 16x16x16" --out "$OUT/train_ours_split.json"
+  # the forward that keeps the backward's prepare and state loop (keep_forward; resident loops,
+  # K <= 256): one of each per step instead of two; not yet timed
+  python3 benchmarks/train_step.py --set keep_forward=True --cases "o3 16x16,o2 64,o2 128,o2 256" \
+    --out "$OUT/train_ours_kept.json"
 }
 
 step_tunetrain() {  # issue 19's speed: the tuner's train bucket (forward + backward timed together, every

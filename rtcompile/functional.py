@@ -173,6 +173,14 @@ def running_tensor(
         return fwd_checked(p, q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
                            l2norm=l2norm, cu_seqlens=cu_seqlens, mode=mode, chunk_size=chunk_size, variant=variant,
                            plan_key=plan_key if mode == "recurrent" else None)
+    if backend == "triton" and grad and mode == "chunk" and variant is None and not _tracing(v):
+        # an eager training call whose backward config keeps its forward (keep_forward)
+        from .kernels.ops import kept_training_call
+
+        kept = kept_training_call(p, q, k, v, g, beta, initial_state, cu_seqlens, l2norm, output_final_state,
+                                  chunk_size)
+        if kept is not None:
+            return kept
     if backend == "triton":
         from .kernels.ops import running_tensor_fwd_op, variant_to_json
 

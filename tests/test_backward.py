@@ -302,13 +302,16 @@ def test_default_and_space(shape, limit):
     # enumerated at their first value, and a random sample of the whole space shows they change
     # no check: the full product (up to 2.6 M configs) took 20-50 s per shape on the CPU machine.
     free = ("grads_stages", "prepare_warps", "solve", "dot_precision", "factor_grads", "workspace_dtype",
-            "grads_split")
+            "grads_split", "keep_forward")
     found = list(iter_space(BackwardConfig, shape, {**space, **{n: space[n][:1] for n in free}}, limit))
     assert found and all(getattr(c, n) in vals for c in found for n, vals in space.items())
     rng = random.Random(0)
     for _ in range(300):
         c = BackwardConfig(**{n: rng.choice(vals) for n, vals in space.items()})
-        if c.grads_split and c.factor_grads != "workspace":  # the one pair of free fields that is refused
+        if c.grads_split and c.factor_grads != "workspace":  # the pairs of fields that are refused
+            assert c.check(shape, limit) is not None
+            continue
+        if c.keep_forward and c.state_loop != "resident":
             assert c.check(shape, limit) is not None
             continue
         first = dataclasses.replace(c, **{n: space[n][0] for n in free})

@@ -86,6 +86,9 @@ def test_the_objective_rejects_wrong_or_missing_gradients_and_passes_the_real_on
     wrong = evaluate({**request, "variant": replace(default_backward(SHAPE), chunk_size=16).to_dict(),
                       "impl": "tuning_impls:planted_wrong_backward"})
     assert wrong["status"] == "rejected" and wrong["reason"].startswith("dk0:"), wrong
+    # a trial with keep_forward times (and checks) the forward it keeps, then the backward from it
+    kept = evaluate({**request, "variant": replace(default_backward(SHAPE), keep_forward=True).to_dict()})
+    assert kept["status"] == "ok" and kept["error"] < 1e-4, kept
 
 
 def test_an_unreadable_or_unrunnable_tuned_backward_is_ignored():

@@ -15,7 +15,7 @@ delta rule); P = Gq * D; O = s (diag(Gamma) phi(Q) S + P U); S' = gamma S + phi(
     db = rowsum(dR' * R) + rowsum(dA * Gk * D)
     dc: the D, Gamma, r and gamma terms; dg = the reverse cumulative sum of dc within the chunk
 
-Four to seven launches (``_launch``):
+Four to seven launches (:func:`launch_backward`):
 
 1. prepare (``chunk_prepare.prepare_backward``): the scores P and the inverse T ([T, C] fp32
    each), the cumulative log decay, and for the resident state loops phi(K) and phi(Q)
@@ -55,7 +55,6 @@ gates, delta rule, l2norm, initial state, final-state gradient, varlen and any T
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -67,12 +66,12 @@ import triton.language as tl
 from . import args
 from .args import contiguous_inputs, dot_dtype, factor_args, lowp_dots, width_args
 from .blocks import dot, first_stored_state, sequence_of_program
-from .chunk_backward_streamed import recompute_streamed, state_grads_streamed
+from .chunk_backward_streamed import state_grads_streamed
 from .chunk_backward_grads import chunk_bwd_grads_kernel, phi_grads_to_factors_kernel, stored_log_decay
+from .chunk_backward_kept import Recomputed, recompute, workspace_dtype
 from .chunk_backward_split import GradsTensors, split_grads
-from .chunk_prepare import chunk_indices, prepare_backward
 from .chunk_resident import MATERIALISE_MAX_K, kronecker_factor_grads, materialise_phi, materialised
-from .chunk_split import KEY_GROUPS, SplitConfig, chunk_split_state_kernel
+from .chunk_split import KEY_GROUPS
 from .config import (
     DEFAULT_SMEM_BYTES, PREPARE_WARPS, SOLVES, CostFigures, KernelConfig, KernelShape, Workload,
     chunk_count, chunk_programs, chunk_refusal, chunk_smem_estimate, dot_operand_bytes, estimate_registers,
@@ -140,6 +139,11 @@ class BackwardConfig(KernelConfig):
     # stored; dg), with factor_grads="workspace". No default (H200, 2026-12-02): fwd+bwd o3 32x32
     # 17.2 -> 14.6 ms, o4 16^3 92.9 -> 70.5, but 1.4 -> 3.5 and 4.4 -> 12.6 GiB
     grads_split: bool = False
+    # a training call's forward runs this config's prepare and state loop and keeps them for the
+    # backward, which then skips both (chunk_backward_kept.py; resident loops). Not yet timed:
+    # at C 64 the two took 0.41 + 0.35 of the backward's 3.31 ms at o3 16x16 (H200), and the
+    # forward's own 0.37 ms is replaced by them plus the output kernel
+    keep_forward: bool = False
 
     def resident(self, shape: KernelShape) -> bool:
         return self.state_loop == "resident"
@@ -166,8 +170,11 @@ class BackwardConfig(KernelConfig):
         if self.state_loop == "resident" and shape.key_dim > MAX_KEY_DIM:
             return (f"state_loop='resident' holds the [K, block_v] state in registers up to K = {MAX_KEY_DIM}, "
                     f"got K = {shape.key_dim}; use state_loop='streamed'")
-        if not isinstance(self.grads_split, bool):
-            return f"grads_split={self.grads_split!r}; allowed: False, True"
+        for name in ("grads_split", "keep_forward"):
+            if not isinstance(getattr(self, name), bool):
+                return f"{name}={getattr(self, name)!r}; allowed: False, True"
+        if self.keep_forward and self.state_loop != "resident":
+            return "keep_forward=True with state_loop='streamed'; allowed: keep_forward=False, or the resident loop"
         if self.grads_split and self.factor_grads != "workspace":  # else a duplicate the tuner times twice
             return f"factor_grads={self.factor_grads!r} with grads_split=True; allowed: 'workspace'"
         if self.num_stages < 2 and self.state_loop == "resident":
@@ -220,6 +227,7 @@ class BackwardConfig(KernelConfig):
             "factor_grads": list(FACTOR_GRADS),
             "workspace_dtype": list(WORKSPACE_DTYPES) if shape.input_bytes == 2 else ["float32"],
             "grads_split": [False, True],
+            "keep_forward": [False, True] if shape.key_dim <= MAX_KEY_DIM else [False],
         }
 
     def workspace_bytes(self, w: Workload) -> int:
@@ -444,7 +452,7 @@ def running_tensor_bwd(q, k, v, g, beta, *, scale: float, initial_state, cu_seql
     # launcher does (args.contiguous_inputs says why); the gradients are allocated with the
     # inputs' shapes, contiguous, which autograd accumulates into views of any layout
     q, k, v, g, beta, initial_state, cu_seqlens = contiguous_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    return _launch(config, p, q, k, v, g, beta, initial_state, cu_seqlens, l2norm, do.contiguous(),
+    return launch_backward(config, p, q, k, v, g, beta, initial_state, cu_seqlens, l2norm, do.contiguous(),
                    None if dht is None else dht.contiguous())
 
 
@@ -507,61 +515,43 @@ def tuned_backward(p: Problem, device: torch.device) -> BackwardConfig | None:
     return config if isinstance(config, BackwardConfig) else None
 
 
-def _resident_state_loops(config: BackwardConfig, p: Problem, ws: dict, v, beta, h0, cu_seqlens, offsets, do, dht,
-                          total_chunks: int, store: torch.dtype):
-    """Steps 2 and 3 with the state in registers: the split form's state loop (every chunk's S,
-    U, R) and :func:`chunk_bwd_state_kernel` (every chunk's dS', dU, d(initial state) in fp32)."""
+def _state_grads(config: BackwardConfig, p: Problem, q, k, v, beta, h0, cu_seqlens, l2norm: bool, kept: Recomputed,
+                 do, dht):
+    """Step 3: every chunk's dS', dU and d(initial state) (fp32; None without ``h0``)."""
     B, T, H, V = v.shape
-    C, K, bv, dev = config.chunk_size, p.key_dim, config.block_v, v.device
-    lowp, prec, dt = lowp_dots(v.dtype), config.dot_precision, dot_dtype(v)
-    Hc = args.empty(total_chunks, H, K, V, dtype=dt, device=dev)
-    Uc = args.empty(B, T, H, V, dtype=store, device=dev)
-    Rc = args.empty(B, T, H, V, dtype=store, device=dev) if beta is not None else None
-    grid_v = (triton.cdiv(V, bv), p.num_seqs * H)
-    chunk_split_state_kernel[grid_v](
-        v, beta, h0, None, ws["Ai"], ws["Kw"], ws["Gc"], Hc, Uc, Rc, cu_seqlens, offsets, T,
-        H=H, K=K, V=V, C=C, BV=bv, LOWP=lowp, PREC=prec, TMA=False, STRIDE=1,
+    C, K, bv = config.chunk_size, p.key_dim, config.block_v
+    store, ws = workspace_dtype(config, v), kept.ws
+    if config.state_loop != "resident":
+        return state_grads_streamed(p, q, k, beta, do, dht, want_dh0=h0 is not None, scale=p.scale, ws=ws,
+                                    cu_seqlens=cu_seqlens, offsets=kept.offsets, l2norm=l2norm, chunk_size=C,
+                                    block_k=min(config.state_block_k, K), block_v=bv, num_warps=config.num_warps,
+                                    num_stages=config.num_stages, precision=config.dot_precision, store_dtype=store)
+    dHc = args.empty(sum(kept.n_chunks), H, K, V, dtype=dot_dtype(v), device=v.device)
+    dUc = args.empty(B, T, H, V, dtype=store, device=v.device)
+    dh0 = args.empty(p.state_shape, dtype=torch.float32, device=v.device) if h0 is not None else None
+    chunk_bwd_state_kernel[(triton.cdiv(V, bv), p.num_seqs * H)](
+        ws["Qw"], ws["Kw"], ws["P"], ws["Ai"], ws["Gc"], beta, do, dht, dh0, dHc, dUc, cu_seqlens, kept.offsets,
+        p.scale, T, H=H, K=K, V=V, C=C, BV=bv, LOWP=lowp_dots(v.dtype), PREC=config.dot_precision,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    dHc = args.empty(total_chunks, H, K, V, dtype=dt, device=dev)
-    dUc = args.empty(B, T, H, V, dtype=store, device=dev)
-    dh0 = args.empty(p.state_shape, dtype=torch.float32, device=dev) if h0 is not None else None
-    chunk_bwd_state_kernel[grid_v](
-        ws["Qw"], ws["Kw"], ws["P"], ws["Ai"], ws["Gc"], beta, do, dht, dh0, dHc, dUc, cu_seqlens, offsets,
-        p.scale, T, H=H, K=K, V=V, C=C, BV=bv, LOWP=lowp, PREC=prec,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
-    return Hc, Uc, Rc, dHc, dUc, dh0
+    return dHc, dUc, dh0
 
 
-def _launch(config: BackwardConfig, p: Problem, q, k, v, g, beta, h0, cu_seqlens, l2norm: bool, do, dht):
+def launch_backward(config: BackwardConfig, p: Problem, q, k, v, g, beta, h0, cu_seqlens, l2norm: bool, do, dht,
+            kept: Recomputed | None = None):
+    """Steps 1-5 (the module docstring) on contiguous inputs, checked (``running_tensor_bwd``
+    checks them); ``kept``: the forward's prepare and state loop
+    (``chunk_backward_kept.forward_kept``), so steps 1 and 2 are not run again."""
     B, T, H, V = v.shape
     C, K, bv, dev = config.chunk_size, p.key_dim, config.block_v, v.device
     varlen = cu_seqlens is not None
-    n_chunks = [triton.cdiv(hi - lo, C) for lo, hi in p.seq_bounds] if varlen else [triton.cdiv(T, C)] * B
-    idx = offsets = None
-    if varlen:
-        idx = chunk_indices(p, C, dev)
-        offsets = torch.tensor([0, *itertools.accumulate(n_chunks)], dtype=torch.int32).to(dev)
     prec = config.dot_precision
-    # 1. prepare: P, T, c (and for the resident loops phi(K), phi(Q))
-    split = SplitConfig(chunk_size=C, block_v=bv, num_warps=config.num_warps, num_stages=config.num_stages,
-                        prepare_warps=config.prepare_warps, solve=config.solve, dot_precision=prec,
-                        key_group=config.key_group)
-    resident = config.state_loop == "resident"
-    store = torch.float32 if config.workspace_dtype == "float32" else v.dtype  # U, R, dU, phi's gradients
-    ws = prepare_backward(split, p, q, k, v, g, beta, cu_seqlens=cu_seqlens, idx=idx, l2norm=l2norm, keys=resident)
-    if resident:
-        Hc, Uc, Rc, dHc, dUc, dh0 = _resident_state_loops(config, p, ws, v, beta, h0, cu_seqlens, offsets, do, dht,
-                                                          sum(n_chunks), store)
-    else:
-        loops = {"cu_seqlens": cu_seqlens, "offsets": offsets, "l2norm": l2norm, "ws": ws, "chunk_size": C,
-                 "block_k": min(config.state_block_k, K), "block_v": bv, "num_warps": config.num_warps,
-                 "num_stages": config.num_stages, "precision": prec, "store_dtype": store}
-        # each state tile's load issued one ahead, as the streamed forward measured (~1.2 TB/s of
-        # state traffic without it at o3 64x64 on the H200)
-        Hc, Uc, Rc = recompute_streamed(p, q, k, v, g, beta, h0=h0, prefetch_state=True, **loops)
-        dHc, dUc, dh0 = state_grads_streamed(p, q, k, beta, do, dht, want_dh0=h0 is not None, scale=p.scale, **loops)
+    store = workspace_dtype(config, v)  # U, R, dU, phi's gradients
+    if kept is None:  # 1. prepare: P, T, c (and for the resident loops phi(K), phi(Q)); 2. the recompute
+        kept = recompute(config, p, q, k, v, g, beta, h0, cu_seqlens, l2norm)
+    dHc, dUc, dh0 = _state_grads(config, p, q, k, v, beta, h0, cu_seqlens, l2norm, kept, do, dht)
+    ws, Hc, Uc, Rc, idx, n_chunks = kept.ws, kept.Hc, kept.Uc, kept.Rc, kept.idx, kept.n_chunks
+    del kept
     # 4. dv, dbeta, dg and every factor's gradient (or phi's, to dQp / dKp), chunk-parallel
     dq = [args.empty(x.shape, dtype=x.dtype, device=dev) for x in q]
     dk = [args.empty(x.shape, dtype=x.dtype, device=dev) for x in k]

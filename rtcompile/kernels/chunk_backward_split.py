@@ -120,7 +120,7 @@ def chunk_bwd_dg_kernel(dc, dc_part, dg, cu_seqlens, chunk_indices, T, rows, H: 
 
 @dataclass(frozen=True)
 class GradsTensors:
-    """What step 4 of ``chunk_backward._launch`` reads and writes, by its names there: the inputs
+    """What step 4 of ``chunk_backward.launch_backward`` reads and writes, by its names there: the inputs
     (``q``, ``k`` tuples of factors; ``g``, ``beta`` None when the feature is off) and ``do``, the
     prepare kernel's workspaces ``ws``, the stored chunk states and their gradients (``Hc``,
     ``dHc``), the recomputed ``Uc``, ``Rc``, ``dUc``, the outputs it writes (phi's stored
@@ -148,7 +148,7 @@ class GradsTensors:
 
 
 def split_grads(config, p, t: GradsTensors, grid: tuple, widths: dict, l2norm: bool) -> None:
-    """Step 4 of ``chunk_backward._launch`` in three launches (``config.grads_split``; ``p`` the
+    """Step 4 of ``chunk_backward.launch_backward`` in three launches (``config.grads_split``; ``p`` the
     checked Problem, ``t`` the step's tensors, ``grid`` and ``widths`` the monolithic grads
     kernel's): the C x C gradients per chunk
     (:func:`chunk_bwd_cc_kernel`: dv, dbeta, dGq, dGs, dc's share), phi's gradients per chunk and

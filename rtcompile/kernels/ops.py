@@ -14,7 +14,10 @@ Autograd: ``rtcompile::running_tensor_fwd``'s backward is a second custom op,
 chunk form's Triton backward, for both modes: the recurrent form computes the same function, so
 its gradient is the chunk form's). Being an op with a fake, the backward traces under
 torch.compile / AOTAutograd and torch.export as one node. The forward saves only its inputs;
-the backward recomputes what it needs (no forward workspace outlives the forward).
+the backward recomputes what it needs (no forward workspace outlives the forward). The one
+exception is an eager training call under a backward config with ``keep_forward``
+(:class:`KeptForward`, :func:`kept_training_call`): its forward keeps the backward's prepare
+and state loop, and its backward skips them.
 """
 
 from __future__ import annotations
@@ -150,6 +153,19 @@ def _placeholder(x: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return x if x is not None else like.new_empty((0,))
 
 
+def _backward_module():
+    """``chunk_backward``, imported when first needed: ops must import (and the forward run)
+    before the backward module exists."""
+    name = f"{__package__}.chunk_backward"
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name != name:
+            raise  # a dependency of the module is missing: that is the error to see
+        raise NotImplementedError(f"rtcompile: this build has no Triton backward ({name} is absent); "
+                                  "use backend='reference' to train") from exc
+
+
 @torch.library.custom_op("rtcompile::running_tensor_bwd", mutates_args=())
 def running_tensor_bwd_op(
     q: list[torch.Tensor],
@@ -168,16 +184,7 @@ def running_tensor_bwd_op(
     """Gradients ``(dq, dk, dv, dg, dbeta, dh0)`` of ``running_tensor_fwd`` given ``do`` and
     ``dht`` (None: the final state carries no gradient). dg / dbeta / dh0 are 0-element tensors
     where g / beta / initial_state is None. ``chunk_size`` 0: the backward's own choice."""
-    # imported here: ops must import (and the forward run) before the backward module exists
-    name = f"{__package__}.chunk_backward"
-    try:
-        chunk_backward = importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name != name:
-            raise  # a dependency of the module is missing: that is the error to see
-        raise NotImplementedError(f"rtcompile: this build has no Triton backward ({name} is absent); "
-                                  "use backend='reference' to train") from exc
-    dq, dk, dv, dg, db, dh0 = chunk_backward.running_tensor_bwd(
+    dq, dk, dv, dg, db, dh0 = _backward_module().running_tensor_bwd(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens, l2norm=l2norm,
         do=do, dht=dht, chunk_size=chunk_size or None,
     )
@@ -230,3 +237,65 @@ def _backward(ctx, do, dht):
 
 
 torch.library.register_autograd("rtcompile::running_tensor_fwd", _backward, setup_context=_setup)
+
+
+# ----- the eager training call that keeps its forward (BackwardConfig.keep_forward) -----
+
+def _floored(dg: torch.Tensor | None, g: torch.Tensor | None) -> torch.Tensor | None:
+    """dg where the forward used g; 0 below inputs.LOG_DECAY_FLOOR, where it floored g (o does
+    not depend on g there)."""
+    if dg is None or g is None:
+        return None
+    return torch.where(g < LOG_DECAY_FLOOR, torch.zeros_like(dg), dg)
+
+
+class KeptForward(torch.autograd.Function):
+    """An eager training call whose forward keeps the backward's prepare and state loop
+    (``chunk_backward_kept.forward_kept``), so its backward starts from them. Inputs: the
+    backward config, the checked problem, l2norm, output_final_state, cu_seqlens, then the
+    differentiable v, g, beta, initial state and the factors. Graph capture keeps the custom op
+    (the recomputing backward): this class is for eager calls only (``kept_training_call``)."""
+
+    @staticmethod
+    def forward(ctx, config, p, l2norm, output_final_state, cu_seqlens, v, g, beta, h0, *factors):
+        from .args import contiguous_inputs
+        from .chunk_backward_kept import forward_kept
+
+        n = len(factors) // 2
+        q, k, v, g, beta, h0, cu_seqlens = contiguous_inputs(factors[:n], factors[n:], v, g, beta, h0, cu_seqlens)
+        o, ht, kept = forward_kept(config, p, q, k, v, g, beta, h0, cu_seqlens, l2norm, output_final_state)
+        ctx.config, ctx.p, ctx.l2norm, ctx.kept = config, p, l2norm, kept
+        ctx.save_for_backward(*q, *k, v, g, beta, h0, cu_seqlens)
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        saved = ctx.saved_tensors
+        n = (len(saved) - 5) // 2
+        q, k = list(saved[:n]), list(saved[n:2 * n])
+        v, g, beta, h0, cu_seqlens = saved[2 * n:]
+        kept, ctx.kept = ctx.kept, None  # the workspaces go with this backward
+        do = torch.zeros_like(v) if do is None else do.contiguous()
+        dq, dk, dv, dg, db, dh0 = _backward_module().launch_backward(
+            ctx.config, ctx.p, q, k, v, g, beta, h0, cu_seqlens, ctx.l2norm, do,
+            None if dht is None else dht.contiguous(), kept=kept)
+        return (None, None, None, None, None, dv, _floored(dg, g), db if beta is not None else None,
+                dh0 if h0 is not None else None, *dq, *dk)
+
+
+def kept_training_call(p, q, k, v, g, beta, initial_state, cu_seqlens, l2norm: bool, output_final_state: bool,
+                       chunk_size: int | None):
+    """(o, final state or None) of an eager chunk-form training call when its backward config
+    (the tuned table's, else the default, as the backward would resolve it) has
+    ``keep_forward``; None otherwise (the caller then takes the custom op)."""
+    from .config import KernelShape
+
+    chunk_backward = _backward_module()
+    shape = KernelShape(p.key_widths, p.value_width, v.element_size())
+    if chunk_backward.supports(p, cu_seqlens) is not None or chunk_backward.materialised_keys(shape):
+        return None
+    config = chunk_backward.resolve_backward(shape, None, chunk_size, v.device, p)
+    if not config.keep_forward:
+        return None
+    o, ht = KeptForward.apply(config, p, l2norm, output_final_state, cu_seqlens, v, g, beta, initial_state, *q, *k)
+    return o, ht

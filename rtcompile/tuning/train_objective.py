@@ -61,14 +61,25 @@ def names(bucket: Bucket) -> list[str]:
 
 
 def run_train(bucket: Bucket, variant, inp: TrainInputs) -> dict[str, Any]:
-    """Forward (the launcher's config) then the backward with ``variant``: every result by
-    name (:func:`names`)."""
+    """Forward (the launcher's config; with ``keep_forward``, the variant's own forward that
+    the backward then starts from) then the backward with ``variant``: every result by name
+    (:func:`names`)."""
     from ..kernels.chunk_backward import running_tensor_bwd
     from ..kernels.launch import running_tensor_fwd
 
+    scale = float(bucket_scale(bucket))
+    if getattr(variant, "keep_forward", False):  # the forward the backward keeps, as a training call runs it
+        from ..kernels.chunk_backward import launch_backward
+        from ..kernels.chunk_backward_kept import forward_kept
+        from ..kernels.inputs import check_inputs
+
+        p = check_inputs(inp.q, inp.k, inp.v, inp.g, inp.beta, scale, inp.h0, None)
+        o, s, kept = forward_kept(variant, p, inp.q, inp.k, inp.v, inp.g, inp.beta, inp.h0, None, True, True)
+        dq, dk, dv, dg, db, dh0 = launch_backward(variant, p, inp.q, inp.k, inp.v, inp.g, inp.beta, inp.h0, None,
+                                                  True, inp.do, inp.dht, kept=kept)
+        return dict(zip(names(bucket), [o, s, *dq, *dk, dv, dg, db, dh0]))
     o, s = running_tensor_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, initial_state=inp.h0, output_final_state=True,
                               l2norm=True, mode="chunk")
-    scale = float(bucket_scale(bucket))
     dq, dk, dv, dg, db, dh0 = running_tensor_bwd(inp.q, inp.k, inp.v, inp.g, inp.beta, scale=scale,
                                                  initial_state=inp.h0, cu_seqlens=None, l2norm=True, do=inp.do,
                                                  dht=inp.dht, variant=variant)

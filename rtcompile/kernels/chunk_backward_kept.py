@@ -1,0 +1,125 @@
+"""What the backward reads of the forward, and the training forward that keeps it.
+
+The chunk backward (``chunk_backward.py``) starts by recomputing the forward: the prepare kernel
+(the scores P, the inverse T, the cumulative log decay and, for the resident state loops, the
+normalised phi(K) and phi(Q)) and the state loop (every chunk's incoming state S, U and R).
+:func:`recompute` does that and returns it as :class:`Recomputed`.
+
+With ``BackwardConfig.keep_forward`` (an experiment the train tuner may pick; resident state
+loops only), a training call's forward is :func:`forward_kept` instead of the forward's own
+config: the same prepare and state loop, with the final state stored, then the split form's
+output kernel for O from the stored states. The backward then starts from what it kept
+(``ops.KeptForward``), so a training step runs the prepare and the state loop once instead of
+twice (the forward's own and the recompute). The price is memory between the forward and the
+backward: what :func:`recompute` allocates is held from the forward on instead of only during
+the backward. Per (sequence, head), with the products in 16-bit and 16-bit workspaces (bf16
+inputs up to K = 256): per chunk S (2 K d_v bytes); per token P and T (4 C each), phi(K) and
+phi(Q) (2 K each), U and R (2 d_v each), the log decay (4); o3 16x16, d_v 64, C 32: 2.5 KiB
+per token-head, 640 MiB at B8 T4096 H8, held per layer until its backward.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from . import args
+from .args import dot_dtype, factor_args, lowp_dots, width_args
+from .chunk_backward_streamed import recompute_streamed
+from .chunk_prepare import chunk_indices, prepare_backward
+from .chunk_split import SplitConfig, chunk_split_output_kernel, chunk_split_state_kernel
+from .inputs import Problem
+
+
+@dataclass
+class Recomputed:
+    """The forward as the backward's kernels read it. ``ws``: ``prepare_backward``'s dict ("P",
+    "Ai", "Gc", and "Kw" / "Qw" for the resident loops); ``Hc``: every chunk's incoming state
+    ([chunks, H, K, V], the products' type); ``Uc``, ``Rc``: U and R (v's shape, the config's
+    workspace type; Rc None without the delta rule); ``idx`` / ``offsets``: the varlen chunk
+    pairs and each sequence's first chunk (None when not varlen); ``n_chunks``: per sequence."""
+
+    ws: dict
+    Hc: torch.Tensor
+    Uc: torch.Tensor
+    Rc: torch.Tensor | None
+    idx: torch.Tensor | None
+    offsets: torch.Tensor | None
+    n_chunks: list[int]
+
+
+def prepare_config(config) -> SplitConfig:
+    """The split form's config for the prepare kernel and the state loop of BackwardConfig
+    ``config`` (the output kernel's 64 value columns and 4 warps: the split form's measured
+    best at o3 16x16, 0.084 ms against 0.135 with 32 columns, H200)."""
+    return SplitConfig(chunk_size=config.chunk_size, block_v=config.block_v, num_warps=config.num_warps,
+                       num_stages=config.num_stages, prepare_warps=config.prepare_warps, solve=config.solve,
+                       dot_precision=config.dot_precision, key_group=config.key_group, output_block_v=64)
+
+
+def workspace_dtype(config, v: torch.Tensor) -> torch.dtype:
+    """U, R, dU and phi's stored gradients: fp32, or the inputs' 16-bit type."""
+    return torch.float32 if config.workspace_dtype == "float32" else v.dtype
+
+
+def recompute(config, p: Problem, q, k, v, g, beta, h0, cu_seqlens, l2norm: bool,
+              ht: torch.Tensor | None = None) -> Recomputed:
+    """Prepare and the state loop of BackwardConfig ``config`` on contiguous inputs; ``ht``
+    (resident loops only): also store the final state there (fp32)."""
+    B, T, H, V = v.shape
+    C, K, bv, dev = config.chunk_size, p.key_dim, config.block_v, v.device
+    varlen = cu_seqlens is not None
+    n_chunks = [triton.cdiv(hi - lo, C) for lo, hi in p.seq_bounds] if varlen else [triton.cdiv(T, C)] * B
+    idx = offsets = None
+    if varlen:
+        idx = chunk_indices(p, C, dev)
+        offsets = torch.tensor([0, *itertools.accumulate(n_chunks)], dtype=torch.int32).to(dev)
+    resident = config.state_loop == "resident"
+    store = workspace_dtype(config, v)
+    ws = prepare_backward(prepare_config(config), p, q, k, v, g, beta, cu_seqlens=cu_seqlens, idx=idx, l2norm=l2norm,
+                          keys=resident)
+    if resident:
+        Hc = args.empty(sum(n_chunks), H, K, V, dtype=dot_dtype(v), device=dev)
+        Uc = args.empty(B, T, H, V, dtype=store, device=dev)
+        Rc = args.empty(B, T, H, V, dtype=store, device=dev) if beta is not None else None
+        chunk_split_state_kernel[(triton.cdiv(V, bv), p.num_seqs * H)](
+            v, beta, h0, ht, ws["Ai"], ws["Kw"], ws["Gc"], Hc, Uc, Rc, cu_seqlens, offsets, T,
+            H=H, K=K, V=V, C=C, BV=bv, LOWP=lowp_dots(v.dtype), PREC=config.dot_precision, TMA=False, STRIDE=1,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+    else:
+        if ht is not None:
+            raise ValueError("recompute: a final state is stored by the resident state loop only")
+        # each state tile's load issued one ahead, as the streamed forward measured (~1.2 TB/s of
+        # state traffic without it at o3 64x64 on the H200)
+        Hc, Uc, Rc = recompute_streamed(
+            p, q, k, v, g, beta, h0=h0, prefetch_state=True, cu_seqlens=cu_seqlens, offsets=offsets, l2norm=l2norm,
+            ws=ws, chunk_size=C, block_k=min(config.state_block_k, K), block_v=bv, num_warps=config.num_warps,
+            num_stages=config.num_stages, precision=config.dot_precision, store_dtype=store)
+    return Recomputed(ws=ws, Hc=Hc, Uc=Uc, Rc=Rc, idx=idx, offsets=offsets, n_chunks=n_chunks)
+
+
+def forward_kept(config, p: Problem, q, k, v, g, beta, h0, cu_seqlens, l2norm: bool,
+                 output_final_state: bool) -> tuple[torch.Tensor, torch.Tensor | None, Recomputed]:
+    """The forward of a training call under BackwardConfig ``config`` (``keep_forward``, resident
+    loops) on contiguous inputs: (o in v's dtype, the final state in fp32 or None, what the
+    backward reads). O = scale (diag(Gamma) phi(Q) S + P U) per chunk by the split form's output
+    kernel from the kept states."""
+    B, T, H, V = v.shape
+    ht = args.empty(p.state_shape, dtype=torch.float32, device=v.device) if output_final_state else None
+    kept = recompute(config, p, q, k, v, g, beta, h0, cu_seqlens, l2norm, ht=ht)
+    split = prepare_config(config)
+    o = args.empty(B, T, H, V, dtype=v.dtype, device=v.device)
+    bv = min(split.output_block_v, max(16, triton.next_power_of_2(V)))
+    programs = kept.idx.shape[0] if cu_seqlens is not None else kept.n_chunks[0]
+    heads = H if cu_seqlens is not None else p.num_seqs * H
+    chunk_split_output_kernel[(programs, heads, triton.cdiv(V, bv))](
+        *factor_args(q), *factor_args(k), kept.ws["Gc"], o, kept.Hc, kept.Uc, cu_seqlens, kept.idx, kept.offsets,
+        p.scale, T, H=H, NF=len(q), **{n: w for n, w in width_args(p.key_widths, 16).items() if not n.startswith("BD")},
+        V=V, C=config.chunk_size, BV=bv, L2NORM=l2norm, LOWP=lowp_dots(v.dtype), PREC=config.dot_precision, STRIDE=1,
+        num_warps=split.output_warps, num_stages=config.num_stages,
+    )
+    return o, ht, kept

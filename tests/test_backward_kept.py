@@ -1,0 +1,110 @@
+"""The training forward that keeps the backward's prepare and state loop (``keep_forward``,
+``kernels/chunk_backward_kept.py``, ``ops.KeptForward``): its output and final state against
+float64, its gradients against the recomputing backward's (the same kernels on the same inputs:
+equal) and against float64 autograd through the public API, with every workspace poisoned."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+import rtcompile
+from rtcompile.kernels import chunk_backward, chunk_backward_kept, running_tensor_recurrent_ref
+from rtcompile.kernels.chunk_backward import BackwardConfig, launch_backward
+from rtcompile.kernels.config import KernelShape
+from rtcompile.kernels.inputs import check_inputs
+
+from conftest import make_inputs, rel_err
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="needs TRITON_INTERPRET=1 (CPU) or a CUDA GPU",
+)
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+TOL = 1e-4  # fp32 kernels against float64 (tests/test_backward.py's bound)
+
+CASES = {  # widths, T, d_v, varlen offsets, gate, delta rule, initial state
+    "o2-T37-h0": ((16,), 37, 20, None, True, True, True),
+    "o3-16x16-T21-plain": ((16, 16), 21, 16, None, False, False, False),
+    "o3-16x16-varlen-h0": ((16, 16), 29, 16, [0, 13, 29], True, True, True),
+}
+
+
+@pytest.fixture(autouse=True)
+def poison_outputs(poison):
+    """Every output and workspace the launchers allocate starts as NaN."""
+
+
+def _case(name, seed=0):
+    widths, T, V, offsets, gate, delta, h0 = CASES[name]
+    n = None if offsets is None else len(offsets) - 1
+    q, k, v, g, beta, s0 = make_inputs(1 if offsets else 2, T, 2, widths, V, gate=gate, delta=delta, state=h0,
+                                       num_seqs=n, seed=seed)
+    f32 = lambda x: None if x is None else x.float().to(DEVICE)  # noqa: E731
+    cu = None if offsets is None else torch.tensor(offsets, dtype=torch.int32, device=DEVICE)
+    return [f32(x) for x in q], [f32(x) for x in k], f32(v), f32(g), f32(beta), f32(s0), cu
+
+
+CONFIG = BackwardConfig(chunk_size=16, block_v=16, keep_forward=True)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_kept_forward_equals_reference_and_the_backward_equals_the_recomputing_one(name):
+    q, k, v, g, beta, h0, cu = _case(name)
+    p = check_inputs(q, k, v, g, beta, None, h0, cu)
+    o, ht, kept = chunk_backward_kept.forward_kept(CONFIG, p, q, k, v, g, beta, h0, cu, True, True)
+    d = lambda x: None if x is None else x.double().cpu()  # noqa: E731
+    ro, rs = running_tensor_recurrent_ref([d(x) for x in q], [d(x) for x in k], d(v), d(g), d(beta),
+                                          initial_state=d(h0), output_final_state=True, l2norm=True,
+                                          cu_seqlens=None if cu is None else cu.cpu())
+    assert rel_err(o.cpu(), ro) < TOL and rel_err(ht.cpu(), rs) < TOL
+    do, dht = torch.randn_like(v), torch.randn_like(ht)
+    got = launch_backward(CONFIG, p, q, k, v, g, beta, h0, cu, True, do, dht, kept=kept)
+    want = launch_backward(dataclasses.replace(CONFIG, keep_forward=False), p, q, k, v, g, beta, h0, cu, True, do, dht)
+    flat = lambda gs: [*gs[0], *gs[1], *gs[2:]]  # noqa: E731
+    for a, b in zip(flat(got), flat(want)):
+        assert (a is None) == (b is None)
+        if a is not None:  # the same kernels on the same inputs: the same bits
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["o2-T37-h0", "o3-16x16-varlen-h0"])
+def test_training_call_keeps_its_forward_and_matches_float64_autograd(name, monkeypatch):
+    """running_tensor(backend="triton") with grad, under a default that keeps the forward: the
+    prepare and state loop run once (in the forward), and every gradient, through the output
+    and the final state, matches float64 autograd of the reference."""
+    base = chunk_backward.default_backward
+    monkeypatch.setattr(chunk_backward, "default_backward",
+                        lambda *a, **kw: dataclasses.replace(base(*a, **kw), chunk_size=16, block_v=16,
+                                                             keep_forward=True, state_loop="resident"))
+    calls = []
+    for mod in (chunk_backward_kept, chunk_backward):  # the forward's and the backward's names for it
+        real = mod.recompute
+        monkeypatch.setattr(mod, "recompute", lambda *a, _r=real, _m=mod.__name__, **kw: calls.append(_m) or _r(*a, **kw))
+    q, k, v, g, beta, h0, cu = _case(name, seed=1)
+    leaves = [x.requires_grad_() for x in (*q, *k, v, g, beta, h0)]
+    o, s = rtcompile.running_tensor(q, k, v, g, beta, initial_state=h0, output_final_state=True, l2norm=True,
+                                    cu_seqlens=cu, mode="chunk", backend="triton")
+    do, ds = torch.randn_like(o), torch.randn_like(s)
+    grads = torch.autograd.grad((o * do).sum() + (s * ds).sum(), leaves)
+    assert calls == [chunk_backward_kept.__name__]  # once, in the forward; the backward kept it
+    ref = [x.detach().double().cpu().requires_grad_() for x in leaves]
+    n = len(q)
+    ro, rs = running_tensor_recurrent_ref(ref[:n], ref[n:2 * n], ref[2 * n], ref[2 * n + 1], ref[2 * n + 2],
+                                          initial_state=ref[-1], output_final_state=True, l2norm=True,
+                                          cu_seqlens=None if cu is None else cu.cpu())
+    want = torch.autograd.grad((ro * do.double().cpu()).sum() + (rs * ds.double().cpu()).sum(), ref)
+    for i, (a, b) in enumerate(zip(grads, want)):
+        assert a.shape == b.shape and rel_err(a.cpu(), b) < TOL, (i, rel_err(a.cpu(), b))
+
+
+def test_keep_forward_needs_the_resident_loop():
+    shape = KernelShape((16, 16), 64)
+    assert CONFIG.check(shape) is None
+    reason = dataclasses.replace(CONFIG, state_loop="streamed").check(shape)
+    assert reason is not None and "keep_forward" in reason
+    assert BackwardConfig.space(KernelShape((32, 32), 64))["keep_forward"] == [False]
+    assert BackwardConfig.space(shape)["keep_forward"] == [False, True]
