@@ -1,6 +1,6 @@
 # The measurements of one GPU session, in steps that each fit one 10-minute device call.
 #
-#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train (= traintests traintime) | recalltests | recallcompile | tunetrain | trainfla | sweep | bench | tunedecode | model | modelbf16 | serving | profiletrain | profiledecode | checks | recall
+#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train (= traintests traintime) | recalltests | recallcompile | tunetrain | trainfla | trainexp | sweep | bench | tunedecode | model | modelbf16 | serving | profiletrain | profiledecode | checks | recall
 #
 # Run from the project root on the device machine after installing the carried wheels (see
 # benchmarks/README.md). Everything lands under $OUT. Each step writes as it goes, so a call cut
@@ -44,20 +44,29 @@ step_traintime() {  # the forward + backward timings alone on the GPU (a recall 
   # 2.5-2.9x the memory on 2026-12-02; key blocks of 64 gained nothing (3.48 ms at o3 16x16 against 3.07)
   python3 benchmarks/train_step.py --set grads_split=True --set factor_grads=workspace \
     --cases "o3 16x16,o3 32x32,o4 16x16x16" --out "$OUT/train_ours_split.json"
+}
+
+step_trainexp() {  # issue 19's untimed experiments, after the default's rows of the same cases in this call
+  python3 benchmarks/train_step.py --cases "o3 16x16,o2 64,o2 256,o3 32x32" --out "$OUT/train_ours_ref.json"
   # the forward that keeps the backward's prepare and state loop (keep_forward; resident loops,
   # K <= 256): one of each per step instead of two; not yet timed
   python3 benchmarks/train_step.py --set keep_forward=True --cases "o3 16x16,o2 64,o2 128,o2 256" \
     --out "$OUT/train_ours_kept.json"
+  # above K = 256 at chunks of 32 with key blocks of 32: offline (sm_90, Triton 3.9) the gradients
+  # kernel's spills fall from 648 to 96 B per thread at o3 32x32 (probe_offline.py --backward)
+  python3 benchmarks/train_step.py --set chunk_size=32 --set block_k=32 --cases "o3 32x32,o3 64x64,o4 16x16x16" \
+    --out "$OUT/train_ours_c32_large.json"
 }
 
-step_tunetrain() {  # issue 19's speed: the tuner's train bucket (forward + backward timed together, every
+step_tunetrain() {  # issue 19's speed (TUNE_SPEC / TUNE_CASE for another shape, e.g.
+  # examples/order3_32x32.toml / "o3 32x32"): the tuner's train bucket (forward + backward timed together, every
   # trial's gradients checked against float64) at the benchmark's shape, then the timings with its
   # winner (train_step.py reads the tuned table from this step's cache) beside the default's
-  timeout "${TUNE_S:-420}" python3 -m rtcompile.cli tune examples/order3_16x16.toml --phase train --batch 8 \
+  timeout "${TUNE_S:-420}" python3 -m rtcompile.cli tune "${TUNE_SPEC:-examples/order3_16x16.toml}" --phase train --batch 8 \
     --seq-len 4096 --seconds "${TUNE_BUDGET_S:-330}" --workers 4 --storage "sqlite:///$OUT/tune_train.db" \
     > "$OUT/tune_train.txt" 2>&1 || true
   tail -n 15 "$OUT/tune_train.txt"
-  python3 benchmarks/train_step.py --cases "o3 16x16" --out "$OUT/train_tuned.json"
+  python3 benchmarks/train_step.py --cases "${TUNE_CASE:-o3 16x16}" --out "$OUT/train_tuned.json"
 }
 
 step_trainfla() {  # fla's forward + backward at K = 256 in a call of its own: its first backward
@@ -171,6 +180,6 @@ step_recalltests() {  # one call's worth: the recall comparison (its trainings l
 }
 
 for s in "$@"; do
-  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, traintests, traintime, recalltests, recallcompile, tunetrain, trainfla, sweep, bench, tunedecode, model, modelbf16, serving, profiletrain, profiledecode, checks, recall)" >&2; exit 2; }
+  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, traintests, traintime, recalltests, recallcompile, tunetrain, trainfla, trainexp, sweep, bench, tunedecode, model, modelbf16, serving, profiletrain, profiledecode, checks, recall)" >&2; exit 2; }
   "step_$s"
 done

@@ -140,7 +140,7 @@ def main(argv=None) -> int:
         ht = torch.empty(p.state_shape, dtype=torch.float32)
         if args.backward:
             # past running_tensor_bwd's device check, as the forward goes past launch's
-            chunk_backward._launch(variant, p, q, k, v, g, beta, None, None, True, torch.randn_like(v), ht)
+            chunk_backward.launch_backward(variant, p, q, k, v, g, beta, None, None, True, torch.randn_like(v), ht)
         else:
             launch.LAUNCHERS[type(variant)](variant, p, q, k, v, g, beta, h0=None, ht=ht, cu_seqlens=None,
                                             l2norm=True)

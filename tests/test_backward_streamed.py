@@ -65,7 +65,7 @@ def _setup(widths, T, V, *, gate, delta, l2norm, h0, offsets, H=2, seed=0, dtype
 
 
 def _resident_recompute(p, v, beta, s0, cu, chunk_offsets, ws, block_v):
-    """``chunk_backward._launch``'s step 2, its outputs poisoned too."""
+    """``chunk_backward.launch_backward``'s step 2, its outputs poisoned too."""
     B, T, H, V = v.shape
     Hc = args.empty(_rows(p, T), H, p.key_dim, V, dtype=dot_dtype(v), device=DEVICE)
     Uc = args.empty(B, T, H, V, dtype=torch.float32, device=DEVICE)
@@ -80,7 +80,7 @@ def _resident_recompute(p, v, beta, s0, cu, chunk_offsets, ws, block_v):
 
 
 def _resident_state_grads(p, v, beta, do, dht, cu, chunk_offsets, ws, block_v, want_dh0):
-    """``chunk_backward._launch``'s step 3, its outputs poisoned too."""
+    """``chunk_backward.launch_backward``'s step 3, its outputs poisoned too."""
     B, T, H, V = v.shape
     dHc = args.empty(_rows(p, T), H, p.key_dim, V, dtype=dot_dtype(v), device=DEVICE)
     dUc = args.empty(B, T, H, V, dtype=torch.float32, device=DEVICE)
