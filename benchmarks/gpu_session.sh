@@ -52,6 +52,16 @@ step_trainexp() {  # issue 19's untimed experiments, after the default's rows of
   # K <= 256): one of each per step instead of two; not yet timed
   python3 benchmarks/train_step.py --set keep_forward=True --cases "o3 16x16,o2 64,o2 128,o2 256" \
     --out "$OUT/train_ours_kept.json"
+  # the memory target (fla's 1064 MiB at o3 16x16): the default's phi gradients stored as [T, K]
+  # are 256 of its 1185 MiB of workspace (BackwardConfig.workspace_bytes); formed in registers,
+  # 929 MiB. Its time at chunks of 32 is the question (the tuner's best trial stored them).
+  # Offline (sm_90) its gradients kernel spills 856 / 112 / 0 B per thread at key blocks of 128 / 64 / 32
+  for bk in 128 64 32; do
+    python3 benchmarks/train_step.py --set factor_grads=registers --set block_k=$bk --cases "o3 16x16" \
+      --out "$OUT/train_ours_regs_bk$bk.json"
+  done
+  python3 benchmarks/train_step.py --set factor_grads=registers --set block_k=32 --set keep_forward=True \
+    --cases "o3 16x16" --out "$OUT/train_ours_regs_kept.json"
   # above K = 256 at chunks of 32 with key blocks of 32: offline (sm_90, Triton 3.9) the gradients
   # kernel's spills fall from 648 to 96 B per thread at o3 32x32 (probe_offline.py --backward)
   python3 benchmarks/train_step.py --set chunk_size=32 --set block_k=32 --cases "o3 32x32,o3 64x64,o4 16x16x16" \
