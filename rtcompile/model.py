@@ -163,7 +163,8 @@ class RunningTensorLayer(nn.Module):
         ``update_cache`` (T = 1 with a cache: the serving step) updates the cache's state in
         place, kept in the decode decision's state dtype (:func:`decode_state_dtype`), through
         the Triton decode kernel's slot update where it runs; the returned cache holds that
-        same state tensor (converted once when its dtype or layout differs, e.g. after prefill).
+        same state tensor (converted once when its dtype or layout differs, e.g. after prefill),
+        and the convolution tails are shifted in place too (the same tensors come back).
         """
         spec, f = self.spec, self.spec.features
         B, T, _ = x.shape
@@ -350,7 +351,8 @@ class RunningTensorLM(nn.Module):
 
     def step(self, tokens: torch.Tensor, cache: list, *, backend: str = "auto", fused: list | None = None):
         """One token per sequence: tokens [B] -> (logits [B, vocab], cache). The cache's states
-        are updated in place (``update_cache``): keep a copy to branch from an earlier point.
+        and convolution tails are updated in place (``update_cache``): keep a copy of both to
+        branch from an earlier point.
         ``fused``: :meth:`input_projections`, one product per layer for its input maps."""
         logits, cache = self.forward(tokens[:, None], cache, backend=backend, update_cache=True, fused=fused)
         return logits[:, 0], cache

@@ -453,7 +453,7 @@ def running_tensor_bwd(q, k, v, g, beta, *, scale: float, initial_state, cu_seql
     # inputs' shapes, contiguous, which autograd accumulates into views of any layout
     q, k, v, g, beta, initial_state, cu_seqlens = contiguous_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     return launch_backward(config, p, q, k, v, g, beta, initial_state, cu_seqlens, l2norm, do.contiguous(),
-                   None if dht is None else dht.contiguous())
+                           None if dht is None else dht.contiguous())
 
 
 def _materialised_bwd(p: Problem, q, k, v, g, beta, *, scale, initial_state, cu_seqlens, l2norm, do, dht, chunk_size,
@@ -538,7 +538,7 @@ def _state_grads(config: BackwardConfig, p: Problem, q, k, v, beta, h0, cu_seqle
 
 
 def launch_backward(config: BackwardConfig, p: Problem, q, k, v, g, beta, h0, cu_seqlens, l2norm: bool, do, dht,
-            kept: Recomputed | None = None):
+                    kept: Recomputed | None = None):
     """Steps 1-5 (the module docstring) on contiguous inputs, checked (``running_tensor_bwd``
     checks them); ``kept``: the forward's prepare and state loop
     (``chunk_backward_kept.forward_kept``), so steps 1 and 2 are not run again."""
