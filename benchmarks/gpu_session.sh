@@ -1,6 +1,6 @@
 # The measurements of one GPU session, in steps that each fit one 10-minute device call.
 #
-#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train (= traintests traintime) | recalltests | recallcompile | tunetrain | trainfla | trainexp | sweep | bench | tunedecode | model | modelbf16 | serving | profiletrain | profiledecode | checks | recall
+#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train (= traintests traintime) | recalltests | recallcompile | tunetrain | trainfla | trainexp | sweep | bench | tunedecode | model | modelbf16 | serving | profiletrain | profileprefill | profiledecode | checks | recall
 #
 # Run from the project root on the device machine after installing the carried wheels (see
 # benchmarks/README.md). Everything lands under $OUT. Each step writes as it goes, so a call cut
@@ -142,6 +142,13 @@ step_profiletrain() {  # issue 19's large-K rows (13-15x our forward; target 3.5
   done
 }
 
+step_profileprefill() {  # issue 22's rows that miss (K <= 128 against fla, large K): the forward's
+  # kernel split at the default configs
+  for w in "64" "8 8" "128" "16 8" "16 16" "32 32" "64 64" "16 16 16"; do
+    timeout 60 python3 benchmarks/profile_backward.py --forward --widths $w 2>&1 | tail -n 7 || true
+  done
+}
+
 step_profiledecode() {  # where the CUDA-graph decode step's time goes (issue 21: B1 <= 80 us, B256 >= 1.2 M
   # tokens/s): per-kernel time of the plain, stacked and compiled steps at B1 and B256
   timeout "${PROFILE_S:-300}" python3 benchmarks/profile_decode.py --out "$OUT/profile_decode.json" || true
@@ -190,6 +197,6 @@ step_recalltests() {  # one call's worth: the recall comparison (its trainings l
 }
 
 for s in "$@"; do
-  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, traintests, traintime, recalltests, recallcompile, tunetrain, trainfla, trainexp, sweep, bench, tunedecode, model, modelbf16, serving, profiletrain, profiledecode, checks, recall)" >&2; exit 2; }
+  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, traintests, traintime, recalltests, recallcompile, tunetrain, trainfla, trainexp, sweep, bench, tunedecode, model, modelbf16, serving, profiletrain, profileprefill, profiledecode, checks, recall)" >&2; exit 2; }
   "step_$s"
 done

@@ -5,6 +5,8 @@
 B8 T4096 H8 d_v 64 bf16, gate + delta rule + l2norm, as ``train_step.py``. Per variant (the
 backward's default config with those fields changed; none: the default): 3 warm-up calls, then
 5 profiled calls; prints each kernel's mean time per call (ms), largest first, and their sum.
+``--forward``: the forward alone under ``torch.no_grad`` (the prefill's kernel split, issue 22),
+with the forward's own config (tuned table, else default; ``--variant`` does not apply).
 """
 
 from __future__ import annotations
@@ -24,7 +26,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--widths", type=int, nargs="+", default=[16, 16])
     ap.add_argument("--variant", action="append", default=[], metavar="FIELD=VALUE,...")
+    ap.add_argument("--forward", action="store_true", help="the forward alone (no grad)")
     args = ap.parse_args()
+    if args.forward:
+        _profile(args.widths, {}, forward=True)
+        return 0
     base = chunk_backward.default_backward
     for variant in args.variant or [""]:
         changes = {}
@@ -40,7 +46,7 @@ def main() -> int:
     return 0
 
 
-def _profile(widths, changes):
+def _profile(widths, changes, forward: bool = False):
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -57,6 +63,11 @@ def _profile(widths, changes):
     do = torch.randn_like(v)
 
     def call():
+        if forward:
+            with torch.no_grad():
+                rtcompile.running_tensor(q, k, v, g, beta, l2norm=True, output_final_state=True, mode="chunk",
+                                         backend="triton")
+            return
         o, s = rtcompile.running_tensor(q, k, v, g, beta, l2norm=True, output_final_state=True, mode="chunk",
                                         backend="triton")
         torch.autograd.backward([o, s], [do, torch.ones_like(s)])
@@ -73,7 +84,8 @@ def _profile(widths, changes):
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:  # a kernel: its range is device time
             total[e.name] += e.time_range.elapsed_us() / 1e3 / n  # ms per call
-    print(f"widths {widths} changes {changes}: kernel ms per fwd+bwd, sum {sum(total.values()):.3f}")
+    what = "forward" if forward else "fwd+bwd"
+    print(f"widths {widths} changes {changes}: kernel ms per {what}, sum {sum(total.values()):.3f}")
     for name, ms in total.most_common(6):
         print(f"  {ms:8.3f}  {name[:90]}")
 
