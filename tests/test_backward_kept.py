@@ -38,32 +38,36 @@ def poison_outputs(poison):
     """Every output and workspace the launchers allocate starts as NaN."""
 
 
-def _case(name, seed=0):
+def _case(name, seed=0, dtype=torch.float32):
     widths, T, V, offsets, gate, delta, h0 = CASES[name]
     n = None if offsets is None else len(offsets) - 1
     q, k, v, g, beta, s0 = make_inputs(1 if offsets else 2, T, 2, widths, V, gate=gate, delta=delta, state=h0,
                                        num_seqs=n, seed=seed)
+    low = lambda x: None if x is None else x.to(dtype).to(DEVICE)  # noqa: E731
     f32 = lambda x: None if x is None else x.float().to(DEVICE)  # noqa: E731
     cu = None if offsets is None else torch.tensor(offsets, dtype=torch.int32, device=DEVICE)
-    return [f32(x) for x in q], [f32(x) for x in k], f32(v), f32(g), f32(beta), f32(s0), cu
+    return [low(x) for x in q], [low(x) for x in k], low(v), f32(g), low(beta), f32(s0), cu
 
 
 CONFIG = BackwardConfig(chunk_size=16, block_v=16, keep_forward=True)
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_kept_forward_equals_reference_and_the_backward_equals_the_recomputing_one(name):
-    q, k, v, g, beta, h0, cu = _case(name)
+@pytest.mark.parametrize("name, dtype", [(n, torch.float32) for n in CASES] + [("o2-T37-h0", torch.float16)],
+                         ids=[*CASES, "o2-T37-h0-fp16-inputs-workspace"])
+def test_kept_forward_equals_reference_and_the_backward_equals_the_recomputing_one(name, dtype):
+    q, k, v, g, beta, h0, cu = _case(name, dtype=dtype)
     p = check_inputs(q, k, v, g, beta, None, h0, cu)
-    o, ht, kept = chunk_backward_kept.forward_kept(CONFIG, p, q, k, v, g, beta, h0, cu, True, True)
+    config = CONFIG if dtype == torch.float32 else dataclasses.replace(CONFIG, workspace_dtype="inputs")
+    tol = TOL if dtype == torch.float32 else 2e-2  # fp16 products (tests/test_backward.py's HALF_TOL)
+    o, ht, kept = chunk_backward_kept.forward_kept(config, p, q, k, v, g, beta, h0, cu, True, True)
     d = lambda x: None if x is None else x.double().cpu()  # noqa: E731
     ro, rs = running_tensor_recurrent_ref([d(x) for x in q], [d(x) for x in k], d(v), d(g), d(beta),
                                           initial_state=d(h0), output_final_state=True, l2norm=True,
                                           cu_seqlens=None if cu is None else cu.cpu())
-    assert rel_err(o.cpu(), ro) < TOL and rel_err(ht.cpu(), rs) < TOL
+    assert o.dtype == v.dtype and rel_err(o.cpu(), ro) < tol and rel_err(ht.cpu(), rs) < tol
     do, dht = torch.randn_like(v), torch.randn_like(ht)
-    got = launch_backward(CONFIG, p, q, k, v, g, beta, h0, cu, True, do, dht, kept=kept)
-    want = launch_backward(dataclasses.replace(CONFIG, keep_forward=False), p, q, k, v, g, beta, h0, cu, True, do, dht)
+    got = launch_backward(config, p, q, k, v, g, beta, h0, cu, True, do, dht, kept=kept)
+    want = launch_backward(dataclasses.replace(config, keep_forward=False), p, q, k, v, g, beta, h0, cu, True, do, dht)
     flat = lambda gs: [*gs[0], *gs[1], *gs[2:]]  # noqa: E731
     for a, b in zip(flat(got), flat(want)):
         assert (a is None) == (b is None)
