@@ -94,8 +94,9 @@ MODEL_METHOD = (
     "{warmup} warm-up steps, then CUDA events around each step (copy of the B input tokens + graph replay; "
     "sampling not included), median of --repeats; tokens/s = B / step time. rtcompile+stacked (decode): the "
     "same with each layer's five input maps computed as one matrix product on their stacked weights. "
-    "rtcompile+compile (decode, CUDA only): stacked, and the step fused by torch.compile(fullgraph=True) before "
-    "capture (generate(compile_step=True)); its compile is part of the warm-up, never timed."
+    "rtcompile+compile (decode, CUDA only): stacked, and the step fused by torch.compile(fullgraph=True) with "
+    "generate.STEP_INDUCTOR_OPTIONS (inductor's combo kernels) before capture (generate(compile_step=True)); "
+    "its compile is part of the warm-up, never timed."
 ).format(vocab=VOCAB, seed=SEED, backend=RT_BACKEND, fla_k=FLA_MAX_K, warmup=WARMUP_PASSES,
          graph_ms=GRAPH_BELOW_S * 1e3, prompt=DECODE_PROMPT_T)
 
