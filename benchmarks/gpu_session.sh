@@ -116,7 +116,7 @@ step_modelbf16() {  # issue 21's B256 decode (>= 1.2 M tokens/s): the example mo
 
 step_bench() {  # decode first (~60 s), so the prefill phase cannot starve it of budget
   python3 -m rtcompile.cli bench --out "$OUT/bench_decode" --phase decode --budget-s 60
-  python3 -m rtcompile.cli bench --out "$OUT/bench_prefill" --phase prefill --budget-s 360
+  python3 -m rtcompile.cli bench --out "$OUT/bench_prefill" --phase prefill --budget-s 460
 }
 
 step_model() {  # the whole model (issue 21): prefill tokens/s at B1, B8 T4096 and CUDA-graph decode

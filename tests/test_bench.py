@@ -71,7 +71,7 @@ def test_dry_run_quick_and_phase(capsys):
 
 def test_plan_matches_the_issue():
     prefill = {c.key_widths for c in bench.prefill_cases()}
-    assert {(16, 16), (32, 32), (64, 64), (16, 16, 16), (64,), (128,), (256,)} == prefill
+    assert {(16, 16), (32, 32), (64, 64), (16, 16, 16), (64,), (128,), (256,), (8, 8), (16, 8)} == prefill
     assert all((c.B, c.T, c.H, c.V, c.dtype) == (8, 4096, 8, 64, "bfloat16") for c in bench.prefill_cases())
     assert {(c.key_widths, c.B) for c in bench.decode_cases()} == {((16, 16), 256), ((32, 32), 32), ((16, 16), 32)}
     errs = bench.error_cases()
@@ -449,7 +449,7 @@ def test_named_variants_are_the_forms_two_kernel_and_low_memory_configs(monkeypa
     from rtcompile.kernels.config import KernelShape
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: H200_SMEM)
-    assert set(DEFAULT_VARIANTS) == set(ERROR_VARIANTS) == {"two-kernel", "fused"}
+    assert set(DEFAULT_VARIANTS) == set(ERROR_VARIANTS) == {"two-kernel", "fused", "split", "materialise"}
     split_case = Case("o3_16x16", "prefill", (16, 16), 2, 256, dtype="bfloat16")  # the split default
     shape = KernelShape((16, 16), 64, 2)
     assert forms.default_config("chunk", shape, H200_SMEM.shared_memory_per_block_optin).form == "split"
@@ -460,6 +460,16 @@ def test_named_variants_are_the_forms_two_kernel_and_low_memory_configs(monkeypa
     # refused (a "refused: ..." row) where the default is not the split form
     with pytest.raises(NotImplementedError, match="not the split form"):
         DEFAULT_VARIANTS["two-kernel"](Case("o3_32x32", "prefill", (32, 32), 2, 256, dtype="bfloat16"))
+    # the split form beside another default (o2 64), refused where it is the default already
+    o2 = Case("o2_64", "prefill", (64,), 2, 256, dtype="bfloat16")
+    split = DEFAULT_VARIANTS["split"](o2)["variant"]
+    assert split.form == "split" and split == forms.split_form(KernelShape((64,), 64, 2), 227 * 1024)
+    with pytest.raises(NotImplementedError, match="split form"):
+        DEFAULT_VARIANTS["split"](split_case)
+    # phi materialised: order >= 3 up to K = 256, refused at order 2
+    assert DEFAULT_VARIANTS["materialise"](split_case)["variant"].materialise
+    with pytest.raises(NotImplementedError, match="materialise"):
+        DEFAULT_VARIANTS["materialise"](o2)
 
 
 @pytest.mark.parametrize("dtype, itemsize", [("bfloat16", 2), ("float32", 4)], ids=["bf16", "fp32"])

@@ -254,6 +254,31 @@ def _two_kernel(case: Case) -> dict[str, Any]:
     return _checked(two, shape, limit)
 
 
+def _split_form(case: Case) -> dict[str, Any]:
+    """``forms.split_form``: the split form where the default is another form (K <= 128, order
+    2 up to 256); refused where the default is the split form or it cannot run the shape."""
+    from ..kernels import forms
+
+    shape, limit = _case_shape(case)
+    split = forms.split_form(shape, limit)
+    if split is None:
+        raise NotImplementedError("the default is the split form, or the split form cannot run this shape")
+    return _checked(split, shape, limit)
+
+
+def _materialise(case: Case) -> dict[str, Any]:
+    """The first materialised proposal of the defaults table that runs the shape (phi(q), phi(k)
+    formed, order 2's configs on them; forms' last row): order >= 3 up to K = 256, refused
+    elsewhere."""
+    from ..kernels import forms
+
+    shape, limit = _case_shape(case)
+    found = [c for c in forms.candidates("chunk", shape, limit) if getattr(c, "materialise", False)]
+    if not found:
+        raise NotImplementedError("no materialise=True proposal runs this shape (order >= 3, K <= 256 only)")
+    return _checked(found[0], shape, limit)
+
+
 def _fused(case: Case) -> dict[str, Any]:
     """``forms.low_memory``: the default's fused sibling (no workspace that grows with T)."""
     from ..kernels import forms
@@ -263,16 +288,20 @@ def _fused(case: Case) -> dict[str, Any]:
 
 
 # the named variants whose error the error cases report (all of them)
-ERROR_VARIANTS = ("fused", "two-kernel")
+ERROR_VARIANTS = ("fused", "two-kernel", "split", "materialise")
 
 # Named extra implementations timed beside the default: name -> kwargs, or a function of the
 # case returning kwargs (for configs that depend on the shape). "two-kernel": where the default
 # is the split form (K = 256 at order >= 3), the best two-kernel config, whose workspace is ~9x
 # smaller (the planner's choice where only that fits). "fused": no prepare kernel and no [T, C]
 # workspace, so its extra memory does not grow with T (the planner's low-memory choice).
+# "split": the split form where the default is another form, "materialise": phi materialised
+# (order >= 3, K <= 256), both beside fla at K <= 256 (issue 22: never slower than fla).
 DEFAULT_VARIANTS: dict[str, Any] = {
     "two-kernel": _two_kernel,
     "fused": _fused,
+    "split": _split_form,
+    "materialise": _materialise,
 }
 # Decode beside its default (phi gathered per element): the slab held factored, phi broadcast
 # from the factors (outer_phi; power-of-two widths).
@@ -312,7 +341,9 @@ class BenchContext:
 
 # ----- the plan --------------------------------------------------------------------------------
 PREFILL_WIDTHS = ((16, 16), (32, 32), (64, 64), (16, 16, 16))
-ANCHOR_WIDTHS = ((64,), (128,), (256,))  # order 2 = Gated DeltaNet: DESIGN.md's fla anchors
+# order 2 = Gated DeltaNet: DESIGN.md's fla anchors; then order 3 at the same K (issue 22's 8x8
+# and 16x8 rows, where fla on materialised keys led the factored kernels by up to 1.75x)
+ANCHOR_WIDTHS = ((64,), (128,), (256,), (8, 8), (16, 8))
 DECODE_SHAPES = (((16, 16), 256), ((32, 32), 32), ((16, 16), 32))
 QUICK_PREFILL_WIDTHS = ((16, 16), (32, 32))
 QUICK_ANCHOR_WIDTHS = ((256,),)

@@ -15,6 +15,7 @@ table overrides it per shape bucket.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -213,6 +214,21 @@ def default_config(kernel: str, shape: KernelShape, smem_limit: int = DEFAULT_SM
     if kernel == "chunk_bwd":
         return default_backward(shape, smem_limit)
     return _tiled(shape, 16, 16, 16, 4) if kernel == "chunk" else _recurrent_default(shape)
+
+
+def split_form(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> SplitConfig | None:
+    """The split form as the K = 256 default row proposes it (key groups of 1 where the shape
+    takes no other), for a shape whose default is another form; None where the default is the
+    split form or no proposal passes its check. The split form was timed at K = 256 only (0.350
+    ms at o3 16x16, fla 0.612); at K <= 128 it is what issue 22 asks to measure beside fla."""
+    found = candidates("chunk", shape, smem_limit)
+    if found and isinstance(found[0], SplitConfig):
+        return None
+    proposals = _split(shape)
+    for c in [*proposals, *(dataclasses.replace(c, key_group=1) for c in proposals)]:
+        if c.check(shape, smem_limit) is None:
+            return c
+    return None
 
 
 def two_kernel(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> KernelConfig | None:
