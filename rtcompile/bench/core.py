@@ -242,28 +242,26 @@ def _default_with(kernel: str = "chunk", **changes: Any) -> Callable[["Case"], d
     return variant
 
 
-def _two_kernel(case: Case) -> dict[str, Any]:
-    """``forms.two_kernel``: the first candidate of the case's defaults that is not the split
-    form; refused where the default is not the split form."""
-    from ..kernels import forms
+def _from_forms(pick: str, refusal: str) -> Callable[["Case"], dict[str, Any]]:
+    """A function of the case: ``forms.<pick>(shape, limit)`` checked, refused with ``refusal``
+    where it gives None."""
+    def variant(case: "Case") -> dict[str, Any]:
+        from ..kernels import forms
 
-    shape, limit = _case_shape(case)
-    two = forms.two_kernel(shape, limit)
-    if two is None:
-        raise NotImplementedError("the default is not the split form (it is a two-kernel config already)")
-    return _checked(two, shape, limit)
+        shape, limit = _case_shape(case)
+        config = getattr(forms, pick)(shape, limit)
+        if config is None:
+            raise NotImplementedError(refusal)
+        return _checked(config, shape, limit)
+
+    return variant
 
 
-def _split_form(case: Case) -> dict[str, Any]:
-    """``forms.split_form``: the split form where the default is another form (K <= 128, order
-    2 up to 256); refused where the default is the split form or it cannot run the shape."""
-    from ..kernels import forms
-
-    shape, limit = _case_shape(case)
-    split = forms.split_form(shape, limit)
-    if split is None:
-        raise NotImplementedError("the default is the split form, or the split form cannot run this shape")
-    return _checked(split, shape, limit)
+# forms.two_kernel: the first candidate of the case's defaults that is not the split form
+_two_kernel = _from_forms("two_kernel", "the default is not the split form (it is a two-kernel config already)")
+# forms.split_form: the split form where the default is another form (K <= 128 at order 2 and 3;
+# the register estimate refuses it at o2 256)
+_split_form = _from_forms("split_form", "the default is the split form, or the split form cannot run this shape")
 
 
 def _materialise(case: Case) -> dict[str, Any]:

@@ -202,6 +202,14 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, scale, l2norm, chunk
     return [like(x) for x in q], [like(x) for x in k], like(v), like(g), like(beta), like(initial_state)
 
 
+def _floored(dg: torch.Tensor | None, g: torch.Tensor | None) -> torch.Tensor | None:
+    """dg where the forward used g; 0 below inputs.LOG_DECAY_FLOOR, where it floored g (o does
+    not depend on g there)."""
+    if dg is None or g is None:
+        return None
+    return torch.where(g < LOG_DECAY_FLOOR, torch.zeros_like(dg), dg)
+
+
 def _setup(ctx, inputs, output):
     """Save the inputs (not the forward's workspaces: the backward recomputes the states)."""
     q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, l2norm, mode, chunk_size, _ = inputs
@@ -227,12 +235,10 @@ def _backward(ctx, do, dht):
     dq, dk, dv, dg, db, dh0 = running_tensor_bwd_op(
         q, k, v, g, beta, initial_state, cu_seqlens, do, dht, ctx.scale, ctx.l2norm, ctx.chunk_size,
     )
-    if g is not None:  # the forward floors g (inputs.LOG_DECAY_FLOOR): below it, o does not depend on g
-        dg = torch.where(g < LOG_DECAY_FLOOR, torch.zeros_like(dg), dg)
     drop = lambda grad, x: grad if x is not None else None
     # one gradient per op argument: q, k, v, g, beta, initial_state, then the non-differentiable
     # cu_seqlens, scale, output_final_state, l2norm, mode, chunk_size, variant
-    return (dq, dk, dv, drop(dg, g), drop(db, beta), drop(dh0, initial_state),
+    return (dq, dk, dv, _floored(dg, g), drop(db, beta), drop(dh0, initial_state),
             None, None, None, None, None, None, None)
 
 
@@ -240,14 +246,6 @@ torch.library.register_autograd("rtcompile::running_tensor_fwd", _backward, setu
 
 
 # ----- the eager training call that keeps its forward (BackwardConfig.keep_forward) -----
-
-def _floored(dg: torch.Tensor | None, g: torch.Tensor | None) -> torch.Tensor | None:
-    """dg where the forward used g; 0 below inputs.LOG_DECAY_FLOOR, where it floored g (o does
-    not depend on g there)."""
-    if dg is None or g is None:
-        return None
-    return torch.where(g < LOG_DECAY_FLOOR, torch.zeros_like(dg), dg)
-
 
 class KeptForward(torch.autograd.Function):
     """An eager training call whose forward keeps the backward's prepare and state loop
@@ -279,8 +277,8 @@ class KeptForward(torch.autograd.Function):
         dq, dk, dv, dg, db, dh0 = _backward_module().launch_backward(
             ctx.config, ctx.p, q, k, v, g, beta, h0, cu_seqlens, ctx.l2norm, do,
             None if dht is None else dht.contiguous(), kept=kept)
-        return (None, None, None, None, None, dv, _floored(dg, g), db if beta is not None else None,
-                dh0 if h0 is not None else None, *dq, *dk)
+        # launch_backward gives None for an absent beta or initial state
+        return (None, None, None, None, None, dv, _floored(dg, g), db, dh0, *dq, *dk)
 
 
 def kept_training_call(p, q, k, v, g, beta, initial_state, cu_seqlens, l2norm: bool, output_final_state: bool,
