@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import weakref
 
 import pytest
 import torch
@@ -302,7 +303,7 @@ def test_default_and_space(shape, limit):
     # enumerated at their first value, and a random sample of the whole space shows they change
     # no check: the full product (up to 2.6 M configs) took 20-50 s per shape on the CPU machine.
     free = ("grads_stages", "prepare_warps", "solve", "dot_precision", "factor_grads", "workspace_dtype",
-            "grads_split", "keep_forward")
+            "grads_split", "keep_forward", "release_phi")
     found = list(iter_space(BackwardConfig, shape, {**space, **{n: space[n][:1] for n in free}}, limit))
     assert found and all(getattr(c, n) in vals for c in found for n, vals in space.items())
     rng = random.Random(0)
@@ -311,7 +312,7 @@ def test_default_and_space(shape, limit):
         if c.grads_split and c.factor_grads != "workspace":  # the pairs of fields that are refused
             assert c.check(shape, limit) is not None
             continue
-        if c.keep_forward and c.state_loop != "resident":
+        if (c.keep_forward or c.release_phi) and c.state_loop != "resident":
             assert c.check(shape, limit) is not None
             continue
         first = dataclasses.replace(c, **{n: space[n][0] for n in free})
@@ -322,16 +323,23 @@ def test_default_and_space(shape, limit):
 
 
 @needs_kernels
-@pytest.mark.parametrize("delta, gate, dtype, wdtype", [
-    (True, True, torch.float32, "float32"), (False, False, torch.float32, "float32"),
-    (True, True, torch.float16, "inputs")], ids=["gated-delta", "plain", "fp16-inputs-workspace"])
-def test_launcher_allocates_the_workspace_its_config_declares(monkeypatch, delta, gate, dtype, wdtype):
-    """Allocated beyond the gradients (and the fp32 initial-state gradient) is ``workspace_bytes``."""
-    sizes = []
+@pytest.mark.parametrize("delta, gate, dtype, wdtype, release", [
+    (True, True, torch.float32, "float32", False), (False, False, torch.float32, "float32", False),
+    (True, True, torch.float16, "inputs", False), (True, True, torch.float32, "float32", True),
+    (False, True, torch.float16, "inputs", True)],
+    ids=["gated-delta", "plain", "fp16-inputs-workspace", "release-phi", "release-phi-fp16"])
+def test_launcher_allocates_the_workspace_its_config_declares(monkeypatch, delta, gate, dtype, wdtype, release):
+    """The most the launcher holds at once beyond the gradients (and the fp32 initial-state
+    gradient) is ``workspace_bytes``: every allocation is tracked until it is freed, so with
+    ``release_phi`` the freed phi workspaces must make room for phi's stored gradients."""
+    live, sizes = [0], []
 
     def counting_empty(*shape, dtype=None, device=None):
         t = torch.empty(*shape, dtype=dtype, device=device)
-        sizes.append(t.numel() * t.element_size())
+        n = t.numel() * t.element_size()
+        live[0] += n
+        sizes.append(live[0])
+        weakref.finalize(t, lambda: live.__setitem__(0, live[0] - n))
         return t.fill_(float("nan")) if t.is_floating_point() else t
 
     monkeypatch.setattr(args, "empty", counting_empty)
@@ -340,14 +348,17 @@ def test_launcher_allocates_the_workspace_its_config_declares(monkeypatch, delta
     dev = lambda x: None if x is None else x.to(DEVICE)  # noqa: E731
     q, k, v, g, beta, s0 = [dev(x) for x in q], [dev(x) for x in k], dev(v), dev(g), dev(beta), dev(s0).float()
     g = None if g is None else g.float()
-    config = BackwardConfig(chunk_size=16, block_v=16, workspace_dtype=wdtype)
+    config = BackwardConfig(chunk_size=16, block_v=16, workspace_dtype=wdtype, release_phi=release)
     out = running_tensor_bwd(q, k, v, g, beta, scale=0.5, initial_state=s0, cu_seqlens=None, l2norm=True,
                              do=torch.randn_like(v), dht=None, variant=config)
     dq, dk, dv, dg, db, dh0 = out
     grads = [*dq, *dk, dv, dg, db, dh0]
     outputs = sum(x.numel() * x.element_size() for x in grads if x is not None)
     work = Workload(KernelShape(widths, V, v.element_size()), B, H, T, delta_rule=delta, forget_gate=gate)
-    assert sum(sizes) - outputs == config.workspace_bytes(work)
+    assert max(sizes) - outputs == config.workspace_bytes(work)
+    if release:  # the saving is real: phi's workspaces were 2 K bytes per token-head at least
+        held = dataclasses.replace(config, release_phi=False).workspace_bytes(work)
+        assert held - config.workspace_bytes(work) >= 2 * B * T * H * 16 * v.element_size()
 
 
 def _gpu_sweep():
@@ -368,6 +379,7 @@ def _gpu_sweep():
                 # wrong gradient) (fp32 at C 64 needs the streamed state loop)
                 tries = (dataclasses.replace(base, chunk_size=C, block_v=bv, block_k=bk, state_loop=loop,
                                              state_block_k=min(bk, base.state_block_k),
+                                             keep_forward=base.keep_forward and loop == "resident",
                                              num_warps=8 if bv == 128 else 4, num_stages=2, grads_warps=8)
                          for loop in ("resident", "streamed") for bk in (128, 64, 32))
                 accepted = [c for c in tries if c.check(shape, 232448) is None]
@@ -376,6 +388,8 @@ def _gpu_sweep():
         precisions = ("ieee", "tf32") if dtype != torch.float32 else ("ieee",)
         for prec in precisions:
             cases.append(pytest.param(dtype, [dataclasses.replace(base, dot_precision=prec)], id=f"{name}-{prec}"))
+        # phi formed from the factors in the gradients kernel, its workspaces freed (an experiment)
+        cases.append(pytest.param(dtype, [dataclasses.replace(base, release_phi=True)], id=f"{name}-release-phi"))
         # the split gradients kernels (an experiment), at the default's tiles and at key blocks of 64
         for bk in (base.block_k, 64):
             cfg = dataclasses.replace(base, grads_split=True, block_k=bk)

@@ -75,15 +75,20 @@ def test_kept_forward_equals_reference_and_the_backward_equals_the_recomputing_o
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("name", ["o2-T37-h0", "o3-16x16-varlen-h0"])
-def test_training_call_keeps_its_forward_and_matches_float64_autograd(name, monkeypatch):
+@pytest.mark.parametrize("name, release", [("o2-T37-h0", False), ("o3-16x16-varlen-h0", False),
+                                           ("o2-T37-h0", True), ("o3-16x16-varlen-h0", True)],
+                         ids=["o2-T37-h0", "o3-16x16-varlen-h0", "o2-T37-h0-release-phi",
+                              "o3-16x16-varlen-h0-release-phi"])
+def test_training_call_keeps_its_forward_and_matches_float64_autograd(name, release, monkeypatch):
     """running_tensor(backend="triton") with grad, under a default that keeps the forward: the
     prepare and state loop run once (in the forward), and every gradient, through the output
-    and the final state, matches float64 autograd of the reference."""
+    and the final state, matches float64 autograd of the reference. ``release_phi``: the kept
+    phi workspaces are dropped before the gradients kernel, which forms phi from the factors."""
     base = chunk_backward.default_backward
     monkeypatch.setattr(chunk_backward, "default_backward",
                         lambda *a, **kw: dataclasses.replace(base(*a, **kw), chunk_size=16, block_v=16,
-                                                             keep_forward=True, state_loop="resident"))
+                                                             keep_forward=True, state_loop="resident",
+                                                             release_phi=release))
     calls = []
     for mod in (chunk_backward_kept, chunk_backward):  # the forward's and the backward's names for it
         real = mod.recompute
@@ -112,3 +117,6 @@ def test_keep_forward_needs_the_resident_loop():
     assert reason is not None and "keep_forward" in reason
     assert BackwardConfig.space(KernelShape((32, 32), 64))["keep_forward"] == [False]
     assert BackwardConfig.space(shape)["keep_forward"] == [False, True]
+    reason = dataclasses.replace(CONFIG, keep_forward=False, release_phi=True, state_loop="streamed").check(shape)
+    assert reason is not None and "release_phi" in reason
+    assert BackwardConfig.space(KernelShape((32, 32), 64))["release_phi"] == [False]

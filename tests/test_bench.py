@@ -460,10 +460,10 @@ def test_named_variants_are_the_forms_two_kernel_and_low_memory_configs(monkeypa
     # refused (a "refused: ..." row) where the default is not the split form
     with pytest.raises(NotImplementedError, match="not the split form"):
         DEFAULT_VARIANTS["two-kernel"](Case("o3_32x32", "prefill", (32, 32), 2, 256, dtype="bfloat16"))
-    # the split form beside another default (o2 64), refused where it is the default already
-    o2 = Case("o2_64", "prefill", (64,), 2, 256, dtype="bfloat16")
+    # the split form beside another default (o2 128), refused where it is the default already
+    o2 = Case("o2_128", "prefill", (128,), 2, 256, dtype="bfloat16")
     split = DEFAULT_VARIANTS["split"](o2)["variant"]
-    assert split.form == "split" and split == forms.split_form(KernelShape((64,), 64, 2), 227 * 1024)
+    assert split.form == "split" and split == forms.split_form(KernelShape((128,), 64, 2), 227 * 1024)
     with pytest.raises(NotImplementedError, match="split form"):
         DEFAULT_VARIANTS["split"](split_case)
     # phi materialised: order >= 3 up to K = 256, refused at order 2
@@ -538,9 +538,9 @@ def test_cpu_train_run_times_forward_and_backward(fake_fla_train, monkeypatch, t
     from rtcompile.kernels import chunk_backward
 
     guard, seen = fake_fla_train
-    calls = []
-    real = chunk_backward.running_tensor_bwd
-    monkeypatch.setattr(chunk_backward, "running_tensor_bwd", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = []  # launch_backward: both the recomputing op's backward and a kept forward's run it
+    real = chunk_backward.launch_backward
+    monkeypatch.setattr(chunk_backward, "launch_backward", lambda *a, **k: calls.append(1) or real(*a, **k))
     cases = [Case("t16", "train", (16,), 1, 20, H=1, V=16, impls=(IMPL_RT, IMPL_REF, IMPL_FLA), chunk_size=16),
              Case("t12", "train", (12,), 1, 20, H=1, V=16, impls=(IMPL_RT,), chunk_size=16)]
     opts = BenchOptions(phase="train", out=tmp_path / "out", repeats=3)

@@ -277,13 +277,17 @@ def test_two_kernel_only_beside_a_split_default(shape, limit):
     else:
         assert other is not None and not isinstance(other, SplitConfig) and other.check(shape, limit) is None
         w = Workload(shape, batch=8, heads=8, seq_len=4096)
-        assert other.workspace_bytes(w) < default_config("chunk", shape, limit).workspace_bytes(w)
+        if shape.key_dim >= 256:  # the split form's stored phi(K) and states outweigh the two-kernel
+            # workspace from K = 256 (o3 16x16: 289 against 32 MiB); at o2 64 the wy workspace is
+            # the larger (160 against 145 MiB)
+            assert other.workspace_bytes(w) < default_config("chunk", shape, limit).workspace_bytes(w)
 
 
 def test_split_default_only_where_measured():
-    """The split form leads at o3 16x16 where the H200's shared memory allows its stages, not at
-    order 2 K = 128 nor under the portable 99 KiB."""
+    """The split form leads at o3 16x16 where the H200's shared memory allows its stages and at
+    o2 64, not at order 2 K = 128 nor under the portable 99 KiB at o3 16x16."""
     assert isinstance(default_config("chunk", SHAPES["o3-16x16"], H200_SMEM), SplitConfig)
+    assert isinstance(default_config("chunk", SHAPES["o2-64"], H200_SMEM), SplitConfig)
     assert two_kernel(SHAPES["o3-16x16"], H200_SMEM) is not None
     assert not isinstance(default_config("chunk", SHAPES["o2-128"], H200_SMEM), SplitConfig)
     assert not isinstance(default_config("chunk", SHAPES["o3-16x16"]), SplitConfig)

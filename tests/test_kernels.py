@@ -279,3 +279,21 @@ def test_launcher_allocates_the_workspace_its_config_declares(monkeypatch, confi
     allocated = sum(n for _, n in sizes) - out_bytes - state_bytes
     work = Workload(KernelShape(widths, V, 4), B, H, T, delta_rule=delta, forget_gate=gate)
     assert allocated == config.workspace_bytes(work)
+
+
+@pytest.mark.parametrize("widths", [(8, 8), (16, 8), (3, 5), (4, 4, 4), (2, 3, 7)], ids=lambda w: "x".join(map(str, w)))
+@pytest.mark.parametrize("l2norm", [True, False], ids=["l2norm", "raw"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_materialise_phi_kernel(poison, widths, l2norm, dtype):
+    """The one-kernel phi(x) of the materialised configs against the float64 Kronecker product
+    of the (normalised) factors, odd widths and a row count no tile divides; the output poisoned."""
+    from rtcompile.kernels.reference import l2normalize
+
+    xs = [torch.randn(2, 37, 3, d, device=DEVICE).to(dtype) for d in widths]
+    got = chunk_resident.materialise_phi(xs, l2norm)
+    want = l2normalize(xs[0].double()) if l2norm else xs[0].double()
+    for x in xs[1:]:
+        u = l2normalize(x.double()) if l2norm else x.double()
+        want = (want[..., :, None] * u[..., None, :]).flatten(-2)
+    assert got.dtype == dtype and got.shape == want.shape
+    assert rel_err(got, want) < (1e-6 if dtype == torch.float32 else 1e-2)

@@ -240,11 +240,12 @@ def load_state_tile(h0, ht, off, m, first, USE_H0: tl.constexpr, EVICT_FIRST: tl
 # ----- the chunk kernels' building blocks -----
 @triton.jit
 def dot(a, b, LOWP: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
-    """a @ b: 16-bit operands in their own type (tensor cores), else fp32 at precision PREC."""
+    """a @ b: 16-bit operands in their own type (tensor cores), else fp32 at precision PREC (an
+    operand loaded from a 16-bit workspace is widened: bf16 inputs under the interpreter)."""
     if LOWP:
         return tl.dot(a.to(DT), b.to(DT))
     else:
-        return tl.dot(a, b, input_precision=PREC)
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
 
 
 @triton.jit

@@ -70,7 +70,9 @@ from .chunk_backward_streamed import state_grads_streamed
 from .chunk_backward_grads import chunk_bwd_grads_kernel, phi_grads_to_factors_kernel, stored_log_decay
 from .chunk_backward_kept import Recomputed, recompute, workspace_dtype
 from .chunk_backward_split import GradsTensors, split_grads
-from .chunk_resident import MATERIALISE_MAX_K, kronecker_factor_grads, materialise_phi, materialised
+from .chunk_resident import (
+    MATERIALISE_MAX_K, MATERIALISE_TILE, kronecker_factor_grads, materialise_phi, materialised,
+)
 from .chunk_split import KEY_GROUPS
 from .config import (
     DEFAULT_SMEM_BYTES, PREPARE_WARPS, SOLVES, CostFigures, KernelConfig, KernelShape, Workload,
@@ -99,9 +101,6 @@ FACTOR_GRADS = ("registers", "workspace")
 # own 16-bit type (as fla keeps its recomputed values and their gradients), which halves their
 # bytes: o3 16x16 bf16 B8 T4096 H8, the default's workspace_bytes 1345 -> 993 MiB (untimed)
 WORKSPACE_DTYPES = ("float32", "inputs")
-# the token-parallel phi-to-factors kernel: rows per program so its [rows, K] fp32 tile stays at
-# 4096 elements (32 registers per thread at 4 warps); it only streams the phi gradients once
-FACTOR_TILE = 4096
 
 
 @dataclass(frozen=True)
@@ -139,11 +138,13 @@ class BackwardConfig(KernelConfig):
     # stored; dg), with factor_grads="workspace". No default (H200, 2026-12-02): fwd+bwd o3 32x32
     # 17.2 -> 14.6 ms, o4 16^3 92.9 -> 70.5, but 1.4 -> 3.5 and 4.4 -> 12.6 GiB
     grads_split: bool = False
-    # a training call's forward runs this config's prepare and state loop and keeps them for the
-    # backward, which then skips both (chunk_backward_kept.py; resident loops). Not yet timed:
-    # at C 64 the two took 0.41 + 0.35 of the backward's 3.31 ms at o3 16x16 (H200), and the
-    # forward's own 0.37 ms is replaced by them plus the output kernel
+    # a training call's forward runs the prepare and state loop and keeps them for the backward
+    # (chunk_backward_kept.py; resident loops): the default for 16-bit inputs up to K = 256
     keep_forward: bool = False
+    # phi(Q), phi(K) ([T, K] each, resident loops) freed after the state-gradient loop, the gradients
+    # kernel forming phi from the factors: o3 16x16 B8 T4096 H8 bf16 workspace 1185 -> 929 MiB
+    # (fla's fwd+bwd peak 1064). Not yet timed
+    release_phi: bool = False
 
     def resident(self, shape: KernelShape) -> bool:
         return self.state_loop == "resident"
@@ -170,11 +171,12 @@ class BackwardConfig(KernelConfig):
         if self.state_loop == "resident" and shape.key_dim > MAX_KEY_DIM:
             return (f"state_loop='resident' holds the [K, block_v] state in registers up to K = {MAX_KEY_DIM}, "
                     f"got K = {shape.key_dim}; use state_loop='streamed'")
-        for name in ("grads_split", "keep_forward"):
+        for name in ("grads_split", "keep_forward", "release_phi"):
             if not isinstance(getattr(self, name), bool):
                 return f"{name}={getattr(self, name)!r}; allowed: False, True"
-        if self.keep_forward and self.state_loop != "resident":
-            return "keep_forward=True with state_loop='streamed'; allowed: keep_forward=False, or the resident loop"
+        for name in ("keep_forward", "release_phi"):
+            if getattr(self, name) and self.state_loop != "resident":
+                return f"{name}=True with state_loop='streamed'; allowed: {name}=False, or the resident loop"
         if self.grads_split and self.factor_grads != "workspace":  # else a duplicate the tuner times twice
             return f"factor_grads={self.factor_grads!r} with grads_split=True; allowed: 'workspace'"
         if self.num_stages < 2 and self.state_loop == "resident":
@@ -228,6 +230,7 @@ class BackwardConfig(KernelConfig):
             "workspace_dtype": list(WORKSPACE_DTYPES) if shape.input_bytes == 2 else ["float32"],
             "grads_split": [False, True],
             "keep_forward": [False, True] if shape.key_dim <= MAX_KEY_DIM else [False],
+            "release_phi": [False, True] if shape.key_dim <= MAX_KEY_DIM else [False],
         }
 
     def workspace_bytes(self, w: Workload) -> int:
@@ -235,6 +238,7 @@ class BackwardConfig(KernelConfig):
         per token the scores (fp32, C), U and dU (V each), stored phi gradients (K each: always at
         order 2, whose factor is phi); resident state loops: phi(K) and phi(Q) (the products'
         type, K each); streamed: the running state and state gradient (fp32, K V each, once);
+        ``release_phi``: the larger of phi and its stored gradients instead of both;
         with the delta rule the inverse (fp32, C) and R (V); with gates the cumulative log decay
         (fp32); ``grads_split``: dGq (and dGs) per token, C fp32 each, and with gates dc and
         each key block's share of it. U, R, dU and phi's gradients take
@@ -245,11 +249,13 @@ class BackwardConfig(KernelConfig):
         dot = dot_operand_bytes(w.shape.input_bytes)
         chunks = w.batch * w.heads * chunk_count(w, C)
         e = self.workspace_bytes_per_element(w.shape)
-        per_token = 4 * C + 2 * e * V + (2 * e * K if self.phi_grads_stored(w.shape) else 0)
+        phi_grads = 2 * e * K if self.phi_grads_stored(w.shape) else 0
+        per_token = 4 * C + 2 * e * V
         running = 0
-        if self.state_loop == "resident":
-            per_token += 2 * K * dot
+        if self.state_loop == "resident":  # release_phi: phi and its gradients are never held together
+            per_token += max(2 * K * dot, phi_grads) if self.release_phi else 2 * K * dot + phi_grads
         else:
+            per_token += phi_grads
             running = 2 * w.batch * w.heads * K * V * 4
         if w.delta_rule:
             per_token += 4 * C + e * V
@@ -329,9 +335,13 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
     # 256 3.89 -> 3.87 (H200, 2026-12-02, dd966ea; fla 3.58 in the run that timed the winner)
     tuned = shape.input_bytes == 2 and not streamed
     order = ((32, 4), (32, 8), (64, 4), (64, 8), (16, 4)) if tuned else order
+    # ... and the forward keeps the prepare and state loop for the backward (keep_forward): fwd+bwd
+    # o3 16x16 2.73 -> 2.01 ms, o2 64 2.76 -> 1.55, o2 256 3.85 -> 3.25, peak the same 1221 MiB
+    # (H200, 2026-12-02, 9e68a27, one call); it holds those workspaces from forward to backward
+    # (640 MiB per layer at o3 16x16 B8 T4096 H8: chunk_backward_kept.py), a recompute does not
     for C, warps in order + ((16, 8),):
-        kernels = {"grads_warps": 4, "grads_stages": 3, "num_stages": 3, "prepare_warps": 1} if tuned and C == 32 \
-            else {"grads_warps": 8, "prepare_warps": 4}
+        kernels = {"grads_warps": 4, "grads_stages": 3, "num_stages": 3, "prepare_warps": 1, "keep_forward": True} \
+            if tuned and C == 32 else {"grads_warps": 8, "prepare_warps": 4}
         cfg = BackwardConfig(chunk_size=C, block_v=bv, block_k=bk, num_warps=warps, key_group=group,
                              dot_precision=prec, workspace_dtype=ws, **kernels, **loop)
         if (chunk_size is None or C == chunk_size) and cfg.check(shape, smem_limit) is None:
@@ -552,6 +562,8 @@ def launch_backward(config: BackwardConfig, p: Problem, q, k, v, g, beta, h0, cu
     dHc, dUc, dh0 = _state_grads(config, p, q, k, v, beta, h0, cu_seqlens, l2norm, kept, do, dht)
     ws, Hc, Uc, Rc, idx, n_chunks = kept.ws, kept.Hc, kept.Uc, kept.Rc, kept.idx, kept.n_chunks
     del kept
+    if config.release_phi:  # in the dict itself: a caller's Recomputed shares it
+        ws["Qw"] = ws["Kw"] = None
     # 4. dv, dbeta, dg and every factor's gradient (or phi's, to dQp / dKp), chunk-parallel
     dq = [args.empty(x.shape, dtype=x.dtype, device=dev) for x in q]
     dk = [args.empty(x.shape, dtype=x.dtype, device=dev) for x in k]
@@ -578,7 +590,7 @@ def launch_backward(config: BackwardConfig, p: Problem, q, k, v, g, beta, h0, cu
     del ws, Hc, dHc, Uc, Rc, dUc
     if stored:  # 5. phi's gradients to the factors, through the l2norm, token-parallel
         rows = B * T * H
-        bt = max(1, min(256, FACTOR_TILE // K))
+        bt = max(1, min(256, MATERIALISE_TILE // K))  # [rows, K] fp32 tiles of 4096 elements
         phi_grads_to_factors_kernel[(triton.cdiv(rows, bt),)](
             *factor_args(q), *factor_args(k), dQp, dKp, *factor_args(dq), *factor_args(dk), rows,
             NF=len(q), **widths, BT=bt, L2NORM=l2norm, num_warps=4,

@@ -118,6 +118,10 @@ def _split(shape: KernelShape) -> list[KernelConfig]:
 
 
 CHUNK_DEFAULTS: tuple[DefaultRow, ...] = (
+    DefaultRow(lambda s: s.key_dim_pow2 == 64 and len(s.key_widths) == 1,
+               lambda s: [dataclasses.replace(c, key_group=1) for c in _split(s)],
+               "o2 64: the split form (key groups of 1), 0.295 ms against 0.343 for the resident C 32 + wy "
+               "below, fla 0.285 (H200, bench --phase prefill, one run, 2026-12-02; o2 128: 0.661 against 0.392)"),
     DefaultRow(lambda s: s.key_dim_pow2 <= 64,
                lambda s: [ResidentConfig(chunk_size=32, block_v=16, prepare_warps=4, prefetch_inputs=True, wy=True),
                           ResidentConfig(chunk_size=16, block_v=16, prepare_warps=1, solve="rows",
@@ -233,8 +237,8 @@ def split_form(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> Spli
 
 def two_kernel(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> KernelConfig | None:
     """The first chunk candidate that is not the split form, when the default is that form (its
-    workspace is ~9x the two-kernel one's: o3 16x16 B8 T4096, 289 against 32 MiB); None where
-    the default is a two-kernel config already."""
+    workspace is ~9x the two-kernel one's at o3 16x16 B8 T4096, 289 against 32 MiB; at o2 64 the
+    smaller, 145 against 160); None where the default is a two-kernel config already."""
     found = candidates("chunk", shape, smem_limit)
     if not found or not isinstance(found[0], SplitConfig):
         return None
