@@ -46,26 +46,16 @@ step_traintime() {  # the forward + backward timings alone on the GPU (a recall 
     --cases "o3 16x16,o3 32x32,o4 16x16x16" --out "$OUT/train_ours_split.json"
 }
 
-step_trainexp() {  # issue 19's untimed experiments, after the default's rows of the same cases in this call
-  python3 benchmarks/train_step.py --cases "o3 16x16,o2 64,o2 256,o3 32x32" --out "$OUT/train_ours_ref.json"
-  # the forward that keeps the backward's prepare and state loop (keep_forward; resident loops,
-  # K <= 256): one of each per step instead of two; not yet timed
-  python3 benchmarks/train_step.py --set keep_forward=True --cases "o3 16x16,o2 64,o2 128,o2 256" \
-    --out "$OUT/train_ours_kept.json"
-  # the memory target (fla's 1064 MiB at o3 16x16): the default's phi gradients stored as [T, K]
-  # are 256 of its 1185 MiB of workspace (BackwardConfig.workspace_bytes); formed in registers,
-  # 929 MiB. Its time at chunks of 32 is the question (the tuner's best trial stored them).
-  # Offline (sm_90) its gradients kernel spills 856 / 112 / 0 B per thread at key blocks of 128 / 64 / 32
-  for bk in 128 64 32; do
-    python3 benchmarks/train_step.py --set factor_grads=registers --set block_k=$bk --cases "o3 16x16" \
-      --out "$OUT/train_ours_regs_bk$bk.json"
-  done
-  python3 benchmarks/train_step.py --set factor_grads=registers --set block_k=32 --set keep_forward=True \
-    --cases "o3 16x16" --out "$OUT/train_ours_regs_kept.json"
-  # above K = 256 at chunks of 32 with key blocks of 32: offline (sm_90, Triton 3.9) the gradients
-  # kernel's spills fall from 648 to 96 B per thread at o3 32x32 (probe_offline.py --backward)
-  python3 benchmarks/train_step.py --set chunk_size=32 --set block_k=32 --cases "o3 32x32,o3 64x64,o4 16x16x16" \
-    --out "$OUT/train_ours_c32_large.json"
+step_trainexp() {  # issue 19's open rows (~8 min): the default (keep_forward since 52d27ef: 2.01 ms at
+  # o3 16x16 against 2.73 recomputing, H200 2026-12-02) beside fla in one process -- fla's first
+  # K = 256 backward compiled and autotuned for over 240 s on 2026-12-02, so it goes first with
+  # most of the call -- then release_phi (phi's workspaces freed before the gradients kernel:
+  # 1185 -> 929 MiB of workspace at o3 16x16 by workspace_bytes; the memory target is fla's 1064)
+  timeout "${FLA_S:-420}" python3 benchmarks/train_step.py --fla --cases "o3 16x16" --out "$OUT/train_fla.json" || true
+  python3 benchmarks/train_step.py --set release_phi=True --cases "o3 16x16,o2 64,o2 256" \
+    --out "$OUT/train_ours_release.json"
+  python3 benchmarks/train_step.py --set release_phi=True --set keep_forward=False --cases "o3 16x16" \
+    --out "$OUT/train_ours_release_recompute.json"
 }
 
 step_tunetrain() {  # issue 19's speed (TUNE_SPEC / TUNE_CASE for another shape, e.g.

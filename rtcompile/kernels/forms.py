@@ -223,13 +223,15 @@ def default_config(kernel: str, shape: KernelShape, smem_limit: int = DEFAULT_SM
 def split_form(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> SplitConfig | None:
     """The split form as the K = 256 default row proposes it (key groups of 1 where the shape
     takes no other), for a shape whose default is another form; None where the default is the
-    split form or no proposal passes its check. The split form was timed at K = 256 only (0.350
-    ms at o3 16x16, fla 0.612); at K <= 128 it is what issue 22 asks to measure beside fla."""
+    split form or no proposal passes its check. Timed at o3 16x16 (0.350 ms, fla 0.612, its
+    default), o2 64 (0.295, fla 0.285: its default now) and o2 128 (0.661, fla 0.388)."""
     found = candidates("chunk", shape, smem_limit)
     if found and isinstance(found[0], SplitConfig):
         return None
     proposals = _split(shape)
-    for c in [*proposals, *(dataclasses.replace(c, key_group=1) for c in proposals)]:
+    # then key groups of 1, then chunks of 32 (o2 256: ~608 registers per thread estimated at C 64)
+    for c in [*proposals, *(dataclasses.replace(c, key_group=1) for c in proposals),
+              *(dataclasses.replace(c, key_group=1, chunk_size=32) for c in proposals)]:
         if c.check(shape, smem_limit) is None:
             return c
     return None
