@@ -89,11 +89,8 @@ class ResidentConfig(KernelConfig):
         if (reason := chunk_refusal(self, shape)) is not None:
             return reason
         if self.materialise:
-            if len(shape.key_widths) < 2:
-                return "materialise=True needs order >= 3 (an order-2 key is its one factor already)"
-            if shape.key_dim > MATERIALISE_MAX_K:
-                return (f"materialise=True forms [T, K] keys up to K = {MATERIALISE_MAX_K}, got K = "
-                        f"{shape.key_dim}; allowed: materialise=False")
+            if (reason := materialise_refusal(shape)) is not None:
+                return reason
             shape = materialised(shape)
         if self.prefetch_inputs and not shape.whole_factor_tiles:
             return f"prefetch_inputs=True needs power-of-two key widths >= 16, got {shape.key_widths}"
@@ -116,7 +113,7 @@ class ResidentConfig(KernelConfig):
     def space(cls, shape: KernelShape) -> dict[str, list]:
         if cls(chunk_size=16, block_v=16, num_warps=8).check(shape, 1 << 30) is not None:
             return {}  # even the smallest tile does not fit registers
-        can_materialise = len(shape.key_widths) >= 2 and shape.key_dim <= MATERIALISE_MAX_K
+        mat = can_materialise(shape)
         return {
             "chunk_size": [16, 32, 64, 128],
             "block_v": [b for b in (16, 32, 64) if b <= shape.value_dim_pow2],
@@ -125,9 +122,9 @@ class ResidentConfig(KernelConfig):
             "prepare_warps": list(PREPARE_WARPS),
             "solve": list(SOLVES),
             "dot_precision": list(DOT_PRECISIONS),
-            "prefetch_inputs": [False, True] if shape.whole_factor_tiles or can_materialise else [False],
+            "prefetch_inputs": [False, True] if shape.whole_factor_tiles or mat else [False],
             "wy": [False, True],
-            "materialise": [False, True] if can_materialise else [False],
+            "materialise": [False, True] if mat else [False],
         }
 
     def workspace_bytes(self, w: Workload) -> int:
@@ -135,8 +132,7 @@ class ResidentConfig(KernelConfig):
         return two_kernel_workspace(self, w, wy=self.wy) + keys
 
     def figures(self, w: Workload) -> CostFigures:
-        # materialised keys add torch's elementwise launches: about two per factor and side
-        extra = 2 * len(w.shape.key_widths) if self.materialise else 0
+        extra = 2 if self.materialise else 0  # materialise_phi_kernel, once per side
         return CostFigures(programs=chunk_programs(w, self.block_v), serial_steps=chunk_count(w, self.chunk_size),
                            state_passes=2, workspace_bytes=self.workspace_bytes(w), launches=2 + extra)
 
@@ -283,6 +279,29 @@ def materialised(shape: KernelShape) -> KernelShape:
     return KernelShape((shape.key_dim,), shape.value_width, shape.input_bytes)
 
 
+def can_materialise(shape: KernelShape) -> bool:
+    return materialise_refusal(shape) is None
+
+
+def materialise_refusal(shape: KernelShape) -> str | None:
+    """Why a config with ``materialise=True`` cannot take ``shape``, or None."""
+    if len(shape.key_widths) < 2:
+        return "materialise=True needs order >= 3 (an order-2 key is its one factor already)"
+    if shape.key_dim > MATERIALISE_MAX_K:
+        return (f"materialise=True forms [T, K] keys up to K = {MATERIALISE_MAX_K}, got K = "
+                f"{shape.key_dim}; allowed: materialise=False")
+    return None
+
+
+def materialised_call(p: Problem, q, k, h0, ht, l2norm: bool):
+    """(p, q, k, h0, ht, l2norm) of the order-2 problem on phi(q), phi(k) (normalised here, so
+    l2norm False after): the flattened state [.., K, V] is the same memory as [.., d_1, .., V]."""
+    q, k = [materialise_phi(q, l2norm)], [materialise_phi(k, l2norm)]
+    p = dataclasses.replace(p, key_widths=(p.key_dim,))
+    flat = (p.num_seqs, p.heads, p.key_dim, p.value_width)
+    return p, q, k, None if h0 is None else h0.view(flat), None if ht is None else ht.view(flat), False
+
+
 def _unit_factors(factors, l2norm: bool) -> list[torch.Tensor]:
     """The factors in fp32, each normalised when ``l2norm`` (the reference's eps, the kernels')."""
     xs = [x.float() for x in factors]
@@ -373,12 +392,7 @@ def launch(config: ResidentConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_s
     final-state buffer to store into. Returns o. With ``materialise``, the order-2 kernels run on
     phi(q), phi(k) (the flattened state [.., K, V] is the same memory as [.., d_1, .., V])."""
     if config.materialise:
-        q, k = [materialise_phi(q, l2norm)], [materialise_phi(k, l2norm)]
-        p = dataclasses.replace(p, key_widths=(p.key_dim,))
-        flat = (p.num_seqs, p.heads, p.key_dim, p.value_width)
-        h0 = None if h0 is None else h0.view(flat)
-        ht = None if ht is None else ht.view(flat)
-        l2norm = False
+        p, q, k, h0, ht, l2norm = materialised_call(p, q, k, h0, ht, l2norm)
     bk = max(16, next_pow2(p.key_dim))
     ws = prepare_scores(config, p, q, k, v, g, beta, cu_seqlens=cu_seqlens, l2norm=l2norm, block_k=bk,
                         outer=KernelShape(p.key_widths, p.value_width).outer_phi_ok(bk), wy=config.wy)

@@ -23,6 +23,7 @@ from .blocks import (
     first_stored_state, scores_from_tiles, sequence_of_program,
 )
 from .chunk_prepare import chunk_indices, prepare_keys
+from .chunk_resident import can_materialise, materialise_refusal, materialised, materialised_call
 from .config import (
     DEFAULT_SMEM_BYTES, DOT_PRECISIONS, PREPARE_WARPS, SOLVES, CostFigures, KernelConfig,
     KernelShape, Workload, chunk_count, chunk_programs, chunk_refusal, dot_operand_bytes, estimate_registers,
@@ -51,7 +52,10 @@ class SplitConfig(KernelConfig):
     >= 3; 0.122 ms with 2, 0.136 with 1). ``state_stride``: the loop stores the state of every
     1st, 2nd or 4th chunk and the output kernel adds the chunks between as cross-chunk scores
     (loop 0.150 / 0.136 / 0.124 ms, outputs 0.084 / 0.092 / 0.115; 2 also cuts the workspace
-    from 353 to 289 MiB at o3 16x16 B8 T4096 H8).
+    from 353 to 289 MiB at o3 16x16 B8 T4096 H8). ``materialise`` (order >= 3, K <= 256): the
+    form runs order 2's problem on phi(q), phi(k) formed first (``chunk_resident.materialise_phi``;
+    2 x 2 K bytes per token-head more), which takes widths under 16 (o3 8x8: order 2 K = 64's
+    split form ran 0.295 ms on the H200 where the factored default took 0.501).
     """
 
     kernel: ClassVar[str] = "chunk"
@@ -68,6 +72,7 @@ class SplitConfig(KernelConfig):
     tma: bool = False
     key_group: int = 1
     state_stride: int = 1
+    materialise: bool = False
 
     def block_k(self, shape: KernelShape) -> int:
         return shape.key_dim_pow2
@@ -78,8 +83,13 @@ class SplitConfig(KernelConfig):
     def check(self, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> str | None:
         if (reason := chunk_refusal(self, shape)) is not None:
             return reason
+        if self.materialise:
+            if (reason := materialise_refusal(shape)) is not None:
+                return reason
+            shape = materialised(shape)
         if not shape.whole_factor_tiles:
-            return f"the split form needs power-of-two key widths >= 16, got {shape.key_widths}"
+            return (f"the split form needs power-of-two key widths >= 16, got {shape.key_widths} (or "
+                    "materialise=True)")
         if self.num_stages < 2:
             return f"num_stages={self.num_stages}; allowed: 2, 3 or 4 (one stage failed on the H200)"
         for name, allowed in (("output_warps", OUTPUT_WARPS), ("state_stride", STATE_STRIDES),
@@ -114,7 +124,8 @@ class SplitConfig(KernelConfig):
     @classmethod
     def space(cls, shape: KernelShape) -> dict[str, list]:
         # measured only up to K = 256; wider states stream better (StreamedConfig)
-        if not shape.whole_factor_tiles or shape.key_dim > 256:
+        mat = can_materialise(shape) and materialised(shape).whole_factor_tiles
+        if not (shape.whole_factor_tiles or mat) or shape.key_dim > 256:
             return {}
         order3 = len(shape.key_widths) >= 2
         return {
@@ -130,6 +141,7 @@ class SplitConfig(KernelConfig):
             "tma": [False, True],
             "key_group": [g for g in KEY_GROUPS if order3 and shape.key_widths[0] % g == 0] or [1],
             "state_stride": list(STATE_STRIDES),
+            "materialise": [False] * shape.whole_factor_tiles + [True] * mat,
         }
 
     def workspace_bytes(self, w: Workload) -> int:
@@ -144,11 +156,14 @@ class SplitConfig(KernelConfig):
             work += w.rows * self.chunk_size * 4
         if w.forget_gate:
             work += w.rows * 4
+        if self.materialise:  # phi(q), phi(k) in the inputs' type
+            work += 2 * w.rows * K * w.shape.input_bytes
         return work
 
     def figures(self, w: Workload) -> CostFigures:
         return CostFigures(programs=chunk_programs(w, self.block_v), serial_steps=chunk_count(w, self.chunk_size),
-                           state_passes=2, workspace_bytes=self.workspace_bytes(w), launches=3)
+                           state_passes=2, workspace_bytes=self.workspace_bytes(w),
+                           launches=3 + 2 * self.materialise)
 
 
 # ----- the state loop -----
@@ -348,7 +363,10 @@ def launch(config: SplitConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seql
     outputs, once each. ``ht``: None, or the fp32 final-state buffer to store into. Returns o.
     Workspace (``SplitConfig.workspace_bytes``): the incoming state of every state_stride-th
     chunk ([stored states, H, K, V]) and U ([B, T, H, V]), both in the products' type, and the
-    prepare kernel's phi(K), inverse and cumulative log decay."""
+    prepare kernel's phi(K), inverse and cumulative log decay (and with ``materialise`` phi(q),
+    phi(k): order 2's problem on them)."""
+    if config.materialise:
+        p, q, k, h0, ht, l2norm = materialised_call(p, q, k, h0, ht, l2norm)
     B, T, H, V = v.shape
     C, K = config.chunk_size, p.key_dim
     varlen = cu_seqlens is not None

@@ -162,13 +162,24 @@ CHUNK_DEFAULTS: tuple[DefaultRow, ...] = (
                "the smallest tiles: runs wherever anything runs"),
     # last, so no default changes before the H200 has timed it: the tuner's studies start from it
     DefaultRow(lambda s: len(s.key_widths) >= 2 and s.key_dim_pow2 <= 256,
-               lambda s: [ResidentConfig(chunk_size=32, block_v=16, prepare_warps=4, prefetch_inputs=True, wy=True,
-                                         materialise=True),
-                          _tiled(s, 16, s.key_dim_pow2, 32, 4, prefetch_inputs=True, materialise=True)],
-               "order >= 3, K <= 256: phi(q), phi(k) materialised and order 2's K <= 64 / K <= 256 proposals "
-               "run on them, for the tuner to measure (issue 22: o3 8x8 factored 0.486 ms where o2 64 ran "
-               "0.359, o3 16x8 0.606 where o2 128 ran 0.377); not timed yet"),
+               lambda s: _materialised_proposals(s),
+               "order >= 3, K <= 256: phi(q), phi(k) materialised and order 2's defaults for that K run on them "
+               "first, for the tuner to measure. H200, 2026-12-02, phi formed by ATen ops: o3 8x8 0.624 ms "
+               "(factored 0.501, fla 0.285), o3 16x8 0.919 (o2 64's config on K = 128); one kernel since, "
+               "not yet timed"),
 )
+
+def _materialised_proposals(shape: KernelShape) -> list[KernelConfig]:
+    """Order 2's defaults for K = prod d_i, materialised: the split form at K = 64, the resident
+    C 32 + wy up to 64, the resident C 16 with prefetch above (o2 64 / 128 on the H200: 0.295 /
+    0.392 ms)."""
+    wy = ResidentConfig(chunk_size=32, block_v=16, prepare_warps=4, prefetch_inputs=True, wy=True, materialise=True)
+    c16 = _tiled(shape, 16, shape.key_dim_pow2, 32, 4, prefetch_inputs=True, materialise=True)
+    if shape.key_dim_pow2 > 64:
+        return [c16, wy]
+    split = [dataclasses.replace(c, key_group=1, materialise=True) for c in _split(shape)]
+    return [*(split if shape.key_dim_pow2 == 64 else []), wy, c16]
+
 
 RECURRENT_DEFAULTS: tuple[DefaultRow, ...] = (
     DefaultRow(lambda s: True,
