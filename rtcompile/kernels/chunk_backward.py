@@ -39,15 +39,13 @@ Four to seven launches (:func:`launch_backward`):
    token-parallel: phi's gradients to the factors, through the l2norm.
 
 Memory (``BackwardConfig.workspace_bytes``), per (sequence, head): per chunk S and dS' (K d_v
-each in the products' type); per token P and T (4 C each; T with the delta rule), U, R, dU (4
-d_v each; R with the delta rule), the log decay (4, gates), with resident loops phi(K), phi(Q) (K
-each, the products' type), with stored phi gradients 2 x 4 K; streamed loops add the running S
-and dS (fp32, K d_v each, once); ``workspace_dtype="inputs"`` (the default for 16-bit inputs
-up to K = 256) keeps U, R, dU and phi's stored gradients in the inputs' type. o3 16x16, d_v
-64, C 64, bf16, the default (resident, stored, 16-bit workspaces), per token-head: 2 x 512 (phi)
-+ 2 x 256 (P, T) + 3 x 128 (U, R, dU) + 2 x 512 (phi's gradients) + 4 bytes per token and 2 x
-32 KiB per chunk: 3.9 KiB per token (5.3 KiB with fp32 workspaces); o3 64x64 (streamed,
-registers): 2 x 512 KiB per chunk + 1.3 KiB per token.
+each, the products' type); per token P and T (4 C each; T with the delta rule), U, R, dU (4 d_v
+each, or the inputs' 2 with ``workspace_dtype="inputs"``; R with the delta rule), the log decay
+(4, gates), resident loops phi(K), phi(Q) (K each, the products' type), stored phi gradients (K
+each, as U); streamed loops add the running S and dS (fp32, K d_v each, once). o3 16x16, d_v 64,
+bf16, the default (C 32, resident, stored, 16-bit): per token-head 2 x 512 (phi) + 2 x 128 (P,
+T) + 3 x 128 (U, R, dU) + 2 x 512 (phi's gradients, or none beside phi with ``release_phi``) + 4
+bytes, per chunk 2 x 32 KiB; o3 64x64 (streamed, registers): 2 x 512 KiB per chunk + 1.3 KiB per token.
 
 Scope (:func:`supports`): orders 2-4 with power-of-two key widths >= 16 at any K, any d_v,
 gates, delta rule, l2norm, initial state, final-state gradient, varlen and any T.
@@ -55,6 +53,7 @@ gates, delta rule, l2norm, initial state, final-state gradient, varlen and any T
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -76,7 +75,7 @@ from .chunk_resident import (
 from .chunk_split import KEY_GROUPS
 from .config import (
     DEFAULT_SMEM_BYTES, PREPARE_WARPS, SOLVES, CostFigures, KernelConfig, KernelShape, Workload,
-    chunk_count, chunk_programs, chunk_refusal, chunk_smem_estimate, dot_operand_bytes, estimate_registers,
+    checked, chunk_count, chunk_programs, chunk_refusal, chunk_smem_estimate, dot_operand_bytes, estimate_registers,
     resource_refusal,
 )
 from .inputs import Problem, check_inputs
@@ -291,6 +290,7 @@ def shape_refusal(shape: KernelShape) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=1024)  # a pure function, resolved by every eager training call
 def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
                      chunk_size: int | None = None) -> BackwardConfig:
     """The first proposal that passes its check (with ``chunk_size`` only its proposals, each with
@@ -495,7 +495,7 @@ def resolve_backward(shape: KernelShape, variant, chunk_size: int | None, device
     check_limit = limit if device.type == "cuda" else 10**9
     if variant is None and chunk_size is None and p is not None:
         variant = tuned_backward(p, device)
-        if variant is not None and variant.check(shape, check_limit) is not None:
+        if variant is not None and checked(variant, shape, check_limit) is not None:
             variant = None
     if variant is None:
         variant = default_backward(shape, limit, chunk_size)
@@ -503,7 +503,7 @@ def resolve_backward(shape: KernelShape, variant, chunk_size: int | None, device
         raise TypeError(f"variant: expected a BackwardConfig, got {type(variant).__name__}")
     elif chunk_size is not None and chunk_size != variant.chunk_size:
         raise ValueError(f"chunk_size: {chunk_size} conflicts with the variant's {variant.chunk_size}; give one")
-    if (reason := variant.check(shape, check_limit)) is not None:
+    if (reason := checked(variant, shape, check_limit)) is not None:
         raise ValueError(f"variant: {variant} cannot run K={shape.key_dim}, d_v={shape.value_width}: {reason}")
     return variant
 

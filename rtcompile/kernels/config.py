@@ -13,6 +13,7 @@ Nothing here imports torch or Triton.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, ClassVar
@@ -203,6 +204,14 @@ def estimate_registers(live_elements: int, num_warps: int) -> int:
     """Registers per thread for ``live_elements`` fp32 values live at once in a program of
     ``num_warps`` warps, plus 32 for addresses and scalars: a ranking for refusals, not a count."""
     return 32 + math.ceil(live_elements / (32 * num_warps))
+
+
+@functools.lru_cache(maxsize=4096)
+def checked(config: "KernelConfig", shape: KernelShape, limit: int | None) -> str | None:
+    """``config.check(shape, limit)`` (``limit`` None: the check's portable default), cached:
+    every eager call resolves its configs, and a check is a pure function of its arguments
+    (default_backward's 5-10 checks took ~45 us a call on the CPU machine)."""
+    return config.check(shape) if limit is None else config.check(shape, limit)
 
 
 def chunk_refusal(cfg, shape: KernelShape) -> str | None:

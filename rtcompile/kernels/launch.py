@@ -27,7 +27,7 @@ from .chunk_fused import FusedConfig
 from .chunk_resident import ResidentConfig
 from .chunk_split import SplitConfig
 from .chunk_streamed import StreamedConfig
-from .config import KernelConfig, KernelShape
+from .config import KernelConfig, KernelShape, checked
 from .forms import check_config, config_from_dict, default_config
 from .inputs import Problem, check_inputs
 from .recurrent import (
@@ -57,12 +57,6 @@ def device_name(device: torch.device) -> str:
     return "cpu-interpreter"
 
 
-@functools.lru_cache(maxsize=4096)
-def _reason(config: KernelConfig, shape: KernelShape, limit: int | None) -> str | None:
-    # every eager call resolves its config: the checks are pure functions of their arguments
-    return config.check(shape) if limit is None else config.check(shape, limit)
-
-
 @functools.lru_cache(maxsize=1024)
 def _default(kernel: str, shape: KernelShape, limit: int | None) -> KernelConfig:
     return default_config(kernel, shape) if limit is None else default_config(kernel, shape, limit)
@@ -82,7 +76,7 @@ def _tuned_config(kernel: str, p: Problem, device: torch.device) -> KernelConfig
 def runnable(config: KernelConfig, p: Problem, device: torch.device) -> KernelConfig | None:
     """``config`` when it can run problem ``p`` on ``device``, else None: a plan made for another
     GPU may name a config this device cannot run (then the launcher's own choice serves)."""
-    return config if _reason(config, kernel_shape(p), smem_limit(device)) is None else None
+    return config if checked(config, kernel_shape(p), smem_limit(device)) is None else None
 
 
 def resolve_config(kernel: str, variant: KernelConfig | None, p: Problem, device: torch.device,
@@ -97,18 +91,18 @@ def resolve_config(kernel: str, variant: KernelConfig | None, p: Problem, device
         check_config(variant, kernel)
     elif chunk_size is None:
         variant = _tuned_config(kernel, p, device)
-        if variant is not None and _reason(variant, shape, limit):
+        if variant is not None and checked(variant, shape, limit):
             variant = None
     if variant is None:
         variant = _default(kernel, shape, limit)
         if chunk_size is not None:
             variant = dataclasses.replace(variant, chunk_size=chunk_size)
-    reason = _reason(variant, shape, limit)
+    reason = checked(variant, shape, limit)
     if reason is None and getattr(variant, "tma", False) and device.type == "cuda" \
             and torch.cuda.get_device_capability(device) < (9, 0):
         if chosen:
             variant = dataclasses.replace(variant, tma=False)
-            reason = _reason(variant, shape, limit)
+            reason = checked(variant, shape, limit)
         else:
             reason = "tma=True needs a GPU with tensor memory access (sm_90 or newer)"
     if reason is not None:
