@@ -207,6 +207,28 @@ def test_materialised_keys(widths, features):
 
 
 @needs_kernels
+@pytest.mark.parametrize("widths, features, config", [
+    ((12,), "gated-delta-l2-h0", None), ((3, 5), "delta-l2", None), ((2, 3, 5), "gate-h0", None),
+    ((24, 8), "gated-delta-l2-h0", None),
+    ((24, 24), "gated-delta-l2-h0", BackwardConfig(chunk_size=16, block_v=16, block_k=32, num_stages=1,
+                                                   state_loop="streamed", state_block_k=64)),
+], ids=["o2-12-padded", "o3-3x5-materialised-padded", "o4-2x3x5-materialised-padded", "o3-24x8-K192-padded",
+        "o3-24x24-factors-padded-streamed"])
+def test_untiled_widths(widths, features, config):
+    """Widths the kernels cannot tile, rewritten exactly (chunk_backward_widths.py): order 2 and
+    K > 256 on zero-padded factors (12 -> 16, 24x24 -> 32x32), order >= 3 up to K = 256 on
+    materialised keys padded to a power of two (3x5 -> 16, 2x3x5 -> 32, 24x8 -> 256); every
+    gradient, the initial state's and through the final state included, against float64."""
+    check_gradients(widths, 37, 20, chunk_size=16, config=config, **FEATURES[features])
+
+
+@needs_kernels
+def test_untiled_widths_varlen_and_half():
+    check_gradients((12,), 41, 20, chunk_size=16, offsets=[0, 9, 30, 41])
+    check_gradients((3, 5), 37, 20, chunk_size=16, dtype=torch.bfloat16)
+
+
+@needs_kernels
 def test_materialised_keys_varlen_and_half():
     check_gradients((4, 4), 41, 20, chunk_size=16, offsets=[0, 9, 30, 41])
     check_gradients((4, 4), 37, 20, chunk_size=16, dtype=torch.bfloat16)
@@ -228,11 +250,8 @@ def _problem(widths, V=16, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("widths, dtype, needle", [
-    ((3, 5), torch.float32, "power-of-two key widths >= 16"),
-    ((8,), torch.float32, "power-of-two key widths >= 16"),
-    ((8, 64), torch.float32, "or their product K a power of two from 16 to 256"),  # K 512: not materialised
-    ((3, 4), torch.float32, "or their product K a power of two from 16 to 256"),
     ((16,), torch.float64, "dtype torch.float64"),
+    ((2, 2, 2, 2), torch.float32, "the Triton kernels take orders 2-4"),
 ])
 def test_supports_refuses_with_the_reason(widths, dtype, needle):
     reason = supports(_problem(widths, dtype=dtype), None)
@@ -240,7 +259,7 @@ def test_supports_refuses_with_the_reason(widths, dtype, needle):
 
 
 @pytest.mark.parametrize("widths", [(16,), (64,), (256,), (16, 16), (32, 32), (64, 64), (16, 16, 16), (8, 8), (4, 4),
-                                    (4, 4, 4), (2, 8)])
+                                    (4, 4, 4), (2, 8), (3, 5), (8,), (12,), (8, 64), (3, 4), (24, 24), (5, 7, 9)])
 def test_supports_its_scope(widths):
     assert supports(_problem(widths), None) is None
     assert supports(_problem(widths, dtype=torch.bfloat16), None) is None
@@ -248,9 +267,9 @@ def test_supports_its_scope(widths):
 
 @needs_kernels
 def test_refused_problem_raises_the_reason():
-    q, k, v, g, beta, _ = make_inputs(1, 4, 1, (3, 5), 16, dtype=torch.float32)
+    q, k, v, g, beta, _ = make_inputs(1, 4, 1, (3, 5), 16, dtype=torch.float64)
     q, k, v, g, beta = [x.to(DEVICE) for x in q], [x.to(DEVICE) for x in k], v.to(DEVICE), g.to(DEVICE), beta.to(DEVICE)
-    with pytest.raises(ValueError, match="power-of-two key widths >= 16"):
+    with pytest.raises(ValueError, match="dtype torch.float64"):
         running_tensor_bwd(q, k, v, g, beta, scale=1.0, initial_state=None, cu_seqlens=None, l2norm=False,
                            do=torch.zeros_like(v), dht=None)
 

@@ -534,7 +534,8 @@ def fake_fla_train(monkeypatch):
 
 def test_cpu_train_run_times_forward_and_backward(fake_fla_train, monkeypatch, tmp_path):
     """The real Triton forward + backward (interpreter) through the public API, the reference and
-    a fake fla, on a tiny train case; a key width the Triton backward refuses is a refused row."""
+    a fake fla, on a tiny train case; a width the kernels do not tile (12: zero-padded to 16)
+    trains too; an order the Triton kernels do not take is a refused row."""
     from rtcompile.kernels import chunk_backward
 
     guard, seen = fake_fla_train
@@ -542,7 +543,8 @@ def test_cpu_train_run_times_forward_and_backward(fake_fla_train, monkeypatch, t
     real = chunk_backward.launch_backward
     monkeypatch.setattr(chunk_backward, "launch_backward", lambda *a, **k: calls.append(1) or real(*a, **k))
     cases = [Case("t16", "train", (16,), 1, 20, H=1, V=16, impls=(IMPL_RT, IMPL_REF, IMPL_FLA), chunk_size=16),
-             Case("t12", "train", (12,), 1, 20, H=1, V=16, impls=(IMPL_RT,), chunk_size=16)]
+             Case("t12", "train", (12,), 1, 20, H=1, V=16, impls=(IMPL_RT,), chunk_size=16),
+             Case("t5", "train", (2, 2, 2, 2), 1, 20, H=1, V=16, impls=(IMPL_RT,), chunk_size=16)]
     opts = BenchOptions(phase="train", out=tmp_path / "out", repeats=3)
     table = io.StringIO()
     rows = bench.run_bench(opts, device="cpu", cases=cases, measure_ceilings=False, file=table, log=io.StringIO())
@@ -554,10 +556,11 @@ def test_cpu_train_run_times_forward_and_backward(fake_fla_train, monkeypatch, t
     assert calls, "the Triton backward never ran"
     assert seen and all(seen) and guard.TRITON_ABOVE_3_7_1 is False  # ... and restored after
     assert "guard switched off for timing only" in by[("t16", IMPL_FLA)].note
-    refused = by[("t12", IMPL_RT)]
+    assert by[("t12", IMPL_RT)].ms and by[("t12", IMPL_RT)].fwd_ms, by[("t12", IMPL_RT)].note
+    refused = by[("t5", IMPL_RT)]
     assert refused.note.startswith("refused: ") and refused.ms is None, refused.note
     # the reason itself, not the API's preamble ("backend: 'triton' with an input that requires grad ...")
-    assert refused.note.startswith("refused: key widths (12,)") and "backend:" not in refused.note
+    assert refused.note.startswith("refused: order 5") and "backend:" not in refused.note
     doc = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert "forward + backward" in doc["header"]["train_method"]
     assert {"fwd_ms"} <= set(doc["rows"][0])

@@ -97,8 +97,8 @@ def test_a_changed_signature_is_validated_again(fresh):
 
 
 def test_inputs_that_require_grad_take_the_autograd_path(fresh):
-    """backend "auto": widths 3x4 have no Triton backward, so a call that needs grad falls back
-    to the (differentiable) reference, never to the plan."""
+    """backend "auto": a call that needs grad takes the autograd path (the custom op, its
+    backward on materialised keys at widths 3x4), never the plan."""
     (q, k, v, g, beta), *_ = _steps(T=1)[0]
     o, _ = running_tensor(q, k, v, g, beta, mode="recurrent")
     assert o.grad_fn is None and len(CALL_PLANS) == 1

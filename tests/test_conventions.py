@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(
 )
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 ORDERS = {"o2": (4,), "o3": (2, 3)}
-# the Triton backward takes power-of-two key widths >= 16 (chunk_backward.supports)
+# widths the backward's kernels tile directly (others are rewritten: chunk_backward_widths.py)
 GRAD_ORDERS = {"o2": (16,), "o3": (16, 16)}
 FEATURES = {"plain": dict(gate=False, delta=False), "gated-delta": dict(gate=True, delta=True)}
 

@@ -299,4 +299,5 @@ def test_materialise_phi_kernel(poison, widths, l2norm, dtype):
         u = l2normalize(x.double()) if l2norm else x.double()
         want = (want[..., :, None] * u[..., None, :]).flatten(-2)
     assert got.dtype == dtype and got.shape == want.shape
-    assert rel_err(got, want) < (1e-6 if dtype == torch.float32 else 1e-2)
+    # bf16: one rounding to nearest, <= 2^-9 relative (a cast toward zero, as the interpreter's, took 7.6e-3)
+    assert rel_err(got, want) < (1e-6 if dtype == torch.float32 else 5e-3)

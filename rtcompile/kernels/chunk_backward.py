@@ -47,8 +47,10 @@ bf16, the default (C 32, resident, stored, 16-bit): per token-head 2 x 512 (phi)
 T) + 3 x 128 (U, R, dU) + 2 x 512 (phi's gradients, or none beside phi with ``release_phi``) + 4
 bytes, per chunk 2 x 32 KiB; o3 64x64 (streamed, registers): 2 x 512 KiB per chunk + 1.3 KiB per token.
 
-Scope (:func:`supports`): orders 2-4 with power-of-two key widths >= 16 at any K, any d_v,
-gates, delta rule, l2norm, initial state, final-state gradient, varlen and any T.
+Scope (:func:`supports`): orders 2-4 at any key widths and K, any d_v, gates, delta rule,
+l2norm, initial state, final-state gradient, varlen and any T. The kernels tile power-of-two key
+widths >= 16; other widths are rewritten exactly onto such a problem (``chunk_backward_widths``:
+materialised keys, or zero-padded factors).
 """
 
 from __future__ import annotations
@@ -69,9 +71,8 @@ from .chunk_backward_streamed import state_grads_streamed
 from .chunk_backward_grads import chunk_bwd_grads_kernel, phi_grads_to_factors_kernel, stored_log_decay
 from .chunk_backward_kept import Recomputed, recompute, workspace_dtype
 from .chunk_backward_split import GradsTensors, split_grads
-from .chunk_resident import (
-    MATERIALISE_MAX_K, MATERIALISE_TILE, kronecker_factor_grads, materialise_phi, materialised,
-)
+from .chunk_backward_widths import materialised_keys, materialised_bwd, padded_bwd, tiled
+from .chunk_resident import MATERIALISE_TILE
 from .chunk_split import KEY_GROUPS
 from .config import (
     DEFAULT_SMEM_BYTES, PREPARE_WARPS, SOLVES, CostFigures, KernelConfig, KernelShape, Workload,
@@ -285,8 +286,9 @@ class BackwardConfig(KernelConfig):
 def shape_refusal(shape: KernelShape) -> str | None:
     """Why this pass of the backward cannot take ``shape``, or None."""
     if not shape.whole_factor_tiles:
-        return (f"key widths {shape.key_widths}: the Triton backward needs power-of-two key widths >= 16 "
-                "(whole factor tiles); other widths are not implemented yet")
+        return (f"key widths {shape.key_widths}: the backward's configs take power-of-two key widths >= 16 "
+                "(whole factor tiles); other widths train on materialised keys or zero-padded factors "
+                "(chunk_backward_widths.py) under the padded shape's configs")
     return None
 
 
@@ -350,27 +352,13 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
                           **{**loop, "state_block_k": 16})
 
 
-def materialised_keys(shape: KernelShape) -> bool:
-    """Whether the backward runs ``shape`` on materialised keys: order >= 3 with factors the
-    kernels cannot tile (widths < 16 or not powers of two) but K = prod d_i a power of two from
-    16 to MATERIALISE_MAX_K, which order 2's kernels take (o3 8x8, 4x4, o4 4x4x4...)."""
-    return (len(shape.key_widths) >= 2 and shape_refusal(shape) is not None
-            and shape.key_dim <= MATERIALISE_MAX_K and shape_refusal(materialised(shape)) is None)
-
-
 def supports(p: Problem, cu_seqlens) -> str | None:
     """None when the Triton backward can run the problem, else the reason (a sentence)."""
     if p.order > 4:
         return f"order {p.order}: the Triton kernels take orders 2-4"
     if p.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {p.dtype}: the Triton backward takes float16, bfloat16 and float32 inputs"
-    shape = KernelShape(p.key_widths, p.value_width, torch.empty((), dtype=p.dtype).element_size())
-    if materialised_keys(shape):
-        return None
-    reason = shape_refusal(shape)
-    if reason is not None and len(p.key_widths) >= 2:
-        reason += f" (or their product K a power of two from 16 to {MATERIALISE_MAX_K}: keys materialised)"
-    return reason
+    return None  # any widths: tiled, materialised or zero-padded (chunk_backward_widths.py)
 
 
 # ----- the state-gradient loop -----
@@ -454,9 +442,10 @@ def running_tensor_bwd(q, k, v, g, beta, *, scale: float, initial_state, cu_seql
     if dht is not None and (not isinstance(dht, torch.Tensor) or tuple(dht.shape) != p.state_shape):
         raise ValueError(f"dht: expected None or a tensor of the state's shape {list(p.state_shape)}")
     shape = KernelShape(p.key_widths, p.value_width, v.element_size())
-    if materialised_keys(shape):
-        return _materialised_bwd(p, q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                                 l2norm=l2norm, do=do, dht=dht, chunk_size=chunk_size, variant=variant)
+    if not tiled(shape):  # an exact rewrite onto widths the kernels tile
+        rewrite = materialised_bwd if materialised_keys(shape) else padded_bwd
+        return rewrite(running_tensor_bwd, p, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                       cu_seqlens=cu_seqlens, l2norm=l2norm, do=do, dht=dht, chunk_size=chunk_size, variant=variant)
     config = resolve_backward(shape, variant, chunk_size, v.device, p)
     # strided inputs (slices of a fused projection) are copied once here, as the forward's
     # launcher does (args.contiguous_inputs says why); the gradients are allocated with the
@@ -464,24 +453,6 @@ def running_tensor_bwd(q, k, v, g, beta, *, scale: float, initial_state, cu_seql
     q, k, v, g, beta, initial_state, cu_seqlens = contiguous_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     return launch_backward(config, p, q, k, v, g, beta, initial_state, cu_seqlens, l2norm, do.contiguous(),
                            None if dht is None else dht.contiguous())
-
-
-def _materialised_bwd(p: Problem, q, k, v, g, beta, *, scale, initial_state, cu_seqlens, l2norm, do, dht, chunk_size,
-                      variant):
-    """The backward of factors the kernels cannot tile: phi(q), phi(k) materialised ([B, T, H, K]
-    in the inputs' type, 2 x 2 K bytes per token-head, as the forward's ``materialise``), order
-    2's backward on them, and phi's gradients taken to the factors (and through the l2norm) in
-    closed form (:func:`kronecker_factor_grads`). The state's [.., d_1, .., d_v] is the same memory
-    as [.., K, d_v]."""
-    pq, pk = materialise_phi(q, l2norm), materialise_phi(k, l2norm)
-    flat = (p.num_seqs, p.heads, p.key_dim, p.value_width)
-    dpq, dpk, dv, dg, db, dh0 = running_tensor_bwd(
-        [pq], [pk], v, g, beta, scale=scale,
-        initial_state=None if initial_state is None else initial_state.reshape(flat), cu_seqlens=cu_seqlens,
-        l2norm=False, do=do, dht=None if dht is None else dht.reshape(flat), chunk_size=chunk_size, variant=variant)
-    dq, dk = kronecker_factor_grads(q, l2norm, dpq[0]), kronecker_factor_grads(k, l2norm, dpk[0])
-    dh0 = None if dh0 is None else dh0.reshape(initial_state.shape)
-    return dq, dk, dv, dg, db, dh0
 
 
 def resolve_backward(shape: KernelShape, variant, chunk_size: int | None, device: torch.device,

@@ -355,13 +355,17 @@ def materialise_phi(factors, l2norm: bool) -> torch.Tensor:
     xs = [x.contiguous() for x in factors]
     B, T, H, _ = xs[0].shape
     K = math.prod(x.shape[-1] for x in xs)
-    out = args.empty(B, T, H, K, dtype=xs[0].dtype, device=xs[0].device)
+    # the interpreter casts fp32 to bf16 toward zero (half the entries one ulp low; the kernel
+    # tests' bf16 output error 0.0080 mean against 0.0047 rounded): there, round in torch
+    dtype = xs[0].dtype
+    store = torch.float32 if dtype == torch.bfloat16 and args.interpreting() else dtype
+    out = args.empty(B, T, H, K, dtype=store, device=xs[0].device)
     rows, kp = B * T * H, next_pow2(K)
     bt = max(1, min(256, MATERIALISE_TILE // kp))
     widths = width_args(tuple(x.shape[-1] for x in xs), 1)
     materialise_phi_kernel[(triton.cdiv(rows, bt),)](
         *factor_args(xs), out, rows, NF=len(xs), **widths, KP=kp, BT=bt, L2NORM=l2norm, num_warps=4)
-    return out
+    return out.to(dtype)
 
 
 def kronecker_factor_grads(factors, l2norm: bool, dphi: torch.Tensor) -> list[torch.Tensor]:

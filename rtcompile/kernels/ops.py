@@ -290,7 +290,7 @@ def kept_training_call(p, q, k, v, g, beta, initial_state, cu_seqlens, l2norm: b
 
     chunk_backward = _backward_module()
     shape = KernelShape(p.key_widths, p.value_width, v.element_size())
-    if chunk_backward.supports(p, cu_seqlens) is not None or chunk_backward.materialised_keys(shape):
+    if chunk_backward.supports(p, cu_seqlens) is not None or not chunk_backward.tiled(shape):
         return None
     config = chunk_backward.resolve_backward(shape, None, chunk_size, v.device, p)
     if not config.keep_forward:
