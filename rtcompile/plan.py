@@ -299,8 +299,8 @@ def _train(spec: ModelSpec, target: Target, B: int, T: int, cal: Calibration, me
             {"mode": "recurrent", "variant": rec.to_dict(), "cost": r.to_dict()}]
     reason = f"{how}, {chosen.source}, {chosen.bound}-bound"
     if unsupported:
-        reason += f"; the Triton backward cannot take this shape ({unsupported}): training runs the PyTorch " \
-                  "reference's autograd"
+        reason += ("; the backward's kernels do not tile these widths: training rewrites them exactly "
+                   "(materialised keys or zero-padded factors) under the defaults of the rewritten shape")
     return Decision("train", B, T, mode, variant.to_dict(), chosen.to_dict(), alts, reason,
                     backward=bwd if mode == "chunk" else None)
 

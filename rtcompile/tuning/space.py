@@ -37,7 +37,7 @@ def refusal(bucket: Bucket) -> str | None:
     ``chunk_backward.shape_refusal``, for a train bucket), or None."""
     shape = bucket_shape(bucket)
     if bucket.kernel == "chunk_bwd" and (reason := shape_refusal(shape)) is not None:
-        return f"the Triton backward cannot train {bucket.label}: {reason}"
+        return f"the train tuner cannot tune {bucket.label}: {reason}"
     if not any(cls.space(shape) for cls in KERNELS[bucket.kernel]):
         return f"no form of the {bucket.kernel} kernel can run K={shape.key_dim}, d_v={shape.value_width}"
     return None
