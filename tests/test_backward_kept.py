@@ -120,3 +120,39 @@ def test_keep_forward_needs_the_resident_loop():
     reason = dataclasses.replace(CONFIG, keep_forward=False, release_phi=True, state_loop="streamed").check(shape)
     assert reason is not None and "release_phi" in reason
     assert BackwardConfig.space(KernelShape((32, 32), 64))["release_phi"] == [False]
+
+
+@pytest.mark.parametrize("release", [False, True], ids=["default", "default-release-phi"])
+def test_the_bf16_default_keeps_its_forward_and_matches_float64(release, monkeypatch):
+    """The default as users get it on the H200 (its shared memory: the CPU's portable limit picks
+    another): bf16 inputs at o3 16x16 resolve to chunks of 32 with ``keep_forward`` and 16-bit
+    workspaces; the forward keeps the prepare and state loop (once, in the forward), and the
+    output, the final state and every gradient match float64 autograd to bf16's tolerance
+    (tests/test_backward.py's 2e-2). T 70: two chunks and a part."""
+    shape = KernelShape((16, 16), 20, 2)
+    base = chunk_backward.default_backward
+    default = base(shape, 232448)
+    assert default.keep_forward and default.chunk_size == 32 and default.workspace_dtype == "inputs", default
+    monkeypatch.setattr(chunk_backward, "default_backward", lambda s, limit=None, chunk_size=None: dataclasses.replace(
+        base(s, 232448, chunk_size), release_phi=release))
+    calls = []
+    for mod in (chunk_backward_kept, chunk_backward):
+        real = mod.recompute
+        monkeypatch.setattr(mod, "recompute", lambda *a, _r=real, _m=mod.__name__, **kw: calls.append(_m) or _r(*a, **kw))
+    q, k, v, g, beta, h0 = make_inputs(2, 70, 2, (16, 16), 20, gate=True, delta=True, state=True, seed=3)
+    low = lambda x: x.to(torch.bfloat16).to(DEVICE)  # noqa: E731
+    q, k, v, beta = [low(x) for x in q], [low(x) for x in k], low(v), low(beta)
+    g, h0 = g.float().to(DEVICE), h0.float().to(DEVICE)
+    leaves = [x.requires_grad_() for x in (*q, *k, v, g, beta, h0)]
+    o, s = rtcompile.running_tensor(q, k, v, g, beta, initial_state=h0, output_final_state=True, l2norm=True,
+                                    mode="chunk", backend="triton")
+    do, ds = torch.randn_like(o), torch.randn_like(s)
+    grads = torch.autograd.grad((o.float() * do.float()).sum() + (s * ds).sum(), leaves)
+    assert calls == [chunk_backward_kept.__name__]
+    ref = [x.detach().double().cpu().requires_grad_() for x in leaves]
+    ro, rs = running_tensor_recurrent_ref(ref[:2], ref[2:4], ref[4], ref[5], ref[6], initial_state=ref[7],
+                                          output_final_state=True, l2norm=True)
+    assert rel_err(o.detach().cpu(), ro.detach()) < 2e-2 and rel_err(s.detach().cpu(), rs.detach()) < 2e-2
+    want = torch.autograd.grad((ro * do.double().cpu()).sum() + (rs * ds.double().cpu()).sum(), ref)
+    for i, (a, b) in enumerate(zip(grads, want)):
+        assert a.shape == b.shape and rel_err(a.cpu(), b) < 2e-2, (i, rel_err(a.cpu(), b))
