@@ -53,7 +53,10 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _buckets(spec, args, on_gpu: bool):
+def buckets_of(spec, args, on_gpu: bool):
+    """The tuning buckets of ``spec`` for ``args.phase`` at ``args``' batches and lengths (the
+    GPU's or the CPU's defaults), without repeats."""
+    from .kernels.chunk_backward_widths import rewritten_widths
     from .tuning import Bucket
 
     batch = args.batch or ([8] if on_gpu else [1])
@@ -66,7 +69,10 @@ def _buckets(spec, args, on_gpu: bool):
     if args.phase in ("decode", "all"):
         out += [Bucket("recurrent", batch=b, seq_len=1, **common) for b in dec]
     if args.phase == "train":
-        out += [Bucket("chunk_bwd", batch=b, seq_len=t, **common) for b in batch for t in seq]
+        # widths the backward's kernels do not tile train rewritten (kernels/chunk_backward_widths.py):
+        # the bucket is the rewritten shape's, under which a training call's backward looks it up
+        train = {**common, "key_widths": rewritten_widths(spec.key_widths)}
+        out += [Bucket("chunk_bwd", batch=b, seq_len=t, **train) for b in batch for t in seq]
     return list(dict.fromkeys(out))
 
 
@@ -123,7 +129,7 @@ def run(args) -> int:
                        seconds=args.seconds, workers=workers, resume=args.resume, retune=args.retune,
                        device="cuda" if on_gpu else "cpu", trial_timeout=args.timeout, impl=args.impl,
                        repeats=20 if on_gpu else 3, fixed=dict(args.fix), exhaustive=args.exhaustive)
-    buckets = _buckets(spec, args, on_gpu)
+    buckets = buckets_of(spec, args, on_gpu)
     for bucket in buckets:  # a shape the kernel cannot run, or a bad --fix: usage errors before any study starts
         if (reason := refusal(bucket)) is not None:
             raise UsageError(f"rtcompile tune: --phase {args.phase}: {reason}")

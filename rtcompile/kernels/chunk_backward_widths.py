@@ -43,6 +43,16 @@ def padded_widths(widths: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(max(16, next_pow2(d)) for d in widths)
 
 
+def rewritten_widths(widths: tuple[int, ...]) -> tuple[int, ...]:
+    """The key widths the backward's kernels run for a problem of ``widths``: themselves where
+    they tile; else order 2's padded K (materialised keys) or each width padded. The train
+    tuner tunes this shape, and a training call's backward looks its config up under it."""
+    shape = KernelShape(tuple(widths), 16)
+    if tiled(shape):
+        return tuple(widths)
+    return padded_widths((shape.key_dim,)) if materialised_keys(shape) else padded_widths(tuple(widths))
+
+
 def materialised_bwd(bwd, p, q, k, v, g, beta, *, scale, initial_state, cu_seqlens, l2norm, do, dht, chunk_size,
                      variant):
     """The backward on materialised phi(q), phi(k) (the module docstring). The state's [.., d_1,
