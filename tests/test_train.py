@@ -45,14 +45,14 @@ def _train(backend, seen_dtypes):
 
 def test_training_steps_on_triton_match_the_reference(monkeypatch):
     seen, calls = [], []
-    real = chunk_backward.running_tensor_bwd
+    real = chunk_backward.launch_backward  # both the recomputing op's backward and a kept forward's run it
 
-    def counting(q, k, v, *args, **kwargs):
+    def counting(config, p, q, k, v, *args, **kwargs):
         calls.append(1)
         seen.append(v.dtype)
-        return real(q, k, v, *args, **kwargs)
+        return real(config, p, q, k, v, *args, **kwargs)
 
-    monkeypatch.setattr(chunk_backward, "running_tensor_bwd", counting)
+    monkeypatch.setattr(chunk_backward, "launch_backward", counting)
     ref, ref_states = _train("reference", seen)
     assert not calls  # the reference never reaches the Triton backward
     tri, tri_states = _train("triton", seen)
