@@ -29,7 +29,8 @@ from typing import Any
 from ._version import __version__
 from .fileio import atomic_write
 from .costmodel import Calibration, calibrate, chunk_cost, recurrent_cost, shape_of, with_measured, workload
-from .kernels.chunk_backward import default_backward, shape_refusal
+from .kernels.chunk_backward import default_backward
+from .kernels.chunk_backward_widths import rewritten_widths
 from .kernels.config import KernelConfig
 from .kernels.forms import config_from_dict, default_config, low_memory, two_kernel
 from .kernels.inputs import nearest_bucket
@@ -144,10 +145,12 @@ def _measured_seconds(spec: ModelSpec, target: Target) -> dict[tuple[str, int, i
     except ValueError:
         return {}
     out = {}
+    # train entries sit under the widths the backward runs (chunk_backward_widths.rewritten_widths)
+    widths = {"chunk_bwd": rewritten_widths(spec.key_widths)}
     for e in entries:
         prof = profile_for(e.get("gpu", ""))
         same_gpu = e.get("gpu") == target.name or (prof is not None and prof.name == target.name)
-        if not same_gpu or tuple(e.get("key_widths", ())) != spec.key_widths:
+        if not same_gpu or tuple(e.get("key_widths", ())) != widths.get(e.get("kernel"), spec.key_widths):
             continue
         if e.get("value_width") != spec.value_width or e.get("heads") != spec.heads or e.get("dtype") != spec.input_dtype:
             continue
@@ -279,9 +282,10 @@ def _train(spec: ModelSpec, target: Target, B: int, T: int, cal: Calibration, me
     r = recurrent_cost(spec, target, B, T, rec, cal)
     scale = lambda x: dataclasses.replace(x, seconds=x.seconds * TRAIN_BACKWARD_FACTOR)
     c_fwd, c, r = c, scale(c), scale(r)
-    unsupported = shape_refusal(shape)
-    backward = None if unsupported else default_backward(shape, smem)
-    hit = None if unsupported else _nearest_train(measured or {}, B, T)
+    # widths the backward's kernels do not tile train rewritten: its configs are that shape's
+    rewritten = rewritten_widths(spec.key_widths)
+    backward = default_backward(dataclasses.replace(shape, key_widths=rewritten), smem)
+    hit = _nearest_train(measured or {}, B, T)
     if hit is not None:
         (mB, mT), (backward, secs) = hit
         at = f"B{mB} T{mT}"
@@ -298,9 +302,9 @@ def _train(spec: ModelSpec, target: Target, B: int, T: int, cal: Calibration, me
     alts = [{"mode": "chunk", "variant": chunk.to_dict(), "backward": bwd, "cost": c.to_dict()},
             {"mode": "recurrent", "variant": rec.to_dict(), "cost": r.to_dict()}]
     reason = f"{how}, {chosen.source}, {chosen.bound}-bound"
-    if unsupported:
-        reason += ("; the backward's kernels do not tile these widths: training rewrites them exactly "
-                   "(materialised keys or zero-padded factors) under the defaults of the rewritten shape")
+    if rewritten != spec.key_widths:
+        reason += (f"; the backward's kernels do not tile these widths: training rewrites them exactly as "
+                   f"{'x'.join(map(str, rewritten))} (materialised keys or zero-padded factors)")
     return Decision("train", B, T, mode, variant.to_dict(), chosen.to_dict(), alts, reason,
                     backward=bwd if mode == "chunk" else None)
 

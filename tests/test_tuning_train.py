@@ -183,13 +183,23 @@ def test_the_train_decision_uses_measured_forward_plus_backward(tmp_path):
     assert Plan.load(tmp_path / "p.json").decision_for("train", 8, 4096).backward == tuned_cfg.to_dict()
 
 
-def test_a_train_decision_at_widths_the_kernels_do_not_tile_says_how_it_trains():
-    """24x24: no backward config is pinned (the configs are the rewritten shape's) and the
-    reason says the widths are rewritten, not that training leaves the kernels."""
+def test_a_train_decision_at_widths_the_kernels_do_not_tile_says_how_it_trains(tmp_path):
+    """24x24 trains as 32x32: the pinned backward config is that shape's default, or the tuned
+    train entry filed under 32x32 (where the tuner files it and the backward looks it up), and
+    the reason says so, not that training leaves the kernels."""
     spec = ModelSpec(order=3, key_widths=(24, 24), value_width=64, heads=8, model_width=512, layers=2)
-    plan = make_plan(spec, get_target("h200"), batches=(1,), seq_lens=(1024,), decode_batches=(1,))
-    (d,) = [d for d in plan.decisions if d.phase == "train"]
-    assert d.backward is None and "rewrites them exactly" in d.reason and "reference" not in d.reason
+    h200 = get_target("h200")
+    wide = KernelShape((32, 32), 64, 2)
+    plain = make_plan(spec, h200, batches=(8,), seq_lens=(4096,), decode_batches=(32,))
+    (before,) = [d for d in plain.decisions if d.phase == "train"]
+    assert before.backward == default_backward(wide, h200.smem_per_sm).to_dict()
+    assert "as 32x32" in before.reason and "reference" not in before.reason and "modelled" in before.reason
+    tuned_cfg = replace(default_backward(wide), grads_warps=4)
+    measured = before.alternatives[0]["cost"]["seconds"] / 2
+    write_tuned([_train_entry(replace(spec, key_widths=(32, 32)), tuned_cfg, measured)])
+    plan = make_plan(spec, h200, batches=(8,), seq_lens=(4096,), decode_batches=(32,))
+    (after,) = [d for d in plan.decisions if d.phase == "train"]
+    assert after.backward == tuned_cfg.to_dict() and after.cost["source"] == "measured (tuned)", after.reason
 
 
 def test_a_train_decision_above_k256_takes_the_streamed_backward():
