@@ -9,10 +9,10 @@ With ``BackwardConfig.keep_forward`` (the default for 16-bit inputs up to K = 25
 tuner's space; resident state loops only), an eager training call's forward is
 :func:`forward_kept` instead of the forward's own config: the same prepare and state loop, with
 the final state stored, then the split form's output kernel for O from the stored states. The
-backward then starts from what it kept (``ops.KeptForward``), so a training step runs the prepare and the state loop once instead of
-twice (the forward's own and the recompute). The price is memory between the forward and the
-backward: what :func:`recompute` allocates is held from the forward on instead of only during
-the backward. Per (sequence, head), with the products in 16-bit and 16-bit workspaces (bf16
+backward then starts from what it kept (``ops.KeptForward``), so a training step runs the
+prepare and the state loop once instead of twice (the forward's own and the recompute). The
+price is memory between the forward and the backward: what :func:`recompute` allocates is held
+from the forward on instead of only during the backward. Per (sequence, head), with the products in 16-bit and 16-bit workspaces (bf16
 inputs up to K = 256): per chunk S (2 K d_v bytes); per token P and T (4 C each), phi(K) and
 phi(Q) (2 K each), U and R (2 d_v each), the log decay (4); o3 16x16, d_v 64, C 32: 2.5 KiB
 per token-head, 640 MiB at B8 T4096 H8, held per layer until its backward. A model that

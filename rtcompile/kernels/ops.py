@@ -285,12 +285,13 @@ def kept_training_call(p, q, k, v, g, beta, initial_state, cu_seqlens, l2norm: b
                        chunk_size: int | None):
     """(o, final state or None) of an eager chunk-form training call when its backward config
     (the tuned table's, else the default, as the backward would resolve it) has
-    ``keep_forward``; None otherwise (the caller then takes the custom op)."""
+    ``keep_forward``; None otherwise (the caller then takes the custom op). Invariant: the
+    backward supports the problem (``running_tensor`` checked that before)."""
     from .config import KernelShape
 
     chunk_backward = _backward_module()
     shape = KernelShape(p.key_widths, p.value_width, v.element_size())
-    if chunk_backward.supports(p, cu_seqlens) is not None or not chunk_backward.tiled(shape):
+    if not chunk_backward.tiled(shape):  # rewritten widths take the op (chunk_backward_widths.py)
         return None
     config = chunk_backward.resolve_backward(shape, None, chunk_size, v.device, p)
     if not config.keep_forward:
