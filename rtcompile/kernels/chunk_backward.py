@@ -252,8 +252,10 @@ class BackwardConfig(KernelConfig):
         phi_grads = 2 * e * K if self.phi_grads_stored(w.shape) else 0
         per_token = 4 * C + 2 * e * V
         running = 0
-        if self.state_loop == "resident":  # release_phi: phi and its gradients are never held together
-            per_token += max(2 * K * dot, phi_grads) if self.release_phi else 2 * K * dot + phi_grads
+        if self.state_loop == "resident":  # phi and its gradients never held together: released, or
+            # the gradients over phi (launch_backward's over_phi: the one-pass kernel, the same type)
+            apart = self.release_phi or (not self.grads_split and e == dot)
+            per_token += max(2 * K * dot, phi_grads) if apart else 2 * K * dot + phi_grads
         else:
             per_token += phi_grads
             running = 2 * w.batch * w.heads * K * V * 4
@@ -496,6 +498,14 @@ def tuned_backward(p: Problem, device: torch.device) -> BackwardConfig | None:
     return config if isinstance(config, BackwardConfig) else None
 
 
+def over_phi(config: BackwardConfig, ws: dict, store: torch.dtype) -> bool:
+    """Do phi's stored gradients take phi's own workspaces? When the one-pass gradients kernel
+    stores them (not ``grads_split``), phi is there (the resident loops, not released) and in
+    the gradients' type (16-bit inputs with 16-bit workspaces, or fp32 throughout): o3 16x16
+    B8 T4096 H8 bf16 then holds 2 x 256 MiB less."""
+    return not config.grads_split and ws.get("Qw") is not None and ws["Qw"].dtype == store
+
+
 def _state_grads(config: BackwardConfig, p: Problem, q, k, v, beta, h0, cu_seqlens, l2norm: bool, kept: Recomputed,
                  do, dht):
     """Step 3: every chunk's dS', dU and d(initial state) (fp32; None without ``h0``)."""
@@ -539,8 +549,11 @@ def launch_backward(config: BackwardConfig, p: Problem, q, k, v, g, beta, h0, cu
     dq = [args.empty(x.shape, dtype=x.dtype, device=dev) for x in q]
     dk = [args.empty(x.shape, dtype=x.dtype, device=dev) for x in k]
     stored = config.phi_grads_stored(KernelShape(p.key_widths, V))
-    dQp = args.empty(B, T, H, K, dtype=store, device=dev) if stored else None
-    dKp = args.empty(B, T, H, K, dtype=store, device=dev) if stored else None
+    dQp = dKp = None
+    if stored and over_phi(config, ws, store):  # phi's gradients go over phi (the one-pass kernel reads then writes)
+        dQp, dKp = ws["Qw"], ws["Kw"]
+    elif stored:
+        dQp, dKp = (args.empty(B, H, T, K, dtype=store, device=dev) for _ in range(2))
     dv = args.empty(v.shape, dtype=v.dtype, device=dev)
     dg = args.empty(g.shape, dtype=g.dtype, device=dev) if g is not None else None
     dbeta = args.empty(beta.shape, dtype=beta.dtype, device=dev) if beta is not None else None
@@ -558,12 +571,13 @@ def launch_backward(config: BackwardConfig, p: Problem, q, k, v, g, beta, h0, cu
             H=H, NF=len(q), **widths, V=V, C=C, BK=min(config.block_k, K), BV=bv, L2NORM=l2norm, PREC=prec,
             num_warps=config.grads_warps, num_stages=config.grads_stages,
         )
+    ws["Qw"] = ws["Kw"] = None  # no longer phi where its gradients went over it
     del ws, Hc, dHc, Uc, Rc, dUc
     if stored:  # 5. phi's gradients to the factors, through the l2norm, token-parallel
         rows = B * T * H
         bt = max(1, min(256, MATERIALISE_TILE // K))  # [rows, K] fp32 tiles of 4096 elements
         phi_grads_to_factors_kernel[(triton.cdiv(rows, bt),)](
-            *factor_args(q), *factor_args(k), dQp, dKp, *factor_args(dq), *factor_args(dk), rows,
+            *factor_args(q), *factor_args(k), dQp, dKp, *factor_args(dq), *factor_args(dk), rows, T, H=H,
             NF=len(q), **widths, BT=bt, L2NORM=l2norm, num_warps=4,
         )
     if dh0 is not None and dh0.dtype != h0.dtype:

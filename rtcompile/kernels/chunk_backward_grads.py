@@ -301,6 +301,75 @@ def chunk_scores(P, Ai, beta, r, p_row, m_t, o_c, C: tl.constexpr, USE_BETA: tl.
 
 
 @triton.jit
+def _stored_pass(Qw, Kw, q1, q2, q3, k1, k2, k3, rq1, rq2, rq3, rk1, rk2, rk3, do, Hc, dHc, Uc, dv, dQp, dKp, b_dGq,
+                 b_dGs, b_gam, b_r, b_dc, b_dlast, b_last, scale, p_row, r, m_t, off_s, NF: tl.constexpr,
+                 D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                 BK: tl.constexpr, BV: tl.constexpr, USE_BETA: tl.constexpr, PREC: tl.constexpr):
+    """phi's gradients stored ([B, H, T, K], ``p_row``): one pass over the key blocks, both sides'
+    gradients of a block from one load of its phi blocks, stored after every thread has read
+    those, so ``dQp`` / ``dKp`` may be ``Qw`` / ``Kw`` themselves (each program reads and writes
+    only its own chunk's rows, block by block). Returns (dc, dc_last's share)."""
+    K: tl.constexpr = D1 * D2 * D3
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_q = side_block(Qw, q1, q2, q3, rq1, rq2, rq3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
+        b_k = side_block(Kw, k1, k2, k3, rk1, rk2, rk3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
+        b_dq = (scale * b_gam)[:, None] * query_state_terms(do, Hc, r, m_t, o_k, off_s, V, C, BK, BV, PREC)
+        b_dc += tl.sum(b_dq * b_q, axis=1)
+        b_dq += f32dot(b_dGq, b_k, PREC)
+        b_ks, b_xs, b_sds = key_state_terms(Uc, dv, Hc, dHc, r, m_t, o_k, off_s, V, C, BK, BV, USE_BETA, PREC)
+        b_dlast += tl.exp(b_last) * b_sds
+        b_dk = b_r[:, None] * b_ks - b_gam[:, None] * b_xs + f32dot(tl.trans(b_dGq), b_q, PREC)
+        if USE_BETA:
+            b_dk += f32dot(b_dGs, b_k, PREC)
+        tl.debug_barrier()  # every thread has read this block of phi: its gradients may go over it
+        off = p_row[:, None] * K + o_k[None, :]
+        m = m_t[:, None] & (o_k < K)[None, :]
+        tl.store(dQp + off, b_dq.to(dQp.dtype.element_ty), mask=m)
+        tl.store(dKp + off, b_dk.to(dKp.dtype.element_ty), mask=m)
+    return b_dc, b_dlast
+
+
+@triton.jit
+def _register_passes(Qw, Kw, q1, q2, q3, k1, k2, k3, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, rq1, rq2, rq3, rk1, rk2,
+                     rk3, do, Hc, dHc, Uc, dv, dq1, dq2, dq3, dk1, dk2, dk3, b_dGq, b_dGs, b_gam, b_r, b_dc, b_dlast,
+                     b_last, scale, p_row, r, m_t, off_s, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
+                     D3: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                     USE_BETA: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr):
+    """phi's gradients contracted to the factors in registers (NF >= 2): two passes over the key
+    blocks, the queries' then the keys', so one side's [C, BK] terms and factor accumulators
+    live at a time (one pass held both and spilled 0.1-1.5 KB per thread on sm_90 at o3 16x16
+    to o4 16^3, probe_offline.py --backward). Returns (dc, dc_last's share)."""
+    K: tl.constexpr = D1 * D2 * D3
+    aq1, aq2, aq3 = b_q1 * 0.0, b_q2 * 0.0, b_q3 * 0.0
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_q = side_block(Qw, q1, q2, q3, rq1, rq2, rq3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
+        b_k = side_block(Kw, k1, k2, k3, rk1, rk2, rk3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
+        b_dq = (scale * b_gam)[:, None] * query_state_terms(do, Hc, r, m_t, o_k, off_s, V, C, BK, BV, PREC)
+        b_dc += tl.sum(b_dq * b_q, axis=1)
+        b_dq += f32dot(b_dGq, b_k, PREC)
+        aq1, aq2, aq3 = _block_to_factors(b_dq, q1, q2, q3, rq1, rq2, rq3, r, m_t, i_k, aq1, aq2, aq3,
+                                          NF, C, BK, D1, D2, D3, PREC)
+    # the queries' factors now: their accumulators need not live through the keys' pass
+    _store_side(dq1, dq2, dq3, q1, q2, q3, aq1, aq2, aq3, r, m_t, NF, D1, D2, D3, L2NORM)
+    ak1, ak2, ak3 = b_k1 * 0.0, b_k2 * 0.0, b_k3 * 0.0
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_q = side_block(Qw, q1, q2, q3, rq1, rq2, rq3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
+        b_k = side_block(Kw, k1, k2, k3, rk1, rk2, rk3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
+        b_ks, b_xs, b_sds = key_state_terms(Uc, dv, Hc, dHc, r, m_t, o_k, off_s, V, C, BK, BV, USE_BETA, PREC)
+        b_dlast += tl.exp(b_last) * b_sds
+        b_dk = b_r[:, None] * b_ks - b_gam[:, None] * b_xs + f32dot(tl.trans(b_dGq), b_q, PREC)
+        if USE_BETA:
+            b_dk += f32dot(b_dGs, b_k, PREC)
+        ak1, ak2, ak3 = _block_to_factors(b_dk, k1, k2, k3, rk1, rk2, rk3, r, m_t, i_k, ak1, ak2, ak3,
+                                          NF, C, BK, D1, D2, D3, PREC)
+    _store_side(dk1, dk2, dk3, k1, k2, k3, ak1, ak2, ak3, r, m_t, NF, D1, D2, D3, L2NORM)
+    return b_dc, b_dlast
+
+
+@triton.jit
 def chunk_bwd_grads_kernel(
     q1, q2, q3, k1, k2, k3, Qw, Kw, P, Ai, Gc, v, beta, do, Hc, dHc, Uc, Rc, dUc, dq1, dq2, dq3, dk1, dk2, dk3, dQp, dKp,
     dv, dg, dbeta, cu_seqlens, chunk_indices, scale, T, H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr,
@@ -331,43 +400,17 @@ def chunk_bwd_grads_kernel(
         b_gk = key_gram(k1, b_k1, b_k2, b_k3, rk1, r, m_t, NF, C, BK, D1, D2, D3, PREC)
     b_dGq, b_dGs, b_db, b_dc = cc_grads(b_dP, b_dT, b_db, b_dc, b_P, b_Ai, b_b, b_c, b_gk, scale, C, USE_BETA,
                                         PREC)
-    aq1, aq2, aq3 = b_q1 * 0.0, b_q2 * 0.0, b_q3 * 0.0
-    # two passes over the key blocks, the queries' then the keys': one side's [C, BK] terms
-    # and accumulators live at a time (one pass held both and spilled 0.1-1.5 KB per thread on
-    # sm_90 at o3 16x16 to o4 16^3, probe_offline.py --backward)
     off_s = (i_s * H + i_h) * K * V
-    tl.debug_barrier()  # the value pass's dv (dR) stores, read back by every thread in the keys' pass
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        b_q = side_block(Qw, q1, q2, q3, rq1, rq2, rq3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
-        b_k = side_block(Kw, k1, k2, k3, rk1, rk2, rk3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
-        b_dq = (scale * b_gam)[:, None] * query_state_terms(do, Hc, r, m_t, o_k, off_s, V, C, BK, BV, PREC)
-        b_dc += tl.sum(b_dq * b_q, axis=1)
-        b_dq += f32dot(b_dGq, b_k, PREC)
-        if dQp is not None:
-            tl.store(dQp + r[:, None] * K + o_k[None, :], b_dq, mask=m_t[:, None] & (o_k < K)[None, :])
-        else:
-            aq1, aq2, aq3 = _block_to_factors(b_dq, q1, q2, q3, rq1, rq2, rq3, r, m_t, i_k, aq1, aq2, aq3,
-                                              NF, C, BK, D1, D2, D3, PREC)
-    if dQp is None:  # the queries' factors now: their accumulators need not live through the keys' pass
-        _store_side(dq1, dq2, dq3, q1, q2, q3, aq1, aq2, aq3, r, m_t, NF, D1, D2, D3, L2NORM)
-    ak1, ak2, ak3 = b_k1 * 0.0, b_k2 * 0.0, b_k3 * 0.0
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        b_q = side_block(Qw, q1, q2, q3, rq1, rq2, rq3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
-        b_k = side_block(Kw, k1, k2, k3, rk1, rk2, rk3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
-        b_ks, b_xs, b_sds = key_state_terms(Uc, dv, Hc, dHc, r, m_t, o_k, off_s, V, C, BK, BV, USE_BETA, PREC)
-        b_dlast += tl.exp(b_last) * b_sds
-        b_dk = b_r[:, None] * b_ks - b_gam[:, None] * b_xs + f32dot(tl.trans(b_dGq), b_q, PREC)
-        if USE_BETA:
-            b_dk += f32dot(b_dGs, b_k, PREC)
-        if dKp is not None:
-            tl.store(dKp + r[:, None] * K + o_k[None, :], b_dk, mask=m_t[:, None] & (o_k < K)[None, :])
-        else:
-            ak1, ak2, ak3 = _block_to_factors(b_dk, k1, k2, k3, rk1, rk2, rk3, r, m_t, i_k, ak1, ak2, ak3,
-                                              NF, C, BK, D1, D2, D3, PREC)
-    if dKp is None:
-        _store_side(dk1, dk2, dk3, k1, k2, k3, ak1, ak2, ak3, r, m_t, NF, D1, D2, D3, L2NORM)
+    tl.debug_barrier()  # the value pass's dv (dR) stores, read back by every thread in the keys' terms
+    if dQp is not None:
+        b_dc, b_dlast = _stored_pass(Qw, Kw, q1, q2, q3, k1, k2, k3, rq1, rq2, rq3, rk1, rk2, rk3, do, Hc, dHc, Uc,
+                                     dv, dQp, dKp, b_dGq, b_dGs, b_gam, b_r, b_dc, b_dlast, b_last, scale, p_row, r,
+                                     m_t, off_s, NF, D1, D2, D3, V, C, BK, BV, USE_BETA, PREC)
+    else:
+        b_dc, b_dlast = _register_passes(Qw, Kw, q1, q2, q3, k1, k2, k3, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, rq1,
+                                         rq2, rq3, rk1, rk2, rk3, do, Hc, dHc, Uc, dv, dq1, dq2, dq3, dk1, dk2,
+                                         dk3, b_dGq, b_dGs, b_gam, b_r, b_dc, b_dlast, b_last, scale, p_row, r,
+                                         m_t, off_s, NF, D1, D2, D3, V, C, BK, BV, USE_BETA, L2NORM, PREC)
     if USE_BETA:
         tl.store(dbeta + r, b_db.to(dbeta.dtype.element_ty), mask=m_t)
     if Gc is not None:
@@ -417,12 +460,13 @@ def store_factor_grad(dx, x, b_dxh, r, m_t, D: tl.constexpr, L2NORM: tl.constexp
 
 
 @triton.jit
-def _side_to_factors(dP, x1, x2, x3, dx1, dx2, dx3, b_x1, b_x2, b_x3, r, m_t, NF: tl.constexpr, BT: tl.constexpr,
-                     D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, L2NORM: tl.constexpr):
-    """One side's (queries' or keys') phi gradient rows to its factors' gradients (stored)."""
+def _side_to_factors(dP, x1, x2, x3, dx1, dx2, dx3, b_x1, b_x2, b_x3, r, p_row, m_t, NF: tl.constexpr,
+                     BT: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, L2NORM: tl.constexpr):
+    """One side's (queries' or keys') phi gradient rows (at ``p_row``) to its factors' gradients
+    (stored at the token-head rows ``r``)."""
     K: tl.constexpr = D1 * D2 * D3
     o_k = tl.arange(0, K)
-    b_d = tl.load(dP + r[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+    b_d = tl.load(dP + p_row[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
     d1, d2, d3 = phi_to_factors(b_d, b_x1, b_x2, b_x3, NF, BT, D1, D2, D3)
     store_factor_grad(dx1, x1, d1, r, m_t, D1, L2NORM)
     if NF > 1:
@@ -433,16 +477,17 @@ def _side_to_factors(dP, x1, x2, x3, dx1, dx2, dx3, b_x1, b_x2, b_x3, r, m_t, NF
 
 @triton.jit
 def phi_grads_to_factors_kernel(
-    q1, q2, q3, k1, k2, k3, dQp, dKp, dq1, dq2, dq3, dk1, dk2, dk3, N,
+    q1, q2, q3, k1, k2, k3, dQp, dKp, dq1, dq2, dq3, dk1, dk2, dk3, N, T, H: tl.constexpr,
     NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, BT: tl.constexpr, L2NORM: tl.constexpr,
 ):
-    """Rows [i BT, (i + 1) BT) of the N token-head rows: phi(Q)'s and phi(K)'s gradients
-    (``dQp`` / ``dKp``, [N, K] fp32) contracted to each factor (normalised when L2NORM) and
-    taken through the l2norm into ``dq*`` / ``dk*`` (the factors' types). Slots past NF repeat
-    the first."""
+    """Rows [i BT, (i + 1) BT) of the N = B T H token-head rows: phi(Q)'s and phi(K)'s gradients
+    (``dQp`` / ``dKp``, [B, H, T, K] as the gradients kernel stores them) contracted to each
+    factor (normalised when L2NORM) and taken through the l2norm into ``dq*`` / ``dk*`` (the
+    factors' types). Slots past NF repeat the first."""
     r = tl.program_id(0) * BT + tl.arange(0, BT)
     m_t = r < N
+    p_row = ((r // (T * H)) * H + r % H) * T + (r // H) % T
     b_q1, b_q2, b_q3, b_k1, b_k2, b_k3 = factor_tiles(q1, q2, q3, k1, k2, k3, r, m_t, NF, D1, D2, D3,
                                                       D1, D2, D3, L2NORM)
-    _side_to_factors(dQp, q1, q2, q3, dq1, dq2, dq3, b_q1, b_q2, b_q3, r, m_t, NF, BT, D1, D2, D3, L2NORM)
-    _side_to_factors(dKp, k1, k2, k3, dk1, dk2, dk3, b_k1, b_k2, b_k3, r, m_t, NF, BT, D1, D2, D3, L2NORM)
+    _side_to_factors(dQp, q1, q2, q3, dq1, dq2, dq3, b_q1, b_q2, b_q3, r, p_row, m_t, NF, BT, D1, D2, D3, L2NORM)
+    _side_to_factors(dKp, k1, k2, k3, dk1, dk2, dk3, b_k1, b_k2, b_k3, r, p_row, m_t, NF, BT, D1, D2, D3, L2NORM)

@@ -70,7 +70,7 @@ def chunk_bwd_key_block_kernel(
 ):
     """The split form's second kernel, one program per (chunk, head, key block ``program_id(2)``):
     phi(Q)'s and phi(K)'s gradients at the block's columns, stored to ``dQp`` / ``dKp``
-    ([B, T, H, K] in the workspace type), from the first kernel's dGq, dGs and dv (dR) and the
+    ([B, H, T, K] in the workspace type), from the first kernel's dGq, dGs and dv (dR) and the
     state loops' S, dS', U; dc's share of the block (with c_last's on the chunk's last row) into
     ``dc_part[program_id(2)]`` (``rows`` = B H T apart; gates only). ``dGs`` None: no delta rule."""
     USE_BETA: tl.constexpr = dGs is not None
@@ -93,12 +93,12 @@ def chunk_bwd_key_block_kernel(
     b_dq = (scale * b_gam)[:, None] * query_state_terms(do, Hc, r, m_t, o_k, off_s, V, C, BK, BV, PREC)
     b_dc = tl.sum(b_dq * b_q, axis=1)
     b_dq += f32dot(b_dGq, b_k, PREC)
-    tl.store(dQp + r[:, None] * K + o_k[None, :], b_dq.to(dQp.dtype.element_ty), mask=m_k)
+    tl.store(dQp + p_row[:, None] * K + o_k[None, :], b_dq.to(dQp.dtype.element_ty), mask=m_k)
     b_ks, b_xs, b_sds = key_state_terms(Uc, dv, Hc, dHc, r, m_t, o_k, off_s, V, C, BK, BV, USE_BETA, PREC)
     b_dk = b_r[:, None] * b_ks - b_gam[:, None] * b_xs + f32dot(tl.trans(b_dGq), b_q, PREC)
     if USE_BETA:
         b_dk += f32dot(tl.load(dGs + off_w, mask=m_t[:, None], other=0.0), b_k, PREC)
-    tl.store(dKp + r[:, None] * K + o_k[None, :], b_dk.to(dKp.dtype.element_ty), mask=m_k)
+    tl.store(dKp + p_row[:, None] * K + o_k[None, :], b_dk.to(dKp.dtype.element_ty), mask=m_k)
     if Gc is not None:
         b_dc += tl.where(o_c == i_last, tl.exp(b_last) * b_sds, 0.0)
         tl.store(dc_part + i_k * rows + p_row, b_dc, mask=m_t)
