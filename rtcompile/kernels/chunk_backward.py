@@ -33,8 +33,9 @@ Four to seven launches (:func:`launch_backward`):
 4. ``chunk_backward_grads.chunk_bwd_grads_kernel``, chunk-parallel, over key blocks of
    ``block_k`` columns: dv, dbeta, dg and, with ``factor_grads="registers"``, every factor's
    gradient (phi's contracted to the factors in registers), else phi(Q)'s and phi(K)'s ([T, K]
-   fp32 each; always at order 2, whose one factor is phi); with ``grads_split`` (an experiment)
-   three launches instead (``chunk_backward_split``);
+   each in the workspace type; always at order 2, whose one factor is phi), written over phi's
+   own workspaces where those are in that type (:func:`over_phi`); with ``grads_split`` (an
+   experiment) three launches instead (``chunk_backward_split``);
 5. (phi's gradients stored) ``chunk_backward_grads.phi_grads_to_factors_kernel``,
    token-parallel: phi's gradients to the factors, through the l2norm.
 
@@ -43,9 +44,9 @@ each, the products' type); per token P and T (4 C each; T with the delta rule), 
 each, or the inputs' 2 with ``workspace_dtype="inputs"``; R with the delta rule), the log decay
 (4, gates), resident loops phi(K), phi(Q) (K each, the products' type), stored phi gradients (K
 each, as U); streamed loops add the running S and dS (fp32, K d_v each, once). o3 16x16, d_v 64,
-bf16, the default (C 32, resident, stored, 16-bit): per token-head 2 x 512 (phi) + 2 x 128 (P,
-T) + 3 x 128 (U, R, dU) + 2 x 512 (phi's gradients, or none beside phi with ``release_phi``) + 4
-bytes, per chunk 2 x 32 KiB; o3 64x64 (streamed, registers): 2 x 512 KiB per chunk + 1.3 KiB per token.
+bf16, the default (C 32, resident, stored, 16-bit): per token-head 2 x 512 (phi, then its
+gradients over it) + 2 x 128 (P, T) + 3 x 128 (U, R, dU) + 4 bytes, per chunk 2 x 32 KiB; o3 64x64
+(streamed, registers): 2 x 512 KiB per chunk + 1.3 KiB per token.
 
 Scope (:func:`supports`): orders 2-4 at any key widths and K, any d_v, gates, delta rule,
 l2norm, initial state, final-state gradient, varlen and any T. The kernels tile power-of-two key
@@ -142,8 +143,10 @@ class BackwardConfig(KernelConfig):
     # (chunk_backward_kept.py; resident loops): the default for 16-bit inputs up to K = 256
     keep_forward: bool = False
     # phi(Q), phi(K) ([T, K] each, resident loops) freed after the state-gradient loop, the gradients
-    # kernel forming phi from the factors: o3 16x16 B8 T4096 H8 bf16 workspace 1185 -> 929 MiB
-    # (fla's fwd+bwd peak 1064). Not yet timed
+    # kernel forming phi from the factors: for phi's gradients in another type than phi's, or
+    # contracted in registers (stored in phi's type, they go over phi without it). o3 16x16 B8
+    # T4096 H8 bf16 fwd+bwd 2.41 ms, 965 MiB against 2.00 ms, 1221 MiB before the gradients went
+    # over phi (H200, 2026-12-02, 0b6178e; fla 3.16 ms, 1064 MiB)
     release_phi: bool = False
 
     def resident(self, shape: KernelShape) -> bool:

@@ -2,18 +2,19 @@
 
 :func:`chunk_bwd_grads_kernel`, one program per (chunk, head): first, over value blocks, the
 C x C gradients (scores dP, inverse dT and through it dA), dv, dbeta's and dc's shares that need
-no key contraction; then two passes over key blocks of BK columns, phi(Q)'s gradient (with dc's
-state share) and then phi(K)'s, each stored ([T, K] fp32, ``factor_grads="workspace"``) or
-contracted to the factors in registers and taken through the l2norm; last, dg (a reverse
-cumulative sum of dc within the chunk). :func:`phi_grads_to_factors_kernel`: the stored phi
-gradients to the factors, token-parallel.
+no key contraction; then over key blocks of BK columns phi(Q)'s gradient (with dc's state share)
+and phi(K)'s: stored (``factor_grads="workspace"``, [B, H, T, K] in the workspace type), one pass
+that may write them over phi's own workspaces; contracted to the factors in registers, two passes
+(the queries', then the keys'), taken through the l2norm; last, dg (a reverse cumulative sum of
+dc within the chunk). :func:`phi_grads_to_factors_kernel`: the stored phi gradients to the
+factors, token-parallel.
 
 In registers, the Kronecker structure does the work of a [T, K] workspace: a key block of phi is
 built from the factors' entries at its columns (cached row loads), and a block's gradient d
 contracts to factor i as sum over the block's columns with index a on axis i of d times the
 other factors' entries, a product with a one-hot [BK, d_i] matrix on the tensor cores; phi(K)
-phi(K)^T is the product of the factors' Grams. Stored, phi's gradients cost 2 x 4 K bytes per
-token-head (512 MiB at o3 16x16, B8 T4096 H8) and a fifth launch.
+phi(K)^T is the product of the factors' Grams. Stored, phi's gradients cost a fifth launch and,
+where they cannot go over phi, 2 K elements per token-head.
 
 No [C, K] or [K, V] tile is held whole: the key loop keeps [C, BK] and [BK, BV] tiles (the
 single-kernel form before it held [C, K] phi tiles and gradients and spilled ~14 KiB of stack
