@@ -117,7 +117,23 @@ def _split(shape: KernelShape) -> list[KernelConfig]:
             for tma in (True, False) for stages in (3, 2)]
 
 
+def _split_any(shape: KernelShape) -> list[KernelConfig]:
+    """The split form's proposals, then with key groups of 1, then chunks of 32 (o2 256: ~608
+    registers per thread estimated at C 64): the first that passes its check runs."""
+    proposals = _split(shape)
+    return [*proposals, *(dataclasses.replace(c, key_group=1) for c in proposals),
+            *(dataclasses.replace(c, key_group=1, chunk_size=32) for c in proposals)]
+
+
 CHUNK_DEFAULTS: tuple[DefaultRow, ...] = (
+    DefaultRow(lambda s: len(s.key_widths) >= 2 and s.key_dim_pow2 <= 128,
+               lambda s: _materialised_proposals(s),
+               "order >= 3, K <= 128: phi(q), phi(k) materialised (one kernel) and order 2's defaults for that "
+               "K on them: o3 8x8 0.316 ms against 0.500 factored, o3 16x8 0.476 against 0.593 (fla 0.285 / "
+               "0.388; H200, bench --phase prefill, one run, 2026-12-02, 95f8c83)"),
+    DefaultRow(lambda s: s.key_dim_pow2 == 256 and len(s.key_widths) == 1, _split_any,
+               "o2 256: the split form (chunks of 32), 0.783 ms against 0.906 for the resident C 16 below, fla "
+               "0.611 (H200, the same run)"),
     DefaultRow(lambda s: s.key_dim_pow2 == 64 and len(s.key_widths) == 1,
                lambda s: [dataclasses.replace(c, key_group=1) for c in _split(s)],
                "o2 64: the split form (key groups of 1), 0.295 ms against 0.343 for the resident C 32 + wy "
@@ -160,13 +176,11 @@ CHUNK_DEFAULTS: tuple[DefaultRow, ...] = (
                "K > 256 where the tiles above do not fit the device: narrower tiles, one prepare warp per 16 rows"),
     DefaultRow(lambda s: True, lambda s: [_tiled(s, 16, 16, 16, 4)],
                "the smallest tiles: runs wherever anything runs"),
-    # last, so no default changes before the H200 has timed it: the tuner's studies start from it
-    DefaultRow(lambda s: len(s.key_widths) >= 2 and s.key_dim_pow2 <= 256,
+    # last at K = 256: in the tuner's space, never the default there
+    DefaultRow(lambda s: len(s.key_widths) >= 2 and s.key_dim_pow2 == 256,
                lambda s: _materialised_proposals(s),
-               "order >= 3, K <= 256: phi(q), phi(k) materialised and order 2's defaults for that K run on them "
-               "first, for the tuner to measure. H200, 2026-12-02, phi formed by ATen ops: o3 8x8 0.624 ms "
-               "(factored 0.501, fla 0.285), o3 16x8 0.919 (o2 64's config on K = 128); one kernel since, "
-               "not yet timed"),
+               "order >= 3, K = 256: phi(q), phi(k) materialised, for the tuner; o3 16x16 0.810 ms against "
+               "0.351 for the split form (H200, the same run)"),
 )
 
 def _materialised_proposals(shape: KernelShape) -> list[KernelConfig]:
@@ -235,17 +249,12 @@ def split_form(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> Spli
     """The split form as the K = 256 default row proposes it (key groups of 1 where the shape
     takes no other), for a shape whose default is another form; None where the default is the
     split form or no proposal passes its check. Timed at o3 16x16 (0.350 ms, fla 0.612, its
-    default), o2 64 (0.295, fla 0.285: its default now) and o2 128 (0.661, fla 0.388)."""
+    default), o2 64 (0.295, fla 0.285) and o2 256 (0.783, fla 0.611): their defaults now; o2
+    128 (0.659 against its default's 0.391, fla 0.388)."""
     found = candidates("chunk", shape, smem_limit)
     if found and isinstance(found[0], SplitConfig):
         return None
-    proposals = _split(shape)
-    # then key groups of 1, then chunks of 32 (o2 256: ~608 registers per thread estimated at C 64)
-    for c in [*proposals, *(dataclasses.replace(c, key_group=1) for c in proposals),
-              *(dataclasses.replace(c, key_group=1, chunk_size=32) for c in proposals)]:
-        if c.check(shape, smem_limit) is None:
-            return c
-    return None
+    return next((c for c in _split_any(shape) if c.check(shape, smem_limit) is None), None)
 
 
 def two_kernel(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> KernelConfig | None:
