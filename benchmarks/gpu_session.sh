@@ -46,16 +46,12 @@ step_traintime() {  # the forward + backward timings alone on the GPU (a recall 
     --cases "o3 16x16,o3 32x32,o4 16x16x16" --out "$OUT/train_ours_split.json"
 }
 
-step_trainexp() {  # issue 19's open rows (~8 min): the default (keep_forward since 52d27ef: 2.01 ms at
-  # o3 16x16 against 2.73 recomputing, H200 2026-12-02) beside fla in one process -- fla's first
-  # K = 256 backward compiled and autotuned for over 240 s on 2026-12-02, so it goes first with
-  # most of the call -- then release_phi (phi's workspaces freed before the gradients kernel:
-  # 1185 -> 929 MiB of workspace at o3 16x16 by workspace_bytes; the memory target is fla's 1064)
+step_trainexp() {  # issue 19's head-to-head (~5 min): the default beside fla in one process -- fla's
+  # first K = 256 backward compiled and autotuned for ~220 s on 2026-12-02, so it goes first with
+  # most of the call (o3 16x16 at 95f8c83: ours 2.07 ms / 965 MiB, fla 3.73 ms / 1064 MiB) -- then
+  # the default at the other K <= 256 cases
   timeout "${FLA_S:-420}" python3 benchmarks/train_step.py --fla --cases "o3 16x16" --out "$OUT/train_fla.json" || true
-  python3 benchmarks/train_step.py --set release_phi=True --cases "o3 16x16,o2 64,o2 256" \
-    --out "$OUT/train_ours_release.json"
-  python3 benchmarks/train_step.py --set release_phi=True --set keep_forward=False --cases "o3 16x16" \
-    --out "$OUT/train_ours_release_recompute.json"
+  python3 benchmarks/train_step.py --cases "o2 64,o2 128,o2 256" --out "$OUT/train_ours_small.json"
 }
 
 step_tunetrain() {  # issue 19's speed (TUNE_SPEC / TUNE_CASE for another shape, e.g.
