@@ -322,7 +322,7 @@ def test_default_and_space(shape, limit):
     # enumerated at their first value, and a random sample of the whole space shows they change
     # no check: the full product (up to 2.6 M configs) took 20-50 s per shape on the CPU machine.
     free = ("grads_stages", "prepare_warps", "solve", "dot_precision", "factor_grads", "workspace_dtype",
-            "grads_split", "keep_forward", "release_phi")
+            "grads_split", "keep_forward")
     found = list(iter_space(BackwardConfig, shape, {**space, **{n: space[n][:1] for n in free}}, limit))
     assert found and all(getattr(c, n) in vals for c in found for n, vals in space.items())
     rng = random.Random(0)
@@ -331,7 +331,7 @@ def test_default_and_space(shape, limit):
         if c.grads_split and c.factor_grads != "workspace":  # the pairs of fields that are refused
             assert c.check(shape, limit) is not None
             continue
-        if (c.keep_forward or c.release_phi) and c.state_loop != "resident":
+        if c.keep_forward and c.state_loop != "resident":
             assert c.check(shape, limit) is not None
             continue
         first = dataclasses.replace(c, **{n: space[n][0] for n in free})
@@ -342,17 +342,15 @@ def test_default_and_space(shape, limit):
 
 
 @needs_kernels
-@pytest.mark.parametrize("delta, gate, dtype, wdtype, release", [
-    (True, True, torch.float32, "float32", False), (False, False, torch.float32, "float32", False),
-    (True, True, torch.float16, "inputs", False), (True, True, torch.float32, "float32", True),
-    (False, True, torch.float16, "inputs", True)],
-    ids=["gated-delta", "plain", "fp16-inputs-workspace", "release-phi", "release-phi-fp16"])
-def test_launcher_allocates_the_workspace_its_config_declares(monkeypatch, delta, gate, dtype, wdtype, release):
+@pytest.mark.parametrize("delta, gate, dtype, wdtype", [
+    (True, True, torch.float32, "float32"), (False, False, torch.float32, "float32"),
+    (True, True, torch.float16, "inputs"), (False, True, torch.float16, "inputs")],
+    ids=["gated-delta", "plain", "fp16-inputs-workspace", "fp16-gate-only"])
+def test_launcher_allocates_the_workspace_its_config_declares(monkeypatch, delta, gate, dtype, wdtype):
     """The most the launcher holds at once beyond the gradients (and the fp32 initial-state
     gradient) is ``workspace_bytes``: every allocation is tracked until it is freed. phi and its
-    stored gradients ([B, H, T, K] each side) are never held together: with ``release_phi`` the
-    freed phi workspaces make room for the gradients, else the gradients go over phi (the
-    workspace type is the products' type in every case here)."""
+    stored gradients ([B, H, T, K] each side) are never held together: the gradients go over phi
+    (the workspace type is the products' type in every case here)."""
     live, sizes, phi_like, most_phi_like = [0], [], [0], [0]
 
     def counting_empty(*shape, dtype=None, device=None):
@@ -371,7 +369,7 @@ def test_launcher_allocates_the_workspace_its_config_declares(monkeypatch, delta
     dev = lambda x: None if x is None else x.to(DEVICE)  # noqa: E731
     q, k, v, g, beta, s0 = [dev(x) for x in q], [dev(x) for x in k], dev(v), dev(g), dev(beta), dev(s0).float()
     g = None if g is None else g.float()
-    config = BackwardConfig(chunk_size=16, block_v=16, workspace_dtype=wdtype, release_phi=release)
+    config = BackwardConfig(chunk_size=16, block_v=16, workspace_dtype=wdtype)
     out = running_tensor_bwd(q, k, v, g, beta, scale=0.5, initial_state=s0, cu_seqlens=None, l2norm=True,
                              do=torch.randn_like(v), dht=None, variant=config)
     dq, dk, dv, dg, db, dh0 = out
@@ -409,8 +407,6 @@ def _gpu_sweep():
         precisions = ("ieee", "tf32") if dtype != torch.float32 else ("ieee",)
         for prec in precisions:
             cases.append(pytest.param(dtype, [dataclasses.replace(base, dot_precision=prec)], id=f"{name}-{prec}"))
-        # phi formed from the factors in the gradients kernel, its workspaces freed (an experiment)
-        cases.append(pytest.param(dtype, [dataclasses.replace(base, release_phi=True)], id=f"{name}-release-phi"))
         # the split gradients kernels (an experiment), at the default's tiles and at key blocks of 64
         for bk in (base.block_k, 64):
             cfg = dataclasses.replace(base, grads_split=True, block_k=bk)

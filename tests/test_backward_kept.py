@@ -75,20 +75,19 @@ def test_kept_forward_equals_reference_and_the_backward_equals_the_recomputing_o
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("name, release", [("o2-T37-h0", False), ("o3-16x16-varlen-h0", False),
-                                           ("o2-T37-h0", True), ("o3-16x16-varlen-h0", True)],
-                         ids=["o2-T37-h0", "o3-16x16-varlen-h0", "o2-T37-h0-release-phi",
-                              "o3-16x16-varlen-h0-release-phi"])
-def test_training_call_keeps_its_forward_and_matches_float64_autograd(name, release, monkeypatch):
+@pytest.mark.parametrize("name, split", [("o2-T37-h0", False), ("o3-16x16-varlen-h0", False),
+                                         ("o2-T37-h0", True), ("o3-16x16-varlen-h0", True)],
+                         ids=["o2-T37-h0", "o3-16x16-varlen-h0", "o2-T37-h0-split", "o3-16x16-varlen-h0-split"])
+def test_training_call_keeps_its_forward_and_matches_float64_autograd(name, split, monkeypatch):
     """running_tensor(backend="triton") with grad, under a default that keeps the forward: the
     prepare and state loop run once (in the forward), and every gradient, through the output
-    and the final state, matches float64 autograd of the reference. ``release_phi``: the kept
-    phi workspaces are dropped before the gradients kernel, which forms phi from the factors."""
+    and the final state, matches float64 autograd of the reference. phi's stored gradients go
+    over the kept phi workspaces (the one-pass kernel), or with ``grads_split`` into their own."""
     base = chunk_backward.default_backward
     monkeypatch.setattr(chunk_backward, "default_backward",
                         lambda *a, **kw: dataclasses.replace(base(*a, **kw), chunk_size=16, block_v=16,
                                                              keep_forward=True, state_loop="resident",
-                                                             release_phi=release))
+                                                             grads_split=split, factor_grads="workspace"))
     calls = []
     for mod in (chunk_backward_kept, chunk_backward):  # the forward's and the backward's names for it
         real = mod.recompute
@@ -117,13 +116,9 @@ def test_keep_forward_needs_the_resident_loop():
     assert reason is not None and "keep_forward" in reason
     assert BackwardConfig.space(KernelShape((32, 32), 64))["keep_forward"] == [False]
     assert BackwardConfig.space(shape)["keep_forward"] == [False, True]
-    reason = dataclasses.replace(CONFIG, keep_forward=False, release_phi=True, state_loop="streamed").check(shape)
-    assert reason is not None and "release_phi" in reason
-    assert BackwardConfig.space(KernelShape((32, 32), 64))["release_phi"] == [False]
 
 
-@pytest.mark.parametrize("release", [False, True], ids=["default", "default-release-phi"])
-def test_the_bf16_default_keeps_its_forward_and_matches_float64(release, monkeypatch):
+def test_the_bf16_default_keeps_its_forward_and_matches_float64(monkeypatch):
     """The default as users get it on the H200 (its shared memory: the CPU's portable limit picks
     another): bf16 inputs at o3 16x16 resolve to chunks of 32 with ``keep_forward`` and 16-bit
     workspaces; the forward keeps the prepare and state loop (once, in the forward), and the
@@ -133,8 +128,8 @@ def test_the_bf16_default_keeps_its_forward_and_matches_float64(release, monkeyp
     base = chunk_backward.default_backward
     default = base(shape, 232448)
     assert default.keep_forward and default.chunk_size == 32 and default.workspace_dtype == "inputs", default
-    monkeypatch.setattr(chunk_backward, "default_backward", lambda s, limit=None, chunk_size=None: dataclasses.replace(
-        base(s, 232448, chunk_size), release_phi=release))
+    monkeypatch.setattr(chunk_backward, "default_backward",
+                        lambda s, limit=None, chunk_size=None: base(s, 232448, chunk_size))
     calls = []
     for mod in (chunk_backward_kept, chunk_backward):
         real = mod.recompute

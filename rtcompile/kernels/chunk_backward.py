@@ -142,12 +142,6 @@ class BackwardConfig(KernelConfig):
     # a training call's forward runs the prepare and state loop and keeps them for the backward
     # (chunk_backward_kept.py; resident loops): the default for 16-bit inputs up to K = 256
     keep_forward: bool = False
-    # phi(Q), phi(K) ([T, K] each, resident loops) freed after the state-gradient loop, the gradients
-    # kernel forming phi from the factors: for phi's gradients in another type than phi's, or
-    # contracted in registers (stored in phi's type, they go over phi without it). o3 16x16 B8
-    # T4096 H8 bf16 fwd+bwd 2.41 ms, 965 MiB against 2.00 ms, 1221 MiB before the gradients went
-    # over phi (H200, 2026-12-02, 0b6178e; fla 3.16 ms, 1064 MiB)
-    release_phi: bool = False
 
     def resident(self, shape: KernelShape) -> bool:
         return self.state_loop == "resident"
@@ -174,12 +168,11 @@ class BackwardConfig(KernelConfig):
         if self.state_loop == "resident" and shape.key_dim > MAX_KEY_DIM:
             return (f"state_loop='resident' holds the [K, block_v] state in registers up to K = {MAX_KEY_DIM}, "
                     f"got K = {shape.key_dim}; use state_loop='streamed'")
-        for name in ("grads_split", "keep_forward", "release_phi"):
+        for name in ("grads_split", "keep_forward"):
             if not isinstance(getattr(self, name), bool):
                 return f"{name}={getattr(self, name)!r}; allowed: False, True"
-        for name in ("keep_forward", "release_phi"):
-            if getattr(self, name) and self.state_loop != "resident":
-                return f"{name}=True with state_loop='streamed'; allowed: {name}=False, or the resident loop"
+        if self.keep_forward and self.state_loop != "resident":
+            return "keep_forward=True with state_loop='streamed'; allowed: keep_forward=False, or the resident loop"
         if self.grads_split and self.factor_grads != "workspace":  # else a duplicate the tuner times twice
             return f"factor_grads={self.factor_grads!r} with grads_split=True; allowed: 'workspace'"
         if self.num_stages < 2 and self.state_loop == "resident":
@@ -233,7 +226,6 @@ class BackwardConfig(KernelConfig):
             "workspace_dtype": list(WORKSPACE_DTYPES) if shape.input_bytes == 2 else ["float32"],
             "grads_split": [False, True],
             "keep_forward": [False, True] if shape.key_dim <= MAX_KEY_DIM else [False],
-            "release_phi": [False, True] if shape.key_dim <= MAX_KEY_DIM else [False],
         }
 
     def workspace_bytes(self, w: Workload) -> int:
@@ -241,7 +233,7 @@ class BackwardConfig(KernelConfig):
         per token the scores (fp32, C), U and dU (V each), stored phi gradients (K each: always at
         order 2, whose factor is phi); resident state loops: phi(K) and phi(Q) (the products'
         type, K each); streamed: the running state and state gradient (fp32, K V each, once);
-        ``release_phi``: the larger of phi and its stored gradients instead of both;
+        phi's gradients stored over phi (in its type, not ``grads_split``): phi's alone;
         with the delta rule the inverse (fp32, C) and R (V); with gates the cumulative log decay
         (fp32); ``grads_split``: dGq (and dGs) per token, C fp32 each, and with gates dc and
         each key block's share of it. U, R, dU and phi's gradients take
@@ -255,9 +247,8 @@ class BackwardConfig(KernelConfig):
         phi_grads = 2 * e * K if self.phi_grads_stored(w.shape) else 0
         per_token = 4 * C + 2 * e * V
         running = 0
-        if self.state_loop == "resident":  # phi and its gradients never held together: released, or
-            # the gradients over phi (launch_backward's over_phi: the one-pass kernel, the same type)
-            apart = self.release_phi or (not self.grads_split and e == dot)
+        if self.state_loop == "resident":  # phi's gradients over phi where they take its type
+            apart = not self.grads_split and e == dot  # (launch_backward's over_phi: the one-pass kernel)
             per_token += max(2 * K * dot, phi_grads) if apart else 2 * K * dot + phi_grads
         else:
             per_token += phi_grads
@@ -503,7 +494,7 @@ def tuned_backward(p: Problem, device: torch.device) -> BackwardConfig | None:
 
 def over_phi(config: BackwardConfig, ws: dict, store: torch.dtype) -> bool:
     """Do phi's stored gradients take phi's own workspaces? When the one-pass gradients kernel
-    stores them (not ``grads_split``), phi is there (the resident loops, not released) and in
+    stores them (not ``grads_split``), phi is there (the resident loops) and in
     the gradients' type (16-bit inputs with 16-bit workspaces, or fp32 throughout): o3 16x16
     B8 T4096 H8 bf16 then holds 2 x 256 MiB less."""
     return not config.grads_split and ws.get("Qw") is not None and ws["Qw"].dtype == store
@@ -546,8 +537,6 @@ def launch_backward(config: BackwardConfig, p: Problem, q, k, v, g, beta, h0, cu
     dHc, dUc, dh0 = _state_grads(config, p, q, k, v, beta, h0, cu_seqlens, l2norm, kept, do, dht)
     ws, Hc, Uc, Rc, idx, n_chunks = kept.ws, kept.Hc, kept.Uc, kept.Rc, kept.idx, kept.n_chunks
     del kept
-    if config.release_phi:  # in the dict itself: a caller's Recomputed shares it
-        ws["Qw"] = ws["Kw"] = None
     # 4. dv, dbeta, dg and every factor's gradient (or phi's, to dQp / dKp), chunk-parallel
     dq = [args.empty(x.shape, dtype=x.dtype, device=dev) for x in q]
     dk = [args.empty(x.shape, dtype=x.dtype, device=dev) for x in k]

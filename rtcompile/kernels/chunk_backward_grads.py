@@ -302,6 +302,30 @@ def chunk_scores(P, Ai, beta, r, p_row, m_t, o_c, C: tl.constexpr, USE_BETA: tl.
 
 
 @triton.jit
+def query_block_grad(b_q, b_k, do, Hc, b_dGq, b_gam, b_dc, scale, r, m_t, o_k, off_s, V: tl.constexpr,
+                     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """Key block ``o_k`` of phi(Q)'s gradient ([C, BK]) from the block's phi(Q) and phi(K), and
+    dc with the block's state share added."""
+    b_dq = (scale * b_gam)[:, None] * query_state_terms(do, Hc, r, m_t, o_k, off_s, V, C, BK, BV, PREC)
+    b_dc += tl.sum(b_dq * b_q, axis=1)
+    b_dq += f32dot(b_dGq, b_k, PREC)
+    return b_dq, b_dc
+
+
+@triton.jit
+def key_block_grad(b_q, b_k, Uc, dv, Hc, dHc, b_dGq, b_dGs, b_gam, b_r, b_dlast, b_last, r, m_t, o_k, off_s,
+                   V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_BETA: tl.constexpr,
+                   PREC: tl.constexpr):
+    """Key block ``o_k`` of phi(K)'s gradient ([C, BK]), and c_last's share with the block's added."""
+    b_ks, b_xs, b_sds = key_state_terms(Uc, dv, Hc, dHc, r, m_t, o_k, off_s, V, C, BK, BV, USE_BETA, PREC)
+    b_dlast += tl.exp(b_last) * b_sds
+    b_dk = b_r[:, None] * b_ks - b_gam[:, None] * b_xs + f32dot(tl.trans(b_dGq), b_q, PREC)
+    if USE_BETA:
+        b_dk += f32dot(b_dGs, b_k, PREC)
+    return b_dk, b_dlast
+
+
+@triton.jit
 def _stored_pass(Qw, Kw, q1, q2, q3, k1, k2, k3, rq1, rq2, rq3, rk1, rk2, rk3, do, Hc, dHc, Uc, dv, dQp, dKp, b_dGq,
                  b_dGs, b_gam, b_r, b_dc, b_dlast, b_last, scale, p_row, r, m_t, off_s, NF: tl.constexpr,
                  D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
@@ -315,14 +339,10 @@ def _stored_pass(Qw, Kw, q1, q2, q3, k1, k2, k3, rq1, rq2, rq3, rk1, rk2, rk3, d
         o_k = i_k * BK + tl.arange(0, BK)
         b_q = side_block(Qw, q1, q2, q3, rq1, rq2, rq3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
         b_k = side_block(Kw, k1, k2, k3, rk1, rk2, rk3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
-        b_dq = (scale * b_gam)[:, None] * query_state_terms(do, Hc, r, m_t, o_k, off_s, V, C, BK, BV, PREC)
-        b_dc += tl.sum(b_dq * b_q, axis=1)
-        b_dq += f32dot(b_dGq, b_k, PREC)
-        b_ks, b_xs, b_sds = key_state_terms(Uc, dv, Hc, dHc, r, m_t, o_k, off_s, V, C, BK, BV, USE_BETA, PREC)
-        b_dlast += tl.exp(b_last) * b_sds
-        b_dk = b_r[:, None] * b_ks - b_gam[:, None] * b_xs + f32dot(tl.trans(b_dGq), b_q, PREC)
-        if USE_BETA:
-            b_dk += f32dot(b_dGs, b_k, PREC)
+        b_dq, b_dc = query_block_grad(b_q, b_k, do, Hc, b_dGq, b_gam, b_dc, scale, r, m_t, o_k, off_s, V, C, BK, BV,
+                                      PREC)
+        b_dk, b_dlast = key_block_grad(b_q, b_k, Uc, dv, Hc, dHc, b_dGq, b_dGs, b_gam, b_r, b_dlast, b_last, r, m_t,
+                                       o_k, off_s, V, C, BK, BV, USE_BETA, PREC)
         tl.debug_barrier()  # every thread has read this block of phi: its gradients may go over it
         off = p_row[:, None] * K + o_k[None, :]
         m = m_t[:, None] & (o_k < K)[None, :]
@@ -347,9 +367,8 @@ def _register_passes(Qw, Kw, q1, q2, q3, k1, k2, k3, b_q1, b_q2, b_q3, b_k1, b_k
         o_k = i_k * BK + tl.arange(0, BK)
         b_q = side_block(Qw, q1, q2, q3, rq1, rq2, rq3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
         b_k = side_block(Kw, k1, k2, k3, rk1, rk2, rk3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
-        b_dq = (scale * b_gam)[:, None] * query_state_terms(do, Hc, r, m_t, o_k, off_s, V, C, BK, BV, PREC)
-        b_dc += tl.sum(b_dq * b_q, axis=1)
-        b_dq += f32dot(b_dGq, b_k, PREC)
+        b_dq, b_dc = query_block_grad(b_q, b_k, do, Hc, b_dGq, b_gam, b_dc, scale, r, m_t, o_k, off_s, V, C, BK, BV,
+                                      PREC)
         aq1, aq2, aq3 = _block_to_factors(b_dq, q1, q2, q3, rq1, rq2, rq3, r, m_t, i_k, aq1, aq2, aq3,
                                           NF, C, BK, D1, D2, D3, PREC)
     # the queries' factors now: their accumulators need not live through the keys' pass
@@ -359,11 +378,8 @@ def _register_passes(Qw, Kw, q1, q2, q3, k1, k2, k3, b_q1, b_q2, b_q3, b_k1, b_k
         o_k = i_k * BK + tl.arange(0, BK)
         b_q = side_block(Qw, q1, q2, q3, rq1, rq2, rq3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
         b_k = side_block(Kw, k1, k2, k3, rk1, rk2, rk3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
-        b_ks, b_xs, b_sds = key_state_terms(Uc, dv, Hc, dHc, r, m_t, o_k, off_s, V, C, BK, BV, USE_BETA, PREC)
-        b_dlast += tl.exp(b_last) * b_sds
-        b_dk = b_r[:, None] * b_ks - b_gam[:, None] * b_xs + f32dot(tl.trans(b_dGq), b_q, PREC)
-        if USE_BETA:
-            b_dk += f32dot(b_dGs, b_k, PREC)
+        b_dk, b_dlast = key_block_grad(b_q, b_k, Uc, dv, Hc, dHc, b_dGq, b_dGs, b_gam, b_r, b_dlast, b_last, r, m_t,
+                                       o_k, off_s, V, C, BK, BV, USE_BETA, PREC)
         ak1, ak2, ak3 = _block_to_factors(b_dk, k1, k2, k3, rk1, rk2, rk3, r, m_t, i_k, ak1, ak2, ak3,
                                           NF, C, BK, D1, D2, D3, PREC)
     _store_side(dk1, dk2, dk3, k1, k2, k3, ak1, ak2, ak3, r, m_t, NF, D1, D2, D3, L2NORM)

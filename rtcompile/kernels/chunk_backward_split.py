@@ -25,8 +25,8 @@ from . import args
 from .args import factor_args
 from .blocks import chunk_rows
 from .chunk_backward_grads import (
-    chunk_scores, cc_grads, key_gram, key_state_terms, query_state_terms, side_block, side_norms,
-    side_tiles, value_pass, f32dot, stored_log_decay,
+    chunk_scores, cc_grads, key_block_grad, key_gram, query_block_grad, side_block, side_norms, side_tiles,
+    value_pass, stored_log_decay,
 )
 
 
@@ -90,17 +90,17 @@ def chunk_bwd_key_block_kernel(
     off_s = (i_s * H + i_h) * K * V
     b_q = side_block(Qw, q1, q2, q3, rq1, rq2, rq3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
     b_k = side_block(Kw, k1, k2, k3, rk1, rk2, rk3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
-    b_dq = (scale * b_gam)[:, None] * query_state_terms(do, Hc, r, m_t, o_k, off_s, V, C, BK, BV, PREC)
-    b_dc = tl.sum(b_dq * b_q, axis=1)
-    b_dq += f32dot(b_dGq, b_k, PREC)
+    b_dq, b_dc = query_block_grad(b_q, b_k, do, Hc, b_dGq, b_gam, tl.zeros([C], dtype=tl.float32), scale, r, m_t,
+                                  o_k, off_s, V, C, BK, BV, PREC)
     tl.store(dQp + p_row[:, None] * K + o_k[None, :], b_dq.to(dQp.dtype.element_ty), mask=m_k)
-    b_ks, b_xs, b_sds = key_state_terms(Uc, dv, Hc, dHc, r, m_t, o_k, off_s, V, C, BK, BV, USE_BETA, PREC)
-    b_dk = b_r[:, None] * b_ks - b_gam[:, None] * b_xs + f32dot(tl.trans(b_dGq), b_q, PREC)
+    b_dGs = tl.zeros([C, C], dtype=tl.float32)
     if USE_BETA:
-        b_dk += f32dot(tl.load(dGs + off_w, mask=m_t[:, None], other=0.0), b_k, PREC)
+        b_dGs = tl.load(dGs + off_w, mask=m_t[:, None], other=0.0)
+    b_dk, b_dlast = key_block_grad(b_q, b_k, Uc, dv, Hc, dHc, b_dGq, b_dGs, b_gam, b_r, b_last * 0.0, b_last, r,
+                                   m_t, o_k, off_s, V, C, BK, BV, USE_BETA, PREC)
     tl.store(dKp + p_row[:, None] * K + o_k[None, :], b_dk.to(dKp.dtype.element_ty), mask=m_k)
     if Gc is not None:
-        b_dc += tl.where(o_c == i_last, tl.exp(b_last) * b_sds, 0.0)
+        b_dc += tl.where(o_c == i_last, b_dlast, 0.0)
         tl.store(dc_part + i_k * rows + p_row, b_dc, mask=m_t)
 
 
