@@ -27,7 +27,10 @@ def needs_grad(*xs) -> bool:
     """Does autograd need a backward through these (grad mode on and a tensor requiring grad)?"""
     if not torch.is_grad_enabled():
         return False
-    return any(isinstance(x, torch.Tensor) and x.requires_grad for x in xs)
+    for x in xs:  # a plain loop: the generator form cost 5.6 us of a T = 1 call's 18 us (CPU machine)
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            return True
+    return False
 
 
 def _short_eager(v, chunk_size) -> bool:
