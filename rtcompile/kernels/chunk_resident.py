@@ -62,8 +62,9 @@ class ResidentConfig(KernelConfig):
     inputs' type first (factors normalised in fp32 when l2norm) and run the order-2 kernels on
     them: 2 x 2 K bytes per token-head written and read again, against factored tiles that
     cannot be prefetched below 16-wide factors (o3 8x8 ran 0.486 ms where o2 64, the same
-    problem materialised, ran 0.359: issue 22). The tuner chooses it by measurement; no
-    default uses it yet.
+    problem materialised, ran 0.359: issue 22). The default for order >= 3 up to K = 128
+    (``forms.CHUNK_DEFAULTS``: o3 16x8 0.476 ms against 0.593 factored, H200); the tuner
+    weighs it like any other field.
     """
 
     kernel: ClassVar[str] = "chunk"

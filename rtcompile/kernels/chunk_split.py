@@ -55,7 +55,8 @@ class SplitConfig(KernelConfig):
     from 353 to 289 MiB at o3 16x16 B8 T4096 H8). ``materialise`` (order >= 3, K <= 256): the
     form runs order 2's problem on phi(q), phi(k) formed first (``chunk_resident.materialise_phi``;
     2 x 2 K bytes per token-head more), which takes widths under 16 (o3 8x8: order 2 K = 64's
-    split form ran 0.295 ms on the H200 where the factored default took 0.501).
+    split form ran 0.295 ms on the H200 where the factored default took 0.501; materialised, o3
+    8x8 ran 0.316 ms, its default since).
     """
 
     kernel: ClassVar[str] = "chunk"
