@@ -53,8 +53,8 @@ step_trainexp() {  # issue 19's head-to-head (~5 min): the default beside fla in
   timeout "${FLA_S:-420}" python3 benchmarks/train_step.py --fla --cases "o3 16x16" --out "$OUT/train_fla.json" || true
   python3 benchmarks/train_step.py --cases "o2 64,o2 128,o2 256" --out "$OUT/train_ours_small.json"
   # above K = 256 phi's gradients stored by the one-pass kernel (since 1a0b4e1) against the default's
-  # two register passes: offline (probe_offline.py --backward, Triton 3.6, sm_90) at o3 32x32 one
-  # 1300-instruction loop with 256 B of spills against two of ~1340 with 392 B; the last
+  # two register passes: offline (probe_offline.py --backward, Triton 3.6, sm_90) at o3 32x32 the
+  # gradients kernel has 4464 instructions, 256 B of spills, against 6224 and 392 B; the last
   # measurement (fad70b3, the two-pass stored kernel) was 25.5 against 14.4 ms
   python3 benchmarks/train_step.py --cases "o3 32x32,o4 16x16x16" --out "$OUT/train_ours_large.json"
   python3 benchmarks/train_step.py --set factor_grads=workspace --cases "o3 32x32,o4 16x16x16" \
