@@ -109,6 +109,41 @@ def test_training_call_keeps_its_forward_and_matches_float64_autograd(name, spli
         assert a.shape == b.shape and rel_err(a.cpu(), b) < TOL, (i, rel_err(a.cpu(), b))
 
 
+def test_a_second_backward_through_a_kept_forward_recomputes(monkeypatch):
+    """The first backward writes phi's gradients over the kept phi workspaces, so the kept
+    forward is spent: a second backward (``retain_graph=True``) must recompute it, never read
+    the overwritten phi. Both backwards give the same gradients (the same kernels on the same
+    inputs), and those match float64 autograd."""
+    base = chunk_backward.default_backward
+    monkeypatch.setattr(chunk_backward, "default_backward",
+                        lambda *a, **kw: dataclasses.replace(base(*a, **kw), chunk_size=16, block_v=16,
+                                                             keep_forward=True, state_loop="resident",
+                                                             factor_grads="workspace"))
+    calls = []
+    real = chunk_backward.recompute
+    monkeypatch.setattr(chunk_backward, "recompute", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v, g, beta, h0, cu = _case("o3-16x16-varlen-h0", seed=2)
+    leaves = [x.requires_grad_() for x in (*q, *k, v, g, beta, h0)]
+    o, s = rtcompile.running_tensor(q, k, v, g, beta, initial_state=h0, output_final_state=True, l2norm=True,
+                                    cu_seqlens=cu, mode="chunk", backend="triton")
+    do, ds = torch.randn_like(o), torch.randn_like(s)
+    loss = (o * do).sum() + (s * ds).sum()
+    first = torch.autograd.grad(loss, leaves, retain_graph=True)
+    assert calls == []  # the first backward starts from the kept forward
+    second = torch.autograd.grad(loss, leaves)
+    assert calls == [1]  # the second recomputes it
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    ref = [x.detach().double().cpu().requires_grad_() for x in leaves]
+    n = len(q)
+    ro, rs = running_tensor_recurrent_ref(ref[:n], ref[n:2 * n], ref[2 * n], ref[2 * n + 1], ref[2 * n + 2],
+                                          initial_state=ref[-1], output_final_state=True, l2norm=True,
+                                          cu_seqlens=cu.cpu())
+    want = torch.autograd.grad((ro * do.double().cpu()).sum() + (rs * ds.double().cpu()).sum(), ref)
+    for i, (a, b) in enumerate(zip(second, want)):
+        assert rel_err(a.cpu(), b) < TOL, (i, rel_err(a.cpu(), b))
+
+
 def test_keep_forward_needs_the_resident_loop():
     shape = KernelShape((16, 16), 64)
     assert CONFIG.check(shape) is None
