@@ -17,7 +17,7 @@ import pytest
 from rtcompile.cli import main
 from rtcompile.kernels import tuned
 from rtcompile.tuning import StoreError, open_storage
-from rtcompile.tuning.store import retried_numbers
+from rtcompile.tuning.store import retried_numbers, retry_callback
 
 SPEC = ('order = 3\nkey_widths = [2, 4]\nvalue_width = 8\nheads = 1\nmodel_width = 16\n'
         'input_dtype = "float32"\n')
@@ -103,6 +103,26 @@ def test_killed_tune_then_a_plain_rerun_finishes_the_budget(tmp_path, monkeypatc
     # and a third run has nothing left to do
     assert main(["tune", *argv]) == 0
     assert "already tuned" in capsys.readouterr().out
+
+
+def test_a_retry_is_nobodys_until_claimed():
+    """The retry of a failed trial keeps its parameters and other attributes but not its dead
+    worker's host and pid: with them, a rerun's recovery saw the retry's live claimer as gone
+    (its pid not yet recorded) and failed its trial under it (a flaky kill-and-rerun test)."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study()
+    trial = study.ask({"x": optuna.distributions.IntDistribution(0, 9)})
+    for key, value in (("host", "worker-host"), ("pid", 1), ("status", "timed")):
+        trial.set_user_attr(key, value)
+    study.tell(trial, state=optuna.trial.TrialState.FAIL)
+    retry_callback()(study, study.trials[0])
+    retry = study.trials[1]
+    assert retry.state == optuna.trial.TrialState.WAITING and retry.params == study.trials[0].params
+    assert retry.user_attrs == {"status": "timed"}
+    assert retried_numbers(study.trials) == {0}
+    assert study.trials[0].user_attrs["pid"] == 1  # the failed trial itself keeps its record
 
 
 def _table(path=None):

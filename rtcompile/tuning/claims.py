@@ -153,8 +153,13 @@ def claim(study, storage, storage_url: str | None = None):
             except optuna.exceptions.UpdateFinishedTrialError:
                 continue
     if claimed is not None:  # where it ran, for a person reading the store
-        claimed.set_user_attr("host", socket.gethostname())
-        claimed.set_user_attr("pid", os.getpid())
+        try:
+            claimed.set_user_attr("host", socket.gethostname())
+            claimed.set_user_attr("pid", os.getpid())
+        except optuna.exceptions.UpdateFinishedTrialError:
+            # another process's recovery failed it (and enqueued its retry) between the claim and
+            # these records: this claim is lost, take the next waiting trial
+            return claim(study, storage, storage_url)
     return claimed
 
 

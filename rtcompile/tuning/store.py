@@ -131,13 +131,28 @@ def serialises_claims(url: str | None = None) -> bool:
 
 def retry_callback():
     """Optuna's retry of a stale trial (same parameters, a new WAITING trial), at most
-    ``MAX_RETRIES`` times per variant. Its name changed in Optuna 4.9."""
+    ``MAX_RETRIES`` times per variant, without the failed trial's worker attributes ("host",
+    "pid"): Optuna copies user attributes into the retry, and a dead worker's pid there made the
+    retry's next claimer look gone (``claims.worker_gone``) until it recorded its own, so a
+    rerun's recovery failed the live claim (a flaky kill-and-rerun test, 2026-12-02). The
+    callback's name changed in Optuna 4.9."""
+    import copy
+
     import optuna
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         cls = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None) or optuna.storages.RetryFailedTrialCallback
-        return cls(max_retry=MAX_RETRIES)
+        callback = cls(max_retry=MAX_RETRIES)
+
+    def retry(study, trial) -> None:
+        trial = copy.copy(trial)
+        trial.user_attrs = {k: v for k, v in trial.user_attrs.items() if k not in ("host", "pid")}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            callback(study, trial)
+
+    return retry
 
 
 def retried_numbers(trials) -> set[int]:
