@@ -302,6 +302,15 @@ def chunk_scores(P, Ai, beta, r, p_row, m_t, o_c, C: tl.constexpr, USE_BETA: tl.
 
 
 @triton.jit
+def phi_blocks(Qw, Kw, q1, q2, q3, k1, k2, k3, rq1, rq2, rq3, rk1, rk2, rk3, p_row, r, m_t, i_k, NF: tl.constexpr,
+               C: tl.constexpr, BK: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
+    """Key block ``i_k`` of phi(Q) and of phi(K) ([C, BK] fp32 each; :func:`side_block`)."""
+    b_q = side_block(Qw, q1, q2, q3, rq1, rq2, rq3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
+    b_k = side_block(Kw, k1, k2, k3, rk1, rk2, rk3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
+    return b_q, b_k
+
+
+@triton.jit
 def query_block_grad(b_q, b_k, do, Hc, b_dGq, b_gam, b_dc, scale, r, m_t, o_k, off_s, V: tl.constexpr,
                      C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     """Key block ``o_k`` of phi(Q)'s gradient ([C, BK]) from the block's phi(Q) and phi(K), and
@@ -337,8 +346,8 @@ def _stored_pass(Qw, Kw, q1, q2, q3, k1, k2, k3, rq1, rq2, rq3, rk1, rk2, rk3, d
     K: tl.constexpr = D1 * D2 * D3
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_q = side_block(Qw, q1, q2, q3, rq1, rq2, rq3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
-        b_k = side_block(Kw, k1, k2, k3, rk1, rk2, rk3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
+        b_q, b_k = phi_blocks(Qw, Kw, q1, q2, q3, k1, k2, k3, rq1, rq2, rq3, rk1, rk2, rk3, p_row, r, m_t, i_k, NF, C,
+                              BK, D1, D2, D3)
         b_dq, b_dc = query_block_grad(b_q, b_k, do, Hc, b_dGq, b_gam, b_dc, scale, r, m_t, o_k, off_s, V, C, BK, BV,
                                       PREC)
         b_dk, b_dlast = key_block_grad(b_q, b_k, Uc, dv, Hc, dHc, b_dGq, b_dGs, b_gam, b_r, b_dlast, b_last, r, m_t,
@@ -365,8 +374,8 @@ def _register_passes(Qw, Kw, q1, q2, q3, k1, k2, k3, b_q1, b_q2, b_q3, b_k1, b_k
     aq1, aq2, aq3 = b_q1 * 0.0, b_q2 * 0.0, b_q3 * 0.0
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_q = side_block(Qw, q1, q2, q3, rq1, rq2, rq3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
-        b_k = side_block(Kw, k1, k2, k3, rk1, rk2, rk3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
+        b_q, b_k = phi_blocks(Qw, Kw, q1, q2, q3, k1, k2, k3, rq1, rq2, rq3, rk1, rk2, rk3, p_row, r, m_t, i_k, NF, C,
+                              BK, D1, D2, D3)
         b_dq, b_dc = query_block_grad(b_q, b_k, do, Hc, b_dGq, b_gam, b_dc, scale, r, m_t, o_k, off_s, V, C, BK, BV,
                                       PREC)
         aq1, aq2, aq3 = _block_to_factors(b_dq, q1, q2, q3, rq1, rq2, rq3, r, m_t, i_k, aq1, aq2, aq3,
@@ -376,8 +385,8 @@ def _register_passes(Qw, Kw, q1, q2, q3, k1, k2, k3, b_q1, b_q2, b_q3, b_k1, b_k
     ak1, ak2, ak3 = b_k1 * 0.0, b_k2 * 0.0, b_k3 * 0.0
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_q = side_block(Qw, q1, q2, q3, rq1, rq2, rq3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
-        b_k = side_block(Kw, k1, k2, k3, rk1, rk2, rk3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
+        b_q, b_k = phi_blocks(Qw, Kw, q1, q2, q3, k1, k2, k3, rq1, rq2, rq3, rk1, rk2, rk3, p_row, r, m_t, i_k, NF, C,
+                              BK, D1, D2, D3)
         b_dk, b_dlast = key_block_grad(b_q, b_k, Uc, dv, Hc, dHc, b_dGq, b_dGs, b_gam, b_r, b_dlast, b_last, r, m_t,
                                        o_k, off_s, V, C, BK, BV, USE_BETA, PREC)
         ak1, ak2, ak3 = _block_to_factors(b_dk, k1, k2, k3, rk1, rk2, rk3, r, m_t, i_k, ak1, ak2, ak3,

@@ -25,7 +25,7 @@ from . import args
 from .args import factor_args
 from .blocks import chunk_rows
 from .chunk_backward_grads import (
-    chunk_scores, cc_grads, key_block_grad, key_gram, query_block_grad, side_block, side_norms, side_tiles,
+    chunk_scores, cc_grads, key_block_grad, key_gram, phi_blocks, query_block_grad, side_norms, side_tiles,
     value_pass, stored_log_decay,
 )
 
@@ -88,8 +88,8 @@ def chunk_bwd_key_block_kernel(
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = m_t[:, None] & (o_k < K)[None, :]
     off_s = (i_s * H + i_h) * K * V
-    b_q = side_block(Qw, q1, q2, q3, rq1, rq2, rq3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
-    b_k = side_block(Kw, k1, k2, k3, rk1, rk2, rk3, p_row, r, m_t, i_k, NF, C, BK, D1, D2, D3)
+    b_q, b_k = phi_blocks(Qw, Kw, q1, q2, q3, k1, k2, k3, rq1, rq2, rq3, rk1, rk2, rk3, p_row, r, m_t, i_k, NF, C, BK,
+                          D1, D2, D3)
     b_dq, b_dc = query_block_grad(b_q, b_k, do, Hc, b_dGq, b_gam, tl.zeros([C], dtype=tl.float32), scale, r, m_t,
                                   o_k, off_s, V, C, BK, BV, PREC)
     tl.store(dQp + p_row[:, None] * K + o_k[None, :], b_dq.to(dQp.dtype.element_ty), mask=m_k)
