@@ -34,8 +34,8 @@ Four to seven launches (:func:`launch_backward`):
    ``block_k`` columns: dv, dbeta, dg and, with ``factor_grads="registers"``, every factor's
    gradient (phi's contracted to the factors in registers), else phi(Q)'s and phi(K)'s ([T, K]
    each in the workspace type; always at order 2, whose one factor is phi), written over phi's
-   own workspaces where those are in that type (:func:`over_phi`); with ``grads_split`` (an
-   experiment) three launches instead (``chunk_backward_split``);
+   own workspaces where those are in that type (``BackwardConfig.phi_grads_over_phi``); with
+   ``grads_split`` (an experiment) three launches instead (``chunk_backward_split``);
 5. (phi's gradients stored) ``chunk_backward_grads.phi_grads_to_factors_kernel``,
    token-parallel: phi's gradients to the factors, through the l2norm.
 
@@ -247,9 +247,8 @@ class BackwardConfig(KernelConfig):
         phi_grads = 2 * e * K if self.phi_grads_stored(w.shape) else 0
         per_token = 4 * C + 2 * e * V
         running = 0
-        if self.state_loop == "resident":  # phi's gradients over phi where they take its type
-            apart = not self.grads_split and e == dot  # (launch_backward's over_phi: the one-pass kernel)
-            per_token += max(2 * K * dot, phi_grads) if apart else 2 * K * dot + phi_grads
+        if self.state_loop == "resident":
+            per_token += 2 * K * dot if self.phi_grads_over_phi(w.shape) else 2 * K * dot + phi_grads
         else:
             per_token += phi_grads
             running = 2 * w.batch * w.heads * K * V * 4
@@ -266,6 +265,15 @@ class BackwardConfig(KernelConfig):
     def workspace_bytes_per_element(self, shape: KernelShape) -> int:
         """Bytes of an element of U, R, dU and the stored phi gradients (``workspace_dtype``)."""
         return shape.input_bytes if self.workspace_dtype == "inputs" else 4
+
+    def phi_grads_over_phi(self, shape: KernelShape) -> bool:
+        """Do phi's stored gradients go over phi's own workspaces (``launch_backward``)? When the
+        one-pass gradients kernel stores them (not ``grads_split``), phi is there (the resident
+        loops) and in the gradients' type (16-bit inputs with 16-bit workspaces, or fp32
+        throughout): o3 16x16 B8 T4096 H8 bf16 forward + backward then peaked at 965 MiB
+        against 1221 (H200)."""
+        return (self.phi_grads_stored(shape) and self.state_loop == "resident" and not self.grads_split
+                and self.workspace_bytes_per_element(shape) == dot_operand_bytes(shape.input_bytes))
 
     def phi_grads_stored(self, shape: KernelShape) -> bool:
         """Are phi's gradients stored ([T, K] each) and contracted by a fifth launch?"""
@@ -492,14 +500,6 @@ def tuned_backward(p: Problem, device: torch.device) -> BackwardConfig | None:
     return config if isinstance(config, BackwardConfig) else None
 
 
-def over_phi(config: BackwardConfig, ws: dict, store: torch.dtype) -> bool:
-    """Do phi's stored gradients take phi's own workspaces? When the one-pass gradients kernel
-    stores them (not ``grads_split``), phi is there (the resident loops) and in
-    the gradients' type (16-bit inputs with 16-bit workspaces, or fp32 throughout): o3 16x16
-    B8 T4096 H8 bf16 forward + backward then peaked at 965 MiB against 1221 (H200)."""
-    return not config.grads_split and ws.get("Qw") is not None and ws["Qw"].dtype == store
-
-
 def _state_grads(config: BackwardConfig, p: Problem, q, k, v, beta, h0, cu_seqlens, l2norm: bool, kept: Recomputed,
                  do, dht):
     """Step 3: every chunk's dS', dU and d(initial state) (fp32; None without ``h0``)."""
@@ -540,9 +540,10 @@ def launch_backward(config: BackwardConfig, p: Problem, q, k, v, g, beta, h0, cu
     # 4. dv, dbeta, dg and every factor's gradient (or phi's, to dQp / dKp), chunk-parallel
     dq = [args.empty(x.shape, dtype=x.dtype, device=dev) for x in q]
     dk = [args.empty(x.shape, dtype=x.dtype, device=dev) for x in k]
-    stored = config.phi_grads_stored(KernelShape(p.key_widths, V))
+    shape = KernelShape(p.key_widths, V, v.element_size())
+    stored = config.phi_grads_stored(shape)
     dQp = dKp = None
-    if stored and over_phi(config, ws, store):  # phi's gradients go over phi (the one-pass kernel reads then writes)
+    if config.phi_grads_over_phi(shape):  # the one-pass kernel reads each block of phi, then writes over it
         dQp, dKp = ws["Qw"], ws["Kw"]
     elif stored:
         dQp, dKp = (args.empty(B, H, T, K, dtype=store, device=dev) for _ in range(2))
