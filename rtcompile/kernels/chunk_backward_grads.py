@@ -156,13 +156,6 @@ def _gathered(x, r, idx, m, D: tl.constexpr, b_rho):
 
 
 @triton.jit
-def _onehot(idx, D: tl.constexpr):
-    """[BK, D] fp32: 1 where column a equals ``idx``'s entry j: the products below scatter a key
-    block's [C, BK] terms to a factor's [C, D] gradient on the tensor cores (exact in fp32)."""
-    return (idx[:, None] == tl.arange(0, D)[None, :]).to(tl.float32)
-
-
-@triton.jit
 def _phi_block(x1, x2, x3, b_rho1, b_rho2, b_rho3, r, m_t, i_k, NF: tl.constexpr, C: tl.constexpr,
                BK: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
     """Key block ``i_k`` ([C, BK] fp32) of the normalised phi = x1 (x) x2 (x) x3 (row-major),
@@ -176,33 +169,6 @@ def _phi_block(x1, x2, x3, b_rho1, b_rho2, b_rho3, r, m_t, i_k, NF: tl.constexpr
     if NF > 2:
         b_phi *= _gathered(x3, r, (o_k % D3)[None, :], m, D3, b_rho3)
     return b_phi
-
-
-@triton.jit
-def _block_to_factors(b_d, x1, x2, x3, b_rho1, b_rho2, b_rho3, r, m_t, i_k, a1, a2, a3, NF: tl.constexpr,
-                      C: tl.constexpr, BK: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
-                      PREC: tl.constexpr):
-    """Add key block ``i_k``'s share of phi's gradient ``b_d`` ([C, BK]) to the normalised
-    factors' gradients ``a1``..``a3`` ([C, d_i]): da_i[t, a] = sum over the block's columns j
-    with index a on axis i of d[t, j] times the other factors' entries at j, each other factor's
-    entries read again (cached) and scattered by a one-hot [BK, d_i] product. (A form that
-    reshaped the block to [C, BK / d_2, d_2] instead compiled to fewer spills on sm_90 but gave
-    wrong gradients on the H200 under Triton 3.6 (9 of 9 order-3 tests with BK >= 2 d_2 failed,
-    2026-12-01) and was removed.)"""
-    o_k = i_k * BK + tl.arange(0, BK)
-    m = m_t[:, None] & (o_k < D1 * D2 * D3)[None, :]
-    i1, i2, i3 = o_k // (D2 * D3), (o_k // D3) % D2, o_k % D3
-    b_1 = _gathered(x1, r, i1[None, :], m, D1, b_rho1)
-    b_2 = _gathered(x2, r, i2[None, :], m, D2, b_rho2)
-    if NF == 2:
-        a1 += f32dot(b_d * b_2, _onehot(i1, D1), PREC)
-        a2 += f32dot(b_d * b_1, _onehot(i2, D2), PREC)
-    else:
-        b_3 = _gathered(x3, r, i3[None, :], m, D3, b_rho3)
-        a1 += f32dot(b_d * b_2 * b_3, _onehot(i1, D1), PREC)
-        a2 += f32dot(b_d * b_1 * b_3, _onehot(i2, D2), PREC)
-        a3 += f32dot(b_d * b_1 * b_2, _onehot(i3, D3), PREC)
-    return a1, a2, a3
 
 
 @triton.jit
@@ -361,36 +327,100 @@ def _stored_pass(Qw, Kw, q1, q2, q3, k1, k2, k3, rq1, rq2, rq3, rk1, rk2, rk3, d
 
 
 @triton.jit
-def _register_passes(Qw, Kw, q1, q2, q3, k1, k2, k3, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, rq1, rq2, rq3, rk1, rk2,
-                     rk3, do, Hc, dHc, Uc, dv, dq1, dq2, dq3, dk1, dk2, dk3, b_dGq, b_dGs, b_gam, b_r, b_dc, b_dlast,
-                     b_last, scale, p_row, r, m_t, off_s, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
-                     D3: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                     USE_BETA: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr):
-    """phi's gradients contracted to the factors in registers (NF >= 2): two passes over the key
-    blocks, the queries' then the keys', so one side's [C, BK] terms and factor accumulators
-    live at a time (one pass held both and spilled 0.1-1.5 KB per thread on sm_90 at o3 16x16
-    to o4 16^3, probe_offline.py --backward). Returns (dc, dc_last's share)."""
+def _column(b_x, j, D: tl.constexpr):
+    """Column ``j`` of a [C, D] tile ([C]), selected in registers."""
+    return tl.sum(tl.where(tl.arange(0, D)[None, :] == j, b_x, 0.0), axis=1)
+
+
+@triton.jit
+def _lead_block_to_factors(b_d, b_x1, b_x2, b_x3, a1, a2, a3, i_k, NF: tl.constexpr, D1: tl.constexpr,
+                           D2: tl.constexpr):
+    """Add key block ``i_k`` of phi's gradient ``b_d`` ([C, D_last]: the last axis whole at the
+    leading index i_k) to the normalised factors' accumulators ``a*`` ([C, d_i]): the last
+    factor's gradient gains d times the leading factors' entries at i_k (a column each); each
+    leading factor's column at its index gains rowsum(d * x_last) times the other leading
+    entries. Elementwise work of 3 C D_last per block, no gathers or reshapes."""
+    if NF == 2:
+        a2 += b_d * _column(b_x1, i_k, D1)[:, None]
+        a1 += tl.where(tl.arange(0, D1)[None, :] == i_k, tl.sum(b_d * b_x2, axis=1)[:, None], 0.0)
+    else:
+        i1 = i_k // D2
+        i2 = i_k % D2
+        b_c1 = _column(b_x1, i1, D1)
+        b_c2 = _column(b_x2, i2, D2)
+        a3 += b_d * (b_c1 * b_c2)[:, None]
+        b_s = tl.sum(b_d * b_x3, axis=1)
+        a1 += tl.where(tl.arange(0, D1)[None, :] == i1, (b_s * b_c2)[:, None], 0.0)
+        a2 += tl.where(tl.arange(0, D2)[None, :] == i2, (b_s * b_c1)[:, None], 0.0)
+    return a1, a2, a3
+
+
+@triton.jit
+def _gram_except(xa1, xa2, xa3, xb1, xb2, xb3, I: tl.constexpr, NF: tl.constexpr, PREC: tl.constexpr):
+    """The product over factors j != I of xa_j xb_j^T ([C, C]; NF >= 2): what contracts a
+    [C, C] weight times phi(xb) to factor I of xa's side (the Kronecker identity)."""
+    if I == 1:
+        b_g = f32dot(xa2, tl.trans(xb2), PREC)
+    else:
+        b_g = f32dot(xa1, tl.trans(xb1), PREC)
+    if NF == 3:
+        if I == 3:
+            b_g *= f32dot(xa2, tl.trans(xb2), PREC)
+        else:
+            b_g *= f32dot(xa3, tl.trans(xb3), PREC)
+    return b_g
+
+
+@triton.jit
+def _intra_to_factor(b_dGq, b_dGs, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_qi, b_ki, aq, ak, I: tl.constexpr,
+                     NF: tl.constexpr, USE_BETA: tl.constexpr, PREC: tl.constexpr):
+    """Factor I's share of the within-chunk terms dGq phi(K) (queries') and dGq^T phi(Q) + dGs
+    phi(K) (keys'), contracted in C x C space: (dGq * prod_{j != I} q_j k_j^T) k_I and its
+    transpose times q_I, (dGs * prod_{j != I} k_j k_j^T) k_I; no K-wide product."""
+    b_m = b_dGq * _gram_except(b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, I, NF, PREC)
+    aq += f32dot(b_m, b_ki, PREC)
+    ak += f32dot(tl.trans(b_m), b_qi, PREC)
+    if USE_BETA:
+        ak += f32dot(b_dGs * _gram_except(b_k1, b_k2, b_k3, b_k1, b_k2, b_k3, I, NF, PREC), b_ki, PREC)
+    return aq, ak
+
+
+@triton.jit
+def _register_pass(q1, q2, q3, k1, k2, k3, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, do, Hc, dHc, Uc, dv, dq1, dq2, dq3,
+                   dk1, dk2, dk3, b_dGq, b_dGs, b_gam, b_r, b_dc, b_dlast, b_last, scale, r, m_t, off_s,
+                   NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, V: tl.constexpr,
+                   C: tl.constexpr, BV: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr,
+                   PREC: tl.constexpr):
+    """phi's gradients contracted to the factors in registers (NF >= 2), one pass over key blocks
+    of the last axis whole (D_last columns at one leading index): each block's state terms
+    (dO S^T; U dS'^T and dR S^T) on the tensor cores, contracted by :func:`_lead_block_to_factors`;
+    the within-chunk terms first, in C x C space (:func:`_intra_to_factor`; dGq and dGs then die
+    before the loop), so no phi block is built or gathered. (The two-pass form it replaced built phi(Q) and phi(K) blocks from
+    gathered factor entries and scattered by one-hot products: 12.9 of 17.2 ms at o3 32x32 on
+    the H200, 2026-12-02.) Returns (dc, dc_last's share)."""
+    DL: tl.constexpr = D2 if NF == 2 else D3
     K: tl.constexpr = D1 * D2 * D3
-    aq1, aq2, aq3 = b_q1 * 0.0, b_q2 * 0.0, b_q3 * 0.0
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        b_q, b_k = phi_blocks(Qw, Kw, q1, q2, q3, k1, k2, k3, rq1, rq2, rq3, rk1, rk2, rk3, p_row, r, m_t, i_k, NF, C,
-                              BK, D1, D2, D3)
-        b_dq, b_dc = query_block_grad(b_q, b_k, do, Hc, b_dGq, b_gam, b_dc, scale, r, m_t, o_k, off_s, V, C, BK, BV,
-                                      PREC)
-        aq1, aq2, aq3 = _block_to_factors(b_dq, q1, q2, q3, rq1, rq2, rq3, r, m_t, i_k, aq1, aq2, aq3,
-                                          NF, C, BK, D1, D2, D3, PREC)
-    # the queries' factors now: their accumulators need not live through the keys' pass
+    aq1, ak1 = _intra_to_factor(b_dGq, b_dGs, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_q1, b_k1, b_q1 * 0.0, b_k1 * 0.0,
+                                1, NF, USE_BETA, PREC)
+    aq2, ak2 = _intra_to_factor(b_dGq, b_dGs, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_q2, b_k2, b_q2 * 0.0, b_k2 * 0.0,
+                                2, NF, USE_BETA, PREC)
+    aq3, ak3 = b_q3 * 0.0, b_k3 * 0.0
+    if NF == 3:
+        aq3, ak3 = _intra_to_factor(b_dGq, b_dGs, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_q3, b_k3, aq3, ak3, 3, NF,
+                                    USE_BETA, PREC)
+    # dc's state share sum_k dphi(Q)[t, k] phi(Q)[t, k] = sum_a (its factor-1 contraction) q1[t, a]:
+    # the loop's additions to aq1, so the intra share comes off here
+    b_dc -= tl.sum(aq1 * b_q1, axis=1)
+    for i_k in range(K // DL):
+        o_k = i_k * DL + tl.arange(0, DL)
+        b_dq = (scale * b_gam)[:, None] * query_state_terms(do, Hc, r, m_t, o_k, off_s, V, C, DL, BV, PREC)
+        b_ks, b_xs, b_sds = key_state_terms(Uc, dv, Hc, dHc, r, m_t, o_k, off_s, V, C, DL, BV, USE_BETA, PREC)
+        b_dlast += tl.exp(b_last) * b_sds
+        b_dk = b_r[:, None] * b_ks - b_gam[:, None] * b_xs
+        aq1, aq2, aq3 = _lead_block_to_factors(b_dq, b_q1, b_q2, b_q3, aq1, aq2, aq3, i_k, NF, D1, D2)
+        ak1, ak2, ak3 = _lead_block_to_factors(b_dk, b_k1, b_k2, b_k3, ak1, ak2, ak3, i_k, NF, D1, D2)
+    b_dc += tl.sum(aq1 * b_q1, axis=1)
     _store_side(dq1, dq2, dq3, q1, q2, q3, aq1, aq2, aq3, r, m_t, NF, D1, D2, D3, L2NORM)
-    ak1, ak2, ak3 = b_k1 * 0.0, b_k2 * 0.0, b_k3 * 0.0
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        b_q, b_k = phi_blocks(Qw, Kw, q1, q2, q3, k1, k2, k3, rq1, rq2, rq3, rk1, rk2, rk3, p_row, r, m_t, i_k, NF, C,
-                              BK, D1, D2, D3)
-        b_dk, b_dlast = key_block_grad(b_q, b_k, Uc, dv, Hc, dHc, b_dGq, b_dGs, b_gam, b_r, b_dlast, b_last, r, m_t,
-                                       o_k, off_s, V, C, BK, BV, USE_BETA, PREC)
-        ak1, ak2, ak3 = _block_to_factors(b_dk, k1, k2, k3, rk1, rk2, rk3, r, m_t, i_k, ak1, ak2, ak3,
-                                          NF, C, BK, D1, D2, D3, PREC)
     _store_side(dk1, dk2, dk3, k1, k2, k3, ak1, ak2, ak3, r, m_t, NF, D1, D2, D3, L2NORM)
     return b_dc, b_dlast
 
@@ -407,7 +437,7 @@ def chunk_bwd_grads_kernel(
     (the resident loops' workspaces) or, when those are None, built from the factors
     (:func:`side_block`). With ``dQp`` / ``dKp`` given ([B, T, H, K] fp32; always at order 2)
     phi's gradients are stored there for :func:`phi_grads_to_factors_kernel`; None: contracted
-    to the factors here (:func:`_block_to_factors`) and stored into ``dq*`` / ``dk*``. ``P``,
+    to the factors here (:func:`_register_pass`) and stored into ``dq*`` / ``dk*``. ``P``,
     ``Ai``, ``Gc``: the prepare kernel's; ``Hc``, ``Uc``, ``Rc``: the recompute's; ``dHc``,
     ``dUc``: the state-gradient loop's. ``Gc`` / ``beta`` None: no gates / no delta rule."""
     USE_BETA: tl.constexpr = beta is not None
@@ -433,10 +463,10 @@ def chunk_bwd_grads_kernel(
                                      dv, dQp, dKp, b_dGq, b_dGs, b_gam, b_r, b_dc, b_dlast, b_last, scale, p_row, r,
                                      m_t, off_s, NF, D1, D2, D3, V, C, BK, BV, USE_BETA, PREC)
     else:
-        b_dc, b_dlast = _register_passes(Qw, Kw, q1, q2, q3, k1, k2, k3, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, rq1,
-                                         rq2, rq3, rk1, rk2, rk3, do, Hc, dHc, Uc, dv, dq1, dq2, dq3, dk1, dk2,
-                                         dk3, b_dGq, b_dGs, b_gam, b_r, b_dc, b_dlast, b_last, scale, p_row, r,
-                                         m_t, off_s, NF, D1, D2, D3, V, C, BK, BV, USE_BETA, L2NORM, PREC)
+        b_dc, b_dlast = _register_pass(q1, q2, q3, k1, k2, k3, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, do, Hc, dHc, Uc,
+                                       dv, dq1, dq2, dq3, dk1, dk2, dk3, b_dGq, b_dGs, b_gam, b_r, b_dc, b_dlast,
+                                       b_last, scale, r, m_t, off_s, NF, D1, D2, D3, V, C, BV, USE_BETA, L2NORM,
+                                       PREC)
     if USE_BETA:
         tl.store(dbeta + r, b_db.to(dbeta.dtype.element_ty), mask=m_t)
     if Gc is not None:
