@@ -327,27 +327,28 @@ def _stored_pass(Qw, Kw, q1, q2, q3, k1, k2, k3, rq1, rq2, rq3, rk1, rk2, rk3, d
 
 
 @triton.jit
-def _column(b_x, j, D: tl.constexpr):
-    """Column ``j`` of a [C, D] tile ([C]), selected in registers."""
-    return tl.sum(tl.where(tl.arange(0, D)[None, :] == j, b_x, 0.0), axis=1)
+def _factor_column(x, r, m_t, j, D: tl.constexpr, b_rho):
+    """Column ``j`` of a factor at rows ``r``, normalised by ``b_rho`` ([C] fp32; a cached load,
+    no cross-thread reduction)."""
+    return tl.load(x + r * D + j, mask=m_t, other=0.0).to(tl.float32) * b_rho
 
 
 @triton.jit
-def _lead_block_to_factors(b_d, b_x1, b_x2, b_x3, a1, a2, a3, i_k, NF: tl.constexpr, D1: tl.constexpr,
-                           D2: tl.constexpr):
+def _lead_block_to_factors(b_d, x1, x2, b_rho1, b_rho2, b_x2, b_x3, a1, a2, a3, r, m_t, i_k, NF: tl.constexpr,
+                           D1: tl.constexpr, D2: tl.constexpr):
     """Add key block ``i_k`` of phi's gradient ``b_d`` ([C, D_last]: the last axis whole at the
     leading index i_k) to the normalised factors' accumulators ``a*`` ([C, d_i]): the last
     factor's gradient gains d times the leading factors' entries at i_k (a column each); each
     leading factor's column at its index gains rowsum(d * x_last) times the other leading
     entries. Elementwise work of 3 C D_last per block, no gathers or reshapes."""
     if NF == 2:
-        a2 += b_d * _column(b_x1, i_k, D1)[:, None]
+        a2 += b_d * _factor_column(x1, r, m_t, i_k, D1, b_rho1)[:, None]
         a1 += tl.where(tl.arange(0, D1)[None, :] == i_k, tl.sum(b_d * b_x2, axis=1)[:, None], 0.0)
     else:
         i1 = i_k // D2
         i2 = i_k % D2
-        b_c1 = _column(b_x1, i1, D1)
-        b_c2 = _column(b_x2, i2, D2)
+        b_c1 = _factor_column(x1, r, m_t, i1, D1, b_rho1)
+        b_c2 = _factor_column(x2, r, m_t, i2, D2, b_rho2)
         a3 += b_d * (b_c1 * b_c2)[:, None]
         b_s = tl.sum(b_d * b_x3, axis=1)
         a1 += tl.where(tl.arange(0, D1)[None, :] == i1, (b_s * b_c2)[:, None], 0.0)
@@ -386,7 +387,7 @@ def _intra_to_factor(b_dGq, b_dGs, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_qi, b_k
 
 
 @triton.jit
-def _register_pass(q1, q2, q3, k1, k2, k3, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, do, Hc, dHc, Uc, dv, dq1, dq2, dq3,
+def _register_pass(q1, q2, q3, k1, k2, k3, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, rq1, rq2, rk1, rk2, do, Hc, dHc, Uc, dv, dq1, dq2, dq3,
                    dk1, dk2, dk3, b_dGq, b_dGs, b_gam, b_r, b_dc, b_dlast, b_last, scale, r, m_t, off_s,
                    NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, V: tl.constexpr,
                    C: tl.constexpr, BV: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr,
@@ -411,14 +412,33 @@ def _register_pass(q1, q2, q3, k1, k2, k3, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, d
     # dc's state share sum_k dphi(Q)[t, k] phi(Q)[t, k] = sum_a (its factor-1 contraction) q1[t, a]:
     # the loop's additions to aq1, so the intra share comes off here
     b_dc -= tl.sum(aq1 * b_q1, axis=1)
-    for i_k in range(K // DL):
-        o_k = i_k * DL + tl.arange(0, DL)
-        b_dq = (scale * b_gam)[:, None] * query_state_terms(do, Hc, r, m_t, o_k, off_s, V, C, DL, BV, PREC)
-        b_ks, b_xs, b_sds = key_state_terms(Uc, dv, Hc, dHc, r, m_t, o_k, off_s, V, C, DL, BV, USE_BETA, PREC)
-        b_dlast += tl.exp(b_last) * b_sds
-        b_dk = b_r[:, None] * b_ks - b_gam[:, None] * b_xs
-        aq1, aq2, aq3 = _lead_block_to_factors(b_dq, b_q1, b_q2, b_q3, aq1, aq2, aq3, i_k, NF, D1, D2)
-        ak1, ak2, ak3 = _lead_block_to_factors(b_dk, b_k1, b_k2, b_k3, ak1, ak2, ak3, i_k, NF, D1, D2)
+    # value blocks outside, key blocks inside: a value block's dO, r U and Gamma dR rows load once,
+    # and each key block then loads only its S and dS' tiles (the contraction is linear, so each
+    # value block's share contracts on its own). Key blocks outside reloaded every row tile per
+    # block: 6.6 ms of gradients kernel at o3 32x32 (H200, 2026-12-02, 7cd127e)
+    b_sds = 0.0
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_o = m_t[:, None] & m_v[None, :]
+        b_do = (scale * b_gam)[:, None] * _rows(do, r, o_v, m_o, V)
+        b_u = b_r[:, None] * _rows(Uc, r, o_v, m_o, V)
+        b_dr = b_u
+        if USE_BETA:
+            b_dr = b_gam[:, None] * _rows(dv, r, o_v, m_o, V)  # dR, as the value pass stored it
+        for i_k in range(K // DL):
+            off = off_s + (i_k * DL + tl.arange(0, DL))[None, :] * V + o_v[:, None]
+            b_st = tl.load(Hc + off, mask=m_v[:, None], other=0.0).to(tl.float32)
+            b_dst = tl.load(dHc + off, mask=m_v[:, None], other=0.0).to(tl.float32)
+            b_sds += tl.sum(tl.sum(b_st * b_dst, axis=1), axis=0)
+            b_dk = f32dot(b_u, b_dst, PREC)
+            if USE_BETA:
+                b_dk -= f32dot(b_dr, b_st, PREC)
+            aq1, aq2, aq3 = _lead_block_to_factors(f32dot(b_do, b_st, PREC), q1, q2, rq1, rq2, b_q2, b_q3, aq1,
+                                                   aq2, aq3, r, m_t, i_k, NF, D1, D2)
+            ak1, ak2, ak3 = _lead_block_to_factors(b_dk, k1, k2, rk1, rk2, b_k2, b_k3, ak1, ak2, ak3, r, m_t, i_k,
+                                                   NF, D1, D2)
+    b_dlast += tl.exp(b_last) * b_sds
     b_dc += tl.sum(aq1 * b_q1, axis=1)
     _store_side(dq1, dq2, dq3, q1, q2, q3, aq1, aq2, aq3, r, m_t, NF, D1, D2, D3, L2NORM)
     _store_side(dk1, dk2, dk3, k1, k2, k3, ak1, ak2, ak3, r, m_t, NF, D1, D2, D3, L2NORM)
@@ -463,7 +483,8 @@ def chunk_bwd_grads_kernel(
                                      dv, dQp, dKp, b_dGq, b_dGs, b_gam, b_r, b_dc, b_dlast, b_last, scale, p_row, r,
                                      m_t, off_s, NF, D1, D2, D3, V, C, BK, BV, USE_BETA, PREC)
     else:
-        b_dc, b_dlast = _register_pass(q1, q2, q3, k1, k2, k3, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, do, Hc, dHc, Uc,
+        b_dc, b_dlast = _register_pass(q1, q2, q3, k1, k2, k3, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, rq1, rq2, rk1,
+                                       rk2, do, Hc, dHc, Uc,
                                        dv, dq1, dq2, dq3, dk1, dk2, dk3, b_dGq, b_dGs, b_gam, b_r, b_dc, b_dlast,
                                        b_last, scale, r, m_t, off_s, NF, D1, D2, D3, V, C, BV, USE_BETA, L2NORM,
                                        PREC)
