@@ -33,7 +33,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .blocks import chunk_rows, factor_inv_norm, factor_tiles, one_side_tiles
+from .blocks import chunk_rows, dot, factor_inv_norm, factor_tiles, one_side_tiles
 
 
 @triton.jit
@@ -416,26 +416,33 @@ def _register_pass(q1, q2, q3, k1, k2, k3, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, r
     # and each key block then loads only its S and dS' tiles (the contraction is linear, so each
     # value block's share contracts on its own). Key blocks outside reloaded every row tile per
     # block: 6.6 ms of gradients kernel at o3 32x32 (H200, 2026-12-02, 7cd127e)
+    # dO S^T and dR S^T multiply loaded 16-bit values (dO, dR as stored in dv's type, S in the
+    # products' type) in that type: exact products, as tf32 would give them, at half the operand
+    # bytes; r U (an fp32 workspace) stays in fp32 at PREC. The row scales come after the products.
+    DT: tl.constexpr = Hc.dtype.element_ty
+    LOWP: tl.constexpr = DT != tl.float32
     b_sds = 0.0
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
         m_o = m_t[:, None] & m_v[None, :]
-        b_do = (scale * b_gam)[:, None] * _rows(do, r, o_v, m_o, V)
+        p_o = r[:, None] * V + o_v[None, :]
+        b_do = tl.load(do + p_o, mask=m_o, other=0.0)
         b_u = b_r[:, None] * _rows(Uc, r, o_v, m_o, V)
-        b_dr = b_u
+        b_dr = b_do
         if USE_BETA:
-            b_dr = b_gam[:, None] * _rows(dv, r, o_v, m_o, V)  # dR, as the value pass stored it
+            b_dr = tl.load(dv + p_o, mask=m_o, other=0.0)  # dR, as the value pass stored it
         for i_k in range(K // DL):
             off = off_s + (i_k * DL + tl.arange(0, DL))[None, :] * V + o_v[:, None]
-            b_st = tl.load(Hc + off, mask=m_v[:, None], other=0.0).to(tl.float32)
+            b_st = tl.load(Hc + off, mask=m_v[:, None], other=0.0)
             b_dst = tl.load(dHc + off, mask=m_v[:, None], other=0.0).to(tl.float32)
-            b_sds += tl.sum(tl.sum(b_st * b_dst, axis=1), axis=0)
+            b_sds += tl.sum(tl.sum(b_st.to(tl.float32) * b_dst, axis=1), axis=0)
             b_dk = f32dot(b_u, b_dst, PREC)
             if USE_BETA:
-                b_dk -= f32dot(b_dr, b_st, PREC)
-            aq1, aq2, aq3 = _lead_block_to_factors(f32dot(b_do, b_st, PREC), q1, q2, rq1, rq2, b_q2, b_q3, aq1,
-                                                   aq2, aq3, r, m_t, i_k, NF, D1, D2)
+                b_dk -= b_gam[:, None] * dot(b_dr, b_st, LOWP, DT, PREC)
+            b_dq = (scale * b_gam)[:, None] * dot(b_do, b_st, LOWP, DT, PREC)
+            aq1, aq2, aq3 = _lead_block_to_factors(b_dq, q1, q2, rq1, rq2, b_q2, b_q3, aq1, aq2, aq3, r, m_t, i_k,
+                                                   NF, D1, D2)
             ak1, ak2, ak3 = _lead_block_to_factors(b_dk, k1, k2, rk1, rk2, b_k2, b_k3, ak1, ak2, ak3, r, m_t, i_k,
                                                    NF, D1, D2)
     b_dlast += tl.exp(b_last) * b_sds
