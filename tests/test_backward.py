@@ -291,6 +291,18 @@ def test_config_refusals_name_the_field(config, needle):
     assert reason is not None and needle in reason, reason
 
 
+def test_pipelined_register_contraction_is_refused_at_order_4_only():
+    """grads_stages > 1 with the factors' gradients in registers faulted on the H200 at order 4
+    (an illegal address, not a wrong number the gradient gate could catch): refused there, still
+    offered at order 3 and with the workspace."""
+    config = BackwardConfig(chunk_size=32, block_v=32, block_k=64, grads_stages=2, state_loop="streamed",
+                            state_block_k=256, factor_grads="registers")
+    assert "grads_stages=2 with factor_grads='registers' at order 4" in config.check(KernelShape((16, 16, 16), 64))
+    assert "grads_stages" not in (config.check(KernelShape((32, 32), 64)) or "")
+    stored = dataclasses.replace(config, factor_grads="workspace")
+    assert "grads_stages" not in (stored.check(KernelShape((16, 16, 16), 64)) or "")
+
+
 @pytest.mark.parametrize("shape", [KernelShape((64,), 64), KernelShape((16, 16), 64), KernelShape((256,), 64),
                                    KernelShape((32, 32), 64)], ids=str)
 @pytest.mark.parametrize("chunk_size", [16, 32, 64])

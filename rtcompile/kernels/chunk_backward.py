@@ -175,6 +175,11 @@ class BackwardConfig(KernelConfig):
             return "keep_forward=True with state_loop='streamed'; allowed: keep_forward=False, or the resident loop"
         if self.grads_split and self.factor_grads != "workspace":  # else a duplicate the tuner times twice
             return f"factor_grads={self.factor_grads!r} with grads_split=True; allowed: 'workspace'"
+        if self.grads_stages > 1 and self.factor_grads == "registers" and len(shape.key_widths) == 3:
+            # the one-pass register contraction pipelined at order 4 hit an illegal memory access on
+            # the H200 (Triton 3.6, 2026-12-02, e8c6451, o4 16^3 C 64 grads_stages 2)
+            return (f"grads_stages={self.grads_stages} with factor_grads='registers' at order 4; allowed: 1 "
+                    "(or factor_grads='workspace')")
         if self.num_stages < 2 and self.state_loop == "resident":
             return f"num_stages={self.num_stages}; allowed: 2, 3 or 4 (the split state loop's rule; 1 streamed)"
         return resource_refusal(self, shape, smem_limit, "; try a smaller chunk_size, block_v or block_k")
