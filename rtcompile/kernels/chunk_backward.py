@@ -57,6 +57,7 @@ materialised keys, or zero-padded factors).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -142,6 +143,14 @@ class BackwardConfig(KernelConfig):
     # a training call's forward runs the prepare and state loop and keeps them for the backward
     # (chunk_backward_kept.py; resident loops): the default for 16-bit inputs up to K = 256
     keep_forward: bool = False
+    # the gradients kernel's value step (None: block_v): 64 against the loops' 32 took its time at
+    # o3 32x32 5.30 -> 3.87 ms and o3 64x64 12.1 -> 8.0 (H200, 2026-12-02, a3f20ec), where block_v
+    # 64 for every kernel slowed the recompute and state loops by more than that
+    grads_block_v: int | None = None
+
+    @property
+    def grads_bv(self) -> int:
+        return self.block_v if self.grads_block_v is None else self.grads_block_v
 
     def resident(self, shape: KernelShape) -> bool:
         return self.state_loop == "resident"
@@ -175,6 +184,10 @@ class BackwardConfig(KernelConfig):
             return "keep_forward=True with state_loop='streamed'; allowed: keep_forward=False, or the resident loop"
         if self.grads_split and self.factor_grads != "workspace":  # else a duplicate the tuner times twice
             return f"factor_grads={self.factor_grads!r} with grads_split=True; allowed: 'workspace'"
+        if self.grads_block_v is not None and (isinstance(self.grads_block_v, bool) or self.grads_block_v
+                                               not in [b for b in (16, 32, 64, 128) if b <= shape.value_dim_pow2]):
+            return (f"grads_block_v={self.grads_block_v!r}; allowed: None (block_v) or a power of two 16 .. "
+                    f"{shape.value_dim_pow2} (d_v rounded up)")
         if self.grads_stages > 1 and self.factor_grads == "registers" and len(shape.key_widths) == 3:
             # the one-pass register contraction pipelined at order 4 hit an illegal memory access on
             # the H200 (Triton 3.6, 2026-12-02, e8c6451, o4 16^3 C 64 grads_stages 2)
@@ -196,7 +209,8 @@ class BackwardConfig(KernelConfig):
             loop = sk * bv + 2 * C * sk + 2 * C * C + 4 * C * bv
         # + both sides' factor tiles and their gradients' accumulators (NF >= 2)
         factors = 4 * C * sum(shape.key_widths) if len(shape.key_widths) > 1 else 0
-        grads = 3 * C * C + 5 * C * bk + 2 * bk * bv + 3 * C * bv + factors
+        gbv = self.grads_bv
+        grads = 3 * C * C + 5 * C * bk + 2 * bk * gbv + 3 * C * gbv + factors
         return max(estimate_registers(loop, self.num_warps), estimate_registers(grads, self.grads_warps))
 
     def estimate_smem(self, shape: KernelShape) -> int:
@@ -231,6 +245,7 @@ class BackwardConfig(KernelConfig):
             "workspace_dtype": list(WORKSPACE_DTYPES) if shape.input_bytes == 2 else ["float32"],
             "grads_split": [False, True],
             "keep_forward": [False, True] if shape.key_dim <= MAX_KEY_DIM else [False],
+            "grads_block_v": [None] + [b for b in (16, 32, 64, 128) if b <= shape.value_dim_pow2],
         }
 
     def workspace_bytes(self, w: Workload) -> int:
@@ -329,10 +344,10 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
     # o3 32x32 gained 1% (17.3 -> 17.2 ms, 1393 -> 1297 MiB) and its dbeta error reached 2.1e-2
     # (the bf16 tests' bound 2e-2) in the interpreter
     ws = "inputs" if shape.input_bytes == 2 and not streamed else "float32"
-    # phi's gradients through a [T, K] workspace up to K = 256: o3 16x16 fwd+bwd 3.58 ms against
-    # 4.33 contracted in registers (H200, 2026-12-01, the two-pass gradients kernel; 1381 against
-    # 869 MiB); above, in registers (no [T, K] tensor; o3 32x32 25.5 ms against 14.4 at fad70b3,
-    # 2.3 against 4.3 GiB)
+    # phi's gradients through a [T, K] workspace up to K = 256 (o3 16x16's gradients kernel 1.93 ms
+    # against 1.60 in registers, H200, 2026-12-02, a3f20ec; measured whole at 95f8c83: fwd+bwd 2.07
+    # ms, 965 MiB); above, in registers, no [T, K] tensor: o3 32x32 fwd+bwd 9.63 ms and 1393 MiB
+    # against 13.46 ms and 3441 MiB stored (H200, 2026-12-02, a3f20ec and c50ef44)
     # streamed tiles as the streamed forward's: >= 128 rows and all of the trailing axes, so phi
     # blocks are outer products of factor rows (o4 16^3 at 128 rows, gathered: 61 ms recompute)
     tile = min(256, max(128, math.prod(shape.key_widths[1:])))
@@ -350,11 +365,14 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
     # o3 16x16 2.73 -> 2.01 ms, o2 64 2.76 -> 1.55, o2 256 3.85 -> 3.25, peak the same 1221 MiB
     # (H200, 2026-12-02, 9e68a27, one call); it holds those workspaces from forward to backward
     # (640 MiB per layer at o3 16x16 B8 T4096 H8: chunk_backward_kept.py), a recompute does not
-    for C, warps in order + ((16, 8),):
+    # streamed: the gradients kernel steps 64 value columns where the register check lets it
+    # (see grads_block_v)
+    grads_bvs = (64, None) if streamed and shape.value_dim_pow2 >= 64 else (None,)
+    for (C, warps), gbv in itertools.product(order + ((16, 8),), grads_bvs):
         kernels = {"grads_warps": 4, "grads_stages": 3, "num_stages": 3, "prepare_warps": 1, "keep_forward": True} \
             if tuned and C == 32 else {"grads_warps": 8, "prepare_warps": 4}
         cfg = BackwardConfig(chunk_size=C, block_v=bv, block_k=bk, num_warps=warps, key_group=group,
-                             dot_precision=prec, workspace_dtype=ws, **kernels, **loop)
+                             dot_precision=prec, workspace_dtype=ws, grads_block_v=gbv, **kernels, **loop)
         if (chunk_size is None or C == chunk_size) and cfg.check(shape, smem_limit) is None:
             return cfg
     return BackwardConfig(chunk_size=chunk_size or 16, block_v=16, block_k=bk, workspace_dtype=ws,
@@ -566,7 +584,8 @@ def launch_backward(config: BackwardConfig, p: Problem, q, k, v, g, beta, h0, cu
         chunk_bwd_grads_kernel[grid](
             *factor_args(q), *factor_args(k), ws["Qw"], ws["Kw"], ws["P"], ws["Ai"], ws["Gc"], v, beta, do, Hc, dHc, Uc,
             Rc, dUc, *factor_args(dq), *factor_args(dk), dQp, dKp, dv, dg, dbeta, cu_seqlens, idx, p.scale, T,
-            H=H, NF=len(q), **widths, V=V, C=C, BK=min(config.block_k, K), BV=bv, L2NORM=l2norm, PREC=prec,
+            H=H, NF=len(q), **widths, V=V, C=C, BK=min(config.block_k, K), BV=config.grads_bv, L2NORM=l2norm,
+            PREC=prec,
             num_warps=config.grads_warps, num_stages=config.grads_stages,
         )
     ws["Qw"] = ws["Kw"] = None  # no longer phi where its gradients went over it
