@@ -144,13 +144,11 @@ class BackwardConfig(KernelConfig):
     # (chunk_backward_kept.py; resident loops): the default for 16-bit inputs up to K = 256
     keep_forward: bool = False
     # the gradients kernel's value step (None: block_v): 64 against the loops' 32 took its time at
-    # o3 32x32 5.30 -> 3.87 ms and o3 64x64 12.1 -> 8.0 (H200, 2026-12-02, a3f20ec), where block_v
-    # 64 for every kernel slowed the recompute and state loops by more than that
+    # o3 32x32 5.30 -> 3.87 ms, o3 64x64 12.1 -> 8.0 (H200, 2026-12-02, a3f20ec); block_v 64 for
+    # every kernel slowed the recompute and state loops by more than that
     grads_block_v: int | None = None
 
-    @property
-    def grads_bv(self) -> int:
-        return self.block_v if self.grads_block_v is None else self.grads_block_v
+    grads_bv = property(lambda self: self.block_v if self.grads_block_v is None else self.grads_block_v)
 
     def resident(self, shape: KernelShape) -> bool:
         return self.state_loop == "resident"
@@ -551,7 +549,7 @@ def launch_backward(config: BackwardConfig, p: Problem, q, k, v, g, beta, h0, cu
     checks them); ``kept``: the forward's prepare and state loop
     (``chunk_backward_kept.forward_kept``), so steps 1 and 2 are not run again."""
     B, T, H, V = v.shape
-    C, K, bv, dev = config.chunk_size, p.key_dim, config.block_v, v.device
+    C, K, dev = config.chunk_size, p.key_dim, v.device
     varlen = cu_seqlens is not None
     prec = config.dot_precision
     store = workspace_dtype(config, v)  # U, R, dU, phi's gradients

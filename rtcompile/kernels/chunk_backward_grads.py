@@ -2,19 +2,19 @@
 
 :func:`chunk_bwd_grads_kernel`, one program per (chunk, head): first, over value blocks, the
 C x C gradients (scores dP, inverse dT and through it dA), dv, dbeta's and dc's shares that need
-no key contraction; then over key blocks of BK columns phi(Q)'s gradient (with dc's state share)
-and phi(K)'s: stored (``factor_grads="workspace"``, [B, H, T, K] in the workspace type), one pass
-that may write them over phi's own workspaces; contracted to the factors in registers, two passes
-(the queries', then the keys'), taken through the l2norm; last, dg (a reverse cumulative sum of
-dc within the chunk). :func:`phi_grads_to_factors_kernel`: the stored phi gradients to the
-factors, token-parallel.
+no key contraction; then phi(Q)'s gradient (with dc's state share) and phi(K)'s, either stored
+(``factor_grads="workspace"``, [B, H, T, K] in the workspace type: one pass over key blocks of
+BK columns, which may write them over phi's own workspaces) or contracted to the factors in
+registers (:func:`_register_pass`); last, dg (a reverse cumulative sum of dc within the chunk).
+:func:`phi_grads_to_factors_kernel`: the stored phi gradients to the factors, token-parallel.
 
-In registers, the Kronecker structure does the work of a [T, K] workspace: a key block of phi is
-built from the factors' entries at its columns (cached row loads), and a block's gradient d
-contracts to factor i as sum over the block's columns with index a on axis i of d times the
-other factors' entries, a product with a one-hot [BK, d_i] matrix on the tensor cores; phi(K)
-phi(K)^T is the product of the factors' Grams. Stored, phi's gradients cost a fifth launch and,
-where they cannot go over phi, 2 K elements per token-head.
+In registers, the Kronecker structure does the work of a [T, K] workspace. The within-chunk
+terms (dGq phi(K) and its kin) contract to factor i in C x C space: (dGq * prod_{j != i} q_j
+k_j^T) k_i. The state terms (dO S^T, U dS'^T, dR S^T) are formed on the tensor cores in key
+blocks of the last factor's width at one leading index, so contracting a block to the factors
+is a column update (rowsum(d * x_last) times the other leading entries) and an outer-product
+update of the last factor's gradient; no phi block is built. Stored, phi's gradients cost a
+fifth launch and, where they cannot go over phi, 2 K elements per token-head.
 
 No [C, K] or [K, V] tile is held whole: the key loop keeps [C, BK] and [BK, BV] tiles (the
 single-kernel form before it held [C, K] phi tiles and gradients and spilled ~14 KiB of stack
@@ -387,18 +387,19 @@ def _intra_to_factor(b_dGq, b_dGs, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_qi, b_k
 
 
 @triton.jit
-def _register_pass(q1, q2, q3, k1, k2, k3, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, rq1, rq2, rk1, rk2, do, Hc, dHc, Uc, dv, dq1, dq2, dq3,
-                   dk1, dk2, dk3, b_dGq, b_dGs, b_gam, b_r, b_dc, b_dlast, b_last, scale, r, m_t, off_s,
-                   NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, V: tl.constexpr,
+def _register_pass(q1, q2, q3, k1, k2, k3, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, rq1, rq2, rk1, rk2, do, Hc, dHc,
+                   Uc, dv, dq1, dq2, dq3, dk1, dk2, dk3, b_dGq, b_dGs, b_gam, b_r, b_dc, b_dlast, b_last, scale, r,
+                   m_t, off_s, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, V: tl.constexpr,
                    C: tl.constexpr, BV: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr,
                    PREC: tl.constexpr):
     """phi's gradients contracted to the factors in registers (NF >= 2), one pass over key blocks
     of the last axis whole (D_last columns at one leading index): each block's state terms
     (dO S^T; U dS'^T and dR S^T) on the tensor cores, contracted by :func:`_lead_block_to_factors`;
     the within-chunk terms first, in C x C space (:func:`_intra_to_factor`; dGq and dGs then die
-    before the loop), so no phi block is built or gathered. (The two-pass form it replaced built phi(Q) and phi(K) blocks from
-    gathered factor entries and scattered by one-hot products: 12.9 of 17.2 ms at o3 32x32 on
-    the H200, 2026-12-02.) Returns (dc, dc_last's share)."""
+    before the loop), so no phi block is built or gathered. (The two-pass form it replaced built
+    phi(Q) and phi(K) blocks from gathered factor entries and scattered them by one-hot
+    products: 12.9 of 17.2 ms fwd+bwd at o3 32x32 on the H200; this pass 5.3 of 9.6, 2026-12-02,
+    a3f20ec.) Returns (dc, dc_last's share)."""
     DL: tl.constexpr = D2 if NF == 2 else D3
     K: tl.constexpr = D1 * D2 * D3
     aq1, ak1 = _intra_to_factor(b_dGq, b_dGs, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_q1, b_k1, b_q1 * 0.0, b_k1 * 0.0,
@@ -491,10 +492,9 @@ def chunk_bwd_grads_kernel(
                                      m_t, off_s, NF, D1, D2, D3, V, C, BK, BV, USE_BETA, PREC)
     else:
         b_dc, b_dlast = _register_pass(q1, q2, q3, k1, k2, k3, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, rq1, rq2, rk1,
-                                       rk2, do, Hc, dHc, Uc,
-                                       dv, dq1, dq2, dq3, dk1, dk2, dk3, b_dGq, b_dGs, b_gam, b_r, b_dc, b_dlast,
-                                       b_last, scale, r, m_t, off_s, NF, D1, D2, D3, V, C, BV, USE_BETA, L2NORM,
-                                       PREC)
+                                       rk2, do, Hc, dHc, Uc, dv, dq1, dq2, dq3, dk1, dk2, dk3, b_dGq, b_dGs, b_gam,
+                                       b_r, b_dc, b_dlast, b_last, scale, r, m_t, off_s, NF, D1, D2, D3, V, C, BV,
+                                       USE_BETA, L2NORM, PREC)
     if USE_BETA:
         tl.store(dbeta + r, b_db.to(dbeta.dtype.element_ty), mask=m_t)
     if Gc is not None:
