@@ -357,9 +357,6 @@ def test_default_and_space(shape, limit):
         if c.grads_split and c.factor_grads != "workspace":  # the pairs of fields that are refused
             assert c.check(shape, limit) is not None
             continue
-        if c.keep_forward and c.state_loop != "resident":
-            assert c.check(shape, limit) is not None
-            continue
         if c.grads_stages > 1 and c.factor_grads == "registers" and len(shape.key_widths) == 3:
             assert c.check(shape, limit) is not None
             continue

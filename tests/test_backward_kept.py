@@ -50,14 +50,21 @@ def _case(name, seed=0, dtype=torch.float32):
 
 
 CONFIG = BackwardConfig(chunk_size=16, block_v=16, keep_forward=True)
+# the streamed loops (K > 256 by default) keep theirs too: the output comes from the state loop
+# that stores the states, in tiles of 64 rows (four per state at o3 16x16)
+STREAMED = dataclasses.replace(CONFIG, state_loop="streamed", state_block_k=64, factor_grads="registers")
 
 
-@pytest.mark.parametrize("name, dtype", [(n, torch.float32) for n in CASES] + [("o2-T37-h0", torch.float16)],
-                         ids=[*CASES, "o2-T37-h0-fp16-inputs-workspace"])
-def test_kept_forward_equals_reference_and_the_backward_equals_the_recomputing_one(name, dtype):
+@pytest.mark.parametrize("name, dtype, loop", [(n, torch.float32, "resident") for n in CASES]
+                         + [("o2-T37-h0", torch.float16, "resident")]
+                         + [(n, torch.float32, "streamed") for n in ("o3-16x16-T21-plain", "o3-16x16-varlen-h0")],
+                         ids=[*CASES, "o2-T37-h0-fp16-inputs-workspace", "o3-16x16-T21-plain-streamed",
+                              "o3-16x16-varlen-h0-streamed"])
+def test_kept_forward_equals_reference_and_the_backward_equals_the_recomputing_one(name, dtype, loop):
     q, k, v, g, beta, h0, cu = _case(name, dtype=dtype)
     p = check_inputs(q, k, v, g, beta, None, h0, cu)
-    config = CONFIG if dtype == torch.float32 else dataclasses.replace(CONFIG, workspace_dtype="inputs")
+    config = STREAMED if loop == "streamed" else CONFIG
+    config = config if dtype == torch.float32 else dataclasses.replace(config, workspace_dtype="inputs")
     tol = TOL if dtype == torch.float32 else 2e-2  # fp16 products (tests/test_backward.py's HALF_TOL)
     o, ht, kept = chunk_backward_kept.forward_kept(config, p, q, k, v, g, beta, h0, cu, True, True)
     d = lambda x: None if x is None else x.double().cpu()  # noqa: E731
@@ -75,19 +82,25 @@ def test_kept_forward_equals_reference_and_the_backward_equals_the_recomputing_o
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("name, split", [("o2-T37-h0", False), ("o3-16x16-varlen-h0", False),
-                                         ("o2-T37-h0", True), ("o3-16x16-varlen-h0", True)],
-                         ids=["o2-T37-h0", "o3-16x16-varlen-h0", "o2-T37-h0-split", "o3-16x16-varlen-h0-split"])
-def test_training_call_keeps_its_forward_and_matches_float64_autograd(name, split, monkeypatch):
+@pytest.mark.parametrize("name, split, loop", [("o2-T37-h0", False, "resident"),
+                                               ("o3-16x16-varlen-h0", False, "resident"),
+                                               ("o2-T37-h0", True, "resident"), ("o3-16x16-varlen-h0", True, "resident"),
+                                               ("o3-16x16-varlen-h0", False, "streamed")],
+                         ids=["o2-T37-h0", "o3-16x16-varlen-h0", "o2-T37-h0-split", "o3-16x16-varlen-h0-split",
+                              "o3-16x16-varlen-h0-streamed"])
+def test_training_call_keeps_its_forward_and_matches_float64_autograd(name, split, loop, monkeypatch):
     """running_tensor(backend="triton") with grad, under a default that keeps the forward: the
     prepare and state loop run once (in the forward), and every gradient, through the output
     and the final state, matches float64 autograd of the reference. phi's stored gradients go
-    over the kept phi workspaces (the one-pass kernel), or with ``grads_split`` into their own."""
+    over the kept phi workspaces (the one-pass kernel), or with ``grads_split`` into their own;
+    the streamed loop's forward is the state loop that stores the states, the factors'
+    gradients formed in registers."""
     base = chunk_backward.default_backward
+    fields = {"state_loop": "streamed", "state_block_k": 64, "factor_grads": "registers"} if loop == "streamed" \
+        else {"state_loop": "resident", "factor_grads": "workspace", "grads_split": split}
     monkeypatch.setattr(chunk_backward, "default_backward",
                         lambda *a, **kw: dataclasses.replace(base(*a, **kw), chunk_size=16, block_v=16,
-                                                             keep_forward=True, state_loop="resident",
-                                                             grads_split=split, factor_grads="workspace"))
+                                                             keep_forward=True, **fields))
     calls = []
     for mod in (chunk_backward_kept, chunk_backward):  # the forward's and the backward's names for it
         real = mod.recompute
@@ -144,13 +157,14 @@ def test_a_second_backward_through_a_kept_forward_recomputes(monkeypatch):
         assert rel_err(a.cpu(), b) < TOL, (i, rel_err(a.cpu(), b))
 
 
-def test_keep_forward_needs_the_resident_loop():
+def test_keep_forward_with_either_state_loop():
     shape = KernelShape((16, 16), 64)
-    assert CONFIG.check(shape) is None
-    reason = dataclasses.replace(CONFIG, state_loop="streamed").check(shape)
-    assert reason is not None and "keep_forward" in reason
-    assert BackwardConfig.space(KernelShape((32, 32), 64))["keep_forward"] == [False]
+    assert CONFIG.check(shape) is None and STREAMED.check(shape) is None
+    assert BackwardConfig.space(KernelShape((32, 32), 64))["keep_forward"] == [False, True]
     assert BackwardConfig.space(shape)["keep_forward"] == [False, True]
+    with pytest.raises(ValueError, match="streamed state loop only"):  # the resident loop has no output
+        chunk_backward_kept.recompute(CONFIG, None, [], [], torch.empty(1, 1, 1, 1), None, None, None, None, True,
+                                      o=torch.empty(1))
 
 
 def test_the_bf16_default_keeps_its_forward_and_matches_float64(monkeypatch):

@@ -178,8 +178,6 @@ class BackwardConfig(KernelConfig):
         for name in ("grads_split", "keep_forward"):
             if not isinstance(getattr(self, name), bool):
                 return f"{name}={getattr(self, name)!r}; allowed: False, True"
-        if self.keep_forward and self.state_loop != "resident":
-            return "keep_forward=True with state_loop='streamed'; allowed: keep_forward=False, or the resident loop"
         if self.grads_split and self.factor_grads != "workspace":  # else a duplicate the tuner times twice
             return f"factor_grads={self.factor_grads!r} with grads_split=True; allowed: 'workspace'"
         if self.grads_block_v is not None and (isinstance(self.grads_block_v, bool) or self.grads_block_v
@@ -242,7 +240,7 @@ class BackwardConfig(KernelConfig):
             "factor_grads": list(FACTOR_GRADS),
             "workspace_dtype": list(WORKSPACE_DTYPES) if shape.input_bytes == 2 else ["float32"],
             "grads_split": [False, True],
-            "keep_forward": [False, True] if shape.key_dim <= MAX_KEY_DIM else [False],
+            "keep_forward": [False, True],
             "grads_block_v": [None] + [b for b in (16, 32, 64, 128) if b <= shape.value_dim_pow2],
         }
 

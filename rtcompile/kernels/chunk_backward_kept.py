@@ -6,9 +6,10 @@ normalised phi(K) and phi(Q)) and the state loop (every chunk's incoming state S
 :func:`recompute` does that and returns it as :class:`Recomputed`.
 
 With ``BackwardConfig.keep_forward`` (the default for 16-bit inputs up to K = 256, in the train
-tuner's space; resident state loops only), an eager training call's forward is
-:func:`forward_kept` instead of the forward's own config: the same prepare and state loop, with
-the final state stored, then the split form's output kernel for O from the stored states. The
+tuner's space), an eager training call's forward is :func:`forward_kept` instead of the
+forward's own config: the same prepare and state loop, with the final state stored, then the
+split form's output kernel for O from the stored states (resident loops), or the streamed
+forward's kernel storing the states as it forms O (streamed loops: one sequential pass). The
 backward then starts from what it kept (``ops.KeptForward``), so a training step runs the
 prepare and the state loop once instead of twice (the forward's own and the recompute). The
 price is memory between the forward and the backward: what :func:`recompute` allocates is held
@@ -68,9 +69,13 @@ def workspace_dtype(config, v: torch.Tensor) -> torch.dtype:
 
 
 def recompute(config, p: Problem, q, k, v, g, beta, h0, cu_seqlens, l2norm: bool,
-              ht: torch.Tensor | None = None) -> Recomputed:
-    """Prepare and the state loop of BackwardConfig ``config`` on contiguous inputs; ``ht``
-    (resident loops only): also store the final state there (fp32)."""
+              ht: torch.Tensor | None = None, o: torch.Tensor | None = None) -> Recomputed:
+    """Prepare and the state loop of BackwardConfig ``config`` on contiguous inputs; ``ht``:
+    also store the final state there (fp32); ``o`` (streamed loops only): also store the
+    output there (v's shape and dtype), as the streamed forward does in the same loop."""
+    if o is not None and config.state_loop != "streamed":
+        raise ValueError("recompute: the output is stored by the streamed state loop only; got state_loop="
+                         f"{config.state_loop!r}")
     B, T, H, V = v.shape
     C, K, bv, dev = config.chunk_size, p.key_dim, config.block_v, v.device
     varlen = cu_seqlens is not None
@@ -93,28 +98,31 @@ def recompute(config, p: Problem, q, k, v, g, beta, h0, cu_seqlens, l2norm: bool
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
     else:
-        if ht is not None:
-            raise ValueError("recompute: a final state is stored by the resident state loop only")
         # each state tile's load issued one ahead, as the streamed forward measured (~1.2 TB/s of
         # state traffic without it at o3 64x64 on the H200)
         Hc, Uc, Rc = recompute_streamed(
-            p, q, k, v, g, beta, h0=h0, prefetch_state=True, cu_seqlens=cu_seqlens, offsets=offsets, l2norm=l2norm,
-            ws=ws, chunk_size=C, block_k=min(config.state_block_k, K), block_v=bv, num_warps=config.num_warps,
+            p, q, k, v, g, beta, h0=h0, ht=ht, o=o, prefetch_state=True, cu_seqlens=cu_seqlens, offsets=offsets,
+            l2norm=l2norm, ws=ws, chunk_size=C, block_k=min(config.state_block_k, K), block_v=bv, num_warps=config.num_warps,
             num_stages=config.num_stages, precision=config.dot_precision, store_dtype=store)
     return Recomputed(ws=ws, Hc=Hc, Uc=Uc, Rc=Rc, idx=idx, offsets=offsets, n_chunks=n_chunks)
 
 
 def forward_kept(config, p: Problem, q, k, v, g, beta, h0, cu_seqlens, l2norm: bool,
                  output_final_state: bool) -> tuple[torch.Tensor, torch.Tensor | None, Recomputed]:
-    """The forward of a training call under BackwardConfig ``config`` (``keep_forward``, resident
-    loops) on contiguous inputs: (o in v's dtype, the final state in fp32 or None, what the
-    backward reads). O = scale (diag(Gamma) phi(Q) S + P U) per chunk by the split form's output
-    kernel from the kept states."""
+    """The forward of a training call under BackwardConfig ``config`` (``keep_forward``) on
+    contiguous inputs: (o in v's dtype, the final state in fp32 or None, what the backward
+    reads). Resident loops: O = scale (diag(Gamma) phi(Q) S + P U) per chunk by the split form's
+    output kernel from the kept states; streamed loops: O from the streamed state loop itself,
+    which stores the states as it goes (the state lives in the final-state buffer there)."""
     B, T, H, V = v.shape
+    o = args.empty(B, T, H, V, dtype=v.dtype, device=v.device)
+    if config.state_loop == "streamed":
+        ht = args.empty(p.state_shape, dtype=torch.float32, device=v.device)  # the running state
+        kept = recompute(config, p, q, k, v, g, beta, h0, cu_seqlens, l2norm, o=o, ht=ht)
+        return o, (ht if output_final_state else None), kept
     ht = args.empty(p.state_shape, dtype=torch.float32, device=v.device) if output_final_state else None
     kept = recompute(config, p, q, k, v, g, beta, h0, cu_seqlens, l2norm, ht=ht)
     split = prepare_config(config)
-    o = args.empty(B, T, H, V, dtype=v.dtype, device=v.device)
     bv = min(split.output_block_v, max(16, triton.next_power_of_2(V)))
     programs = kept.idx.shape[0] if cu_seqlens is not None else kept.n_chunks[0]
     heads = H if cu_seqlens is not None else p.num_seqs * H

@@ -166,22 +166,26 @@ def _chunk_total(p: Problem, T: int, C: int) -> int:
 def recompute_streamed(p: Problem, q, k, v, g, beta, *, h0, cu_seqlens, offsets, l2norm: bool, ws: dict,
                        chunk_size: int, block_k: int, block_v: int, num_warps: int, num_stages: int, precision: str,
                        prefetch_state: bool = False, merge_passes: bool = False,
-                       store_dtype: torch.dtype = torch.float32):
+                       store_dtype: torch.dtype = torch.float32, ht: torch.Tensor | None = None,
+                       o: torch.Tensor | None = None):
     """The forward recompute with a streamed state: (Hc, Uc, Rc) as ``chunk_backward``'s split
     recompute stores them (Hc [chunks, H, K, V] in the products' type; Uc, Rc of v's shape in
     ``store_dtype``; Rc None without the delta rule). ``ws``: ``chunk_prepare.prepare_backward``'s
     dict (its "P" and "Ai" are read; "Kw" and "Qw" are not); ``offsets``: each varlen sequence's
-    first chunk (int32, with ``cu_seqlens``), else None."""
+    first chunk (int32, with ``cu_seqlens``), else None. ``ht``: the running state's fp32 buffer
+    (the final state when done; None: one of its own); ``o``: also the forward's output there
+    (the kept forward, ``chunk_backward_kept.forward_kept``)."""
     _check_tiles(chunk_size, block_k, block_v)
     B, T, H, V = v.shape
     dev = v.device
     Hc = args.empty(_chunk_total(p, T, chunk_size), H, p.key_dim, V, dtype=dot_dtype(v), device=dev)
     Uc = args.empty(B, T, H, V, dtype=store_dtype, device=dev)
     Rc = args.empty(B, T, H, V, dtype=store_dtype, device=dev) if beta is not None else None
-    ht = args.empty(p.state_shape, dtype=torch.float32, device=dev)  # the running state
+    if ht is None:
+        ht = args.empty(p.state_shape, dtype=torch.float32, device=dev)  # the running state
     grid = (triton.cdiv(V, block_v), p.num_seqs * H)
     chunk_streamed_kernel[grid](
-        *factor_args(q), *factor_args(k), v, g, beta, None, h0, ht, ws["P"], ws["Ai"], cu_seqlens,
+        *factor_args(q), *factor_args(k), v, g, beta, o, h0, ht, ws["P"], ws["Ai"], cu_seqlens,
         Hc, Uc, Rc, offsets, p.scale, T,
         H=H, NF=len(q), **width_args(p.key_widths, 16), V=V, C=chunk_size, BK=block_k, BV=block_v, L2NORM=l2norm,
         LOWP=lowp_dots(v.dtype), PREC=precision, OUTER=KernelShape(p.key_widths, V).outer_phi_ok(block_k),
