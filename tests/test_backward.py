@@ -168,6 +168,18 @@ def test_gradients_kernel_value_step_of_its_own(widths):
 
 
 @needs_kernels
+@pytest.mark.parametrize("widths, block_k", [((16, 16), 16), ((16, 16), 64), ((16, 16), 128), ((16, 16, 16), 16),
+                                             ((16, 16, 16), 128)],
+                         ids=["o3-bk16-1lead", "o3-bk64-4leads", "o3-bk128-8leads", "o4-bk16-1lead", "o4-bk128-8leads"])
+def test_register_contraction_over_several_leading_indices(widths, block_k):
+    """The register contraction's key blocks of block_k columns: one leading index per block
+    (block_k = the last width) or several at once (the block seen as [C, leads, last width])."""
+    config = BackwardConfig(chunk_size=16, block_v=16, block_k=block_k, state_loop="streamed", state_block_k=256,
+                            factor_grads="registers")
+    check_gradients(widths, 19, 20, chunk_size=16, config=config)
+
+
+@needs_kernels
 @pytest.mark.parametrize("widths, loop", [((16, 16), "resident"), ((16, 16), "streamed"), ((16, 16, 16), "streamed")],
                          ids=["o3-resident", "o3-streamed", "o4-streamed"])
 def test_factor_grads_in_a_workspace(widths, loop):

@@ -11,9 +11,9 @@ registers (:func:`_register_pass`); last, dg (a reverse cumulative sum of dc wit
 In registers, the Kronecker structure does the work of a [T, K] workspace. The within-chunk
 terms (dGq phi(K) and its kin) contract to factor i in C x C space: (dGq * prod_{j != i} q_j
 k_j^T) k_i. The state terms (dO S^T, U dS'^T, dR S^T) are formed on the tensor cores in key
-blocks of the last factor's width at one leading index, so contracting a block to the factors
-is a column update (rowsum(d * x_last) times the other leading entries) and an outer-product
-update of the last factor's gradient; no phi block is built. Stored, phi's gradients cost a
+blocks of whole rows of the last factor (block_k / d_last leading indices), so contracting a
+block is column updates (rowsum(d * x_last) times the other leading entries) and outer-product
+updates of the last factor's gradient; no phi block is built. Stored, phi's gradients cost a
 fifth launch and, where they cannot go over phi, 2 K elements per token-head.
 
 No [C, K] or [K, V] tile is held whole: the key loop keeps [C, BK] and [BK, BV] tiles (the
@@ -334,25 +334,50 @@ def _factor_column(x, r, m_t, j, D: tl.constexpr, b_rho):
 
 
 @triton.jit
+def _factor_columns(x, r, m_t, o_j, D: tl.constexpr, b_rho):
+    """Columns ``o_j`` ([NL]) of a factor at rows ``r``, normalised by ``b_rho``: [C, NL] fp32."""
+    return tl.load(x + r[:, None] * D + o_j[None, :], mask=m_t[:, None], other=0.0).to(tl.float32) * b_rho[:, None]
+
+
+@triton.jit
 def _lead_block_to_factors(b_d, x1, x2, b_rho1, b_rho2, b_x2, b_x3, a1, a2, a3, r, m_t, i_k, NF: tl.constexpr,
-                           D1: tl.constexpr, D2: tl.constexpr):
-    """Add key block ``i_k`` of phi's gradient ``b_d`` ([C, D_last]: the last axis whole at the
-    leading index i_k) to the normalised factors' accumulators ``a*`` ([C, d_i]): the last
-    factor's gradient gains d times the leading factors' entries at i_k (a column each); each
-    leading factor's column at its index gains rowsum(d * x_last) times the other leading
-    entries. Elementwise work of 3 C D_last per block, no gathers or reshapes."""
-    if NF == 2:
-        a2 += b_d * _factor_column(x1, r, m_t, i_k, D1, b_rho1)[:, None]
-        a1 += tl.where(tl.arange(0, D1)[None, :] == i_k, tl.sum(b_d * b_x2, axis=1)[:, None], 0.0)
-    else:
-        i1 = i_k // D2
-        i2 = i_k % D2
-        b_c1 = _factor_column(x1, r, m_t, i1, D1, b_rho1)
-        b_c2 = _factor_column(x2, r, m_t, i2, D2, b_rho2)
-        a3 += b_d * (b_c1 * b_c2)[:, None]
-        b_s = tl.sum(b_d * b_x3, axis=1)
-        a1 += tl.where(tl.arange(0, D1)[None, :] == i1, (b_s * b_c2)[:, None], 0.0)
-        a2 += tl.where(tl.arange(0, D2)[None, :] == i2, (b_s * b_c1)[:, None], 0.0)
+                           D1: tl.constexpr, D2: tl.constexpr, C: tl.constexpr, NL: tl.constexpr, DL: tl.constexpr):
+    """Add key block ``i_k`` of phi's gradient ``b_d`` ([C, NL D_last]: the last axis whole at NL
+    leading indices) to the factors' accumulators ``a*`` ([C, d_i]): the last factor's gains d
+    times the leading entries; each leading factor's column at its index, rowsum(d * x_last)
+    times the other leading entries. At order 4 the NL indices share the first axis' index."""
+    if NL == 1:
+        if NF == 2:
+            a2 += b_d * _factor_column(x1, r, m_t, i_k, D1, b_rho1)[:, None]
+            a1 += tl.where(tl.arange(0, D1)[None, :] == i_k, tl.sum(b_d * b_x2, axis=1)[:, None], 0.0)
+        else:
+            i1 = i_k // D2
+            i2 = i_k % D2
+            b_c1 = _factor_column(x1, r, m_t, i1, D1, b_rho1)
+            b_c2 = _factor_column(x2, r, m_t, i2, D2, b_rho2)
+            a3 += b_d * (b_c1 * b_c2)[:, None]
+            b_s = tl.sum(b_d * b_x3, axis=1)
+            a1 += tl.where(tl.arange(0, D1)[None, :] == i1, (b_s * b_c2)[:, None], 0.0)
+            a2 += tl.where(tl.arange(0, D2)[None, :] == i2, (b_s * b_c1)[:, None], 0.0)
+    else:  # the block as [C, NL, D_last]: one lead per middle index
+        b_d3 = tl.reshape(b_d, [C, NL, DL])
+        o_l = tl.arange(0, NL)
+        if NF == 2:
+            i1 = i_k * NL + o_l
+            b_w = _factor_columns(x1, r, m_t, i1, D1, b_rho1)  # [C, NL]
+            a2 += tl.sum(b_d3 * b_w[:, :, None], axis=1)
+            b_s = tl.sum(b_d3 * b_x2[:, None, :], axis=2)
+            a1 += tl.sum(tl.where(tl.arange(0, D1)[None, None, :] == i1[None, :, None], b_s[:, :, None], 0.0), axis=1)
+        else:
+            i1 = (i_k * NL) // D2
+            i2 = (i_k * NL) % D2 + o_l
+            b_c1 = _factor_column(x1, r, m_t, i1, D1, b_rho1)
+            b_c2 = _factor_columns(x2, r, m_t, i2, D2, b_rho2)  # [C, NL]
+            a3 += tl.sum(b_d3 * (b_c1[:, None] * b_c2)[:, :, None], axis=1)
+            b_s = tl.sum(b_d3 * b_x3[:, None, :], axis=2)
+            a1 += tl.where(tl.arange(0, D1)[None, :] == i1, tl.sum(b_s * b_c2, axis=1)[:, None], 0.0)
+            a2 += tl.sum(tl.where(tl.arange(0, D2)[None, None, :] == i2[None, :, None],
+                                  (b_s * b_c1[:, None])[:, :, None], 0.0), axis=1)
     return a1, a2, a3
 
 
@@ -390,16 +415,14 @@ def _intra_to_factor(b_dGq, b_dGs, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_qi, b_k
 def _register_pass(q1, q2, q3, k1, k2, k3, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, rq1, rq2, rk1, rk2, do, Hc, dHc,
                    Uc, dv, dq1, dq2, dq3, dk1, dk2, dk3, b_dGq, b_dGs, b_gam, b_r, b_dc, b_dlast, b_last, scale, r,
                    m_t, off_s, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, V: tl.constexpr,
-                   C: tl.constexpr, BV: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr,
+                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr,
                    PREC: tl.constexpr):
     """phi's gradients contracted to the factors in registers (NF >= 2), one pass over key blocks
-    of the last axis whole (D_last columns at one leading index): each block's state terms
+    of BK columns (the last axis whole at BK / D_last leading indices): each block's state terms
     (dO S^T; U dS'^T and dR S^T) on the tensor cores, contracted by :func:`_lead_block_to_factors`;
-    the within-chunk terms first, in C x C space (:func:`_intra_to_factor`; dGq and dGs then die
-    before the loop), so no phi block is built or gathered. (The two-pass form it replaced built
-    phi(Q) and phi(K) blocks from gathered factor entries and scattered them by one-hot
-    products: 12.9 of 17.2 ms fwd+bwd at o3 32x32 on the H200; this pass 5.3 of 9.6, 2026-12-02,
-    a3f20ec.) Returns (dc, dc_last's share)."""
+    the within-chunk terms first, in C x C space (:func:`_intra_to_factor`), so no phi block is
+    built or gathered (the two-pass form it replaced, phi blocks built from gathered entries:
+    12.9 of 17.2 ms fwd+bwd at o3 32x32, H200, a3f20ec). Returns (dc, dc_last's share)."""
     DL: tl.constexpr = D2 if NF == 2 else D3
     K: tl.constexpr = D1 * D2 * D3
     aq1, ak1 = _intra_to_factor(b_dGq, b_dGs, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_q1, b_k1, b_q1 * 0.0, b_k1 * 0.0,
@@ -433,8 +456,8 @@ def _register_pass(q1, q2, q3, k1, k2, k3, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, r
         b_dr = b_do
         if USE_BETA:
             b_dr = tl.load(dv + p_o, mask=m_o, other=0.0)  # dR, as the value pass stored it
-        for i_k in range(K // DL):
-            off = off_s + (i_k * DL + tl.arange(0, DL))[None, :] * V + o_v[:, None]
+        for i_k in range(K // BK):
+            off = off_s + (i_k * BK + tl.arange(0, BK))[None, :] * V + o_v[:, None]
             b_st = tl.load(Hc + off, mask=m_v[:, None], other=0.0)
             b_dst = tl.load(dHc + off, mask=m_v[:, None], other=0.0).to(tl.float32)
             b_sds += tl.sum(tl.sum(b_st.to(tl.float32) * b_dst, axis=1), axis=0)
@@ -443,9 +466,9 @@ def _register_pass(q1, q2, q3, k1, k2, k3, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, r
                 b_dk -= b_gam[:, None] * dot(b_dr, b_st, LOWP, DT, PREC)
             b_dq = (scale * b_gam)[:, None] * dot(b_do, b_st, LOWP, DT, PREC)
             aq1, aq2, aq3 = _lead_block_to_factors(b_dq, q1, q2, rq1, rq2, b_q2, b_q3, aq1, aq2, aq3, r, m_t, i_k,
-                                                   NF, D1, D2)
+                                                   NF, D1, D2, C, BK // DL, DL)
             ak1, ak2, ak3 = _lead_block_to_factors(b_dk, k1, k2, rk1, rk2, b_k2, b_k3, ak1, ak2, ak3, r, m_t, i_k,
-                                                   NF, D1, D2)
+                                                   NF, D1, D2, C, BK // DL, DL)
     b_dlast += tl.exp(b_last) * b_sds
     b_dc += tl.sum(aq1 * b_q1, axis=1)
     _store_side(dq1, dq2, dq3, q1, q2, q3, aq1, aq2, aq3, r, m_t, NF, D1, D2, D3, L2NORM)
@@ -493,8 +516,8 @@ def chunk_bwd_grads_kernel(
     else:
         b_dc, b_dlast = _register_pass(q1, q2, q3, k1, k2, k3, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, rq1, rq2, rk1,
                                        rk2, do, Hc, dHc, Uc, dv, dq1, dq2, dq3, dk1, dk2, dk3, b_dGq, b_dGs, b_gam,
-                                       b_r, b_dc, b_dlast, b_last, scale, r, m_t, off_s, NF, D1, D2, D3, V, C, BV,
-                                       USE_BETA, L2NORM, PREC)
+                                       b_r, b_dc, b_dlast, b_last, scale, r, m_t, off_s, NF, D1, D2, D3, V, C, BK,
+                                       BV, USE_BETA, L2NORM, PREC)
     if USE_BETA:
         tl.store(dbeta + r, b_db.to(dbeta.dtype.element_ty), mask=m_t)
     if Gc is not None:
