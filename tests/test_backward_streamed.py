@@ -157,7 +157,7 @@ def test_streamed_recompute_with_the_forward_options(prefetch_state, merge_passe
 
 
 def check_state_grads(widths, T, V, bk, bv, gate, delta, l2norm, h0, final_grad, offsets, *, dtype=torch.float32,
-                      tol=TOL):
+                      tol=TOL, merge_passes=False):
     p, (q, k, v, _, beta, _), cu, chunk_offsets, ws = _setup(widths, T, V, gate=gate, delta=delta, l2norm=l2norm,
                                                             h0=h0, offsets=offsets, seed=1, dtype=dtype)
     gen = torch.Generator().manual_seed(2)
@@ -166,7 +166,7 @@ def check_state_grads(widths, T, V, bk, bv, gate, delta, l2norm, h0, final_grad,
     want = _resident_state_grads(p, v, beta, do, dht, cu, chunk_offsets, ws, bv, h0)
     got = state_grads_streamed(p, q, k, beta, do, dht, ws=ws, cu_seqlens=cu, offsets=chunk_offsets, l2norm=l2norm,
                                want_dh0=h0, scale=p.scale, chunk_size=C, block_k=bk, block_v=bv, num_warps=4,
-                               num_stages=1, precision="ieee")
+                               num_stages=1, precision="ieee", merge_passes=merge_passes)
     for name, a, b in zip(("dHc", "dUc", "dh0"), got, want):
         if b is None:
             assert a is None, f"{name} given though not wanted"
@@ -179,6 +179,15 @@ def test_streamed_state_grads_match_resident(widths, T, V, bk, bv, gate, delta, 
     """dHc (every chunk's outgoing state gradient), dUc and d(initial state) of the streamed
     state-gradient loop equal the resident loop's on the same prepared workspaces."""
     check_state_grads(widths, T, V, bk, bv, gate, delta, l2norm, h0, final_grad, offsets)
+
+
+@pytest.mark.parametrize("widths,T,V,bk,bv,gate,delta,l2norm,h0,final_grad,offsets",
+                         [c for c in CASES if c.id in ("o2-all", "o2-plain", "o3-all", "o3-varlen")])
+def test_streamed_state_grads_with_merged_passes(widths, T, V, bk, bv, gate, delta, l2norm, h0, final_grad, offsets):
+    """merge_passes: each chunk's first pass (dS' stored, phi(K) dS') done in the update pass of
+    the chunk after it gives the resident loop's dHc, dUc and d(initial state) too (varlen: no
+    sequence's first-pass work leaks into the sequence before it)."""
+    check_state_grads(widths, T, V, bk, bv, gate, delta, l2norm, h0, final_grad, offsets, merge_passes=True)
 
 
 def test_streamed_pieces_in_float16():

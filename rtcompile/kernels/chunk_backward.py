@@ -147,6 +147,9 @@ class BackwardConfig(KernelConfig):
     # o3 32x32 5.30 -> 3.87 ms, o3 64x64 12.1 -> 8.0 (H200, 2026-12-02, a3f20ec); block_v 64 for
     # every kernel slowed the recompute and state loops by more than that
     grads_block_v: int | None = None
+    # the streamed loops read the state and its gradient once per chunk, not twice (the streamed
+    # forward's merge_passes: o3 64x64 forward 6.49 -> 5.26 ms, H200); resident loops: False
+    merge_passes: bool = False
 
     grads_bv = property(lambda self: self.block_v if self.grads_block_v is None else self.grads_block_v)
 
@@ -175,9 +178,11 @@ class BackwardConfig(KernelConfig):
         if self.state_loop == "resident" and shape.key_dim > MAX_KEY_DIM:
             return (f"state_loop='resident' holds the [K, block_v] state in registers up to K = {MAX_KEY_DIM}, "
                     f"got K = {shape.key_dim}; use state_loop='streamed'")
-        for name in ("grads_split", "keep_forward"):
+        for name in ("grads_split", "keep_forward", "merge_passes"):
             if not isinstance(getattr(self, name), bool):
                 return f"{name}={getattr(self, name)!r}; allowed: False, True"
+        if self.merge_passes and self.state_loop == "resident":  # else a duplicate the tuner times twice
+            return "merge_passes=True with state_loop='resident'; allowed: False, or state_loop='streamed'"
         if self.grads_split and self.factor_grads != "workspace":  # else a duplicate the tuner times twice
             return f"factor_grads={self.factor_grads!r} with grads_split=True; allowed: 'workspace'"
         if self.grads_block_v is not None and (isinstance(self.grads_block_v, bool) or self.grads_block_v
@@ -241,6 +246,7 @@ class BackwardConfig(KernelConfig):
             "workspace_dtype": list(WORKSPACE_DTYPES) if shape.input_bytes == 2 else ["float32"],
             "grads_split": [False, True],
             "keep_forward": [False, True],
+            "merge_passes": [False, True] if shape.key_dim > MAX_KEY_DIM else [False],
             "grads_block_v": [None] + [b for b in (16, 32, 64, 128) if b <= shape.value_dim_pow2],
         }
 
@@ -315,17 +321,12 @@ def shape_refusal(shape: KernelShape) -> str | None:
 @functools.lru_cache(maxsize=1024)  # a pure function, resolved by every eager training call
 def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
                      chunk_size: int | None = None) -> BackwardConfig:
-    """The first proposal that passes its check (with ``chunk_size`` only its proposals, each with
-    the fields measured for it): C 64 then 32 then 16 (16-bit inputs up to K = 256: 32 first,
-    the train tuner's measured winner), 32 value columns, key
-    blocks of 128 at K >= 256 through the workspace, else 64 (or K), 4 then 8 warps, the prepare
-    kernel's phi stores 4 indices of axis 1 at a time where they divide (the split form's
-    measured best); fp32 products in tf32 for 16-bit inputs (their gradients are rounded to 8
-    or 11 bits anyway) and ieee for fp32 inputs (their tests ask 1e-4 of float64); the
-    workspaces in the input type for 16-bit inputs up to K = 256. Above K = 256 the streamed state loops, in
-    128-row tiles (the streamed forward's tile at o3 32x32), 8 warps first, and the factors'
-    gradients formed in registers; up to 256, through the workspace (see the numbers below).
-    The smallest tiles where nothing passes (the check then says why)."""
+    """The first proposal that passes its check (with ``chunk_size``, only its proposals), each
+    with the fields measured for it (the numbers below): C 64, 32, 16 (16-bit inputs up to K =
+    256: 32 first), 32 value columns, tf32 products for 16-bit inputs and ieee for fp32 (their
+    tests ask 1e-4 of float64); up to K = 256 the resident loops, phi's gradients through the
+    workspace, 16-bit workspaces for 16-bit inputs and the forward kept; above, the streamed
+    loops and the factors' gradients in registers. The smallest tiles where nothing passes."""
     bv = min(32, shape.value_dim_pow2)
     streamed = shape.key_dim > MAX_KEY_DIM
     # key blocks of 128 at K = 256 through the workspace: the gradients kernel 2.08 -> 1.93 ms at
@@ -529,7 +530,8 @@ def _state_grads(config: BackwardConfig, p: Problem, q, k, v, beta, h0, cu_seqle
         return state_grads_streamed(p, q, k, beta, do, dht, want_dh0=h0 is not None, scale=p.scale, ws=ws,
                                     cu_seqlens=cu_seqlens, offsets=kept.offsets, l2norm=l2norm, chunk_size=C,
                                     block_k=min(config.state_block_k, K), block_v=bv, num_warps=config.num_warps,
-                                    num_stages=config.num_stages, precision=config.dot_precision, store_dtype=store)
+                                    num_stages=config.num_stages, precision=config.dot_precision, store_dtype=store,
+                                    merge_passes=config.merge_passes)
     dHc = args.empty(sum(kept.n_chunks), H, K, V, dtype=dot_dtype(v), device=v.device)
     dUc = args.empty(B, T, H, V, dtype=store, device=v.device)
     dh0 = args.empty(p.state_shape, dtype=torch.float32, device=v.device) if h0 is not None else None

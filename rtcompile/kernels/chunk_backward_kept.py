@@ -103,7 +103,8 @@ def recompute(config, p: Problem, q, k, v, g, beta, h0, cu_seqlens, l2norm: bool
         Hc, Uc, Rc = recompute_streamed(
             p, q, k, v, g, beta, h0=h0, ht=ht, o=o, prefetch_state=True, cu_seqlens=cu_seqlens, offsets=offsets,
             l2norm=l2norm, ws=ws, chunk_size=C, block_k=min(config.state_block_k, K), block_v=bv, num_warps=config.num_warps,
-            num_stages=config.num_stages, precision=config.dot_precision, store_dtype=store)
+            num_stages=config.num_stages, precision=config.dot_precision, store_dtype=store,
+            merge_passes=config.merge_passes)
     return Recomputed(ws=ws, Hc=Hc, Uc=Uc, Rc=Rc, idx=idx, offsets=offsets, n_chunks=n_chunks)
 
 

@@ -16,7 +16,9 @@ Notation as in ``chunk_backward.py`` (c, Gamma, gamma, r, P, T = ``Ai``, U, R, d
   dS'_i, which gives dU = s P^T dO + diag(r) phi(K) dS' and, with the delta rule, dR = diag(b
   Gamma) T^T dU; the second writes back dS = gamma dS' + phi(Q)^T diag(s Gamma) dO - phi(K)^T
   dR tile by tile. The state's gradient thus crosses global memory three times per chunk (read
-  twice, written once) besides the dS' store, against once for the resident loop.
+  twice, written once) besides the dS' store, against once for the resident loop; with
+  ``merge_passes`` a chunk's first pass rides on the update pass of the chunk after it, each
+  updated tile being the earlier chunk's dS' (read once, written once).
 
 The l2norm enters as one scale per row (1 / ||phi||, the product of the factors' inverse
 norms) on the [C, BV] products, as in the streamed forward, not on every [C, BK] phi block.
@@ -74,25 +76,37 @@ def _store_and_contract(k1, k2, k3, dht, dS, dHc, p_state, p_out, o_v, m_v, firs
 
 
 @triton.jit
-def _update_tiles(q1, q2, q3, k1, k2, k3, dht, dS, p_state, o_v, m_v, first, r, m_t, b_gamma, b_qdo, b_kdr,
-                  NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
-                  V: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, OUTER: tl.constexpr,
-                  USE_BETA: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr):
+def _update_tiles(q1, q2, q3, k1, k2, k3, dht, dS, dHc, p_state, p_next, o_v, m_v, first, r, m_t, r_n, m_tn,
+                  b_gamma, b_qdo, b_kdr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+                  V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, OUTER: tl.constexpr,
+                  USE_BETA: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr, MERGE: tl.constexpr):
     """Pass 2 over the key tiles: dS_i = gamma dS'_i + phi(Q)_i^T ``b_qdo`` - phi(K)_i^T ``b_kdr``
     (the last with the delta rule; raw phi blocks, the rows' scales are in the [C, BV] right
-    operands), written back into ``dS``."""
+    operands), written back into ``dS``. MERGE: each updated tile is the previous chunk's dS'
+    (rows ``r_n``, ``m_tn``; none left: all masked off), so pass 1 of that chunk happens here
+    while it is in registers: stored into ``dHc`` at ``p_next`` and contracted; returns that
+    chunk's raw phi(K) dS' ([C, BV] fp32; zeros without MERGE)."""
     K: tl.constexpr = D1 * D2 * D3
     DT: tl.constexpr = k1.dtype.element_ty
     DOT_DT: tl.constexpr = DT if LOWP else tl.float32
+    b_acc = tl.zeros([C, BV], dtype=tl.float32)
+    m_next = tl.sum(m_tn.to(tl.int32), axis=0) > 0  # a previous chunk exists
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
+        m_s = (o_k < K)[:, None] & m_v[None, :]
         b_ds = b_gamma * state_tile(dht, dS, p_state, i_k, o_v, m_v, first, K, BK, V, dht is not None)
         b_q = phi_block(q1, q2, q3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
         b_ds += dot(tl.trans(b_q), b_qdo, LOWP, DT, PREC)
         if USE_BETA:
             b_k = phi_block(k1, k2, k3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
             b_ds -= dot(tl.trans(b_k), b_kdr, LOWP, DT, PREC)
-        tl.store(dS + p_state + o_k[:, None] * V + o_v[None, :], b_ds, mask=(o_k < K)[:, None] & m_v[None, :])
+        tl.store(dS + p_state + o_k[:, None] * V + o_v[None, :], b_ds, mask=m_s)
+        if MERGE:
+            tl.store(dHc + p_next + o_k[:, None] * V + o_v[None, :], b_ds.to(dHc.dtype.element_ty),
+                     mask=m_s & m_next)
+            b_kn = phi_block(k1, k2, k3, r_n, m_tn, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
+            b_acc += dot(b_kn, b_ds, LOWP, DT, PREC)
+    return b_acc
 
 
 @triton.jit
@@ -101,14 +115,16 @@ def chunk_bwd_state_streamed_kernel(
     H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
     BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
-    OUTER: tl.constexpr,
+    OUTER: tl.constexpr, MERGE: tl.constexpr,
 ):
     """``chunk_backward.chunk_bwd_state_kernel``'s outputs for one (sequence, head, value block)
     with the running state gradient in ``dS`` (fp32, the state's shape; it ends as d(initial
     state)) visited in [BK, BV] tiles: every chunk's dS' into ``dHc`` ([chunks, H, K, V], the
     products' type; ``chunk_offsets``: each varlen sequence's first chunk), dU into ``dUc`` (fp32,
     laid out as v). Starts from ``dht`` (None: zeros). phi(Q), phi(K) blocks are built from the
-    factors (raw; the l2norm is a row scale); ``P``, ``Ai``, ``Gc`` are the prepare kernel's."""
+    factors (raw; the l2norm is a row scale); ``P``, ``Ai``, ``Gc`` are the prepare kernel's.
+    MERGE: each chunk's pass 1 rides on the next chunk's pass 2 (the state gradient read once
+    per chunk instead of twice)."""
     K: tl.constexpr = D1 * D2 * D3
     DT: tl.constexpr = k1.dtype.element_ty
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -120,6 +136,11 @@ def chunk_bwd_state_streamed_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     p_state = (i_n.to(tl.int64) * H + i_h) * K * V
+    if MERGE:  # the last chunk's pass 1; every earlier chunk's rides on the pass 2 after it
+        tok = bos + (n_c - 1) * C + o_c
+        b_kdn = _store_and_contract(k1, k2, k3, dht, dS, dHc, p_state, ((i_g0 + n_c - 1) * H + i_h) * K * V, o_v,
+                                    m_v, True, (i_b * T + tok) * H + i_h, tok < eos, NF, D1, D2, D3, V, C, BK, BV,
+                                    OUTER, LOWP, PREC)
     for i_r in range(n_c):
         i_c = n_c - 1 - i_r
         tok = bos + i_c * C + o_c
@@ -130,8 +151,11 @@ def chunk_bwd_state_streamed_kernel(
         b_c, b_last = stored_log_decay(Gc, p_row, m_t, (i_b * H + i_h) * T + tl.minimum(bos + i_c * C + C, eos) - 1,
                                        C)
         r_q, r_k = _row_scales(q1, q2, q3, k1, k2, k3, r, m_t, NF, D1, D2, D3, BD1, BD2, BD3, C, L2NORM)
-        b_kds = _store_and_contract(k1, k2, k3, dht, dS, dHc, p_state, ((i_g0 + i_c) * H + i_h) * K * V, o_v, m_v,
-                                    i_r == 0, r, m_t, NF, D1, D2, D3, V, C, BK, BV, OUTER, LOWP, PREC)
+        if MERGE:
+            b_kds = b_kdn
+        else:
+            b_kds = _store_and_contract(k1, k2, k3, dht, dS, dHc, p_state, ((i_g0 + i_c) * H + i_h) * K * V, o_v,
+                                        m_v, i_r == 0, r, m_t, NF, D1, D2, D3, V, C, BK, BV, OUTER, LOWP, PREC)
         b_pt = tl.load(P + p_row[None, :] * C + o_c[:, None], mask=m_t[None, :], other=0.0)  # P^T
         b_do = tl.load(do + r[:, None] * V + o_v[None, :], mask=m_o, other=0.0).to(tl.float32)
         b_du = scale * dot(b_pt, b_do, LOWP, DT, PREC)
@@ -144,8 +168,11 @@ def chunk_bwd_state_streamed_kernel(
             b_b = tl.load(beta + r, mask=m_t, other=0.0).to(tl.float32)
             b_ait = tl.load(Ai + p_row[None, :] * C + o_c[:, None], mask=m_t[None, :], other=0.0)  # T^T
             b_kdr = (b_b * b_gam * r_k)[:, None] * dot(b_ait, b_du, LOWP, DT, PREC)
-        _update_tiles(q1, q2, q3, k1, k2, k3, dht, dS, p_state, o_v, m_v, i_r == 0, r, m_t, tl.exp(b_last), b_qdo,
-                      b_kdr, NF, D1, D2, D3, V, BK, C, OUTER, beta is not None, LOWP, PREC)
+        tok_n = tok - C  # the previous chunk's rows (none before the first)
+        m_tn = tok_n >= bos
+        b_kdn = _update_tiles(q1, q2, q3, k1, k2, k3, dht, dS, dHc, p_state, ((i_g0 + i_c - 1) * H + i_h) * K * V,
+                              o_v, m_v, i_r == 0, r, m_t, (i_b * T + tok_n) * H + i_h, m_tn, tl.exp(b_last), b_qdo,
+                              b_kdr, NF, D1, D2, D3, V, C, BK, BV, OUTER, beta is not None, LOWP, PREC, MERGE)
 
 
 # ----- launchers -----
@@ -197,7 +224,8 @@ def recompute_streamed(p: Problem, q, k, v, g, beta, *, h0, cu_seqlens, offsets,
 
 def state_grads_streamed(p: Problem, q, k, beta, do, dht, *, ws: dict, cu_seqlens, offsets, l2norm: bool,
                          want_dh0: bool, scale: float, chunk_size: int, block_k: int, block_v: int, num_warps: int,
-                         num_stages: int, precision: str, store_dtype: torch.dtype = torch.float32):
+                         num_stages: int, precision: str, store_dtype: torch.dtype = torch.float32,
+                         merge_passes: bool = False):
     """Run :func:`chunk_bwd_state_streamed_kernel`: (dHc [chunks, H, K, V] in the products'
     type, dUc of v's shape in ``store_dtype``, d(initial state) fp32 of the state's shape or None
     when not ``want_dh0``). ``dht``: the final state's gradient (fp32, the state's shape) or None;
@@ -214,6 +242,7 @@ def state_grads_streamed(p: Problem, q, k, beta, do, dht, *, ws: dict, cu_seqlen
         *factor_args(q), *factor_args(k), ws["P"], ws["Ai"], ws["Gc"], beta, do, dht, dS, dHc, dUc, cu_seqlens,
         offsets, scale, T, H=H, NF=len(q), **width_args(p.key_widths, 16), V=V, C=chunk_size, BK=block_k,
         BV=block_v, L2NORM=l2norm, LOWP=lowp_dots(do.dtype), PREC=precision,
-        OUTER=KernelShape(p.key_widths, V).outer_phi_ok(block_k), num_warps=num_warps, num_stages=num_stages,
+        OUTER=KernelShape(p.key_widths, V).outer_phi_ok(block_k), MERGE=merge_passes, num_warps=num_warps,
+        num_stages=num_stages,
     )
     return dHc, dUc, (dS if want_dh0 else None)
