@@ -76,21 +76,20 @@ def _store_and_contract(k1, k2, k3, dht, dS, dHc, p_state, p_out, o_v, m_v, firs
 
 
 @triton.jit
-def _update_tiles(q1, q2, q3, k1, k2, k3, dht, dS, dHc, p_state, p_next, o_v, m_v, first, r, m_t, r_n, m_tn,
+def _update_tiles(q1, q2, q3, k1, k2, k3, dht, dS, dHc, p_state, p_next, o_v, m_v, m_vn, first, r, m_t, r_n, m_tn,
                   b_gamma, b_qdo, b_kdr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
                   V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, OUTER: tl.constexpr,
                   USE_BETA: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr, MERGE: tl.constexpr):
     """Pass 2 over the key tiles: dS_i = gamma dS'_i + phi(Q)_i^T ``b_qdo`` - phi(K)_i^T ``b_kdr``
     (the last with the delta rule; raw phi blocks, the rows' scales are in the [C, BV] right
     operands), written back into ``dS``. MERGE: each updated tile is the previous chunk's dS'
-    (rows ``r_n``, ``m_tn``; none left: all masked off), so pass 1 of that chunk happens here
+    (rows ``r_n``, ``m_tn``; value columns ``m_vn``: none when no chunk is left), so its pass 1 happens here
     while it is in registers: stored into ``dHc`` at ``p_next`` and contracted; returns that
     chunk's raw phi(K) dS' ([C, BV] fp32; zeros without MERGE)."""
     K: tl.constexpr = D1 * D2 * D3
     DT: tl.constexpr = k1.dtype.element_ty
     DOT_DT: tl.constexpr = DT if LOWP else tl.float32
     b_acc = tl.zeros([C, BV], dtype=tl.float32)
-    m_next = tl.sum(m_tn.to(tl.int32), axis=0) > 0  # a previous chunk exists
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_s = (o_k < K)[:, None] & m_v[None, :]
@@ -103,7 +102,7 @@ def _update_tiles(q1, q2, q3, k1, k2, k3, dht, dS, dHc, p_state, p_next, o_v, m_
         tl.store(dS + p_state + o_k[:, None] * V + o_v[None, :], b_ds, mask=m_s)
         if MERGE:
             tl.store(dHc + p_next + o_k[:, None] * V + o_v[None, :], b_ds.to(dHc.dtype.element_ty),
-                     mask=m_s & m_next)
+                     mask=(o_k < K)[:, None] & m_vn[None, :])
             b_kn = phi_block(k1, k2, k3, r_n, m_tn, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
             b_acc += dot(b_kn, b_ds, LOWP, DT, PREC)
     return b_acc
@@ -170,9 +169,10 @@ def chunk_bwd_state_streamed_kernel(
             b_kdr = (b_b * b_gam * r_k)[:, None] * dot(b_ait, b_du, LOWP, DT, PREC)
         tok_n = tok - C  # the previous chunk's rows (none before the first)
         m_tn = tok_n >= bos
+        m_vn = m_v & (o_v * 0 + i_c > 0)  # as a vector: a scalar's & came out int32 in the interpreter
         b_kdn = _update_tiles(q1, q2, q3, k1, k2, k3, dht, dS, dHc, p_state, ((i_g0 + i_c - 1) * H + i_h) * K * V,
-                              o_v, m_v, i_r == 0, r, m_t, (i_b * T + tok_n) * H + i_h, m_tn, tl.exp(b_last), b_qdo,
-                              b_kdr, NF, D1, D2, D3, V, C, BK, BV, OUTER, beta is not None, LOWP, PREC, MERGE)
+                              o_v, m_v, m_vn, i_r == 0, r, m_t, (i_b * T + tok_n) * H + i_h, m_tn, tl.exp(b_last),
+                              b_qdo, b_kdr, NF, D1, D2, D3, V, C, BK, BV, OUTER, beta is not None, LOWP, PREC, MERGE)
 
 
 # ----- launchers -----
