@@ -330,16 +330,16 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
     bv = min(32, shape.value_dim_pow2)
     streamed = shape.key_dim > MAX_KEY_DIM
     # key blocks of 128 at K = 256 through the workspace: the gradients kernel 2.08 -> 1.93 ms at
-    # o3 16x16 (H200, profile_backward.py, 2026-12-01); 64 elsewhere (not measured otherwise)
-    bk = 128 if shape.key_dim_pow2 >= 256 and not streamed else min(64, shape.key_dim_pow2)
-    bk = max(bk, shape.key_widths[-1] if len(shape.key_widths) > 1 else 16)
+    # o3 16x16 (H200, profile_backward.py, 2026-12-01), else 64; streamed (registers): the last
+    # width, one leading index per block (as measured at a3f20ec)
+    last = shape.key_widths[-1] if len(shape.key_widths) > 1 else 16
+    bk = max(16, last) if streamed else max(last, 128 if shape.key_dim_pow2 >= 256 else min(64, shape.key_dim_pow2))
     group = 4 if len(shape.key_widths) >= 2 and shape.key_widths[0] % 4 == 0 else 1
     prec = "tf32" if shape.input_bytes == 2 else "ieee"
     # U, R, dU and phi's stored gradients in the 16-bit input type for 16-bit inputs up to K = 256:
     # o3 16x16 fwd+bwd 3.44 -> 3.29 ms and 1381 -> 1029 MiB (fla 1064; H200, 2026-12-02,
     # 76a95a8), worst bf16 gradient error 5.2e-3 against the fp32 workspace's 4.3e-3. Not above:
-    # o3 32x32 gained 1% (17.3 -> 17.2 ms, 1393 -> 1297 MiB) and its dbeta error reached 2.1e-2
-    # (the bf16 tests' bound 2e-2) in the interpreter
+    # o3 32x32 gained 1% (17.3 -> 17.2 ms) and its dbeta error reached 2.1e-2 (the bound 2e-2)
     ws = "inputs" if shape.input_bytes == 2 and not streamed else "float32"
     # phi's gradients through a [T, K] workspace up to K = 256 (o3 16x16's gradients kernel 1.93 ms
     # against 1.60 in registers, H200, 2026-12-02, a3f20ec; measured whole at 95f8c83: fwd+bwd 2.07
