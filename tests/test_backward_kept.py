@@ -57,13 +57,14 @@ STREAMED = dataclasses.replace(CONFIG, state_loop="streamed", state_block_k=64, 
 
 @pytest.mark.parametrize("name, dtype, loop", [(n, torch.float32, "resident") for n in CASES]
                          + [("o2-T37-h0", torch.float16, "resident")]
-                         + [(n, torch.float32, "streamed") for n in ("o3-16x16-T21-plain", "o3-16x16-varlen-h0")],
+                         + [(n, torch.float32, "streamed") for n in ("o3-16x16-T21-plain", "o3-16x16-varlen-h0")]
+                         + [("o3-16x16-varlen-h0", torch.float32, "merged")],
                          ids=[*CASES, "o2-T37-h0-fp16-inputs-workspace", "o3-16x16-T21-plain-streamed",
-                              "o3-16x16-varlen-h0-streamed"])
+                              "o3-16x16-varlen-h0-streamed", "o3-16x16-varlen-h0-streamed-merged-passes"])
 def test_kept_forward_equals_reference_and_the_backward_equals_the_recomputing_one(name, dtype, loop):
     q, k, v, g, beta, h0, cu = _case(name, dtype=dtype)
     p = check_inputs(q, k, v, g, beta, None, h0, cu)
-    config = STREAMED if loop == "streamed" else CONFIG
+    config = {"streamed": STREAMED, "merged": dataclasses.replace(STREAMED, merge_passes=True)}.get(loop, CONFIG)
     config = config if dtype == torch.float32 else dataclasses.replace(config, workspace_dtype="inputs")
     tol = TOL if dtype == torch.float32 else 2e-2  # fp16 products (tests/test_backward.py's HALF_TOL)
     o, ht, kept = chunk_backward_kept.forward_kept(config, p, q, k, v, g, beta, h0, cu, True, True)
