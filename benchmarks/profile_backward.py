@@ -36,7 +36,7 @@ def main() -> int:
         changes = {}
         for item in filter(None, variant.split(",")):
             name, _, value = item.partition("=")
-            changes[name] = int(value) if value.isdigit() else {"True": True, "False": False}.get(value, value)
+            changes[name] = int(value) if value.isdigit() else {"True": True, "False": False, "None": None}.get(value, value)
         # every argument passed on as given (the launcher passes chunk_size third since 57afb3f)
         chunk_backward.default_backward = lambda *a, c=changes, **kw: dataclasses.replace(base(*a, **kw), **c)
         try:

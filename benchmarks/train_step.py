@@ -179,7 +179,7 @@ def main() -> int:
     changes = {}
     for item in args.set:
         name, _, value = item.partition("=")
-        changes[name] = int(value) if value.isdigit() else {"True": True, "False": False}.get(value, value)
+        changes[name] = int(value) if value.isdigit() else {"True": True, "False": False, "None": None}.get(value, value)
     try:
         import torch
     except ImportError:
