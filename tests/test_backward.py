@@ -153,7 +153,8 @@ def test_default_config_above_k256(widths, dtype):
     shape = KernelShape(widths, V, 4 if dtype == torch.float32 else 2)
     config = default_backward(shape, 232448)
     assert config.state_loop == "streamed" and config.factor_grads == "registers"
-    assert config.grads_block_v == (64 if V == 64 else None), config
+    assert config.grads_block_v == (64 if V == 64 and len(widths) == 2 else None), config
+    assert config.keep_forward and config.merge_passes == (shape.key_dim >= 4096), config
     check_gradients(widths, 70, V, chunk_size=config.chunk_size, dtype=dtype, config=config)
 
 
@@ -327,6 +328,11 @@ def test_pipelined_register_contraction_is_refused_at_order_4_only():
     assert "grads_stages" not in (config.check(KernelShape((32, 32), 64)) or "")
     stored = dataclasses.replace(config, factor_grads="workspace")
     assert "grads_stages" not in (stored.check(KernelShape((16, 16, 16), 64)) or "")
+    # so is a 64-column value step of the gradients kernel (o4 C 64, e3a92b7); 32 still runs
+    wide = dataclasses.replace(config, grads_stages=1, grads_block_v=64)
+    assert "grads_block_v=64 with factor_grads='registers' at order 4" in wide.check(KernelShape((16, 16, 16), 64))
+    assert "grads_block_v" not in (wide.check(KernelShape((32, 32), 64)) or "")
+    assert "grads_block_v" not in (dataclasses.replace(wide, grads_block_v=32).check(KernelShape((16, 16, 16), 64)) or "")
 
 
 @pytest.mark.parametrize("shape", [KernelShape((64,), 64), KernelShape((16, 16), 64), KernelShape((256,), 64),
@@ -369,13 +375,16 @@ def test_default_and_space(shape, limit):
         if c.grads_split and c.factor_grads != "workspace":  # the pairs of fields that are refused
             assert c.check(shape, limit) is not None
             continue
-        if c.grads_stages > 1 and c.factor_grads == "registers" and len(shape.key_widths) == 3:
+        if (c.grads_stages > 1 or (c.grads_block_v or 0) >= 64) and c.factor_grads == "registers" \
+                and len(shape.key_widths) == 3:
             assert c.check(shape, limit) is not None
             continue
         if c.merge_passes and c.state_loop == "resident":
             assert c.check(shape, limit) is not None
             continue
         first = dataclasses.replace(c, **{n: space[n][0] for n in free})
+        if (c.grads_block_v or 0) >= 64 and len(shape.key_widths) == 3:  # the registers' pair refused above
+            first = dataclasses.replace(first, factor_grads="workspace")
         assert (c.check(shape, limit) is None) == (first.check(shape, limit) is None), c
     assert space["workspace_dtype"] == (["float32", "inputs"] if shape.input_bytes == 2 else ["float32"])
     assert BackwardConfig.space(KernelShape((12, 16), 64)) == {}

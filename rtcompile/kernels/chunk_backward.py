@@ -189,11 +189,13 @@ class BackwardConfig(KernelConfig):
                                                not in [b for b in (16, 32, 64, 128) if b <= shape.value_dim_pow2]):
             return (f"grads_block_v={self.grads_block_v!r}; allowed: None (block_v) or a power of two 16 .. "
                     f"{shape.value_dim_pow2} (d_v rounded up)")
-        if self.grads_stages > 1 and self.factor_grads == "registers" and len(shape.key_widths) == 3:
-            # the one-pass register contraction pipelined at order 4 hit an illegal memory access on
-            # the H200 (Triton 3.6, 2026-12-02, e8c6451, o4 16^3 C 64 grads_stages 2)
-            return (f"grads_stages={self.grads_stages} with factor_grads='registers' at order 4; allowed: 1 "
-                    "(or factor_grads='workspace')")
+        # the register contraction at order 4 hit illegal addresses on the H200 (Triton 3.6, o4 16^3
+        # C 64) pipelined (grads_stages 2, e8c6451) and with 64 value columns (e3a92b7)
+        if self.factor_grads == "registers" and len(shape.key_widths) == 3:
+            if self.grads_stages > 1:
+                return f"grads_stages={self.grads_stages} with factor_grads='registers' at order 4; allowed: 1"
+            if (self.grads_block_v or 0) >= 64:
+                return f"grads_block_v={self.grads_block_v} with factor_grads='registers' at order 4; allowed: None, 16, 32"
         if self.num_stages < 2 and self.state_loop == "resident":
             return f"num_stages={self.num_stages}; allowed: 2, 3 or 4 (the split state loop's rule; 1 streamed)"
         return resource_refusal(self, shape, smem_limit, "; try a smaller chunk_size, block_v or block_k")
@@ -336,20 +338,19 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
     bk = max(16, last) if streamed else max(last, 128 if shape.key_dim_pow2 >= 256 else min(64, shape.key_dim_pow2))
     group = 4 if len(shape.key_widths) >= 2 and shape.key_widths[0] % 4 == 0 else 1
     prec = "tf32" if shape.input_bytes == 2 else "ieee"
-    # U, R, dU and phi's stored gradients in the 16-bit input type for 16-bit inputs up to K = 256:
-    # o3 16x16 fwd+bwd 3.44 -> 3.29 ms and 1381 -> 1029 MiB (fla 1064; H200, 2026-12-02,
-    # 76a95a8), worst bf16 gradient error 5.2e-3 against the fp32 workspace's 4.3e-3. Not above:
-    # o3 32x32 gained 1% (17.3 -> 17.2 ms) and its dbeta error reached 2.1e-2 (the bound 2e-2)
+    # 16-bit workspaces for 16-bit inputs up to K = 256: o3 16x16 3.44 -> 3.29 ms, 1381 -> 1029 MiB,
+    # bf16 error 4.3e-3 -> 5.2e-3 (H200, 76a95a8); o3 32x32 gained 1%, its dbeta error 2.1e-2 (> 2e-2)
     ws = "inputs" if shape.input_bytes == 2 and not streamed else "float32"
-    # phi's gradients through a [T, K] workspace up to K = 256 (o3 16x16's gradients kernel 1.93 ms
-    # against 1.60 in registers, H200, 2026-12-02, a3f20ec; measured whole at 95f8c83: fwd+bwd 2.07
-    # ms, 965 MiB); above, in registers, no [T, K] tensor: o3 32x32 fwd+bwd 9.63 ms and 1393 MiB
-    # against 13.46 ms and 3441 MiB stored (H200, 2026-12-02, a3f20ec and c50ef44)
+    # phi's gradients through a [T, K] workspace up to K = 256 (o3 16x16 fwd+bwd 2.07 ms, 965 MiB at
+    # 95f8c83); above, in registers: o3 32x32 9.63 ms, 1393 MiB against 13.46, 3441 stored (a3f20ec)
     # streamed tiles as the streamed forward's: >= 128 rows and all of the trailing axes, so phi
     # blocks are outer products of factor rows (o4 16^3 at 128 rows, gathered: 61 ms recompute)
     tile = min(256, max(128, math.prod(shape.key_widths[1:])))
-    # one stage for the streamed loops, as the streamed forward (its 256-row tiles need the memory)
-    loop = {"state_loop": "streamed", "state_block_k": tile, "num_stages": 1} if streamed \
+    # streamed: one stage, as the streamed forward (its 256-row tiles need the memory); the forward
+    # kept and, at K >= 4096, the passes merged: fwd+bwd o3 32x32 8.10 -> 7.02 ms (merged slower),
+    # o3 64x64 28.31 -> 24.20 -> 22.46, o4 16^3 43.51 -> 43.05, peaks unchanged (H200, e3a92b7)
+    loop = {"state_loop": "streamed", "state_block_k": tile, "num_stages": 1, "keep_forward": True,
+            "merge_passes": shape.key_dim_pow2 >= 4096} if streamed \
         else {"factor_grads": "workspace", "state_block_k": min(tile, shape.key_dim_pow2)}  # unused: in the space
     order = ((64, 8), (64, 4), (32, 8), (32, 4), (16, 4)) if streamed else ((64, 4), (64, 8), (32, 4), (32, 8), (16, 4))
     # 16-bit inputs up to K = 256, chunks of 32: the train tuner's winner at o3 16x16 B8 T4096 (422
@@ -362,9 +363,8 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
     # o3 16x16 2.73 -> 2.01 ms, o2 64 2.76 -> 1.55, o2 256 3.85 -> 3.25, peak the same 1221 MiB
     # (H200, 2026-12-02, 9e68a27, one call); it holds those workspaces from forward to backward
     # (640 MiB per layer at o3 16x16 B8 T4096 H8: chunk_backward_kept.py), a recompute does not
-    # streamed: the gradients kernel steps 64 value columns where the register check lets it
-    # (see grads_block_v)
-    grads_bvs = (64, None) if streamed and shape.value_dim_pow2 >= 64 else (None,)
+    # streamed: the gradients kernel steps 64 value columns where the check lets it (order 3)
+    grads_bvs = (64, None) if streamed and shape.value_dim_pow2 >= 64 and len(shape.key_widths) == 2 else (None,)
     for (C, warps), gbv in itertools.product(order + ((16, 8),), grads_bvs):
         kernels = {"grads_warps": 4, "grads_stages": 3, "num_stages": 3, "prepare_warps": 1, "keep_forward": True} \
             if tuned and C == 32 else {"grads_warps": 8, "prepare_warps": 4}
