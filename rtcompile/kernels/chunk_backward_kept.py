@@ -18,7 +18,7 @@ inputs up to K = 256): per chunk S (2 K d_v bytes); per token P and T (4 C each)
 phi(Q) (2 K each), U and R (2 d_v each), the log decay (4); o3 16x16, d_v 64, C 32: 2.5 KiB
 per token-head, 640 MiB at B8 T4096 H8, held per layer until its backward. Streamed loops (the
 default above K = 256) keep S per chunk (2 K d_v bytes), P and T, U and R (4 d_v each, fp32):
-o3 32x32 at C 64, 0.6 GiB per layer at that shape, o3 64x64 2.1 GiB (7.14 against 8.10 ms and
+o3 32x32 at C 64, 0.75 GiB per layer at that shape, o3 64x64 2.25 GiB (7.14 against 8.10 ms and
 22.4 against 28.3 ms forward + backward with a recompute, H200, 2026-12-03). A model that
 cannot hold that for every layer takes a tuned table entry with ``keep_forward`` false (the
 backward then recomputes them, 2.73 against 2.01 ms forward + backward at that shape on the H200).
