@@ -333,7 +333,7 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
     streamed = shape.key_dim > MAX_KEY_DIM
     # key blocks of 128 at K = 256 through the workspace: the gradients kernel 2.08 -> 1.93 ms at
     # o3 16x16 (H200, profile_backward.py, 2026-12-01), else 64; streamed (registers): the last
-    # width, one leading index per block (as measured at a3f20ec)
+    # width, one leading index per block (two: o3 32x32 gradients kernel 3.87 -> 5.29 ms, e3a92b7)
     last = shape.key_widths[-1] if len(shape.key_widths) > 1 else 16
     bk = max(16, last) if streamed else max(last, 128 if shape.key_dim_pow2 >= 256 else min(64, shape.key_dim_pow2))
     group = 4 if len(shape.key_widths) >= 2 and shape.key_widths[0] % 4 == 0 else 1
