@@ -363,8 +363,8 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
     # o3 16x16 2.73 -> 2.01 ms, o2 64 2.76 -> 1.55, o2 256 3.85 -> 3.25, peak the same 1221 MiB
     # (H200, 2026-12-02, 9e68a27, one call); it holds those workspaces from forward to backward
     # (640 MiB per layer at o3 16x16 B8 T4096 H8: chunk_backward_kept.py), a recompute does not
-    # streamed: the gradients kernel steps 64 value columns where the check lets it (order 3)
-    grads_bvs = (64, None) if streamed and shape.value_dim_pow2 >= 64 and len(shape.key_widths) == 2 else (None,)
+    # streamed: the gradients kernel steps 64 value columns where the check lets it (not order 4)
+    grads_bvs = (64, None) if streamed and shape.value_dim_pow2 >= 64 else (None,)
     for (C, warps), gbv in itertools.product(order + ((16, 8),), grads_bvs):
         kernels = {"grads_warps": 4, "grads_stages": 3, "num_stages": 3, "prepare_warps": 1, "keep_forward": True} \
             if tuned and C == 32 else {"grads_warps": 8, "prepare_warps": 4}
