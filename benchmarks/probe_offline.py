@@ -152,9 +152,11 @@ def main(argv=None) -> int:
         use = _usage(ck.asm["cubin"])
         n, mix = loop_mix(use["sass"])
         top = " ".join(f"{op}:{c}" for op, c in mix.most_common(8))
+        spill_ops = sum(1 for _, op, _ in _instructions(use["sass"]) if op.startswith(("LDL", "STL")))
         aligned = ck.asm["ttir"].count("tt.divisibility = 16")  # arguments the launch specialised
         print(f"{fn.__name__:40} regs {use['regs']:3}  spill stack {use['stack']:5} B  shared {ck.metadata.shared:6} B"
-              f"  aligned args {aligned:2}  total {len(_instructions(use['sass'])):5}  loop {n:5} instructions  {top}")
+              f"  aligned args {aligned:2}  total {len(_instructions(use['sass'])):5} (spill ld/st {spill_ops})  loop {n:5}"
+              f" instructions (spill ld/st {mix['LDL'] + mix['STL']})  {top}")
     return 0
 
 

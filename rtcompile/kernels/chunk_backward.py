@@ -36,8 +36,7 @@ Four to seven launches (:func:`launch_backward`):
    each in the workspace type; always at order 2, whose one factor is phi), written over phi's
    own workspaces where those are in that type (``BackwardConfig.phi_grads_over_phi``); with
    ``grads_split`` (an experiment) three launches instead (``chunk_backward_split``);
-5. (phi's gradients stored) ``chunk_backward_grads.phi_grads_to_factors_kernel``,
-   token-parallel: phi's gradients to the factors, through the l2norm.
+5. (phi's gradients stored) ``chunk_backward_factors.phi_grads_to_factors_kernel``.
 
 Memory (``BackwardConfig.workspace_bytes``), per (sequence, head): per chunk S and dS' (K d_v
 each, the products' type); per token P and T (4 C each; T with the delta rule), U, R, dU (4 d_v
@@ -48,10 +47,9 @@ bf16, the default (C 32, resident, stored, 16-bit): per token-head 2 x 512 (phi,
 gradients over it) + 2 x 128 (P, T) + 3 x 128 (U, R, dU) + 4 bytes, per chunk 2 x 32 KiB; o3 64x64
 (streamed, registers): 2 x 512 KiB per chunk + 1.3 KiB per token.
 
-Scope (:func:`supports`): orders 2-4 at any key widths and K, any d_v, gates, delta rule,
-l2norm, initial state, final-state gradient, varlen and any T. The kernels tile power-of-two key
-widths >= 16; other widths are rewritten exactly onto such a problem (``chunk_backward_widths``:
-materialised keys, or zero-padded factors).
+Scope (:func:`supports`): orders 2-4 at any key widths, K and d_v, each feature, varlen, any T.
+The kernels tile power-of-two key widths >= 16; other widths are rewritten exactly onto such a
+problem (``chunk_backward_widths``: materialised keys, or zero-padded factors).
 """
 
 from __future__ import annotations
@@ -70,7 +68,8 @@ from . import args
 from .args import contiguous_inputs, dot_dtype, factor_args, lowp_dots, width_args
 from .blocks import dot, first_stored_state, sequence_of_program
 from .chunk_backward_streamed import state_grads_streamed
-from .chunk_backward_grads import chunk_bwd_grads_kernel, phi_grads_to_factors_kernel, stored_log_decay
+from .chunk_backward_factors import phi_grads_to_factors_kernel
+from .chunk_backward_grads import chunk_bwd_grads_kernel, stored_log_decay
 from .chunk_backward_kept import Recomputed, recompute, workspace_dtype
 from .chunk_backward_split import GradsTensors, split_grads
 from .chunk_backward_widths import materialised_keys, materialised_bwd, padded_bwd, tiled
@@ -124,9 +123,8 @@ class BackwardConfig(KernelConfig):
     num_warps: int = 4
     num_stages: int = 2
     grads_warps: int = 8
-    # the gradients kernel's software-pipelining stages: 1 by offline sm_90 counts only (spills
-    # o3 16x16 72 -> 56 B, o3 32x32 552 -> 392 B per thread, shared memory 118 -> 86 KB against
-    # Triton's default 3; its inner value loops run 1-2 iterations); not yet timed on a GPU
+    # the gradients kernel's software-pipelining stages: 1 by offline sm_90 counts (spills o3 32x32
+    # 552 -> 392 B a thread, shared memory 118 -> 86 KB against Triton's default 3); the key loop prefetches
     grads_stages: int = 1
     prepare_warps: int = 1
     solve: str = "tiles"
@@ -136,9 +134,8 @@ class BackwardConfig(KernelConfig):
     state_block_k: int = 128
     factor_grads: str = "registers"
     workspace_dtype: str = "float32"
-    # the gradients kernel in three (C x C gradients per chunk; phi's per chunk and key block,
-    # stored; dg), with factor_grads="workspace". No default (H200, 2026-12-02): fwd+bwd o3 32x32
-    # 17.2 -> 14.6 ms, o4 16^3 92.9 -> 70.5, but 1.4 -> 3.5 and 4.4 -> 12.6 GiB
+    # the gradients kernel in three (C x C gradients; phi's per chunk and key block, stored; dg), with
+    # factor_grads="workspace". No default: o3 32x32 17.2 -> 14.6 ms but 1.4 -> 3.5 GiB (H200, 2026-12-02)
     grads_split: bool = False
     # a training call's forward runs the prepare and state loop and keeps them for the backward
     # (chunk_backward_kept.py; resident loops): the default for 16-bit inputs up to K = 256
@@ -189,31 +186,33 @@ class BackwardConfig(KernelConfig):
                                                not in [b for b in (16, 32, 64, 128) if b <= shape.value_dim_pow2]):
             return (f"grads_block_v={self.grads_block_v!r}; allowed: None (block_v) or a power of two 16 .. "
                     f"{shape.value_dim_pow2} (d_v rounded up)")
-        # the register contraction at order 4 hit illegal addresses on the H200 (Triton 3.6, o4 16^3
-        # C 64) pipelined (grads_stages 2, e8c6451) and with 64 value columns (e3a92b7)
+        # order 4 in registers: illegal addresses on the H200 (Triton 3.6, C 64) pipelined (e8c6451), 64 columns (e3a92b7)
         if self.factor_grads == "registers" and len(shape.key_widths) == 3:
             if self.grads_stages > 1:
                 return f"grads_stages={self.grads_stages} with factor_grads='registers' at order 4; allowed: 1"
             if (self.grads_block_v or 0) >= 64:
                 return f"grads_block_v={self.grads_block_v} with factor_grads='registers' at order 4; allowed: None, 16, 32"
+            if self.block_k > 64:  # illegal addresses at 128 and 256 columns too (8 warps, H200, 2026-12-03)
+                return f"block_k={self.block_k} with factor_grads='registers' at order 4; allowed: 16, 32, 64"
         if self.num_stages < 2 and self.state_loop == "resident":
             return f"num_stages={self.num_stages}; allowed: 2, 3 or 4 (the split state loop's rule; 1 streamed)"
         return resource_refusal(self, shape, smem_limit, "; try a smaller chunk_size, block_v or block_k")
 
     def estimate_registers(self, shape: KernelShape) -> int:
-        # the larger of the state-gradient loop (the [K, BV] gradient, phi(Q) and phi(K) [C, K],
-        # P and T, four [C, BV]) and the gradients kernel's key loop (T, dGq, dGs [C, C], five
-        # [C, BK], two [BK, BV], three [C, BV]) at their warps
+        # the larger of the state-gradient loop's and the gradients kernel's (stored: T, dGq, dGs
+        # [C, C], five [C, BK], two [BK, BV], three [C, BV]; in registers, below) at their warps
         C, K, bv, bk = self.chunk_size, shape.key_dim_pow2, self.block_v, min(self.block_k, shape.key_dim_pow2)
         if self.state_loop == "resident":
             loop = K * bv + 2 * C * K * shape.input_bytes // 4 + 2 * C * C + 4 * C * bv
         else:  # a state tile, phi(Q) and phi(K) blocks, P and T, four [C, BV]
             sk = min(self.state_block_k, K)
             loop = sk * bv + 2 * C * sk + 2 * C * C + 4 * C * bv
-        # + both sides' factor tiles and their gradients' accumulators (NF >= 2)
+        # + both sides' factor tiles and gradients (NF >= 2); in registers, the larger of the [C, C]
+        # gradients and the key loop's [C, BK] product and temporary, S, dS' and the next ones, 3 [C, BV]
         factors = 4 * C * sum(shape.key_widths) if len(shape.key_widths) > 1 else 0
         gbv = self.grads_bv
-        grads = 3 * C * C + 5 * C * bk + 2 * bk * gbv + 3 * C * gbv + factors
+        grads = 3 * C * C + 5 * C * bk + 2 * bk * gbv + 3 * C * gbv + factors if self.phi_grads_stored(shape) \
+            else max(3 * C * C, 2 * C * bk + 4 * bk * gbv + 3 * C * gbv) + factors
         return max(estimate_registers(loop, self.num_warps), estimate_registers(grads, self.grads_warps))
 
     def estimate_smem(self, shape: KernelShape) -> int:
@@ -331,11 +330,12 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
     loops and the factors' gradients in registers. The smallest tiles where nothing passes."""
     bv = min(32, shape.value_dim_pow2)
     streamed = shape.key_dim > MAX_KEY_DIM
-    # key blocks of 128 at K = 256 through the workspace: the gradients kernel 2.08 -> 1.93 ms at
-    # o3 16x16 (H200, profile_backward.py, 2026-12-01), else 64; streamed (registers): the last
-    # width, one leading index per block (two: o3 32x32 gradients kernel 3.87 -> 5.29 ms, e3a92b7)
+    # key blocks: 128 at K = 256 through the workspace (gradients kernel 2.08 -> 1.93 ms at o3 16x16), else 64;
+    # streamed, whole rows of the last width at one leading index (two: o3 32x32 3.87 -> 5.29 ms), four at
+    # order 4, there in 4 warps (fwd+bwd o4 16^3 29.51 -> 20.37 ms; H200, 2026-12-03)
     last = shape.key_widths[-1] if len(shape.key_widths) > 1 else 16
-    bk = max(16, last) if streamed else max(last, 128 if shape.key_dim_pow2 >= 256 else min(64, shape.key_dim_pow2))
+    leads = 4 if len(shape.key_widths) == 3 else 1
+    bk = max(16, last) * leads if streamed else max(last, 128 if shape.key_dim_pow2 >= 256 else min(64, shape.key_dim_pow2))
     group = 4 if len(shape.key_widths) >= 2 and shape.key_widths[0] % 4 == 0 else 1
     prec = "tf32" if shape.input_bytes == 2 else "ieee"
     # 16-bit workspaces for 16-bit inputs up to K = 256: o3 16x16 3.44 -> 3.29 ms, 1381 -> 1029 MiB,
@@ -360,14 +360,14 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
     tuned = shape.input_bytes == 2 and not streamed
     order = ((32, 4), (32, 8), (64, 4), (64, 8), (16, 4)) if tuned else order
     # ... and the forward keeps the prepare and state loop for the backward (keep_forward): fwd+bwd
-    # o3 16x16 2.73 -> 2.01 ms, o2 64 2.76 -> 1.55, o2 256 3.85 -> 3.25, peak the same 1221 MiB
-    # (H200, 2026-12-02, 9e68a27, one call); it holds those workspaces from forward to backward
-    # (640 MiB per layer at o3 16x16 B8 T4096 H8: chunk_backward_kept.py), a recompute does not
-    # streamed: the gradients kernel steps 64 value columns where the check lets it (not order 4)
+    # o3 16x16 2.73 -> 2.01 ms, o2 64 2.76 -> 1.55, o2 256 3.85 -> 3.25, peak the same 1221 MiB (H200,
+    # 9e68a27); it holds them from forward to backward (640 MiB a layer at o3 16x16 B8 T4096 H8)
+    # streamed: the gradients kernel steps 64 value columns (not order 4) in 4 warps where the check
+    # lets it: o3 32x32 6.40 -> 5.74 ms (64x64, refused: 21.2 -> 28.1; H200, 2026-12-03)
     grads_bvs = (64, None) if streamed and shape.value_dim_pow2 >= 64 else (None,)
-    for (C, warps), gbv in itertools.product(order + ((16, 8),), grads_bvs):
+    for (C, warps), gbv, gw in itertools.product(order + ((16, 8),), grads_bvs, (4, 8) if streamed else (8,)):
         kernels = {"grads_warps": 4, "grads_stages": 3, "num_stages": 3, "prepare_warps": 1, "keep_forward": True} \
-            if tuned and C == 32 else {"grads_warps": 8, "prepare_warps": 4}
+            if tuned and C == 32 else {"grads_warps": gw, "prepare_warps": 4}
         cfg = BackwardConfig(chunk_size=C, block_v=bv, block_k=bk, num_warps=warps, key_group=group,
                              dot_precision=prec, workspace_dtype=ws, grads_block_v=gbv, **kernels, **loop)
         if (chunk_size is None or C == chunk_size) and cfg.check(shape, smem_limit) is None:

@@ -6,7 +6,7 @@ no key contraction; then phi(Q)'s gradient (with dc's state share) and phi(K)'s,
 (``factor_grads="workspace"``, [B, H, T, K] in the workspace type: one pass over key blocks of
 BK columns, which may write them over phi's own workspaces) or contracted to the factors in
 registers (:func:`_register_pass`); last, dg (a reverse cumulative sum of dc within the chunk).
-:func:`phi_grads_to_factors_kernel`: the stored phi gradients to the factors, token-parallel.
+(``chunk_backward_factors.py``: the stored phi gradients to the factors, token-parallel.)
 
 In registers, the Kronecker structure does the work of a [T, K] workspace. The within-chunk
 terms (dGq phi(K) and its kin) contract to factor i in C x C space: (dGq * prod_{j != i} q_j
@@ -33,7 +33,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .blocks import chunk_rows, dot, factor_inv_norm, factor_tiles, one_side_tiles
+from .blocks import chunk_rows, dot, factor_inv_norm, one_side_tiles
+from .chunk_backward_factors import store_factor_grad
 
 
 @triton.jit
@@ -370,8 +371,8 @@ def _lead_block_to_factors(b_d, x1, x2, b_rho1, b_rho2, b_x2, b_x3, a1, a2, a3, 
             a1 += tl.sum(tl.where(tl.arange(0, D1)[None, None, :] == i1[None, :, None], b_s[:, :, None], 0.0), axis=1)
         else:
             i1 = (i_k * NL) // D2
-            i2 = (i_k * NL) % D2 + o_l
             b_c1 = _factor_column(x1, r, m_t, i1, D1, b_rho1)
+            i2 = (i_k * NL) % D2 + o_l
             b_c2 = _factor_columns(x2, r, m_t, i2, D2, b_rho2)  # [C, NL]
             a3 += tl.sum(b_d3 * (b_c1[:, None] * b_c2)[:, :, None], axis=1)
             b_s = tl.sum(b_d3 * b_x3[:, None, :], axis=2)
@@ -456,17 +457,25 @@ def _register_pass(q1, q2, q3, k1, k2, k3, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, r
         b_dr = b_do
         if USE_BETA:
             b_dr = tl.load(dv + p_o, mask=m_o, other=0.0)  # dR, as the value pass stored it
+        # the next key block's S and dS' tiles load before this block's products (in registers,
+        # [BK, BV] each), so their latency overlaps the products instead of opening every step
+        off = off_s + tl.arange(0, BK)[None, :] * V + o_v[:, None]
+        b_st_n = tl.load(Hc + off, mask=m_v[:, None], other=0.0)
+        b_dst_n = tl.load(dHc + off, mask=m_v[:, None], other=0.0)
         for i_k in range(K // BK):
-            off = off_s + (i_k * BK + tl.arange(0, BK))[None, :] * V + o_v[:, None]
-            b_st = tl.load(Hc + off, mask=m_v[:, None], other=0.0)
-            b_dst = tl.load(dHc + off, mask=m_v[:, None], other=0.0).to(tl.float32)
+            b_st = b_st_n
+            b_dst = b_dst_n.to(tl.float32)
+            m_n = m_v[:, None] & ((i_k + 1) * BK + tl.arange(0, BK) < K)[None, :]
+            b_st_n = tl.load(Hc + off + (i_k + 1) * BK * V, mask=m_n, other=0.0)
+            b_dst_n = tl.load(dHc + off + (i_k + 1) * BK * V, mask=m_n, other=0.0)
             b_sds += tl.sum(tl.sum(b_st.to(tl.float32) * b_dst, axis=1), axis=0)
-            b_dk = f32dot(b_u, b_dst, PREC)
-            if USE_BETA:
-                b_dk -= b_gam[:, None] * dot(b_dr, b_st, LOWP, DT, PREC)
+            # each side's block contracted before the other's is formed: one [C, BK] product live
             b_dq = (scale * b_gam)[:, None] * dot(b_do, b_st, LOWP, DT, PREC)
             aq1, aq2, aq3 = _lead_block_to_factors(b_dq, q1, q2, rq1, rq2, b_q2, b_q3, aq1, aq2, aq3, r, m_t, i_k,
                                                    NF, D1, D2, C, BK // DL, DL)
+            b_dk = f32dot(b_u, b_dst, PREC)
+            if USE_BETA:
+                b_dk -= b_gam[:, None] * dot(b_dr, b_st, LOWP, DT, PREC)
             ak1, ak2, ak3 = _lead_block_to_factors(b_dk, k1, k2, rk1, rk2, b_k2, b_k3, ak1, ak2, ak3, r, m_t, i_k,
                                                    NF, D1, D2, C, BK // DL, DL)
     b_dlast += tl.exp(b_last) * b_sds
@@ -487,7 +496,7 @@ def chunk_bwd_grads_kernel(
     head: dv, dbeta, dg and phi's gradients. phi(Q), phi(K) blocks are read from ``Qw`` / ``Kw``
     (the resident loops' workspaces) or, when those are None, built from the factors
     (:func:`side_block`). With ``dQp`` / ``dKp`` given ([B, T, H, K] fp32; always at order 2)
-    phi's gradients are stored there for :func:`phi_grads_to_factors_kernel`; None: contracted
+    phi's gradients are stored there for ``phi_grads_to_factors_kernel``; None: contracted
     to the factors here (:func:`_register_pass`) and stored into ``dq*`` / ``dk*``. ``P``,
     ``Ai``, ``Gc``: the prepare kernel's; ``Hc``, ``Uc``, ``Rc``: the recompute's; ``dHc``,
     ``dUc``: the state-gradient loop's. ``Gc`` / ``beta`` None: no gates / no delta rule."""
@@ -525,76 +534,3 @@ def chunk_bwd_grads_kernel(
         b_dc += tl.where(o_c == C - 1, b_dlast, 0.0)
         b_dg = tl.sum(b_dc, axis=0) - tl.cumsum(b_dc, axis=0) + b_dc
         tl.store(dg + r, b_dg.to(dg.dtype.element_ty), mask=m_t)
-
-
-# ----- phi's gradients to the factors -----
-@triton.jit
-def phi_to_factors(b_d, b_x1, b_x2, b_x3, NF: tl.constexpr, C: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
-                   D3: tl.constexpr):
-    """The factors' gradients of a [C, K] gradient ``b_d`` of phi = x1 (x) x2 (x) x3 (row-major):
-    dx_f[t, a] = sum over the other axes of d[t, .. a ..] times the other factors. Slots past NF
-    hold placeholders (never stored)."""
-    b_d1 = b_d
-    b_d2 = b_x2 * 0.0
-    b_d3 = b_x3 * 0.0
-    if NF == 2:
-        b_t = tl.reshape(b_d, [C, D1, D2])
-        b_d1 = tl.sum(b_t * b_x2[:, None, :], axis=2)
-        b_d2 = tl.sum(b_t * b_x1[:, :, None], axis=1)
-    if NF == 3:
-        b_t = tl.reshape(b_d, [C, D1, D2, D3])
-        b_t12 = tl.sum(b_t * b_x3[:, None, None, :], axis=3)  # [C, D1, D2]
-        b_d1 = tl.sum(b_t12 * b_x2[:, None, :], axis=2)
-        b_d2 = tl.sum(b_t12 * b_x1[:, :, None], axis=1)
-        b_t23 = tl.sum(b_t * b_x1[:, :, None, None], axis=1)  # [C, D2, D3]
-        b_d3 = tl.sum(b_t23 * b_x2[:, :, None], axis=1)
-    return b_d1, b_d2, b_d3
-
-
-@triton.jit
-def store_factor_grad(dx, x, b_dxh, r, m_t, D: tl.constexpr, L2NORM: tl.constexpr):
-    """Store a factor's gradient at rows ``r``: with L2NORM, through x_hat = x rho, rho =
-    1 / sqrt(|x|^2 + eps): dx = rho (dx_hat - x_hat (x_hat . dx_hat))."""
-    o_d = tl.arange(0, D)
-    off = r[:, None] * D + o_d[None, :]
-    b_dx = b_dxh
-    if L2NORM:
-        b_x = tl.load(x + off, mask=m_t[:, None], other=0.0).to(tl.float32)
-        b_rho = tl.rsqrt(tl.sum(b_x * b_x, axis=1) + 1e-6)
-        b_xh = b_x * b_rho[:, None]
-        b_dx = b_rho[:, None] * (b_dxh - b_xh * tl.sum(b_xh * b_dxh, axis=1)[:, None])
-    tl.store(dx + off, b_dx.to(dx.dtype.element_ty), mask=m_t[:, None])
-
-
-@triton.jit
-def _side_to_factors(dP, x1, x2, x3, dx1, dx2, dx3, b_x1, b_x2, b_x3, r, p_row, m_t, NF: tl.constexpr,
-                     BT: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, L2NORM: tl.constexpr):
-    """One side's (queries' or keys') phi gradient rows (at ``p_row``) to its factors' gradients
-    (stored at the token-head rows ``r``)."""
-    K: tl.constexpr = D1 * D2 * D3
-    o_k = tl.arange(0, K)
-    b_d = tl.load(dP + p_row[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
-    d1, d2, d3 = phi_to_factors(b_d, b_x1, b_x2, b_x3, NF, BT, D1, D2, D3)
-    store_factor_grad(dx1, x1, d1, r, m_t, D1, L2NORM)
-    if NF > 1:
-        store_factor_grad(dx2, x2, d2, r, m_t, D2, L2NORM)
-    if NF > 2:
-        store_factor_grad(dx3, x3, d3, r, m_t, D3, L2NORM)
-
-
-@triton.jit
-def phi_grads_to_factors_kernel(
-    q1, q2, q3, k1, k2, k3, dQp, dKp, dq1, dq2, dq3, dk1, dk2, dk3, N, T, H: tl.constexpr,
-    NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, BT: tl.constexpr, L2NORM: tl.constexpr,
-):
-    """Rows [i BT, (i + 1) BT) of the N = B T H token-head rows: phi(Q)'s and phi(K)'s gradients
-    (``dQp`` / ``dKp``, [B, H, T, K] as the gradients kernel stores them) contracted to each
-    factor (normalised when L2NORM) and taken through the l2norm into ``dq*`` / ``dk*`` (the
-    factors' types). Slots past NF repeat the first."""
-    r = tl.program_id(0) * BT + tl.arange(0, BT)
-    m_t = r < N
-    p_row = ((r // (T * H)) * H + r % H) * T + (r // H) % T
-    b_q1, b_q2, b_q3, b_k1, b_k2, b_k3 = factor_tiles(q1, q2, q3, k1, k2, k3, r, m_t, NF, D1, D2, D3,
-                                                      D1, D2, D3, L2NORM)
-    _side_to_factors(dQp, q1, q2, q3, dq1, dq2, dq3, b_q1, b_q2, b_q3, r, p_row, m_t, NF, BT, D1, D2, D3, L2NORM)
-    _side_to_factors(dKp, k1, k2, k3, dk1, dk2, dk3, b_k1, b_k2, b_k3, r, p_row, m_t, NF, BT, D1, D2, D3, L2NORM)

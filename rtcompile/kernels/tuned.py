@@ -31,8 +31,10 @@ _SOURCES = {
     "chunk": ("chunk_prepare.py", "chunk_resident.py", "chunk_streamed.py", "chunk_fused.py", "chunk_split.py",
               "blocks.py"),
     "recurrent": ("recurrent.py", "blocks.py"),
-    # the backward runs the split form's prepare kernel and state loop for its recompute
-    "chunk_bwd": ("chunk_backward.py", "chunk_backward_grads.py", "chunk_prepare.py", "chunk_split.py", "blocks.py"),
+    # the backward runs the split (or streamed) form's prepare kernel and state loop for its recompute
+    "chunk_bwd": ("chunk_backward.py", "chunk_backward_grads.py", "chunk_backward_factors.py",
+                  "chunk_backward_streamed.py", "chunk_backward_kept.py", "chunk_backward_split.py",
+                  "chunk_prepare.py", "chunk_split.py", "chunk_streamed.py", "blocks.py"),
 }
 _table: list[dict[str, Any]] | None = None
 # Bumped whenever the table is (re)read: the launch-plan caches key on it, so a plan found
