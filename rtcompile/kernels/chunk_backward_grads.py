@@ -371,8 +371,8 @@ def _lead_block_to_factors(b_d, x1, x2, b_rho1, b_rho2, b_x2, b_x3, a1, a2, a3, 
             a1 += tl.sum(tl.where(tl.arange(0, D1)[None, None, :] == i1[None, :, None], b_s[:, :, None], 0.0), axis=1)
         else:
             i1 = (i_k * NL) // D2
-            b_c1 = _factor_column(x1, r, m_t, i1, D1, b_rho1)
             i2 = (i_k * NL) % D2 + o_l
+            b_c1 = _factor_column(x1, r, m_t, i1, D1, b_rho1)
             b_c2 = _factor_columns(x2, r, m_t, i2, D2, b_rho2)  # [C, NL]
             a3 += tl.sum(b_d3 * (b_c1[:, None] * b_c2)[:, :, None], axis=1)
             b_s = tl.sum(b_d3 * b_x3[:, None, :], axis=2)
