@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def main() -> int:
     from rtcompile.kernels import chunk_backward
+    from train_step import allow_refused_configs, field_value  # this folder: the script's own
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--widths", type=int, nargs="+", default=[16, 16])
@@ -31,7 +32,7 @@ def main() -> int:
                     help="run variants the config check refuses (e.g. on its register estimate), to measure them")
     args = ap.parse_args()
     if args.unchecked:
-        chunk_backward.BackwardConfig.check = lambda self, shape, smem_limit=None: None
+        allow_refused_configs()
     if args.forward:
         _profile(args.widths, {}, forward=True)
         return 0
@@ -40,7 +41,7 @@ def main() -> int:
         changes = {}
         for item in filter(None, variant.split(",")):
             name, _, value = item.partition("=")
-            changes[name] = int(value) if value.isdigit() else {"True": True, "False": False, "None": None}.get(value, value)
+            changes[name] = field_value(value)
         # every argument passed on as given (the launcher passes chunk_size third since 57afb3f)
         chunk_backward.default_backward = lambda *a, c=changes, **kw: dataclasses.replace(base(*a, **kw), **c)
         try:

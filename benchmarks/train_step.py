@@ -95,6 +95,18 @@ def _say(*parts) -> None:
     print(f"[{time.strftime('%H:%M:%S')}]", *parts, file=sys.stderr, flush=True)
 
 
+def field_value(text: str):
+    """A ``--set`` value as the config field takes it: an int, True / False / None, else the text."""
+    return int(text) if text.isdigit() else {"True": True, "False": False, "None": None}.get(text, text)
+
+
+def allow_refused_configs() -> None:
+    """``--unchecked``: the launcher runs configs the backward's check refuses (exploration only)."""
+    from rtcompile.kernels import chunk_backward
+
+    chunk_backward.BackwardConfig.check = lambda self, shape, smem_limit=None: None
+
+
 def override_default(changes: dict) -> str:
     """Make the backward's default config (``chunk_backward.default_backward``, which the launcher
     takes when no tuned entry applies) the default with ``changes`` applied; returns the row label."""
@@ -181,7 +193,7 @@ def main() -> int:
     changes = {}
     for item in args.set:
         name, _, value = item.partition("=")
-        changes[name] = int(value) if value.isdigit() else {"True": True, "False": False, "None": None}.get(value, value)
+        changes[name] = field_value(value)
     try:
         import torch
     except ImportError:
@@ -191,9 +203,7 @@ def main() -> int:
         print("train_step: needs a CUDA GPU", file=sys.stderr)
         return 2
     if args.unchecked:
-        from rtcompile.kernels import chunk_backward
-
-        chunk_backward.BackwardConfig.check = lambda self, shape, smem_limit=None: None
+        allow_refused_configs()
     rows = measure(args.fla, set(args.cases.split(",")) if args.cases else None, changes)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))

@@ -333,9 +333,9 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
     # key blocks: 128 at K = 256 through the workspace (gradients kernel 2.08 -> 1.93 ms at o3 16x16), else 64;
     # streamed, whole rows of the last width at one leading index (two: o3 32x32 3.87 -> 5.29 ms), four at
     # order 4, there in 4 warps (fwd+bwd o4 16^3 29.51 -> 20.37 ms; H200, 2026-12-03)
-    last = shape.key_widths[-1] if len(shape.key_widths) > 1 else 16
+    last, K = (shape.key_widths[-1] if len(shape.key_widths) > 1 else 16), shape.key_dim_pow2
     leads = 4 if len(shape.key_widths) == 3 else 1
-    bk = max(16, last) * leads if streamed else max(last, 128 if shape.key_dim_pow2 >= 256 else min(64, shape.key_dim_pow2))
+    bk = max(16, last) * leads if streamed else max(last, 128 if K >= 256 else min(64, K))
     group = 4 if len(shape.key_widths) >= 2 and shape.key_widths[0] % 4 == 0 else 1
     prec = "tf32" if shape.input_bytes == 2 else "ieee"
     # 16-bit workspaces for 16-bit inputs up to K = 256: o3 16x16 3.44 -> 3.29 ms, 1381 -> 1029 MiB,
