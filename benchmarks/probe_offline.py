@@ -151,7 +151,7 @@ def main(argv=None) -> int:
         ck = _compile(fn, a, kw)
         use = _usage(ck.asm["cubin"])
         n, mix = loop_mix(use["sass"])
-        top = " ".join(f"{op}:{c}" for op, c in mix.most_common(8))
+        top = " ".join(f"{op}:{c}" for op, c in mix.most_common(int(os.environ.get("PROBE_TOP", 8))))
         spill_ops = sum(1 for _, op, _ in _instructions(use["sass"]) if op.startswith(("LDL", "STL")))
         aligned = ck.asm["ttir"].count("tt.divisibility = 16")  # arguments the launch specialised
         print(f"{fn.__name__:40} regs {use['regs']:3}  spill stack {use['stack']:5} B  shared {ck.metadata.shared:6} B"

@@ -343,9 +343,9 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
     ws = "inputs" if shape.input_bytes == 2 and not streamed else "float32"
     # phi's gradients through a [T, K] workspace up to K = 256 (o3 16x16 fwd+bwd 2.07 ms, 965 MiB at
     # 95f8c83); above, in registers: o3 32x32 9.63 ms, 1393 MiB against 13.46, 3441 stored (a3f20ec)
-    # streamed tiles as the streamed forward's: >= 128 rows and all of the trailing axes, so phi
-    # blocks are outer products of factor rows (o4 16^3 at 128 rows, gathered: 61 ms recompute)
-    tile = min(256, max(128, math.prod(shape.key_widths[1:])))
+    # streamed: 256-row tiles, all trailing axes, so phi blocks are factor rows' outer products (o4 16^3, 128 gathered:
+    # 61 ms); o3 128 -> 256, tiles loaded one ahead: kernels 32x32 5.10 -> 4.88 ms, 64x64 20.68 -> 20.16 (H200, 12-03)
+    tile = 256 if streamed and len(shape.key_widths) >= 2 else min(256, max(128, math.prod(shape.key_widths[1:])))
     # streamed: one stage, as the streamed forward (its 256-row tiles need the memory); the forward
     # kept and, at K >= 4096, the passes merged: fwd+bwd o3 32x32 8.10 -> 7.02 ms (merged slower),
     # o3 64x64 28.31 -> 24.20 -> 22.46, o4 16^3 43.51 -> 43.05, peaks unchanged (H200, e3a92b7)

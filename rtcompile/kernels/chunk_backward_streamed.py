@@ -65,9 +65,11 @@ def _store_and_contract(k1, k2, k3, dht, dS, dHc, p_state, p_out, o_v, m_v, firs
     DT: tl.constexpr = k1.dtype.element_ty
     DOT_DT: tl.constexpr = DT if LOWP else tl.float32
     b_acc = tl.zeros([C, BV], dtype=tl.float32)
+    b_dsn = state_tile(dht, dS, p_state, 0, o_v, m_v, first, K, BK, V, dht is not None)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_ds = state_tile(dht, dS, p_state, i_k, o_v, m_v, first, K, BK, V, dht is not None)
+        b_ds = b_dsn  # the next tile's load flies while this one is used (a read-only pass)
+        b_dsn = state_tile(dht, dS, p_state, i_k + 1, o_v, m_v, first, K, BK, V, dht is not None)
         tl.store(dHc + p_out + o_k[:, None] * V + o_v[None, :], b_ds.to(dHc.dtype.element_ty),
                  mask=(o_k < K)[:, None] & m_v[None, :])
         b_k = phi_block(k1, k2, k3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
@@ -90,10 +92,13 @@ def _update_tiles(q1, q2, q3, k1, k2, k3, dht, dS, dHc, p_state, p_next, o_v, m_
     DT: tl.constexpr = k1.dtype.element_ty
     DOT_DT: tl.constexpr = DT if LOWP else tl.float32
     b_acc = tl.zeros([C, BV], dtype=tl.float32)
+    b_dsn = state_tile(dht, dS, p_state, 0, o_v, m_v, first, K, BK, V, dht is not None)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_s = (o_k < K)[:, None] & m_v[None, :]
-        b_ds = b_gamma * state_tile(dht, dS, p_state, i_k, o_v, m_v, first, K, BK, V, dht is not None)
+        # tile i_k + 1 is not written yet in this pass: its load is issued one tile ahead
+        b_ds = b_gamma * b_dsn
+        b_dsn = state_tile(dht, dS, p_state, i_k + 1, o_v, m_v, first, K, BK, V, dht is not None)
         b_q = phi_block(q1, q2, q3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
         b_ds += dot(tl.trans(b_q), b_qdo, LOWP, DT, PREC)
         if USE_BETA:
