@@ -70,7 +70,7 @@ from .blocks import dot, first_stored_state, sequence_of_program
 from .chunk_backward_streamed import state_grads_streamed
 from .chunk_backward_factors import phi_grads_to_factors_kernel
 from .chunk_backward_grads import chunk_bwd_grads_kernel, stored_log_decay
-from .chunk_backward_kept import Recomputed, recompute, workspace_dtype
+from .chunk_backward_kept import Recomputed, prefetch_state_tiles, recompute, workspace_dtype
 from .chunk_backward_split import GradsTensors, split_grads
 from .chunk_backward_widths import materialised_keys, materialised_bwd, padded_bwd, tiled
 from .chunk_resident import MATERIALISE_TILE
@@ -344,7 +344,7 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
     # phi's gradients through a [T, K] workspace up to K = 256 (o3 16x16 fwd+bwd 2.07 ms, 965 MiB at
     # 95f8c83); above, in registers: o3 32x32 9.63 ms, 1393 MiB against 13.46, 3441 stored (a3f20ec)
     # streamed: 256-row tiles, all trailing axes, so phi blocks are factor rows' outer products (o4 16^3, 128 gathered:
-    # 61 ms); o3 128 -> 256, tiles loaded one ahead: kernels 32x32 5.10 -> 4.88 ms, 64x64 20.68 -> 20.16 (H200, 12-03)
+    # 61 ms); o3 128 -> 256 (prefetch_state_tiles): kernels 32x32 5.10 -> 4.80 ms, 64x64 20.68 -> 18.80 (H200, 12-03)
     tile = 256 if streamed and len(shape.key_widths) >= 2 else min(256, max(128, math.prod(shape.key_widths[1:])))
     # streamed: one stage, as the streamed forward (its 256-row tiles need the memory); the forward
     # kept and, at K >= 4096, the passes merged: fwd+bwd o3 32x32 8.10 -> 7.02 ms (merged slower),
@@ -372,8 +372,7 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
                              dot_precision=prec, workspace_dtype=ws, grads_block_v=gbv, **kernels, **loop)
         if (chunk_size is None or C == chunk_size) and cfg.check(shape, smem_limit) is None:
             return cfg
-    return BackwardConfig(chunk_size=chunk_size or 16, block_v=16, block_k=bk, workspace_dtype=ws,
-                          **{**loop, "state_block_k": 16})
+    return BackwardConfig(chunk_size=chunk_size or 16, block_v=16, block_k=bk, workspace_dtype=ws, **{**loop, "state_block_k": 16})
 
 
 def supports(p: Problem, cu_seqlens) -> str | None:
@@ -531,7 +530,8 @@ def _state_grads(config: BackwardConfig, p: Problem, q, k, v, beta, h0, cu_seqle
                                     cu_seqlens=cu_seqlens, offsets=kept.offsets, l2norm=l2norm, chunk_size=C,
                                     block_k=min(config.state_block_k, K), block_v=bv, num_warps=config.num_warps,
                                     num_stages=config.num_stages, precision=config.dot_precision, store_dtype=store,
-                                    merge_passes=config.merge_passes)
+                                    merge_passes=config.merge_passes, prefetch_state=prefetch_state_tiles(
+                                        config, p.key_widths, True))
     dHc = args.empty(sum(kept.n_chunks), H, K, V, dtype=dot_dtype(v), device=v.device)
     dUc = args.empty(B, T, H, V, dtype=store, device=v.device)
     dh0 = args.empty(p.state_shape, dtype=torch.float32, device=v.device) if h0 is not None else None

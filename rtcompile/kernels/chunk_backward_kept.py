@@ -27,6 +27,7 @@ backward then recomputes them, 2.73 against 2.01 ms forward + backward at that s
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +72,16 @@ def workspace_dtype(config, v: torch.Tensor) -> torch.dtype:
     return torch.float32 if config.workspace_dtype == "float32" else v.dtype
 
 
+def prefetch_state_tiles(config, key_widths: tuple[int, ...], state_grads: bool) -> bool:
+    """Whether a streamed loop issues each state tile's load one tile ahead: for tiles of up to 128
+    rows; at 256, in the state-gradient loop (``state_grads``) with two key factors only. Measured
+    at 256 rows (kernel ms, H200, 2026-12-03): the forward recompute o3 64x64 7.32 -> 6.01 without,
+    32x32 1.40 -> 1.32; the state-gradient loop o3 64x64 5.70 -> 5.29 with, 32x32 1.26 -> 1.25, o4
+    16^3 6.28 -> 6.37 (its three-factor phi blocks leave no registers for the extra tile)."""
+    rows = min(config.state_block_k, math.prod(key_widths))
+    return rows <= 128 or (state_grads and len(key_widths) <= 2)
+
+
 def recompute(config, p: Problem, q, k, v, g, beta, h0, cu_seqlens, l2norm: bool,
               ht: torch.Tensor | None = None, o: torch.Tensor | None = None) -> Recomputed:
     """Prepare and the state loop of BackwardConfig ``config`` on contiguous inputs; ``ht``:
@@ -101,10 +112,9 @@ def recompute(config, p: Problem, q, k, v, g, beta, h0, cu_seqlens, l2norm: bool
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
     else:
-        # each state tile's load issued one ahead, as the streamed forward measured (~1.2 TB/s of
-        # state traffic without it at o3 64x64 on the H200)
         Hc, Uc, Rc = recompute_streamed(
-            p, q, k, v, g, beta, h0=h0, ht=ht, o=o, prefetch_state=True, cu_seqlens=cu_seqlens, offsets=offsets,
+            p, q, k, v, g, beta, h0=h0, ht=ht, o=o, prefetch_state=prefetch_state_tiles(config, p.key_widths, False),
+            cu_seqlens=cu_seqlens, offsets=offsets,
             l2norm=l2norm, ws=ws, chunk_size=C, block_k=min(config.state_block_k, K), block_v=bv, num_warps=config.num_warps,
             num_stages=config.num_stages, precision=config.dot_precision, store_dtype=store,
             merge_passes=config.merge_passes)

@@ -57,10 +57,10 @@ def _row_scales(q1, q2, q3, k1, k2, k3, r, m_t, NF: tl.constexpr, D1: tl.constex
 def _store_and_contract(k1, k2, k3, dht, dS, dHc, p_state, p_out, o_v, m_v, first, r, m_t,
                         NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
                         V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                        OUTER: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr):
+                        OUTER: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr):
     """Pass 1 over the key tiles: each tile of dS' (``dht`` or zeros when ``first``, else the
     running ``dS``) stored into ``dHc`` at ``p_out`` in the products' type; returns raw phi(K) dS'
-    ([C, BV] fp32)."""
+    ([C, BV] fp32). PREFETCH: each tile's load issued one tile ahead."""
     K: tl.constexpr = D1 * D2 * D3
     DT: tl.constexpr = k1.dtype.element_ty
     DOT_DT: tl.constexpr = DT if LOWP else tl.float32
@@ -68,8 +68,11 @@ def _store_and_contract(k1, k2, k3, dht, dS, dHc, p_state, p_out, o_v, m_v, firs
     b_dsn = state_tile(dht, dS, p_state, 0, o_v, m_v, first, K, BK, V, dht is not None)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_ds = b_dsn  # the next tile's load flies while this one is used (a read-only pass)
-        b_dsn = state_tile(dht, dS, p_state, i_k + 1, o_v, m_v, first, K, BK, V, dht is not None)
+        if PREFETCH:  # the next tile's load flies while this one is used (a read-only pass)
+            b_ds = b_dsn
+            b_dsn = state_tile(dht, dS, p_state, i_k + 1, o_v, m_v, first, K, BK, V, dht is not None)
+        else:
+            b_ds = state_tile(dht, dS, p_state, i_k, o_v, m_v, first, K, BK, V, dht is not None)
         tl.store(dHc + p_out + o_k[:, None] * V + o_v[None, :], b_ds.to(dHc.dtype.element_ty),
                  mask=(o_k < K)[:, None] & m_v[None, :])
         b_k = phi_block(k1, k2, k3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
@@ -81,7 +84,8 @@ def _store_and_contract(k1, k2, k3, dht, dS, dHc, p_state, p_out, o_v, m_v, firs
 def _update_tiles(q1, q2, q3, k1, k2, k3, dht, dS, dHc, p_state, p_next, o_v, m_v, m_vn, first, r, m_t, r_n, m_tn,
                   b_gamma, b_qdo, b_kdr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
                   V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, OUTER: tl.constexpr,
-                  USE_BETA: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr, MERGE: tl.constexpr):
+                  USE_BETA: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr, MERGE: tl.constexpr,
+                  PREFETCH: tl.constexpr):
     """Pass 2 over the key tiles: dS_i = gamma dS'_i + phi(Q)_i^T ``b_qdo`` - phi(K)_i^T ``b_kdr``
     (the last with the delta rule; raw phi blocks, the rows' scales are in the [C, BV] right
     operands), written back into ``dS``. MERGE: each updated tile is the previous chunk's dS'
@@ -96,9 +100,11 @@ def _update_tiles(q1, q2, q3, k1, k2, k3, dht, dS, dHc, p_state, p_next, o_v, m_
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_s = (o_k < K)[:, None] & m_v[None, :]
-        # tile i_k + 1 is not written yet in this pass: its load is issued one tile ahead
-        b_ds = b_gamma * b_dsn
-        b_dsn = state_tile(dht, dS, p_state, i_k + 1, o_v, m_v, first, K, BK, V, dht is not None)
+        if PREFETCH:  # tile i_k + 1 is not written yet in this pass: its load is issued one tile ahead
+            b_ds = b_gamma * b_dsn
+            b_dsn = state_tile(dht, dS, p_state, i_k + 1, o_v, m_v, first, K, BK, V, dht is not None)
+        else:
+            b_ds = b_gamma * state_tile(dht, dS, p_state, i_k, o_v, m_v, first, K, BK, V, dht is not None)
         b_q = phi_block(q1, q2, q3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
         b_ds += dot(tl.trans(b_q), b_qdo, LOWP, DT, PREC)
         if USE_BETA:
@@ -119,7 +125,7 @@ def chunk_bwd_state_streamed_kernel(
     H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
     BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
-    OUTER: tl.constexpr, MERGE: tl.constexpr,
+    OUTER: tl.constexpr, MERGE: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """``chunk_backward.chunk_bwd_state_kernel``'s outputs for one (sequence, head, value block)
     with the running state gradient in ``dS`` (fp32, the state's shape; it ends as d(initial
@@ -128,7 +134,7 @@ def chunk_bwd_state_streamed_kernel(
     laid out as v). Starts from ``dht`` (None: zeros). phi(Q), phi(K) blocks are built from the
     factors (raw; the l2norm is a row scale); ``P``, ``Ai``, ``Gc`` are the prepare kernel's.
     MERGE: each chunk's pass 1 rides on the next chunk's pass 2 (the state gradient read once
-    per chunk instead of twice)."""
+    per chunk instead of twice). PREFETCH: each state-gradient tile's load issued one tile ahead."""
     K: tl.constexpr = D1 * D2 * D3
     DT: tl.constexpr = k1.dtype.element_ty
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -144,7 +150,7 @@ def chunk_bwd_state_streamed_kernel(
         tok = bos + (n_c - 1) * C + o_c
         b_kdn = _store_and_contract(k1, k2, k3, dht, dS, dHc, p_state, ((i_g0 + n_c - 1) * H + i_h) * K * V, o_v,
                                     m_v, True, (i_b * T + tok) * H + i_h, tok < eos, NF, D1, D2, D3, V, C, BK, BV,
-                                    OUTER, LOWP, PREC)
+                                    OUTER, LOWP, PREC, PREFETCH)
     for i_r in range(n_c):
         i_c = n_c - 1 - i_r
         tok = bos + i_c * C + o_c
@@ -159,7 +165,7 @@ def chunk_bwd_state_streamed_kernel(
             b_kds = b_kdn
         else:
             b_kds = _store_and_contract(k1, k2, k3, dht, dS, dHc, p_state, ((i_g0 + i_c) * H + i_h) * K * V, o_v,
-                                        m_v, i_r == 0, r, m_t, NF, D1, D2, D3, V, C, BK, BV, OUTER, LOWP, PREC)
+                                        m_v, i_r == 0, r, m_t, NF, D1, D2, D3, V, C, BK, BV, OUTER, LOWP, PREC, PREFETCH)
         b_pt = tl.load(P + p_row[None, :] * C + o_c[:, None], mask=m_t[None, :], other=0.0)  # P^T
         b_do = tl.load(do + r[:, None] * V + o_v[None, :], mask=m_o, other=0.0).to(tl.float32)
         b_du = scale * dot(b_pt, b_do, LOWP, DT, PREC)
@@ -177,7 +183,8 @@ def chunk_bwd_state_streamed_kernel(
         m_vn = m_v & (o_v * 0 + i_c > 0)  # as a vector: a scalar's & came out int32 in the interpreter
         b_kdn = _update_tiles(q1, q2, q3, k1, k2, k3, dht, dS, dHc, p_state, ((i_g0 + i_c - 1) * H + i_h) * K * V,
                               o_v, m_v, m_vn, i_r == 0, r, m_t, (i_b * T + tok_n) * H + i_h, m_tn, tl.exp(b_last),
-                              b_qdo, b_kdr, NF, D1, D2, D3, V, C, BK, BV, OUTER, beta is not None, LOWP, PREC, MERGE)
+                              b_qdo, b_kdr, NF, D1, D2, D3, V, C, BK, BV, OUTER, beta is not None, LOWP, PREC, MERGE,
+                              PREFETCH)
 
 
 # ----- launchers -----
@@ -230,7 +237,7 @@ def recompute_streamed(p: Problem, q, k, v, g, beta, *, h0, cu_seqlens, offsets,
 def state_grads_streamed(p: Problem, q, k, beta, do, dht, *, ws: dict, cu_seqlens, offsets, l2norm: bool,
                          want_dh0: bool, scale: float, chunk_size: int, block_k: int, block_v: int, num_warps: int,
                          num_stages: int, precision: str, store_dtype: torch.dtype = torch.float32,
-                         merge_passes: bool = False):
+                         merge_passes: bool = False, prefetch_state: bool = False):
     """Run :func:`chunk_bwd_state_streamed_kernel`: (dHc [chunks, H, K, V] in the products'
     type, dUc of v's shape in ``store_dtype``, d(initial state) fp32 of the state's shape or None
     when not ``want_dh0``). ``dht``: the final state's gradient (fp32, the state's shape) or None;
@@ -247,7 +254,7 @@ def state_grads_streamed(p: Problem, q, k, beta, do, dht, *, ws: dict, cu_seqlen
         *factor_args(q), *factor_args(k), ws["P"], ws["Ai"], ws["Gc"], beta, do, dht, dS, dHc, dUc, cu_seqlens,
         offsets, scale, T, H=H, NF=len(q), **width_args(p.key_widths, 16), V=V, C=chunk_size, BK=block_k,
         BV=block_v, L2NORM=l2norm, LOWP=lowp_dots(do.dtype), PREC=precision,
-        OUTER=KernelShape(p.key_widths, V).outer_phi_ok(block_k), MERGE=merge_passes, num_warps=num_warps,
-        num_stages=num_stages,
+        OUTER=KernelShape(p.key_widths, V).outer_phi_ok(block_k), MERGE=merge_passes, PREFETCH=prefetch_state,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return dHc, dUc, (dS if want_dh0 else None)
