@@ -16,7 +16,8 @@ Nothing is launched: the launcher runs on CPU tensors with the kernels' launch i
 the device and shared-memory checks are bypassed here (the compiler's answer is the point).
 Each launch is specialised by Triton's own binder, as on the GPU (CPU tensors are allocated
 64-byte aligned, as CUDA ones are 256-byte aligned): "aligned args" counts the arguments that
-carry that specialisation.
+carry that specialisation. ``PROBE_TOP=N`` in the environment lists the loop's N most frequent
+instructions (default 8).
 """
 from __future__ import annotations
 
