@@ -158,7 +158,7 @@ def test_default_config_above_k256(widths, dtype, record_property):
     config = default_backward(shape, 232448)
     assert config.state_loop == "streamed" and config.factor_grads == "registers"
     assert config.grads_block_v == (64 if V == 64 and len(widths) == 2 else None), config
-    assert config.keep_forward and config.merge_passes == (shape.key_dim >= 4096), config
+    assert config.keep_forward and config.merge_passes == (shape.key_dim >= 4096) and config.grads_split, config
     errors = check_gradients(widths, 70, V, chunk_size=config.chunk_size, dtype=dtype, config=config)
     record_property("max_rel_err", max(errors.values()))  # for the results file (junit XML)
 
@@ -380,7 +380,7 @@ def test_default_and_space(shape, limit):
     rng = random.Random(0)
     for _ in range(300):
         c = BackwardConfig(**{n: rng.choice(vals) for n, vals in space.items()})
-        if c.grads_split and c.factor_grads != "workspace":  # the pairs of fields that are refused
+        if c.grads_split and c.factor_grads != "workspace" and len(shape.key_widths) == 1:  # refused pairs
             assert c.check(shape, limit) is not None
             continue
         if (c.grads_stages > 1 or (c.grads_block_v or 0) >= 64 or c.block_k > 64) and c.factor_grads == "registers" \
@@ -561,10 +561,13 @@ SPLIT_CASES = {  # (widths, T, config fields, gradient-check keywords)
 
 
 @needs_kernels
-@pytest.mark.parametrize("case", list(SPLIT_CASES))
-def test_split_gradients_kernels(case, monkeypatch):
-    """grads_split: the C x C gradients, the key-block programs and dg from the blocks' partial
-    sums give every gradient of the one-kernel form (against float64 autograd), partial chunks,
+@pytest.mark.parametrize("case,factor_grads", [
+    pytest.param(case, fg, id=f"{case}-{fg}") for case, (widths, *_) in SPLIT_CASES.items()
+    for fg in (("workspace", "registers") if len(widths) > 1 else ("workspace",))])
+def test_split_gradients_kernels(case, factor_grads, monkeypatch):
+    """grads_split: the C x C gradients, then the key-block programs (phi's gradients stored) or
+    one program per chunk and side (the factors' in registers), and dg from their partial sums
+    give every gradient of the one-kernel form (against float64 autograd), partial chunks,
     varlen, each feature off, the streamed loops; the split launches are what ran."""
     from rtcompile.kernels import chunk_backward
 
@@ -574,23 +577,29 @@ def test_split_gradients_kernels(case, monkeypatch):
     widths, T, fields, kw = SPLIT_CASES[case]
     fields = dict(fields)
     config = BackwardConfig(chunk_size=16, block_v=16, block_k=fields.pop("block_k", 32), grads_split=True,
-                            factor_grads="workspace", **fields)
+                            factor_grads=factor_grads, **fields)
     check_gradients(widths, T, 20, chunk_size=16, config=config, **kw)
     assert calls == [1]
 
 
-def test_split_gradients_store_phi_gradients():
-    """grads_split stores phi's gradients (its key-block programs cannot sum a factor's gradient
-    across blocks), counts that workspace, and is refused with factor_grads="registers" (the
-    same config twice in the tuner's space otherwise), naming the field and what is allowed."""
+def test_split_gradients_workspaces():
+    """grads_split with factor_grads="workspace" stores phi's gradients (its key-block programs
+    cannot sum a factor's gradient across blocks); with "registers" it stores none (one program
+    per chunk and side sums them); each counts its workspace and launches. At order 2 (phi is
+    the factor) "registers" is refused, naming the field and what is allowed."""
     shape = KernelShape((16, 16), 64, 2)
     split = BackwardConfig(chunk_size=16, block_v=16, block_k=64, factor_grads="workspace", grads_split=True)
     assert split.check(shape) is None and split.phi_grads_stored(shape)
-    refused = dataclasses.replace(split, factor_grads="registers").check(shape)
+    sides = dataclasses.replace(split, factor_grads="registers")
+    assert sides.check(shape) is None and not sides.phi_grads_stored(shape)
+    refused = sides.check(KernelShape((64,), 64, 2))
     assert refused is not None and "factor_grads" in refused and "'workspace'" in refused
     work = Workload(shape, 2, 3, 100, delta_rule=True, forget_gate=True)
-    one = dataclasses.replace(split, grads_split=False, factor_grads="workspace")
-    # dGq and dGs (C fp32 each), dc and the 4 key blocks' shares (fp32) per token
-    assert split.workspace_bytes(work) - one.workspace_bytes(work) == work.rows * (2 * 4 * 16 + 4 * (1 + 4))
-    assert split.figures(work).launches == one.figures(work).launches + 2
+    for cfg, parts, launches in ((split, 4, 2), (sides, 2, 3)):
+        one = dataclasses.replace(cfg, grads_split=False)
+        # dGq and dGs (C fp32 each), dc and the key blocks' (or the two sides') shares (fp32) per token
+        assert cfg.workspace_bytes(work) - one.workspace_bytes(work) == work.rows * (2 * 4 * 16 + 4 * (1 + parts))
+        assert cfg.figures(work).launches == one.figures(work).launches + launches
     assert BackwardConfig(chunk_size=16, block_v=16, grads_split=1).check(shape) is not None
+
+

@@ -35,7 +35,7 @@ Four to seven launches (:func:`launch_backward`):
    gradient (phi's contracted to the factors in registers), else phi(Q)'s and phi(K)'s ([T, K]
    each in the workspace type; always at order 2, whose one factor is phi), written over phi's
    own workspaces where those are in that type (``BackwardConfig.phi_grads_over_phi``); with
-   ``grads_split`` (an experiment) three launches instead (``chunk_backward_split``);
+   ``grads_split`` (the default above K = 256) three or four launches (``chunk_backward_split``);
 5. (phi's gradients stored) ``chunk_backward_factors.phi_grads_to_factors_kernel``.
 
 Memory (``BackwardConfig.workspace_bytes``), per (sequence, head): per chunk S and dS' (K d_v
@@ -45,7 +45,7 @@ each, or the inputs' 2 with ``workspace_dtype="inputs"``; R with the delta rule)
 each, as U); streamed loops add the running S and dS (fp32, K d_v each, once). o3 16x16, d_v 64,
 bf16, the default (C 32, resident, stored, 16-bit): per token-head 2 x 512 (phi, then its
 gradients over it) + 2 x 128 (P, T) + 3 x 128 (U, R, dU) + 4 bytes, per chunk 2 x 32 KiB; o3 64x64
-(streamed, registers): 2 x 512 KiB per chunk + 1.3 KiB per token.
+(streamed, registers, split: dGq, dGs and dc's parts added): 2 x 512 KiB per chunk + 1.8 KiB per token.
 
 Scope (:func:`supports`): orders 2-4 at any key widths, K and d_v, each feature, varlen, any T.
 The kernels tile power-of-two key widths >= 16; other widths are rewritten exactly onto such a
@@ -85,22 +85,18 @@ from .inputs import Problem, check_inputs
 MAX_KEY_DIM = 256
 BWD_CHUNK_SIZES = (16, 32, 64)
 BLOCK_KS = (16, 32, 64, 128)
-# tf32x3 is not offered: at C 64 the gradients kernel faulted (illegal address) with it on the
-# H200 (Triton 3.6, 2026-12-01), and ran correctly with ieee and tf32 at the same tiles
+# no tf32x3: the gradients kernel faulted with it at C 64 where ieee and tf32 ran (H200, Triton 3.6)
 BWD_PRECISIONS = ("ieee", "tf32")
 GRADS_WARPS = (2, 4, 8)
-# "resident": the state loops hold a [K, block_v] tile in registers and read phi from [T, K]
-# workspaces (K <= 256); "streamed": they visit the state in [state_block_k, block_v] tiles
-# through memory and build phi blocks from the factors (any K; chunk_backward_streamed.py)
+# "resident": the state loops hold a [K, block_v] tile in registers, phi from [T, K] workspaces (K <= 256);
+# "streamed": [state_block_k, block_v] tiles through memory, phi blocks from the factors (chunk_backward_streamed)
 STATE_LOOPS = ("resident", "streamed")
 STATE_BLOCK_KS = (16, 32, 64, 128, 256)
-# where phi's gradients become the factors': "registers", in the gradients kernel per key block
-# (no [T, K] tensor); "workspace", stored as fp32 [T, K] and contracted by a token-parallel
-# kernel (order 2 always: its one factor is phi, and the l2norm needs the whole row)
+# where phi's gradients become the factors': "registers", per key block (no [T, K] tensor); "workspace",
+# stored [T, K] and contracted by a token-parallel kernel (order 2 always: its one factor is phi)
 FACTOR_GRADS = ("registers", "workspace")
-# the type of the per-token workspaces (U, R, dU and stored phi gradients): fp32, or the inputs'
-# own 16-bit type (as fla keeps its recomputed values and their gradients), which halves their
-# bytes: o3 16x16 bf16 B8 T4096 H8, the default's workspace_bytes 1345 -> 993 MiB (untimed)
+# the per-token workspaces' type (U, R, dU, stored phi gradients): fp32, or the inputs' 16-bit type (as
+# fla keeps its recomputed values): o3 16x16 bf16 B8 T4096 H8 workspace_bytes 1345 -> 993 MiB
 WORKSPACE_DTYPES = ("float32", "inputs")
 
 
@@ -134,11 +130,11 @@ class BackwardConfig(KernelConfig):
     state_block_k: int = 128
     factor_grads: str = "registers"
     workspace_dtype: str = "float32"
-    # the gradients kernel in three (C x C gradients; phi's per chunk and key block, stored; dg), with
-    # factor_grads="workspace". No default: o3 32x32 17.2 -> 14.6 ms but 1.4 -> 3.5 GiB (H200, 2026-12-02)
+    # the gradients kernel split (chunk_backward_split): C x C gradients; phi's per chunk and key block,
+    # stored (factor_grads="workspace": o3 32x32 17.2 -> 14.6 ms but 1.4 -> 3.5 GiB, H200, 2026-12-02),
+    # or one side's factors per program in registers; then dg
     grads_split: bool = False
-    # a training call's forward runs the prepare and state loop and keeps them for the backward
-    # (chunk_backward_kept.py; resident loops): the default for 16-bit inputs up to K = 256
+    # a training call's forward keeps its prepare and state loop for the backward (chunk_backward_kept.py)
     keep_forward: bool = False
     # the gradients kernel's value step (None: block_v): 64 against the loops' 32 took its time at
     # o3 32x32 5.30 -> 3.87 ms, o3 64x64 12.1 -> 8.0 (H200, 2026-12-02, a3f20ec); block_v 64 for
@@ -180,8 +176,8 @@ class BackwardConfig(KernelConfig):
                 return f"{name}={getattr(self, name)!r}; allowed: False, True"
         if self.merge_passes and self.state_loop == "resident":  # else a duplicate the tuner times twice
             return "merge_passes=True with state_loop='resident'; allowed: False, or state_loop='streamed'"
-        if self.grads_split and self.factor_grads != "workspace":  # else a duplicate the tuner times twice
-            return f"factor_grads={self.factor_grads!r} with grads_split=True; allowed: 'workspace'"
+        if self.grads_split and self.factor_grads != "workspace" and len(shape.key_widths) == 1:  # a duplicate
+            return f"factor_grads={self.factor_grads!r} with grads_split=True at order 2; allowed: 'workspace'"
         if self.grads_block_v is not None and (isinstance(self.grads_block_v, bool) or self.grads_block_v
                                                not in [b for b in (16, 32, 64, 128) if b <= shape.value_dim_pow2]):
             return (f"grads_block_v={self.grads_block_v!r}; allowed: None (block_v) or a power of two 16 .. "
@@ -281,8 +277,9 @@ class BackwardConfig(KernelConfig):
             per_token += 4
         if self.grads_split:  # dGq (and dGs), fp32 C each; dc and each key block's share of it
             per_token += 4 * C * (2 if w.delta_rule else 1)
-            if w.forget_gate:
-                per_token += 4 * (1 + math.ceil(K / min(self.block_k, w.shape.key_dim_pow2)))
+            if w.forget_gate:  # parts: per key block stored, per side in registers
+                parts = math.ceil(K / min(self.block_k, w.shape.key_dim_pow2)) if self.phi_grads_stored(w.shape) else 2
+                per_token += 4 * (1 + parts)
         return 2 * chunks * K * V * dot + w.rows * per_token + running
 
     def workspace_bytes_per_element(self, shape: KernelShape) -> int:
@@ -300,14 +297,15 @@ class BackwardConfig(KernelConfig):
 
     def phi_grads_stored(self, shape: KernelShape) -> bool:
         """Are phi's gradients stored ([T, K] each) and contracted by a fifth launch?"""
-        return self.factor_grads == "workspace" or len(shape.key_widths) == 1 or self.grads_split
+        return self.factor_grads == "workspace" or len(shape.key_widths) == 1
 
     def figures(self, w: Workload) -> CostFigures:
         # two sequential passes over the chunks (recompute, state gradient), the state crossing
         # HBM four times per chunk (S and dS' each stored and read once)
+        stored = self.phi_grads_stored(w.shape)  # split: + the key-block (or two side) kernels and dg's
         return CostFigures(programs=chunk_programs(w, self.block_v), serial_steps=2 * chunk_count(w, self.chunk_size),
                            state_passes=4 * chunk_count(w, self.chunk_size), workspace_bytes=self.workspace_bytes(w),
-                           launches=(5 if self.phi_grads_stored(w.shape) else 4) + (2 if self.grads_split else 0))
+                           launches=(5 if stored else 4) + ((2 if stored else 3) if self.grads_split else 0))
 
 
 def shape_refusal(shape: KernelShape) -> str | None:
@@ -348,9 +346,11 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
     tile = 256 if streamed and len(shape.key_widths) >= 2 else min(256, max(128, math.prod(shape.key_widths[1:])))
     # streamed: one stage, as the streamed forward (its 256-row tiles need the memory); the forward
     # kept and, at K >= 4096, the passes merged: fwd+bwd o3 32x32 8.10 -> 7.02 ms (merged slower),
-    # o3 64x64 28.31 -> 24.20 -> 22.46, o4 16^3 43.51 -> 43.05, peaks unchanged (H200, e3a92b7)
+    # o3 64x64 28.31 -> 24.20 -> 22.46, o4 16^3 43.51 -> 43.05, peaks unchanged (H200, e3a92b7); the
+    # gradients kernel split, one side's factors per program: fwd+bwd o3 32x32 4.88 -> 4.63 ms, 64x64
+    # 19.12 -> 18.49, o4 16^3 19.19 -> 18.90, peaks +131 MiB (H200, 2026-12-03, same call)
     loop = {"state_loop": "streamed", "state_block_k": tile, "num_stages": 1, "keep_forward": True,
-            "merge_passes": shape.key_dim_pow2 >= 4096} if streamed \
+            "merge_passes": shape.key_dim_pow2 >= 4096, "grads_split": True} if streamed \
         else {"factor_grads": "workspace", "state_block_k": min(tile, shape.key_dim_pow2)}  # unused: in the space
     order = ((64, 8), (64, 4), (32, 8), (32, 4), (16, 4)) if streamed else ((64, 4), (64, 8), (32, 4), (32, 8), (16, 4))
     # 16-bit inputs up to K = 256, chunks of 32: the train tuner's winner at o3 16x16 B8 T4096 (422
@@ -359,11 +359,10 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
     # 256 3.89 -> 3.87 (H200, 2026-12-02, dd966ea; fla 3.58 in the run that timed the winner)
     tuned = shape.input_bytes == 2 and not streamed
     order = ((32, 4), (32, 8), (64, 4), (64, 8), (16, 4)) if tuned else order
-    # ... and the forward keeps the prepare and state loop for the backward (keep_forward): fwd+bwd
-    # o3 16x16 2.73 -> 2.01 ms, o2 64 2.76 -> 1.55, o2 256 3.85 -> 3.25, peak the same 1221 MiB (H200,
-    # 9e68a27); it holds them from forward to backward (640 MiB a layer at o3 16x16 B8 T4096 H8)
-    # streamed: the gradients kernel steps 64 value columns (not order 4) in 4 warps where the check
-    # lets it: o3 32x32 6.40 -> 5.74 ms (64x64, refused: 21.2 -> 28.1; H200, 2026-12-03)
+    # ... and the forward keeps the prepare and state loop for the backward (keep_forward): fwd+bwd o3 16x16
+    # 2.73 -> 2.01 ms, o2 64 2.76 -> 1.55, o2 256 3.85 -> 3.25, peak 1221 MiB either way (H200, 9e68a27)
+    # streamed: the gradients kernel steps 64 value columns (not order 4) in 4 warps where the check lets it:
+    # o3 32x32 6.40 -> 5.74 ms (64x64, refused: 21.2 -> 28.1; H200, 2026-12-03)
     grads_bvs = (64, None) if streamed and shape.value_dim_pow2 >= 64 else (None,)
     for (C, warps), gbv, gw in itertools.product(order + ((16, 8),), grads_bvs, (4, 8) if streamed else (8,)):
         kernels = {"grads_warps": 4, "grads_stages": 3, "num_stages": 3, "prepare_warps": 1, "keep_forward": True} \
@@ -575,7 +574,8 @@ def launch_backward(config: BackwardConfig, p: Problem, q, k, v, g, beta, h0, cu
     grid = (idx.shape[0], H) if varlen else (n_chunks[0], B * H)
     if config.grads_split:
         tensors = GradsTensors(q=q, k=k, v=v, g=g, beta=beta, do=do, ws=ws, Hc=Hc, dHc=dHc, Uc=Uc, Rc=Rc, dUc=dUc,
-                               dQp=dQp, dKp=dKp, dv=dv, dg=dg, dbeta=dbeta, cu_seqlens=cu_seqlens, idx=idx)
+                               dQp=dQp, dKp=dKp, dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, cu_seqlens=cu_seqlens,
+                               idx=idx)
         split_grads(config, p, tensors, grid, widths, l2norm)
         del tensors
     else:

@@ -5,7 +5,7 @@ C x C gradients (scores dP, inverse dT and through it dA), dv, dbeta's and dc's 
 no key contraction; then phi(Q)'s gradient (with dc's state share) and phi(K)'s, either stored
 (``factor_grads="workspace"``, [B, H, T, K] in the workspace type: one pass over key blocks of
 BK columns, which may write them over phi's own workspaces) or contracted to the factors in
-registers (:func:`_register_pass`); last, dg (a reverse cumulative sum of dc within the chunk).
+registers (:func:`register_pass`); last, dg (a reverse cumulative sum of dc within the chunk).
 (``chunk_backward_factors.py``: the stored phi gradients to the factors, token-parallel.)
 
 In registers, the Kronecker structure does the work of a [T, K] workspace. The within-chunk
@@ -343,21 +343,44 @@ def _factor_columns(x, r, m_t, o_j, D: tl.constexpr, b_rho):
 
 
 @triton.jit
-def _lead_block_to_factors(b_d, x1, x2, b_rho1, b_rho2, b_x2, b_x3, a1, a2, a3, r, m_t, i_k, NF: tl.constexpr,
-                           D1: tl.constexpr, D2: tl.constexpr, C: tl.constexpr, NL: tl.constexpr, DL: tl.constexpr):
+def _lead_columns(x1, x2, b_rho1, b_rho2, r, m_t, i_k, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
+                  NL: tl.constexpr):
+    """The leading factors' normalised entries that key block ``i_k`` (NL leading indices) takes:
+    NF 2, x1's columns ([C], or [C, NL]); NF 3, x1's column at the block's first index ([C]) and
+    x2's ([C], or [C, NL]); the second is the first where NF is 2. Loaded one block ahead in
+    :func:`register_pass`: loaded in the block, their latency opened every step (o3 64x64
+    side kernels ~1.2 of 7.0 ms, H200)."""
+    o_l = tl.arange(0, NL)
+    if NF == 2:
+        if NL == 1:
+            b_c1 = _factor_column(x1, r, m_t, i_k, D1, b_rho1)
+        else:
+            b_c1 = _factor_columns(x1, r, m_t, i_k * NL + o_l, D1, b_rho1)
+        b_c2 = b_c1
+    else:
+        b_c1 = _factor_column(x1, r, m_t, (i_k * NL) // D2, D1, b_rho1)
+        if NL == 1:
+            b_c2 = _factor_column(x2, r, m_t, i_k % D2, D2, b_rho2)
+        else:
+            b_c2 = _factor_columns(x2, r, m_t, (i_k * NL) % D2 + o_l, D2, b_rho2)
+    return b_c1, b_c2
+
+
+@triton.jit
+def _lead_block_to_factors(b_d, b_c1, b_c2, b_x2, b_x3, a1, a2, a3, i_k, NF: tl.constexpr, D1: tl.constexpr,
+                           D2: tl.constexpr, C: tl.constexpr, NL: tl.constexpr, DL: tl.constexpr):
     """Add key block ``i_k`` of phi's gradient ``b_d`` ([C, NL D_last]: the last axis whole at NL
     leading indices) to the factors' accumulators ``a*`` ([C, d_i]): the last factor's gains d
-    times the leading entries; each leading factor's column at its index, rowsum(d * x_last)
-    times the other leading entries. At order 4 the NL indices share the first axis' index."""
+    times the leading entries (``b_c*``, :func:`_lead_columns`); each leading factor's column at
+    its index, rowsum(d * x_last) times the other leading entries. At order 4 the NL indices
+    share the first axis' index."""
     if NL == 1:
         if NF == 2:
-            a2 += b_d * _factor_column(x1, r, m_t, i_k, D1, b_rho1)[:, None]
+            a2 += b_d * b_c1[:, None]
             a1 += tl.where(tl.arange(0, D1)[None, :] == i_k, tl.sum(b_d * b_x2, axis=1)[:, None], 0.0)
         else:
             i1 = i_k // D2
             i2 = i_k % D2
-            b_c1 = _factor_column(x1, r, m_t, i1, D1, b_rho1)
-            b_c2 = _factor_column(x2, r, m_t, i2, D2, b_rho2)
             a3 += b_d * (b_c1 * b_c2)[:, None]
             b_s = tl.sum(b_d * b_x3, axis=1)
             a1 += tl.where(tl.arange(0, D1)[None, :] == i1, (b_s * b_c2)[:, None], 0.0)
@@ -367,15 +390,12 @@ def _lead_block_to_factors(b_d, x1, x2, b_rho1, b_rho2, b_x2, b_x3, a1, a2, a3, 
         o_l = tl.arange(0, NL)
         if NF == 2:
             i1 = i_k * NL + o_l
-            b_w = _factor_columns(x1, r, m_t, i1, D1, b_rho1)  # [C, NL]
-            a2 += tl.sum(b_d3 * b_w[:, :, None], axis=1)
+            a2 += tl.sum(b_d3 * b_c1[:, :, None], axis=1)
             b_s = tl.sum(b_d3 * b_x2[:, None, :], axis=2)
             a1 += tl.sum(tl.where(tl.arange(0, D1)[None, None, :] == i1[None, :, None], b_s[:, :, None], 0.0), axis=1)
         else:
             i1 = (i_k * NL) // D2
             i2 = (i_k * NL) % D2 + o_l
-            b_c1 = _factor_column(x1, r, m_t, i1, D1, b_rho1)
-            b_c2 = _factor_columns(x2, r, m_t, i2, D2, b_rho2)  # [C, NL]
             a3 += tl.sum(b_d3 * (b_c1[:, None] * b_c2)[:, :, None], axis=1)
             b_s = tl.sum(b_d3 * b_x3[:, None, :], axis=2)
             a1 += tl.where(tl.arange(0, D1)[None, :] == i1, tl.sum(b_s * b_c2, axis=1)[:, None], 0.0)
@@ -402,88 +422,120 @@ def _gram_except(xa1, xa2, xa3, xb1, xb2, xb3, I: tl.constexpr, NF: tl.constexpr
 
 @triton.jit
 def _intra_to_factor(b_dGq, b_dGs, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_qi, b_ki, aq, ak, I: tl.constexpr,
-                     NF: tl.constexpr, USE_BETA: tl.constexpr, PREC: tl.constexpr):
-    """Factor I's share of the within-chunk terms dGq phi(K) (queries') and dGq^T phi(Q) + dGs
-    phi(K) (keys'), contracted in C x C space: (dGq * prod_{j != I} q_j k_j^T) k_I and its
-    transpose times q_I, (dGs * prod_{j != I} k_j k_j^T) k_I; no K-wide product."""
+                     NF: tl.constexpr, USE_BETA: tl.constexpr, QUERIES: tl.constexpr, KEYS: tl.constexpr,
+                     PREC: tl.constexpr):
+    """Factor I's share of the within-chunk terms dGq phi(K) (queries', with QUERIES) and dGq^T
+    phi(Q) + dGs phi(K) (keys', with KEYS), contracted in C x C space: (dGq * prod_{j != I} q_j
+    k_j^T) k_I and its transpose times q_I, (dGs * prod_{j != I} k_j k_j^T) k_I; no K-wide product."""
     b_m = b_dGq * _gram_except(b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, I, NF, PREC)
-    aq += f32dot(b_m, b_ki, PREC)
-    ak += f32dot(tl.trans(b_m), b_qi, PREC)
-    if USE_BETA:
-        ak += f32dot(b_dGs * _gram_except(b_k1, b_k2, b_k3, b_k1, b_k2, b_k3, I, NF, PREC), b_ki, PREC)
+    if QUERIES:
+        aq += f32dot(b_m, b_ki, PREC)
+    if KEYS:
+        ak += f32dot(tl.trans(b_m), b_qi, PREC)
+        if USE_BETA:
+            ak += f32dot(b_dGs * _gram_except(b_k1, b_k2, b_k3, b_k1, b_k2, b_k3, I, NF, PREC), b_ki, PREC)
     return aq, ak
 
 
 @triton.jit
-def _register_pass(q1, q2, q3, k1, k2, k3, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, rq1, rq2, rk1, rk2, do, Hc, dHc,
+def register_pass(q1, q2, q3, k1, k2, k3, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, rq1, rq2, rk1, rk2, do, Hc, dHc,
                    Uc, dv, dq1, dq2, dq3, dk1, dk2, dk3, b_dGq, b_dGs, b_gam, b_r, b_dc, b_dlast, b_last, scale, r,
                    m_t, off_s, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, V: tl.constexpr,
                    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_BETA: tl.constexpr, L2NORM: tl.constexpr,
-                   PREC: tl.constexpr):
+                   QUERIES: tl.constexpr, KEYS: tl.constexpr, PREC: tl.constexpr):
     """phi's gradients contracted to the factors in registers (NF >= 2), one pass over key blocks
     of BK columns (the last axis whole at BK / D_last leading indices): each block's state terms
     (dO S^T; U dS'^T and dR S^T) on the tensor cores, contracted by :func:`_lead_block_to_factors`;
     the within-chunk terms first, in C x C space (:func:`_intra_to_factor`), so no phi block is
     built or gathered (the two-pass form it replaced, phi blocks built from gathered entries:
-    12.9 of 17.2 ms fwd+bwd at o3 32x32, H200, a3f20ec). Returns (dc, dc_last's share)."""
+    12.9 of 17.2 ms fwd+bwd at o3 32x32, H200, a3f20ec). The queries' factors (QUERIES: stored,
+    with dc's state share added) and the keys' (KEYS: stored, with c_last's share added): both
+    in the one-kernel form, one each in ``grads_split``'s side kernels. Returns (dc, dc_last's share)."""
     DL: tl.constexpr = D2 if NF == 2 else D3
     K: tl.constexpr = D1 * D2 * D3
     aq1, ak1 = _intra_to_factor(b_dGq, b_dGs, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_q1, b_k1, b_q1 * 0.0, b_k1 * 0.0,
-                                1, NF, USE_BETA, PREC)
+                                1, NF, USE_BETA, QUERIES, KEYS, PREC)
     aq2, ak2 = _intra_to_factor(b_dGq, b_dGs, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_q2, b_k2, b_q2 * 0.0, b_k2 * 0.0,
-                                2, NF, USE_BETA, PREC)
+                                2, NF, USE_BETA, QUERIES, KEYS, PREC)
     aq3, ak3 = b_q3 * 0.0, b_k3 * 0.0
     if NF == 3:
         aq3, ak3 = _intra_to_factor(b_dGq, b_dGs, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_q3, b_k3, aq3, ak3, 3, NF,
-                                    USE_BETA, PREC)
+                                    USE_BETA, QUERIES, KEYS, PREC)
     # dc's state share sum_k dphi(Q)[t, k] phi(Q)[t, k] = sum_a (its factor-1 contraction) q1[t, a]:
     # the loop's additions to aq1, so the intra share comes off here
-    b_dc -= tl.sum(aq1 * b_q1, axis=1)
+    if QUERIES:
+        b_dc -= tl.sum(aq1 * b_q1, axis=1)
     # value blocks outside, key blocks inside: a value block's dO, r U and Gamma dR rows load once,
     # and each key block then loads only its S and dS' tiles (the contraction is linear, so each
     # value block's share contracts on its own). Key blocks outside reloaded every row tile per
     # block: 6.6 ms of gradients kernel at o3 32x32 (H200, 2026-12-02, 7cd127e)
     # dO S^T and dR S^T multiply loaded 16-bit values (dO, dR as stored in dv's type, S in the
     # products' type) in that type: exact products, as tf32 would give them, at half the operand
-    # bytes; r U (an fp32 workspace) stays in fp32 at PREC. The row scales come after the products.
+    # bytes. r U dS'^T too, r U (an fp32 workspace above K = 256) rounded to that type: adopted with the
+    # side kernels (o3 64x64 bf16 worst gradient error 4.1e-3 either way, H200). Row scales after the products.
     DT: tl.constexpr = Hc.dtype.element_ty
     LOWP: tl.constexpr = DT != tl.float32
+    AHEAD: tl.constexpr = not (QUERIES and KEYS)
     b_sds = 0.0
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
         m_o = m_t[:, None] & m_v[None, :]
         p_o = r[:, None] * V + o_v[None, :]
-        b_do = tl.load(do + p_o, mask=m_o, other=0.0)
-        b_u = b_r[:, None] * _rows(Uc, r, o_v, m_o, V)
-        b_dr = b_do
-        if USE_BETA:
-            b_dr = tl.load(dv + p_o, mask=m_o, other=0.0)  # dR, as the value pass stored it
+        if QUERIES:
+            b_do = tl.load(do + p_o, mask=m_o, other=0.0)
+        if KEYS:
+            b_u = b_r[:, None] * _rows(Uc, r, o_v, m_o, V)
+            if USE_BETA:
+                b_dr = tl.load(dv + p_o, mask=m_o, other=0.0)  # dR, as the value pass stored it
         # the next key block's S and dS' tiles load before this block's products (in registers,
         # [BK, BV] each), so their latency overlaps the products instead of opening every step
         off = off_s + tl.arange(0, BK)[None, :] * V + o_v[:, None]
         b_st_n = tl.load(Hc + off, mask=m_v[:, None], other=0.0)
-        b_dst_n = tl.load(dHc + off, mask=m_v[:, None], other=0.0)
+        if KEYS:
+            b_dst_n = tl.load(dHc + off, mask=m_v[:, None], other=0.0)
+        # one side (the split form's side kernels): the leading entries one block ahead as well; both
+        # sides at once, not (their registers): with, o3 32x32 1.93 -> 2.01 ms, o4 16^3 5.70 -> 6.08 there
+        if QUERIES and AHEAD:
+            b_cq1_n, b_cq2_n = _lead_columns(q1, q2, rq1, rq2, r, m_t, 0, NF, D1, D2, BK // DL)
+        if KEYS and AHEAD:
+            b_ck1_n, b_ck2_n = _lead_columns(k1, k2, rk1, rk2, r, m_t, 0, NF, D1, D2, BK // DL)
         for i_k in range(K // BK):
             b_st = b_st_n
-            b_dst = b_dst_n.to(tl.float32)
             m_n = m_v[:, None] & ((i_k + 1) * BK + tl.arange(0, BK) < K)[None, :]
             b_st_n = tl.load(Hc + off + (i_k + 1) * BK * V, mask=m_n, other=0.0)
-            b_dst_n = tl.load(dHc + off + (i_k + 1) * BK * V, mask=m_n, other=0.0)
-            b_sds += tl.sum(tl.sum(b_st.to(tl.float32) * b_dst, axis=1), axis=0)
+            i_n = (i_k + 1) % (K // BK)  # the next block's leading entries (the last step's: block 0's, unused)
+            if KEYS:
+                b_dst = b_dst_n
+                b_dst_n = tl.load(dHc + off + (i_k + 1) * BK * V, mask=m_n, other=0.0)
+                b_sds += tl.sum(tl.sum(b_st.to(tl.float32) * b_dst.to(tl.float32), axis=1), axis=0)
             # each side's block contracted before the other's is formed: one [C, BK] product live
-            b_dq = (scale * b_gam)[:, None] * dot(b_do, b_st, LOWP, DT, PREC)
-            aq1, aq2, aq3 = _lead_block_to_factors(b_dq, q1, q2, rq1, rq2, b_q2, b_q3, aq1, aq2, aq3, r, m_t, i_k,
-                                                   NF, D1, D2, C, BK // DL, DL)
-            b_dk = f32dot(b_u, b_dst, PREC)
-            if USE_BETA:
-                b_dk -= b_gam[:, None] * dot(b_dr, b_st, LOWP, DT, PREC)
-            ak1, ak2, ak3 = _lead_block_to_factors(b_dk, k1, k2, rk1, rk2, b_k2, b_k3, ak1, ak2, ak3, r, m_t, i_k,
-                                                   NF, D1, D2, C, BK // DL, DL)
-    b_dlast += tl.exp(b_last) * b_sds
-    b_dc += tl.sum(aq1 * b_q1, axis=1)
-    _store_side(dq1, dq2, dq3, q1, q2, q3, aq1, aq2, aq3, r, m_t, NF, D1, D2, D3, L2NORM)
-    _store_side(dk1, dk2, dk3, k1, k2, k3, ak1, ak2, ak3, r, m_t, NF, D1, D2, D3, L2NORM)
+            if QUERIES:
+                if AHEAD:
+                    b_cq1, b_cq2 = b_cq1_n, b_cq2_n
+                    b_cq1_n, b_cq2_n = _lead_columns(q1, q2, rq1, rq2, r, m_t, i_n, NF, D1, D2, BK // DL)
+                else:
+                    b_cq1, b_cq2 = _lead_columns(q1, q2, rq1, rq2, r, m_t, i_k, NF, D1, D2, BK // DL)
+                b_dq = (scale * b_gam)[:, None] * dot(b_do, b_st, LOWP, DT, PREC)
+                aq1, aq2, aq3 = _lead_block_to_factors(b_dq, b_cq1, b_cq2, b_q2, b_q3, aq1, aq2, aq3, i_k, NF, D1, D2,
+                                                       C, BK // DL, DL)
+            if KEYS:
+                if AHEAD:
+                    b_ck1, b_ck2 = b_ck1_n, b_ck2_n
+                    b_ck1_n, b_ck2_n = _lead_columns(k1, k2, rk1, rk2, r, m_t, i_n, NF, D1, D2, BK // DL)
+                else:
+                    b_ck1, b_ck2 = _lead_columns(k1, k2, rk1, rk2, r, m_t, i_k, NF, D1, D2, BK // DL)
+                b_dk = dot(b_u, b_dst, LOWP, DT, PREC)
+                if USE_BETA:
+                    b_dk -= b_gam[:, None] * dot(b_dr, b_st, LOWP, DT, PREC)
+                ak1, ak2, ak3 = _lead_block_to_factors(b_dk, b_ck1, b_ck2, b_k2, b_k3, ak1, ak2, ak3, i_k, NF, D1, D2,
+                                                       C, BK // DL, DL)
+    if QUERIES:
+        b_dc += tl.sum(aq1 * b_q1, axis=1)
+        _store_side(dq1, dq2, dq3, q1, q2, q3, aq1, aq2, aq3, r, m_t, NF, D1, D2, D3, L2NORM)
+    if KEYS:
+        b_dlast += tl.exp(b_last) * b_sds
+        _store_side(dk1, dk2, dk3, k1, k2, k3, ak1, ak2, ak3, r, m_t, NF, D1, D2, D3, L2NORM)
     return b_dc, b_dlast
 
 
@@ -499,7 +551,7 @@ def chunk_bwd_grads_kernel(
     (the resident loops' workspaces) or, when those are None, built from the factors
     (:func:`side_block`). With ``dQp`` / ``dKp`` given ([B, T, H, K] fp32; always at order 2)
     phi's gradients are stored there for ``phi_grads_to_factors_kernel``; None: contracted
-    to the factors here (:func:`_register_pass`) and stored into ``dq*`` / ``dk*``. ``P``,
+    to the factors here (:func:`register_pass`) and stored into ``dq*`` / ``dk*``. ``P``,
     ``Ai``, ``Gc``: the prepare kernel's; ``Hc``, ``Uc``, ``Rc``: the recompute's; ``dHc``,
     ``dUc``: the state-gradient loop's. ``Gc`` / ``beta`` None: no gates / no delta rule."""
     USE_BETA: tl.constexpr = beta is not None
@@ -528,10 +580,10 @@ def chunk_bwd_grads_kernel(
                                      dv, dQp, dKp, b_dGq, b_dGs, b_gam, b_r, b_dc, b_dlast, b_last, scale, p_row, r,
                                      m_t, off_s, NF, D1, D2, D3, V, C, BK, BV, USE_BETA, PREC)
     else:
-        b_dc, b_dlast = _register_pass(q1, q2, q3, k1, k2, k3, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, rq1, rq2, rk1,
+        b_dc, b_dlast = register_pass(q1, q2, q3, k1, k2, k3, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, rq1, rq2, rk1,
                                        rk2, do, Hc, dHc, Uc, dv, dq1, dq2, dq3, dk1, dk2, dk3, b_dGq, b_dGs, b_gam,
                                        b_r, b_dc, b_dlast, b_last, scale, r, m_t, off_s, NF, D1, D2, D3, V, C, BK,
-                                       BV, USE_BETA, L2NORM, PREC)
+                                       BV, USE_BETA, L2NORM, True, True, PREC)
     if USE_BETA:
         tl.store(dbeta + r, b_db.to(dbeta.dtype.element_ty), mask=m_t)
     if Gc is not None:

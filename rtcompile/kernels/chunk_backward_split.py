@@ -1,16 +1,19 @@
-"""The split form of the backward's step 4 (``BackwardConfig.grads_split``, an experiment,
-untimed on a GPU): three launches where :func:`chunk_backward_grads.chunk_bwd_grads_kernel` is
+"""The split form of the backward's step 4 (``BackwardConfig.grads_split``; the default above
+K = 256): three or four launches where :func:`chunk_backward_grads.chunk_bwd_grads_kernel` is
 one. The value pass and the C x C gradients once per chunk (:func:`chunk_bwd_cc_kernel`: dv,
-dbeta, and dGq, dGs stored, fp32 C per token each), phi's gradients per chunk *and key block*
-(:func:`chunk_bwd_key_block_kernel`: K / block_k times the programs, each holding one key block),
-dg from the blocks' partial sums (:func:`chunk_bwd_dg_kernel`); phi's gradients are stored and
-contracted to the factors by the token-parallel kernel, as ``factor_grads="workspace"``.
+dbeta, and dGq, dGs stored, fp32 C per token each); then phi's gradients, either per chunk *and
+key block* (:func:`chunk_bwd_key_block_kernel`, ``factor_grads="workspace"``: K / block_k times
+the programs, phi's gradients stored and contracted to the factors by the token-parallel
+kernel) or per chunk and *side* (:func:`chunk_bwd_side_kernel`, ``factor_grads="registers"``:
+one launch for the queries' factors, one for the keys', each contracting in registers); last
+dg from the parts' sums (:func:`chunk_bwd_dg_kernel`).
 
-Why: the one kernel is ~5x its own memory floor on the H200 (1.93 of 3.31 ms at o3 16x16),
-so latency-bound; compiled offline for sm_90 (Triton 3.9, o3 16x16, ``benchmarks/
-probe_offline.py --backward``) it takes 255 registers and spills 168 B a thread at 8 warps,
-where the split kernels take 220 and 127 (key blocks of 64) with no spill, so two key-block
-programs fit an SM. Notation as ``chunk_backward_grads``.
+Why: the one kernel is latency-bound (o3 16x16: 1.93 of 3.31 ms, ~5x its memory floor; H200).
+In registers at o3 64x64 it holds both sides' [C, 64] accumulators and the C x C gradients:
+255 registers and 1.7 KiB of spill stack a thread at 8 warps (sm_90, Triton 3.6,
+``benchmarks/probe_offline.py --backward``); the side kernels take 255 with no spill, the
+C x C kernel 211. Measured (kernel ms, H200, 2026-12-03): o3 64x64 7.05 -> 0.60 + 6.00, 32x32
+2.01 -> 0.39 + 1.35, o4 16^3 6.08 -> 0.41 + 5.14. Notation as ``chunk_backward_grads``.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from . import args
 from .args import factor_args
 from .blocks import chunk_rows
 from .chunk_backward_grads import (
-    chunk_scores, cc_grads, key_block_grad, key_gram, phi_blocks, query_block_grad, side_norms, side_tiles,
-    value_pass, stored_log_decay,
+    register_pass, chunk_scores, cc_grads, key_block_grad, key_gram, phi_blocks, query_block_grad, side_norms,
+    side_tiles, value_pass, stored_log_decay,
 )
 
 
@@ -105,6 +108,39 @@ def chunk_bwd_key_block_kernel(
 
 
 @triton.jit
+def chunk_bwd_side_kernel(
+    q1, q2, q3, k1, k2, k3, Gc, do, Hc, dHc, Uc, dv, dGq, dGs, dx1, dx2, dx3, dc_part, cu_seqlens, chunk_indices, scale,
+    T, rows, H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, V: tl.constexpr,
+    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SIDE: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr,
+):
+    """The split form's second kernel with ``factor_grads="registers"`` (NF >= 2), one program per
+    (chunk, head) and one launch per side: the queries' factors' gradients (SIDE 0) or the keys'
+    (SIDE 1) into ``dx*``, contracted in registers over the key blocks
+    (``chunk_backward_grads.register_pass``) from the first kernel's dGq, dGs and dv (dR) and
+    the state loops' S, dS', U. One side's accumulators, not both (o3 64x64: four [C, 64] fp32
+    tiles in the one-kernel form). dc's share of the side (the queries' state share, or c_last's
+    on the chunk's last row) into ``dc_part[SIDE]`` (gates only). ``dGs`` None: no delta rule."""
+    USE_BETA: tl.constexpr = dGs is not None
+    K: tl.constexpr = D1 * D2 * D3
+    o_c, m_t, r, p_row, i_last, p_last, i_s, i_h = chunk_rows(T, H, C, cu_seqlens, chunk_indices)
+    b_c, b_last = stored_log_decay(Gc, p_row, m_t, p_last, C)
+    off_w = p_row[:, None] * C + o_c[None, :]
+    b_dGq = tl.load(dGq + off_w, mask=m_t[:, None], other=0.0)
+    b_dGs = tl.zeros([C, C], dtype=tl.float32)
+    if USE_BETA:
+        b_dGs = tl.load(dGs + off_w, mask=m_t[:, None], other=0.0)
+    b_q1, b_q2, b_q3, rq1, rq2, rq3 = side_tiles(q1, q2, q3, r, m_t, NF, D1, D2, D3, L2NORM)
+    b_k1, b_k2, b_k3, rk1, rk2, rk3 = side_tiles(k1, k2, k3, r, m_t, NF, D1, D2, D3, L2NORM)
+    b_dc, b_dlast = register_pass(q1, q2, q3, k1, k2, k3, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, rq1, rq2, rk1, rk2, do,
+                                   Hc, dHc, Uc, dv, dx1, dx2, dx3, dx1, dx2, dx3, b_dGq, b_dGs, tl.exp(b_c),
+                                   tl.exp(b_last - b_c), tl.zeros([C], dtype=tl.float32), b_last * 0.0, b_last, scale,
+                                   r, m_t, (i_s * H + i_h) * K * V, NF, D1, D2, D3, V, C, BK, BV, USE_BETA, L2NORM,
+                                   SIDE == 0, SIDE == 1, PREC)
+    if Gc is not None:
+        tl.store(dc_part + SIDE * rows + p_row, b_dc + tl.where(o_c == i_last, b_dlast, 0.0), mask=m_t)
+
+
+@triton.jit
 def chunk_bwd_dg_kernel(dc, dc_part, dg, cu_seqlens, chunk_indices, T, rows, H: tl.constexpr, C: tl.constexpr,
                         NKB: tl.constexpr):
     """The split form's last kernel, one program per (chunk, head): dc = the first kernel's share
@@ -124,8 +160,9 @@ class GradsTensors:
     (``q``, ``k`` tuples of factors; ``g``, ``beta`` None when the feature is off) and ``do``, the
     prepare kernel's workspaces ``ws``, the stored chunk states and their gradients (``Hc``,
     ``dHc``), the recomputed ``Uc``, ``Rc``, ``dUc``, the outputs it writes (phi's stored
-    gradients ``dQp``, ``dKp``; ``dv``, ``dg``, ``dbeta``) and the varlen index (``cu_seqlens``
-    None when dense). Keyword construction only: 19 tensors in a positional list were a defect."""
+    gradients ``dQp``, ``dKp``, None when the factors' ``dq``, ``dk`` are formed in registers;
+    ``dv``, ``dg``, ``dbeta``) and the varlen index (``cu_seqlens`` None when dense). Keyword
+    construction only: 19 tensors in a positional list were a defect."""
     q: tuple
     k: tuple
     v: torch.Tensor
@@ -138,8 +175,10 @@ class GradsTensors:
     Uc: torch.Tensor
     Rc: torch.Tensor
     dUc: torch.Tensor
-    dQp: torch.Tensor
-    dKp: torch.Tensor
+    dQp: torch.Tensor | None
+    dKp: torch.Tensor | None
+    dq: list
+    dk: list
     dv: torch.Tensor
     dg: torch.Tensor | None
     dbeta: torch.Tensor | None
@@ -148,11 +187,12 @@ class GradsTensors:
 
 
 def split_grads(config, p, t: GradsTensors, grid: tuple, widths: dict, l2norm: bool) -> None:
-    """Step 4 of ``chunk_backward.launch_backward`` in three launches (``config.grads_split``; ``p`` the
-    checked Problem, ``t`` the step's tensors, ``grid`` and ``widths`` the monolithic grads
-    kernel's): the C x C gradients per chunk
-    (:func:`chunk_bwd_cc_kernel`: dv, dbeta, dGq, dGs, dc's share), phi's gradients per chunk and
-    key block (:func:`chunk_bwd_key_block_kernel`), then dg (:func:`chunk_bwd_dg_kernel`)."""
+    """Step 4 of ``chunk_backward.launch_backward`` split (``config.grads_split``; ``p`` the checked
+    Problem, ``t`` the step's tensors, ``grid`` and ``widths`` the monolithic grads kernel's): the
+    C x C gradients per chunk (:func:`chunk_bwd_cc_kernel`: dv, dbeta, dGq, dGs, dc's share);
+    phi's gradients per chunk and key block (:func:`chunk_bwd_key_block_kernel`, ``t.dQp``
+    given) or the factors' per chunk and side (:func:`chunk_bwd_side_kernel`, ``t.dQp`` None);
+    then dg (:func:`chunk_bwd_dg_kernel`)."""
     q, k, v, g, beta, do, ws = t.q, t.k, t.v, t.g, t.beta, t.do, t.ws
     B, T, H, V = v.shape
     C, K, dev = config.chunk_size, p.key_dim, v.device
@@ -164,15 +204,26 @@ def split_grads(config, p, t: GradsTensors, grid: tuple, widths: dict, l2norm: b
     dGq = args.empty(B, H, T, C, dtype=torch.float32, device=dev)
     dGs = args.empty(B, H, T, C, dtype=torch.float32, device=dev) if beta is not None else None
     dc = args.empty(B, H, T, dtype=torch.float32, device=dev) if g is not None else None
-    dc_part = args.empty(nkb, B, H, T, dtype=torch.float32, device=dev) if g is not None else None
+    registers = t.dQp is None  # factor_grads="registers": one program per chunk and side, not per key block
+    parts = 2 if registers else nkb
+    dc_part = args.empty(parts, B, H, T, dtype=torch.float32, device=dev) if g is not None else None
     chunk_bwd_cc_kernel[grid](
         *factor_args(k), ws["P"], ws["Ai"], ws["Gc"], v, beta, do, t.Uc, t.Rc, t.dUc, dGq, dGs, t.dv, t.dbeta, dc,
         t.cu_seqlens, t.idx, p.scale, T, **consts, num_warps=config.grads_warps, num_stages=config.grads_stages,
     )
-    chunk_bwd_key_block_kernel[(*grid, nkb)](
-        *factor_args(q), *factor_args(k), ws["Qw"], ws["Kw"], ws["Gc"], do, t.Hc, t.dHc, t.Uc, t.dv, dGq, dGs, t.dQp,
-        t.dKp, dc_part, t.cu_seqlens, t.idx, p.scale, T, rows, **consts, num_warps=config.grads_warps,
-        num_stages=config.grads_stages,
-    )
+    if registers:
+        consts["BV"] = config.grads_bv
+        for side, dx in enumerate((t.dq, t.dk)):
+            chunk_bwd_side_kernel[grid](
+                *factor_args(q), *factor_args(k), ws["Gc"], do, t.Hc, t.dHc, t.Uc, t.dv, dGq, dGs, *factor_args(dx),
+                dc_part, t.cu_seqlens, t.idx, p.scale, T, rows, **consts, SIDE=side, num_warps=config.grads_warps,
+                num_stages=config.grads_stages,
+            )
+    else:
+        chunk_bwd_key_block_kernel[(*grid, nkb)](
+            *factor_args(q), *factor_args(k), ws["Qw"], ws["Kw"], ws["Gc"], do, t.Hc, t.dHc, t.Uc, t.dv, dGq, dGs,
+            t.dQp, t.dKp, dc_part, t.cu_seqlens, t.idx, p.scale, T, rows, **consts, num_warps=config.grads_warps,
+            num_stages=config.grads_stages,
+        )
     if g is not None:
-        chunk_bwd_dg_kernel[grid](dc, dc_part, t.dg, t.cu_seqlens, t.idx, T, rows, H=H, C=C, NKB=nkb, num_warps=4)
+        chunk_bwd_dg_kernel[grid](dc, dc_part, t.dg, t.cu_seqlens, t.idx, T, rows, H=H, C=C, NKB=parts, num_warps=4)
