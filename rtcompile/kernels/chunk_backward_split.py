@@ -11,8 +11,8 @@ dg from the parts' sums (:func:`chunk_bwd_dg_kernel`).
 Why: the one kernel is latency-bound (o3 16x16: 1.93 of 3.31 ms, ~5x its memory floor; H200).
 In registers at o3 64x64 it holds both sides' [C, 64] accumulators and the C x C gradients:
 255 registers and 1.7 KiB of spill stack a thread at 8 warps (sm_90, Triton 3.6,
-``benchmarks/probe_offline.py --backward``); the side kernels take 255 with no spill, the
-C x C kernel 211. Measured (kernel ms, H200, 2026-12-03): o3 64x64 7.05 -> 0.60 + 6.00, 32x32
+``benchmarks/probe_offline.py --backward``); the side kernels take 255 with no spill (the
+queries' at 4 warps: 112 B, 98 KB shared, two CTAs an SM). Measured (kernel ms, H200, 2026-12-03): o3 64x64 7.05 -> 0.60 + 6.00, 32x32
 2.01 -> 0.39 + 1.35, o4 16^3 6.08 -> 0.41 + 5.14. Notation as ``chunk_backward_grads``.
 """
 
@@ -207,16 +207,21 @@ def split_grads(config, p, t: GradsTensors, grid: tuple, widths: dict, l2norm: b
     registers = t.dQp is None  # factor_grads="registers": one program per chunk and side, not per key block
     parts = 2 if registers else nkb
     dc_part = args.empty(parts, B, H, T, dtype=torch.float32, device=dev) if g is not None else None
+    # the C x C kernel and the queries' side kernel (one product per key block, no dS') at up to 4
+    # warps, the keys' at grads_warps: two CTAs an SM (98 KB shared at o3 64x64 C 64, sm_90) where 8
+    # warps leave one; fwd+bwd o3 64x64 18.24 -> 17.47 ms, 32x32 (4 warps) the same (H200, 2026-12-03)
+    light = min(4, config.grads_warps)
     chunk_bwd_cc_kernel[grid](
         *factor_args(k), ws["P"], ws["Ai"], ws["Gc"], v, beta, do, t.Uc, t.Rc, t.dUc, dGq, dGs, t.dv, t.dbeta, dc,
-        t.cu_seqlens, t.idx, p.scale, T, **consts, num_warps=config.grads_warps, num_stages=config.grads_stages,
+        t.cu_seqlens, t.idx, p.scale, T, **consts, num_warps=light, num_stages=config.grads_stages,
     )
     if registers:
         consts["BV"] = config.grads_bv
         for side, dx in enumerate((t.dq, t.dk)):
             chunk_bwd_side_kernel[grid](
                 *factor_args(q), *factor_args(k), ws["Gc"], do, t.Hc, t.dHc, t.Uc, t.dv, dGq, dGs, *factor_args(dx),
-                dc_part, t.cu_seqlens, t.idx, p.scale, T, rows, **consts, SIDE=side, num_warps=config.grads_warps,
+                dc_part, t.cu_seqlens, t.idx, p.scale, T, rows, **consts, SIDE=side,
+                num_warps=config.grads_warps if side else light,
                 num_stages=config.grads_stages,
             )
     else:
