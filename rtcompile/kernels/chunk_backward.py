@@ -348,7 +348,7 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
     # kept and, at K >= 4096, the passes merged: fwd+bwd o3 32x32 8.10 -> 7.02 ms (merged slower),
     # o3 64x64 28.31 -> 24.20 -> 22.46, o4 16^3 43.51 -> 43.05, peaks unchanged (H200, e3a92b7); the
     # gradients kernel split, one side's factors per program: fwd+bwd o3 32x32 4.88 -> 4.63 ms, 64x64
-    # 19.12 -> 18.49, o4 16^3 19.19 -> 18.90, peaks +131 MiB (H200, 2026-12-03, same call)
+    # 19.12 -> 18.49 (17.41 at d1c1993), o4 16^3 19.19 -> 18.90, peaks +131 MiB (H200, same call)
     loop = {"state_loop": "streamed", "state_block_k": tile, "num_stages": 1, "keep_forward": True,
             "merge_passes": shape.key_dim_pow2 >= 4096, "grads_split": True} if streamed \
         else {"factor_grads": "workspace", "state_block_k": min(tile, shape.key_dim_pow2)}  # unused: in the space

@@ -12,8 +12,9 @@ Why: the one kernel is latency-bound (o3 16x16: 1.93 of 3.31 ms, ~5x its memory 
 In registers at o3 64x64 it holds both sides' [C, 64] accumulators and the C x C gradients:
 255 registers and 1.7 KiB of spill stack a thread at 8 warps (sm_90, Triton 3.6,
 ``benchmarks/probe_offline.py --backward``); the side kernels take 255 with no spill (the
-queries' at 4 warps: 112 B, 98 KB shared, two CTAs an SM). Measured (kernel ms, H200, 2026-12-03): o3 64x64 7.05 -> 0.60 + 6.00, 32x32
-2.01 -> 0.39 + 1.35, o4 16^3 6.08 -> 0.41 + 5.14. Notation as ``chunk_backward_grads``.
+queries' at 4 warps: 112 B, 98 KB shared, two CTAs an SM). Measured (kernel ms, one kernel ->
+C x C + both sides, H200, at d1c1993): o3 64x64 7.05 -> 0.39 + 5.22, 32x32 2.01 -> 0.39 + 1.35,
+o4 16^3 6.08 -> 0.41 + 5.11. Notation as ``chunk_backward_grads``.
 """
 
 from __future__ import annotations
