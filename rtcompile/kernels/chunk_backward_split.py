@@ -29,7 +29,7 @@ from . import args
 from .args import factor_args
 from .blocks import chunk_rows
 from .chunk_backward_grads import (
-    register_pass, chunk_scores, cc_grads, key_block_grad, key_gram, phi_blocks, query_block_grad, side_norms,
+    register_pass, block_grads, block_state_terms, chunk_scores, cc_grads, key_gram, phi_blocks, side_norms,
     side_tiles, value_pass, stored_log_decay,
 )
 
@@ -92,16 +92,17 @@ def chunk_bwd_key_block_kernel(
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = m_t[:, None] & (o_k < K)[None, :]
     off_s = (i_s * H + i_h) * K * V
-    b_q, b_k = phi_blocks(Qw, Kw, q1, q2, q3, k1, k2, k3, rq1, rq2, rq3, rk1, rk2, rk3, p_row, r, m_t, i_k, NF, C, BK,
-                          D1, D2, D3)
-    b_dq, b_dc = query_block_grad(b_q, b_k, do, Hc, b_dGq, b_gam, tl.zeros([C], dtype=tl.float32), scale, r, m_t,
-                                  o_k, off_s, V, C, BK, BV, PREC)
-    tl.store(dQp + p_row[:, None] * K + o_k[None, :], b_dq.to(dQp.dtype.element_ty), mask=m_k)
     b_dGs = tl.zeros([C, C], dtype=tl.float32)
     if USE_BETA:
         b_dGs = tl.load(dGs + off_w, mask=m_t[:, None], other=0.0)
-    b_dk, b_dlast = key_block_grad(b_q, b_k, Uc, dv, Hc, dHc, b_dGq, b_dGs, b_gam, b_r, b_last * 0.0, b_last, r,
-                                   m_t, o_k, off_s, V, C, BK, BV, USE_BETA, PREC)
+    b_dq, b_dk, b_sds = block_state_terms(do, Uc, dv, Hc, dHc, b_gam, b_r, scale, r, m_t, o_k, off_s, V, C, BK, BV,
+                                          USE_BETA, PREC)
+    b_q, b_k = phi_blocks(Qw, Kw, q1, q2, q3, k1, k2, k3, rq1, rq2, rq3, rk1, rk2, rk3, p_row, r, m_t, i_k, NF, C, BK,
+                          D1, D2, D3)
+    zero = tl.zeros([C], dtype=tl.float32)
+    b_dq, b_dk, b_dc, b_dlast = block_grads(b_q, b_k, b_dq, b_dk, b_sds, b_dGq, b_dGs, zero, b_last * 0.0, b_last,
+                                            USE_BETA, PREC)
+    tl.store(dQp + p_row[:, None] * K + o_k[None, :], b_dq.to(dQp.dtype.element_ty), mask=m_k)
     tl.store(dKp + p_row[:, None] * K + o_k[None, :], b_dk.to(dKp.dtype.element_ty), mask=m_k)
     if Gc is not None:
         b_dc += tl.where(o_c == i_last, b_dlast, 0.0)
