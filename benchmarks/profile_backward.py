@@ -28,6 +28,8 @@ def main() -> int:
     ap.add_argument("--widths", type=int, nargs="+", default=[16, 16])
     ap.add_argument("--variant", action="append", default=[], metavar="FIELD=VALUE,...")
     ap.add_argument("--forward", action="store_true", help="the forward alone (no grad)")
+    ap.add_argument("--spills", action="store_true",
+                    help="print each compiled backward kernel's registers, spills and shared memory per variant")
     ap.add_argument("--unchecked", action="store_true",
                     help="run variants the config check refuses (e.g. on its register estimate), to measure them")
     args = ap.parse_args()
@@ -45,10 +47,30 @@ def main() -> int:
         # every argument passed on as given (the launcher passes chunk_size third since 57afb3f)
         chunk_backward.default_backward = lambda *a, c=changes, **kw: dataclasses.replace(base(*a, **kw), **c)
         try:
+            seen = _compiled() if args.spills else None
             _profile(args.widths, changes)
+            if args.spills:
+                for name, kernel in [(k, c) for k, c in _compiled().items() if k not in seen]:
+                    print(f"  {name[0]}: {kernel.n_regs} registers, {kernel.n_spills} spilled, "
+                          f"{kernel.metadata.shared} B shared, {kernel.metadata.num_warps} warps")
         except Exception as exc:  # a variant that does not compile or fit is a line, not the end
             print(f"widths {args.widths} changes {changes}: {type(exc).__name__}: {str(exc)[:200]}")
     return 0
+
+
+def _compiled() -> dict:
+    """Every compiled variant of the backward's Triton kernels so far: {(kernel name, key): kernel}."""
+    import triton
+
+    from rtcompile.kernels import chunk_backward, chunk_backward_factors, chunk_backward_split, chunk_prepare, chunk_split
+
+    found = {}
+    for module in (chunk_backward, chunk_backward_factors, chunk_backward_split, chunk_prepare, chunk_split):
+        for name, fn in vars(module).items():
+            if isinstance(fn, triton.runtime.jit.JITFunction) and name.endswith("kernel"):
+                for caches in fn.device_caches.values():
+                    found.update({(name, key): kernel for key, kernel in caches[0].items()})
+    return found
 
 
 def _profile(widths, changes, forward: bool = False):

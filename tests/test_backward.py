@@ -196,6 +196,30 @@ def test_factor_grads_in_a_workspace(widths, loop):
 
 
 @needs_kernels
+@pytest.mark.parametrize("widths, features, offsets, dtype", [
+    ((32,), "gated-delta-l2-h0", None, torch.float32), ((16, 16), "gated-delta-l2-h0", None, torch.float32),
+    ((16, 16), "plain", None, torch.float32), ((16, 16), "gate-h0", [0, 9, 40], torch.bfloat16),
+], ids=["o2-32", "o3-16x16", "o3-plain", "o3-varlen-bf16"])
+def test_factor_grads_in_rows(widths, features, offsets, dtype, monkeypatch):
+    """factor_grads="rows": phi's gradients formed in one key block of whole rows and contracted
+    to the factors in the gradients kernel (no [T, K] gradient, no fifth launch: its kernel
+    raises if launched)."""
+    from rtcompile.kernels import chunk_backward
+
+    class NotLaunched:
+        def __getitem__(self, grid):
+            raise AssertionError("phi_grads_to_factors_kernel launched with factor_grads='rows'")
+
+    monkeypatch.setattr(chunk_backward, "phi_grads_to_factors_kernel", NotLaunched())
+    K = 1
+    for w in widths:
+        K *= w
+    config = BackwardConfig(chunk_size=16, block_v=16, block_k=K, factor_grads="rows")
+    check_gradients(widths, 40 if offsets else 37, 20, chunk_size=16, config=config, offsets=offsets, dtype=dtype,
+                    **FEATURES[features])
+
+
+@needs_kernels
 @pytest.mark.parametrize("widths", [(32,), (16, 16)], ids=["o2-32", "o3-16x16"])
 def test_streamed_varlen_and_half(widths):
     config = BackwardConfig(chunk_size=16, block_v=16, block_k=16, **STREAMED)
@@ -316,6 +340,12 @@ def test_refused_problem_raises_the_reason():
     (BackwardConfig(chunk_size=16, block_v=16, block_k=32), "state_loop='resident' holds the [K, block_v] state"),
     (BackwardConfig(chunk_size=16, block_v=16, block_k=32, state_loop="streamed", factor_grads="disk"),
      "factor_grads='disk'"),
+    (BackwardConfig(chunk_size=16, block_v=16, block_k=128, factor_grads="rows"),
+     "factor_grads='rows' needs one key block of whole rows, block_k >= K = 256"),
+    (BackwardConfig(chunk_size=16, block_v=16, block_k=256, factor_grads="rows", grads_split=True),
+     "factor_grads='rows' with grads_split=True"),
+    (BackwardConfig(chunk_size=16, block_v=16, block_k=256, factor_grads="registers"),
+     "block_k=256 with factor_grads='registers'"),
 ])
 def test_config_refusals_name_the_field(config, needle):
     reason = config.check(KernelShape((16, 16) if "resident" not in needle and "last key" not in needle
@@ -390,6 +420,10 @@ def test_default_and_space(shape, limit):
         if c.merge_passes and c.state_loop == "resident":
             assert c.check(shape, limit) is not None
             continue
+        if c.factor_grads == "rows" and (c.grads_split or c.block_k < shape.key_dim_pow2) \
+                or c.factor_grads == "registers" and c.block_k > 128:
+            assert c.check(shape, limit) is not None
+            continue
         # factor_grads is kept: the register estimate reads it (the key loop in registers holds less)
         first = dataclasses.replace(c, **{n: space[n][0] for n in free if n != "factor_grads"})
         assert (c.check(shape, limit) is None) == (first.check(shape, limit) is None), c
@@ -461,6 +495,9 @@ def _gpu_sweep():
                 accepted = [c for c in tries if c.check(shape, 232448) is None]
                 assert accepted, f"no key block runs C {C} block_v {bv} at {shape}"
                 cases.append(pytest.param(dtype, accepted, id=f"{name}-C{C}-bv{bv}"))
+        # phi's gradients contracted where they are formed, whole rows at once (o3 16x16: K = 256 columns)
+        cases.append(pytest.param(dtype, [dataclasses.replace(base, factor_grads="rows", block_k=256)],
+                                  id=f"{name}-rows"))
         precisions = ("ieee", "tf32") if dtype != torch.float32 else ("ieee",)
         for prec in precisions:
             cases.append(pytest.param(dtype, [dataclasses.replace(base, dot_precision=prec)], id=f"{name}-{prec}"))
@@ -471,7 +508,8 @@ def _gpu_sweep():
         if dtype != torch.float32:  # both workspace types, with either form of phi's gradients
             for wd, wname in (("inputs", "ws16"), ("float32", "ws32")):
                 for fg in ("workspace", "registers"):
-                    cfg = dataclasses.replace(base, workspace_dtype=wd, factor_grads=fg)
+                    cfg = dataclasses.replace(base, workspace_dtype=wd, factor_grads=fg,
+                                              block_k=min(base.block_k, 128))  # 128 the widest in registers
                     cases.append(pytest.param(dtype, [cfg], id=f"{name}-{wname}-{fg}"))
     return cases
 
@@ -513,6 +551,21 @@ def test_gpu_config_sweep(dtype, configs, record_property):
         if refused:
             record_property(f"refused_{label}", " | ".join(refused))
         assert len(refused) < len(configs), f"every config was refused at {label}: {refused}"
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the defaults a GPU resolves (its shared memory); the CPU tests above "
+                    "run each form")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("widths", [(64,), (128,), (256,), (16, 16)], ids=["o2-64", "o2-128", "o2-256", "o3-16x16"])
+def test_gpu_default_config_at_the_timed_widths(widths, dtype, record_property):
+    """On the GPU, the default config at every width ``benchmarks/train_step.py`` times up to K =
+    256 (each picks its own key block, phi-gradient form and prepare warps): every gradient
+    against float64 autograd, T 200 (a partial last chunk), d_v 64."""
+    shape = KernelShape(widths, 64, 4 if dtype == torch.float32 else 2)
+    config = default_backward(shape, torch.cuda.get_device_properties(0).shared_memory_per_block_optin)
+    errors = check_gradients(widths, 200, 64, chunk_size=config.chunk_size, dtype=dtype, B=2, H=3, config=config)
+    record_property("config", str(config))
+    record_property("max_rel_err", max(errors.values()))
 
 
 @needs_kernels

@@ -31,9 +31,10 @@ Four to seven launches (:func:`launch_backward`):
    ``chunk_backward_streamed.state_grads_streamed`` (the running dS in an fp32 buffer, visited
    in [state_block_k, block_v] tiles, phi blocks from the factors);
 4. ``chunk_backward_grads.chunk_bwd_grads_kernel``, chunk-parallel, over key blocks of
-   ``block_k`` columns: dv, dbeta, dg and, with ``factor_grads="registers"``, every factor's
-   gradient (phi's contracted to the factors in registers), else phi(Q)'s and phi(K)'s ([T, K]
-   each in the workspace type; always at order 2, whose one factor is phi), written over phi's
+   ``block_k`` columns: dv, dbeta, dg and, with ``factor_grads="registers"`` (orders 3-4),
+   every factor's gradient (phi's contracted to the factors block by block), with ``"rows"``
+   (one block of whole rows, block_k >= K) every factor's gradient (phi's contracted once per
+   chunk), else phi(Q)'s and phi(K)'s ([T, K] each in the workspace type), written over phi's
    own workspaces where those are in that type (``BackwardConfig.phi_grads_over_phi``); with
    ``grads_split`` (the default above K = 256) three or four launches (``chunk_backward_split``);
 5. (phi's gradients stored) ``chunk_backward_factors.phi_grads_to_factors_kernel``.
@@ -84,7 +85,7 @@ from .inputs import Problem, check_inputs
 
 MAX_KEY_DIM = 256
 BWD_CHUNK_SIZES = (16, 32, 64)
-BLOCK_KS = (16, 32, 64, 128)
+BLOCK_KS = (16, 32, 64, 128, 256)
 # no tf32x3: the gradients kernel faulted with it at C 64 where ieee and tf32 ran (H200, Triton 3.6)
 BWD_PRECISIONS = ("ieee", "tf32")
 GRADS_WARPS = (2, 4, 8)
@@ -92,9 +93,10 @@ GRADS_WARPS = (2, 4, 8)
 # "streamed": [state_block_k, block_v] tiles through memory, phi blocks from the factors (chunk_backward_streamed)
 STATE_LOOPS = ("resident", "streamed")
 STATE_BLOCK_KS = (16, 32, 64, 128, 256)
-# where phi's gradients become the factors': "registers", per key block (no [T, K] tensor); "workspace",
-# stored [T, K] and contracted by a token-parallel kernel (order 2 always: its one factor is phi)
-FACTOR_GRADS = ("registers", "workspace")
+# where phi's gradients become the factors': "registers", per key block (no [T, K] tensor; orders 3-4);
+# "workspace", stored [T, K] and contracted by a token-parallel kernel; "rows", formed as stored but in
+# one key block of whole rows (block_k >= K) and contracted there (no [T, K] tensor, no fifth launch)
+FACTOR_GRADS = ("registers", "workspace", "rows")
 # the per-token workspaces' type (U, R, dU, stored phi gradients): fp32, or the inputs' 16-bit type (as
 # fla keeps its recomputed values): o3 16x16 bf16 B8 T4096 H8 workspace_bytes 1345 -> 993 MiB
 WORKSPACE_DTYPES = ("float32", "inputs")
@@ -178,6 +180,15 @@ class BackwardConfig(KernelConfig):
             return "merge_passes=True with state_loop='resident'; allowed: False, or state_loop='streamed'"
         if self.grads_split and self.factor_grads != "workspace" and len(shape.key_widths) == 1:  # a duplicate
             return f"factor_grads={self.factor_grads!r} with grads_split=True at order 2; allowed: 'workspace'"
+        if self.factor_grads == "rows":
+            if self.grads_split:
+                return "factor_grads='rows' with grads_split=True; allowed: 'registers' or 'workspace'"
+            if min(self.block_k, shape.key_dim_pow2) < shape.key_dim_pow2:
+                return (f"factor_grads='rows' needs one key block of whole rows, block_k >= K = "
+                        f"{shape.key_dim_pow2}, got block_k={self.block_k}; allowed: "
+                        f"{[b for b in BLOCK_KS if b >= shape.key_dim_pow2] or 'none (K > 256)'}")
+        if self.factor_grads == "registers" and self.block_k > 128:  # not run on a GPU in registers
+            return f"block_k={self.block_k} with factor_grads='registers'; allowed: 16 .. 128"
         if self.grads_block_v is not None and (isinstance(self.grads_block_v, bool) or self.grads_block_v
                                                not in [b for b in (16, 32, 64, 128) if b <= shape.value_dim_pow2]):
             return (f"grads_block_v={self.grads_block_v!r}; allowed: None (block_v) or a power of two 16 .. "
@@ -195,8 +206,11 @@ class BackwardConfig(KernelConfig):
         return resource_refusal(self, shape, smem_limit, "; try a smaller chunk_size, block_v or block_k")
 
     def estimate_registers(self, shape: KernelShape) -> int:
-        # the larger of the state-gradient loop's and the gradients kernel's (stored: T, dGq, dGs
-        # [C, C], five [C, BK], two [BK, BV], three [C, BV]; in registers, below) at their warps
+        # the larger of the state-gradient loop's and the gradients kernel's (stored or rows: T, dGq,
+        # dGs [C, C]; both sides' [C, BK] terms and one phi block; S and dS' [BK, BV] in 16 bits
+        # (counted as one), three [C, BV]; in registers, below) at their warps. Calibrated on sm_90
+        # (H200, C 32, 4 warps, bf16, o3 16x16): BK 256 / BV 32 spilled 60 registers and ran the
+        # kernel in 0.735 ms against 0.793 at BK 128 (8 spilled); BV 64 at BK 256 spilled 110, 0.847 ms
         C, K, bv, bk = self.chunk_size, shape.key_dim_pow2, self.block_v, min(self.block_k, shape.key_dim_pow2)
         if self.state_loop == "resident":
             loop = K * bv + 2 * C * K * shape.input_bytes // 4 + 2 * C * C + 4 * C * bv
@@ -207,7 +221,8 @@ class BackwardConfig(KernelConfig):
         # gradients and the key loop's [C, BK] product and temporary, S, dS' and the next ones, 3 [C, BV]
         factors = 4 * C * sum(shape.key_widths) if len(shape.key_widths) > 1 else 0
         gbv = self.grads_bv
-        grads = 3 * C * C + 5 * C * bk + 2 * bk * gbv + 3 * C * gbv + factors if self.phi_grads_stored(shape) \
+        grads = 3 * C * C + 3 * C * bk + bk * gbv + 3 * C * gbv + factors if self.factor_grads != "registers" \
+            or len(shape.key_widths) == 1 \
             else max(3 * C * C, 2 * C * bk + 4 * bk * gbv + 3 * C * gbv) + factors
         return max(estimate_registers(loop, self.num_warps), estimate_registers(grads, self.grads_warps))
 
@@ -296,8 +311,9 @@ class BackwardConfig(KernelConfig):
                 and self.workspace_bytes_per_element(shape) == dot_operand_bytes(shape.input_bytes))
 
     def phi_grads_stored(self, shape: KernelShape) -> bool:
-        """Are phi's gradients stored ([T, K] each) and contracted by a fifth launch?"""
-        return self.factor_grads == "workspace" or len(shape.key_widths) == 1
+        """Are phi's gradients stored ([T, K] each) and contracted by a fifth launch? (Order 2
+        in registers stores them: its one factor is phi.)"""
+        return self.factor_grads == "workspace" or (self.factor_grads == "registers" and len(shape.key_widths) == 1)
 
     def figures(self, w: Workload) -> CostFigures:
         # two sequential passes over the chunks (recompute, state gradient), the state crossing
@@ -359,16 +375,27 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
     # 256 3.89 -> 3.87 (H200, 2026-12-02, dd966ea; fla 3.58 in the run that timed the winner)
     tuned = shape.input_bytes == 2 and not streamed
     order = ((32, 4), (32, 8), (64, 4), (64, 8), (16, 4)) if tuned else order
+    # there, at K = 256 one key block of 256 columns: o3 16x16 gradients kernel 0.793 -> 0.735 ms (60
+    # registers spilled against 8); order 2 from K = 128 with its factor's gradient contracted there
+    # (factor_grads="rows", no fifth launch): fwd+bwd kernels o2 128 1.655 -> 1.490 ms (o2 64 1.115 ->
+    # 1.133: not taken), and its prepare in 2 warps at K = 256 (its K x K Gram in one warp spilled 460
+    # registers: 1.067 -> 0.338 ms; 4 warps 0.369; at K = 128 one warp stays, 0.175 against 0.190): o2
+    # 256 3.258 -> 2.367 ms with both; o3 16x16 1.854 -> 1.802 (kernel sums, H200, 2026-12-04)
+    order2 = tuned and len(shape.key_widths) == 1 and K >= 128
+    c32 = {"grads_warps": 4, "grads_stages": 3, "num_stages": 3, "prepare_warps": 2 if order2 and K >= 256 else 1,
+           "keep_forward": True, "block_k": K if K >= 256 or order2 else bk,
+           "factor_grads": "rows" if order2 else loop.get("factor_grads", "registers")}
     # ... and the forward keeps the prepare and state loop for the backward (keep_forward): fwd+bwd o3 16x16
     # 2.73 -> 2.01 ms, o2 64 2.76 -> 1.55, o2 256 3.85 -> 3.25, peak 1221 MiB either way (H200, 9e68a27)
     # streamed: the gradients kernel steps 64 value columns (not order 4) in 4 warps where the check lets it:
     # o3 32x32 6.40 -> 5.74 ms (64x64, refused: 21.2 -> 28.1; H200, 2026-12-03)
     grads_bvs = (64, None) if streamed and shape.value_dim_pow2 >= 64 else (None,)
     for (C, warps), gbv, gw in itertools.product(order + ((16, 8),), grads_bvs, (4, 8) if streamed else (8,)):
-        kernels = {"grads_warps": 4, "grads_stages": 3, "num_stages": 3, "prepare_warps": 1, "keep_forward": True} \
-            if tuned and C == 32 else {"grads_warps": gw, "prepare_warps": 4}
-        cfg = BackwardConfig(chunk_size=C, block_v=bv, block_k=bk, num_warps=warps, key_group=group,
-                             dot_precision=prec, workspace_dtype=ws, grads_block_v=gbv, **kernels, **loop)
+        kernels = {**loop, "grads_warps": gw, "prepare_warps": 4, "block_k": bk}
+        if tuned and C == 32:
+            kernels.update(c32)
+        cfg = BackwardConfig(chunk_size=C, block_v=bv, num_warps=warps, key_group=group, dot_precision=prec,
+                             workspace_dtype=ws, grads_block_v=gbv, **kernels)
         if (chunk_size is None or C == chunk_size) and cfg.check(shape, smem_limit) is None:
             return cfg
     return BackwardConfig(chunk_size=chunk_size or 16, block_v=16, block_k=bk, workspace_dtype=ws, **{**loop, "state_block_k": 16})
@@ -583,7 +610,7 @@ def launch_backward(config: BackwardConfig, p: Problem, q, k, v, g, beta, h0, cu
             *factor_args(q), *factor_args(k), ws["Qw"], ws["Kw"], ws["P"], ws["Ai"], ws["Gc"], v, beta, do, Hc, dHc, Uc,
             Rc, dUc, *factor_args(dq), *factor_args(dk), dQp, dKp, dv, dg, dbeta, cu_seqlens, idx, p.scale, T,
             H=H, NF=len(q), **widths, V=V, C=C, BK=min(config.block_k, K), BV=config.grads_bv, L2NORM=l2norm,
-            PREC=prec,
+            ROWS=config.factor_grads == "rows", PREC=prec,
             num_warps=config.grads_warps, num_stages=config.grads_stages,
         )
     ws["Qw"] = ws["Kw"] = None  # no longer phi where its gradients went over it

@@ -1,7 +1,8 @@
-"""The backward's last step where phi's gradients are stored ([T, K]; always at order 2):
+"""The backward's last step where phi's gradients are stored ([T, K]):
 :func:`phi_grads_to_factors_kernel`, token-parallel, contracts them to each factor and takes them
-through the l2norm; :func:`store_factor_grad` is that last step, which the gradients kernel's
-register contraction shares."""
+through the l2norm; :func:`store_side_grads` is that step on rows in registers, which the
+gradients kernel shares where it holds whole rows (``factor_grads="rows"``), and
+:func:`store_factor_grad` its last part, which the register contraction shares."""
 
 from __future__ import annotations
 
@@ -57,7 +58,17 @@ def _side_to_factors(dP, x1, x2, x3, dx1, dx2, dx3, b_x1, b_x2, b_x3, r, p_row, 
     K: tl.constexpr = D1 * D2 * D3
     o_k = tl.arange(0, K)
     b_d = tl.load(dP + p_row[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
-    d1, d2, d3 = phi_to_factors(b_d, b_x1, b_x2, b_x3, NF, BT, D1, D2, D3)
+    store_side_grads(b_d, x1, x2, x3, dx1, dx2, dx3, b_x1, b_x2, b_x3, r, m_t, NF, BT, D1, D2, D3, L2NORM)
+
+
+@triton.jit
+def store_side_grads(b_d, x1, x2, x3, dx1, dx2, dx3, b_x1, b_x2, b_x3, r, m_t, NF: tl.constexpr, C: tl.constexpr,
+                     D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, L2NORM: tl.constexpr):
+    """Whole rows of one side's phi gradient ``b_d`` ([C, K] fp32) contracted to its factors
+    (normalised tiles ``b_x*``; NF 1: phi is the factor) and stored through the l2norm at the
+    token-head rows ``r``: what this kernel does after its load, and what the gradients kernel
+    does with ``factor_grads="rows"``."""
+    d1, d2, d3 = phi_to_factors(b_d, b_x1, b_x2, b_x3, NF, C, D1, D2, D3)
     store_factor_grad(dx1, x1, d1, r, m_t, D1, L2NORM)
     if NF > 1:
         store_factor_grad(dx2, x2, d2, r, m_t, D2, L2NORM)

@@ -4,8 +4,10 @@
 C x C gradients (scores dP, inverse dT and through it dA), dv, dbeta's and dc's shares that need
 no key contraction; then phi(Q)'s gradient (with dc's state share) and phi(K)'s, either stored
 (``factor_grads="workspace"``, [B, H, T, K] in the workspace type: one pass over key blocks of
-BK columns, which may write them over phi's own workspaces) or contracted to the factors in
-registers (:func:`register_pass`); last, dg (a reverse cumulative sum of dc within the chunk).
+BK columns, which may write them over phi's own workspaces; ``"rows"``: the same pass over one
+block of whole rows, contracted to the factors there) or contracted to the factors in
+registers block by block (:func:`register_pass`); last, dg (a reverse cumulative sum of dc
+within the chunk).
 (``chunk_backward_factors.py``: the stored phi gradients to the factors, token-parallel.)
 
 In registers, the Kronecker structure does the work of a [T, K] workspace. The within-chunk
@@ -34,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .blocks import chunk_rows, dot, factor_inv_norm, one_side_tiles
-from .chunk_backward_factors import store_factor_grad
+from .chunk_backward_factors import store_factor_grad, store_side_grads
 
 
 @triton.jit
@@ -289,14 +291,17 @@ def block_grads(b_q, b_k, b_dq, b_dk, b_sds, b_dGq, b_dGs, b_dc, b_dlast, b_last
 
 
 @triton.jit
-def _stored_pass(Qw, Kw, q1, q2, q3, k1, k2, k3, rq1, rq2, rq3, rk1, rk2, rk3, do, Hc, dHc, Uc, dv, dQp, dKp, b_dGq,
-                 b_dGs, b_gam, b_r, b_dc, b_dlast, b_last, scale, p_row, r, m_t, off_s, NF: tl.constexpr,
-                 D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-                 BK: tl.constexpr, BV: tl.constexpr, USE_BETA: tl.constexpr, PREC: tl.constexpr):
-    """phi's gradients stored ([B, H, T, K], ``p_row``): one pass over the key blocks, both sides'
-    gradients of a block from one load of its phi blocks, stored after every thread has read
-    those, so ``dQp`` / ``dKp`` may be ``Qw`` / ``Kw`` themselves (each program reads and writes
-    only its own chunk's rows, block by block). Returns (dc, dc_last's share)."""
+def _stored_pass(Qw, Kw, q1, q2, q3, k1, k2, k3, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, rq1, rq2, rq3, rk1, rk2, rk3,
+                 do, Hc, dHc, Uc, dv, dQp, dKp, dq1, dq2, dq3, dk1, dk2, dk3, b_dGq, b_dGs, b_gam, b_r, b_dc, b_dlast,
+                 b_last, scale, p_row, r, m_t, off_s, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
+                 D3: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                 USE_BETA: tl.constexpr, L2NORM: tl.constexpr, ROWS: tl.constexpr, PREC: tl.constexpr):
+    """phi's gradients formed per key block, both sides' gradients of a block from one load of
+    its phi blocks. Stored ([B, H, T, K], ``p_row``) after every thread has read those, so
+    ``dQp`` / ``dKp`` may be ``Qw`` / ``Kw`` themselves (each program reads and writes only its
+    own chunk's rows, block by block); with ROWS (one block, BK = K) contracted to the factors
+    (normalised tiles ``b_q*`` / ``b_k*``) in registers and stored into ``dq*`` / ``dk*``, so
+    no [T, K] gradient is written and read back. Returns (dc, dc_last's share)."""
     K: tl.constexpr = D1 * D2 * D3
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
@@ -306,11 +311,15 @@ def _stored_pass(Qw, Kw, q1, q2, q3, k1, k2, k3, rq1, rq2, rq3, rk1, rk2, rk3, d
                               BK, D1, D2, D3)
         b_dq, b_dk, b_dc, b_dlast = block_grads(b_q, b_k, b_dq, b_dk, b_sds, b_dGq, b_dGs, b_dc, b_dlast, b_last,
                                                 USE_BETA, PREC)
-        tl.debug_barrier()  # every thread has read this block of phi: its gradients may go over it
-        off = p_row[:, None] * K + o_k[None, :]
-        m = m_t[:, None] & (o_k < K)[None, :]
-        tl.store(dQp + off, b_dq.to(dQp.dtype.element_ty), mask=m)
-        tl.store(dKp + off, b_dk.to(dKp.dtype.element_ty), mask=m)
+        if ROWS:
+            store_side_grads(b_dq, q1, q2, q3, dq1, dq2, dq3, b_q1, b_q2, b_q3, r, m_t, NF, C, D1, D2, D3, L2NORM)
+            store_side_grads(b_dk, k1, k2, k3, dk1, dk2, dk3, b_k1, b_k2, b_k3, r, m_t, NF, C, D1, D2, D3, L2NORM)
+        else:
+            tl.debug_barrier()  # every thread has read this block of phi: its gradients may go over it
+            off = p_row[:, None] * K + o_k[None, :]
+            m = m_t[:, None] & (o_k < K)[None, :]
+            tl.store(dQp + off, b_dq.to(dQp.dtype.element_ty), mask=m)
+            tl.store(dKp + off, b_dk.to(dKp.dtype.element_ty), mask=m)
     return b_dc, b_dlast
 
 
@@ -529,14 +538,15 @@ def chunk_bwd_grads_kernel(
     q1, q2, q3, k1, k2, k3, Qw, Kw, P, Ai, Gc, v, beta, do, Hc, dHc, Uc, Rc, dUc, dq1, dq2, dq3, dk1, dk2, dk3, dQp, dKp,
     dv, dg, dbeta, cu_seqlens, chunk_indices, scale, T, H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr,
     D2: tl.constexpr, D3: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    L2NORM: tl.constexpr, PREC: tl.constexpr,
+    L2NORM: tl.constexpr, ROWS: tl.constexpr, PREC: tl.constexpr,
 ):
     """One chunk's (program i: chunk i, varlen: pair i of ``chunk_indices``) gradients for one
     head: dv, dbeta, dg and phi's gradients. phi(Q), phi(K) blocks are read from ``Qw`` / ``Kw``
     (the resident loops' workspaces) or, when those are None, built from the factors
-    (:func:`side_block`). With ``dQp`` / ``dKp`` given ([B, T, H, K] fp32; always at order 2)
-    phi's gradients are stored there for ``phi_grads_to_factors_kernel``; None: contracted
-    to the factors here (:func:`register_pass`) and stored into ``dq*`` / ``dk*``. ``P``,
+    (:func:`side_block`). With ``dQp`` / ``dKp`` given ([B, H, T, K], the workspace type) phi's
+    gradients are stored there for ``phi_grads_to_factors_kernel``; with ROWS (BK = K) formed the
+    same way, whole rows at once, and contracted to the factors here; else contracted per key
+    block (:func:`register_pass`); the factors' into ``dq*`` / ``dk*``. ``P``,
     ``Ai``, ``Gc``: the prepare kernel's; ``Hc``, ``Uc``, ``Rc``: the recompute's; ``dHc``,
     ``dUc``: the state-gradient loop's. ``Gc`` / ``beta`` None: no gates / no delta rule."""
     USE_BETA: tl.constexpr = beta is not None
@@ -560,10 +570,11 @@ def chunk_bwd_grads_kernel(
                                         PREC)
     off_s = (i_s * H + i_h) * K * V
     tl.debug_barrier()  # the value pass's dv (dR) stores, read back by every thread in the keys' terms
-    if dQp is not None:
-        b_dc, b_dlast = _stored_pass(Qw, Kw, q1, q2, q3, k1, k2, k3, rq1, rq2, rq3, rk1, rk2, rk3, do, Hc, dHc, Uc,
-                                     dv, dQp, dKp, b_dGq, b_dGs, b_gam, b_r, b_dc, b_dlast, b_last, scale, p_row, r,
-                                     m_t, off_s, NF, D1, D2, D3, V, C, BK, BV, USE_BETA, PREC)
+    if dQp is not None or ROWS:
+        b_dc, b_dlast = _stored_pass(Qw, Kw, q1, q2, q3, k1, k2, k3, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, rq1, rq2,
+                                     rq3, rk1, rk2, rk3, do, Hc, dHc, Uc, dv, dQp, dKp, dq1, dq2, dq3, dk1, dk2, dk3,
+                                     b_dGq, b_dGs, b_gam, b_r, b_dc, b_dlast, b_last, scale, p_row, r, m_t, off_s,
+                                     NF, D1, D2, D3, V, C, BK, BV, USE_BETA, L2NORM, ROWS, PREC)
     else:
         b_dc, b_dlast = register_pass(q1, q2, q3, k1, k2, k3, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, rq1, rq2, rk1,
                                        rk2, do, Hc, dHc, Uc, dv, dq1, dq2, dq3, dk1, dk2, dk3, b_dGq, b_dGs, b_gam,
