@@ -62,10 +62,13 @@ def _compiled() -> dict:
     """Every compiled variant of the backward's Triton kernels so far: {(kernel name, key): kernel}."""
     import triton
 
-    from rtcompile.kernels import chunk_backward, chunk_backward_factors, chunk_backward_split, chunk_prepare, chunk_split
+    from rtcompile.kernels import (
+        chunk_backward_factors, chunk_backward_grads, chunk_backward_split, chunk_backward_state, chunk_prepare, chunk_split,
+    )
 
     found = {}
-    for module in (chunk_backward, chunk_backward_factors, chunk_backward_split, chunk_prepare, chunk_split):
+    for module in (chunk_backward_factors, chunk_backward_grads, chunk_backward_split, chunk_backward_state, chunk_prepare,
+                   chunk_split):
         for name, fn in vars(module).items():
             if isinstance(fn, triton.runtime.jit.JITFunction) and name.endswith("kernel"):
                 for caches in fn.device_caches.values():

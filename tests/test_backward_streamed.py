@@ -16,7 +16,7 @@ import triton
 
 from rtcompile.kernels import args
 from rtcompile.kernels.args import dot_dtype, lowp_dots
-from rtcompile.kernels.chunk_backward import chunk_bwd_state_kernel
+from rtcompile.kernels.chunk_backward_state import chunk_bwd_state_kernel
 from rtcompile.kernels.chunk_backward_streamed import recompute_streamed, state_grads_streamed
 from rtcompile.kernels.chunk_prepare import chunk_indices, prepare_backward
 from rtcompile.kernels.chunk_split import SplitConfig, chunk_split_state_kernel

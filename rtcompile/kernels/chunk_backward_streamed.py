@@ -10,7 +10,7 @@ Notation as in ``chunk_backward.py`` (c, Gamma, gamma, r, P, T = ``Ai``, U, R, d
   with the delta rule): what ``chunk_split_state_kernel`` with STRIDE 1 stores from the
   prepared phi(K).
 - :func:`chunk_bwd_state_streamed_kernel` (launched by :func:`state_grads_streamed`): the
-  outputs of ``chunk_backward.chunk_bwd_state_kernel`` (every chunk's dS', dU, d(initial
+  outputs of ``chunk_backward_state.chunk_bwd_state_kernel`` (every chunk's dS', dU, d(initial
   state)) with the running dS in an fp32 buffer of the state's shape. Per chunk, in reverse,
   two passes over the key tiles: the first stores dS' (the tile as it is) and sums phi(K)_i
   dS'_i, which gives dU = s P^T dO + diag(r) phi(K) dS' and, with the delta rule, dR = diag(b
@@ -127,7 +127,7 @@ def chunk_bwd_state_streamed_kernel(
     BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
     OUTER: tl.constexpr, MERGE: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    """``chunk_backward.chunk_bwd_state_kernel``'s outputs for one (sequence, head, value block)
+    """``chunk_backward_state.chunk_bwd_state_kernel``'s outputs for one (sequence, head, value block)
     with the running state gradient in ``dS`` (fp32, the state's shape; it ends as d(initial
     state)) visited in [BK, BV] tiles: every chunk's dS' into ``dHc`` ([chunks, H, K, V], the
     products' type; ``chunk_offsets``: each varlen sequence's first chunk), dU into ``dUc`` (fp32,

@@ -32,7 +32,7 @@ _SOURCES = {
               "blocks.py"),
     "recurrent": ("recurrent.py", "blocks.py"),
     # the backward runs the split (or streamed) form's prepare kernel and state loop for its recompute
-    "chunk_bwd": ("chunk_backward.py", "chunk_backward_grads.py", "chunk_backward_factors.py",
+    "chunk_bwd": ("chunk_backward.py", "chunk_backward_state.py", "chunk_backward_grads.py", "chunk_backward_factors.py",
                   "chunk_backward_streamed.py", "chunk_backward_kept.py", "chunk_backward_split.py",
                   "chunk_prepare.py", "chunk_split.py", "chunk_streamed.py", "blocks.py"),
 }
