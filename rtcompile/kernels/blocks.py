@@ -450,6 +450,20 @@ def first_stored_state(i_n, i_b, T, cu_seqlens, state_offsets, C: tl.constexpr, 
 
 
 @triton.jit
+def resident_state_tile(i_v, i_n, i_h, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    """Value block ``i_v`` of a sequential program's [K, BV] state tile (sequence ``i_n``, head
+    ``i_h``): its value columns and mask, the tile's offsets within one [K, V] state and its mask,
+    and its offsets in a [sequences, H, K, V] state buffer (int64)."""
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    o_k = tl.arange(0, K)
+    off_k = o_k[:, None] * V + o_v[None, :]
+    m_s = (o_k < K)[:, None] & m_v[None, :]
+    off_s = (i_n.to(tl.int64) * H + i_h) * K * V + off_k
+    return o_v, m_v, o_k, off_k, m_s, off_s
+
+
+@triton.jit
 def chunk_of_program(i_c, i_n, T, cu_seqlens, chunk_indices, state_offsets, C: tl.constexpr,
                      STRIDE: tl.constexpr = 1):
     """Where a chunk-parallel program's chunk lies: (chunk within its sequence, sequence start and

@@ -12,7 +12,7 @@ import triton.language as tl
 
 from . import args
 from .args import dot_dtype, lowp_dots
-from .blocks import dot, first_stored_state, sequence_of_program
+from .blocks import dot, first_stored_state, resident_state_tile, sequence_of_program
 from .chunk_backward_grads import stored_log_decay
 from .chunk_backward_kept import Recomputed, prefetch_state_tiles, workspace_dtype
 from .chunk_backward_streamed import state_grads_streamed
@@ -41,12 +41,7 @@ def chunk_bwd_state_kernel(
     i_g0 = first_stored_state(i_n, i_b, T, cu_seqlens, chunk_offsets, C)
     DT: tl.constexpr = Kw.dtype.element_ty
     o_c = tl.arange(0, C)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    o_k = tl.arange(0, K)
-    off_k = o_k[:, None] * V + o_v[None, :]
-    m_s = (o_k < K)[:, None] & m_v[None, :]
-    off_s = (i_n.to(tl.int64) * H + i_h) * K * V + off_k
+    o_v, m_v, o_k, off_k, m_s, off_s = resident_state_tile(i_v, i_n, i_h, H, K, V, BV)
     b_ds = tl.zeros([K, BV], dtype=tl.float32)
     if dht is not None:
         b_ds = tl.load(dht + off_s, mask=m_s, other=0.0).to(tl.float32)

@@ -20,7 +20,7 @@ from . import args
 from .args import dot_dtype, factor_args, lowp_dots, width_args
 from .blocks import (
     chunk_of_program, dot, factor_tiles, load_row_inputs, load_state_tile, one_side_tiles, phi_from_tiles,
-    first_stored_state, scores_from_tiles, sequence_of_program,
+    first_stored_state, resident_state_tile, scores_from_tiles, sequence_of_program,
 )
 from .chunk_prepare import chunk_indices, prepare_keys
 from .chunk_resident import can_materialise, materialise_refusal, materialised, materialised_call
@@ -223,12 +223,7 @@ def chunk_split_state_kernel(
     i_g0 = first_stored_state(i_n, i_b, T, cu_seqlens, chunk_offsets, C, STRIDE)  # its first state in Hc
     DT: tl.constexpr = v.dtype.element_ty
     o_c = tl.arange(0, C)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    o_k = tl.arange(0, K)
-    off_k = o_k[:, None] * V + o_v[None, :]
-    m_s = (o_k < K)[:, None] & m_v[None, :]
-    off_s = (i_n.to(tl.int64) * H + i_h) * K * V + off_k
+    o_v, m_v, o_k, off_k, m_s, off_s = resident_state_tile(i_v, i_n, i_h, H, K, V, BV)
     b_s = load_state_tile(h0, ht, off_s, m_s, True, h0 is not None)
     for i_c in range(0, tl.cdiv(eos - bos, C)):
         tok = bos + i_c * C + o_c
