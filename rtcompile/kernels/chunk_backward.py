@@ -219,8 +219,8 @@ class BackwardConfig(KernelConfig):
         # gradients and the key loop's [C, BK] product and temporary, S, dS' and the next ones, 3 [C, BV]
         factors = 4 * C * sum(shape.key_widths) if len(shape.key_widths) > 1 else 0
         gbv = self.grads_bv
-        grads = 3 * C * C + 3 * C * bk + bk * gbv + 3 * C * gbv + factors if self.factor_grads != "registers" \
-            or len(shape.key_widths) == 1 \
+        stored_pass = self.phi_grads_stored(shape) or self.factor_grads == "rows"
+        grads = 3 * C * C + 3 * C * bk + bk * gbv + 3 * C * gbv + factors if stored_pass \
             else max(3 * C * C, 2 * C * bk + 4 * bk * gbv + 3 * C * gbv) + factors
         return max(estimate_registers(loop, self.num_warps), estimate_registers(grads, self.grads_warps))
 
@@ -382,7 +382,7 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
     order2 = tuned and len(shape.key_widths) == 1 and K >= 128
     c32 = {"grads_warps": 4, "grads_stages": 3, "num_stages": 3, "prepare_warps": 2 if order2 and K >= 256 else 1,
            "keep_forward": True, "block_k": K if K >= 256 or order2 else bk,
-           "factor_grads": "rows" if order2 else loop.get("factor_grads", "registers")}
+           "factor_grads": "rows" if order2 else "workspace"}
     # ... and the forward keeps the prepare and state loop for the backward (keep_forward): fwd+bwd o3 16x16
     # 2.73 -> 2.01 ms, o2 64 2.76 -> 1.55, o2 256 3.85 -> 3.25, peak 1221 MiB either way (H200, 9e68a27)
     # streamed: the gradients kernel steps 64 value columns (not order 4) in 4 warps where the check lets it:

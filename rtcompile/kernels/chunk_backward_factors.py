@@ -2,7 +2,7 @@
 :func:`phi_grads_to_factors_kernel`, token-parallel, contracts them to each factor and takes them
 through the l2norm; :func:`store_side_grads` is that step on rows in registers, which the
 gradients kernel shares where it holds whole rows (``factor_grads="rows"``), and
-:func:`store_factor_grad` its last part, which the register contraction shares."""
+:func:`store_factor_grads` its last part, which the register contraction shares."""
 
 from __future__ import annotations
 
@@ -69,11 +69,19 @@ def store_side_grads(b_d, x1, x2, x3, dx1, dx2, dx3, b_x1, b_x2, b_x3, r, m_t, N
     token-head rows ``r``: what this kernel does after its load, and what the gradients kernel
     does with ``factor_grads="rows"``."""
     d1, d2, d3 = phi_to_factors(b_d, b_x1, b_x2, b_x3, NF, C, D1, D2, D3)
-    store_factor_grad(dx1, x1, d1, r, m_t, D1, L2NORM)
+    store_factor_grads(dx1, dx2, dx3, x1, x2, x3, d1, d2, d3, r, m_t, NF, D1, D2, D3, L2NORM)
+
+
+@triton.jit
+def store_factor_grads(dx1, dx2, dx3, x1, x2, x3, a1, a2, a3, r, m_t, NF: tl.constexpr, D1: tl.constexpr,
+                       D2: tl.constexpr, D3: tl.constexpr, L2NORM: tl.constexpr):
+    """One side's NF factors' gradients from their accumulators ``a*`` (slots past NF unused),
+    each through the l2norm (:func:`store_factor_grad`)."""
+    store_factor_grad(dx1, x1, a1, r, m_t, D1, L2NORM)
     if NF > 1:
-        store_factor_grad(dx2, x2, d2, r, m_t, D2, L2NORM)
+        store_factor_grad(dx2, x2, a2, r, m_t, D2, L2NORM)
     if NF > 2:
-        store_factor_grad(dx3, x3, d3, r, m_t, D3, L2NORM)
+        store_factor_grad(dx3, x3, a3, r, m_t, D3, L2NORM)
 
 
 @triton.jit

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .blocks import chunk_rows, dot, factor_inv_norm, one_side_tiles
-from .chunk_backward_factors import store_factor_grad, store_side_grads
+from .chunk_backward_factors import store_factor_grads, store_side_grads
 
 
 @triton.jit
@@ -213,16 +213,6 @@ def side_tiles(x1, x2, x3, r, m_t, NF: tl.constexpr, D1: tl.constexpr, D2: tl.co
     else:
         b_x1, b_x2, b_x3 = one_side_tiles(x1, x2, x3, r, m_t, NF, D1, D2, D3, D1, D2, D3, L2NORM)
     return b_x1, b_x2, b_x3, b_rho1, b_rho2, b_rho3
-
-
-@triton.jit
-def _store_side(dx1, dx2, dx3, x1, x2, x3, a1, a2, a3, r, m_t, NF: tl.constexpr, D1: tl.constexpr,
-                D2: tl.constexpr, D3: tl.constexpr, L2NORM: tl.constexpr):
-    """One side's factors' gradients from their accumulators, through the l2norm."""
-    store_factor_grad(dx1, x1, a1, r, m_t, D1, L2NORM)
-    store_factor_grad(dx2, x2, a2, r, m_t, D2, L2NORM)
-    if NF == 3:
-        store_factor_grad(dx3, x3, a3, r, m_t, D3, L2NORM)
 
 
 @triton.jit
@@ -526,10 +516,10 @@ def register_pass(q1, q2, q3, k1, k2, k3, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, rq
                                                        C, BK // DL, DL)
     if QUERIES:
         b_dc += tl.sum(aq1 * b_q1, axis=1)
-        _store_side(dq1, dq2, dq3, q1, q2, q3, aq1, aq2, aq3, r, m_t, NF, D1, D2, D3, L2NORM)
+        store_factor_grads(dq1, dq2, dq3, q1, q2, q3, aq1, aq2, aq3, r, m_t, NF, D1, D2, D3, L2NORM)
     if KEYS:
         b_dlast += tl.exp(b_last) * b_sds
-        _store_side(dk1, dk2, dk3, k1, k2, k3, ak1, ak2, ak3, r, m_t, NF, D1, D2, D3, L2NORM)
+        store_factor_grads(dk1, dk2, dk3, k1, k2, k3, ak1, ak2, ak3, r, m_t, NF, D1, D2, D3, L2NORM)
     return b_dc, b_dlast
 
 
