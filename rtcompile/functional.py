@@ -111,13 +111,23 @@ def running_tensor(
             and not torch.compiler.is_compiling() and (mode == "recurrent" or _short_eager(v, chunk_size)):
         # the eager recurrent fast path (a decode step through this API): a call whose
         # signature a validated call already had runs that call's plan (kernels/launch.py)
-        from .kernels.launch import CALL_PLANS, call_key
+        from .kernels.launch import CALL_PLANS, call_head, call_key
 
-        plan_key = call_key(q, k, v, g, beta, initial_state, scale, output_final_state, l2norm, mode, chunk_size,
-                            backend, variant)
-        hit = CALL_PLANS.get(plan_key) if plan_key is not None else None
-        if hit is not None and not needs_grad(*q, *k, v, g, beta, initial_state):
-            return hit(q, k, v, g, beta, initial_state, output_final_state)
+        try:
+            tensors = (*q, *k, v, g, beta, initial_state)
+            head = call_head(q, k, g, beta, initial_state, scale, output_final_state, l2norm, mode, chunk_size,
+                             backend, variant)
+        except TypeError:  # factors that are not sequences: the full checks say why
+            head = None
+        if head is not None:
+            hit = CALL_PLANS.recent(head, tensors)  # no tensor of a noted call requires grad
+            if hit is not None:
+                return hit(q, k, v, g, beta, initial_state, output_final_state)
+            plan_key = call_key(head, tensors)
+            hit = CALL_PLANS.get(plan_key) if plan_key is not None else None
+            if hit is not None and not needs_grad(*q, *k, v, g, beta, initial_state):
+                CALL_PLANS.note(head, tensors, hit)
+                return hit(q, k, v, g, beta, initial_state, output_final_state)
     if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"mode: got {mode!r}; allowed: {', '.join(MODES)}")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)):

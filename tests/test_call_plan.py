@@ -144,10 +144,113 @@ def test_auto_mode_prefill_takes_no_plan_key(monkeypatch):
 
     keys = []
     real = launch.call_key
-    monkeypatch.setattr(launch, "call_key", lambda *a: keys.append(a[2].shape[1]) or real(*a))
+    monkeypatch.setattr(launch, "call_key", lambda head, tensors: keys.append(tensors[-4].shape[1]) or real(head, tensors))
     for T in (16, 3):
         q, k, v, g, beta, _ = make_inputs(1, T, 1, (16,), 16, dtype=torch.float32)
         d = lambda x: x.to(DEVICE)
         running_tensor([d(x) for x in q], [d(x) for x in k], d(v), d(g), d(beta), mode="auto", chunk_size=16,
                        backend="triton")
     assert keys == [3]
+
+
+# ----- the plan caches' key-free recognition (recurrent.PlanCache) ---------------------------
+
+
+def _signature(device=DEVICE):
+    """A decode-like call's tensors: factors, values, gate, a fp32 cache and int32 indices."""
+    q = [torch.randn(2, 1, 3, w, device=device) for w in (4, 8)]
+    return (*q, torch.randn(2, 1, 3, 5, device=device), -torch.rand(2, 1, 3, device=device), None,
+            torch.zeros(4, 3, 4, 8, 5, device=device), torch.arange(2, dtype=torch.int32, device=device))
+
+
+CHANGES = {
+    "shape": lambda ts, i: torch.randn(3, *ts[i].shape[1:], device=ts[i].device),
+    "dtype": lambda ts, i: ts[i].to(torch.float16),
+    "strides": lambda ts, i: torch.randn(*ts[i].shape[:-1], 2 * ts[i].shape[-1], device=ts[i].device)[..., ::2],
+    "requires-grad": lambda ts, i: ts[i].detach().clone().requires_grad_(),
+    "subclass": lambda ts, i: torch.nn.Parameter(ts[i].clone(), requires_grad=False),
+    "not-a-tensor": lambda ts, i: ts[i].tolist(),
+}
+
+
+def test_a_noted_signature_is_recognised_without_a_key():
+    """The same head and tensors of the same metadata (fresh values, another storage) find the
+    noted plan; another head does not."""
+    from rtcompile.kernels.recurrent import _TensorGuards, PlanCache
+
+    if _TensorGuards is None:
+        pytest.skip("this torch has no TensorGuards: the keys serve alone")
+    cache, plan = PlanCache(), object()
+    cache.note(("head", 1), _signature(), plan)
+    assert cache.recent(("head", 1), _signature()) is plan
+    assert cache.recent(("head", 2), _signature()) is None
+    cache.clear()
+    assert cache.recent(("head", 1), _signature()) is None
+
+
+@pytest.mark.parametrize("change", CHANGES)
+@pytest.mark.parametrize("which", [0, 2, 5], ids=["factor", "values", "cache"])
+def test_a_changed_tensor_is_not_recognised(change, which):
+    """Any change a signature key would see (shape, dtype, strides, hence contiguity) or that
+    would need autograd (requires_grad), or a tensor that is not a plain one: no plan."""
+    from rtcompile.kernels.recurrent import _TensorGuards, PlanCache
+
+    if _TensorGuards is None:
+        pytest.skip("this torch has no TensorGuards: the keys serve alone")
+    cache = PlanCache()
+    cache.note("h", _signature(), object())
+    ts = list(_signature())
+    ts[which] = CHANGES[change](ts, which)
+    assert cache.recent("h", ts) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device kind")
+def test_another_device_is_not_recognised():
+    from rtcompile.kernels.recurrent import PlanCache
+
+    cache = PlanCache()
+    cache.note("h", _signature("cuda"), object())
+    assert cache.recent("h", _signature("cpu")) is None
+
+
+def test_a_call_that_requires_grad_is_never_noted():
+    from rtcompile.kernels.recurrent import PlanCache
+
+    cache, ts = PlanCache(), list(_signature())
+    ts[2] = ts[2].clone().requires_grad_()
+    cache.note("h", ts, object())
+    assert cache.recent("h", ts) is None
+
+
+def test_calls_run_by_key_alone_without_tensor_guards(fresh, monkeypatch):
+    """A torch without TensorGuards: plans are still found by key (one validation for three
+    calls) and the outputs equal the guarded path's."""
+    import rtcompile.kernels.recurrent as recurrent
+
+    (q, k, v, g, beta), *_ = _steps(T=1)[0]
+    want, _ = running_tensor(q, k, v, g, beta, mode="recurrent", backend="triton")
+    CALL_PLANS.clear()
+    monkeypatch.setattr(recurrent, "_TensorGuards", None)
+    outs = [running_tensor(q, k, v, g, beta, mode="recurrent", backend="triton")[0] for _ in range(3)]
+    assert all(torch.equal(o, want) for o in outs)
+    assert len(fresh) == 2 and CALL_PLANS._recent == []
+
+
+def test_alternating_signatures_each_keep_their_plan(fresh, monkeypatch):
+    """Two layers of different widths called in turn (as a model's decode step): each call runs
+    its own signature's plan and equals a fresh validated call; from the third round on (with
+    TensorGuards) no call builds a key."""
+    import rtcompile.kernels.launch as launch
+    from rtcompile.kernels.recurrent import _TensorGuards
+
+    layers = [_steps(T=1, widths=w)[0][0] for w in ((3, 4), (2, 5))]
+    want = [running_tensor(*x, mode="recurrent", backend="triton")[0] for x in layers]
+    keys = []
+    real = launch.call_key
+    monkeypatch.setattr(launch, "call_key", lambda head, tensors: keys.append(1) or real(head, tensors))
+    for _ in range(3):
+        keys.clear()
+        for x, w in zip(layers, want):
+            assert torch.equal(running_tensor(*x, mode="recurrent", backend="triton")[0], w)
+    assert len(fresh) == 2 and len(CALL_PLANS) == 2
+    assert len(keys) == (0 if _TensorGuards is not None else 2)

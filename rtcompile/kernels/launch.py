@@ -30,9 +30,7 @@ from .chunk_streamed import StreamedConfig
 from .config import KernelConfig, KernelShape, checked
 from .forms import check_config, config_from_dict, default_config
 from .inputs import Problem, check_inputs
-from .recurrent import (
-    DECODE_PLANS, DecodePlan, RecurrentConfig, check_indices, decode_key, remember_plan, signature_key,
-)
+from .recurrent import DECODE_PLANS, DecodePlan, PlanCache, RecurrentConfig, check_indices, signature_key
 
 MODES = ("chunk", "recurrent")
 
@@ -188,8 +186,9 @@ def fwd_checked(p: Problem, q, k, v, g, beta, *, initial_state, output_final_sta
     kernel = "chunk" if mode == "chunk" else "recurrent"
     config = resolve_config(kernel, variant, p, v.device, chunk_size if kernel == "chunk" else None)
     if plan_key is not None and kernel == "recurrent" and cu_seqlens is None:
-        plan = CallPlan(p, config, l2norm, copy=not args.all_contiguous(*q, *k, v, g, beta, initial_state))
-        remember_call(plan_key, plan)
+        plan = CallPlan(p, config, l2norm, copy=not args.all_contiguous(*q, *k, v, g, beta, initial_state),
+                        initial_state=initial_state)
+        CALL_PLANS.remember(plan_key, plan)
         return plan(q, k, v, g, beta, initial_state, output_final_state)
     q, k, v, g, beta, initial_state, cu_seqlens = args.contiguous_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     # a streamed state lives in the final-state buffer while the kernel runs
@@ -213,49 +212,57 @@ class CallPlan:
     :class:`DecodePlan`: grid, constexprs, scale, the compiled launcher) and the outputs'
     shapes. Invariant: only called with arguments whose :func:`call_key` found it."""
 
-    __slots__ = ("kernel", "need_ht", "state_shape", "tail")
+    __slots__ = ("ht_like_h0", "kernel", "need_ht", "state_shape", "tail")
 
-    def __init__(self, p: Problem, config: RecurrentConfig, l2norm: bool, *, copy: bool):
+    def __init__(self, p: Problem, config: RecurrentConfig, l2norm: bool, *, copy: bool, initial_state=None):
         grid, consts = recurrent.launch_consts(p, l2norm, config)
         self.kernel = DecodePlan(grid, consts, p.scale, copy=copy)
         # a streamed state (block_k < K) lives in the final-state buffer while the kernel runs
         self.need_ht = config.block_k < p.key_dim
         self.state_shape = p.state_shape
         self.tail = (p.scale, p.seq_len, p.num_seqs)
+        # the final state allocated like an fp32 initial state: empty_like took 3.7 us against
+        # 8.5 for empty(shape, dtype=, device=) on the H200 machine (the key holds h0's dtype)
+        self.ht_like_h0 = initial_state is not None and initial_state.dtype == torch.float32
 
     def __call__(self, q, k, v, g, beta, initial_state, output_final_state: bool):
         if self.kernel.copy:
             q, k, v, g, beta, initial_state = args.contiguous_inputs(q, k, v, g, beta, initial_state)
-        ht = args.empty(self.state_shape, dtype=torch.float32, device=v.device) \
-            if output_final_state or self.need_ht else None
+        if not (output_final_state or self.need_ht):
+            ht = None
+        elif self.ht_like_h0:  # contiguous by now, of the state's shape (check_inputs)
+            ht = args.empty_like(initial_state)
+        else:
+            ht = args.empty(self.state_shape, dtype=torch.float32, device=v.device)
         o = args.empty_like(v)  # v is contiguous here: its layout is the output's
         self.kernel.launch((*factor_args(q), *factor_args(k), v, g, beta, o, initial_state, ht, None, None,
                             *self.tail))
         return o, (ht if output_final_state else None)
 
 
-CALL_PLANS: dict = {}  # call_key(...) -> CallPlan
-MAX_CALL_PLANS = 1024
+CALL_PLANS = PlanCache()  # call_key(...) -> CallPlan
 
 
-def call_key(q, k, v, g, beta, initial_state, scale, output_final_state, l2norm, mode, chunk_size, backend,
-             variant):
-    """The call-plan key of a public ``running_tensor`` call (:func:`signature_key`), or None
-    when a plan cannot serve it (an argument that is not a plain tensor, as tracers hand in, or
-    unhashable)."""
-    try:
-        head = (len(q), len(k), g is None, beta is None, initial_state is None, scale, bool(output_final_state),
-                bool(l2norm), mode, chunk_size, backend, variant, interpreting(), tuned.generation())
-        tensors = (*q, *k, v, g, beta, initial_state)
-    except TypeError:  # factors that are not sequences: the full checks will say why
-        return None
+def call_head(q, k, g, beta, initial_state, scale, output_final_state, l2norm, mode, chunk_size, backend,
+              variant) -> tuple:
+    """The plain arguments of a public ``running_tensor`` call that its plan depends on (with the
+    tuned table's generation, so a plan found before the table changed is not reused);
+    TypeError for factors that are not sequences."""
+    return (len(q), len(k), g is None, beta is None, initial_state is None, scale, bool(output_final_state),
+            bool(l2norm), mode, chunk_size, backend, variant, interpreting(), tuned.generation())
+
+
+def call_key(head, tensors):
+    """The call-plan key of a public ``running_tensor`` call (:func:`signature_key` of
+    :func:`call_head` and the call's tensors), or None when a plan cannot serve it (an argument
+    that is not a plain tensor, as tracers hand in, or unhashable)."""
     return signature_key(head, tensors, exact=True)
 
 
-def remember_call(key, plan: CallPlan) -> None:
-    if len(CALL_PLANS) >= MAX_CALL_PLANS:
-        CALL_PLANS.clear()
-    CALL_PLANS[key] = plan
+def decode_head(q, k, g, beta, scale, l2norm, variant) -> tuple:
+    """The plain arguments of a decode call that its plan depends on, as :func:`call_head`."""
+    return (len(q), len(k), g is None, beta is None, scale, bool(l2norm), variant, interpreting(),
+            tuned.generation())
 
 
 def running_tensor_decode_(
@@ -291,11 +298,20 @@ def running_tensor_decode_(
     """
     # the eager hot path (~20 us on the H200 with its kernel): a plan found by the arguments'
     # signature, the index check, one allocation and the compiled kernel's own launcher
-    key = decode_key(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, variant, tuned.generation())
-    plan = DECODE_PLANS.get(key) if key is not None else None
+    try:
+        tensors = (*q, *k, v, g, beta, state_cache, state_indices)
+        head = decode_head(q, k, g, beta, scale, l2norm, variant)
+    except TypeError:  # factors that are not sequences: the full checks say why
+        tensors = head = None
+    plan = DECODE_PLANS.recent(head, tensors) if head is not None else None
     if plan is None:
-        plan = _plan_decode(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, variant)
-        remember_plan(key, plan)
+        key = signature_key(head, tensors) if head is not None else None
+        plan = DECODE_PLANS.get(key) if key is not None else None
+        if plan is None:
+            plan = _plan_decode(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, variant)
+            DECODE_PLANS.remember(key, plan)
+        if key is not None:
+            DECODE_PLANS.note(head, tensors, plan)
     if validate:
         check_indices(state_indices, state_cache.shape[0])
     if plan.copy:  # the plan's key holds every input's contiguity: contiguous calls skip this

@@ -45,6 +45,7 @@ from .config import (
 )
 from .blocks import load_state_tile, phi_gather, phi_inv_norm, phi_row_outer
 from .inputs import Problem
+from .static_launch import static_launcher
 
 
 @dataclass(frozen=True)
@@ -364,13 +365,14 @@ class DecodePlan:
     Triton's full path).
     """
 
-    __slots__ = ("_runner", "_tail", "consts", "copy", "grid", "scale")
+    __slots__ = ("_runner", "_static", "_tail", "consts", "copy", "grid", "scale")
 
     def __init__(self, grid: tuple, consts: dict, scale: float, *, copy: bool = False):
         # copy: some input is a strided view, to be made contiguous before each launch (the
         # plan's key holds each input's contiguity, so a plan serves calls of one layout only)
         self.grid, self.consts, self.scale, self.copy = grid, consts, scale, copy
         self._runner = None
+        self._static = None
         self._tail: tuple = ()
 
     def launch(self, kargs: tuple) -> None:
@@ -379,31 +381,90 @@ class DecodePlan:
         ptrs = [None if t is None else t.data_ptr() for t in kargs[:-3]]
         # 0.8 us against 1.1 for any() on the CPU machine; filter drops the None inputs
         aligned = not functools.reduce(operator.or_, filter(None, ptrs)) & 15
-        if self._runner is not None and aligned:
-            # raw addresses: the launcher then skips a data_ptr() call (and, on older Tritons, a
-            # driver pointer query) per tensor; the compiled launcher alone cost 19 us per call
-            # with tensors on the H200 machine (benchmarks/probe_host.py, removed at 7e8e601;
-            # serving_host.py times these paths now). A None input's position is a constexpr of
-            # the compiled kernel: its launcher skips the value.
-            self._runner(*ptrs, *kargs[-3:], *self._tail)
-            return
+        if aligned:
+            # raw addresses: a launcher then skips a data_ptr() call (and, on older Tritons, a
+            # driver pointer query) per tensor; Triton's compiled launcher alone cost 19 us per
+            # call with tensors on the H200 machine, 8.9 with addresses, torch's 5.2 in the same
+            # process (static_launch.py; benchmarks/serving_host.py times these paths). A None input's
+            # position is a constexpr of the compiled kernel: the launchers skip the value.
+            if self._static is not None:
+                self._static((*ptrs, *kargs[-3:]))
+                return
+            if self._runner is not None:
+                self._runner(*ptrs, *kargs[-3:], *self._tail)
+                return
         kernel = fused_recurrent_running_tensor_fwd_kernel
         compiled = kernel[self.grid](*kargs, **self.consts)
         if self._runner is None and aligned and isinstance(compiled, CompiledKernel) and not args.interpreting():
             # the launcher takes every parameter: the constexprs follow the runtime ones
             self._tail = tuple(self.consts[name] for name in kernel.arg_names[len(kargs):])
             self._runner = compiled[(*self.grid, 1, 1)[:3]]
+            device = next(t for t in kargs if isinstance(t, torch.Tensor)).get_device()
+            self._static = static_launcher(compiled, self.grid, len(kargs), device)
 
 
-DECODE_PLANS: dict = {}  # decode_key(...) -> DecodePlan
-MAX_DECODE_PLANS = 1024
+try:  # torch's C++ check of tensor metadata, of which dynamo's guards are made
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:  # another torch: the keys alone serve (RecentPlans then finds nothing)
+    _TensorGuards = None
+
+RECENT_PLANS = 4  # signatures recognised without a key: a model's layers share one per step
 
 
-def remember_plan(key, plan: DecodePlan) -> None:
-    if key is not None:
-        if len(DECODE_PLANS) >= MAX_DECODE_PLANS:
-            DECODE_PLANS.clear()
-        DECODE_PLANS[key] = plan
+class PlanCache(dict):
+    """Launch plans by :func:`signature_key`, the latest few also recognised without a key.
+
+    Building a key costs ~10 us of a T = 1 call's host time on the CPU machine (four attribute
+    reads of each of nine tensors, then hashing). :meth:`recent` recognises the signatures of
+    the last :data:`RECENT_PLANS` calls whose key found a plan: the call's plain arguments
+    (``head``, compared with ==) and one C++ check of its tensors' metadata (torch's
+    ``TensorGuards``: type, dispatch keys, dtype, device, sizes, strides, requires_grad), 1.3 us
+    for nine tensors. Invariant: :meth:`recent` returns a plan only for a call whose head
+    equals, and whose tensors have the metadata of, a call that :meth:`note` saw find that plan by
+    key, so everything the key holds (shapes, dtypes, devices, contiguity) is the same; a
+    call with any tensor that requires grad is never noted (autograd must see it)."""
+
+    def __init__(self, limit: int = 1024):
+        super().__init__()
+        self.limit = limit
+        self._recent: list = []  # (head, check, plan), latest first
+
+    def recent(self, head, tensors):
+        """The plan of a noted call with this head and these tensors' metadata, or None."""
+        for h, check, plan in self._recent:
+            if h == head:
+                try:
+                    if check(*[x for x in tensors if x is not None]):
+                        return plan
+                except TypeError:  # another number of tensors
+                    pass
+        return None
+
+    def note(self, head, tensors, plan) -> None:
+        """``plan`` was found by the key of a call with ``head`` and ``tensors``: recognise the
+        call's signature by :meth:`recent` from now on (a no-op without ``TensorGuards``)."""
+        present = [x for x in tensors if x is not None]
+        if _TensorGuards is None or any(x.requires_grad for x in present):
+            return
+        try:
+            check = _TensorGuards(*present, dynamic_dims_sizes=[list(x.shape) for x in present],
+                                  dynamic_dims_strides=[list(x.stride()) for x in present]).check
+        except (TypeError, RuntimeError):  # a tensor the check cannot describe: keys serve it
+            return
+        self._recent = [(head, check, plan), *self._recent[: RECENT_PLANS - 1]]
+
+    def remember(self, key, plan) -> None:
+        if key is not None:
+            if len(self) >= self.limit:
+                self.clear()
+            self[key] = plan
+
+    def clear(self) -> None:
+        super().clear()
+        self._recent = []
+
+
+DECODE_PLANS = PlanCache()  # decode_key(...) -> DecodePlan
 
 
 def signature_key(head, tensors, *, exact: bool = False) -> tuple | None:
@@ -424,18 +485,6 @@ def signature_key(head, tensors, *, exact: bool = False) -> tuple | None:
         return key
     except (AttributeError, TypeError):
         return None
-
-
-def decode_key(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, variant, generation: int = 0):
-    """The decode plan-cache key (:func:`signature_key`), or None when an argument is not what a
-    plan can describe (``generation``: the tuned table's, so a plan found before the table
-    changed is not reused)."""
-    try:
-        head = (len(q), len(k), g is None, beta is None, scale, bool(l2norm), variant, args.interpreting(), generation)
-        tensors = (*q, *k, v, g, beta, state_cache, state_indices)
-    except TypeError:  # factors that are not sequences: the full checks will say why
-        return None
-    return signature_key(head, tensors)
 
 
 def check_indices(state_indices: torch.Tensor, slots: int) -> None:
