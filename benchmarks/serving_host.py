@@ -44,12 +44,12 @@ def main(argv=None) -> int:
     if not gpu:
         os.environ["TRITON_INTERPRET"] = "1"
     import rtcompile
-    from rtcompile.kernels import recurrent
+    from rtcompile.kernels import decode_plan, recurrent
 
     if not gpu:  # host time only: the launches become no-ops
         from rtcompile.kernels import launch
 
-        recurrent.DecodePlan.launch = lambda self, kargs: None
+        decode_plan.DecodePlan.launch = lambda self, tensors: None
         launch.LAUNCHERS[recurrent.RecurrentConfig] = lambda config, p, q, k, v, *a, **kw: torch.empty_like(v)
     dev = "cuda" if gpu else "cpu"
     sync = torch.cuda.synchronize if gpu else (lambda: None)

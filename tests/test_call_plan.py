@@ -153,7 +153,7 @@ def test_auto_mode_prefill_takes_no_plan_key(monkeypatch):
     assert keys == [3]
 
 
-# ----- the plan caches' key-free recognition (recurrent.PlanCache) ---------------------------
+# ----- the plan caches' key-free recognition (decode_plan.PlanCache) ---------------------------
 
 
 def _signature(device=DEVICE):
@@ -176,7 +176,7 @@ CHANGES = {
 def test_a_noted_signature_is_recognised_without_a_key():
     """The same head and tensors of the same metadata (fresh values, another storage) find the
     noted plan; another head does not."""
-    from rtcompile.kernels.recurrent import _TensorGuards, PlanCache
+    from rtcompile.kernels.decode_plan import _TensorGuards, PlanCache
 
     if _TensorGuards is None:
         pytest.skip("this torch has no TensorGuards: the keys serve alone")
@@ -193,7 +193,7 @@ def test_a_noted_signature_is_recognised_without_a_key():
 def test_a_changed_tensor_is_not_recognised(change, which):
     """Any change a signature key would see (shape, dtype, strides, hence contiguity) or that
     would need autograd (requires_grad), or a tensor that is not a plain one: no plan."""
-    from rtcompile.kernels.recurrent import _TensorGuards, PlanCache
+    from rtcompile.kernels.decode_plan import _TensorGuards, PlanCache
 
     if _TensorGuards is None:
         pytest.skip("this torch has no TensorGuards: the keys serve alone")
@@ -206,7 +206,7 @@ def test_a_changed_tensor_is_not_recognised(change, which):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device kind")
 def test_another_device_is_not_recognised():
-    from rtcompile.kernels.recurrent import PlanCache
+    from rtcompile.kernels.decode_plan import PlanCache
 
     cache = PlanCache()
     cache.note("h", _signature("cuda"), object())
@@ -214,7 +214,7 @@ def test_another_device_is_not_recognised():
 
 
 def test_a_call_that_requires_grad_is_never_noted():
-    from rtcompile.kernels.recurrent import PlanCache
+    from rtcompile.kernels.decode_plan import PlanCache
 
     cache, ts = PlanCache(), list(_signature())
     ts[2] = ts[2].clone().requires_grad_()
@@ -225,12 +225,12 @@ def test_a_call_that_requires_grad_is_never_noted():
 def test_calls_run_by_key_alone_without_tensor_guards(fresh, monkeypatch):
     """A torch without TensorGuards: plans are still found by key (one validation for three
     calls) and the outputs equal the guarded path's."""
-    import rtcompile.kernels.recurrent as recurrent
+    import rtcompile.kernels.decode_plan as decode_plan
 
     (q, k, v, g, beta), *_ = _steps(T=1)[0]
     want, _ = running_tensor(q, k, v, g, beta, mode="recurrent", backend="triton")
     CALL_PLANS.clear()
-    monkeypatch.setattr(recurrent, "_TensorGuards", None)
+    monkeypatch.setattr(decode_plan, "_TensorGuards", None)
     outs = [running_tensor(q, k, v, g, beta, mode="recurrent", backend="triton")[0] for _ in range(3)]
     assert all(torch.equal(o, want) for o in outs)
     assert len(fresh) == 2 and CALL_PLANS._recent == []
@@ -241,7 +241,7 @@ def test_alternating_signatures_each_keep_their_plan(fresh, monkeypatch):
     its own signature's plan and equals a fresh validated call; from the third round on (with
     TensorGuards) no call builds a key."""
     import rtcompile.kernels.launch as launch
-    from rtcompile.kernels.recurrent import _TensorGuards
+    from rtcompile.kernels.decode_plan import _TensorGuards
 
     layers = [_steps(T=1, widths=w)[0][0] for w in ((3, 4), (2, 5))]
     want = [running_tensor(*x, mode="recurrent", backend="triton")[0] for x in layers]

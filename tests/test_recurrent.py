@@ -20,7 +20,8 @@ from rtcompile.kernels import recurrent, tuned
 from rtcompile.kernels.chunk_resident import ResidentConfig
 from rtcompile.kernels.inputs import check_inputs
 from rtcompile.kernels.launch import device_name, running_tensor_decode_, running_tensor_fwd
-from rtcompile.kernels.recurrent import DECODE_PLANS, RecurrentConfig
+from rtcompile.kernels.decode_plan import DECODE_PLANS
+from rtcompile.kernels.recurrent import RecurrentConfig
 from rtcompile.kernels.reference import running_tensor_recurrent_ref
 
 from conftest import make_inputs, rel_err

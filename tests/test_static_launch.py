@@ -92,7 +92,7 @@ def test_decode_through_torchs_launcher_equals_tritons(feat):
     """Three decode steps on a slot cache through torch's launcher (where this torch has it)
     give bit-identical outputs and states to the same steps through Triton's launcher."""
     from rtcompile import running_tensor_decode_
-    from rtcompile.kernels.recurrent import DECODE_PLANS
+    from rtcompile.kernels.decode_plan import DECODE_PLANS
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     N, H, widths, V = 3, 2, (4, 8), 16

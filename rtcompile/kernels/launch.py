@@ -30,7 +30,8 @@ from .chunk_streamed import StreamedConfig
 from .config import KernelConfig, KernelShape, checked
 from .forms import check_config, config_from_dict, default_config
 from .inputs import Problem, check_inputs
-from .recurrent import DECODE_PLANS, DecodePlan, PlanCache, RecurrentConfig, check_indices, signature_key
+from .decode_plan import DECODE_PLANS, DecodePlan, PlanCache, check_indices, signature_key
+from .recurrent import RecurrentConfig
 
 MODES = ("chunk", "recurrent")
 
@@ -212,15 +213,14 @@ class CallPlan:
     :class:`DecodePlan`: grid, constexprs, scale, the compiled launcher) and the outputs'
     shapes. Invariant: only called with arguments whose :func:`call_key` found it."""
 
-    __slots__ = ("ht_like_h0", "kernel", "need_ht", "state_shape", "tail")
+    __slots__ = ("ht_like_h0", "kernel", "need_ht", "state_shape")
 
     def __init__(self, p: Problem, config: RecurrentConfig, l2norm: bool, *, copy: bool, initial_state=None):
         grid, consts = recurrent.launch_consts(p, l2norm, config)
-        self.kernel = DecodePlan(grid, consts, p.scale, copy=copy)
+        self.kernel = DecodePlan(grid, consts, (p.scale, p.seq_len, p.num_seqs), copy=copy)
         # a streamed state (block_k < K) lives in the final-state buffer while the kernel runs
         self.need_ht = config.block_k < p.key_dim
         self.state_shape = p.state_shape
-        self.tail = (p.scale, p.seq_len, p.num_seqs)
         # the final state allocated like an fp32 initial state: empty_like took 3.7 us against
         # 8.5 for empty(shape, dtype=, device=) on the H200 machine (the key holds h0's dtype)
         self.ht_like_h0 = initial_state is not None and initial_state.dtype == torch.float32
@@ -235,8 +235,7 @@ class CallPlan:
         else:
             ht = args.empty(self.state_shape, dtype=torch.float32, device=v.device)
         o = args.empty_like(v)  # v is contiguous here: its layout is the output's
-        self.kernel.launch((*factor_args(q), *factor_args(k), v, g, beta, o, initial_state, ht, None, None,
-                            *self.tail))
+        self.kernel.launch((*factor_args(q), *factor_args(k), v, g, beta, o, initial_state, ht, None, None))
         return o, (ht if output_final_state else None)
 
 
@@ -318,8 +317,7 @@ def running_tensor_decode_(
         q, k, v, g, beta, state_indices = args.contiguous_inputs(q, k, v, g, beta, state_indices)
     # empty_like(v): v is contiguous by then, so its copy's layout is the output's
     o = args.empty_like(v)
-    plan.launch((*factor_args(q), *factor_args(k), v, g, beta, o, state_cache, state_cache, state_indices, None,
-                 plan.scale, 1, state_cache.shape[0]))
+    plan.launch((*factor_args(q), *factor_args(k), v, g, beta, o, state_cache, state_cache, state_indices, None))
     return o
 
 
@@ -352,4 +350,5 @@ def _plan_decode(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, va
     config = resolve_config("recurrent", variant, p, v.device)
     grid, consts = recurrent.launch_consts(p, l2norm, config)
     copy = not args.all_contiguous(*q, *k, v, g, beta, state_indices)
-    return DecodePlan(grid, consts, p.scale, copy=copy)
+    # the plan's key holds the cache's shape: its slot count is fixed with it
+    return DecodePlan(grid, consts, (p.scale, 1, state_cache.shape[0]), copy=copy)

@@ -19,23 +19,19 @@ n lives at row ``state_indices[n]`` of a cache ``[slots, H, K, V]`` and is updat
 negative index marks a padding entry whose state is neither read nor written (vLLM's
 PAD_SLOT_ID).
 
-Beside the config and the kernel: its launcher (:func:`launch`) and the decode step's host path
-(:class:`DecodePlan`, the plan cache, the index checks), which ``launch.running_tensor_decode_``
-drives.
+Beside the config and the kernel: its launcher (:func:`launch`). The eager T = 1 calls' host
+path (launch plans and their caches) is ``decode_plan.py``.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-import operator
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
 import triton
 import triton.language as tl
-from triton.compiler import CompiledKernel
 
 from . import args
 from .args import factor_args, width_args
@@ -45,7 +41,6 @@ from .config import (
 )
 from .blocks import load_state_tile, phi_gather, phi_inv_norm, phi_row_outer
 from .inputs import Problem
-from .static_launch import static_launcher
 
 
 @dataclass(frozen=True)
@@ -194,22 +189,8 @@ def _sum_keys(x, NF: tl.constexpr):
 
 
 @triton.jit
-def fused_recurrent_running_tensor_fwd_kernel(
-    q1, q2, q3, k1, k2, k3, v, g, beta, o, h0, ht, state_indices, cu_seqlens,
-    scale, T, num_slots,
-    H: tl.constexpr, NF: tl.constexpr,
-    D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
-    BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr,
-    V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    L2NORM: tl.constexpr, OUTER: tl.constexpr, STREAM_HINTS: tl.constexpr,
-):
-    # An absent input is None, which Triton specialises as a constexpr: no g (no gate), no beta
-    # (no delta rule), no h0 (zero initial state), no ht (no final state; given whenever the
-    # state is streamed), no state_indices (sequence n owns state row n), no cu_seqlens.
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
-    K: tl.constexpr = D1 * D2 * D3
-    USE_H0: tl.constexpr = h0 is not None
+def _sequence(i_n, cu_seqlens, state_indices, T):
+    """Sequence ``i_n``'s first token (bos), token count, batch row and state slot."""
     if cu_seqlens is not None:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         T_n = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
@@ -222,28 +203,46 @@ def fused_recurrent_running_tensor_fwd_kernel(
         slot = tl.load(state_indices + i_n).to(tl.int64)
     else:
         slot = i_n.to(tl.int64)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    # state mask: padding slots (< 0) and slots past the cache's ``num_slots`` rows (unchecked
-    # indices, validate=False) are neither read nor written (a vector compare: the interpreter
-    # rejects masks built from scalar compares)
-    b_slot = tl.zeros([BV], dtype=tl.int64) + slot
-    m_sv = m_v & (b_slot >= 0) & (b_slot < num_slots)
-    p_state = (slot * H + i_h) * K * V
-    NK: tl.constexpr = (K + BK - 1) // BK
+    return bos, T_n, i_b, slot
 
-    if NK == 1:
-        if OUTER:  # the tile as [D1, (D2, (D3,)) BV]: phi(k), phi(q) broadcast from the factors
-            off_s = p_state + _key_index(NF, D1, D2, D3) * V + _to_rank(o_v, NF)
-            m_s = (off_s >= 0) & _to_rank(m_sv, NF)
-        else:
-            o_k = tl.arange(0, BK)
-            m_k = o_k < K
-            off_s = p_state + o_k[:, None] * V + o_v[None, :]
-            m_s = m_k[:, None] & m_sv[None, :]
-        b_s = load_state_tile(h0, ht, off_s, m_s, True, USE_H0, STREAM_HINTS)
+
+@triton.jit
+def _slab(slot, i_h, o_v, m_sv, H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
+          D3: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, OUTER: tl.constexpr):
+    """Offsets and mask of a resident state slab ([K, BV], or [D1, (D2, (D3,)) BV] with OUTER)."""
+    K: tl.constexpr = D1 * D2 * D3
+    p_state = (slot * H + i_h) * K * V
+    if OUTER:  # the slab as [D1, (D2, (D3,)) BV]: phi(k), phi(q) broadcast from the factors
+        off_s = p_state + _key_index(NF, D1, D2, D3) * V + _to_rank(o_v, NF)
+        m_s = (off_s >= 0) & _to_rank(m_sv, NF)
+    else:
+        o_k = tl.arange(0, BK)
+        off_s = p_state + o_k[:, None] * V + o_v[None, :]
+        m_s = (o_k < K)[:, None] & m_sv[None, :]
+    return off_s, m_s
+
+
+@triton.jit
+def _slot_mask(slot, m_v, num_slots, BV: tl.constexpr):
+    """Value columns of a slot that are read and written: not padding (< 0), not past the
+    cache's rows (unchecked indices, validate=False). A vector compare: the interpreter rejects
+    masks built from scalar compares."""
+    b_slot = tl.zeros([BV], dtype=tl.int64) + slot
+    return m_v & (b_slot >= 0) & (b_slot < num_slots)
+
+
+@triton.jit
+def _resident_tokens(b_s, q1, q2, q3, k1, k2, k3, v, g, beta, o, r0, T_n, o_v, m_v, scale,
+                     H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+                     BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, V: tl.constexpr,
+                     BK: tl.constexpr, L2NORM: tl.constexpr, OUTER: tl.constexpr):
+    """One sequence-head's tokens (row ``r0`` on) on its resident slab: each output stored, the
+    slab after the last token returned."""
+    K: tl.constexpr = D1 * D2 * D3
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
     for t in range(0, T_n):
-        r = (i_b * T + bos + t) * H + i_h
+        r = r0 + t * H
         b_v = tl.load(v + r * V + o_v, mask=m_v, other=0.0).to(tl.float32)
         b_a = 1.0
         if g is not None:
@@ -253,7 +252,7 @@ def fused_recurrent_running_tensor_fwd_kernel(
         if L2NORM:
             r_q = phi_inv_norm(q1, q2, q3, r, True, D1, D2, D3, BD1, BD2, BD3, NF)
             r_k = phi_inv_norm(k1, k2, k3, r, True, D1, D2, D3, BD1, BD2, BD3, NF)
-        if NK == 1 and OUTER:
+        if OUTER:
             b_k = _phi_factored(k1, k2, k3, r, NF, D1, D2, D3) * r_k
             b_q = _phi_factored(q1, q2, q3, r, NF, D1, D2, D3) * r_q
             b_s = b_s * b_a
@@ -263,7 +262,7 @@ def fused_recurrent_running_tensor_fwd_kernel(
                 b_u = b_v
             b_s += b_k * _to_rank(b_u, NF)
             b_o = _sum_keys(b_s * b_q, NF) * scale
-        elif NK == 1:
+        else:
             b_k = phi_gather(k1, k2, k3, r, o_k, m_k, D1, D2, D3, NF) * r_k
             b_q = phi_gather(q1, q2, q3, r, o_k, m_k, D1, D2, D3, NF) * r_q
             b_s = b_s * b_a
@@ -273,7 +272,55 @@ def fused_recurrent_running_tensor_fwd_kernel(
                 b_u = b_v
             b_s += b_k[:, None] * b_u[None, :]
             b_o = tl.sum(b_s * b_q[:, None], axis=0) * scale
-        else:
+        tl.store(o + r * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+    return b_s
+
+
+@triton.jit
+def fused_recurrent_running_tensor_fwd_kernel(
+    q1, q2, q3, k1, k2, k3, v, g, beta, o, h0, ht, state_indices, cu_seqlens,
+    scale, T, num_slots,
+    H: tl.constexpr, NF: tl.constexpr,
+    D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+    BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr,
+    V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    L2NORM: tl.constexpr, OUTER: tl.constexpr, STREAM_HINTS: tl.constexpr,
+):
+    # An absent input is None, which Triton specialises as a constexpr: no g (no gate), no beta
+    # (no delta rule), no h0 (zero initial state), no ht (no final state; given whenever the
+    # state is streamed), no state_indices (sequence n owns state row n), no cu_seqlens.
+    K: tl.constexpr = D1 * D2 * D3
+    NK: tl.constexpr = (K + BK - 1) // BK
+    USE_H0: tl.constexpr = h0 is not None
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, T_n, i_b, slot = _sequence(i_n, cu_seqlens, state_indices, T)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_sv = _slot_mask(slot, m_v, num_slots, BV)
+    if NK == 1:
+        off_s, m_s = _slab(slot, i_h, o_v, m_sv, H, NF, D1, D2, D3, V, BK, OUTER)
+        b_s = load_state_tile(h0, ht, off_s, m_s, True, USE_H0, STREAM_HINTS)
+        b_s = _resident_tokens(b_s, q1, q2, q3, k1, k2, k3, v, g, beta, o, (i_b * T + bos) * H + i_h, T_n,
+                               o_v, m_v, scale, H, NF, D1, D2, D3, BD1, BD2, BD3, V, BK, L2NORM, OUTER)
+        if ht is not None:
+            if STREAM_HINTS:
+                tl.store(ht + off_s, b_s.to(ht.dtype.element_ty), mask=m_s, cache_modifier=".cs")
+            else:
+                tl.store(ht + off_s, b_s.to(ht.dtype.element_ty), mask=m_s)
+    else:
+        p_state = (slot * H + i_h) * K * V
+        for t in range(0, T_n):
+            r = (i_b * T + bos + t) * H + i_h
+            b_v = tl.load(v + r * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+            b_a = 1.0
+            if g is not None:
+                b_a = tl.exp(tl.load(g + r).to(tl.float32))
+            r_q = 1.0
+            r_k = 1.0
+            if L2NORM:
+                r_q = phi_inv_norm(q1, q2, q3, r, True, D1, D2, D3, BD1, BD2, BD3, NF)
+                r_k = phi_inv_norm(k1, k2, k3, r, True, D1, D2, D3, BD1, BD2, BD3, NF)
             # pass 1: both reductions on S_{t-1}, and phi(k) . phi(q)
             b_pred = tl.zeros([BV], dtype=tl.float32)
             b_read = tl.zeros([BV], dtype=tl.float32)
@@ -303,13 +350,7 @@ def fused_recurrent_running_tensor_fwd_kernel(
                 b_k = _phi(k1, k2, k3, r, i_k, o_k, m_k, BK, NF, D1, D2, D3, OUTER) * r_k
                 b_s = b_s * b_a + b_k[:, None] * b_u[None, :]
                 tl.store(ht + off_s, b_s.to(ht.dtype.element_ty), mask=m_s)
-        tl.store(o + r * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-    if NK == 1:
-        if ht is not None:
-            if STREAM_HINTS:
-                tl.store(ht + off_s, b_s.to(ht.dtype.element_ty), mask=m_s, cache_modifier=".cs")
-            else:
-                tl.store(ht + off_s, b_s.to(ht.dtype.element_ty), mask=m_s)
+            tl.store(o + r * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
 
 
 # ----- launcher ------------------------------------------------------------------------------
@@ -343,156 +384,3 @@ def launch(config: RecurrentConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_
         p.num_seqs if state_indices is None else (h0 if h0 is not None else ht).shape[0], **consts,
     )
     return o
-
-
-# ----- the decode step's host path -----------------------------------------------------------
-# Decode is called once per token with the same shapes, and its kernel runs for a few
-# microseconds: the host path is the cost. A plan cache keyed by a signature of the arguments
-# skips re-validation (fla's wrapper spends 110-130 us per step in Python); the plan then
-# launches through the compiled kernel's own launcher.
-
-
-class DecodePlan:
-    """A validated decode launch: grid, constexprs, scale and, after the first launch on a GPU,
-    the compiled kernel's own launcher.
-
-    Triton's ``kernel[grid](...)`` binds and specialises all ~30 arguments on every call; with
-    it the eager decode step cost 65 us of host time on the H200 machine. The compiled launcher
-    skips that work, and is reused only while the specialisation it was compiled for holds: the
-    integer arguments (T = 1, the cache's slots) are fixed by the plan (its key holds the
-    cache's shape), floats are never specialised, the None inputs (no gate, no delta rule, no
-    cu_seqlens) are part of the plan's key, and every pointer must be 16-byte aligned, as at the first launch (checked per call; an unaligned call takes
-    Triton's full path).
-    """
-
-    __slots__ = ("_runner", "_static", "_tail", "consts", "copy", "grid", "scale")
-
-    def __init__(self, grid: tuple, consts: dict, scale: float, *, copy: bool = False):
-        # copy: some input is a strided view, to be made contiguous before each launch (the
-        # plan's key holds each input's contiguity, so a plan serves calls of one layout only)
-        self.grid, self.consts, self.scale, self.copy = grid, consts, scale, copy
-        self._runner = None
-        self._static = None
-        self._tail: tuple = ()
-
-    def launch(self, kargs: tuple) -> None:
-        """Launch with the runtime arguments ``kargs`` (tensors or None, then scale, T and the
-        number of cache slots)."""
-        ptrs = [None if t is None else t.data_ptr() for t in kargs[:-3]]
-        # 0.8 us against 1.1 for any() on the CPU machine; filter drops the None inputs
-        aligned = not functools.reduce(operator.or_, filter(None, ptrs)) & 15
-        if aligned:
-            # raw addresses: a launcher then skips a data_ptr() call (and, on older Tritons, a
-            # driver pointer query) per tensor; Triton's compiled launcher alone cost 19 us per
-            # call with tensors on the H200 machine, 8.9 with addresses, torch's 5.2 in the same
-            # process (static_launch.py; benchmarks/serving_host.py times these paths). A None input's
-            # position is a constexpr of the compiled kernel: the launchers skip the value.
-            if self._static is not None:
-                self._static((*ptrs, *kargs[-3:]))
-                return
-            if self._runner is not None:
-                self._runner(*ptrs, *kargs[-3:], *self._tail)
-                return
-        kernel = fused_recurrent_running_tensor_fwd_kernel
-        compiled = kernel[self.grid](*kargs, **self.consts)
-        if self._runner is None and aligned and isinstance(compiled, CompiledKernel) and not args.interpreting():
-            # the launcher takes every parameter: the constexprs follow the runtime ones
-            self._tail = tuple(self.consts[name] for name in kernel.arg_names[len(kargs):])
-            self._runner = compiled[(*self.grid, 1, 1)[:3]]
-            device = next(t for t in kargs if isinstance(t, torch.Tensor)).get_device()
-            self._static = static_launcher(compiled, self.grid, len(kargs), device)
-
-
-try:  # torch's C++ check of tensor metadata, of which dynamo's guards are made
-    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
-except ImportError:  # another torch: the keys alone serve (RecentPlans then finds nothing)
-    _TensorGuards = None
-
-RECENT_PLANS = 4  # signatures recognised without a key: a model's layers share one per step
-
-
-class PlanCache(dict):
-    """Launch plans by :func:`signature_key`, the latest few also recognised without a key.
-
-    Building a key costs ~10 us of a T = 1 call's host time on the CPU machine (four attribute
-    reads of each of nine tensors, then hashing). :meth:`recent` recognises the signatures of
-    the last :data:`RECENT_PLANS` calls whose key found a plan: the call's plain arguments
-    (``head``, compared with ==) and one C++ check of its tensors' metadata (torch's
-    ``TensorGuards``: type, dispatch keys, dtype, device, sizes, strides, requires_grad), 1.3 us
-    for nine tensors. Invariant: :meth:`recent` returns a plan only for a call whose head
-    equals, and whose tensors have the metadata of, a call that :meth:`note` saw find that plan by
-    key, so everything the key holds (shapes, dtypes, devices, contiguity) is the same; a
-    call with any tensor that requires grad is never noted (autograd must see it)."""
-
-    def __init__(self, limit: int = 1024):
-        super().__init__()
-        self.limit = limit
-        self._recent: list = []  # (head, check, plan), latest first
-
-    def recent(self, head, tensors):
-        """The plan of a noted call with this head and these tensors' metadata, or None."""
-        for h, check, plan in self._recent:
-            if h == head:
-                try:
-                    if check(*[x for x in tensors if x is not None]):
-                        return plan
-                except TypeError:  # another number of tensors
-                    pass
-        return None
-
-    def note(self, head, tensors, plan) -> None:
-        """``plan`` was found by the key of a call with ``head`` and ``tensors``: recognise the
-        call's signature by :meth:`recent` from now on (a no-op without ``TensorGuards``)."""
-        present = [x for x in tensors if x is not None]
-        if _TensorGuards is None or any(x.requires_grad for x in present):
-            return
-        try:
-            check = _TensorGuards(*present, dynamic_dims_sizes=[list(x.shape) for x in present],
-                                  dynamic_dims_strides=[list(x.stride()) for x in present]).check
-        except (TypeError, RuntimeError):  # a tensor the check cannot describe: keys serve it
-            return
-        self._recent = [(head, check, plan), *self._recent[: RECENT_PLANS - 1]]
-
-    def remember(self, key, plan) -> None:
-        if key is not None:
-            if len(self) >= self.limit:
-                self.clear()
-            self[key] = plan
-
-    def clear(self) -> None:
-        super().clear()
-        self._recent = []
-
-
-DECODE_PLANS = PlanCache()  # decode_key(...) -> DecodePlan
-
-
-def signature_key(head, tensors, *, exact: bool = False) -> tuple | None:
-    """A plan cache's key: ``head`` then (shape, dtype, device index, contiguity) of each tensor
-    that is not None, in one flat tuple (the device as ``get_device()``: 5.5 us on the CPU
-    machine for 11 tensors against 12 us with per-tensor tuples of ``torch.device``). None when
-    an entry is not a tensor (with ``exact``: not a plain ``torch.Tensor``, as tracers hand in)
-    or the key is unhashable: the full checks then say why, or run every call."""
-    try:
-        out = list(head)
-        for x in tensors:
-            if x is not None:
-                if exact and type(x) is not torch.Tensor:
-                    return None
-                out += (x.shape, x.dtype, x.get_device(), x.is_contiguous())
-        key = tuple(out)
-        hash(key)
-        return key
-    except (AttributeError, TypeError):
-        return None
-
-
-def check_indices(state_indices: torch.Tensor, slots: int) -> None:
-    """In range and distinct (negative entries are padding); reads the indices (one device sync)."""
-    idx = state_indices.tolist()
-    bad = [i for i in idx if i >= slots]
-    if bad:
-        raise ValueError(f"state_indices: {bad[0]} out of range; allowed: 0 <= index < slots = {slots}, or < 0 for padding")
-    used = [i for i in idx if i >= 0]
-    if len(set(used)) != len(used):
-        raise ValueError("state_indices: repeated slot; allowed: distinct slots (each sequence owns its state)")
