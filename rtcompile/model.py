@@ -10,7 +10,8 @@ parameter count is :func:`rtcompile.figures.parameters_per_layer` exactly.
 
 ``forward`` runs a prompt (prefill) and returns the state cache; ``step`` runs one token per
 sequence from a cache. A cache is a list (one per layer) of dicts with the mixer state
-``[B, H, d_1, ..., d_v]`` (fp32) and the convolution tail ``[B, channels, w - 1]``.
+``[B, H, d_1, ..., d_v]`` (fp32) and the convolution tail ``[B, w - 1, channels]`` (the last
+w - 1 inputs, channels contiguous).
 
 The state mixer can be replaced per call (``mixer=``, a :data:`Mixer`): the exporter
 (:mod:`rtcompile.export.onnx_model`) passes one that becomes a single ONNX node. This module
@@ -57,26 +58,28 @@ class _CausalDepthwise(nn.Module):
         nn.init.normal_(self.weight, std=1 / math.sqrt(width))
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None, in_place: bool = False):
-        """(y [B, T, C], the new tail). ``in_place`` (the serving step: T = 1 and a tail): the
-        tail is shifted in place and returned, and y is a weighted sum, not a convolution, so
-        that torch.compile fuses both into its neighbours' kernels (a convolution is a library
-        call that needs its input formed first: the conv, its input's concatenation and the
-        tail's copy-back were 6 of the compiled B1 step's 43 launches and 11.8 of its 76 us in
-        kernels, H200)."""
+        """(y [B, T, C], the new tail [B, w - 1, C]). ``in_place`` (the serving step: T = 1 and
+        a tail): the tail is shifted in place and returned, and y is a weighted sum, not a
+        convolution, so that torch.compile fuses both into its neighbours' kernels (a
+        convolution is a library call that needs its input formed first: the conv, its input's
+        concatenation and the tail's copy-back were 6 of the compiled B1 step's 43 launches and
+        11.8 of its 76 us in kernels, H200). The tail keeps its taps outermost so that the
+        step reads and shifts whole rows of channels: with the taps innermost ([B, C, w - 1])
+        the fused weighted sum and shift read 6-byte strides and took 11.2 us a layer of the
+        compiled B256 step (H200, torch 2.11)."""
         B, T, C = x.shape
         if in_place and T == 1 and tail is not None:
             # fp32 products and sum (float64 for float64), as a 16-bit convolution accumulates
             wide = torch.float64 if x.dtype == torch.float64 else torch.float32
             w = weight.to(wide)
-            y = (tail.to(wide) * w[:, :-1]).sum(-1) + x[:, 0].to(wide) * w[:, -1]
-            tail.copy_(torch.cat([tail[:, :, 1:], x.transpose(1, 2)], dim=2))
+            y = (tail.to(wide) * w[:, :-1].t()).sum(1) + x[:, 0].to(wide) * w[:, -1]
+            tail.copy_(torch.cat([tail[:, 1:], x], dim=1))
             return y.to(x.dtype)[:, None], tail
-        xt = x.transpose(1, 2)  # [B, C, T]
         if tail is None:
-            tail = xt.new_zeros(B, C, self.width - 1)
-        full = torch.cat([tail, xt], dim=2)
+            tail = x.new_zeros(B, self.width - 1, C)
+        full = torch.cat([tail.transpose(1, 2), x.transpose(1, 2)], dim=2)  # [B, C, w - 1 + T]
         y = F.conv1d(full, weight.unsqueeze(1), groups=C)
-        return y.transpose(1, 2), full[:, :, full.shape[2] - (self.width - 1):]
+        return y.transpose(1, 2), full[:, :, full.shape[2] - (self.width - 1):].transpose(1, 2).contiguous()
 
 
 class RunningTensorLayer(nn.Module):

@@ -126,7 +126,7 @@ def test_conv_step_in_place_equals_the_convolution(dtype):
 
     torch.manual_seed(3)
     conv = _CausalDepthwise(5, 4).to(dtype)
-    x, tail = torch.randn(3, 1, 5, dtype=dtype), torch.randn(3, 5, 3, dtype=dtype)
+    x, tail = torch.randn(3, 1, 5, dtype=dtype), torch.randn(3, 3, 5, dtype=dtype)  # [B, w - 1, C]
     with torch.no_grad():
         want, want_tail = conv(x, conv.weight, tail.clone())
         kept = tail.clone()
