@@ -111,22 +111,21 @@ def running_tensor(
             and not torch.compiler.is_compiling() and (mode == "recurrent" or _short_eager(v, chunk_size)):
         # the eager recurrent fast path (a decode step through this API): a call whose
         # signature a validated call already had runs that call's plan (kernels/launch.py)
-        from .kernels.launch import CALL_PLANS, call_head, call_key
-
+        launch = _LAUNCH or _launch_module()
         try:
             tensors = (*q, *k, v, g, beta, initial_state)
-            head = call_head(q, k, g, beta, initial_state, scale, output_final_state, l2norm, mode, chunk_size,
-                             backend, variant)
+            head = launch.call_head(q, k, g, beta, initial_state, scale, output_final_state, l2norm, mode,
+                                    chunk_size, backend, variant)
         except TypeError:  # factors that are not sequences: the full checks say why
             head = None
         if head is not None:
-            hit = CALL_PLANS.recent(head, tensors)  # no tensor of a noted call requires grad
+            hit = launch.CALL_PLANS.recent(head, tensors)  # no tensor of a noted call requires grad
             if hit is not None:
                 return hit(q, k, v, g, beta, initial_state, output_final_state)
-            plan_key = call_key(head, tensors)
-            hit = CALL_PLANS.get(plan_key) if plan_key is not None else None
+            plan_key = launch.call_key(head, tensors)
+            hit = launch.CALL_PLANS.get(plan_key) if plan_key is not None else None
             if hit is not None and not needs_grad(*q, *k, v, g, beta, initial_state):
-                CALL_PLANS.note(head, tensors, hit)
+                launch.CALL_PLANS.note(head, tensors, hit)
                 return hit(q, k, v, g, beta, initial_state, output_final_state)
     if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"mode: got {mode!r}; allowed: {', '.join(MODES)}")
@@ -243,10 +242,21 @@ def running_tensor_decode_(
             list(q), list(k), v, g, beta, state_cache, state_indices,
             float(scale) if scale is not None else _default_scale(q), l2norm, variant_to_json(variant),
         )
-    from .kernels.launch import running_tensor_decode_ as launch
+    return (_LAUNCH or _launch_module()).decode_step(q, k, v, g, beta, state_cache, state_indices, scale, l2norm,
+                                                     validate, variant)
 
-    return launch(q, k, v, g, beta, state_cache=state_cache, state_indices=state_indices, scale=scale,
-                  l2norm=l2norm, validate=validate, variant=variant)
+
+# kernels.launch once imported: an import statement cost a T = 1 call ~1 us (CPU machine), and
+# the module stays unimported until a Triton call needs it (it imports Triton)
+_LAUNCH = None
+
+
+def _launch_module():
+    global _LAUNCH
+    from .kernels import launch
+
+    _LAUNCH = launch
+    return launch
 
 
 NO_DECODE_BACKWARD = "the Triton decode step has no backward"
