@@ -232,6 +232,24 @@ def _slot_mask(slot, m_v, num_slots, BV: tl.constexpr):
 
 
 @triton.jit
+def _token_inputs(q1, q2, q3, k1, k2, k3, v, g, r, o_v, m_v, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
+                  D3: tl.constexpr, BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, V: tl.constexpr,
+                  L2NORM: tl.constexpr):
+    """Token-head row ``r``'s values, decay a = exp(g) (1 without a gate) and the inverse norms
+    of phi(q) and phi(k) (1 without l2norm)."""
+    b_v = tl.load(v + r * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+    b_a = 1.0
+    if g is not None:
+        b_a = tl.exp(tl.load(g + r).to(tl.float32))
+    r_q = 1.0
+    r_k = 1.0
+    if L2NORM:
+        r_q = phi_inv_norm(q1, q2, q3, r, True, D1, D2, D3, BD1, BD2, BD3, NF)
+        r_k = phi_inv_norm(k1, k2, k3, r, True, D1, D2, D3, BD1, BD2, BD3, NF)
+    return b_v, b_a, r_q, r_k
+
+
+@triton.jit
 def _resident_tokens(b_s, q1, q2, q3, k1, k2, k3, v, g, beta, o, r0, T_n, o_v, m_v, scale,
                      H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
                      BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, V: tl.constexpr,
@@ -243,15 +261,8 @@ def _resident_tokens(b_s, q1, q2, q3, k1, k2, k3, v, g, beta, o, r0, T_n, o_v, m
     m_k = o_k < K
     for t in range(0, T_n):
         r = r0 + t * H
-        b_v = tl.load(v + r * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_a = 1.0
-        if g is not None:
-            b_a = tl.exp(tl.load(g + r).to(tl.float32))
-        r_q = 1.0
-        r_k = 1.0
-        if L2NORM:
-            r_q = phi_inv_norm(q1, q2, q3, r, True, D1, D2, D3, BD1, BD2, BD3, NF)
-            r_k = phi_inv_norm(k1, k2, k3, r, True, D1, D2, D3, BD1, BD2, BD3, NF)
+        b_v, b_a, r_q, r_k = _token_inputs(q1, q2, q3, k1, k2, k3, v, g, r, o_v, m_v, NF, D1, D2, D3, BD1, BD2, BD3,
+                                           V, L2NORM)
         if OUTER:
             b_k = _phi_factored(k1, k2, k3, r, NF, D1, D2, D3) * r_k
             b_q = _phi_factored(q1, q2, q3, r, NF, D1, D2, D3) * r_q
@@ -312,15 +323,8 @@ def fused_recurrent_running_tensor_fwd_kernel(
         p_state = (slot * H + i_h) * K * V
         for t in range(0, T_n):
             r = (i_b * T + bos + t) * H + i_h
-            b_v = tl.load(v + r * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-            b_a = 1.0
-            if g is not None:
-                b_a = tl.exp(tl.load(g + r).to(tl.float32))
-            r_q = 1.0
-            r_k = 1.0
-            if L2NORM:
-                r_q = phi_inv_norm(q1, q2, q3, r, True, D1, D2, D3, BD1, BD2, BD3, NF)
-                r_k = phi_inv_norm(k1, k2, k3, r, True, D1, D2, D3, BD1, BD2, BD3, NF)
+            b_v, b_a, r_q, r_k = _token_inputs(q1, q2, q3, k1, k2, k3, v, g, r, o_v, m_v, NF, D1, D2, D3, BD1, BD2,
+                                               BD3, V, L2NORM)
             # pass 1: both reductions on S_{t-1}, and phi(k) . phi(q)
             b_pred = tl.zeros([BV], dtype=tl.float32)
             b_read = tl.zeros([BV], dtype=tl.float32)
