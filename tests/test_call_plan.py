@@ -254,3 +254,15 @@ def test_alternating_signatures_each_keep_their_plan(fresh, monkeypatch):
             assert torch.equal(running_tensor(*x, mode="recurrent", backend="triton")[0], w)
     assert len(fresh) == 2 and len(CALL_PLANS) == 2
     assert len(keys) == (0 if _TensorGuards is not None else 2)
+
+
+def test_a_head_that_cannot_be_compared_is_no_match():
+    """A scale passed as a multi-element tensor makes == on the head ambiguous: no plan (the
+    full checks then say what is wrong), never an exception from the cache."""
+    from rtcompile.kernels.decode_plan import _TensorGuards, PlanCache
+
+    if _TensorGuards is None:
+        pytest.skip("this torch has no TensorGuards: the keys serve alone")
+    cache, ts = PlanCache(), _signature()
+    cache.note(("h", 0.5), ts, object())
+    assert cache.recent(("h", torch.tensor([0.5, 0.5])), ts) is None

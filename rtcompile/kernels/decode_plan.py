@@ -101,12 +101,11 @@ class PlanCache(dict):
     def recent(self, head, tensors):
         """The plan of a noted call with this head and these tensors' metadata, or None."""
         for h, check, plan in self._recent:
-            if h == head:
-                try:
-                    if check(*[x for x in tensors if x is not None]):
-                        return plan
-                except TypeError:  # another number of tensors
-                    pass
+            try:  # == on a head holding a tensor (a scale given as one) may raise: then no match
+                if h == head and check(*[x for x in tensors if x is not None]):
+                    return plan
+            except (TypeError, RuntimeError):  # another number of tensors, or the above
+                pass
         return None
 
     def note(self, head, tensors, plan) -> None:
