@@ -116,7 +116,7 @@ step_model() {  # the whole model (issue 21): prefill tokens/s at B1, B8 T4096 a
   # tokens/s at B1, B32, B256, ours (plain and torch.compile-fused step) and fla's mixer (K = 256)
   # in the same run; then the eager T = 1 paths' time per call (public API, decode_, fla)
   python3 -m rtcompile.cli bench --model examples/order3_16x16.toml --out "$OUT/bench_model"
-  python3 benchmarks/serving_host.py --out "$OUT/serving_host.json"
+  python3 benchmarks/serving_host.py --rounds 3 --out "$OUT/serving_host.json"
 }
 
 step_serving() {  # issue 21's table in one call (~7 min on 2026-12-02): the model bench (prefill, the

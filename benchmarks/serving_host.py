@@ -7,7 +7,11 @@ materialised keys beside it when fla is installed. Without a GPU (TRITON_INTERPR
 machine): host time only, every kernel launch replaced by a no-op, which is what the plan caches
 change.
 
-    python3 benchmarks/serving_host.py [--calls 1000] [--out results/serving_host.json]
+    python3 benchmarks/serving_host.py [--calls 1000] [--rounds 1] [--out results/serving_host.json]
+
+``--rounds R`` times the whole table R times in turn (the rows interleaved, so a change in the
+host's state between rounds reaches every row alike) and reports each row's rounds and their
+median: on the H200 machine one row moved from 15 to 27 us between rounds of one process.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ def _time(fn, calls: int, sync) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=1000)
+    ap.add_argument("--rounds", type=int, default=1, help="time the whole table this many times in turn")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
@@ -81,11 +86,19 @@ def main(argv=None) -> int:
             s2 = torch.zeros(B, H, 256, V, device=dev)
             rows["fla fused_recurrent_gated_delta_rule (materialised keys)"] = lambda: fused_recurrent_gated_delta_rule(
                 pq, pk, v, g, beta.float().to(dt), initial_state=s2, output_final_state=True)
+    if a.calls < 1 or a.rounds < 1:
+        ap.error("--calls and --rounds: allowed: integers >= 1")
+    rounds = {name: [] for name in rows}
+    for _ in range(a.rounds):
+        for name, fn in rows.items():
+            rounds[name].append(round(_time(fn, a.calls, sync) * 1e6, 1))
     out = {"device": torch.cuda.get_device_name() if gpu else "cpu (host time only, launches stubbed)",
-           "torch": torch.__version__, "calls": a.calls,
-           "us_per_call": {name: round(_time(fn, a.calls, sync) * 1e6, 1) for name, fn in rows.items()}}
+           "torch": torch.__version__, "calls": a.calls, "rounds": a.rounds,
+           "us_per_call": {name: statistics.median(us) for name, us in rounds.items()},
+           "us_per_call_rounds": rounds}
     for name, us in out["us_per_call"].items():
-        print(f"{us:8.1f} us  {name}")
+        spread = f"  (rounds {', '.join(f'{u:.1f}' for u in rounds[name])})" if a.rounds > 1 else ""
+        print(f"{us:8.1f} us  {name}{spread}")
     if a.out:
         os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
         with open(a.out, "w") as fh:
