@@ -104,6 +104,12 @@ def nan_empty(*shape, dtype=None, device=None):
     return t.fill_(float("nan")) if t.is_floating_point() else t
 
 
+# tests that hand CPU tensors to the Triton kernels: the interpreter runs them; a GPU machine's
+# Triton compiles for CUDA and refuses them (the train tuner's CPU trials, the CPU model bench)
+interpreter_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                      reason="runs Triton kernels on CPU tensors: needs TRITON_INTERPRET=1")
+
+
 @pytest.fixture
 def poison(monkeypatch):
     """Every output and workspace the launchers allocate (through ``rtcompile.kernels.args``)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 import types
 from pathlib import Path
 
@@ -30,6 +29,8 @@ from rtcompile.cli import main
 from rtcompile.generate import StaticStep
 from rtcompile.kernels.reference import running_tensor_recurrent_ref
 from rtcompile.spec import Features, ModelSpec
+
+from conftest import interpreter_only
 
 ROOT = Path(__file__).resolve().parent.parent
 O3_16 = str(ROOT / "examples/order3_16x16.toml")  # K = 256: fla runs beside ours
@@ -210,9 +211,7 @@ def test_fla_not_installed_is_a_row_saying_so(monkeypatch):
     assert out.seconds is None and "not installed" in out.note
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="runs our kernels on CPU tensors: the interpreter's (a GPU machine's Triton compiles "
-                           "for CUDA; it failed there)")
+@interpreter_only
 def test_cpu_run_measures_prefill_and_decode_of_both(fake_fla, monkeypatch, tmp_path):
     """The whole run at a tiny fp32 spec on the CPU: our Triton kernels (interpreter) and the fla
     stand-in, each row timed, tokens/s = tokens / time, files and table written."""

@@ -4,7 +4,6 @@ together, every gradient checked against float64 autograd; the winner read back 
 
 from __future__ import annotations
 
-import os
 
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -25,14 +24,13 @@ from rtcompile.tuning.objective import evaluate
 from rtcompile.tuning.space import config_params
 from rtcompile.tuning.store import write_tuned
 
+from conftest import interpreter_only
+
 TRAIN = Bucket("chunk_bwd", (16,), 16, 1, 1, 40, "float32")  # T 40 -> bucket 64
 SHAPE = KernelShape(TRAIN.key_widths, TRAIN.value_width, 4)
 
 
-# the objective's trials run on its request's device, the CPU unless told (the interpreter here);
-# on a GPU machine without TRITON_INTERPRET the kernels compile for CUDA and refuse CPU tensors
-interpreter_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                      reason="runs trials on the CPU through the interpreter (TRITON_INTERPRET=1)")
+# the objective's trials run on its request's device, the CPU unless told: interpreter_only
 
 
 @pytest.fixture(autouse=True)

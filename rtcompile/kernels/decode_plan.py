@@ -132,7 +132,7 @@ class PlanCache(dict):
         self._recent = []
 
 
-DECODE_PLANS = PlanCache()  # decode_key(...) -> DecodePlan
+DECODE_PLANS = PlanCache()  # signature_key(launch.decode_head(...), tensors) -> DecodePlan
 
 
 def signature_key(head, tensors, *, exact: bool = False) -> tuple | None:

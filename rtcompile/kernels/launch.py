@@ -10,7 +10,7 @@ step's ``state_cache``, which the kernel updates in place, must be contiguous. T
 up to three factors (orders 2 to 4).
 
 Each config runs through the ``launch`` function of its form's module (:data:`LAUNCHERS`);
-the decode step through ``recurrent.py``'s launch plans.
+the decode step through ``decode_plan.py``'s launch plans.
 """
 
 from __future__ import annotations
@@ -210,8 +210,9 @@ def fwd_checked(p: Problem, q, k, v, g, beta, *, initial_state, output_final_sta
 
 class CallPlan:
     """A validated eager recurrent call of ``running_tensor``: the kernel's launch plan (a
-    :class:`DecodePlan`: grid, constexprs, scale, the compiled launcher) and the outputs'
-    shapes. Invariant: only called with arguments whose :func:`call_key` found it."""
+    :class:`DecodePlan`: grid, constexprs, scalar arguments, the compiled kernel's launchers) and
+    the outputs' shapes. Invariant: only called with arguments whose :func:`call_key` found it
+    (or that :meth:`PlanCache.recent` recognised)."""
 
     __slots__ = ("ht_like_h0", "kernel", "need_ht", "state_shape")
 
