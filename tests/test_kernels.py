@@ -23,6 +23,7 @@ from rtcompile.kernels.chunk_streamed import StreamedConfig
 from rtcompile.kernels.config import KernelShape
 from rtcompile.kernels.forms import candidates, low_memory
 from rtcompile.kernels.inputs import check_inputs
+from rtcompile.kernels import pipeline
 
 from conftest import make_inputs, rel_err
 
@@ -138,7 +139,35 @@ FORMS = {
     # split on materialised keys: factors under 16 wide (4x4, 2x4x2: K 16), stored states every 2nd chunk
     "split-o3-4x4-materialised-stride2": (SplitConfig(16, 16, state_stride=2, materialise=True), (4, 4), 45, 6),
     "split-o4-2x4x2-materialised-c32": (SplitConfig(32, 16, materialise=True), (2, 4, 2), 37, 5),
+    # pipelined parts (5 chunks in 4 parts of 1, 1, 1, 2; windows of 2 in 2 parts; 8 asked, 2 windows)
+    "split-o2-16-c16-pipeline4": (SplitConfig(16, 16, pipeline=4), (16,), 77, 6),
+    "split-o3-16x16-c16-kg2-stride2-tma-pipeline2": (SplitConfig(16, 16, tma=True, key_group=2, state_stride=2,
+                                                                 pipeline=2), (16, 16), 77, 8),
+    "split-o3-4x4-materialised-stride2-pipeline8": (SplitConfig(16, 16, state_stride=2, materialise=True, pipeline=8),
+                                                    (4, 4), 45, 6),
 }
+
+
+MIN_PART_CHUNKS = pipeline.MIN_PART_CHUNKS  # the launcher's, before the fixture below lowers it
+
+
+@pytest.fixture(autouse=True)
+def _parts_of_one_chunk(monkeypatch):
+    """Pipelined parts of any length here, so the small T of these tests cuts into parts."""
+    monkeypatch.setattr(pipeline, "MIN_PART_CHUNKS", 1)
+
+
+@pytest.mark.parametrize("n_chunks, parts, unit, minimum, expected", [
+    (5, 4, 1, 1, [(0, 1), (1, 2), (2, 3), (3, 5)]),
+    (5, 2, 2, 1, [(0, 2), (2, 5)]),  # windows of 2 chunks never span parts
+    (3, 8, 2, 1, [(0, 2), (2, 3)]),  # no more parts than windows
+    (64, 2, 2, MIN_PART_CHUNKS, [(0, 32), (32, 64)]),
+    (20, 8, 2, MIN_PART_CHUNKS, [(0, 10), (10, 20)]),  # parts of at least MIN_PART_CHUNKS chunks
+    (MIN_PART_CHUNKS + 1, 4, 1, MIN_PART_CHUNKS, [(0, MIN_PART_CHUNKS + 1)]),
+], ids=["5-in-4", "windows-of-2", "more-parts-than-windows", "t4096-c64", "min-chunks", "one-part"])
+def test_part_bounds(monkeypatch, n_chunks, parts, unit, minimum, expected):
+    monkeypatch.setattr(pipeline, "MIN_PART_CHUNKS", minimum)
+    assert pipeline.part_bounds(n_chunks, parts, unit) == expected
 
 
 @pytest.mark.parametrize("feat", FEATURES.keys())
@@ -181,6 +210,7 @@ VARLEN = {  # sequences of 5, 1, 17 and 7 tokens packed along T (split: 5, 1, 54
     "split-o2-16-c16": (SplitConfig(16, 16), (16,), None),
     "split-o3-16x16-stride2-tma": (SplitConfig(16, 16, tma=True, key_group=2, state_stride=2), (16, 16), "long"),
     "split-o3-16x16-stride4": (SplitConfig(16, 16, state_stride=4), (16, 16), "long"),
+    "split-o2-16-c16-pipeline4": (SplitConfig(16, 16, pipeline=4), (16,), "long"),  # varlen: one part
 }
 
 
@@ -196,6 +226,7 @@ FINAL_STATE_OFF = {
     "streamed": StreamedConfig(16, 16, 16, merge_passes=True),  # the state lives in a buffer of its own
     "fused-streamed": FusedConfig(16, 16, 16, prefetch_state=True),
     "split-tma": SplitConfig(16, 16, tma=True, key_group=2, state_stride=2),
+    "split-pipeline": SplitConfig(16, 16, state_stride=2, pipeline=4),  # parts pass the state in a buffer
 }
 
 

@@ -484,14 +484,16 @@ def chunk_of_program(i_c, i_n, T, cu_seqlens, chunk_indices, state_offsets, C: t
 
 
 @triton.jit
-def chunk_rows(T, H: tl.constexpr, C: tl.constexpr, cu_seqlens, chunk_indices):
-    """The program's chunk rows (program axis 0: chunk, or pair of ``chunk_indices`` when varlen;
-    axis 1: sequence x head): token offsets, their mask, the token-head rows ``r`` of [B, T, H, ..]
-    tensors, the rows ``p_row`` of [B, H, T, ..] workspaces, the chunk's last valid row index
-    among ``o_c``, the last token's ``p_row``, and the state chunk index."""
+def chunk_rows(T, H: tl.constexpr, C: tl.constexpr, cu_seqlens, chunk_indices, c0=0):
+    """The program's chunk rows (program axis 0: chunk, or pair of ``chunk_indices`` when varlen,
+    counted from ``c0``, the first of a launch that covers part of the sequence; axis 1: sequence
+    x head): token offsets, their mask, the token-head rows ``r`` of [B, T, H, ..] tensors, the
+    rows ``p_row`` of [B, H, T, ..] workspaces, the chunk's last valid row index among ``o_c``,
+    the last token's ``p_row``, and the state chunk index."""
     i_nh = tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    i_c, bos, eos, i_b, i_s = chunk_of_program(tl.program_id(0), i_n, T, cu_seqlens, chunk_indices, chunk_indices, C)
+    i_c, bos, eos, i_b, i_s = chunk_of_program(tl.program_id(0) + c0, i_n, T, cu_seqlens, chunk_indices,
+                                               chunk_indices, C)
     o_c = tl.arange(0, C)
     tok = bos + i_c * C + o_c
     m_t = tok < eos

@@ -103,9 +103,9 @@ def _store_wy(W, U0, k1, k2, k3, v, beta, b_Ai, b_c, b_inv, r, m_t, p_row, DT: t
         tl.store(U0 + p_row[:, None] * V + o_v[None, :], b_u0, mask=m_t[:, None] & m_v)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["c0"])
 def chunk_prepare_kernel(
-    q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, W, U0, Kw, Qw, Gc, cu_seqlens, chunk_indices, T,
+    q1, q2, q3, k1, k2, k3, v, g, beta, P, Ai, W, U0, Kw, Qw, Gc, cu_seqlens, chunk_indices, T, c0,
     H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
     BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, C: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
@@ -118,10 +118,12 @@ def chunk_prepare_kernel(
     reads it); ``Kw`` / ``Qw`` the normalised phi(K) / phi(Q) ([B, H, T, K], its type), one
     column block of KEY_GROUP indices of axis 1 per store; ``Gc`` the cumulative log decay within the chunk ([B, H, T]
     fp32). ``g`` / ``beta`` / ``cu_seqlens`` None: no gates / no delta rule / not varlen (then
-    programs are numbered over ``chunk_indices``' (sequence, chunk) pairs)."""
+    programs are numbered over ``chunk_indices``' (sequence, chunk) pairs). ``c0``: the first
+    chunk (or pair) of this launch, which may cover part of the sequence (the split form's
+    pipelined parts)."""
     USE_BETA: tl.constexpr = beta is not None
     WY: tl.constexpr = W is not None
-    o_c, m_t, r, p_row, i_last, p_last, _, _ = chunk_rows(T, H, C, cu_seqlens, chunk_indices)
+    o_c, m_t, r, p_row, i_last, p_last, _, _ = chunk_rows(T, H, C, cu_seqlens, chunk_indices, c0)
     b_c = chunk_log_decay(g, r, m_t, C)
     b_P, b_Ai = chunk_scores(
         q1, q2, q3, k1, k2, k3, beta, r, m_t, b_c,
@@ -167,13 +169,16 @@ def chunk_indices(p: Problem, C: int, device: torch.device) -> torch.Tensor:
 
 
 def _run(p: Problem, q, k, v, g, beta, *, cu_seqlens, idx, l2norm: bool, config, outputs: dict,
-         block_k: int, outer: bool, key_group: int = 1) -> None:
+         block_k: int, outer: bool, key_group: int = 1, chunks: tuple[int, int] | None = None) -> None:
+    """One launch of the prepare kernel over all chunks, or over ``chunks`` = (first, end):
+    a range of chunk numbers (not varlen) or of ``idx``'s pairs (varlen)."""
     C = config.chunk_size
     B, T, H, V = v.shape
-    grid = (idx.shape[0], H) if cu_seqlens is not None else (triton.cdiv(T, C), B * H)
+    c0, c1 = chunks if chunks is not None else (0, idx.shape[0] if cu_seqlens is not None else triton.cdiv(T, C))
+    grid = (c1 - c0, H) if cu_seqlens is not None else (c1 - c0, B * H)
     chunk_prepare_kernel[grid](
         *factor_args(q), *factor_args(k), v, g, beta, outputs.get("P"), outputs.get("Ai"), outputs.get("W"),
-        outputs.get("U0"), outputs.get("Kw"), outputs.get("Qw"), outputs.get("Gc"), cu_seqlens, idx, T,
+        outputs.get("U0"), outputs.get("Kw"), outputs.get("Qw"), outputs.get("Gc"), cu_seqlens, idx, T, c0,
         H=H, NF=len(q), **width_args(p.key_widths, 16), C=C, V=V, BK=block_k, BV=max(16, next_pow2(V)),
         L2NORM=l2norm, LOWP=lowp_dots(v.dtype), PREC=config.dot_precision, SOLVE=config.solve, OUTER=outer,
         KEY_GROUP=key_group, num_warps=config.prepare_warps, num_stages=config.num_stages,
@@ -202,19 +207,27 @@ def prepare_scores(config, p: Problem, q, k, v, g, beta, *, cu_seqlens, l2norm: 
     return out
 
 
-def prepare_keys(config, p: Problem, q, k, v, g, beta, *, cu_seqlens, idx, l2norm: bool) -> dict:
-    """The split form's prepare step: allocates and fills Kw (the normalised phi(K), [B, H, T, K]
-    in the products' type), Ai ([B, H, T, C] fp32, delta rule) and Gc (the cumulative log decay
-    within each chunk, [B, H, T] fp32, gates). Returns {"Kw", "Ai", "Gc"}, None for what is not
-    made. ``idx``: :func:`chunk_indices` with varlen, else None."""
+def keys_workspace(config, p: Problem, v, g, beta) -> dict:
+    """The split form's prepare outputs, allocated: Kw (the normalised phi(K), [B, H, T, K] in
+    the products' type), Ai ([B, H, T, C] fp32, delta rule) and Gc (the cumulative log decay
+    within each chunk, [B, H, T] fp32, gates); None for what is not made."""
     B, T, H, V = v.shape
     out = {"Kw": args.empty(B, H, T, p.key_dim, dtype=dot_dtype(v), device=v.device), "Ai": None, "Gc": None}
     if beta is not None:
         out["Ai"] = args.empty(B, H, T, config.chunk_size, dtype=torch.float32, device=v.device)
     if g is not None:
         out["Gc"] = args.empty(B, H, T, dtype=torch.float32, device=v.device)
+    return out
+
+
+def prepare_keys(config, p: Problem, q, k, v, g, beta, *, cu_seqlens, idx, l2norm: bool, out: dict | None = None,
+                 chunks: tuple[int, int] | None = None) -> dict:
+    """The split form's prepare step: fills :func:`keys_workspace` (``out``, or a new one) and
+    returns it. ``idx``: :func:`chunk_indices` with varlen, else None. ``chunks``: (first, end)
+    chunk numbers to prepare (not varlen; all when None)."""
+    out = keys_workspace(config, p, v, g, beta) if out is None else out
     _run(p, q, k, v, g, beta, cu_seqlens=cu_seqlens, idx=idx, l2norm=l2norm, config=config, outputs=out,
-         block_k=p.key_dim, outer=False, key_group=config.key_group)
+         block_k=p.key_dim, outer=False, key_group=config.key_group, chunks=chunks)
     return out
 
 

@@ -22,7 +22,7 @@ from .blocks import (
     chunk_of_program, dot, factor_tiles, load_row_inputs, load_state_tile, one_side_tiles, phi_from_tiles,
     first_stored_state, resident_state_tile, scores_from_tiles, sequence_of_program,
 )
-from .chunk_prepare import chunk_indices, prepare_keys
+from .chunk_prepare import chunk_indices, keys_workspace, prepare_keys
 from .chunk_resident import can_materialise, materialise_refusal, materialised, materialised_call
 from .config import (
     DEFAULT_SMEM_BYTES, DOT_PRECISIONS, PREPARE_WARPS, SOLVES, CostFigures, KernelConfig,
@@ -30,11 +30,13 @@ from .config import (
     resource_refusal,
 )
 from .inputs import Problem
+from .pipeline import PIPELINE_PARTS, part_bounds, run_parts
 
 OUTPUT_BLOCK_VS = (16, 32, 64)
 STATE_STRIDES = (1, 2, 4)
 KEY_GROUPS = (1, 2, 4)  # (8: the prepare kernel 0.25 ms, twice 2's, on the H200)
 OUTPUT_WARPS = (2, 4, 8)
+ALL_CHUNKS = 2**31 - 1  # a state loop's chunk bound that every sequence ends before
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,10 @@ class SplitConfig(KernelConfig):
     form runs order 2's problem on phi(q), phi(k) formed first (``chunk_resident.materialise_phi``;
     2 x 2 K bytes per token-head more), which takes widths under 16 (o3 8x8: order 2 K = 64's
     split form ran 0.295 ms on the H200 where the factored default took 0.501; materialised, o3
-    8x8 ran 0.316 ms, its default since).
+    8x8 ran 0.316 ms, its default since). ``pipeline``: the sequence cut into this many parts
+    (whole windows of ``state_stride`` chunks; varlen calls run one), the prepare kernel of the
+    next part and the output kernel of the last running on side streams while the state loop
+    walks a part (``pipeline.py``).
     """
 
     kernel: ClassVar[str] = "chunk"
@@ -74,6 +79,7 @@ class SplitConfig(KernelConfig):
     key_group: int = 1
     state_stride: int = 1
     materialise: bool = False
+    pipeline: int = 1
 
     def block_k(self, shape: KernelShape) -> int:
         return shape.key_dim_pow2
@@ -94,7 +100,7 @@ class SplitConfig(KernelConfig):
         if self.num_stages < 2:
             return f"num_stages={self.num_stages}; allowed: 2, 3 or 4 (one stage failed on the H200)"
         for name, allowed in (("output_warps", OUTPUT_WARPS), ("state_stride", STATE_STRIDES),
-                              ("key_group", KEY_GROUPS)):
+                              ("key_group", KEY_GROUPS), ("pipeline", PIPELINE_PARTS)):
             if (reason := self._check_choice(name, allowed)) is not None:
                 return reason
         if self.output_block_v not in OUTPUT_BLOCK_VS or self.output_block_v > shape.value_dim_pow2:
@@ -143,6 +149,7 @@ class SplitConfig(KernelConfig):
             "key_group": [g for g in KEY_GROUPS if order3 and shape.key_widths[0] % g == 0] or [1],
             "state_stride": list(STATE_STRIDES),
             "materialise": [False] * shape.whole_factor_tiles + [True] * mat,
+            "pipeline": list(PIPELINE_PARTS),
         }
 
     def workspace_bytes(self, w: Workload) -> int:
@@ -162,9 +169,13 @@ class SplitConfig(KernelConfig):
         return work
 
     def figures(self, w: Workload) -> CostFigures:
-        return CostFigures(programs=chunk_programs(w, self.block_v), serial_steps=chunk_count(w, self.chunk_size),
+        # three launches per part, as many parts as the workload's chunks allow (the overlap of
+        # the parts' kernels is not modelled)
+        chunks = chunk_count(w, self.chunk_size)
+        parts = len(part_bounds(chunks, self.pipeline, self.state_stride)) if chunks > 0 else 1
+        return CostFigures(programs=chunk_programs(w, self.block_v), serial_steps=chunks,
                            state_passes=2, workspace_bytes=self.workspace_bytes(w),
-                           launches=3 + 2 * self.materialise)
+                           launches=3 * parts + 2 * self.materialise)
 
 
 # ----- the state loop -----
@@ -194,9 +205,9 @@ def _store_chunk_state(Hc, i_row, b_s, off_k, m_s, i_v, K: tl.constexpr, V: tl.c
         tl.store(Hc + i_row * K * V + off_k, b_s.to(Hc.dtype.element_ty), mask=m_s)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["c0", "c_end"])
 def chunk_split_state_kernel(
-    v, beta, h0, ht, Ai, Kw, Gc, Hc, Uc, Rc, cu_seqlens, chunk_offsets, T,
+    v, beta, h0, ht, Ai, Kw, Gc, Hc, Uc, Rc, cu_seqlens, chunk_offsets, T, c0, c_end,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
     LOWP: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr, STRIDE: tl.constexpr,
 ):
@@ -216,7 +227,9 @@ def chunk_split_state_kernel(
     the sequence are the next sequence's (or zeros): U's rows there are set to zero, so they
     add nothing. ``beta`` / ``h0`` / ``ht`` / ``cu_seqlens`` None: no delta rule / zero
     initial state / no final state / not varlen. ``Rc`` (the backward's recompute, delta rule):
-    also store R = V - diag(Gamma) phi(K) S (fp32, laid out as v); None in the forward."""
+    also store R = V - diag(Gamma) phi(K) S (fp32, laid out as v); None in the forward.
+    ``c0`` / ``c_end``: the chunks [c0, c_end) of each sequence that this launch walks (a
+    pipelined part: the state comes in by ``h0`` and leaves by ``ht``); 0 / ALL_CHUNKS for all."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos, i_b = sequence_of_program(i_n, T, cu_seqlens)
@@ -225,7 +238,7 @@ def chunk_split_state_kernel(
     o_c = tl.arange(0, C)
     o_v, m_v, o_k, off_k, m_s, off_s = resident_state_tile(i_v, i_n, i_h, H, K, V, BV)
     b_s = load_state_tile(h0, ht, off_s, m_s, True, h0 is not None)
-    for i_c in range(0, tl.cdiv(eos - bos, C)):
+    for i_c in range(c0, tl.minimum(c_end, tl.cdiv(eos - bos, C))):
         tok = bos + i_c * C + o_c
         m_t = tok < eos
         r = (i_b * T + tok) * H + i_h
@@ -304,9 +317,9 @@ def _window_outputs(b_o, b_c, b_q1, b_q2, b_q3, k1, k2, k3, Gc, Uc, i_c, bos, eo
     return b_o, b_c + b_off
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["c0"])
 def chunk_split_output_kernel(
-    q1, q2, q3, k1, k2, k3, Gc, o, Hc, Uc, cu_seqlens, chunk_indices, state_offsets, scale, T,
+    q1, q2, q3, k1, k2, k3, Gc, o, Hc, Uc, cu_seqlens, chunk_indices, state_offsets, scale, T, c0,
     H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
     V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, LOWP: tl.constexpr,
     PREC: tl.constexpr, STRIDE: tl.constexpr,
@@ -318,11 +331,12 @@ def chunk_split_output_kernel(
     ``Hc`` holds the state at every STRIDE-th chunk only (``state_offsets``: each sequence's
     first, with varlen); chunk c reads the one at its window's first chunk w and adds the
     earlier chunks j of the window as cross-chunk scores,
-    O = scale (diag(Gamma_w->t) phi(Q) S_w + sum_{w <= j <= c} P_cj U_j)."""
+    O = scale (diag(Gamma_w->t) phi(Q) S_w + sum_{w <= j <= c} P_cj U_j). ``c0``: the first
+    chunk (or pair) of this launch (a pipelined part)."""
     K: tl.constexpr = D1 * D2 * D3
     i_nh, i_v = tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
-    i_c, bos, eos, i_b, i_s = chunk_of_program(tl.program_id(0), i_n, T, cu_seqlens, chunk_indices, state_offsets,
+    i_c, bos, eos, i_b, i_s = chunk_of_program(tl.program_id(0) + c0, i_n, T, cu_seqlens, chunk_indices, state_offsets,
                                                C, STRIDE)
     DT: tl.constexpr = q1.dtype.element_ty
     o_c = tl.arange(0, C)
@@ -356,11 +370,12 @@ def chunk_split_output_kernel(
 # ----- launcher -----
 def launch(config: SplitConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm: bool) -> torch.Tensor:
     """Run ``config`` on checked inputs (``p`` from ``check_inputs``): prepare, state loop and
-    outputs, once each. ``ht``: None, or the fp32 final-state buffer to store into. Returns o.
+    outputs, once each, or once per part with ``pipeline`` > 1 (not varlen; ``pipeline.py``).
+    ``ht``: None, or the fp32 final-state buffer to store into. Returns o.
     Workspace (``SplitConfig.workspace_bytes``): the incoming state of every state_stride-th
     chunk ([stored states, H, K, V]) and U ([B, T, H, V]), both in the products' type, and the
     prepare kernel's phi(K), inverse and cumulative log decay (and with ``materialise`` phi(q),
-    phi(k): order 2's problem on them)."""
+    phi(k): order 2's problem on them; with parts, the running state when ``ht`` is None)."""
     if config.materialise:
         p, q, k, h0, ht, l2norm = materialised_call(p, q, k, h0, ht, l2norm)
     B, T, H, V = v.shape
@@ -376,7 +391,12 @@ def launch(config: SplitConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seql
     if varlen:
         idx = chunk_indices(p, C, v.device)
         offsets = torch.tensor([0, *itertools.accumulate(n_states)], dtype=torch.int32).to(v.device)
-    ws = prepare_keys(config, p, q, k, v, g, beta, cu_seqlens=cu_seqlens, idx=idx, l2norm=l2norm)
+    # varlen sequences end at different chunks: one part (the loop's bounds are per sequence)
+    parts = not varlen and config.pipeline > 1 and len(part_bounds(n_chunks[0], config.pipeline,
+                                                                    config.state_stride)) > 1
+    bounds = part_bounds(n_chunks[0], config.pipeline, config.state_stride) if parts else [(0, ALL_CHUNKS)]
+    run = ht if ht is not None or not parts else args.empty(p.state_shape, dtype=torch.float32, device=v.device)
+    ws = keys_workspace(config, p, v, g, beta)
     Kd, Hd, Ad = ws["Kw"], Hc, ws["Ai"]
     if config.tma:  # phi(K), the stored states and the inverse through tensor descriptors
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -385,17 +405,27 @@ def launch(config: SplitConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seql
         if beta is not None:
             Ad = TensorDescriptor(ws["Ai"].view(B * H * T, C), [B * H * T, C], [C, 1], [C, C])
     lowp, prec = lowp_dots(v.dtype), config.dot_precision
-    chunk_split_state_kernel[(triton.cdiv(V, config.block_v), p.num_seqs * H)](
-        v, beta, h0, ht, Ad, Kd, ws["Gc"], Hd, Uc, None, cu_seqlens, offsets, T,
-        H=H, K=K, V=V, C=C, BV=config.block_v, LOWP=lowp, PREC=prec, TMA=config.tma, STRIDE=config.state_stride,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
-    n_programs = idx.shape[0] if varlen else n_chunks[0]
-    heads = H if varlen else p.num_seqs * H
-    chunk_split_output_kernel[(n_programs, heads, triton.cdiv(V, config.output_block_v))](
-        *factor_args(q), *factor_args(k), ws["Gc"], o, Hc, Uc, cu_seqlens, idx, offsets, p.scale, T,
-        H=H, NF=len(q), **{n: w for n, w in width_args(p.key_widths, 16).items() if not n.startswith("BD")},
-        V=V, C=C, BV=config.output_block_v, L2NORM=l2norm, LOWP=lowp, PREC=prec, STRIDE=config.state_stride,
-        num_warps=config.output_warps, num_stages=config.num_stages,
-    )
+
+    def prepare(c0: int, c1: int) -> None:
+        prepare_keys(config, p, q, k, v, g, beta, cu_seqlens=cu_seqlens, idx=idx, l2norm=l2norm, out=ws,
+                     chunks=(c0, c1) if parts else None)
+
+    def loop(j: int, c0: int, c1: int) -> None:  # part j > 0 takes the state from the running buffer
+        chunk_split_state_kernel[(triton.cdiv(V, config.block_v), p.num_seqs * H)](
+            v, beta, h0 if j == 0 else run, run, Ad, Kd, ws["Gc"], Hd, Uc, None, cu_seqlens, offsets, T,
+            c0, c1 if parts else ALL_CHUNKS,
+            H=H, K=K, V=V, C=C, BV=config.block_v, LOWP=lowp, PREC=prec, TMA=config.tma, STRIDE=config.state_stride,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+
+    def outputs(c0: int, c1: int) -> None:
+        n_programs = c1 - c0 if parts else idx.shape[0] if varlen else n_chunks[0]
+        chunk_split_output_kernel[(n_programs, H if varlen else p.num_seqs * H, triton.cdiv(V, config.output_block_v))](
+            *factor_args(q), *factor_args(k), ws["Gc"], o, Hc, Uc, cu_seqlens, idx, offsets, p.scale, T, c0,
+            H=H, NF=len(q), **{n: w for n, w in width_args(p.key_widths, 16).items() if not n.startswith("BD")},
+            V=V, C=C, BV=config.output_block_v, L2NORM=l2norm, LOWP=lowp, PREC=prec, STRIDE=config.state_stride,
+            num_warps=config.output_warps, num_stages=config.num_stages,
+        )
+
+    run_parts(bounds, prepare, loop, outputs, v.device)
     return o

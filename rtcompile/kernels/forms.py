@@ -111,10 +111,24 @@ def _precision(shape: KernelShape) -> str:
 
 
 def _split(shape: KernelShape) -> list[KernelConfig]:
+    # two pipelined parts: the prepare and output kernels of one part beside the loop of the
+    # other (H200, B8 T4096, two runs, 2026-12-04): o3 16x16 0.349 / 0.348 ms against 0.354 / 0.354
+    # in one part, o2 256 (C 32) 0.677 / 0.676 against 0.788 / 0.789; four parts lost at C 64
+    # (o3 16x16 0.382, eight 0.452: the loop's three stages leave an SM no room for the others)
     vp = shape.value_dim_pow2
     return [SplitConfig(chunk_size=64, block_v=min(32, vp), num_stages=stages, prepare_warps=1,
-                        output_block_v=min(64, vp), output_warps=4, tma=tma, key_group=2, state_stride=2)
+                        output_block_v=min(64, vp), output_warps=4, tma=tma, key_group=2, state_stride=2,
+                        pipeline=2)
             for tma in (True, False) for stages in (3, 2)]
+
+
+def _split_k64(shape: KernelShape, **fields) -> list[KernelConfig]:
+    """The split form at K = 64 (key groups of 1): chunks of 32 in four parts first, then the
+    C 64 proposals. H200, B8 T4096, one run (2026-12-04): o2 64 0.280 ms against 0.291 for C 64 in
+    two parts and 0.296 in one (fla 0.285); o3 8x8 materialised 0.303 against 0.312 / 0.317 (fla
+    0.285)."""
+    c64 = [dataclasses.replace(c, key_group=1, **fields) for c in _split(shape)]
+    return [dataclasses.replace(c, chunk_size=32, pipeline=4) for c in c64] + c64
 
 
 def _split_any(shape: KernelShape) -> list[KernelConfig]:
@@ -130,14 +144,15 @@ CHUNK_DEFAULTS: tuple[DefaultRow, ...] = (
                lambda s: _materialised_proposals(s),
                "order >= 3, K <= 128: phi(q), phi(k) materialised (one kernel) and order 2's defaults for that "
                "K on them: o3 8x8 0.316 ms against 0.500 factored, o3 16x8 0.476 against 0.593 (fla 0.285 / "
-               "0.388; H200, bench --phase prefill, one run, 2026-12-02, 95f8c83)"),
+               "0.388; H200, bench --phase prefill, one run, 2026-12-02, 95f8c83); o3 8x8 in four pipelined "
+               "parts 0.303 (2026-12-04)"),
     DefaultRow(lambda s: s.key_dim_pow2 == 256 and len(s.key_widths) == 1, _split_any,
-               "o2 256: the split form (chunks of 32), 0.783 ms against 0.906 for the resident C 16 below, fla "
-               "0.611 (H200, the same run)"),
-    DefaultRow(lambda s: s.key_dim_pow2 == 64 and len(s.key_widths) == 1,
-               lambda s: [dataclasses.replace(c, key_group=1) for c in _split(s)],
-               "o2 64: the split form (key groups of 1), 0.295 ms against 0.343 for the resident C 32 + wy "
-               "below, fla 0.285 (H200, bench --phase prefill, one run, 2026-12-02; o2 128: 0.661 against 0.392)"),
+               "o2 256: the split form (chunks of 32, two pipelined parts), 0.676 ms against 0.788 in one part "
+               "and 0.906 for the resident C 16 below, fla 0.611 (H200, 2026-12-04)"),
+    DefaultRow(lambda s: s.key_dim_pow2 == 64 and len(s.key_widths) == 1, _split_k64,
+               "o2 64: the split form (key groups of 1, C 32 in four pipelined parts), 0.280 ms against 0.296 "
+               "in one part at C 64 and 0.343 for the resident C 32 + wy below, fla 0.285 (H200, 2026-12-04; "
+               "o2 128: 0.606 at best in parts against 0.392 for the resident C 16)"),
     DefaultRow(lambda s: s.key_dim_pow2 <= 64,
                lambda s: [ResidentConfig(chunk_size=32, block_v=16, prepare_warps=4, prefetch_inputs=True, wy=True),
                           ResidentConfig(chunk_size=16, block_v=16, prepare_warps=1, solve="rows",
@@ -146,7 +161,7 @@ CHUNK_DEFAULTS: tuple[DefaultRow, ...] = (
                "with the tile solve, 0.426 rows, 0.574 without wy, 0.731 with neither"),
     DefaultRow(lambda s: s.key_dim_pow2 == 256 and len(s.key_widths) >= 2, _split,
                "o3 16x16: the split form, stored phi(K), state of every 2nd chunk, tma and 3 stages where they "
-               "fit: 0.350 ms, 1.75x fla's 0.612"),
+               "fit, two pipelined parts: 0.348 ms, 1.75x fla's 0.610 (H200, 2026-12-04)"),
     DefaultRow(lambda s: 64 < s.key_dim_pow2 <= 256,
                lambda s: [_tiled(s, 16, s.key_dim_pow2, 32, 4, prefetch_inputs=True),
                           _tiled(s, 32, s.key_dim_pow2, 16, 4, prepare_warps=4, prefetch_inputs=True, wy=True),
@@ -191,7 +206,7 @@ def _materialised_proposals(shape: KernelShape) -> list[KernelConfig]:
     c16 = _tiled(shape, 16, shape.key_dim_pow2, 32, 4, prefetch_inputs=True, materialise=True)
     if shape.key_dim_pow2 > 64:
         return [c16, wy]
-    split = [dataclasses.replace(c, key_group=1, materialise=True) for c in _split(shape)]
+    split = _split_k64(shape, materialise=True)
     return [*(split if shape.key_dim_pow2 == 64 else []), wy, c16]
 
 

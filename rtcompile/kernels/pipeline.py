@@ -1,0 +1,85 @@
+"""Pipelined parts: a chunk form's chunk-parallel kernels run beside its sequential state loop.
+
+The split form's state loop keeps one program per (sequence, head, value block) busy for the
+whole sequence: 128 programs at B8 H8 with 32 value columns, a latency-bound chain of small
+products that leaves most of each SM idle, while the prepare kernel before it and the output
+kernel after it are chunk-parallel. Cut the sequence into parts of whole chunks and the prepare
+kernel of part j + 1 and the output kernel of part j - 1 can run while the loop walks part j:
+each kernel is launched once per part, the prepare kernels on one side stream, the loops on a
+high-priority one (when SM slots free up, a waiting loop program goes first), the output kernels
+on a third, ordered by events. The state crosses parts through the final-state buffer.
+
+Without CUDA (the CPU interpreter) the parts run in order on the one stream: the same launches
+and the same numbers, so the interpreter tests cover the parts' bounds.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+PIPELINE_PARTS = (1, 2, 4, 8)
+# A part walks at least this many chunks: each part costs three launches (their host time in an
+# eager call, a loop that restarts its loads), which a part of a few chunks cannot win back. Not
+# a measured optimum: the parts were timed at T 4096 only (32-64 chunks a part, H200 2026-12-04)
+MIN_PART_CHUNKS = 8
+
+_STREAMS: dict[int, tuple] = {}  # device index -> (prepare, loop, output) streams, made on first use
+
+
+def part_bounds(n_chunks: int, parts: int, unit: int = 1) -> list[tuple[int, int]]:
+    """Up to ``parts`` ranges [c0, c1) of chunk numbers covering 0..n_chunks, each boundary a
+    multiple of ``unit`` (the split form's ``state_stride``: a window of chunks never spans two
+    parts), as even as the units allow, none empty and none under :data:`MIN_PART_CHUNKS`
+    chunks unless there is one part (fewer parts when there are fewer chunks)."""
+    units = -(-n_chunks // unit)
+    parts = max(1, min(parts, units, n_chunks // max(1, MIN_PART_CHUNKS)))
+    cuts = [min(n_chunks, (units * j // parts) * unit) for j in range(parts + 1)]
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if a < b]
+
+
+def side_streams(device: torch.device) -> tuple | None:
+    """The (prepare, loop, output) streams of a CUDA device, made on first use (the loop's with
+    the highest priority); None off CUDA or under the interpreter."""
+    from .args import interpreting
+
+    if device.type != "cuda" or interpreting():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _STREAMS:
+        _, high = torch.cuda.Stream.priority_range()  # (least, greatest): greater is a lower number
+        _STREAMS[index] = (torch.cuda.Stream(index), torch.cuda.Stream(index, priority=high),
+                           torch.cuda.Stream(index))
+    return _STREAMS[index]
+
+
+def run_parts(bounds: list[tuple[int, int]], prepare: Callable[[int, int], None],
+              loop: Callable[[int, int, int], None], outputs: Callable[[int, int], None],
+              device: torch.device) -> None:
+    """Run ``prepare(c0, c1)``, ``loop(j, c0, c1)`` and ``outputs(c0, c1)`` for each part j of
+    ``bounds``. Invariant: loop j starts after prepare j and loop j - 1 have finished, outputs
+    j after loop j, and the caller's stream continues only after every launch here (so the
+    tensors the launches use, allocated on it before the call, are not reused early). One
+    part, or no side streams: every launch in order on the current stream."""
+    streams = side_streams(device) if len(bounds) > 1 else None
+    if streams is None:
+        for j, (c0, c1) in enumerate(bounds):
+            prepare(c0, c1)
+            loop(j, c0, c1)
+            outputs(c0, c1)
+        return
+    main = torch.cuda.current_stream(device)
+    s_prep, s_loop, s_out = streams
+    for s in streams:
+        s.wait_stream(main)
+    for j, (c0, c1) in enumerate(bounds):
+        with torch.cuda.stream(s_prep):
+            prepare(c0, c1)
+        s_loop.wait_stream(s_prep)
+        with torch.cuda.stream(s_loop):
+            loop(j, c0, c1)
+        s_out.wait_stream(s_loop)
+        with torch.cuda.stream(s_out):
+            outputs(c0, c1)
+    main.wait_stream(s_out)
