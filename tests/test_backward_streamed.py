@@ -19,7 +19,7 @@ from rtcompile.kernels.args import dot_dtype, lowp_dots
 from rtcompile.kernels.chunk_backward_state import chunk_bwd_state_kernel
 from rtcompile.kernels.chunk_backward_streamed import recompute_streamed, state_grads_streamed
 from rtcompile.kernels.chunk_prepare import chunk_indices, prepare_backward
-from rtcompile.kernels.chunk_split import SplitConfig, chunk_split_state_kernel
+from rtcompile.kernels.chunk_split import ALL_CHUNKS, SplitConfig, chunk_split_state_kernel
 from rtcompile.kernels.inputs import check_inputs
 
 from conftest import make_inputs, rel_err
@@ -71,7 +71,7 @@ def _resident_recompute(p, v, beta, s0, cu, chunk_offsets, ws, block_v):
     Uc = args.empty(B, T, H, V, dtype=torch.float32, device=DEVICE)
     Rc = args.empty(B, T, H, V, dtype=torch.float32, device=DEVICE) if beta is not None else None
     chunk_split_state_kernel[(triton.cdiv(V, block_v), p.num_seqs * H)](
-        v, beta, s0, None, ws["Ai"], ws["Kw"], ws["Gc"], Hc, Uc, Rc, cu, chunk_offsets, T,
+        v, beta, s0, None, ws["Ai"], ws["Kw"], ws["Gc"], Hc, Uc, Rc, cu, chunk_offsets, T, 0, ALL_CHUNKS,
         H=H, K=p.key_dim, V=V, C=C, BV=block_v, LOWP=lowp_dots(v.dtype), PREC="ieee", TMA=False, STRIDE=1,
         num_warps=4,
         num_stages=2,

@@ -122,11 +122,12 @@ def _split(shape: KernelShape) -> list[KernelConfig]:
             for tma in (True, False) for stages in (3, 2)]
 
 
-def _split_k64(shape: KernelShape, **fields) -> list[KernelConfig]:
-    """The split form at K = 64 (key groups of 1): chunks of 32 in four parts first, then the
-    C 64 proposals. H200, B8 T4096, one run (2026-12-04): o2 64 0.280 ms against 0.291 for C 64 in
-    two parts and 0.296 in one (fla 0.285); o3 8x8 materialised 0.303 against 0.312 / 0.317 (fla
-    0.285)."""
+def _split_small_k(shape: KernelShape, **fields) -> list[KernelConfig]:
+    """The split form at K <= 128 (key groups of 1): chunks of 32 in four parts first, then the
+    C 64 proposals. H200, B8 T4096 (2026-12-04): o2 64 0.280 / 0.281 ms (two runs) against 0.291
+    for C 64 in two parts and 0.296 in one (fla 0.285); o3 8x8 materialised 0.303 / 0.303 against
+    0.312 / 0.317 (fla 0.284); o3 16x8 materialised 0.439 against 0.479 for the resident C 16 (fla
+    0.389, one run); o2 128 0.396, no gain on the resident C 16's 0.392 (not its default)."""
     c64 = [dataclasses.replace(c, key_group=1, **fields) for c in _split(shape)]
     return [dataclasses.replace(c, chunk_size=32, pipeline=4) for c in c64] + c64
 
@@ -144,12 +145,12 @@ CHUNK_DEFAULTS: tuple[DefaultRow, ...] = (
                lambda s: _materialised_proposals(s),
                "order >= 3, K <= 128: phi(q), phi(k) materialised (one kernel) and order 2's defaults for that "
                "K on them: o3 8x8 0.316 ms against 0.500 factored, o3 16x8 0.476 against 0.593 (fla 0.285 / "
-               "0.388; H200, bench --phase prefill, one run, 2026-12-02, 95f8c83); o3 8x8 in four pipelined "
-               "parts 0.303 (2026-12-04)"),
+               "0.388; H200, bench --phase prefill, one run, 2026-12-02, 95f8c83); the split form in four "
+               "pipelined parts of C 32 since 2026-12-04: o3 8x8 0.303, o3 16x8 0.439"),
     DefaultRow(lambda s: s.key_dim_pow2 == 256 and len(s.key_widths) == 1, _split_any,
                "o2 256: the split form (chunks of 32, two pipelined parts), 0.676 ms against 0.788 in one part "
                "and 0.906 for the resident C 16 below, fla 0.611 (H200, 2026-12-04)"),
-    DefaultRow(lambda s: s.key_dim_pow2 == 64 and len(s.key_widths) == 1, _split_k64,
+    DefaultRow(lambda s: s.key_dim_pow2 == 64 and len(s.key_widths) == 1, _split_small_k,
                "o2 64: the split form (key groups of 1, C 32 in four pipelined parts), 0.280 ms against 0.296 "
                "in one part at C 64 and 0.343 for the resident C 32 + wy below, fla 0.285 (H200, 2026-12-04; "
                "o2 128: 0.606 at best in parts against 0.392 for the resident C 16)"),
@@ -199,14 +200,16 @@ CHUNK_DEFAULTS: tuple[DefaultRow, ...] = (
 )
 
 def _materialised_proposals(shape: KernelShape) -> list[KernelConfig]:
-    """Order 2's defaults for K = prod d_i, materialised: the split form at K = 64, the resident
-    C 32 + wy up to 64, the resident C 16 with prefetch above (o2 64 / 128 on the H200: 0.295 /
-    0.392 ms)."""
+    """Order 2's defaults for K = prod d_i, materialised: the split form at K = 64 and 128 (C 32
+    in four parts, :func:`_split_small_k`: o3 8x8 0.303 ms, o3 16x8 0.439 on the H200), the
+    resident C 32 + wy up to 64, the resident C 16 with prefetch above."""
     wy = ResidentConfig(chunk_size=32, block_v=16, prepare_warps=4, prefetch_inputs=True, wy=True, materialise=True)
     c16 = _tiled(shape, 16, shape.key_dim_pow2, 32, 4, prefetch_inputs=True, materialise=True)
+    split = _split_small_k(shape, materialise=True)
+    if shape.key_dim_pow2 == 128:
+        return [*split[:len(split) // 2], c16, wy]  # the C 32 parts; C 64 was not measured at K = 128
     if shape.key_dim_pow2 > 64:
         return [c16, wy]
-    split = _split_k64(shape, materialise=True)
     return [*(split if shape.key_dim_pow2 == 64 else []), wy, c16]
 
 
