@@ -224,7 +224,7 @@ def prepare_keys(config, p: Problem, q, k, v, g, beta, *, cu_seqlens, idx, l2nor
                  chunks: tuple[int, int] | None = None) -> dict:
     """The split form's prepare step: fills :func:`keys_workspace` (``out``, or a new one) and
     returns it. ``idx``: :func:`chunk_indices` with varlen, else None. ``chunks``: (first, end)
-    chunk numbers to prepare (not varlen; all when None)."""
+    chunk numbers to prepare (with varlen: of ``idx``'s pairs; all when None)."""
     out = keys_workspace(config, p, v, g, beta) if out is None else out
     _run(p, q, k, v, g, beta, cu_seqlens=cu_seqlens, idx=idx, l2norm=l2norm, config=config, outputs=out,
          block_k=p.key_dim, outer=False, key_group=config.key_group, chunks=chunks)

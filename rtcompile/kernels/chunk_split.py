@@ -391,10 +391,10 @@ def launch(config: SplitConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seql
     if varlen:
         idx = chunk_indices(p, C, v.device)
         offsets = torch.tensor([0, *itertools.accumulate(n_states)], dtype=torch.int32).to(v.device)
-    # varlen sequences end at different chunks: one part (the loop's bounds are per sequence)
-    parts = not varlen and config.pipeline > 1 and len(part_bounds(n_chunks[0], config.pipeline,
-                                                                    config.state_stride)) > 1
-    bounds = part_bounds(n_chunks[0], config.pipeline, config.state_stride) if parts else [(0, ALL_CHUNKS)]
+    # varlen sequences end at different chunks: one part over every (sequence, chunk) pair, whose
+    # count also bounds each sequence's chunks in the loop
+    bounds = [(0, idx.shape[0])] if varlen else part_bounds(n_chunks[0], config.pipeline, config.state_stride)
+    parts = len(bounds) > 1
     run = ht if ht is not None or not parts else args.empty(p.state_shape, dtype=torch.float32, device=v.device)
     ws = keys_workspace(config, p, v, g, beta)
     Kd, Hd, Ad = ws["Kw"], Hc, ws["Ai"]
@@ -408,19 +408,17 @@ def launch(config: SplitConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seql
 
     def prepare(c0: int, c1: int) -> None:
         prepare_keys(config, p, q, k, v, g, beta, cu_seqlens=cu_seqlens, idx=idx, l2norm=l2norm, out=ws,
-                     chunks=(c0, c1) if parts else None)
+                     chunks=(c0, c1))
 
     def loop(j: int, c0: int, c1: int) -> None:  # part j > 0 takes the state from the running buffer
         chunk_split_state_kernel[(triton.cdiv(V, config.block_v), p.num_seqs * H)](
-            v, beta, h0 if j == 0 else run, run, Ad, Kd, ws["Gc"], Hd, Uc, None, cu_seqlens, offsets, T,
-            c0, c1 if parts else ALL_CHUNKS,
+            v, beta, h0 if j == 0 else run, run, Ad, Kd, ws["Gc"], Hd, Uc, None, cu_seqlens, offsets, T, c0, c1,
             H=H, K=K, V=V, C=C, BV=config.block_v, LOWP=lowp, PREC=prec, TMA=config.tma, STRIDE=config.state_stride,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
 
     def outputs(c0: int, c1: int) -> None:
-        n_programs = c1 - c0 if parts else idx.shape[0] if varlen else n_chunks[0]
-        chunk_split_output_kernel[(n_programs, H if varlen else p.num_seqs * H, triton.cdiv(V, config.output_block_v))](
+        chunk_split_output_kernel[(c1 - c0, H if varlen else p.num_seqs * H, triton.cdiv(V, config.output_block_v))](
             *factor_args(q), *factor_args(k), ws["Gc"], o, Hc, Uc, cu_seqlens, idx, offsets, p.scale, T, c0,
             H=H, NF=len(q), **{n: w for n, w in width_args(p.key_widths, 16).items() if not n.startswith("BD")},
             V=V, C=C, BV=config.output_block_v, L2NORM=l2norm, LOWP=lowp, PREC=prec, STRIDE=config.state_stride,

@@ -205,11 +205,11 @@ def _materialised_proposals(shape: KernelShape) -> list[KernelConfig]:
     resident C 32 + wy up to 64, the resident C 16 with prefetch above."""
     wy = ResidentConfig(chunk_size=32, block_v=16, prepare_warps=4, prefetch_inputs=True, wy=True, materialise=True)
     c16 = _tiled(shape, 16, shape.key_dim_pow2, 32, 4, prefetch_inputs=True, materialise=True)
+    if shape.key_dim_pow2 > 128:
+        return [c16, wy]
     split = _split_small_k(shape, materialise=True)
     if shape.key_dim_pow2 == 128:
         return [*split[:len(split) // 2], c16, wy]  # the C 32 parts; C 64 was not measured at K = 128
-    if shape.key_dim_pow2 > 64:
-        return [c16, wy]
     return [*(split if shape.key_dim_pow2 == 64 else []), wy, c16]
 
 
