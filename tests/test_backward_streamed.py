@@ -71,7 +71,7 @@ def _resident_recompute(p, v, beta, s0, cu, chunk_offsets, ws, block_v):
     Uc = args.empty(B, T, H, V, dtype=torch.float32, device=DEVICE)
     Rc = args.empty(B, T, H, V, dtype=torch.float32, device=DEVICE) if beta is not None else None
     chunk_split_state_kernel[(triton.cdiv(V, block_v), p.num_seqs * H)](
-        v, beta, s0, None, ws["Ai"], ws["Kw"], ws["Gc"], Hc, Uc, Rc, cu, chunk_offsets, T, 0, ALL_CHUNKS,
+        v, beta, s0, None, ws["Ai"], None, None, ws["Kw"], ws["Gc"], Hc, Uc, Rc, cu, chunk_offsets, T, 0, ALL_CHUNKS,
         H=H, K=p.key_dim, V=V, C=C, BV=block_v, LOWP=lowp_dots(v.dtype), PREC="ieee", TMA=False, STRIDE=1,
         num_warps=4,
         num_stages=2,

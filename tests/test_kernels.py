@@ -145,6 +145,14 @@ FORMS = {
                                                                  pipeline=2), (16, 16), 77, 8),
     "split-o3-4x4-materialised-stride2-pipeline8": (SplitConfig(16, 16, state_stride=2, materialise=True, pipeline=8),
                                                     (4, 4), 45, 6),
+    # wy: the prepare kernel applies the solve (W in phi(K)'s column blocks: one index of axis 1 a
+    # block, key groups of 2 and 4, order 2's one block), the loop forms U = U0 - W S
+    "split-o2-16-c32-wy-rows": (SplitConfig(32, 16, solve="rows", wy=True), (16,), 45, 6),
+    "split-o3-16x16-c16-wy-stride2": (SplitConfig(16, 16, state_stride=2, wy=True), (16, 16), 37, 6),
+    "split-o3-16x16-c16-wy-kg2-tma-pipeline2": (SplitConfig(16, 16, tma=True, key_group=2, wy=True, pipeline=2),
+                                                (16, 16), 77, 8),
+    "split-o3-16x16-c16-wy-kg4-rows": (SplitConfig(16, 16, solve="rows", key_group=4, wy=True), (16, 16), 21, 5),
+    "split-o3-4x4-materialised-wy-c32": (SplitConfig(32, 16, materialise=True, wy=True), (4, 4), 37, 6),
 }
 
 
@@ -188,6 +196,7 @@ HALF = {  # 16-bit inputs: products in the input type (fp16 here; bf16 is upcast
     "fused-resident-o2-16-rows": (FusedConfig(16, 16, 16, solve="rows"), (16,)),
     "split-o3-16x16-c16-kg2-stride2-tma": (SplitConfig(16, 16, tma=True, key_group=2, state_stride=2), (16, 16)),
     "split-o2-16-c32": (SplitConfig(32, 16, dot_precision="tf32"), (16,)),
+    "split-o3-16x16-c16-wy-kg2": (SplitConfig(16, 16, key_group=2, wy=True), (16, 16)),
 }
 
 
@@ -211,6 +220,7 @@ VARLEN = {  # sequences of 5, 1, 17 and 7 tokens packed along T (split: 5, 1, 54
     "split-o3-16x16-stride2-tma": (SplitConfig(16, 16, tma=True, key_group=2, state_stride=2), (16, 16), "long"),
     "split-o3-16x16-stride4": (SplitConfig(16, 16, state_stride=4), (16, 16), "long"),
     "split-o2-16-c16-pipeline4": (SplitConfig(16, 16, pipeline=4), (16,), "long"),  # varlen: one part
+    "split-o3-16x16-wy-tma": (SplitConfig(16, 16, tma=True, key_group=2, wy=True), (16, 16), "long"),
 }
 
 
@@ -227,6 +237,7 @@ FINAL_STATE_OFF = {
     "fused-streamed": FusedConfig(16, 16, 16, prefetch_state=True),
     "split-tma": SplitConfig(16, 16, tma=True, key_group=2, state_stride=2),
     "split-pipeline": SplitConfig(16, 16, state_stride=2, pipeline=4),  # parts pass the state in a buffer
+    "split-wy-pipeline": SplitConfig(16, 16, wy=True, pipeline=2),
 }
 
 

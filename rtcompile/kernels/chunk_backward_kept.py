@@ -107,7 +107,8 @@ def recompute(config, p: Problem, q, k, v, g, beta, h0, cu_seqlens, l2norm: bool
         Uc = args.empty(B, T, H, V, dtype=store, device=dev)
         Rc = args.empty(B, T, H, V, dtype=store, device=dev) if beta is not None else None
         chunk_split_state_kernel[(triton.cdiv(V, bv), p.num_seqs * H)](
-            v, beta, h0, ht, ws["Ai"], ws["Kw"], ws["Gc"], Hc, Uc, Rc, cu_seqlens, offsets, T, 0, ALL_CHUNKS,
+            v, beta, h0, ht, ws["Ai"], None, None, ws["Kw"], ws["Gc"], Hc, Uc, Rc, cu_seqlens, offsets, T, 0,
+            ALL_CHUNKS,
             H=H, K=K, V=V, C=C, BV=bv, LOWP=lowp_dots(v.dtype), PREC=config.dot_precision, TMA=False, STRIDE=1,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )

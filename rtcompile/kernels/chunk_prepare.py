@@ -47,38 +47,51 @@ def _lead_column(p1, r, m_t, i, D1: tl.constexpr):
 
 
 @triton.jit
+def _left(b_left, b_blk, DT: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr):
+    """``b_left`` @ ``b_blk`` (fp32 accumulation, operands in DT with LOWP), or ``b_blk`` when
+    ``b_left`` is None."""
+    if b_left is not None:
+        b_blk = dot(b_left, b_blk, LOWP, DT, PREC)
+    return b_blk
+
+
+@triton.jit
 def _store_key_columns(dst, k1, k2, k3, r, m_t, p_row, b_scale, NF: tl.constexpr, C: tl.constexpr,
-                       D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, GROUP: tl.constexpr):
+                       D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, GROUP: tl.constexpr, b_left,
+                       LOWP: tl.constexpr, PREC: tl.constexpr):
     """Rows ``p_row`` of ``dst`` ([.., K], its type) := diag(b_scale) phi(K), one [C, D2 D3]
     column block per index i of axis 1: block i is the trailing factors' outer product T with
     row c scaled by x1[c, i], so T is built once and no [C, K] tile is held (at C 64, K 256 and
     2 warps that tile alone is 256 fp32 registers per thread). With GROUP > 1 each store covers
     GROUP indices: x1's [C, GROUP] columns in one load, one [C, GROUP D2 D3] block (o3 16x16
     C 64 on the H200: this store alone 0.047 ms with GROUP 4 against about 0.14 with one index
-    per store, whose [C] column gathers each waited on a load). Needs power-of-two widths >= 16."""
+    per store, whose [C] column gathers each waited on a load). Needs power-of-two widths >= 16.
+    ``b_left`` ([C, C] or None): store b_left diag(b_scale) phi(K) instead, each block multiplied
+    on its own (the split form's W = Ai diag(b Gamma) phi(K) without a [C, K] tile)."""
     K: tl.constexpr = D1 * D2 * D3
+    DT: tl.constexpr = dst.dtype.element_ty
     if NF == 1:  # phi is the factor itself: one block
         o_1 = tl.arange(0, D1)
         b_blk = tl.load(k1 + r[:, None] * D1 + o_1[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
-        b_blk = b_blk * b_scale[:, None]
-        tl.store(dst + p_row[:, None] * K + o_1[None, :], b_blk.to(dst.dtype.element_ty), mask=m_t[:, None])
+        b_blk = _left(b_left, b_blk * b_scale[:, None], DT, LOWP, PREC)
+        tl.store(dst + p_row[:, None] * K + o_1[None, :], b_blk.to(DT), mask=m_t[:, None])
     else:
         TW: tl.constexpr = D2 * D3
         b_t = _trailing_tile(k2, k3, r, m_t, C, NF, D2, D3)
         if GROUP == 1:
             o_j = tl.arange(0, TW)
             for i in range(D1):
-                b_blk = b_t * (_lead_column(k1, r, m_t, i, D1) * b_scale)[:, None]
-                tl.store(dst + p_row[:, None] * K + i * TW + o_j[None, :], b_blk.to(dst.dtype.element_ty),
-                         mask=m_t[:, None])
+                b_blk = _left(b_left, b_t * (_lead_column(k1, r, m_t, i, D1) * b_scale)[:, None], DT, LOWP, PREC)
+                tl.store(dst + p_row[:, None] * K + i * TW + o_j[None, :], b_blk.to(DT), mask=m_t[:, None])
         else:  # GROUP indices of axis 1 per store: a [C, GROUP] load of x1 and one [C, GROUP TW] block
             o_g = tl.arange(0, GROUP)
             o_j = tl.arange(0, GROUP * TW)
             for i0 in range(0, D1, GROUP):
                 b_x = tl.load(k1 + r[:, None] * D1 + i0 + o_g[None, :], mask=m_t[:, None], other=0.0)
                 b_x = b_x.to(tl.float32) * b_scale[:, None]
-                b_blk = tl.reshape((b_x[:, :, None] * b_t[:, None, :]).to(dst.dtype.element_ty), [C, GROUP * TW])
-                tl.store(dst + p_row[:, None] * K + i0 * TW + o_j[None, :], b_blk, mask=m_t[:, None])
+                b_blk = tl.reshape((b_x[:, :, None] * b_t[:, None, :]).to(DT), [C, GROUP * TW])
+                b_blk = _left(b_left, b_blk, DT, LOWP, PREC)
+                tl.store(dst + p_row[:, None] * K + i0 * TW + o_j[None, :], b_blk.to(DT), mask=m_t[:, None])
 
 
 @triton.jit
@@ -95,12 +108,18 @@ def _store_wy(W, U0, k1, k2, k3, v, beta, b_Ai, b_c, b_inv, r, m_t, p_row, DT: t
     o_k = tl.arange(0, BK)
     tl.store(W + p_row[:, None] * K + o_k[None, :], b_w.to(W.dtype.element_ty),
              mask=m_t[:, None] & (o_k < K)[None, :])
+    _store_u0(U0, v, b_Ai, b_b, r, m_t, p_row, V, BV, DT, LOWP, PREC)
+
+
+@triton.jit
+def _store_u0(U0, v, b_Ai, b_b, r, m_t, p_row, V: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
+              LOWP: tl.constexpr, PREC: tl.constexpr):
+    """U0 = Ai diag(b) V ([C, V], U0's type) at rows ``p_row`` of its [B, H, T, V] workspace."""
     o_v = tl.arange(0, BV)
     m_v = (o_v < V)[None, :]
     b_v = tl.load(v + r[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v, other=0.0).to(tl.float32)
-    if U0 is not None:
-        b_u0 = dot(b_Ai, b_b[:, None] * b_v, LOWP, DT, PREC)
-        tl.store(U0 + p_row[:, None] * V + o_v[None, :], b_u0, mask=m_t[:, None] & m_v)
+    b_u0 = dot(b_Ai, b_b[:, None] * b_v, LOWP, DT, PREC)
+    tl.store(U0 + p_row[:, None] * V + o_v[None, :], b_u0.to(U0.dtype.element_ty), mask=m_t[:, None] & m_v)
 
 
 @triton.jit(do_not_specialize=["c0"])
@@ -115,8 +134,9 @@ def chunk_prepare_kernel(
     given and skipped when None: ``P`` the scores; ``Ai`` the inverse (delta rule: ``beta``
     given; SOLVE "tiles" inverts it in place there, in [16, 16] tiles); ``W`` and ``U0`` the WY
     products (then Ai is stored only when given: the tile solve needs the memory, the backward
-    reads it); ``Kw`` / ``Qw`` the normalised phi(K) / phi(Q) ([B, H, T, K], its type), one
-    column block of KEY_GROUP indices of axis 1 per store; ``Gc`` the cumulative log decay within the chunk ([B, H, T]
+    reads it; with ``Kw`` too, the split form's, W is stored in Kw's column blocks); ``Kw`` /
+    ``Qw`` the normalised phi(K) / phi(Q) ([B, H, T, K], its type), one column block of
+    KEY_GROUP indices of axis 1 per store; ``Gc`` the cumulative log decay within the chunk ([B, H, T]
     fp32). ``g`` / ``beta`` / ``cu_seqlens`` None: no gates / no delta rule / not varlen (then
     programs are numbered over ``chunk_indices``' (sequence, chunk) pairs). ``c0``: the first
     chunk (or pair) of this launch, which may cover part of the sequence (the split form's
@@ -150,13 +170,18 @@ def chunk_prepare_kernel(
     if L2NORM and (Kw is not None or WY):
         b_inv = phi_inv_norm(k1, k2, k3, r[:, None], m_t[:, None], D1, D2, D3, BD1, BD2, BD3, NF)
     if Kw is not None:
-        _store_key_columns(Kw, k1, k2, k3, r, m_t, p_row, b_inv, NF, C, D1, D2, D3, KEY_GROUP)
+        _store_key_columns(Kw, k1, k2, k3, r, m_t, p_row, b_inv, NF, C, D1, D2, D3, KEY_GROUP, None, LOWP, PREC)
     if Qw is not None:
         b_qinv = tl.full([C], 1.0, tl.float32)
         if L2NORM:
             b_qinv = phi_inv_norm(q1, q2, q3, r[:, None], m_t[:, None], D1, D2, D3, BD1, BD2, BD3, NF)
-        _store_key_columns(Qw, q1, q2, q3, r, m_t, p_row, b_qinv, NF, C, D1, D2, D3, KEY_GROUP)
-    if WY:
+        _store_key_columns(Qw, q1, q2, q3, r, m_t, p_row, b_qinv, NF, C, D1, D2, D3, KEY_GROUP, None, LOWP, PREC)
+    if WY and Kw is not None:  # the split form: W in Kw's column blocks (no [C, K] tile), U0
+        b_b = tl.load(beta + r, mask=m_t, other=0.0).to(tl.float32)
+        _store_key_columns(W, k1, k2, k3, r, m_t, p_row, b_b * tl.exp(b_c) * b_inv, NF, C, D1, D2, D3, KEY_GROUP,
+                           b_Ai, LOWP, PREC)
+        _store_u0(U0, v, b_Ai, b_b, r, m_t, p_row, V, BV, q1.dtype.element_ty, LOWP, PREC)
+    elif WY:
         _store_wy(W, U0, k1, k2, k3, v, beta, b_Ai, b_c, b_inv, r, m_t, p_row, q1.dtype.element_ty, NF,
                   D1, D2, D3, C, V, BK, BV, LOWP, PREC, OUTER)
 
@@ -209,11 +234,19 @@ def prepare_scores(config, p: Problem, q, k, v, g, beta, *, cu_seqlens, l2norm: 
 
 def keys_workspace(config, p: Problem, v, g, beta) -> dict:
     """The split form's prepare outputs, allocated: Kw (the normalised phi(K), [B, H, T, K] in
-    the products' type), Ai ([B, H, T, C] fp32, delta rule) and Gc (the cumulative log decay
-    within each chunk, [B, H, T] fp32, gates); None for what is not made."""
+    the products' type), Ai ([B, H, T, C] fp32, delta rule: the loop's, or with ``config.wy``
+    the tile solve's scratch), W ([B, H, T, K] in the products' type) and U0 ([B, H, T, V]
+    fp32) with ``config.wy`` and the delta rule, and Gc (the cumulative log decay within each
+    chunk, [B, H, T] fp32, gates); None for what is not made."""
     B, T, H, V = v.shape
-    out = {"Kw": args.empty(B, H, T, p.key_dim, dtype=dot_dtype(v), device=v.device), "Ai": None, "Gc": None}
-    if beta is not None:
+    dt = dot_dtype(v)
+    out = {"Kw": args.empty(B, H, T, p.key_dim, dtype=dt, device=v.device), "Ai": None, "W": None, "U0": None,
+           "Gc": None}
+    wy = config.wy and beta is not None
+    if wy:
+        out["W"] = args.empty(B, H, T, p.key_dim, dtype=dt, device=v.device)
+        out["U0"] = args.empty(B, H, T, V, dtype=torch.float32, device=v.device)
+    if beta is not None and (not wy or config.solve == "tiles"):
         out["Ai"] = args.empty(B, H, T, config.chunk_size, dtype=torch.float32, device=v.device)
     if g is not None:
         out["Gc"] = args.empty(B, H, T, dtype=torch.float32, device=v.device)

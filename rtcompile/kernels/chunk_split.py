@@ -61,7 +61,10 @@ class SplitConfig(KernelConfig):
     8x8 ran 0.316 ms, its default since). ``pipeline``: the sequence cut into this many parts
     (whole windows of ``state_stride`` chunks; varlen calls run one), the prepare kernel of the
     next part and the output kernel of the last running on side streams while the state loop
-    walks a part (``pipeline.py``).
+    walks a part (``pipeline.py``). ``wy`` (delta rule; ignored without it): the prepare
+    kernel also applies the solve, W = Ai diag(b Gamma) phi(K) and U0 = Ai diag(b) V, so the
+    state loop forms U = U0 - W S: two products on its serial chain instead of three, for W's
+    [T, K] and U0's [T, V] fp32 more workspace traffic.
     """
 
     kernel: ClassVar[str] = "chunk"
@@ -80,6 +83,7 @@ class SplitConfig(KernelConfig):
     state_stride: int = 1
     materialise: bool = False
     pipeline: int = 1
+    wy: bool = False
 
     def block_k(self, shape: KernelShape) -> int:
         return shape.key_dim_pow2
@@ -116,17 +120,22 @@ class SplitConfig(KernelConfig):
         return resource_refusal(self, shape, smem_limit)
 
     def estimate_registers(self, shape: KernelShape) -> int:
-        # the state loop: state, phi(K), the inverse and the next one, values, U, the products
+        # the state loop: state, phi(K), the inverse and the next one (wy: U0's block; W feeds
+        # its product from shared memory as phi(K) does: sm_90, Triton 3.6, o3 16x16 C 64 bv 32
+        # compiles to 226 registers, 199 with wy; probe_offline.py), values, U, the products
         C, bk, bv = self.chunk_size, self.block_k(shape), self.block_v
-        live = bk * bv + C * bk + 2 * C * C + 4 * C * bv + 2 * C * sum(shape.key_widths)
+        live = bk * bv + C * bk + 4 * C * bv + 2 * C * sum(shape.key_widths)
+        live += C * bv if self.wy else 2 * C * C
         return estimate_registers(live, self.num_warps)
 
     def estimate_smem(self, shape: KernelShape) -> int:
         # per stage the loop's loads that feed products (stored phi(K) in the input type, the fp32
         # inverse), plus the 16-bit state and U staged for the products. H200, o3 16x16 C 64:
-        # 3 and 4 stages ran (this model: 172032 and 221184 bytes)
+        # 3 and 4 stages ran (this model: 172032 and 221184 bytes). With wy: W's rows and U0's
+        # fp32 block per stage instead of the inverse (3 stages: 245760 here, 246344 compiled)
         C, bk, bv = self.chunk_size, self.block_k(shape), self.block_v
-        return max(1, self.num_stages) * (C * bk * shape.input_bytes + 4 * C * C) + 2 * bk * bv + 4 * C * bv
+        solve = C * bk * shape.input_bytes + 4 * C * bv if self.wy else 4 * C * C
+        return max(1, self.num_stages) * (C * bk * shape.input_bytes + solve) + 2 * bk * bv + 4 * C * bv
 
     @classmethod
     def space(cls, shape: KernelShape) -> dict[str, list]:
@@ -150,17 +159,21 @@ class SplitConfig(KernelConfig):
             "state_stride": list(STATE_STRIDES),
             "materialise": [False] * shape.whole_factor_tiles + [True] * mat,
             "pipeline": list(PIPELINE_PARTS),
+            "wy": [False, True],
         }
 
     def workspace_bytes(self, w: Workload) -> int:
         """The incoming state of every state_stride-th chunk [K, V] and U [T, V] in the products'
         type, the inverse [T, C] fp32 (delta rule), the stored phi(K) [T, K] in the products'
-        type and the gates' cumulative sums [T] fp32."""
+        type and the gates' cumulative sums [T] fp32; with ``wy`` W [T, K] in the products' type
+        and U0 [T, V] fp32, the inverse only for the tile solve (its scratch)."""
         dot = dot_operand_bytes(w.shape.input_bytes)
         K, V = w.shape.key_dim, w.shape.value_width
         states = w.batch * w.heads * math.ceil(chunk_count(w, self.chunk_size) / self.state_stride)
         work = states * K * V * dot + w.rows * V * dot + w.rows * K * dot
-        if w.delta_rule:
+        if w.delta_rule and self.wy:
+            work += w.rows * (K * dot + V * 4)
+        if w.delta_rule and (not self.wy or self.solve == "tiles"):
             work += w.rows * self.chunk_size * 4
         if w.forget_gate:
             work += w.rows * 4
@@ -181,15 +194,16 @@ class SplitConfig(KernelConfig):
 # ----- the state loop -----
 @triton.jit
 def _load_state_inputs(v, Gc, beta, Ai, r, p_row, m_t, o_v, m_v, C: tl.constexpr, V: tl.constexpr,
-                       TMA: tl.constexpr):
+                       TMA: tl.constexpr, WY: tl.constexpr):
     """One chunk's inputs of the state loop, in registers: values, the cumulative log decay
     (from ``Gc``, when given), beta and the prepared inverse (delta rule; with TMA the loop
-    reads it by descriptor). ``r`` indexes the token-major inputs, ``p_row`` the [B, H, T]
-    workspaces. Placeholders are never read."""
-    b_v, b_g, b_b = load_row_inputs(v, Gc, beta, r, p_row, m_t, o_v, m_v, C, V, True, Gc is not None,
-                                    beta is not None)
+    reads it by descriptor; with WY neither values, beta nor the inverse: U0 and W replace
+    them). ``r`` indexes the token-major inputs, ``p_row`` the [B, H, T] workspaces.
+    Placeholders are never read."""
+    b_v, b_g, b_b = load_row_inputs(v, Gc, beta, r, p_row, m_t, o_v, m_v, C, V, not WY, Gc is not None,
+                                    beta is not None and not WY)
     b_Ai = tl.zeros([C, C], dtype=tl.float32)
-    if beta is not None and not TMA:
+    if beta is not None and not TMA and not WY:
         b_Ai = tl.load(Ai + p_row[:, None] * C + tl.arange(0, C)[None, :], mask=m_t[:, None], other=0.0)
     return b_v, b_g, b_b, b_Ai
 
@@ -207,7 +221,7 @@ def _store_chunk_state(Hc, i_row, b_s, off_k, m_s, i_v, K: tl.constexpr, V: tl.c
 
 @triton.jit(do_not_specialize=["c0", "c_end"])
 def chunk_split_state_kernel(
-    v, beta, h0, ht, Ai, Kw, Gc, Hc, Uc, Rc, cu_seqlens, chunk_offsets, T, c0, c_end,
+    v, beta, h0, ht, Ai, W, U0, Kw, Gc, Hc, Uc, Rc, cu_seqlens, chunk_offsets, T, c0, c_end,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
     LOWP: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr, STRIDE: tl.constexpr,
 ):
@@ -229,7 +243,13 @@ def chunk_split_state_kernel(
     initial state / no final state / not varlen. ``Rc`` (the backward's recompute, delta rule):
     also store R = V - diag(Gamma) phi(K) S (fp32, laid out as v); None in the forward.
     ``c0`` / ``c_end``: the chunks [c0, c_end) of each sequence that this launch walks (a
-    pipelined part: the state comes in by ``h0`` and leaves by ``ht``); 0 / ALL_CHUNKS for all."""
+    pipelined part: the state comes in by ``h0`` and leaves by ``ht``); 0 / ALL_CHUNKS for all.
+    ``W`` / ``U0`` (delta rule, the prepare kernel's WY products W = Ai diag(b Gamma) phi(K) as
+    [B, H, T, K] or its descriptor with TMA, U0 = Ai diag(b) V as [B, H, T, V] fp32; None:
+    Ai is applied here): U = U0 - W S, one product on the chain where Ai's takes two (phi(K) S,
+    then Ai); ``Ai`` and ``v`` are not read then, and ``Rc`` must be None."""
+    WY: tl.constexpr = W is not None
+    tl.static_assert(not (WY and Rc is not None), "the backward's recompute (Rc) reads R, which WY never forms")
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos, i_b = sequence_of_program(i_n, T, cu_seqlens)
@@ -243,7 +263,7 @@ def chunk_split_state_kernel(
         m_t = tok < eos
         r = (i_b * T + tok) * H + i_h
         p_row = (i_b * H + i_h) * T + tok
-        b_v, b_g, b_b, b_Ai = _load_state_inputs(v, Gc, beta, Ai, r, p_row, m_t, o_v, m_v, C, V, TMA)
+        b_v, b_g, b_b, b_Ai = _load_state_inputs(v, Gc, beta, Ai, r, p_row, m_t, o_v, m_v, C, V, TMA, WY)
         # one load, transposed in place for the update (o3 16x16 C 64 on the H200: the loop took
         # 0.211 ms against 0.223 with a second, transposed load, and with half the shared memory
         # per stage a third stage fits: 0.172 ms)
@@ -262,7 +282,16 @@ def chunk_split_state_kernel(
             _store_chunk_state(Hc, (i_g0 + i_c) * H + i_h, b_s, off_k, m_s, i_v, K, V, BV, TMA)
         elif i_c % STRIDE == 0:
             _store_chunk_state(Hc, (i_g0 + i_c // STRIDE) * H + i_h, b_s, off_k, m_s, i_v, K, V, BV, TMA)
-        if beta is not None:
+        if WY:  # U = U0 - W S: the solve applied by the prepare kernel
+            if TMA:
+                b_w = W.load([((i_b * H + i_h) * T + bos + i_c * C).to(tl.int32), 0])
+            else:
+                b_w = tl.load(W + p_row[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+            b_u = tl.load(U0 + p_row[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+            b_u -= dot(b_w, b_s, LOWP, DT, PREC)
+            if TMA:  # rows past the sequence are the next one's: U's rows there are set to zero
+                b_u = tl.where(m_t[:, None], b_u, 0.0)
+        elif beta is not None:
             b_ks = dot(b_k, b_s, LOWP, DT, PREC)
             if TMA:  # rows past the sequence are the next one's: U's rows there are set to zero below
                 b_Ai = Ai.load([((i_b * H + i_h) * T + bos + i_c * C).to(tl.int32), 0])
@@ -397,12 +426,15 @@ def launch(config: SplitConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seql
     parts = len(bounds) > 1
     run = ht if ht is not None or not parts else args.empty(p.state_shape, dtype=torch.float32, device=v.device)
     ws = keys_workspace(config, p, v, g, beta)
-    Kd, Hd, Ad = ws["Kw"], Hc, ws["Ai"]
-    if config.tma:  # phi(K), the stored states and the inverse through tensor descriptors
+    wy = ws["W"] is not None
+    Kd, Hd, Ad, Wd = ws["Kw"], Hc, ws["Ai"], ws["W"]
+    if config.tma:  # phi(K), the stored states and the inverse (or W) through tensor descriptors
         from triton.tools.tensor_descriptor import TensorDescriptor
         Kd = TensorDescriptor(ws["Kw"].view(B * H * T, K), [B * H * T, K], [K, 1], [C, K])
         Hd = TensorDescriptor(Hc.view(-1, V), [Hc.numel() // V, V], [V, 1], [K, config.block_v])
-        if beta is not None:
+        if wy:
+            Wd = TensorDescriptor(ws["W"].view(B * H * T, K), [B * H * T, K], [K, 1], [C, K])
+        elif beta is not None:
             Ad = TensorDescriptor(ws["Ai"].view(B * H * T, C), [B * H * T, C], [C, 1], [C, C])
     lowp, prec = lowp_dots(v.dtype), config.dot_precision
 
@@ -412,7 +444,8 @@ def launch(config: SplitConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seql
 
     def loop(j: int, c0: int, c1: int) -> None:  # part j > 0 takes the state from the running buffer
         chunk_split_state_kernel[(triton.cdiv(V, config.block_v), p.num_seqs * H)](
-            v, beta, h0 if j == 0 else run, run, Ad, Kd, ws["Gc"], Hd, Uc, None, cu_seqlens, offsets, T, c0, c1,
+            v, beta, h0 if j == 0 else run, run, None if wy else Ad, Wd, ws["U0"], Kd, ws["Gc"], Hd, Uc, None,
+            cu_seqlens, offsets, T, c0, c1,
             H=H, K=K, V=V, C=C, BV=config.block_v, LOWP=lowp, PREC=prec, TMA=config.tma, STRIDE=config.state_stride,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
