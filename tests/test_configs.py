@@ -347,6 +347,26 @@ def test_cost_figures():
     assert split.workspace_bytes(w) > resident.workspace_bytes(w) > 0 == rec.workspace_bytes(w)
 
 
+@pytest.mark.parametrize("solve", ["tiles", "rows"])
+def test_split_workspace_counts_wy_and_the_running_state_of_parts(solve):
+    """wy adds W [T, K] in the products' type and U0 [T, V] fp32 per token-head and keeps the
+    inverse only as the tile solve's scratch; parts add one fp32 running state per
+    sequence-head (allocated when the caller keeps no final state); without the delta rule wy
+    changes nothing."""
+    shape = SHAPES["o3-16x16"]
+    w = Workload(shape, batch=8, heads=8, seq_len=4096)
+    base = SplitConfig(chunk_size=64, block_v=32, solve=solve)
+    K, V, C = shape.key_dim, shape.value_width, 64
+    wy = dataclasses.replace(base, wy=True).workspace_bytes(w) - base.workspace_bytes(w)
+    assert wy == w.rows * (K * 2 + V * 4) - (0 if solve == "tiles" else w.rows * C * 4)
+    parts = dataclasses.replace(base, pipeline=2).workspace_bytes(w) - base.workspace_bytes(w)
+    assert parts == w.state_bytes == 8 * 8 * K * V * 4
+    short = Workload(shape, batch=8, heads=8, seq_len=64)  # one chunk: one part, no running state
+    assert dataclasses.replace(base, pipeline=2).workspace_bytes(short) == base.workspace_bytes(short)
+    plain = Workload(shape, batch=8, heads=8, seq_len=4096, delta_rule=False)
+    assert dataclasses.replace(base, wy=True).workspace_bytes(plain) == base.workspace_bytes(plain)
+
+
 def test_tuned_table_of_the_old_format_is_refused_naming_it(tmp_path):
     from rtcompile.kernels import tuned
 

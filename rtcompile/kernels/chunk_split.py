@@ -166,7 +166,9 @@ class SplitConfig(KernelConfig):
         """The incoming state of every state_stride-th chunk [K, V] and U [T, V] in the products'
         type, the inverse [T, C] fp32 (delta rule), the stored phi(K) [T, K] in the products'
         type and the gates' cumulative sums [T] fp32; with ``wy`` W [T, K] in the products' type
-        and U0 [T, V] fp32, the inverse only for the tile solve (its scratch)."""
+        and U0 [T, V] fp32, the inverse only for the tile solve (its scratch). In parts, the
+        running state [K, V] fp32 per sequence-head (allocated when the caller keeps no final
+        state: counted, an upper bound)."""
         dot = dot_operand_bytes(w.shape.input_bytes)
         K, V = w.shape.key_dim, w.shape.value_width
         states = w.batch * w.heads * math.ceil(chunk_count(w, self.chunk_size) / self.state_stride)
@@ -179,16 +181,20 @@ class SplitConfig(KernelConfig):
             work += w.rows * 4
         if self.materialise:  # phi(q), phi(k) in the inputs' type
             work += 2 * w.rows * K * w.shape.input_bytes
+        if self._parts(w) > 1:
+            work += w.state_bytes
         return work
+
+    def _parts(self, w: Workload) -> int:
+        chunks = chunk_count(w, self.chunk_size)
+        return len(part_bounds(chunks, self.pipeline, self.state_stride)) if chunks > 0 else 1
 
     def figures(self, w: Workload) -> CostFigures:
         # three launches per part, as many parts as the workload's chunks allow (the overlap of
         # the parts' kernels is not modelled)
-        chunks = chunk_count(w, self.chunk_size)
-        parts = len(part_bounds(chunks, self.pipeline, self.state_stride)) if chunks > 0 else 1
-        return CostFigures(programs=chunk_programs(w, self.block_v), serial_steps=chunks,
+        return CostFigures(programs=chunk_programs(w, self.block_v), serial_steps=chunk_count(w, self.chunk_size),
                            state_passes=2, workspace_bytes=self.workspace_bytes(w),
-                           launches=3 * parts + 2 * self.materialise)
+                           launches=3 * self._parts(w) + 2 * self.materialise)
 
 
 # ----- the state loop -----
