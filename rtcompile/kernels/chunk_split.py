@@ -2,7 +2,8 @@
 stores each chunk's inverse, its normalised phi(K) and its cumulative log decay; a sequential
 state loop carries only the state (in registers), storing the incoming state of every
 ``state_stride``-th chunk and each chunk's U; a chunk-parallel output kernel forms the scores
-and the outputs of all chunks at once. The sequential chain is then three products per chunk.
+and the outputs of all chunks at once. The sequential chain is then three products per chunk,
+two with ``wy`` (the prepare kernel applies the solve: U = U0 - W S in the loop).
 """
 
 from __future__ import annotations
