@@ -254,7 +254,8 @@ def test_single_token(form):
     check_against_reference(config, 3, 1, 2, (16, 16), 8)
 
 
-DEFAULT_SHAPES = {"o2-32": (32,), "o3-16x16": (16, 16), "o3-32x16": (32, 16), "o3-3x5": (3, 5)}
+DEFAULT_SHAPES = {"o2-32": (32,), "o2-64": (64,), "o2-256": (256,), "o3-16x16": (16, 16), "o3-32x16": (32, 16),
+                  "o3-3x5": (3, 5)}
 
 
 @pytest.mark.parametrize("low_mem", [False, True], ids=["default", "fused-sibling"])
