@@ -22,7 +22,7 @@ from .args import dot_dtype, factor_args, lowp_dots, width_args
 from .blocks import (
     chunk_log_decay, chunk_rows, chunk_scores, dot, phi_block, phi_inv_norm, unit_lower_inverse_tiles,
 )
-from .config import next_pow2
+from .config import next_pow2, stores_inverse
 from .inputs import Problem
 
 
@@ -210,6 +210,13 @@ def _run(p: Problem, q, k, v, g, beta, *, cu_seqlens, idx, l2norm: bool, config,
     )
 
 
+def _wy_buffers(p: Problem, v) -> dict:
+    """W ([B, H, T, K] in the products' operand type: 16-bit inputs' own) and U0 ([B, H, T, V] fp32)."""
+    B, T, H, V = v.shape
+    return {"W": args.empty(B, H, T, p.key_dim, dtype=dot_dtype(v), device=v.device),
+            "U0": args.empty(B, H, T, V, dtype=torch.float32, device=v.device)}
+
+
 def prepare_scores(config, p: Problem, q, k, v, g, beta, *, cu_seqlens, l2norm: bool, block_k: int, outer: bool,
                    wy: bool) -> dict:
     """The two-kernel forms' prepare step: allocates and fills P ([B, H, T, C] fp32) and, with
@@ -221,10 +228,9 @@ def prepare_scores(config, p: Problem, q, k, v, g, beta, *, cu_seqlens, l2norm: 
     C = config.chunk_size
     wy = wy and beta is not None  # without the delta rule there is no solve to move
     out = {"P": args.empty(B, H, T, C, dtype=torch.float32, device=v.device), "Ai": None, "W": None, "U0": None}
-    if wy:  # W in the products' operand type (16-bit inputs: their own), U0 in fp32
-        out["W"] = args.empty(B, H, T, p.key_dim, dtype=dot_dtype(v), device=v.device)
-        out["U0"] = args.empty(B, H, T, V, dtype=torch.float32, device=v.device)
-    if beta is not None and (not wy or config.solve == "tiles"):  # with wy, only the tile solve's
+    if wy:
+        out.update(_wy_buffers(p, v))
+    if stores_inverse(beta is not None, wy, config.solve):
         out["Ai"] = args.empty(B, H, T, C, dtype=torch.float32, device=v.device)
     idx = chunk_indices(p, C, v.device) if cu_seqlens is not None else None
     _run(p, q, k, v, g, beta, cu_seqlens=cu_seqlens, idx=idx, l2norm=l2norm, config=config, outputs=out,
@@ -239,14 +245,12 @@ def keys_workspace(config, p: Problem, v, g, beta) -> dict:
     fp32) with ``config.wy`` and the delta rule, and Gc (the cumulative log decay within each
     chunk, [B, H, T] fp32, gates); None for what is not made."""
     B, T, H, V = v.shape
-    dt = dot_dtype(v)
-    out = {"Kw": args.empty(B, H, T, p.key_dim, dtype=dt, device=v.device), "Ai": None, "W": None, "U0": None,
-           "Gc": None}
+    out = {"Kw": args.empty(B, H, T, p.key_dim, dtype=dot_dtype(v), device=v.device), "Ai": None, "W": None,
+           "U0": None, "Gc": None}
     wy = config.wy and beta is not None
     if wy:
-        out["W"] = args.empty(B, H, T, p.key_dim, dtype=dt, device=v.device)
-        out["U0"] = args.empty(B, H, T, V, dtype=torch.float32, device=v.device)
-    if beta is not None and (not wy or config.solve == "tiles"):
+        out.update(_wy_buffers(p, v))
+    if stores_inverse(beta is not None, wy, config.solve):
         out["Ai"] = args.empty(B, H, T, config.chunk_size, dtype=torch.float32, device=v.device)
     if g is not None:
         out["Gc"] = args.empty(B, H, T, dtype=torch.float32, device=v.device)

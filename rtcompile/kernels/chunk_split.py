@@ -28,7 +28,7 @@ from .chunk_resident import can_materialise, materialise_refusal, materialised, 
 from .config import (
     DEFAULT_SMEM_BYTES, DOT_PRECISIONS, PREPARE_WARPS, SOLVES, CostFigures, KernelConfig,
     KernelShape, Workload, chunk_count, chunk_programs, chunk_refusal, dot_operand_bytes, estimate_registers,
-    resource_refusal,
+    resource_refusal, stores_inverse, wy_workspace,
 )
 from .inputs import Problem
 from .pipeline import PIPELINE_PARTS, part_bounds, run_parts
@@ -175,8 +175,8 @@ class SplitConfig(KernelConfig):
         states = w.batch * w.heads * math.ceil(chunk_count(w, self.chunk_size) / self.state_stride)
         work = states * K * V * dot + w.rows * V * dot + w.rows * K * dot
         if w.delta_rule and self.wy:
-            work += w.rows * (K * dot + V * 4)
-        if w.delta_rule and (not self.wy or self.solve == "tiles"):
+            work += wy_workspace(w)
+        if stores_inverse(w.delta_rule, self.wy, self.solve):
             work += w.rows * self.chunk_size * 4
         if w.forget_gate:
             work += w.rows * 4

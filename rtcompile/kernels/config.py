@@ -278,16 +278,24 @@ def streamed_live_elements(shape: KernelShape, cfg) -> int:
     return live
 
 
+def stores_inverse(delta_rule: bool, wy: bool, solve: str) -> bool:
+    """Whether the prepare kernel keeps the [B, H, T, C] fp32 inverse: with the delta rule, unless
+    ``wy`` applies it there, where the tile solve still needs it (it inverts in place)."""
+    return delta_rule and (not wy or solve == "tiles")
+
+
+def wy_workspace(w: Workload) -> int:
+    """W [T, K] in the products' type and U0 [T, V] fp32 per token-head (the WY products)."""
+    return w.rows * (w.shape.key_dim * dot_operand_bytes(w.shape.input_bytes) + w.shape.value_width * 4)
+
+
 def two_kernel_workspace(cfg, w: Workload, wy: bool = False) -> int:
     """The prepare kernel's [B, H, T, C] fp32 scores and (delta rule) inverse; with ``wy`` the
-    scores, W [T, K] in the products' type and U0 [T, V] fp32 instead of the inverse (plus the
-    inverse again for the tile solve, which inverts in place in the workspace)."""
+    scores, W and U0 (:func:`wy_workspace`) instead of the inverse (plus the inverse again for
+    the tile solve, which inverts in place in the workspace)."""
     C = cfg.chunk_size
-    if wy and w.delta_rule:
-        tiles = C * 4 if cfg.solve == "tiles" else 0
-        return w.rows * (C * 4 + tiles + w.shape.key_dim * dot_operand_bytes(w.shape.input_bytes)
-                         + w.shape.value_width * 4)
-    return w.rows * C * 4 * (2 if w.delta_rule else 1)
+    inverse = w.rows * C * 4 if stores_inverse(w.delta_rule, wy, cfg.solve) else 0
+    return w.rows * C * 4 + inverse + (wy_workspace(w) if wy and w.delta_rule else 0)
 
 
 def chunk_programs(w: Workload, block_v: int) -> int:

@@ -124,10 +124,10 @@ def _split(shape: KernelShape) -> list[KernelConfig]:
 
 # The split form's loop on the prepare kernel's WY products (U = U0 - W S: two products a chunk
 # on its chain for three) with two prepare warps (one spills with W: 704 bytes at o3 16x16, sm_90).
-# H200, B8 T4096, one run, 2026-12-04: o2 64 0.273 ms against 0.283, o2 256 0.659 against 0.688;
-# no gain where the loop reads more per chunk than it saves: o3 16x16 0.490-0.581 against 0.349
-# (the prepare kernel 0.21 -> 0.35 ms of kernel time, the loop unchanged), o3 8x8 materialised
-# 0.314 against 0.309, o3 16x8 0.495 against 0.443, o2 128 (split C 32) 0.401 against 0.385.
+# H200, B8 T4096, one process, two rounds, 2026-12-04: o2 64 0.272 ms against 0.279, o2 256 0.659
+# against 0.680; no gain where the loop reads more a chunk than it saves: o3 16x16 0.490-0.581
+# against 0.349 (the prepare kernel 0.21 -> 0.35 ms of kernel time, the loop unchanged), o3 8x8
+# materialised 0.311 against 0.304, o3 16x8 0.495 against 0.443, o2 128 (split C 32) 0.401 / 0.385.
 _SPLIT_WY = {"wy": True, "prepare_warps": 2}
 
 
@@ -160,13 +160,13 @@ CHUNK_DEFAULTS: tuple[DefaultRow, ...] = (
                lambda s: [*(dataclasses.replace(c, **_SPLIT_WY) for c in _split_any(s)), *_split_any(s)],
                "o2 256: the split form (chunks of 32, two pipelined parts), 0.676 ms against 0.788 in one part "
                "and 0.906 for the resident C 16 below, fla 0.611 (H200, 2026-12-04); with the solve in the "
-               "prepare kernel (wy, two prepare warps) 0.659 against 0.688, fla 0.619 (one run, 2026-12-04)"),
+               "prepare kernel (wy, two prepare warps) 0.659 against 0.680, fla 0.619 (two rounds, 2026-12-04)"),
     DefaultRow(lambda s: s.key_dim_pow2 == 64 and len(s.key_widths) == 1,
                lambda s: [*_split_small_k(s, **_SPLIT_WY), *_split_small_k(s)],
                "o2 64: the split form (key groups of 1, C 32 in four pipelined parts), 0.280 ms against 0.296 "
                "in one part at C 64 and 0.343 for the resident C 32 + wy below, fla 0.285 (H200, 2026-12-04; "
                "o2 128: 0.606 at best in parts against 0.392 for the resident C 16); with the solve in the "
-               "prepare kernel (wy, two prepare warps) 0.273 against 0.283, fla 0.293 (one run, 2026-12-04)"),
+               "prepare kernel (wy, two prepare warps) 0.272 against 0.279, fla 0.293 (two rounds, 2026-12-04)"),
     DefaultRow(lambda s: s.key_dim_pow2 <= 64,
                lambda s: [ResidentConfig(chunk_size=32, block_v=16, prepare_warps=4, prefetch_inputs=True, wy=True),
                           ResidentConfig(chunk_size=16, block_v=16, prepare_warps=1, solve="rows",
