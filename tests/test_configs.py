@@ -213,6 +213,12 @@ def test_old_variant_format_is_refused_by_name():
     ({"form": "split", "chunk_size": 16, "block_v": 16, "segments": 2}, ValueError, "unknown fields ['segments']"),
     ({"form": "streamed", "chunk_size": 16, "block_v": 16}, ValueError, "StreamedConfig: missing fields ['block_k']"),
     ("resident", TypeError, "config: expected a dict, got str"),
+    ({"form": "split", "chunk_size": 16, "block_v": 16, "wy": "yes"}, TypeError,
+     "SplitConfig.wy: expected bool, got str 'yes'"),
+    ({"form": "split", "chunk_size": 16.0, "block_v": 16}, TypeError, "SplitConfig.chunk_size: expected int, got float"),
+    ({"form": "resident", "chunk_size": 16, "block_v": True}, TypeError, "ResidentConfig.block_v: expected int, got bool"),
+    ({"form": "resident", "chunk_size": 16, "block_v": 16, "solve": 1}, TypeError,
+     "ResidentConfig.solve: expected str, got int"),
 ])
 def test_from_dict_errors(data, exc, needle):
     with pytest.raises(exc) as info:

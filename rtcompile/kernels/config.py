@@ -133,6 +133,14 @@ class CostFigures:
     launches: int = 1
 
 
+# The config fields' annotated types (strings: postponed annotations) and their JSON checks
+_FIELD_TYPES = {
+    "bool": lambda v: isinstance(v, bool),
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+}
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     """Base of every config. Subclasses set ``kernel`` (the tuned-table key: "chunk" or
@@ -183,6 +191,11 @@ class KernelConfig:
         missing = sorted(f.name for f in fields(cls) if f.name not in data and f.default is MISSING)
         if missing:
             raise ValueError(f"{cls.__name__}: missing fields {missing}")
+        for f in fields(cls):  # JSON gives any type: a "true" flag or a 2.0 tile would pass unseen
+            want = _FIELD_TYPES.get(f.type)
+            if want is not None and f.name in data and not want(data[f.name]):
+                raise TypeError(f"{cls.__name__}.{f.name}: expected {f.type}, got {type(data[f.name]).__name__} "
+                                f"{data[f.name]!r}")
         return cls(**data)
 
     def _check_choice(self, name: str, allowed) -> str | None:
