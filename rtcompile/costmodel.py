@@ -14,6 +14,10 @@ launches:
   plus a per-tile cost for each state tile streamed (twice per step when the state does not
   fit registers). A chunk program alone on its SM steps twice as fast as one of two.
 
+The split form (a state loop apart from chunk-parallel kernels: ``CostFigures.loop_elements``)
+is the sum of its loop, whose step latency grows with C x K, and its bytes at the share of the
+bandwidth its chunk-parallel kernels reach (``SPLIT_*``, fitted to its own H200 kernel split).
+
 The latency constants were fitted to one H200 run (its RESULTS.md section is in git history; B8
 T4096 H8 V64 bf16, 256 programs = one wave of 2 per SM): o3 16x16 chunk (C 32, state in
 registers) 1.19 ms = 128 chunks x 9.3 us; o3 64x64 (C 64, 2 x 32 streamed [128, 16] tiles per
@@ -46,6 +50,20 @@ CHUNK_TILE_ELEMENTS = 64 * 128  # the C x BK that CHUNK_TILE_S was fitted at
 FUSED_ROW_S = 0.37e-6  # per chunk row: the fused prepare's forward substitution on the serial path
 SCAN_STEP_S = 1.2e-6  # one token of the recurrent scan, state in registers
 SCAN_TILE_S = 0.3e-6  # each streamed tile visit of a scan step (not measured: a lead)
+# The split form's state loop (CostFigures.loop_elements), one program per SM: a step costs
+# SPLIT_STEP_S + SPLIT_ELEMENT_S x C x K. Least squares through its measured chunks (H200,
+# torch.profiler, one part, B8 T4096 H8 d_v 64 bf16, 2026-12-03/04): o2 64 C 32 (wy) 1.09 us,
+# o2 256 C 32 (wy) 1.64, o3 16x16 C 64 2.13. Its prepare and output kernels moved the model's
+# bytes (below) at 0.68 / 0.59 / 0.69 of the HBM rate in those runs (187 / 501 / 218 us for
+# 611 / 1429 / 725 MB): SPLIT_BW_SHARE. The loop's time is added to theirs: they overlap little
+# (o3 16x16 0.347 ms in two pipelined parts, 0.357 in one; 354 us of kernels). Not fitted on,
+# the H200 sweep of o3 16x16's split form at B1 and B8 T4096 (96 configs: stages x stored-state
+# stride x parts x wy, 2026-12-04) is predicted with a median |log(predicted / measured)| of
+# 0.11, max 0.31 (0.50 and 0.77 with the chunk loop's constants below; kernel time against
+# CUDA-graph replays); the five split defaults of K <= 256 0.12 / 0.35 (0.39 / 0.86).
+SPLIT_STEP_S = 0.98e-6
+SPLIT_ELEMENT_S = 7.2e-11
+SPLIT_BW_SHARE = 0.65
 PROGRAMS_PER_SM = 2  # resident programs per SM these kernels reach (registers: ~200 per thread)
 DECODE_BW_EFFICIENCY = 0.8  # decode reached 70-87% of copy bandwidth on the H200
 
@@ -174,11 +192,25 @@ def chunk_cost(spec: ModelSpec, target: Target, batch: int, seq_len: int, config
     state = spec.state_bytes_per_layer * batch
     nbytes = io_bytes_per_token(spec) * batch * seq_len + fig.state_passes * state + 2 * fig.workspace_bytes
     fill = min(1.0, fig.programs / target.sms)
+    if fig.loop_elements:  # the split form: a state loop beside chunk-parallel kernels
+        seconds, bound = _split_seconds(fig, target, nbytes, flops, spec)
+        return _finish(seconds + fig.launches * target.launch_s, nbytes, flops, fig.programs, bound, "chunk", cal)
     per_step = (CHUNK_ITER_S + fig.tile_visits * CHUNK_TILE_S * fig.tile_elements / CHUNK_TILE_ELEMENTS
                 + fig.solve_rows * FUSED_ROW_S)
     latency = _waves(fig.programs, target) * fig.serial_steps * per_step * _per_sm_share(fig.programs, target)
     seconds, bound = _pick(nbytes / (target.hbm_bytes_per_s * fill), flops / (_rate(spec, target) * fill), latency)
     return _finish(seconds + fig.launches * target.launch_s, nbytes, flops, fig.programs, bound, "chunk", cal)
+
+
+def _split_seconds(fig, target: Target, nbytes: float, flops: float, spec: ModelSpec) -> tuple[float, str]:
+    """The split form's kernels: its state loop (programs sharing an SM step that much slower)
+    plus the chunk-parallel kernels' bytes (or FLOPs, if larger) at their share of the GPU; the
+    bound named is the larger of the two parts."""
+    per_sm = min(PROGRAMS_PER_SM, math.ceil(fig.programs / target.sms))
+    step = SPLIT_STEP_S + SPLIT_ELEMENT_S * fig.loop_elements
+    loop = _waves(fig.programs, target) * fig.serial_steps * step * per_sm
+    parallel, bound = _pick(nbytes / (target.hbm_bytes_per_s * SPLIT_BW_SHARE), flops / _rate(spec, target), 0.0)
+    return loop + parallel, "latency" if loop > parallel else bound
 
 
 def recurrent_cost(spec: ModelSpec, target: Target, batch: int, seq_len: int, config: KernelConfig,

@@ -12,6 +12,9 @@ from rtcompile.costmodel import (
     CHUNK_CALL_S,
     DECODE_CALL_S,
     RECURRENT_CALL_S,
+    SPLIT_BW_SHARE,
+    SPLIT_ELEMENT_S,
+    SPLIT_STEP_S,
     Calibration,
     calibrate,
     chunk_cost,
@@ -142,13 +145,15 @@ def test_plan_json_keeps_the_calibration_and_reads_files_from_before_it(tmp_path
 # o2 64's default became the split form (H200: 0.295 against 0.343 ms for the resident one, which
 # stays pinned as its two-kernel sibling); its fused sibling is now the split default's (C 16),
 # pinned at the same figure as o3 16x16's. Since 2026-12-04 the split defaults run in pipelined
-# parts, three launches each: o3 16x16 two parts (6 launches); o2 64 four parts of C 32, whose
-# 128 serial chunks the model charges at its one per-chunk latency (0.84 ms predicted, 0.280 ms
-# measured on the H200: the split loop's shorter chunks and the parts' overlap are not modelled).
+# parts, three launches each: o3 16x16 two parts (6 launches); o2 64 four parts of C 32 (12).
+# Since 2026-12-04 the split form has a model of its own (its state loop's step latency plus its
+# chunk-parallel kernels' bytes, costmodel.SPLIT_*): o2 64 0.388 ms of kernels predicted (0.84
+# before; 0.273 measured on the H200 with CUDA graphs), o3 16x16 0.394 (0.522; 0.349), each plus
+# the chunk call's host overhead.
 PINNED = {
     ((64,), "resident"): 0.0013984, ((64,), "fused"): 0.0021048, ((64,), "recurrent"): 7.44e-05,
-    ((64,), "split"): 0.0008432,
-    ((16, 16), "split"): 0.0005056 + 16e-6, ((16, 16), "fused"): 0.0021048, ((16, 16), "recurrent"): 8.0764e-05,
+    ((64,), "split"): 0.000588250204,
+    ((16, 16), "split"): 0.000594450169, ((16, 16), "fused"): 0.0021048, ((16, 16), "recurrent"): 8.0764e-05,
     ((32, 32), "streamed"): 0.0017344, ((32, 32), "fused"): 0.00194352, ((32, 32), "recurrent"): 1.0698693e-04,
     ((64, 64), "streamed"): 0.0054208, ((64, 64), "fused"): 0.00562992, ((64, 64), "recurrent"): 2.8176667e-04,
 }
@@ -209,6 +214,32 @@ def test_cost_is_the_configs_figures_in_seconds():
     assert fused.figures(work).solve_rows > 0
     plain = spec.replace(features=dataclasses.replace(spec.features, delta_rule=False))
     assert fused.figures(workload(plain, 8, 4096)).solve_rows == 0
+
+
+def test_split_form_adds_its_state_loop_to_its_chunk_parallel_bytes():
+    """The split form's kernel time is its state loop (a step latency growing with C x K) plus
+    its bytes at the chunk-parallel kernels' share of the bandwidth, not the larger of the two."""
+    spec = _small()
+    split = default_config("chunk", shape_of(spec), H200.smem_per_sm)
+    fig = split.figures(workload(spec, 8, 4096))
+    assert isinstance(split, SplitConfig) and fig.loop_elements == split.chunk_size * 256
+    assert fig.programs <= H200.sms  # one loop program per SM: no sharing factor below
+    cost = lambda f: chunk_cost(spec, H200, 8, 4096, _Figured(split, f), NO_HOST)
+    base = cost(fig)
+    step = SPLIT_STEP_S + SPLIT_ELEMENT_S * fig.loop_elements
+    assert cost(dataclasses.replace(fig, serial_steps=2 * fig.serial_steps)).seconds - base.seconds == \
+        pytest.approx(fig.serial_steps * step)
+    wider = cost(dataclasses.replace(fig, loop_elements=2 * fig.loop_elements))
+    assert wider.seconds - base.seconds == pytest.approx(fig.serial_steps * SPLIT_ELEMENT_S * fig.loop_elements)
+    heavier = cost(dataclasses.replace(fig, workspace_bytes=fig.workspace_bytes + 10**9))
+    assert heavier.seconds - base.seconds == pytest.approx(2e9 / (H200.hbm_bytes_per_s * SPLIT_BW_SHARE))
+    # B1 runs the same loop with an eighth of the bytes (the chunk loop's model gave B1 and B8
+    # the same latency-bound time; the H200 measured 0.16 and 0.35 ms)
+    b1 = chunk_cost(spec, H200, 1, 4096, split, NO_HOST)
+    assert b1.seconds < base.seconds
+    assert base.bound == "memory" and b1.bound == "latency"
+    # figures without loop_elements keep the largest-floor model
+    assert cost(dataclasses.replace(fig, loop_elements=0)).seconds != pytest.approx(base.seconds)
 
 
 def test_merged_passes_move_two_thirds_of_the_streamed_state_traffic():

@@ -192,10 +192,11 @@ class SplitConfig(KernelConfig):
 
     def figures(self, w: Workload) -> CostFigures:
         # three launches per part, as many parts as the workload's chunks allow (the overlap of
-        # the parts' kernels is not modelled)
+        # the parts' kernels is not modelled); the state loop apart from the chunk-parallel kernels
         return CostFigures(programs=chunk_programs(w, self.block_v), serial_steps=chunk_count(w, self.chunk_size),
                            state_passes=2, workspace_bytes=self.workspace_bytes(w),
-                           launches=3 * self._parts(w) + 2 * self.materialise)
+                           launches=3 * self._parts(w) + 2 * self.materialise,
+                           loop_elements=self.chunk_size * w.shape.key_dim_pow2)
 
 
 # ----- the state loop -----

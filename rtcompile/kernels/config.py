@@ -121,6 +121,10 @@ class CostFigures:
     per serial step (0 with the state in registers), each of ``tile_elements`` (C x block_k for
     a chunk, block_k for a scan step). ``solve_rows``: serial forward-substitution rows per step
     inside the sequential kernel (the fused form). ``launches``: kernels per call.
+    ``loop_elements``: > 0 for a sequential kernel that carries only the state, apart from
+    chunk-parallel kernels that move the call's bytes (the split form): the C x K elements its
+    step multiplies, which its step latency grows with; the cost model then adds the loop's
+    time to the bytes' instead of taking the larger.
     """
 
     programs: int
@@ -131,6 +135,7 @@ class CostFigures:
     tile_elements: int = 0
     solve_rows: float = 0.0
     launches: int = 1
+    loop_elements: int = 0
 
 
 # The config fields' annotated types (strings: postponed annotations) and their JSON checks
