@@ -19,6 +19,7 @@ import triton.language as tl
 
 from . import args
 from .args import dot_dtype, factor_args, lowp_dots, width_args
+from .launch_cache import cached
 from .blocks import (
     chunk_log_decay, chunk_rows, chunk_scores, dot, phi_block, phi_inv_norm, unit_lower_inverse_tiles,
 )
@@ -201,7 +202,7 @@ def _run(p: Problem, q, k, v, g, beta, *, cu_seqlens, idx, l2norm: bool, config,
     B, T, H, V = v.shape
     c0, c1 = chunks if chunks is not None else (0, idx.shape[0] if cu_seqlens is not None else triton.cdiv(T, C))
     grid = (c1 - c0, H) if cu_seqlens is not None else (c1 - c0, B * H)
-    chunk_prepare_kernel[grid](
+    cached(chunk_prepare_kernel)[grid](
         *factor_args(q), *factor_args(k), v, g, beta, outputs.get("P"), outputs.get("Ai"), outputs.get("W"),
         outputs.get("U0"), outputs.get("Kw"), outputs.get("Qw"), outputs.get("Gc"), cu_seqlens, idx, T, c0,
         H=H, NF=len(q), **width_args(p.key_widths, 16), C=C, V=V, BK=block_k, BV=max(16, next_pow2(V)),

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from . import args
 from .args import factor_args, lowp_dots, width_args
+from .launch_cache import cached
 from .blocks import (
     chunk_inputs, dot, factor_tiles, floored_cumsum, load_row_inputs, load_state_tile, load_wy, phi_block,
     phi_from_tiles, sequence_of_program, unit_lower_inverse_scratch,
@@ -265,7 +266,7 @@ def run_resident(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm: bo
     B, T, H, V = v.shape
     o = args.empty(B, T, H, V, dtype=v.dtype, device=v.device)
     grid = (triton.cdiv(V, block_v), p.num_seqs * H)
-    chunk_resident_kernel[grid](
+    cached(chunk_resident_kernel)[grid](
         *factor_args(q), *factor_args(k), v, g, beta, o, h0, ht, ws.get("P"), ws.get("Ai"), ws.get("W"),
         ws.get("U0"), cu_seqlens, p.scale, T,
         H=H, NF=len(q), **width_args(p.key_widths, 16), V=V, C=chunk_size, BK=block_k, BV=block_v, L2NORM=l2norm,
@@ -364,7 +365,7 @@ def materialise_phi(factors, l2norm: bool) -> torch.Tensor:
     rows, kp = B * T * H, next_pow2(K)
     bt = max(1, min(256, MATERIALISE_TILE // kp))
     widths = width_args(tuple(x.shape[-1] for x in xs), 1)
-    materialise_phi_kernel[(triton.cdiv(rows, bt),)](
+    cached(materialise_phi_kernel)[(triton.cdiv(rows, bt),)](
         *factor_args(xs), out, rows, NF=len(xs), **widths, KP=kp, BT=bt, L2NORM=l2norm, num_warps=4)
     return out.to(dtype)
 

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from . import args
 from .args import dot_dtype, factor_args, lowp_dots, width_args
+from .launch_cache import cached
 from .blocks import (
     chunk_of_program, dot, factor_tiles, load_row_inputs, load_state_tile, one_side_tiles, phi_from_tiles,
     first_stored_state, resident_state_tile, scores_from_tiles, sequence_of_program,
@@ -451,7 +452,7 @@ def launch(config: SplitConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seql
                      chunks=(c0, c1))
 
     def loop(j: int, c0: int, c1: int) -> None:  # part j > 0 takes the state from the running buffer
-        chunk_split_state_kernel[(triton.cdiv(V, config.block_v), p.num_seqs * H)](
+        cached(chunk_split_state_kernel)[(triton.cdiv(V, config.block_v), p.num_seqs * H)](
             v, beta, h0 if j == 0 else run, run, None if wy else Ad, Wd, ws["U0"], Kd, ws["Gc"], Hd, Uc, None,
             cu_seqlens, offsets, T, c0, c1,
             H=H, K=K, V=V, C=C, BV=config.block_v, LOWP=lowp, PREC=prec, TMA=config.tma, STRIDE=config.state_stride,
@@ -459,7 +460,8 @@ def launch(config: SplitConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seql
         )
 
     def outputs(c0: int, c1: int) -> None:
-        chunk_split_output_kernel[(c1 - c0, H if varlen else p.num_seqs * H, triton.cdiv(V, config.output_block_v))](
+        cached(chunk_split_output_kernel)[(c1 - c0, H if varlen else p.num_seqs * H,
+                                           triton.cdiv(V, config.output_block_v))](
             *factor_args(q), *factor_args(k), ws["Gc"], o, Hc, Uc, cu_seqlens, idx, offsets, p.scale, T, c0,
             H=H, NF=len(q), **{n: w for n, w in width_args(p.key_widths, 16).items() if not n.startswith("BD")},
             V=V, C=C, BV=config.output_block_v, L2NORM=l2norm, LOWP=lowp, PREC=prec, STRIDE=config.state_stride,

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from . import args
 from .args import factor_args, lowp_dots, width_args
+from .launch_cache import cached
 from .blocks import (
     chunk_inputs, dot, first_stored_state, load_state_tile, phi_block, sequence_of_program, state_tile,
     unit_lower_inverse_scratch,
@@ -265,7 +266,7 @@ def run_streamed(p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm: bo
     B, T, H, V = v.shape
     o = args.empty(B, T, H, V, dtype=v.dtype, device=v.device)
     grid = (triton.cdiv(V, block_v), p.num_seqs * H)
-    chunk_streamed_kernel[grid](
+    cached(chunk_streamed_kernel)[grid](
         *factor_args(q), *factor_args(k), v, g, beta, o, h0, ht, ws.get("P"), ws.get("Ai"), cu_seqlens,
         None, None, None, None, p.scale, T,
         H=H, NF=len(q), **width_args(p.key_widths, 16), V=V, C=chunk_size, BK=block_k, BV=block_v, L2NORM=l2norm,
