@@ -28,8 +28,8 @@ per 32-row chunk at 16x16 (0.37 us per row of the forward substitution); the 16x
 time from tuned measurements of the GPU at hand.
 
 A call also costs its host: an eager call spends a fixed time in Python, the allocator and the
-launcher before its kernels start. The model adds it per kind of call (chunk prefill, recurrent
-prefill, decode step) on top of the kernels' time; :class:`Calibration` refits both, per kind,
+launcher before its kernels start, and a chunk call more for each further launch. The model adds
+it per kind of call (chunk prefill, recurrent prefill, decode step) on top of the kernels' time; :class:`Calibration` refits both, per kind,
 as measured ~ scale x kernel time + call overhead.
 """
 
@@ -71,11 +71,15 @@ DECODE_BW_EFFICIENCY = 0.8  # decode reached 70-87% of copy bandwidth on the H20
 # regret`; its JSON is in git history: one public-API call between two CUDA events, median of 10): the median of measured - modelled kernel time over the calls whose
 # kernels the model puts under a quarter of the measurement. It dwarfs target.launch_s (4 us,
 # one launch under CUDA graphs) and the kernels of every short call.
-CHUNK_CALL_S = 200e-6  # chunk prefill: input checks, variant lookup, workspace and final-state
-#   allocations, 2 launches. Median of 7 calls, 0.152-0.248 ms beyond the kernels (o3 16x16 T16
-#   B1 / B8: 0.196 / 0.265 ms measured, decode-size B1 / B32: 0.184 / 0.248 ms). The fused
-#   variant (1 launch, no workspace) shares it: its two host-dominated calls (0.217 and 0.177 ms
-#   at T16 B1 / B8) bracket the default's
+CHUNK_CALL_S = 150e-6  # chunk prefill with one launch: input checks, variant lookup, allocations;
+#   the recurrent call's (one launch too): beyond its kernels the fused form took 0.121 / 0.204 ms
+#   and the scan 0.130 / 0.179 at o3 16x16 B1 T16 in two H200 regret runs (2026-12-04)
+CHUNK_LAUNCH_CALL_S = 80e-6  # each further launch (the split form: three a pipelined part, their
+#   streams and events). The first of those runs (o3 16x16, B1 T16 / T256, eager, beyond the
+#   modelled kernels): fused (1 launch) 0.121 / 0.132 ms, resident (2) 0.233 / 0.203, split (3)
+#   0.292 / 0.517. Before: 200 us for every chunk call (median of 7 calls, 0.152-0.248 ms beyond
+#   the kernels, most with 2 launches), which put the split form's eager calls at the fused
+#   form's and chose it at T 256 (0.54 ms measured against the fused form's 0.25)
 RECURRENT_CALL_S = 150e-6  # recurrent prefill: the same checks, 2 allocations, 1 launch. o3 16x16
 #   T16 took 0.183 / 0.164 ms at B1 / B8 for 0.023 ms of modelled kernel: 0.160 / 0.141 beyond
 DECODE_CALL_S = 68e-6  # the in-place decode step: a cached launch plan, 1 allocation, 1 launch.
@@ -102,6 +106,7 @@ class Cost:
     bound: str
     source: str = "cost model"
     host_s: float = 0.0  # the call's fixed host overhead, included in ``seconds``
+    launch_host_s: float = 0.0  # the part of host_s for launches beyond the first (not calibrated)
     kind: str = "chunk"  # which call: chunk, recurrent (prefill) or decode (the in-place step)
 
     @property
@@ -111,7 +116,8 @@ class Cost:
 
     def to_dict(self) -> dict:
         return {"seconds": self.seconds, "bytes": self.bytes, "flops": self.flops, "programs": self.programs,
-                "bound": self.bound, "source": self.source, "host_s": self.host_s, "kind": self.kind}
+                "bound": self.bound, "source": self.source, "host_s": self.host_s, "kind": self.kind,
+                "launch_host_s": self.launch_host_s}
 
 
 @dataclass(frozen=True)
@@ -167,10 +173,13 @@ def _per_sm_share(programs: int, target: Target) -> float:
 
 
 def _finish(kernel_s: float, nbytes: float, flops: float, programs: int, bound: str, kind: str,
-            cal: Calibration) -> Cost:
-    """The call's cost: the calibrated kernel time plus the call's host overhead."""
-    host = cal.call_s(kind)
-    return Cost(cal.scale(kind) * kernel_s + host, nbytes, flops, programs, bound, host_s=host, kind=kind)
+            cal: Calibration, launches: int = 1) -> Cost:
+    """The call's cost: the calibrated kernel time plus the call's host overhead (a chunk call's
+    grows with its launches: :data:`CHUNK_LAUNCH_CALL_S` each beyond the first, not calibrated)."""
+    extra = CHUNK_LAUNCH_CALL_S * max(0, launches - 1) if kind == "chunk" else 0.0
+    host = cal.call_s(kind) + extra
+    return Cost(cal.scale(kind) * kernel_s + host, nbytes, flops, programs, bound, host_s=host, kind=kind,
+                launch_host_s=extra)
 
 
 def workload(spec: ModelSpec, batch: int, seq_len: int) -> Workload:
@@ -194,12 +203,14 @@ def chunk_cost(spec: ModelSpec, target: Target, batch: int, seq_len: int, config
     fill = min(1.0, fig.programs / target.sms)
     if fig.loop_elements:  # the split form: a state loop beside chunk-parallel kernels
         seconds, bound = _split_seconds(fig, target, nbytes, flops, spec)
-        return _finish(seconds + fig.launches * target.launch_s, nbytes, flops, fig.programs, bound, "chunk", cal)
+        return _finish(seconds + fig.launches * target.launch_s, nbytes, flops, fig.programs, bound, "chunk", cal,
+                       fig.launches)
     per_step = (CHUNK_ITER_S + fig.tile_visits * CHUNK_TILE_S * fig.tile_elements / CHUNK_TILE_ELEMENTS
                 + fig.solve_rows * FUSED_ROW_S)
     latency = _waves(fig.programs, target) * fig.serial_steps * per_step * _per_sm_share(fig.programs, target)
     seconds, bound = _pick(nbytes / (target.hbm_bytes_per_s * fill), flops / (_rate(spec, target) * fill), latency)
-    return _finish(seconds + fig.launches * target.launch_s, nbytes, flops, fig.programs, bound, "chunk", cal)
+    return _finish(seconds + fig.launches * target.launch_s, nbytes, flops, fig.programs, bound, "chunk", cal,
+                   fig.launches)
 
 
 def _split_seconds(fig, target: Target, nbytes: float, flops: float, spec: ModelSpec) -> tuple[float, str]:
@@ -304,7 +315,7 @@ def calibrate(predicted: dict[str, list[Cost]], measured: dict[str, list[float]]
     fields: dict = {}
     how = []
     for kind in KINDS:
-        points = [(c.kernel_s, m) for c, m in zip(predicted.get(kind, []), measured.get(kind, []))]
+        points = [(c.kernel_s, m - c.launch_host_s) for c, m in zip(predicted.get(kind, []), measured.get(kind, []))]
         scale, call, fit = fit_kind(points, base.call_s(kind))
         fields[kind], fields[f"{kind}_call_s"] = scale, call
         how.append(f"{kind}: {fit}")
