@@ -7,7 +7,7 @@ kernels' 20-30 arguments. An eager split-form prefill makes three launches a par
 it spent 524 us of host time enqueueing 163 us of kernels, at B8 532 against 345 (host-bound;
 2026-12-04). The compiled kernel's own launcher takes the arguments as they are: an eager o3
 16x16 split call at B1 T256 (one part, three launches) took 427-462 us of host time against
-499-519 through Triton's launch, a resident one at B8 T4096 (two launches) 341-361 against
+499-570 through Triton's launch, a resident one at B8 T4096 (two launches) 341-361 against
 342-409 (same process, three alternating rounds, results bit-equal; a slow host that day).
 
 A launch is recognised by everything Triton specialises on, read more finely than Triton reads
