@@ -66,6 +66,7 @@ import triton
 
 from . import args
 from .args import contiguous_inputs, factor_args, width_args
+from .launch_cache import cached
 from .chunk_backward_factors import phi_grads_to_factors_kernel
 from .chunk_backward_grads import chunk_bwd_grads_kernel
 from .chunk_backward_kept import Recomputed, recompute, workspace_dtype
@@ -520,7 +521,7 @@ def launch_backward(config: BackwardConfig, p: Problem, q, k, v, g, beta, h0, cu
         split_grads(config, p, tensors, grid, widths, l2norm)
         del tensors
     else:
-        chunk_bwd_grads_kernel[grid](
+        cached(chunk_bwd_grads_kernel)[grid](
             *factor_args(q), *factor_args(k), ws["Qw"], ws["Kw"], ws["P"], ws["Ai"], ws["Gc"], v, beta, do, Hc, dHc, Uc,
             Rc, dUc, *factor_args(dq), *factor_args(dk), dQp, dKp, dv, dg, dbeta, cu_seqlens, idx, p.scale, T,
             H=H, NF=len(q), **widths, V=V, C=C, BK=min(config.block_k, K), BV=config.grads_bv, L2NORM=l2norm,
@@ -532,7 +533,7 @@ def launch_backward(config: BackwardConfig, p: Problem, q, k, v, g, beta, h0, cu
     if stored:  # 5. phi's gradients to the factors, through the l2norm, token-parallel
         rows = B * T * H
         bt = max(1, min(256, MATERIALISE_TILE // K))  # [rows, K] fp32 tiles of 4096 elements
-        phi_grads_to_factors_kernel[(triton.cdiv(rows, bt),)](
+        cached(phi_grads_to_factors_kernel)[(triton.cdiv(rows, bt),)](
             *factor_args(q), *factor_args(k), dQp, dKp, *factor_args(dq), *factor_args(dk), rows, T, H=H,
             NF=len(q), **widths, BT=bt, L2NORM=l2norm, num_warps=4,
         )

@@ -35,6 +35,7 @@ import triton
 
 from . import args
 from .args import dot_dtype, factor_args, lowp_dots, width_args
+from .launch_cache import cached
 from .chunk_backward_streamed import recompute_streamed
 from .chunk_prepare import chunk_indices, prepare_backward
 from .chunk_split import ALL_CHUNKS, SplitConfig, chunk_split_output_kernel, chunk_split_state_kernel
@@ -106,7 +107,7 @@ def recompute(config, p: Problem, q, k, v, g, beta, h0, cu_seqlens, l2norm: bool
         Hc = args.empty(sum(n_chunks), H, K, V, dtype=dot_dtype(v), device=dev)
         Uc = args.empty(B, T, H, V, dtype=store, device=dev)
         Rc = args.empty(B, T, H, V, dtype=store, device=dev) if beta is not None else None
-        chunk_split_state_kernel[(triton.cdiv(V, bv), p.num_seqs * H)](
+        cached(chunk_split_state_kernel)[(triton.cdiv(V, bv), p.num_seqs * H)](
             v, beta, h0, ht, ws["Ai"], None, None, ws["Kw"], ws["Gc"], Hc, Uc, Rc, cu_seqlens, offsets, T, 0,
             ALL_CHUNKS,
             H=H, K=K, V=V, C=C, BV=bv, LOWP=lowp_dots(v.dtype), PREC=config.dot_precision, TMA=False, STRIDE=1,
@@ -141,7 +142,7 @@ def forward_kept(config, p: Problem, q, k, v, g, beta, h0, cu_seqlens, l2norm: b
     bv = min(split.output_block_v, max(16, triton.next_power_of_2(V)))
     programs = kept.idx.shape[0] if cu_seqlens is not None else kept.n_chunks[0]
     heads = H if cu_seqlens is not None else p.num_seqs * H
-    chunk_split_output_kernel[(programs, heads, triton.cdiv(V, bv))](
+    cached(chunk_split_output_kernel)[(programs, heads, triton.cdiv(V, bv))](
         *factor_args(q), *factor_args(k), kept.ws["Gc"], o, kept.Hc, kept.Uc, cu_seqlens, kept.idx, kept.offsets,
         p.scale, T, 0,
         H=H, NF=len(q), **{n: w for n, w in width_args(p.key_widths, 16).items() if not n.startswith("BD")},

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from . import args
 from .args import factor_args
+from .launch_cache import cached
 from .blocks import chunk_rows
 from .chunk_backward_grads import (
     register_pass, block_grads, block_state_terms, chunk_scores, cc_grads, key_gram, phi_blocks, side_norms,
@@ -213,24 +214,24 @@ def split_grads(config, p, t: GradsTensors, grid: tuple, widths: dict, l2norm: b
     # warps, the keys' at grads_warps: two CTAs an SM (98 KB shared at o3 64x64 C 64, sm_90) where 8
     # warps leave one; fwd+bwd o3 64x64 18.24 -> 17.47 ms, 32x32 (4 warps) the same (H200, 2026-12-03)
     light = min(4, config.grads_warps)
-    chunk_bwd_cc_kernel[grid](
+    cached(chunk_bwd_cc_kernel)[grid](
         *factor_args(k), ws["P"], ws["Ai"], ws["Gc"], v, beta, do, t.Uc, t.Rc, t.dUc, dGq, dGs, t.dv, t.dbeta, dc,
         t.cu_seqlens, t.idx, p.scale, T, **consts, num_warps=light, num_stages=config.grads_stages,
     )
     if registers:
         consts["BV"] = config.grads_bv
         for side, dx in enumerate((t.dq, t.dk)):
-            chunk_bwd_side_kernel[grid](
+            cached(chunk_bwd_side_kernel)[grid](
                 *factor_args(q), *factor_args(k), ws["Gc"], do, t.Hc, t.dHc, t.Uc, t.dv, dGq, dGs, *factor_args(dx),
                 dc_part, t.cu_seqlens, t.idx, p.scale, T, rows, **consts, SIDE=side,
                 num_warps=config.grads_warps if side else light,
                 num_stages=config.grads_stages,
             )
     else:
-        chunk_bwd_key_block_kernel[(*grid, nkb)](
+        cached(chunk_bwd_key_block_kernel)[(*grid, nkb)](
             *factor_args(q), *factor_args(k), ws["Qw"], ws["Kw"], ws["Gc"], do, t.Hc, t.dHc, t.Uc, t.dv, dGq, dGs,
             t.dQp, t.dKp, dc_part, t.cu_seqlens, t.idx, p.scale, T, rows, **consts, num_warps=config.grads_warps,
             num_stages=config.grads_stages,
         )
     if g is not None:
-        chunk_bwd_dg_kernel[grid](dc, dc_part, t.dg, t.cu_seqlens, t.idx, T, rows, H=H, C=C, NKB=parts, num_warps=4)
+        cached(chunk_bwd_dg_kernel)[grid](dc, dc_part, t.dg, t.cu_seqlens, t.idx, T, rows, H=H, C=C, NKB=parts, num_warps=4)

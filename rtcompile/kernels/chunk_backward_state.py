@@ -12,6 +12,7 @@ import triton.language as tl
 
 from . import args
 from .args import dot_dtype, lowp_dots
+from .launch_cache import cached
 from .blocks import dot, first_stored_state, resident_state_tile, sequence_of_program
 from .chunk_backward_grads import stored_log_decay
 from .chunk_backward_kept import Recomputed, prefetch_state_tiles, workspace_dtype
@@ -89,7 +90,7 @@ def state_grads(config, p: Problem, q, k, v, beta, h0, cu_seqlens, l2norm: bool,
     dHc = args.empty(sum(kept.n_chunks), H, K, V, dtype=dot_dtype(v), device=v.device)
     dUc = args.empty(B, T, H, V, dtype=store, device=v.device)
     dh0 = args.empty(p.state_shape, dtype=torch.float32, device=v.device) if h0 is not None else None
-    chunk_bwd_state_kernel[(triton.cdiv(V, bv), p.num_seqs * H)](
+    cached(chunk_bwd_state_kernel)[(triton.cdiv(V, bv), p.num_seqs * H)](
         ws["Qw"], ws["Kw"], ws["P"], ws["Ai"], ws["Gc"], beta, do, dht, dh0, dHc, dUc, cu_seqlens, kept.offsets,
         p.scale, T, H=H, K=K, V=V, C=C, BV=bv, LOWP=lowp_dots(v.dtype), PREC=config.dot_precision,
         num_warps=config.num_warps, num_stages=config.num_stages,

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from . import args
 from .args import dot_dtype, factor_args, lowp_dots, width_args
+from .launch_cache import cached
 from .blocks import dot, first_stored_state, phi_block, phi_inv_norm, sequence_of_program, state_tile
 from .chunk_backward_grads import stored_log_decay
 from .chunk_streamed import chunk_streamed_kernel
@@ -223,7 +224,7 @@ def recompute_streamed(p: Problem, q, k, v, g, beta, *, h0, cu_seqlens, offsets,
     if ht is None:
         ht = args.empty(p.state_shape, dtype=torch.float32, device=dev)  # the running state
     grid = (triton.cdiv(V, block_v), p.num_seqs * H)
-    chunk_streamed_kernel[grid](
+    cached(chunk_streamed_kernel)[grid](
         *factor_args(q), *factor_args(k), v, g, beta, o, h0, ht, ws["P"], ws["Ai"], cu_seqlens,
         Hc, Uc, Rc, offsets, p.scale, T,
         H=H, NF=len(q), **width_args(p.key_widths, 16), V=V, C=chunk_size, BK=block_k, BV=block_v, L2NORM=l2norm,
@@ -250,7 +251,7 @@ def state_grads_streamed(p: Problem, q, k, beta, do, dht, *, ws: dict, cu_seqlen
     # the running gradient; after chunk 0 it is d(initial state), every element written
     dS = args.empty(p.state_shape, dtype=torch.float32, device=dev)
     grid = (triton.cdiv(V, block_v), p.num_seqs * H)
-    chunk_bwd_state_streamed_kernel[grid](
+    cached(chunk_bwd_state_streamed_kernel)[grid](
         *factor_args(q), *factor_args(k), ws["P"], ws["Ai"], ws["Gc"], beta, do, dht, dS, dHc, dUc, cu_seqlens,
         offsets, scale, T, H=H, NF=len(q), **width_args(p.key_widths, 16), V=V, C=chunk_size, BK=block_k,
         BV=block_v, L2NORM=l2norm, LOWP=lowp_dots(do.dtype), PREC=precision,

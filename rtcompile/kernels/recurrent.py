@@ -35,6 +35,7 @@ import triton.language as tl
 
 from . import args
 from .args import factor_args, width_args
+from .launch_cache import cached
 from .config import (
     DEFAULT_SMEM_BYTES, MAX_REGS_PER_THREAD, CostFigures, KernelConfig, KernelShape, Workload, estimate_registers,
     next_pow2,
@@ -383,7 +384,7 @@ def launch(config: RecurrentConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_
                          "allowed: a [N, H, d_1, ..., d_v] fp32 buffer")
     grid, consts = launch_consts(p, l2norm, config)
     o = args.empty(v.shape, dtype=v.dtype, device=v.device)
-    fused_recurrent_running_tensor_fwd_kernel[grid](
+    cached(fused_recurrent_running_tensor_fwd_kernel)[grid](
         *factor_args(q), *factor_args(k), v, g, beta, o, h0, ht, state_indices, cu_seqlens, p.scale, p.seq_len,
         p.num_seqs if state_indices is None else (h0 if h0 is not None else ht).shape[0], **consts,
     )
