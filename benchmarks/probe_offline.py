@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import json
 import os
 import re
@@ -124,8 +123,10 @@ def main(argv=None) -> int:
     try:
         base = default_backward(KernelShape(shape.key_widths, 64, 2), H200_SMEM) if args.backward \
             else default_config("chunk", shape, H200_SMEM)
-        variant = dataclasses.replace(base, **changes)
-    except TypeError as exc:
+        # through from_dict: a value of the wrong type (--set tma=False is the string "False",
+        # which replace() took as a true flag) is refused, naming the field
+        variant = type(base).from_dict({**base.to_dict(), **changes})
+    except (TypeError, ValueError) as exc:
         print(f"probe_offline: --set: {exc}", file=sys.stderr)
         return 2
     B, T, H = 1, 256, 8

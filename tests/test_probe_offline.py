@@ -48,3 +48,9 @@ def test_default_compiles_for_sm90_offline():
 def test_bad_field_is_a_usage_error():
     out = _run("--set", "no_such_field=1")
     assert out.returncode == 2 and "no_such_field" in out.stderr
+
+
+def test_wrongly_typed_value_is_a_usage_error():
+    """--set tma=False is the string "False" (JSON spells it false): refused, not taken as true."""
+    out = _run("--set", "tma=False")
+    assert out.returncode == 2 and "tma" in out.stderr and "expected bool" in out.stderr

@@ -13,7 +13,9 @@ it spent 524 us of host time enqueueing 163 us of kernels, at B8 532 against 345
 A launch is recognised by everything Triton specialises on, read more finely than Triton reads
 it: the grid, the constexprs and options, and per argument None, a tensor's dtype, device and
 16-byte alignment, an integer's ``== 1``, ``% 16 == 0`` and width, a float, a bool's value, a
-tensor descriptor's base (as a tensor), block shape, shape and strides. Invariant: a key maps to
+tensor descriptor's base (as a tensor), block shape, shape and strides (Triton's runtime knobs,
+debug and instrumentation, are not: a launch remembered before they change keeps its kernel,
+until :func:`clear`). Invariant: a key maps to
 the kernel Triton compiled for the first call with that key, and any two calls with one key get
 the same compiled kernel from Triton (every property Triton specialises on is in the key). An
 argument of another kind, the interpreter, or a kernel that did not come back compiled leaves
