@@ -29,8 +29,8 @@ time from tuned measurements of the GPU at hand.
 
 A call also costs its host: an eager call spends a fixed time in Python, the allocator and the
 launcher before its kernels start, and a chunk call more for each further launch. The model adds
-it per kind of call (chunk prefill, recurrent prefill, decode step) on top of the kernels' time; :class:`Calibration` refits both, per kind,
-as measured ~ scale x kernel time + call overhead.
+it per kind of call (chunk prefill, recurrent prefill, decode step) on top of the kernels' time;
+:class:`Calibration` refits both, per kind, as measured ~ scale x kernel time + call overhead.
 """
 
 from __future__ import annotations

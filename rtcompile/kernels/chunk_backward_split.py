@@ -234,4 +234,5 @@ def split_grads(config, p, t: GradsTensors, grid: tuple, widths: dict, l2norm: b
             num_stages=config.grads_stages,
         )
     if g is not None:
-        cached(chunk_bwd_dg_kernel)[grid](dc, dc_part, t.dg, t.cu_seqlens, t.idx, T, rows, H=H, C=C, NKB=parts, num_warps=4)
+        cached(chunk_bwd_dg_kernel)[grid](dc, dc_part, t.dg, t.cu_seqlens, t.idx, T, rows, H=H, C=C, NKB=parts,
+                                          num_warps=4)

@@ -74,8 +74,9 @@ def run_parts(bounds: list[tuple[int, int]], prepare: Callable[[int, int], None]
         return
     # Stream switches by set_stream and orderings by events made once: with a stream context and
     # wait_stream (a new event each) per launch, two parts cost 134-191 us of host time with
-    # no-op launches on the H200 machine, 53 us this way (2026-12-04, same process). An event is re-recorded only after the waits on its last record were enqueued,
-    # and a wait orders against the record before it, so reuse cannot reorder a later call.
+    # no-op launches on the H200 machine, 53 us this way (2026-12-04, same process). An event is
+    # re-recorded only after the waits on its last record were enqueued, and a wait orders
+    # against the record before it, so reuse cannot reorder a later call.
     main = torch.cuda.current_stream(device)
     s_prep, s_loop, s_out = streams
     events = _events(main.device_index, 2 * len(bounds) + 2)
