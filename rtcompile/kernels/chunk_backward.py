@@ -66,7 +66,6 @@ import triton
 
 from . import args
 from .args import contiguous_inputs, factor_args, width_args
-from .launch_cache import cached
 from .chunk_backward_factors import phi_grads_to_factors_kernel
 from .chunk_backward_grads import chunk_bwd_grads_kernel
 from .chunk_backward_kept import Recomputed, recompute, workspace_dtype
@@ -81,6 +80,7 @@ from .config import (
     resource_refusal,
 )
 from .inputs import Problem, check_inputs
+from .launch_cache import cached
 
 MAX_KEY_DIM = 256
 BWD_CHUNK_SIZES = (16, 32, 64)

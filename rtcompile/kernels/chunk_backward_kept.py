@@ -35,11 +35,11 @@ import triton
 
 from . import args
 from .args import dot_dtype, factor_args, lowp_dots, width_args
-from .launch_cache import cached
 from .chunk_backward_streamed import recompute_streamed
 from .chunk_prepare import chunk_indices, prepare_backward
 from .chunk_split import ALL_CHUNKS, SplitConfig, chunk_split_output_kernel, chunk_split_state_kernel
 from .inputs import Problem
+from .launch_cache import cached
 
 
 @dataclass

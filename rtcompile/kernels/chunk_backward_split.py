@@ -27,12 +27,12 @@ import triton.language as tl
 
 from . import args
 from .args import factor_args
-from .launch_cache import cached
 from .blocks import chunk_rows
 from .chunk_backward_grads import (
     register_pass, block_grads, block_state_terms, chunk_scores, cc_grads, key_gram, phi_blocks, side_norms,
     side_tiles, value_pass, stored_log_decay,
 )
+from .launch_cache import cached
 
 
 @triton.jit

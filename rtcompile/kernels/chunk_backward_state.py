@@ -12,12 +12,12 @@ import triton.language as tl
 
 from . import args
 from .args import dot_dtype, lowp_dots
-from .launch_cache import cached
 from .blocks import dot, first_stored_state, resident_state_tile, sequence_of_program
 from .chunk_backward_grads import stored_log_decay
 from .chunk_backward_kept import Recomputed, prefetch_state_tiles, workspace_dtype
 from .chunk_backward_streamed import state_grads_streamed
 from .inputs import Problem
+from .launch_cache import cached
 
 
 @triton.jit

@@ -32,12 +32,12 @@ import triton.language as tl
 
 from . import args
 from .args import dot_dtype, factor_args, lowp_dots, width_args
-from .launch_cache import cached
 from .blocks import dot, first_stored_state, phi_block, phi_inv_norm, sequence_of_program, state_tile
 from .chunk_backward_grads import stored_log_decay
 from .chunk_streamed import chunk_streamed_kernel
 from .config import KernelShape, is_pow2
 from .inputs import Problem
+from .launch_cache import cached
 
 
 # ----- the streamed state-gradient loop -----

@@ -19,12 +19,12 @@ import triton.language as tl
 
 from . import args
 from .args import dot_dtype, factor_args, lowp_dots, width_args
-from .launch_cache import cached
 from .blocks import (
     chunk_log_decay, chunk_rows, chunk_scores, dot, phi_block, phi_inv_norm, unit_lower_inverse_tiles,
 )
 from .config import next_pow2, stores_inverse
 from .inputs import Problem
+from .launch_cache import cached
 
 
 @triton.jit

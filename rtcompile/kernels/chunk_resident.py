@@ -24,7 +24,6 @@ import triton.language as tl
 
 from . import args
 from .args import factor_args, lowp_dots, width_args
-from .launch_cache import cached
 from .blocks import (
     chunk_inputs, dot, factor_tiles, floored_cumsum, load_row_inputs, load_state_tile, load_wy, phi_block,
     phi_from_tiles, sequence_of_program, unit_lower_inverse_scratch,
@@ -36,6 +35,7 @@ from .config import (
     estimate_registers, next_pow2, resource_refusal, two_kernel_workspace,
 )
 from .inputs import Problem
+from .launch_cache import cached
 from .reference import L2NORM_EPS, l2normalize
 
 # materialised keys cost 2 x 2 K bytes per token-head; above K = 256 the resident state tile does

@@ -19,7 +19,6 @@ import triton.language as tl
 
 from . import args
 from .args import dot_dtype, factor_args, lowp_dots, width_args
-from .launch_cache import cached
 from .blocks import (
     chunk_of_program, dot, factor_tiles, load_row_inputs, load_state_tile, one_side_tiles, phi_from_tiles,
     first_stored_state, resident_state_tile, scores_from_tiles, sequence_of_program,
@@ -32,6 +31,7 @@ from .config import (
     resource_refusal, stores_inverse, wy_workspace,
 )
 from .inputs import Problem
+from .launch_cache import cached
 from .pipeline import PIPELINE_PARTS, part_bounds, run_parts
 
 OUTPUT_BLOCK_VS = (16, 32, 64)

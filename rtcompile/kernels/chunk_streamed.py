@@ -19,7 +19,6 @@ import triton.language as tl
 
 from . import args
 from .args import factor_args, lowp_dots, width_args
-from .launch_cache import cached
 from .blocks import (
     chunk_inputs, dot, first_stored_state, load_state_tile, phi_block, sequence_of_program, state_tile,
     unit_lower_inverse_scratch,
@@ -31,6 +30,7 @@ from .config import (
     estimate_registers, resource_refusal, streamed_live_elements, two_kernel_workspace,
 )
 from .inputs import Problem
+from .launch_cache import cached
 
 
 @dataclass(frozen=True)

@@ -35,13 +35,13 @@ import triton.language as tl
 
 from . import args
 from .args import factor_args, width_args
-from .launch_cache import cached
 from .config import (
     DEFAULT_SMEM_BYTES, MAX_REGS_PER_THREAD, CostFigures, KernelConfig, KernelShape, Workload, estimate_registers,
     next_pow2,
 )
 from .blocks import load_state_tile, phi_gather, phi_inv_norm, phi_row_outer
 from .inputs import Problem
+from .launch_cache import cached
 
 
 @dataclass(frozen=True)
