@@ -5,7 +5,8 @@ clock, no host sync inside the timed region) and the wall clock elsewhere.
 allocator, Triton's launcher) is in it. :func:`graph_replay_seconds` captures calls in one CUDA
 graph and times the replays: the device time of the work alone, what a graph-captured
 deployment pays. :func:`kernel_seconds` takes the graph where capture works, else the eager
-median, and says which.
+median, and says which; :func:`as_replayed` gives a call's result as that graph computes it (what
+a check of the timed work must see).
 """
 
 from __future__ import annotations
@@ -38,6 +39,35 @@ def median_seconds(fn: Callable[[], Any], device: str = "cuda", repeats: int = 1
             fn()
             samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
+
+
+def as_replayed(fn: Callable[[], Any], device: str = "cuda") -> Any:
+    """``fn()``'s result as a replay of it captured in a CUDA graph computes it, what
+    :func:`kernel_seconds` times (a call may launch other kernels while captured: the split
+    form's pipelined parts run only then); the eager result off CUDA or where capture fails.
+    The result's tensors are copies of the graph's outputs after its one replay."""
+    if not str(device).startswith("cuda"):
+        return fn()
+    import torch
+    from torch.utils._pytree import tree_map
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # lazy initialisation outside the capture (as below)
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            out = fn()
+    except Exception:  # noqa: BLE001 -- capture failed: the eager call is what gets timed then
+        torch.cuda.synchronize()
+        return fn()
+    graph.replay()
+    copy = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, out)
+    torch.cuda.synchronize()
+    return copy
 
 
 def graph_replay_seconds(calls: Sequence[Callable[[], Any]], n_calls: int, repeats: int) -> float:

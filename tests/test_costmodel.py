@@ -70,7 +70,7 @@ def test_every_call_carries_its_kinds_overhead():
     costs = {"chunk": chunk_cost(spec, H200, 8, 16, chunk), "recurrent": recurrent_cost(spec, H200, 8, 16, rec),
              "decode": recurrent_cost(spec, H200, 8, 1, rec, step=True)}
     launches = chunk.figures(workload(spec, 8, 16)).launches
-    assert launches == 3  # one pipelined part at T 16
+    assert launches == 3  # the split form's three kernels (an eager call runs one part)
     expected = {"chunk": CHUNK_CALL_S + 2 * CHUNK_LAUNCH_CALL_S, "recurrent": RECURRENT_CALL_S,
                 "decode": DECODE_CALL_S}
     for kind, c in costs.items():
@@ -155,8 +155,9 @@ def test_plan_json_keeps_the_calibration_and_reads_files_from_before_it(tmp_path
 # reproduce them, except the split form, which now pays its third launch (4 us).
 # o2 64's default became the split form (H200: 0.295 against 0.343 ms for the resident one, which
 # stays pinned as its two-kernel sibling); its fused sibling is now the split default's (C 16),
-# pinned at the same figure as o3 16x16's. Since 2026-12-04 the split defaults run in pipelined
-# parts, three launches each: o3 16x16 two parts (6 launches); o2 64 four parts of C 32 (12).
+# pinned at the same figure as o3 16x16's. The split form counts three launches: the model prices
+# an eager call, which runs one part (pipelined parts run in CUDA-graph captures only; the pins
+# counted 6 launches for o3 16x16's two parts and 12 for o2 64's four, 4 us each, until 2026-12-04).
 # Since 2026-12-04 the split form has a model of its own (its state loop's step latency plus its
 # chunk-parallel kernels' bytes, costmodel.SPLIT_*): o2 64 0.388 ms of kernels predicted (0.84
 # before; 0.273 measured on the H200 with CUDA graphs), o3 16x16 0.394 (0.522; 0.349), each plus
@@ -164,8 +165,8 @@ def test_plan_json_keeps_the_calibration_and_reads_files_from_before_it(tmp_path
 PINNED_CHUNK_CALL_S = 200e-6  # every chunk call's host overhead then (now by launch count: test above)
 PINNED = {
     ((64,), "resident"): 0.0013984, ((64,), "fused"): 0.0021048, ((64,), "recurrent"): 7.44e-05,
-    ((64,), "split"): 0.000588250204,
-    ((16, 16), "split"): 0.000594450169, ((16, 16), "fused"): 0.0021048, ((16, 16), "recurrent"): 8.0764e-05,
+    ((64,), "split"): 0.000552250204,
+    ((16, 16), "split"): 0.000582450169, ((16, 16), "fused"): 0.0021048, ((16, 16), "recurrent"): 8.0764e-05,
     ((32, 32), "streamed"): 0.0017344, ((32, 32), "fused"): 0.00194352, ((32, 32), "recurrent"): 1.0698693e-04,
     ((64, 64), "streamed"): 0.0054208, ((64, 64), "fused"): 0.00562992, ((64, 64), "recurrent"): 2.8176667e-04,
 }
@@ -210,7 +211,7 @@ def test_cost_is_the_configs_figures_in_seconds():
     shape, work = shape_of(spec), workload(spec, 8, 4096)
     split = default_config("chunk", shape, H200.smem_per_sm)
     fig = split.figures(work)
-    assert isinstance(split, SplitConfig) and fig.launches == 3 * split.pipeline == 6  # three per part
+    assert isinstance(split, SplitConfig) and split.pipeline == 2 and fig.launches == 3  # an eager call: one part
     c = chunk_cost(spec, H200, 8, 4096, split, NO_HOST)
     io = c.bytes - fig.state_passes * spec.state_bytes_per_layer * 8 - 2 * fig.workspace_bytes
     assert io == pytest.approx(io_bytes_per_token(spec) * 8 * 4096)

@@ -24,6 +24,7 @@ from rtcompile.kernels.config import KernelShape
 from rtcompile.kernels.forms import candidates, low_memory
 from rtcompile.kernels.inputs import check_inputs
 from rtcompile.kernels import pipeline
+from rtcompile.timing import as_replayed
 
 from conftest import make_inputs, rel_err
 
@@ -239,6 +240,33 @@ FINAL_STATE_OFF = {
     "split-pipeline": SplitConfig(16, 16, state_stride=2, pipeline=4),  # parts pass the state in a buffer
     "split-wy-pipeline": SplitConfig(16, 16, wy=True, pipeline=2),
 }
+
+
+@pytest.mark.parametrize("capturing, expected", [(False, False), (True, True)], ids=["eager", "capturing"])
+def test_parts_run_in_graph_captures_only(monkeypatch, capturing, expected):
+    """A CUDA call runs its pipelined parts only while a graph is captured (an eager call is
+    host-bound: each part adds three launches); off CUDA (the interpreter) they always run."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    assert pipeline.parts_pay(torch.device("cuda")) is expected
+    assert pipeline.parts_pay(torch.device("cpu"))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_parts_in_a_graph_equal_the_eager_call_in_one_part(monkeypatch):
+    """The same pipelined config eager (one part) and as a CUDA-graph replay computes it (two
+    parts on the side streams; what the tuner checks and times): outputs and final state
+    bit-equal, and each ran the parts the rule gives."""
+    config = SplitConfig(16, 16, tma=True, key_group=2, state_stride=2, pipeline=2)
+    parts = []
+    run_parts = chunk_split.run_parts
+    monkeypatch.setattr(chunk_split, "run_parts", lambda bounds, *a: (parts.append(len(bounds)), run_parts(bounds, *a)))
+    dev, _, s0 = case(2, 77, 2, (16, 16), 8, torch.bfloat16, state=True)
+    h0 = s0.to(DEVICE)  # outside the capture: a copy from host memory cannot be captured
+    call = lambda: run_form(config, *dev, h0=h0, l2norm=True)  # noqa: E731
+    o_eager, s_eager = call()
+    o_graph, s_graph = as_replayed(call, DEVICE)
+    assert parts == [1, 1, 2]  # eager, the warm-up before the capture, the capture
+    assert torch.equal(o_graph, o_eager) and torch.equal(s_graph, s_eager)
 
 
 @pytest.mark.parametrize("form", FINAL_STATE_OFF.keys())

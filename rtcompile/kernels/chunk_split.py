@@ -32,7 +32,7 @@ from .config import (
 )
 from .inputs import Problem
 from .launch_cache import cached
-from .pipeline import PIPELINE_PARTS, part_bounds, run_parts
+from .pipeline import PIPELINE_PARTS, part_bounds, parts_pay, run_parts
 
 OUTPUT_BLOCK_VS = (16, 32, 64)
 STATE_STRIDES = (1, 2, 4)
@@ -63,7 +63,8 @@ class SplitConfig(KernelConfig):
     8x8 ran 0.316 ms, its default since). ``pipeline``: the sequence cut into this many parts
     (whole windows of ``state_stride`` chunks; varlen calls run one), the prepare kernel of the
     next part and the output kernel of the last running on side streams while the state loop
-    walks a part (``pipeline.py``). ``wy`` (delta rule; ignored without it): the prepare
+    walks a part (``pipeline.py``); in CUDA-graph captures only (and the interpreter): an eager
+    call on a GPU runs one part (``pipeline.parts_pay``). ``wy`` (delta rule; ignored without it): the prepare
     kernel also applies the solve, W = Ai diag(b Gamma) phi(K) and U0 = Ai diag(b) V, so the
     state loop forms U = U0 - W S: two products on its serial chain instead of three, for W's
     [T, K] and U0's [T, V] fp32 more workspace traffic.
@@ -192,11 +193,12 @@ class SplitConfig(KernelConfig):
         return len(part_bounds(chunks, self.pipeline, self.state_stride)) if chunks > 0 else 1
 
     def figures(self, w: Workload) -> CostFigures:
-        # three launches per part, as many parts as the workload's chunks allow (the overlap of
-        # the parts' kernels is not modelled); the state loop apart from the chunk-parallel kernels
+        # three launches: the cost model prices an eager call (its host time), which runs one
+        # part (pipeline.parts_pay; the parts' overlap in a graph is not modelled); the state
+        # loop apart from the chunk-parallel kernels
         return CostFigures(programs=chunk_programs(w, self.block_v), serial_steps=chunk_count(w, self.chunk_size),
                            state_passes=2, workspace_bytes=self.workspace_bytes(w),
-                           launches=3 * self._parts(w) + 2 * self.materialise,
+                           launches=3 + 2 * self.materialise,
                            loop_elements=self.chunk_size * w.shape.key_dim_pow2)
 
 
@@ -430,8 +432,10 @@ def launch(config: SplitConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seql
         idx = chunk_indices(p, C, v.device)
         offsets = torch.tensor([0, *itertools.accumulate(n_states)], dtype=torch.int32).to(v.device)
     # varlen sequences end at different chunks: one part over every (sequence, chunk) pair, whose
-    # count also bounds each sequence's chunks in the loop
-    bounds = [(0, idx.shape[0])] if varlen else part_bounds(n_chunks[0], config.pipeline, config.state_stride)
+    # count also bounds each sequence's chunks in the loop. Pipelined parts only in CUDA-graph
+    # captures and the interpreter (pipeline.parts_pay): an eager call is host-bound
+    n_parts = config.pipeline if parts_pay(v.device) else 1
+    bounds = [(0, idx.shape[0])] if varlen else part_bounds(n_chunks[0], n_parts, config.state_stride)
     parts = len(bounds) > 1
     run = ht if ht is not None or not parts else args.empty(p.state_shape, dtype=torch.float32, device=v.device)
     ws = keys_workspace(config, p, v, g, beta)
