@@ -33,14 +33,6 @@ def needs_grad(*xs) -> bool:
     return False
 
 
-def _short_eager(v, chunk_size) -> bool:
-    """Whether "auto" runs this call in the recurrent form, asked only of a plain int T: the
-    chunk form (from one chunk on) keeps no plan, so a prefill would pay the key (~5 us) for
-    nothing; a traced T (torch.export, a SymInt) must not be compared here (that guards it)."""
-    T = v.shape[1] if isinstance(v, torch.Tensor) and v.dim() == 4 else None
-    return type(T) is int and isinstance(chunk_size, (int, type(None))) and T < (chunk_size or DEFAULT_CHUNK)
-
-
 def running_tensor(
     q: Sequence[torch.Tensor],
     k: Sequence[torch.Tensor],
@@ -96,10 +88,11 @@ def running_tensor(
     Returns:
         ``(o, final_state)``: o ``[B, T, H, d_v]`` in v's dtype; final_state or ``None``.
 
-    Eager recurrent calls on the Triton backend without grad (a decode step through this API)
-    keep a launch plan per argument signature (shapes, dtypes, devices, contiguity, flags, the
-    tuned table's generation): a later call with the same signature skips the checks and the
-    config lookup, which it cannot change (``kernels/launch.py``'s ``CallPlan``).
+    Eager calls on the Triton backend without grad and without ``cu_seqlens`` or ``plan`` (a
+    decode step or a prefill through this API) keep a launch plan per argument signature (shapes,
+    dtypes, devices, contiguity, flags, the tuned table's generation): a later call with the same
+    signature skips the checks and the config lookup, which it cannot change
+    (``kernels/launch.py``'s ``CallPlan``).
 
     Order 2 (one factor) is gated (delta) linear attention with flash-linear-attention's
     conventions. ``mode="auto"`` follows ``plan`` when given; without one it picks chunk for
@@ -107,9 +100,9 @@ def running_tensor(
     ``torch.export`` and ``torch.compile(dynamic=True)`` keep T symbolic over its whole range).
     """
     plan_key = None
-    if cu_seqlens is None and plan is None and mode in ("recurrent", "auto") and backend != "reference" \
-            and not torch.compiler.is_compiling() and (mode == "recurrent" or _short_eager(v, chunk_size)):
-        # the eager recurrent fast path (a decode step through this API): a call whose
+    if cu_seqlens is None and plan is None and mode in MODES and backend != "reference" \
+            and not torch.compiler.is_compiling():
+        # the eager fast path (a decode step or a prefill through this API): a call whose
         # signature a validated call already had runs that call's plan (kernels/launch.py)
         launch = _LAUNCH or _launch_module()
         try:
@@ -184,7 +177,7 @@ def running_tensor(
 
         return fwd_checked(p, q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
                            l2norm=l2norm, cu_seqlens=cu_seqlens, mode=mode, chunk_size=chunk_size, variant=variant,
-                           plan_key=plan_key if mode == "recurrent" else None)
+                           plan_key=plan_key)
     if backend == "triton" and grad and mode == "chunk" and variant is None and not _tracing(v):
         # an eager training call whose backward config keeps its forward (keep_forward)
         from .kernels.ops import kept_training_call

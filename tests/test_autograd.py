@@ -25,6 +25,7 @@ import rtcompile
 from rtcompile import functional
 from rtcompile.kernels import launch, running_tensor_recurrent_ref
 from rtcompile.kernels.chunk_resident import ResidentConfig
+from rtcompile.kernels.decode_plan import PlanCache
 from rtcompile.kernels.ops import running_tensor_bwd_op, running_tensor_fwd_op
 from rtcompile.kernels.recurrent import RecurrentConfig
 
@@ -267,6 +268,7 @@ def test_standin_triton_refused_problem_raises_naming_the_reason(bwd, monkeypatc
     launches = []
     inner = launch.fwd_checked
     monkeypatch.setattr(launch, "fwd_checked", lambda *a, **kw: launches.append(1) or inner(*a, **kw))
+    monkeypatch.setattr(launch, "CALL_PLANS", PlanCache())  # no plan from an earlier test
     with torch.no_grad():  # no grad: the backward's support does not matter
         rtcompile.running_tensor(q, k, v, g, beta, mode="chunk", backend="triton", variant=CHUNK16)
     assert launches == [1]
@@ -276,7 +278,10 @@ def test_absent_backward_module_is_a_clear_refusal(monkeypatch):
     """A build without chunk_backward: "triton" + grad names the absent module; "auto" falls
     back to the reference; no grad is untouched."""
     monkeypatch.setitem(sys.modules, MODULE, None)  # import now raises ModuleNotFoundError
-    launches = []  # every launch, eager fast path included, passes through fwd_checked
+    # every launch passes through fwd_checked but a repeated signature's, which its call plan
+    # runs: no plans from earlier tests here
+    monkeypatch.setattr(launch, "CALL_PLANS", PlanCache())
+    launches = []
     inner = launch.fwd_checked
     monkeypatch.setattr(launch, "fwd_checked", lambda *a, **kw: launches.append(1) or inner(*a, **kw))
     q, k, v, g, beta, _ = _leaves(state=False)

@@ -1,4 +1,4 @@
-"""The eager recurrent fast path of the public ``running_tensor`` (a model's decode step through
+"""The eager fast path of the public ``running_tensor`` (a model's decode step or prefill through
 the public API, issue 21): a call whose signature an earlier validated call had runs that call's
 plan (``kernels/launch.py``'s ``CallPlan``) without re-validating; anything else takes the full
 path. Interpreter (or a GPU), tiny shapes, outputs poisoned."""
@@ -137,20 +137,21 @@ def test_strided_slices_of_a_fused_projection_equal_contiguous_inputs(fresh):
     assert len(CALL_PLANS) == 2 and len(fresh) == 2
 
 
-def test_auto_mode_prefill_takes_no_plan_key(monkeypatch):
-    """mode "auto" from one chunk on runs the chunk form, which keeps no plan: such a call does
-    not build the key (host time a prefill would pay for nothing); a shorter one does."""
-    import rtcompile.kernels.launch as launch
-
-    keys = []
-    real = launch.call_key
-    monkeypatch.setattr(launch, "call_key", lambda head, tensors: keys.append(tensors[-4].shape[1]) or real(head, tensors))
-    for T in (16, 3):
-        q, k, v, g, beta, _ = make_inputs(1, T, 1, (16,), 16, dtype=torch.float32)
-        d = lambda x: x.to(DEVICE)
-        running_tensor([d(x) for x in q], [d(x) for x in k], d(v), d(g), d(beta), mode="auto", chunk_size=16,
-                       backend="triton")
-    assert keys == [3]
+@pytest.mark.parametrize("mode", ["chunk", "auto"])
+def test_chunk_calls_keep_plans_too(fresh, mode):
+    """A prefill (T 37 in chunks of 16, a partial last one; "auto" picks the chunk form there):
+    the first call validates and keeps a plan, the next two run it; every output and final
+    state equals the float64 recurrence."""
+    q, k, v, g, beta, s0 = make_inputs(2, 37, 2, (4, 4), 8, dtype=torch.float64, state=True)
+    d = lambda x: x.float().to(DEVICE)  # noqa: E731
+    want_o, want_s = running_tensor_recurrent_ref([_cut(x) for x in q], [_cut(x) for x in k], _cut(v), _cut(g),
+                                                  _cut(beta), initial_state=_cut(s0), output_final_state=True,
+                                                  l2norm=True)
+    for _ in range(3):
+        o, s = running_tensor([d(x) for x in q], [d(x) for x in k], d(v), d(g), d(beta), initial_state=d(s0),
+                              output_final_state=True, l2norm=True, mode=mode, chunk_size=16, backend="triton")
+        assert rel_err(o.cpu(), want_o) < TOL and rel_err(s.cpu(), want_s) < TOL
+    assert len(fresh) == 1 and len(CALL_PLANS) == 1
 
 
 # ----- the plan caches' key-free recognition (decode_plan.PlanCache) ---------------------------

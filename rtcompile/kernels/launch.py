@@ -186,7 +186,7 @@ def fwd_checked(p: Problem, q, k, v, g, beta, *, initial_state, output_final_sta
     check_layout(p, q, k, v, g, beta, initial_state, cu_seqlens)
     kernel = "chunk" if mode == "chunk" else "recurrent"
     config = resolve_config(kernel, variant, p, v.device, chunk_size if kernel == "chunk" else None)
-    if plan_key is not None and kernel == "recurrent" and cu_seqlens is None:
+    if plan_key is not None and cu_seqlens is None:
         plan = CallPlan(p, config, l2norm, copy=not args.all_contiguous(*q, *k, v, g, beta, initial_state),
                         initial_state=initial_state)
         CALL_PLANS.remember(plan_key, plan)
@@ -200,34 +200,45 @@ def fwd_checked(p: Problem, q, k, v, g, beta, *, initial_state, output_final_sta
     return o, (ht if output_final_state else None)
 
 
-# ----- the eager recurrent call's host path --------------------------------------------------
+# ----- the eager call's host path ------------------------------------------------------------
 # A recurrent call at T = 1 (a model's decode step through the public API) runs its kernel for a
 # few microseconds; validating and resolving its config again each call cost 22 us of Python on
-# the idle CPU machine, 11 us with the plan (benchmarks/serving_host.py, launches stubbed). As for
-# the decode step, a plan found once per argument signature is reused; the signature holds everything the checks and the config depend
-# on (shapes, dtypes, devices, contiguity, flags, the tuned table's generation).
+# the idle CPU machine, 11 us with the plan (benchmarks/serving_host.py, launches stubbed). A
+# chunk call (an eager prefill) is host-bound too: its checks and config resolution took ~130 of
+# the ~450 us of Python of an o3 16x16 split call at B1 T1024 there (launches stubbed). As for
+# the decode step, a plan found once per argument signature is reused; the signature holds
+# everything the checks and the config depend on (shapes, dtypes, devices, contiguity, flags,
+# the tuned table's generation).
 
 
 class CallPlan:
-    """A validated eager recurrent call of ``running_tensor``: the kernel's launch plan (a
-    :class:`DecodePlan`: grid, constexprs, scalar arguments, the compiled kernel's launchers) and
-    the outputs' shapes. Invariant: only called with arguments whose :func:`call_key` found it
-    (or that :meth:`PlanCache.recent` recognised)."""
+    """A validated eager call of ``running_tensor`` (not varlen, no grad): for the recurrent form
+    the kernel's launch plan (a :class:`DecodePlan`: grid, constexprs, scalar arguments, the
+    compiled kernel's launchers), for a chunk form its config and the checked problem, which its
+    launcher runs; and the outputs' shapes. Invariant: only called with arguments whose
+    :func:`call_key` found it (or that :meth:`PlanCache.recent` recognised)."""
 
-    __slots__ = ("ht_like_h0", "kernel", "need_ht", "state_shape")
+    __slots__ = ("config", "copy", "ht_like_h0", "kernel", "l2norm", "need_ht", "problem", "state_shape")
 
-    def __init__(self, p: Problem, config: RecurrentConfig, l2norm: bool, *, copy: bool, initial_state=None):
-        grid, consts = recurrent.launch_consts(p, l2norm, config)
-        self.kernel = DecodePlan(grid, consts, (p.scale, p.seq_len, p.num_seqs), copy=copy)
-        # a streamed state (block_k < K) lives in the final-state buffer while the kernel runs
-        self.need_ht = config.block_k < p.key_dim
+    def __init__(self, p: Problem, config: KernelConfig, l2norm: bool, *, copy: bool, initial_state=None):
+        # copy: some input is a strided view, made contiguous before each launch (the plan's key
+        # holds each input's contiguity, so a plan serves calls of one layout only)
+        self.problem, self.config, self.l2norm, self.copy = p, config, l2norm, copy
+        if isinstance(config, RecurrentConfig):
+            grid, consts = recurrent.launch_consts(p, l2norm, config)
+            self.kernel = DecodePlan(grid, consts, (p.scale, p.seq_len, p.num_seqs))
+            # a streamed state (block_k < K) lives in the final-state buffer while the kernel runs
+            self.need_ht = config.block_k < p.key_dim
+        else:  # a chunk form: its launcher, which decides its parts per call (graph capture)
+            self.kernel = None
+            self.need_ht = not config.resident(kernel_shape(p))
         self.state_shape = p.state_shape
         # the final state allocated like an fp32 initial state: empty_like took 3.7 us against
         # 8.5 for empty(shape, dtype=, device=) on the H200 machine (the key holds h0's dtype)
         self.ht_like_h0 = initial_state is not None and initial_state.dtype == torch.float32
 
     def __call__(self, q, k, v, g, beta, initial_state, output_final_state: bool):
-        if self.kernel.copy:
+        if self.copy:
             q, k, v, g, beta, initial_state = args.contiguous_inputs(q, k, v, g, beta, initial_state)
         if not (output_final_state or self.need_ht):
             ht = None
@@ -235,8 +246,12 @@ class CallPlan:
             ht = args.empty_like(initial_state)
         else:
             ht = args.empty(self.state_shape, dtype=torch.float32, device=v.device)
-        o = args.empty_like(v)  # v is contiguous here: its layout is the output's
-        self.kernel.launch((*factor_args(q), *factor_args(k), v, g, beta, o, initial_state, ht, None, None))
+        if self.kernel is None:
+            o = LAUNCHERS[type(self.config)](self.config, self.problem, q, k, v, g, beta, h0=initial_state, ht=ht,
+                                             cu_seqlens=None, l2norm=self.l2norm)
+        else:
+            o = args.empty_like(v)  # v is contiguous here: its layout is the output's
+            self.kernel.launch((*factor_args(q), *factor_args(k), v, g, beta, o, initial_state, ht, None, None))
         return o, (ht if output_final_state else None)
 
 
