@@ -64,10 +64,10 @@ class SplitConfig(KernelConfig):
     (whole windows of ``state_stride`` chunks; varlen calls run one), the prepare kernel of the
     next part and the output kernel of the last running on side streams while the state loop
     walks a part (``pipeline.py``); in CUDA-graph captures only (and the interpreter): an eager
-    call on a GPU runs one part (``pipeline.parts_pay``). ``wy`` (delta rule; ignored without it): the prepare
-    kernel also applies the solve, W = Ai diag(b Gamma) phi(K) and U0 = Ai diag(b) V, so the
-    state loop forms U = U0 - W S: two products on its serial chain instead of three, for W's
-    [T, K] and U0's [T, V] fp32 more workspace traffic.
+    call on a GPU runs one part (``pipeline.parts_pay``). ``wy`` (delta rule; ignored without
+    it): the prepare kernel also applies the solve, W = Ai diag(b Gamma) phi(K) and U0 = Ai
+    diag(b) V, so the state loop forms U = U0 - W S: two products on its serial chain instead of
+    three, for W's [T, K] and U0's [T, V] fp32 more workspace traffic.
     """
 
     kernel: ClassVar[str] = "chunk"
