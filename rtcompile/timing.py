@@ -62,7 +62,10 @@ def as_replayed(fn: Callable[[], Any], device: str = "cuda") -> Any:
         with torch.cuda.graph(graph):
             out = fn()
     except Exception:  # noqa: BLE001 -- capture failed: the eager call is what gets timed then
-        torch.cuda.synchronize()
+        try:
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001 -- a failed capture can leave an error behind
+            pass
         return fn()
     graph.replay()
     copy = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, out)
