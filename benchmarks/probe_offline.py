@@ -11,6 +11,9 @@ install that wheel into a folder of its own and put it first, e.g.
     python3 benchmarks/probe_offline.py                                     (the K = 256 default)
     python3 benchmarks/probe_offline.py --widths 32 32 --set num_stages=2 --set block_v=16
     python3 benchmarks/probe_offline.py --backward --set grads_warps=4   (the backward's kernels)
+    python3 benchmarks/probe_offline.py --decode 256 --set block_v=64 --set num_warps=8
+                                              (the decode step's kernel at B256; its registers bound
+                                               its occupancy: 123 with the default, 25% on the H200)
 
 Nothing is launched: the launcher runs on CPU tensors with the kernels' launch intercepted, so
 the device and shared-memory checks are bypassed here (the compiler's answer is the point).
@@ -35,7 +38,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime.jit import JITFunction
 
-from rtcompile.kernels import chunk_split, launch
+from rtcompile.kernels import chunk_split, launch, recurrent
 from rtcompile.kernels import chunk_backward
 from rtcompile.kernels.chunk_backward import default_backward
 from rtcompile.kernels.config import KernelShape
@@ -108,7 +111,11 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="change a field of the default chunk (or backward) config (JSON value)")
     ap.add_argument("--backward", action="store_true", help="the backward's launches (its default config)")
+    ap.add_argument("--decode", type=int, metavar="B", help="the decode step's launch at batch B (its default config)")
     args = ap.parse_args(argv)
+    if args.decode is not None and (args.decode < 1 or args.backward):
+        print("probe_offline: --decode: a batch >= 1, without --backward", file=sys.stderr)
+        return 2
     if not isinstance(chunk_split.chunk_split_state_kernel, JITFunction):
         print("probe_offline: the kernels were built for the interpreter: unset TRITON_INTERPRET", file=sys.stderr)
         return 2
@@ -121,15 +128,17 @@ def main(argv=None) -> int:
         except json.JSONDecodeError:
             changes[name] = value
     try:
-        base = default_backward(KernelShape(shape.key_widths, 64, 2), H200_SMEM) if args.backward \
-            else default_config("chunk", shape, H200_SMEM)
+        if args.backward:
+            base = default_backward(KernelShape(shape.key_widths, 64, 2), H200_SMEM)
+        else:
+            base = default_config("recurrent" if args.decode else "chunk", shape, H200_SMEM)
         # through from_dict: a value of the wrong type (--set tma=False is the string "False",
         # which replace() took as a true flag) is refused, naming the field
         variant = type(base).from_dict({**base.to_dict(), **changes})
     except (TypeError, ValueError) as exc:
         print(f"probe_offline: --set: {exc}", file=sys.stderr)
         return 2
-    B, T, H = 1, 256, 8
+    B, T, H = (args.decode, 1, 8) if args.decode else (1, 256, 8)
     q = [torch.randn(B, T, H, w, dtype=torch.bfloat16) for w in args.widths]
     k = [torch.randn(B, T, H, w, dtype=torch.bfloat16) for w in args.widths]
     v = torch.randn(B, T, H, 64, dtype=torch.bfloat16)
@@ -143,6 +152,10 @@ def main(argv=None) -> int:
         if args.backward:
             # past running_tensor_bwd's device check, as the forward goes past launch's
             chunk_backward.launch_backward(variant, p, q, k, v, g, beta, None, None, True, torch.randn_like(v), ht)
+        elif args.decode:  # a state cache of B slots updated in place, as running_tensor_decode_ launches it
+            cache = torch.randn(B, H, *args.widths, 64)
+            recurrent.launch(variant, p, q, k, v, g, beta, h0=cache, ht=cache, cu_seqlens=None, l2norm=True,
+                             state_indices=torch.arange(B, dtype=torch.int32))
         else:
             launch.LAUNCHERS[type(variant)](variant, p, q, k, v, g, beta, h0=None, ht=ht, cu_seqlens=None,
                                             l2norm=True)

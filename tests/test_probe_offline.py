@@ -54,3 +54,18 @@ def test_wrongly_typed_value_is_a_usage_error():
     """--set tma=False is the string "False" (JSON spells it false): refused, not taken as true."""
     out = _run("--set", "tma=False")
     assert out.returncode == 2 and "tma" in out.stderr and "expected bool" in out.stderr
+
+
+def test_decode_kernel_compiles_for_sm90_offline():
+    """--decode B: the decode step's one launch (state cache of B slots, int32 indices), as
+    running_tensor_decode_ makes it; a config field changes what compiles."""
+    outs = [_run("--decode", "32"), _run("--decode", "32", "--set", "block_v=16")]
+    regs = []
+    for out in outs:
+        assert out.returncode == 0, out.stderr[-2000:]
+        (line,) = [ln for ln in out.stdout.splitlines() if " regs " in ln]
+        assert line.split()[0] == "fused_recurrent_running_tensor_fwd_kernel"
+        regs.append(int(re.search(r"regs +(\d+)", line).group(1)))
+    assert 0 < regs[1] < regs[0] <= 255  # a [K, 16] slab holds half the registers of [K, 32]
+    bad = _run("--decode", "0")
+    assert bad.returncode == 2 and "--decode" in bad.stderr
