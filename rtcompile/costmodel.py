@@ -74,8 +74,8 @@ DECODE_BW_EFFICIENCY = 0.8  # decode reached 70-87% of copy bandwidth on the H20
 CHUNK_CALL_S = 150e-6  # chunk prefill with one launch: input checks, variant lookup, allocations;
 #   the recurrent call's (one launch too): beyond its kernels the fused form took 0.121 / 0.204 ms
 #   and the scan 0.130 / 0.179 at o3 16x16 B1 T16 in two H200 regret runs (2026-12-04)
-CHUNK_LAUNCH_CALL_S = 80e-6  # each further launch (the split form: three a pipelined part, their
-#   streams and events). The first of those runs (o3 16x16, B1 T16 / T256, eager, beyond the
+CHUNK_LAUNCH_CALL_S = 80e-6  # each further launch (the split form's eager call: three, one part;
+#   its pipelined parts run in CUDA-graph captures only). The first of those runs (o3 16x16, B1 T16 / T256, eager, beyond the
 #   modelled kernels): fused (1 launch) 0.121 / 0.132 ms, resident (2) 0.233 / 0.203, split (3)
 #   0.292 / 0.517. Before: 200 us for every chunk call (median of 7 calls, 0.152-0.248 ms beyond
 #   the kernels, most with 2 launches), which put the split form's eager calls at the fused

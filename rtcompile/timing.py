@@ -41,6 +41,29 @@ def median_seconds(fn: Callable[[], Any], device: str = "cuda", repeats: int = 1
     return statistics.median(samples)
 
 
+def _warm_up(calls: Sequence[Callable[[], Any]]) -> None:
+    """Run each call once on a side stream, as torch.cuda.graphs asks before a capture, so lazy
+    initialisation (cuBLAS workspaces, Triton module loads) happens outside it."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+
+def _settle_after_failed_capture() -> None:
+    import torch
+
+    try:
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001 -- a failed capture can leave an error behind
+        pass
+
+
 def as_replayed(fn: Callable[[], Any], device: str = "cuda") -> Any:
     """``fn()``'s result as a replay of it captured in a CUDA graph computes it, what
     :func:`kernel_seconds` times (a call may launch other kernels while captured: the split
@@ -51,21 +74,13 @@ def as_replayed(fn: Callable[[], Any], device: str = "cuda") -> Any:
     import torch
     from torch.utils._pytree import tree_map
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # lazy initialisation outside the capture (as below)
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    _warm_up([fn])
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph):
             out = fn()
     except Exception:  # noqa: BLE001 -- capture failed: the eager call is what gets timed then
-        try:
-            torch.cuda.synchronize()
-        except Exception:  # noqa: BLE001 -- a failed capture can leave an error behind
-            pass
+        _settle_after_failed_capture()
         return fn()
     graph.replay()
     copy = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, out)
@@ -79,15 +94,7 @@ def graph_replay_seconds(calls: Sequence[Callable[[], Any]], n_calls: int, repea
     Raises whatever capture raises (a host sync inside a call, say)."""
     import torch
 
-    # Warm up on a side stream first, as torch.cuda.graphs asks, so lazy initialisation
-    # (cuBLAS workspaces, Triton module loads) happens outside the capture.
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    _warm_up(calls)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(n_calls):
@@ -117,16 +124,11 @@ def kernel_seconds(fn: Callable[[], Any], device: str = "cuda", repeats: int = 1
     Elsewhere: the wall-clock median. The caller has run ``fn`` once (compiled it)."""
     if not str(device).startswith("cuda"):
         return median_seconds(fn, device, repeats, warmup=0), "wall"
-    import torch
-
     est = median_seconds(fn, device, repeats=3, warmup=0)
     n = min(GRAPH_CALLS[1], max(GRAPH_CALLS[0], math.ceil(GRAPH_TARGET_S / max(est, 1e-7))))
     try:
         return graph_replay_seconds([fn], n, repeats), f"graph x{n}"
     except Exception as exc:  # noqa: BLE001 -- capture failed: time eagerly, say why
-        try:
-            torch.cuda.synchronize()
-        except Exception:  # noqa: BLE001 -- a failed capture can leave an error behind
-            pass
+        _settle_after_failed_capture()
         first = str(exc).splitlines()[0] if str(exc) else ""
         return median_seconds(fn, device, repeats, warmup=0), f"eager (capture failed: {type(exc).__name__}: {first[:80]})"
