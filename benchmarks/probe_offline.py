@@ -62,7 +62,10 @@ def _compile(fn: JITFunction, args: tuple, kwargs: dict):
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
-    src = triton.compiler.ASTSource(fn, signature, constexprs, attrs)
+    source = triton.compiler.ASTSource
+    if getattr(fn, "is_gluon", lambda: False)():  # a Gluon kernel's module carries its warp count
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    src = source(fn, signature, constexprs, attrs)
     return triton.compile(src, target=target, options=options.__dict__)
 
 
@@ -168,7 +171,7 @@ def main(argv=None) -> int:
         n, mix = loop_mix(use["sass"])
         top = " ".join(f"{op}:{c}" for op, c in mix.most_common(int(os.environ.get("PROBE_TOP", 8))))
         spill_ops = sum(1 for _, op, _ in _instructions(use["sass"]) if op.startswith(("LDL", "STL")))
-        aligned = ck.asm["ttir"].count("tt.divisibility = 16")  # arguments the launch specialised
+        aligned = ck.asm.get("ttir", ck.asm.get("ttgir", "")).count("tt.divisibility = 16")  # Gluon starts at ttgir
         print(f"{fn.__name__:40} regs {use['regs']:3}  spill stack {use['stack']:5} B  shared {ck.metadata.shared:6} B"
               f"  aligned args {aligned:2}  total {len(_instructions(use['sass'])):5} (spill ld/st {spill_ops})  loop {n:5}"
               f" instructions (spill ld/st {mix['LDL'] + mix['STL']})  {top}")

@@ -25,8 +25,8 @@ import triton.language as tl
 from . import args
 from .args import factor_args, lowp_dots, width_args
 from .blocks import (
-    chunk_inputs, dot, factor_tiles, floored_cumsum, load_row_inputs, load_state_tile, load_wy, phi_block,
-    phi_from_tiles, sequence_of_program, unit_lower_inverse_scratch,
+    chunk_inputs, dot, factor_tiles, floored_cumsum, load_row_inputs, load_state_tile, load_wy, one_side_tiles,
+    phi_block, phi_from_tiles, sequence_of_program, unit_lower_inverse_scratch,
 )
 from .chunk_prepare import prepare_scores
 from .config import (
@@ -327,20 +327,27 @@ def materialise_phi_kernel(x1, x2, x3, out, N, NF: tl.constexpr, D1: tl.constexp
                            KP: tl.constexpr, BT: tl.constexpr, L2NORM: tl.constexpr):
     """Rows [i BT, (i + 1) BT) of phi = x1 (x) x2 (x) x3 (row-major, [N, K] in ``out``'s type)
     from the N token-head rows of the factors, each normalised in fp32 first when L2NORM. Any
-    widths: every column gathers its factor entries from the rows' cached loads."""
+    widths: every column gathers its factor entries from the rows' cached loads; power-of-two widths
+    load each factor's tile once and multiply in registers."""
     K: tl.constexpr = D1 * D2 * D3
     r = tl.program_id(0) * BT + tl.arange(0, BT)
     m_t = r < N
     o_k = tl.arange(0, KP)
     m = m_t[:, None] & (o_k < K)[None, :]
-    b_phi = tl.load(x1 + r[:, None] * D1 + (o_k // (D2 * D3))[None, :], mask=m, other=0.0).to(tl.float32)
-    b_phi *= _unit_row_scale(x1, r, m_t, D1, BD1, L2NORM)[:, None]
-    if NF > 1:
-        b_x = tl.load(x2 + r[:, None] * D2 + ((o_k // D3) % D2)[None, :], mask=m, other=0.0).to(tl.float32)
-        b_phi *= b_x * _unit_row_scale(x2, r, m_t, D2, BD2, L2NORM)[:, None]
-    if NF > 2:
-        b_x = tl.load(x3 + r[:, None] * D3 + (o_k % D3)[None, :], mask=m, other=0.0).to(tl.float32)
-        b_phi *= b_x * _unit_row_scale(x3, r, m_t, D3, BD3, L2NORM)[:, None]
+    if K == KP and D1 == BD1 and D2 == BD2 and D3 == BD3:
+        # power-of-two widths: one contiguous tile load a factor and the outer product in
+        # registers, where the gathers below issue a load per phi entry and factor
+        b_x1, b_x2, b_x3 = one_side_tiles(x1, x2, x3, r, m_t, NF, D1, D2, D3, D1, D2, D3, L2NORM)
+        b_phi = phi_from_tiles(b_x1, b_x2, b_x3, NF, BT, D1, D2, D3)
+    else:
+        b_phi = tl.load(x1 + r[:, None] * D1 + (o_k // (D2 * D3))[None, :], mask=m, other=0.0).to(tl.float32)
+        b_phi *= _unit_row_scale(x1, r, m_t, D1, BD1, L2NORM)[:, None]
+        if NF > 1:
+            b_x = tl.load(x2 + r[:, None] * D2 + ((o_k // D3) % D2)[None, :], mask=m, other=0.0).to(tl.float32)
+            b_phi *= b_x * _unit_row_scale(x2, r, m_t, D2, BD2, L2NORM)[:, None]
+        if NF > 2:
+            b_x = tl.load(x3 + r[:, None] * D3 + (o_k % D3)[None, :], mask=m, other=0.0).to(tl.float32)
+            b_phi *= b_x * _unit_row_scale(x3, r, m_t, D3, BD3, L2NORM)[:, None]
     tl.store(out + r[:, None] * K + o_k[None, :], b_phi.to(out.dtype.element_ty), mask=m)
 
 

@@ -33,11 +33,13 @@ from .config import (
 from .inputs import Problem
 from .launch_cache import cached
 from .pipeline import PIPELINE_PARTS, part_bounds, parts_pay, run_parts
+from . import chunk_split_gluon
 
 OUTPUT_BLOCK_VS = (16, 32, 64)
 STATE_STRIDES = (1, 2, 4)
 KEY_GROUPS = (1, 2, 4)  # (8: the prepare kernel 0.25 ms, twice 2's, on the H200)
 OUTPUT_WARPS = (2, 4, 8)
+LOOPS = ("triton", "gluon")  # the state loop's implementation (chunk_split_gluon.py)
 ALL_CHUNKS = 2**31 - 1  # a state loop's chunk bound that every sequence ends before
 
 
@@ -67,7 +69,10 @@ class SplitConfig(KernelConfig):
     call on a GPU runs one part (``pipeline.parts_pay``). ``wy`` (delta rule; ignored without
     it): the prepare kernel also applies the solve, W = Ai diag(b Gamma) phi(K) and U0 = Ai
     diag(b) V, so the state loop forms U = U0 - W S: two products on its serial chain instead of
-    three, for W's [T, K] and U0's [T, V] fp32 more workspace traffic.
+    three, for W's [T, K] and U0's [T, V] fp32 more workspace traffic. ``loop``: the state loop
+    in Triton ("triton") or in Gluon with S^T as a wgmma accumulator ("gluon",
+    ``chunk_split_gluon.py``: no shared-memory round trip on the chain; sm_90 only, 16-bit
+    inputs, 64 value columns, 4 warps; ``num_stages`` and ``tma`` are the Triton loop's).
     """
 
     kernel: ClassVar[str] = "chunk"
@@ -87,6 +92,7 @@ class SplitConfig(KernelConfig):
     materialise: bool = False
     pipeline: int = 1
     wy: bool = False
+    loop: str = "triton"
 
     def block_k(self, shape: KernelShape) -> int:
         return shape.key_dim_pow2
@@ -116,6 +122,10 @@ class SplitConfig(KernelConfig):
         if self.key_group > 1 and (len(shape.key_widths) < 2 or shape.key_widths[0] % self.key_group):
             return (f"key_group={self.key_group} needs order >= 3 and a first key width it divides, got widths "
                     f"{shape.key_widths} (or key_group=1)")
+        if (reason := self._check_choice("loop", LOOPS)) is not None:
+            return reason
+        if self.loop == "gluon" and (reason := chunk_split_gluon.config_refusal(self, shape)) is not None:
+            return reason
         dot = dot_operand_bytes(shape.input_bytes)
         if self.tma and (shape.key_dim * dot % 16 or shape.value_width * dot % 16):
             return (f"tma=True needs rows of 16-byte multiples (K = {shape.key_dim}, d_v = {shape.value_width} at "
@@ -127,6 +137,8 @@ class SplitConfig(KernelConfig):
         # its product from shared memory as phi(K) does: sm_90, Triton 3.6, o3 16x16 C 64 bv 32
         # compiles to 226 registers, 199 with wy; probe_offline.py), values, U, the products
         C, bk, bv = self.chunk_size, self.block_k(shape), self.block_v
+        if self.loop == "gluon":  # S^T, its 16-bit copy and four [BV, C] products; no phi(K) tile
+            return estimate_registers(bk * bv * 3 // 2 + 4 * C * bv, self.num_warps)
         live = bk * bv + C * bk + 4 * C * bv + 2 * C * sum(shape.key_widths)
         live += C * bv if self.wy else 2 * C * C
         return estimate_registers(live, self.num_warps)
@@ -137,6 +149,8 @@ class SplitConfig(KernelConfig):
         # 3 and 4 stages ran (this model: 172032 and 221184 bytes). With wy: W's rows and U0's
         # fp32 block per stage instead of the inverse (3 stages: 245760 here, 246344 compiled)
         C, bk, bv = self.chunk_size, self.block_k(shape), self.block_v
+        if self.loop == "gluon":
+            return chunk_split_gluon.smem_bytes(C, bk, bv, self.wy)
         solve = C * bk * shape.input_bytes + 4 * C * bv if self.wy else 4 * C * C
         return max(1, self.num_stages) * (C * bk * shape.input_bytes + solve) + 2 * bk * bv + 4 * C * bv
 
@@ -163,6 +177,7 @@ class SplitConfig(KernelConfig):
             "materialise": [False] * shape.whole_factor_tiles + [True] * mat,
             "pipeline": list(PIPELINE_PARTS),
             "wy": [False, True],
+            "loop": list(LOOPS),
         }
 
     def workspace_bytes(self, w: Workload) -> int:
@@ -441,7 +456,7 @@ def launch(config: SplitConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seql
     ws = keys_workspace(config, p, v, g, beta)
     wy = ws["W"] is not None
     Kd, Hd, Ad, Wd = ws["Kw"], Hc, ws["Ai"], ws["W"]
-    if config.tma:  # phi(K), the stored states and the inverse (or W) through tensor descriptors
+    if config.tma and config.loop == "triton":  # phi(K), the stored states and the inverse (or W) by descriptors
         from triton.tools.tensor_descriptor import TensorDescriptor
         Kd = TensorDescriptor(ws["Kw"].view(B * H * T, K), [B * H * T, K], [K, 1], [C, K])
         Hd = TensorDescriptor(Hc.view(-1, V), [Hc.numel() // V, V], [V, 1], [K, config.block_v])
@@ -455,7 +470,14 @@ def launch(config: SplitConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seql
         prepare_keys(config, p, q, k, v, g, beta, cu_seqlens=cu_seqlens, idx=idx, l2norm=l2norm, out=ws,
                      chunks=(c0, c1))
 
+    if config.loop == "gluon":
+        gd = chunk_split_gluon.descriptors(v, ws, Hc, C)
+
     def loop(j: int, c0: int, c1: int) -> None:  # part j > 0 takes the state from the running buffer
+        if config.loop == "gluon":
+            chunk_split_gluon.run_loop(gd, v, beta, h0 if j == 0 else run, run, ws["Gc"], Uc, cu_seqlens, offsets, T,
+                                       c0, c1, p.num_seqs, H=H, K=K, V=V, C=C, stride=config.state_stride)
+            return
         cached(chunk_split_state_kernel)[(triton.cdiv(V, config.block_v), p.num_seqs * H)](
             v, beta, h0 if j == 0 else run, run, None if wy else Ad, Wd, ws["U0"], Kd, ws["Gc"], Hd, Uc, None,
             cu_seqlens, offsets, T, c0, c1,

@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+from . import chunk_split_gluon
 from .chunk_backward import BackwardConfig, default_backward
 from .chunk_fused import FusedConfig
 from .chunk_resident import ResidentConfig
@@ -131,6 +132,30 @@ def _split(shape: KernelShape) -> list[KernelConfig]:
 _SPLIT_WY = {"wy": True, "prepare_warps": 2}
 
 
+# The split form with its state loop in Gluon (S^T a wgmma accumulator, no shared-memory round trip
+# on the chain: chunk_split_gluon.py; sm_90 only, launch._default skips it elsewhere), C 32, per
+# shape as measured on the H200 (B8 T4096, CUDA-graph replays, one process, 2026-12-04; the Triton
+# default / fla beside): o2 64 0.260 ms (0.272 / 0.293), o2 128 0.310 (0.381 / 0.395), o2 256
+# 0.532 (0.657 / 0.619), o3 8x8 0.279 (0.304 / 0.292), o3 16x8 0.401 (0.442 / 0.397); wy lost
+# everywhere with it (o2 256 0.591). o3 16x16 keeps the Triton loop (0.378 at C 32 against 0.347).
+_GLUON_SPLIT = {  # (materialised, K): pipeline, state_stride, prepare_warps, num_stages
+    (False, 64): (2, 1, 2, 3), (False, 128): (4, 2, 2, 2), (False, 256): (2, 1, 2, 3),
+    (True, 64): (4, 1, 1, 3), (True, 128): (4, 4, 1, 3),
+}
+
+
+def _gluon_split(shape: KernelShape) -> list[KernelConfig]:
+    """The Gluon-loop split config measured for ``shape`` (see _GLUON_SPLIT), or none."""
+    mat = len(shape.key_widths) >= 2
+    fields = _GLUON_SPLIT.get((mat, shape.key_dim))
+    if fields is None:
+        return []
+    parts, stride, pw, stages = fields
+    return [SplitConfig(chunk_size=32, block_v=64, num_warps=4, num_stages=stages, prepare_warps=pw,
+                        output_block_v=min(64, shape.value_dim_pow2), output_warps=4, tma=True, key_group=1,
+                        state_stride=stride, pipeline=parts, materialise=mat, loop="gluon")]
+
+
 def _split_small_k(shape: KernelShape, **fields) -> list[KernelConfig]:
     """The split form at K <= 128 (key groups of 1): chunks of 32 in four parts first, then the
     C 64 proposals. H200, B8 T4096 (2026-12-04): o2 64 0.280 / 0.281 ms (two runs) against 0.291
@@ -151,18 +176,19 @@ def _split_any(shape: KernelShape) -> list[KernelConfig]:
 
 CHUNK_DEFAULTS: tuple[DefaultRow, ...] = (
     DefaultRow(lambda s: len(s.key_widths) >= 2 and s.key_dim_pow2 <= 128,
-               lambda s: _materialised_proposals(s),
+               lambda s: [*_gluon_split(s), *_materialised_proposals(s)],
                "order >= 3, K <= 128: phi(q), phi(k) materialised (one kernel) and order 2's defaults for that "
                "K on them: o3 8x8 0.316 ms against 0.500 factored, o3 16x8 0.476 against 0.593 (fla 0.285 / "
                "0.388; H200, bench --phase prefill, one run, 2026-12-02, 95f8c83); the split form in four "
                "pipelined parts of C 32 since 2026-12-04: o3 8x8 0.303, o3 16x8 0.439"),
     DefaultRow(lambda s: s.key_dim_pow2 == 256 and len(s.key_widths) == 1,
-               lambda s: [*(dataclasses.replace(c, **_SPLIT_WY) for c in _split_any(s)), *_split_any(s)],
+               lambda s: [*_gluon_split(s), *(dataclasses.replace(c, **_SPLIT_WY) for c in _split_any(s)),
+                          *_split_any(s)],
                "o2 256: the split form (chunks of 32, two pipelined parts), 0.676 ms against 0.788 in one part "
                "and 0.906 for the resident C 16 below, fla 0.611 (H200, 2026-12-04); with the solve in the "
                "prepare kernel (wy, two prepare warps) 0.659 against 0.680, fla 0.619 (two rounds, 2026-12-04)"),
     DefaultRow(lambda s: s.key_dim_pow2 == 64 and len(s.key_widths) == 1,
-               lambda s: [*_split_small_k(s, **_SPLIT_WY), *_split_small_k(s)],
+               lambda s: [*_gluon_split(s), *_split_small_k(s, **_SPLIT_WY), *_split_small_k(s)],
                "o2 64: the split form (key groups of 1, C 32 in four pipelined parts), 0.280 ms against 0.296 "
                "in one part at C 64 and 0.343 for the resident C 32 + wy below, fla 0.285 (H200, 2026-12-04; "
                "o2 128: 0.606 at best in parts against 0.392 for the resident C 16); with the solve in the "
@@ -177,7 +203,7 @@ CHUNK_DEFAULTS: tuple[DefaultRow, ...] = (
                "o3 16x16: the split form, stored phi(K), state of every 2nd chunk, tma and 3 stages where they "
                "fit, two pipelined parts: 0.348 ms, 1.75x fla's 0.610 (H200, 2026-12-04)"),
     DefaultRow(lambda s: 64 < s.key_dim_pow2 <= 256,
-               lambda s: [_tiled(s, 16, s.key_dim_pow2, 32, 4, prefetch_inputs=True),
+               lambda s: [*_gluon_split(s), _tiled(s, 16, s.key_dim_pow2, 32, 4, prefetch_inputs=True),
                           _tiled(s, 32, s.key_dim_pow2, 16, 4, prepare_warps=4, prefetch_inputs=True, wy=True),
                           _tiled(s, 16, s.key_dim_pow2, 16, 4, prefetch_inputs=True)],
                "64 < K <= 256, state in registers with the next chunk's inputs ahead: o3 16x16 C 16 0.77 ms "
@@ -248,16 +274,22 @@ _TABLES = {"chunk": CHUNK_DEFAULTS, "recurrent": RECURRENT_DEFAULTS}
 
 def candidates(kernel: str, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> list[KernelConfig]:
     """Every proposal of the defaults table for ``shape`` that passes its check, best first, without
-    repeats (a TPE study starts from them). For the recurrent kernel the default is followed by
+    repeats (a TPE study starts from them); the Gluon-loop proposals only where this process's GPU
+    runs them (``chunk_split_gluon.runs_here``). For the recurrent kernel the default is followed by
     itself with stream hints flipped (they split by batch on the H200). The backward has one
     proposal, :func:`~.chunk_backward.default_backward`."""
     if kernel == "chunk_bwd":
         cfg = default_backward(shape, smem_limit)
         return [cfg] if cfg.check(shape, smem_limit) is None else []
     out: list[KernelConfig] = []
+    gluon = None  # asked once, where a proposal needs it
     for row in _TABLES[kernel]:
         if row.when(shape):
             for cfg in row.propose(shape):
+                if getattr(cfg, "loop", "triton") == "gluon":
+                    gluon = chunk_split_gluon.runs_here() if gluon is None else gluon
+                    if not gluon:  # not on this machine's GPU (or none): the next proposals serve
+                        continue
                 if cfg not in out and cfg.check(shape, smem_limit) is None:
                     out.append(cfg)
     if kernel == "recurrent" and out and (other := out[0].with_other_hints(shape)) is not None:

@@ -21,14 +21,14 @@ from typing import Sequence
 
 import torch
 
-from . import args, chunk_fused, chunk_resident, chunk_split, chunk_streamed, recurrent, tuned
+from . import args, chunk_fused, chunk_resident, chunk_split, chunk_split_gluon, chunk_streamed, recurrent, tuned
 from .args import MAX_FACTORS, STATE_DTYPES, factor_args, interpreting
 from .chunk_fused import FusedConfig
 from .chunk_resident import ResidentConfig
 from .chunk_split import SplitConfig
 from .chunk_streamed import StreamedConfig
 from .config import KernelConfig, KernelShape, checked
-from .forms import check_config, config_from_dict, default_config
+from .forms import candidates, check_config, config_from_dict, default_config
 from .inputs import Problem, check_inputs
 from .decode_plan import DECODE_PLANS, DecodePlan, PlanCache, check_indices, signature_key
 from .recurrent import RecurrentConfig
@@ -57,8 +57,27 @@ def device_name(device: torch.device) -> str:
 
 
 @functools.lru_cache(maxsize=1024)
-def _default(kernel: str, shape: KernelShape, limit: int | None) -> KernelConfig:
+def _default(kernel: str, shape: KernelShape, limit: int | None, device: torch.device) -> KernelConfig:
+    """The defaults table's first proposal that runs on ``device`` (the Gluon loop only on sm_90)."""
+    found = candidates(kernel, shape) if limit is None else candidates(kernel, shape, limit)
+    found = [c for c in found if getattr(c, "loop", "triton") != "gluon" or _gluon_runs(device)]
+    if found:
+        return found[0]
     return default_config(kernel, shape) if limit is None else default_config(kernel, shape, limit)
+
+
+def _gluon_runs(device: torch.device) -> bool:
+    return chunk_split_gluon.runs_on(device)
+
+
+def device_refusal(config: KernelConfig, device: torch.device) -> str | None:
+    """Why ``config`` cannot run on ``device`` beyond its own check (None when it can): ``tma`` on
+    a GPU older than sm_90, the Gluon state loop anywhere but sm_90."""
+    if getattr(config, "loop", "triton") == "gluon" and not _gluon_runs(device):
+        return "loop='gluon' needs an sm_90 GPU (Hopper's wgmma; Gluon kernels do not run under the interpreter)"
+    if getattr(config, "tma", False) and device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
+        return "tma=True needs a GPU with tensor memory access (sm_90 or newer)"
+    return None
 
 
 def _tuned_config(kernel: str, p: Problem, device: torch.device) -> KernelConfig | None:
@@ -75,7 +94,9 @@ def _tuned_config(kernel: str, p: Problem, device: torch.device) -> KernelConfig
 def runnable(config: KernelConfig, p: Problem, device: torch.device) -> KernelConfig | None:
     """``config`` when it can run problem ``p`` on ``device``, else None: a plan made for another
     GPU may name a config this device cannot run (then the launcher's own choice serves)."""
-    return config if checked(config, kernel_shape(p), smem_limit(device)) is None else None
+    if checked(config, kernel_shape(p), smem_limit(device)) is not None or device_refusal(config, device) is not None:
+        return None
+    return config
 
 
 def resolve_config(kernel: str, variant: KernelConfig | None, p: Problem, device: torch.device,
@@ -90,20 +111,17 @@ def resolve_config(kernel: str, variant: KernelConfig | None, p: Problem, device
         check_config(variant, kernel)
     elif chunk_size is None:
         variant = _tuned_config(kernel, p, device)
-        if variant is not None and checked(variant, shape, limit):
+        if variant is not None and (checked(variant, shape, limit) or device_refusal(variant, device)):
             variant = None
     if variant is None:
-        variant = _default(kernel, shape, limit)
+        variant = _default(kernel, shape, limit, device)
         if chunk_size is not None:
             variant = dataclasses.replace(variant, chunk_size=chunk_size)
     reason = checked(variant, shape, limit)
-    if reason is None and getattr(variant, "tma", False) and device.type == "cuda" \
-            and torch.cuda.get_device_capability(device) < (9, 0):
-        if chosen:
-            variant = dataclasses.replace(variant, tma=False)
-            reason = checked(variant, shape, limit)
-        else:
-            reason = "tma=True needs a GPU with tensor memory access (sm_90 or newer)"
+    if reason is None and (reason := device_refusal(variant, device)) is not None and chosen \
+            and getattr(variant, "tma", False):  # a chosen config runs without TMA on an older GPU
+        variant = dataclasses.replace(variant, tma=False)
+        reason = checked(variant, shape, limit) or device_refusal(variant, device)
     if reason is not None:
         raise ValueError(f"variant: {variant} cannot run K={shape.key_dim}, d_v={shape.value_width}: {reason}")
     if chunk_size is not None and variant.chunk_size != chunk_size:
