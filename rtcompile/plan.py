@@ -190,7 +190,7 @@ def check_memory(spec: ModelSpec, target: Target, batch: int, seq_len: int) -> d
 
 def _prefill(spec: ModelSpec, target: Target, B: int, T: int, cal: Calibration, measured) -> Decision:
     shape, smem = shape_of(spec), target.smem_per_sm
-    chunk_default = default_config("chunk", shape, smem)
+    chunk_default = default_config("chunk", shape, smem, gluon=target.wgmma)
     chunk_fused = low_memory(shape, smem)
     rec = default_config("recurrent", shape, smem)
     options = [
@@ -237,7 +237,7 @@ def _decode(spec: ModelSpec, target: Target, B: int, cal: Calibration, measured)
 
     fixed = spec.state_dtype if spec.state_dtype != "auto" else "float32"
     cost = step_cost(fixed)
-    chunk = default_config("chunk", shape, target.smem_per_sm)
+    chunk = default_config("chunk", shape, target.smem_per_sm, gluon=target.wgmma)
     alt = chunk_cost(spec, target, B, 1, chunk, cal)
     alts = [{"mode": "recurrent", "variant": rec.to_dict(), "cost": cost.to_dict(), "state_dtype": fixed},
             {"mode": "chunk", "variant": chunk.to_dict(), "cost": alt.to_dict(), "state_dtype": "float32"}]
@@ -276,7 +276,7 @@ def _train(spec: ModelSpec, target: Target, B: int, T: int, cal: Calibration, me
     of forward costs where the buckets differ), else TRAIN_BACKWARD_FACTOR x the modelled
     forward. The decision pins the backward config (``Decision.backward``)."""
     shape, smem = shape_of(spec), target.smem_per_sm
-    chunk = default_config("chunk", shape, smem)
+    chunk = default_config("chunk", shape, smem, gluon=target.wgmma)
     rec = default_config("recurrent", shape, smem)
     c = chunk_cost(spec, target, B, T, chunk, cal)
     r = recurrent_cost(spec, target, B, T, rec, cal)
@@ -313,7 +313,7 @@ def crossover(spec: ModelSpec, target: Target, batch: int, cal: Calibration = Ca
     """The shortest prompt length from which chunk-parallel prefill is no slower than the scan
     (None if the scan wins up to 2^20 tokens)."""
     shape = shape_of(spec)
-    chunk = default_config("chunk", shape, target.smem_per_sm)
+    chunk = default_config("chunk", shape, target.smem_per_sm, gluon=target.wgmma)
     rec = default_config("recurrent", shape, target.smem_per_sm)
     wins = lambda T: chunk_cost(spec, target, batch, T, chunk, cal).seconds <= recurrent_cost(spec, target, batch, T, rec, cal).seconds
     lo, hi = 1, 2

@@ -36,6 +36,7 @@ class Target:
     source: str
     launch_s: float = 4e-6  # one kernel launch under CUDA graphs (DESIGN.md: graphs for small calls)
     measured: bool = False
+    wgmma: bool = False  # sm_90's warpgroup MMA: the split form's Gluon state loop runs there
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -45,10 +46,11 @@ PROFILES: dict[str, Target] = {
     t.name: t
     for t in (
         Target("h100-sxm", 80 * GB, 3.35 * TB, 989e12, 989e12, 67e12, 132, 228 * KiB, 50 * MiB,
-               "NVIDIA H100 Tensor Core GPU datasheet (SXM5), Hopper architecture whitepaper"),
+               "NVIDIA H100 Tensor Core GPU datasheet (SXM5), Hopper architecture whitepaper", wgmma=True),
         Target("h200", 141 * GB, 4.8 * TB, 989e12, 989e12, 67e12, 132, 228 * KiB, 60 * MiB,
                "NVIDIA H200 datasheet (SXM); L2 as torch reports it on the device machine (60 MiB); "
-               "measured there: copy 4.26 TB/s, bf16 matmul 0.77-0.80 PFLOP/s (DESIGN.md, benchmarks/RESULTS.md)"),
+               "measured there: copy 4.26 TB/s, bf16 matmul 0.77-0.80 PFLOP/s (DESIGN.md, benchmarks/RESULTS.md)",
+               wgmma=True),
         Target("a100-80gb", 80 * GB, 2.039 * TB, 312e12, 312e12, 19.5e12, 108, 164 * KiB, 40 * MiB,
                "NVIDIA A100 datasheet (80GB SXM), Ampere architecture whitepaper"),
         Target("l40s", 48 * GB, 864 * GB, 362e12, 362e12, 91.6e12, 142, 100 * KiB, 96 * MiB,
@@ -108,7 +110,8 @@ def detect() -> Target:
     props = torch.cuda.get_device_properties(0)
     if base is None:
         base = Target(dev, props.total_memory, 1 * TB, 100e12, 100e12, 20e12, props.multi_processor_count,
-                      100 * KiB, 40 * MiB, "detected; rates unknown until measured (rtcompile build measures them)")
+                      100 * KiB, 40 * MiB, "detected; rates unknown until measured (rtcompile build measures them)",
+                      wgmma=props.major == 9)
     kept = _load_measured().get(dev)
     if kept:
         base = replace(base, hbm_bytes_per_s=kept["hbm_bytes_per_s"], bf16_flops=kept["bf16_flops"], measured=True,

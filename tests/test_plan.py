@@ -240,3 +240,20 @@ def test_tight_memory_picks_the_two_kernel_form_before_the_fused_one():
     chosen = config_from_dict(prefill.variant)
     assert prefill.mode == "chunk" and chosen == two, prefill.reason
     assert "refused for workspace" in prefill.reason
+
+
+def test_plan_names_the_gluon_loop_by_its_target_not_by_this_machine():
+    """A plan for an sm_90 profile proposes the split form's Gluon state loop wherever it is made
+    (16-bit inputs, d_v 64); one for another GPU never does."""
+    from rtcompile.kernels import chunk_split_gluon
+
+    def prefill(target):
+        plan = make_plan(_spec((64,)), get_target(target), batches=(8,), seq_lens=(4096,), decode_batches=(32,))
+        return next(d for d in plan.decisions if d.phase == "prefill")
+
+    assert get_target("h200").wgmma and not get_target("a100-80gb").wgmma
+    h200 = prefill("h200")
+    assert h200.mode == "chunk" and h200.variant.get("loop") == ("gluon" if chunk_split_gluon.gluon else "triton")
+    a100 = prefill("a100-80gb")
+    assert a100.variant.get("loop", "triton") == "triton"
+    assert all(a["variant"].get("loop", "triton") == "triton" for a in a100.alternatives)

@@ -272,17 +272,18 @@ def _recurrent_default(shape: KernelShape) -> RecurrentConfig:
 _TABLES = {"chunk": CHUNK_DEFAULTS, "recurrent": RECURRENT_DEFAULTS}
 
 
-def candidates(kernel: str, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> list[KernelConfig]:
+def candidates(kernel: str, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
+               gluon: bool | None = None) -> list[KernelConfig]:
     """Every proposal of the defaults table for ``shape`` that passes its check, best first, without
-    repeats (a TPE study starts from them); the Gluon-loop proposals only where this process's GPU
-    runs them (``chunk_split_gluon.runs_here``). For the recurrent kernel the default is followed by
+    repeats (a TPE study starts from them); the Gluon-loop proposals only where ``gluon`` says the
+    GPU runs them (None: this process's GPU, ``chunk_split_gluon.runs_here``; the planner passes
+    its target's). For the recurrent kernel the default is followed by
     itself with stream hints flipped (they split by batch on the H200). The backward has one
     proposal, :func:`~.chunk_backward.default_backward`."""
     if kernel == "chunk_bwd":
         cfg = default_backward(shape, smem_limit)
         return [cfg] if cfg.check(shape, smem_limit) is None else []
     out: list[KernelConfig] = []
-    gluon = None  # asked once, where a proposal needs it
     for row in _TABLES[kernel]:
         if row.when(shape):
             for cfg in row.propose(shape):
@@ -297,10 +298,11 @@ def candidates(kernel: str, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_B
     return out
 
 
-def default_config(kernel: str, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> KernelConfig:
+def default_config(kernel: str, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
+                   gluon: bool | None = None) -> KernelConfig:
     """The first of :func:`candidates`; the smallest resident or streamed tiles where nothing
     passes (the launcher then reports why they cannot run)."""
-    found = candidates(kernel, shape, smem_limit)
+    found = candidates(kernel, shape, smem_limit, gluon)
     if found:
         return found[0]
     if kernel == "chunk_bwd":
