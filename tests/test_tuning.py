@@ -568,3 +568,22 @@ def test_device_lock_shares_between_trainings_and_excludes_a_timing(tmp_path, mo
     d_go.set()
     d.join(5)
     assert [e for e in events if e[0] == "in"] == [("in", True), ("in", True), ("in", False), ("in", True)]
+
+
+def test_the_sweep_leaves_out_configs_the_device_cannot_run():
+    """The split form's Gluon state loop passes its own check anywhere Gluon imports, but runs on
+    sm_90 only: off it (here the CPU) the exhaustive sweep never enqueues it, and a TPE trial that
+    draws it is pruned with the reason, never run."""
+    from rtcompile.kernels.chunk_split import SplitConfig
+    from rtcompile.tuning.space import device_refusal, exhaustive_variants
+
+    bucket = Bucket("chunk", (64,), 64, 1, 1, 64, "bfloat16")
+    fixed = {"form": "split", "split.chunk_size": 32, "split.block_v": 64, "split.num_warps": 4,
+             "split.num_stages": 2, "split.prepare_warps": 1, "split.solve": "tiles", "split.dot_precision": "ieee",
+             "split.output_block_v": 64, "split.output_warps": 4, "split.tma": True, "split.key_group": 1,
+             "split.materialise": False, "split.wy": False, "split.pipeline": 1}
+    gluon = SplitConfig(32, 64, loop="gluon")
+    assert "sm_90" in device_refusal(gluon, "cpu") and device_refusal(SplitConfig(32, 64), "cpu") is None
+    found = exhaustive_variants(bucket, TuneOptions(fixed=fixed))
+    assert found and {c.loop for c in found} == {"triton"}  # three state strides, the Triton loop only
+    assert len(found) == 3

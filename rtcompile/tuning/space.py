@@ -32,6 +32,16 @@ def smem_limit(device: str) -> int:
     return DEFAULT_SMEM_BYTES
 
 
+def device_refusal(cfg: KernelConfig, device: str) -> str | None:
+    """Why ``cfg`` cannot run on the tuning device beyond its own check (the Gluon state loop off
+    sm_90, ``launch.device_refusal``); None when it can. Such a trial is pruned, never run."""
+    import torch
+
+    from ..kernels.launch import device_refusal as refused
+
+    return refused(cfg, torch.device(device))
+
+
 def refusal(bucket: Bucket) -> str | None:
     """Why no config of the bucket's kernel can run its shape (the backward's own reason,
     ``chunk_backward.shape_refusal``, for a train bucket), or None."""
@@ -98,7 +108,7 @@ def params_config(params: dict[str, Any]) -> KernelConfig:
 
 
 def exhaustive_variants(bucket: Bucket, opts) -> list[KernelConfig]:
-    """Every config of the (sub-)space that passes ``check`` on this device: form by form, each
+    """Every config of the (sub-)space that passes ``check`` and runs on this device: form by form, each
     in its space's order (``forms.iter_space``). The sweep enqueues exactly these as WAITING
     trials rather than using Optuna's BruteForceSampler: that sampler draws at ``ask`` time and
     walks the whole product, refused combinations included (at o3 16x16 bf16 the split form's
@@ -106,7 +116,7 @@ def exhaustive_variants(bucket: Bucket, opts) -> list[KernelConfig]:
     a fixed set of enqueued trials that any number of workers, on any number of hosts, claim."""
     shape, limit = bucket_shape(bucket), smem_limit(opts.device)
     return [cfg for form, space in search_space(bucket, opts).items()
-            for cfg in iter_space(FORMS[form], shape, space, limit)]
+            for cfg in iter_space(FORMS[form], shape, space, limit) if device_refusal(cfg, opts.device) is None]
 
 
 def suggest(trial, space: dict[str, dict[str, list]]) -> KernelConfig:

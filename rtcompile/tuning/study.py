@@ -49,7 +49,8 @@ from ..kernels.forms import default_config
 from .claims import Heartbeat, mark_stale, next_trial, process_alive, stale_numbers, trial_id
 from .keys import Bucket, Machine, key_attrs, study_name
 from .space import (
-    bucket_shape, config_params, exhaustive_variants, params_config, search_space, smem_limit, suggest, warm_starts,
+    bucket_shape, config_params, device_refusal, exhaustive_variants, params_config, search_space, smem_limit, suggest,
+    warm_starts,
 )
 from .store import (
     StoreError, default_url, has_entry, heartbeat_interval, open_storage, retried_numbers, store_file, study_entry,
@@ -262,7 +263,7 @@ def run_worker(storage_url: str | None, name: str, bucket: Bucket, opts: TuneOpt
             # stopped after the tell; an exception ends the worker, and the daemon thread with it
             beat = Heartbeat(storage, trial_id(storage, study, trial.number)).start()
             variant = suggest(trial, space)
-            reason = variant.check(shape, limit)
+            reason = variant.check(shape, limit) or device_refusal(variant, opts.device)
             if reason is not None:
                 trial.set_user_attr("status", "pruned")
                 trial.set_user_attr("reason", reason)
