@@ -184,8 +184,8 @@ if gluon is not None:
         row0 = (i_b * H + i_h) * T + bos  # the sequence's first row in the [B H T, .] workspaces
         vrow0 = i_b * T + bos  # and in v as [B T, H V]
         _issue_loads(Kd, Wd, Ad, Vd, U0d, k_smem.index(0), w_smem.index(0), a_smem.index(0), v_smem.index(0),
-                     u0_smem.index(0), bars.index(0), row0 + c0 * C,
-                     vrow0 + c0 * C, i_h * V + i_v * BV, i_v * BV, c0 < n_end, nbytes)
+                     u0_smem.index(0), bars.index(0), row0 + c0 * C, vrow0 + c0 * C, i_h * V + i_v * BV, i_v * BV,
+                     c0 < n_end, nbytes)
 
         o_c = gl.arange(0, C, layout=col_r)
         o_vr = i_v * BV + gl.arange(0, BV, layout=row_r)
@@ -215,8 +215,7 @@ if gluon is not None:
                 tma.store_wait(0)
                 h_smem.permute((1, 0)).store(b_sb)
                 fence_async_shared()
-                tma_store(Hd, [(((i_g0 + i_c // STRIDE) * H + i_h) * K).to(gl.int32), i_v * BV],
-                                                h_smem)
+                tma_store(Hd, [(((i_g0 + i_c // STRIDE) * H + i_h) * K).to(gl.int32), i_v * BV], h_smem)
             mbarrier.wait(bars.index(st), (j // 2) & 1)
             k_tile = k_smem.index(st)
             if WY:  # U^T = U0^T - S^T W^T
