@@ -133,7 +133,7 @@ _SPLIT_WY = {"wy": True, "prepare_warps": 2}
 
 
 # The split form with its state loop in Gluon (S^T a wgmma accumulator, no shared-memory round trip
-# on the chain: chunk_split_gluon.py; sm_90 only, launch._default skips it elsewhere), C 32, per
+# on the chain: chunk_split_gluon.py; sm_90 only: candidates() proposes it only there), C 32, per
 # shape as measured on the H200 (B8 T4096, CUDA-graph replays, one process, 2026-12-04; the Triton
 # default / fla beside): o2 64 0.260 ms (0.272 / 0.293), o2 128 0.310 (0.381 / 0.395), o2 256
 # 0.532 (0.657 / 0.619), o3 8x8 0.279 (0.304 / 0.292), o3 16x8 0.401 (0.442 / 0.397); wy lost

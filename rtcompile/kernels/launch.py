@@ -27,8 +27,8 @@ from .chunk_fused import FusedConfig
 from .chunk_resident import ResidentConfig
 from .chunk_split import SplitConfig
 from .chunk_streamed import StreamedConfig
-from .config import KernelConfig, KernelShape, checked
-from .forms import candidates, check_config, config_from_dict, default_config
+from .config import DEFAULT_SMEM_BYTES, KernelConfig, KernelShape, checked
+from .forms import check_config, config_from_dict, default_config
 from .inputs import Problem, check_inputs
 from .decode_plan import DECODE_PLANS, DecodePlan, PlanCache, check_indices, signature_key
 from .recurrent import RecurrentConfig
@@ -59,21 +59,14 @@ def device_name(device: torch.device) -> str:
 @functools.lru_cache(maxsize=1024)
 def _default(kernel: str, shape: KernelShape, limit: int | None, device: torch.device) -> KernelConfig:
     """The defaults table's first proposal that runs on ``device`` (the Gluon loop only on sm_90)."""
-    found = candidates(kernel, shape) if limit is None else candidates(kernel, shape, limit)
-    found = [c for c in found if getattr(c, "loop", "triton") != "gluon" or _gluon_runs(device)]
-    if found:
-        return found[0]
-    return default_config(kernel, shape) if limit is None else default_config(kernel, shape, limit)
-
-
-def _gluon_runs(device: torch.device) -> bool:
-    return chunk_split_gluon.runs_on(device)
+    return default_config(kernel, shape, DEFAULT_SMEM_BYTES if limit is None else limit,
+                          gluon=chunk_split_gluon.runs_on(device))
 
 
 def device_refusal(config: KernelConfig, device: torch.device) -> str | None:
     """Why ``config`` cannot run on ``device`` beyond its own check (None when it can): ``tma`` on
     a GPU older than sm_90, the Gluon state loop anywhere but sm_90."""
-    if getattr(config, "loop", "triton") == "gluon" and not _gluon_runs(device):
+    if getattr(config, "loop", "triton") == "gluon" and not chunk_split_gluon.runs_on(device):
         return "loop='gluon' needs an sm_90 GPU (Hopper's wgmma; Gluon kernels do not run under the interpreter)"
     if getattr(config, "tma", False) and device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
         return "tma=True needs a GPU with tensor memory access (sm_90 or newer)"

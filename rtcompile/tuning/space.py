@@ -32,9 +32,10 @@ def smem_limit(device: str) -> int:
     return DEFAULT_SMEM_BYTES
 
 
-def device_refusal(cfg: KernelConfig, device: str) -> str | None:
-    """Why ``cfg`` cannot run on the tuning device beyond its own check (the Gluon state loop off
-    sm_90, ``launch.device_refusal``); None when it can. Such a trial is pruned, never run."""
+def device_refusal(cfg: KernelConfig, device) -> str | None:
+    """Why ``cfg`` cannot run on the tuning device (a name or a torch.device) beyond its own check
+    (the Gluon state loop off sm_90, ``launch.device_refusal``); None when it can. Such a trial is
+    pruned, never run."""
     import torch
 
     from ..kernels.launch import device_refusal as refused
@@ -114,9 +115,11 @@ def exhaustive_variants(bucket: Bucket, opts) -> list[KernelConfig]:
     walks the whole product, refused combinations included (at o3 16x16 bf16 the split form's
     space is 393,660 combinations, 286,740 valid on an H200), while the sweep's count relies on
     a fixed set of enqueued trials that any number of workers, on any number of hosts, claim."""
-    shape, limit = bucket_shape(bucket), smem_limit(opts.device)
+    import torch
+
+    shape, limit, dev = bucket_shape(bucket), smem_limit(opts.device), torch.device(opts.device)
     return [cfg for form, space in search_space(bucket, opts).items()
-            for cfg in iter_space(FORMS[form], shape, space, limit) if device_refusal(cfg, opts.device) is None]
+            for cfg in iter_space(FORMS[form], shape, space, limit) if device_refusal(cfg, dev) is None]
 
 
 def suggest(trial, space: dict[str, dict[str, list]]) -> KernelConfig:
