@@ -5,6 +5,7 @@ NaN first, so an element a kernel should write and does not fails the comparison
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import pytest
@@ -372,3 +373,17 @@ def test_materialise_phi_kernel(poison, widths, l2norm, dtype):
     assert got.dtype == dtype and got.shape == want.shape
     # bf16: one rounding to nearest, <= 2^-9 relative (a cast toward zero, as the interpreter's, took 7.6e-3)
     assert rel_err(got, want) < (1e-6 if dtype == torch.float32 else 5e-3)
+
+
+@pytest.mark.parametrize("widths", [(8, 8), (3, 5), (2, 3, 4)], ids=lambda w: "x".join(map(str, w)))
+def test_materialise_pair_forms_both_sides_in_one_launch(widths):
+    """phi(q), phi(k) of the materialised call, both sides from one launch (into poisoned
+    buffers), equal to each side's own kernel."""
+    q = [torch.randn(3, 37, 2, d, device=DEVICE) for d in widths]
+    k = [torch.randn(3, 37, 2, d, device=DEVICE) for d in widths]
+    outs = [torch.full((3, 37, 2, math.prod(widths)), float("nan"), device=DEVICE) for _ in range(2)]
+    chunk_resident.fill_phi([q, k], outs, True)
+    for got, x in zip(outs, (q, k)):
+        torch.testing.assert_close(got, chunk_resident.materialise_phi(x, True), rtol=0, atol=0)
+    pq, pk = chunk_resident.materialise_pair(q, k, False)
+    torch.testing.assert_close(pk, chunk_resident.materialise_phi(k, False), rtol=0, atol=0)

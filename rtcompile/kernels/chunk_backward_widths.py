@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .chunk_resident import MATERIALISE_MAX_K, kronecker_factor_grads, materialise_phi
+from .chunk_resident import MATERIALISE_MAX_K, kronecker_factor_grads, materialise_pair
 from .config import KernelShape, next_pow2
 
 
@@ -57,7 +57,7 @@ def materialised_bwd(bwd, p, q, k, v, g, beta, *, scale, initial_state, cu_seqle
                      variant):
     """The backward on materialised phi(q), phi(k) (the module docstring). The state's [.., d_1,
     .., d_v] is the same memory as [.., K, d_v]."""
-    pq, pk = materialise_phi(q, l2norm), materialise_phi(k, l2norm)
+    pq, pk = materialise_pair(q, k, l2norm)
     flat = (p.num_seqs, p.heads, p.key_dim, p.value_width)
     dpq, dpk, dv, dg, db, dh0 = bwd(
         [pq], [pk], v, g, beta, scale=scale,
