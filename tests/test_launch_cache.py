@@ -103,12 +103,23 @@ def test_keys_of_descriptors_hold_their_tensor_and_tile():
 
     x = torch.zeros(64, 32, dtype=torch.bfloat16)
     d = TensorDescriptor(x, [64, 32], [32, 1], [16, 32])
-    assert _spec(d) == ("d", _spec(x), (16, 32), (64, 32), (32, 1), getattr(d, "padding", None))
+    assert _spec(d)[:6] == ("d", _spec(x), (16, 32), (64, 32), (32, 1), getattr(d, "padding", None))
     assert _spec(TensorDescriptor(x, [64, 32], [32, 1], [32, 32])) != _spec(d)
 
 
+def test_keys_of_gluon_descriptors_hold_their_layout():
+    gluon = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from triton.experimental.gluon import language as gl
+
+    x = torch.zeros(64, 64, dtype=torch.bfloat16)
+    layouts = [gl.NVMMASharedLayout(swizzle_byte_width=w, element_bitwidth=16, rank=2) for w in (128, 64)]
+    a, b = (gluon.TensorDescriptor(x, [64, 64], [64, 1], [32, 64], lay) for lay in layouts)
+    assert _spec(a) == _spec(gluon.TensorDescriptor(x, [64, 64], [64, 1], [32, 64], layouts[0]))
+    assert _spec(a) != _spec(b)
+
+
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU (the interpreter never caches)")
-@pytest.mark.parametrize("form", ["split", "resident", "streamed"])
+@pytest.mark.parametrize("form", ["split", "split-gluon", "resident", "streamed"])
 def test_chunk_forms_give_triton_launch_results_through_the_cache(form):
     """Three calls of one config on fresh inputs of one shape (the second and third through the
     cache, the third from views 2 elements into their buffers: unaligned, a new compile), each
@@ -118,7 +129,12 @@ def test_chunk_forms_give_triton_launch_results_through_the_cache(form):
     from rtcompile.kernels.chunk_streamed import StreamedConfig
     from rtcompile.kernels.launch import running_tensor_fwd
 
+    from rtcompile.kernels import chunk_split_gluon
+
+    if form == "split-gluon" and not chunk_split_gluon.runs_here():
+        pytest.skip("the Gluon loop runs on sm_90 GPUs only")
     config = {"split": SplitConfig(64, 32, tma=True, key_group=2, state_stride=2, pipeline=2),
+              "split-gluon": SplitConfig(32, 64, loop="gluon", state_stride=2, pipeline=2),
               "resident": ResidentConfig(32, 16, prefetch_inputs=True, wy=True),
               "streamed": StreamedConfig(64, 128, 32, num_warps=8, merge_passes=True)}[form]
     widths = (16, 16)

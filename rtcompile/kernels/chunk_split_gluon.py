@@ -29,6 +29,7 @@ import torch
 import triton
 
 from . import args
+from .launch_cache import cached
 
 try:  # Gluon's Hopper API as Triton 3.6 - 3.9 spell it
     from triton.experimental import gluon
@@ -285,7 +286,7 @@ def run_loop(gd: dict, v, beta, h0, ht, Gc, Uc, cu_seqlens, chunk_offsets, T: in
              H: int, K: int, V: int, C: int, stride: int) -> None:
     """Launch :func:`chunk_split_state_gluon_kernel` over chunks [c0, c1) of every (sequence,
     head, value block); ``gd``: :func:`descriptors`' output."""
-    chunk_split_state_gluon_kernel[(triton.cdiv(V, GLUON_BV), num_seqs * H)](
+    cached(chunk_split_state_gluon_kernel)[(triton.cdiv(V, GLUON_BV), num_seqs * H)](
         gd["Vd"], beta, h0, ht, gd["Ad"], gd["Wd"], gd["U0d"], gd["Kd"], Gc, gd["Hd"], Uc, cu_seqlens, chunk_offsets,
         T, c0, c1, H=H, K=K, V=V, C=C, BV=GLUON_BV, STRIDE=stride, num_warps=GLUON_WARPS,
     )

@@ -13,7 +13,8 @@ it spent 524 us of host time enqueueing 163 us of kernels, at B8 532 against 345
 A launch is recognised by everything Triton specialises on, read more finely than Triton reads
 it: the grid, the constexprs and options, and per argument None, a tensor's dtype, device and
 16-byte alignment, an integer's ``== 1``, ``% 16 == 0`` and width, a float, a bool's value, a
-tensor descriptor's base (as a tensor), block shape, shape and strides (Triton's runtime knobs,
+tensor descriptor's base (as a tensor), block shape, shape, strides and (Gluon's) shared
+layout (Triton's runtime knobs,
 debug and instrumentation, are not: a launch remembered before they change keeps its kernel,
 until :func:`clear`). Invariant: a key maps to
 the kernel Triton compiled for the first call with that key, and any two calls with one key get
@@ -51,9 +52,11 @@ def _spec(x):
     if isinstance(x, float):
         return "f"
     base = getattr(x, "base", None)
-    if isinstance(base, torch.Tensor) and hasattr(x, "block_shape"):  # triton.tools.tensor_descriptor
+    if isinstance(base, torch.Tensor) and hasattr(x, "block_shape"):  # Triton's and Gluon's descriptors
+        # (Gluon's carry their shared layout, and on Triton 3.9 a mode and a tf32 rounding flag)
         return ("d", _spec(base), tuple(x.block_shape), tuple(x.shape), tuple(x.strides),
-                getattr(x, "padding", None))
+                getattr(x, "padding", None), getattr(x, "layout", None), getattr(x, "mode", None),
+                getattr(x, "round_f32_to_tf32", None))
     raise _Uncached
 
 
