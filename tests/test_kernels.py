@@ -376,14 +376,18 @@ def test_materialise_phi_kernel(poison, widths, l2norm, dtype):
 
 
 @pytest.mark.parametrize("widths", [(8, 8), (3, 5), (2, 3, 4)], ids=lambda w: "x".join(map(str, w)))
-def test_materialise_pair_forms_both_sides_in_one_launch(widths):
-    """phi(q), phi(k) of the materialised call, both sides from one launch (into poisoned
-    buffers), equal to each side's own kernel."""
+def test_materialise_pair_forms_both_sides_in_one_launch(monkeypatch, widths):
+    """phi(q), phi(k) of the materialised call from one launch (into NaN-filled buffers), each
+    equal to its side's own kernel."""
     q = [torch.randn(3, 37, 2, d, device=DEVICE) for d in widths]
     k = [torch.randn(3, 37, 2, d, device=DEVICE) for d in widths]
     outs = [torch.full((3, 37, 2, math.prod(widths)), float("nan"), device=DEVICE) for _ in range(2)]
+    launches = []
+    real = chunk_resident.cached
+    monkeypatch.setattr(chunk_resident, "cached", lambda kernel: launches.append(kernel) or real(kernel))
     chunk_resident.fill_phi([q, k], outs, True)
-    for got, x in zip(outs, (q, k)):
-        torch.testing.assert_close(got, chunk_resident.materialise_phi(x, True), rtol=0, atol=0)
-    pq, pk = chunk_resident.materialise_pair(q, k, False)
-    torch.testing.assert_close(pk, chunk_resident.materialise_phi(k, False), rtol=0, atol=0)
+    assert len(launches) == 1
+    for l2norm in (True, False):
+        pair = (outs if l2norm else chunk_resident.materialise_pair(q, k, False))
+        for got, x in zip(pair, (q, k)):
+            torch.testing.assert_close(got, chunk_resident.materialise_phi(x, l2norm), rtol=0, atol=0)
