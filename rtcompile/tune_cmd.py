@@ -110,7 +110,7 @@ def run(args) -> int:
     from rich.console import Console
 
     from .spec import load_spec
-    from .tuning import TuneOptions, refusal, search_space
+    from .tuning import TuneOptions, device_refusal_of_space, refusal, search_space
 
     spec = load_spec(args.spec)
     from .tuning.store import check_store_file
@@ -137,6 +137,9 @@ def run(args) -> int:
             search_space(bucket, opts)
         except ValueError as exc:
             raise UsageError(f"rtcompile tune: --fix: {exc}") from None
+        if opts.fixed and (reason := device_refusal_of_space(bucket, opts)) is not None:
+            raise UsageError(f"rtcompile tune: --fix: no config of the fixed sub-space runs on this machine "
+                             f"({opts.device}): {reason}")
     _rebuild_unreadable_table(opts, err)
     results = _tune_all(buckets, opts, err, start)
     _print_results(results, spec, args, on_gpu)

@@ -392,6 +392,27 @@ def test_cli_fix_errors_name_the_parameter(tmp_path, capsys):
     assert not (tmp_path / "never.db").exists(), "the store was created before the input was checked"
 
 
+def test_cli_refuses_a_fixed_sub_space_the_device_cannot_run(tmp_path, capsys):
+    """--fix split.loop=gluon off sm_90 (here the CPU): one line naming the field and what it
+    needs, exit 2, no store; with the loop free the same sub-space is accepted (its device check
+    only: the study is not run here)."""
+    from rtcompile.tuning import device_refusal_of_space
+
+    spec = tmp_path / "o2.toml"
+    spec.write_text('order = 2\nkey_widths = [64]\nvalue_width = 64\nheads = 1\nmodel_width = 64\n'
+                    'input_dtype = "bfloat16"\n')
+    url = f"sqlite:///{tmp_path / 'never.db'}"
+    assert main(["tune", str(spec), "--phase", "prefill", "--storage", url, "--fix", "form=split",
+                 "--fix", "split.loop=gluon"]) == 2
+    errors = [ln for ln in capsys.readouterr().err.strip().splitlines() if ln.startswith("rtcompile")]
+    assert len(errors) == 1
+    assert "no config of the fixed sub-space runs" in errors[0] and "loop='gluon' needs an sm_90 GPU" in errors[0]
+    assert not (tmp_path / "never.db").exists()
+    bucket = Bucket("chunk", (64,), 64, 1, 1, 64, "bfloat16")
+    assert device_refusal_of_space(bucket, TuneOptions(fixed={"form": "split"})) is None
+    assert "sm_90" in device_refusal_of_space(bucket, TuneOptions(fixed={"split.loop": "gluon", "form": "split"}))
+
+
 def test_fixed_form_holds_the_search_to_that_form():
     opts = TuneOptions(fixed={"form": "fused", "fused.solve": "rows"})
     space = search_space(TINY, opts)

@@ -7,9 +7,9 @@ process. Winners go to the tuned-config table that the launchers read
 """
 
 from .keys import Bucket, Machine, study_name
-from .space import refusal
+from .space import device_refusal_of_space, refusal
 from .store import StoreError, default_url, open_storage
 from .study import BucketResult, TuneOptions, list_studies, search_space, tune_bucket
 
-__all__ = ["Bucket", "BucketResult", "Machine", "StoreError", "TuneOptions", "default_url", "list_studies",
-           "open_storage", "refusal", "search_space", "study_name", "tune_bucket"]
+__all__ = ["Bucket", "BucketResult", "Machine", "StoreError", "TuneOptions", "default_url", "device_refusal_of_space",
+           "list_studies", "open_storage", "refusal", "search_space", "study_name", "tune_bucket"]

@@ -10,6 +10,7 @@ no gating table is needed. A sub-space holds ``form`` and/or ``FORM.FIELD`` at o
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from ..kernels.chunk_backward import shape_refusal
@@ -41,6 +42,29 @@ def device_refusal(cfg: KernelConfig, device) -> str | None:
     from ..kernels.launch import device_refusal as refused
 
     return refused(cfg, torch.device(device))
+
+
+# combinations of a form's fields looked at for one the device does not refuse (its own check
+# aside): the last field varies fastest, so a free field the device cares about flips within a
+# few (the split form's loop every other one, its tma after 288 at o3 16x16)
+RUNNABLE_PROBE = 4096
+
+
+def device_refusal_of_space(bucket: Bucket, opts) -> str | None:
+    """Why the tuning device refuses every config of the bucket's (sub-)space (the reason of the
+    first), or None when some combination of up to RUNNABLE_PROBE per form is not refused by it.
+    A sub-space fixed to what the device refuses (``--fix split.loop=gluon`` off sm_90) would
+    otherwise prune every trial and report the default, which lies outside it, as its best.
+    Only ``device_refusal`` is asked, not each config's own check (at o3 16x16 the first 512 valid
+    configs with the Gluon loop took 1.6 M checks, 14 s on the CPU machine)."""
+    first = None
+    for form, space in search_space(bucket, opts).items():
+        names = list(space)
+        for values in itertools.islice(itertools.product(*(space[n] for n in names)), RUNNABLE_PROBE):
+            if (reason := device_refusal(FORMS[form](**dict(zip(names, values))), opts.device)) is None:
+                return None
+            first = first or reason
+    return first
 
 
 def refusal(bucket: Bucket) -> str | None:
