@@ -74,11 +74,12 @@ def test_two_workers_run_exactly_the_budget_then_reload_runs_none(tmp_path):
     assert all(t.user_attrs.get("timing") == "wall" for t in trials if t.state.name == "COMPLETE")
     assert r.best_variant is not None and r.best_seconds > 0 and r.default_seconds > 0
     # the budget's first trial is the default variant (warm start 0; a budget of 5 leaves room
-    # for one: a quarter at most); TPE picks the rest
-    (start,) = [t for t in trials if "warm_start" in t.user_attrs]
-    assert start.user_attrs["warm_start"] == 0
+    # for one candidate, a quarter at most, and one neighbour of it, half at most); TPE picks the rest
+    starts = sorted((t for t in trials if "warm_start" in t.user_attrs), key=lambda t: t.user_attrs["warm_start"])
+    assert [t.user_attrs["warm_start"] for t in starts] == [0, 1]
     default = default_config("chunk", TINY_SHAPE)
-    assert start.params == config_params(default) and start.state.name == "COMPLETE"
+    assert starts[0].params == config_params(default) and starts[0].state.name == "COMPLETE"
+    assert sum(starts[1].params[k] != v for k, v in starts[0].params.items()) == 1
     # every trial asked the form, then that form's fields only
     for t in trials:
         form = t.params["form"]
@@ -390,6 +391,34 @@ def test_cli_fix_errors_name_the_parameter(tmp_path, capsys):
     assert "not a form of the chunk kernel" in errors[5]
     assert "split.chunk_size" in errors[6] and "cannot run this shape" in errors[6]
     assert not (tmp_path / "never.db").exists(), "the store was created before the input was checked"
+
+
+def test_warm_starts_add_the_defaults_one_field_neighbours_up_to_half_the_budget():
+    """With a budget, the candidates (a quarter at most) are followed by configs one field away
+    from the default, valid and runnable here (the Gluon loop is not, on the CPU), none repeated,
+    in an order the study's seed fixes; without a budget (seconds mode) the candidates alone."""
+    from rtcompile.kernels.chunk_split import SplitConfig
+    from rtcompile.tuning.space import warm_starts
+
+    bucket = Bucket("chunk", (64,), 64, 1, 1, 64, "bfloat16")
+    fixed = {"form": "split", "split.chunk_size": 32, "split.block_v": 64, "split.num_warps": 4,
+             "split.num_stages": 3, "split.prepare_warps": 2, "split.solve": "tiles", "split.dot_precision": "ieee",
+             "split.output_block_v": 64, "split.output_warps": 4, "split.tma": True, "split.key_group": 1,
+             "split.materialise": False}
+    shape = KernelShape((64,), 64, 2)
+    alone = warm_starts(bucket, TuneOptions(fixed=fixed), None)
+    for budget in (4, 10, 40):
+        got = warm_starts(bucket, TuneOptions(fixed=fixed), budget)
+        head = alone[: max(1, budget // 4)]
+        assert got[: len(head)] == head and len(got) <= max(len(head), budget // 2)
+        extra = got[len(head):]
+        assert extra and len({tuple(sorted(p.items())) for p in got}) == len(got)
+        for params in extra:
+            assert sum(params[k] != v for k, v in got[0].items()) == 1, params
+            cfg = params_config(params)
+            assert isinstance(cfg, SplitConfig) and cfg.loop == "triton" and cfg.check(shape) is None
+        assert warm_starts(bucket, TuneOptions(fixed=fixed), budget) == got  # seeded order
+    assert len(warm_starts(bucket, TuneOptions(fixed=fixed), 40)) > len(alone)  # the neighbours fit beside them
 
 
 def test_cli_refuses_a_fixed_sub_space_the_device_cannot_run(tmp_path, capsys):
