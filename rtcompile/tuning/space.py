@@ -58,11 +58,13 @@ def device_refusal_of_space(bucket: Bucket, opts) -> str | None:
     otherwise prune every trial and report the default, which lies outside it, as its best.
     Only ``device_refusal`` is asked, not each config's own check (at o3 16x16 the first 512 valid
     configs with the Gluon loop took 1.6 M checks, 14 s on the CPU machine)."""
-    first = None
+    import torch
+
+    first, dev = None, torch.device(opts.device)
     for form, space in search_space(bucket, opts).items():
         names = list(space)
         for values in itertools.islice(itertools.product(*(space[n] for n in names)), RUNNABLE_PROBE):
-            if (reason := device_refusal(FORMS[form](**dict(zip(names, values))), opts.device)) is None:
+            if (reason := device_refusal(FORMS[form](**dict(zip(names, values))), dev)) is None:
                 return None
             first = first or reason
     return first
@@ -186,25 +188,28 @@ def warm_starts(bucket: Bucket, opts, budget: int | None) -> list[dict]:
     if budget is None:
         return out
     out = out[: max(1, budget // 4)]
-    return out + neighbours(out[0], bucket, opts, budget // 2 - len(out), exclude=out) if out else out
+    return out + neighbours(out[0], space, bucket, opts, budget // 2 - len(out), exclude=out) if out else out
 
 
-def neighbours(params: dict, bucket: Bucket, opts, count: int, exclude: list[dict] = ()) -> list[dict]:
-    """Up to ``count`` configs of the (sub-)space that differ from ``params`` in one field, valid
-    for the bucket's shape and runnable on the tuning device, none of ``exclude``, in an order
-    shuffled by ``opts.seed`` (so a study repeats its draws)."""
+def neighbours(params: dict, space: dict[str, dict[str, list]], bucket: Bucket, opts, count: int,
+               exclude: list[dict] = ()) -> list[dict]:
+    """Up to ``count`` configs of ``space`` (the bucket's :func:`search_space`) that differ from
+    ``params`` in one field, valid for the bucket's shape and runnable on the tuning device, none
+    of ``exclude``, in an order shuffled by ``opts.seed`` (so a study repeats its draws)."""
     if count <= 0:
         return []
-    shape, limit = bucket_shape(bucket), smem_limit(opts.device)
+    import torch
+
+    shape, limit, dev = bucket_shape(bucket), smem_limit(opts.device), torch.device(opts.device)
     form = params["form"]
     found = []
-    for name, choices in search_space(bucket, opts).get(form, {}).items():
+    for name, choices in space.get(form, {}).items():
         for value in choices:
             other = {**params, f"{form}.{name}": value}
             if value == params[f"{form}.{name}"] or other in exclude:
                 continue
             cfg = params_config(other)
-            if cfg.check(shape, limit) is None and device_refusal(cfg, opts.device) is None:
+            if cfg.check(shape, limit) is None and device_refusal(cfg, dev) is None:
                 found.append(other)
     random.Random(opts.seed).shuffle(found)
     return found[:count]
