@@ -1,6 +1,6 @@
 # The measurements of one GPU session, in steps that each fit one 10-minute device call.
 #
-#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train (= traintests traintime) | recalltests | recallcompile | tunetrain | trainfla | trainexp | sweep | bench | tunedecode | model | modelbf16 | serving | profiletrain | profileprefill | profiledecode | checks | recall
+#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train (= traintests traintime) | recalltests | recallcompile | tunetrain | trainfla | trainexp | sweep | bench | tunedecode | model | modelbf16 | serving | tpe | gluonc64 | profiletrain | profileprefill | profiledecode | checks | recall
 #
 # Run from the project root on the device machine after installing the carried wheels (see
 # benchmarks/README.md). Everything lands under $OUT. Each step writes as it goes, so a call cut
@@ -107,6 +107,36 @@ step_modelbf16() {  # issue 21's B256 decode (>= 1.2 M tokens/s): the example mo
   python3 -m rtcompile.cli bench --model /tmp/order3_16x16_bf16state.toml --only decode --out "$OUT/bench_model_bf16state"
 }
 
+step_tpe() {  # issue 22's tuner must-show at two shapes: an exhaustive sweep, then TPE studies of
+  # ~20% of the sub-space with three seeds (tpe_check.py). o2 64 repeats session 24's sub-space
+  # (loop x wy x parts x stride = 48, the rest at the Gluon default's: B1 was 18% off before the
+  # neighbour warm starts of ec7e264); o3 16x8 materialised is the second shape (the same fields
+  # plus output_warps: 144). TPE_SHAPES picks one ("o2" or "o3"); TPE_SEEDS the studies per bucket
+  local fixed="--fix form=split --fix split.chunk_size=32 --fix split.block_v=64 --fix split.num_warps=4
+    --fix split.num_stages=3 --fix split.solve=tiles --fix split.dot_precision=ieee --fix split.output_block_v=64
+    --fix split.tma=true --fix split.key_group=1"
+  if [[ "${TPE_SHAPES:-o2 o3}" == *o2* ]]; then
+    timeout -s INT "${TPE_S:-280}" python3 benchmarks/tpe_check.py examples/order2_matrix.toml --batch 1,8 --seq-len 4096 \
+      $fixed --fix split.prepare_warps=2 --fix split.output_warps=4 --fix split.materialise=false \
+      --trials 10 --seeds "${TPE_SEEDS:-3}" --workers 4 --out "$OUT/tpe_o2_64" || true
+  fi
+  if [[ "${TPE_SHAPES:-o2 o3}" == *o3* ]]; then
+    sed -e 's/^order = 2/order = 3/' -e 's/^key_widths = \[64\]/key_widths = [16, 8]/' -e 's/^name = .*/name = "order3-16x8"/' \
+      examples/order2_matrix.toml > /tmp/order3_16x8.toml
+    grep -q 'key_widths = \[16, 8\]' /tmp/order3_16x8.toml
+    timeout -s INT "${TPE_S:-280}" python3 benchmarks/tpe_check.py /tmp/order3_16x8.toml --batch 1,8 --seq-len 4096 \
+      $fixed --fix split.prepare_warps=1 --fix split.materialise=true \
+      --trials 29 --seeds "${TPE_SEEDS:-3}" --workers 4 --out "$OUT/tpe_o3_16x8" || true
+  fi
+}
+
+step_gluonc64() {  # why the Gluon loop at chunks of 64 gave wrong outputs at K 128 (refused since
+  # 2026-12-04): diagnose_gluon_c64.py lifts the refusal in its own process and prints where the
+  # outputs or states go wrong, beside the Triton loop at C 64 (~1-2 min with compiles)
+  timeout -s INT "${DIAG_S:-240}" python3 benchmarks/diagnose_gluon_c64.py > "$OUT/gluon_c64.txt" 2>&1 || true
+  tail -n 30 "$OUT/gluon_c64.txt"
+}
+
 step_bench() {  # decode first (~60 s), so the prefill phase cannot starve it of budget
   python3 -m rtcompile.cli bench --out "$OUT/bench_decode" --phase decode --budget-s 60
   python3 -m rtcompile.cli bench --out "$OUT/bench_prefill" --phase prefill --budget-s 460
@@ -190,6 +220,6 @@ step_recalltests() {  # one call's worth: the recall comparison (its trainings l
 }
 
 for s in "$@"; do
-  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, traintests, traintime, recalltests, recallcompile, tunetrain, trainfla, trainexp, sweep, bench, tunedecode, model, modelbf16, serving, profiletrain, profileprefill, profiledecode, checks, recall)" >&2; exit 2; }
+  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, traintests, traintime, recalltests, recallcompile, tunetrain, trainfla, trainexp, sweep, bench, tunedecode, model, modelbf16, serving, tpe, gluonc64, profiletrain, profileprefill, profiledecode, checks, recall)" >&2; exit 2; }
   "step_$s"
 done

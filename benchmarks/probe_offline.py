@@ -11,6 +11,9 @@ install that wheel into a folder of its own and put it first, e.g.
     python3 benchmarks/probe_offline.py                                     (the K = 256 default)
     python3 benchmarks/probe_offline.py --widths 32 32 --set num_stages=2 --set block_v=16
     python3 benchmarks/probe_offline.py --backward --set grads_warps=4   (the backward's kernels)
+    python3 benchmarks/probe_offline.py --widths 32 32 --config '{"form": "split", "chunk_size": 32, "block_v": 16}'
+                                              (a config outside its form's space: the split form's
+                                               Triton loop at K 1024 spills in every variant tried)
     python3 benchmarks/probe_offline.py --decode 256 --set block_v=64 --set num_warps=8
                                               (the decode step's kernel at B256; its registers bound
                                                its occupancy: 123 with the default, 25% on the H200)
@@ -42,7 +45,7 @@ from rtcompile.kernels import chunk_split, launch, recurrent
 from rtcompile.kernels import chunk_backward
 from rtcompile.kernels.chunk_backward import default_backward
 from rtcompile.kernels.config import KernelShape
-from rtcompile.kernels.forms import default_config
+from rtcompile.kernels.forms import config_from_dict, default_config
 
 H200_SMEM = 232448  # shared_memory_per_block_optin of the H200 (the default's choice depends on it)
 
@@ -115,6 +118,8 @@ def main(argv=None) -> int:
                     help="change a field of the default chunk (or backward) config (JSON value)")
     ap.add_argument("--backward", action="store_true", help="the backward's launches (its default config)")
     ap.add_argument("--decode", type=int, metavar="B", help="the decode step's launch at batch B (its default config)")
+    ap.add_argument("--config", metavar="JSON", help="a whole chunk config instead of the default (to_dict's form, e.g. "
+                    "'{\"form\": \"split\", \"chunk_size\": 32, \"block_v\": 16}'); --set changes it further")
     args = ap.parse_args(argv)
     if args.decode is not None and (args.decode < 1 or args.backward):
         print("probe_offline: --decode: a batch >= 1, without --backward", file=sys.stderr)
@@ -133,13 +138,15 @@ def main(argv=None) -> int:
     try:
         if args.backward:
             base = default_backward(KernelShape(shape.key_widths, 64, 2), H200_SMEM)
+        elif args.config is not None:  # any form, also outside its space (what would this compile to?)
+            base = config_from_dict(json.loads(args.config), "recurrent" if args.decode else "chunk")
         else:
             base = default_config("recurrent" if args.decode else "chunk", shape, H200_SMEM)
         # through from_dict: a value of the wrong type (--set tma=False is the string "False",
         # which replace() took as a true flag) is refused, naming the field
         variant = type(base).from_dict({**base.to_dict(), **changes})
-    except (TypeError, ValueError) as exc:
-        print(f"probe_offline: --set: {exc}", file=sys.stderr)
+    except (TypeError, ValueError) as exc:  # json's JSONDecodeError is a ValueError
+        print(f"probe_offline: --set / --config: {exc}", file=sys.stderr)
         return 2
     B, T, H = (args.decode, 1, 8) if args.decode else (1, 256, 8)
     q = [torch.randn(B, T, H, w, dtype=torch.bfloat16) for w in args.widths]

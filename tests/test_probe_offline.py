@@ -69,3 +69,15 @@ def test_decode_kernel_compiles_for_sm90_offline():
     assert 0 < regs[1] < regs[0] <= 255  # a [K, 16] slab holds half the registers of [K, 32]
     bad = _run("--decode", "0")
     assert bad.returncode == 2 and "--decode" in bad.stderr
+
+
+def test_config_replaces_the_default_form():
+    """--config: a whole config of another form (here the streamed one) is what compiles;
+    malformed JSON and a form of the other kernel are usage errors."""
+    out = _run("--config", '{"form": "streamed", "chunk_size": 32, "block_k": 64, "block_v": 32}')
+    assert out.returncode == 0, out.stderr[-2000:]
+    names = [ln.split()[0] for ln in out.stdout.splitlines() if " regs " in ln]
+    assert names and "chunk_split_state_kernel" not in names and any("streamed" in n for n in names), names
+    for bad in ('{"form": "split", ', '{"form": "recurrent", "block_v": 16}'):
+        out = _run("--config", bad)
+        assert out.returncode == 2 and "--config" in out.stderr, out.stderr[-500:]

@@ -156,7 +156,10 @@ class SplitConfig(KernelConfig):
 
     @classmethod
     def space(cls, shape: KernelShape) -> dict[str, list]:
-        # measured only up to K = 256; wider states stream better (StreamedConfig)
+        # measured only up to K = 256; wider states stream (StreamedConfig): at K 1024 this loop's
+        # [1024, 16] state spills in every variant compiled for sm_90 (Triton 3.6, probe_offline
+        # --config: 255 registers and 528-1608 B of spill stack at 4-8 warps and C 16-64, 432-1016
+        # B at 16 warps; the output kernel's whole-K phi(Q) tile 200-216 B)
         mat = can_materialise(shape) and materialised(shape).whole_factor_tiles
         if not (shape.whole_factor_tiles or mat) or shape.key_dim > 256:
             return {}
