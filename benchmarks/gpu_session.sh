@@ -1,6 +1,6 @@
 # The measurements of one GPU session, in steps that each fit one 10-minute device call.
 #
-#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train (= traintests traintime) | recalltests | recallcompile | tunetrain | trainfla | trainexp | sweep | bench | tunedecode | model | modelbf16 | serving | tpe | gluonc64 | profiletrain | profileprefill | profiledecode | checks | recall
+#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train (= traintests traintime) | recalltests | recallcompile | tunetrain | trainfla | trainexp | sweep | bench | tunedecode | tunelarge | model | modelbf16 | serving | tpe | gluonc64 | profiletrain | profileprefill | profiledecode | checks | recall
 #
 # Run from the project root on the device machine after installing the carried wheels (see
 # benchmarks/README.md). Everything lands under $OUT. Each step writes as it goes, so a call cut
@@ -97,6 +97,17 @@ step_tunedecode() {  # issue 22's decode rows (>= 0.90 of a copy at K 256 B256, 
     tail -n 8 "$OUT/tune_decode_$(basename "$spec" .toml).txt"
   done
   python3 -m rtcompile.cli bench --out "$OUT/bench_decode_tuned" --phase decode --budget-s 60
+}
+
+step_tunelarge() {  # issue 22's K > 256 rows (o3 32x32 1.31 ms against 0.67; 64x64 5.26 against
+  # 2.7): the tuner's prefill study over the whole space at B8 T4096 (streamed, fused and the
+  # other forms that run K 1024; no recorded prefill study there), LARGE_SPEC for another spec;
+  # the table's best against the default, both re-measured by the tuner
+  local spec="${LARGE_SPEC:-examples/order3_32x32.toml}"
+  timeout -s INT "${TUNE_S:-540}" python3 -m rtcompile.cli tune "$spec" --phase prefill --batch 8 --seq-len 4096 \
+    --seconds "${TUNE_BUDGET_S:-420}" --workers 4 --storage "sqlite:///$OUT/tune_large.db" \
+    > "$OUT/tune_large_$(basename "$spec" .toml).txt" 2>&1 || true
+  tail -n 8 "$OUT/tune_large_$(basename "$spec" .toml).txt"
 }
 
 step_modelbf16() {  # issue 21's B256 decode (>= 1.2 M tokens/s): the example model with a bf16 state
@@ -220,6 +231,6 @@ step_recalltests() {  # one call's worth: the recall comparison (its trainings l
 }
 
 for s in "$@"; do
-  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, traintests, traintime, recalltests, recallcompile, tunetrain, trainfla, trainexp, sweep, bench, tunedecode, model, modelbf16, serving, tpe, gluonc64, profiletrain, profileprefill, profiledecode, checks, recall)" >&2; exit 2; }
+  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, traintests, traintime, recalltests, recallcompile, tunetrain, trainfla, trainexp, sweep, bench, tunedecode, tunelarge, model, modelbf16, serving, tpe, gluonc64, profiletrain, profileprefill, profiledecode, checks, recall)" >&2; exit 2; }
   "step_$s"
 done

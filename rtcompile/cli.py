@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Sequence
 
 from ._version import __version__
-from .cli_args import EXIT_USAGE, Parser, UsageError, int_at_least, positive_float
+from .cli_args import EXIT_USAGE, Parser, UsageError, check_out_dir, int_at_least, positive_float
 from .spec import SpecError, SpecFileError, SpecTypeError
 
 __all__ = ["EXIT_USAGE", "INPUT_ERRORS", "UsageError", "build_parser", "main"]
@@ -100,16 +99,6 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_out_dir(out) -> None:
-    """Fail before minutes of measuring, not after: --out must be creatable and writable."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"rtcompile bench: --out {str(out)!r}: cannot create ({exc.strerror})") from None
-    if not os.access(out, os.W_OK):
-        raise UsageError(f"rtcompile bench: --out {str(out)!r}: not writable")
-
-
 def _cmd_bench_model(args: argparse.Namespace) -> int:
     """``bench --model SPEC``: the whole model's prefill and CUDA-graph decode (bench/lm.py)."""
     from pathlib import Path
@@ -144,7 +133,7 @@ def _bench_run(args: argparse.Namespace, opts, matches: bool, scope: str, dry_ru
     if reason is not None:
         raise UsageError(f"rtcompile bench: {reason}")
     if opts.out is not None:
-        _check_out_dir(opts.out)
+        check_out_dir("rtcompile bench", opts.out)
     run(opts)
     return 0
 

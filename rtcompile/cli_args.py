@@ -8,6 +8,7 @@ none needs another: the command modules form no import cycle.
 from __future__ import annotations
 
 import argparse
+import os
 
 EXIT_USAGE = 2
 
@@ -91,3 +92,22 @@ def fixed_param(text: str) -> tuple[str, object]:
     elif raw.lstrip("-").isdigit():
         value = int(raw)
     return name.strip(), value
+
+
+def check_out_dir(prog: str, out: str | os.PathLike) -> None:
+    """``--out DIR`` before any work (minutes of measuring, not after): created with its parents
+    when missing, and writable; else a :class:`UsageError` naming ``prog``'s option."""
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"{prog}: --out {str(out)!r}: cannot create ({exc.strerror})") from None
+    if not os.access(out, os.W_OK):
+        raise UsageError(f"{prog}: --out {str(out)!r}: not writable")
+
+
+def check_out_file(prog: str, out: str | os.PathLike) -> None:
+    """``--out FILE`` before any work: not a folder, its folder created when missing (as an
+    ``--out DIR`` is) and writable; the file itself is written atomically later."""
+    if os.path.isdir(out):
+        raise UsageError(f"{prog}: --out {str(out)!r}: is a folder; allowed: a file path")
+    check_out_dir(prog, os.path.dirname(os.path.abspath(out)))

@@ -8,11 +8,10 @@ line on stderr and exit 2 before any point runs.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
-from .cli_args import UsageError, int_list, int_list_of, number_list_of, positive_int
+from .cli_args import UsageError, check_out_dir, int_list, int_list_of, number_list_of, positive_int
 
 # SweepOptions / RecallOptions field -> the option that sets it (their errors name the field)
 OPTION_OF = {"orders": "--orders", "widths": "--widths", "d_model": "--d-model", "match": "--match",
@@ -89,16 +88,6 @@ def _options(args):
         raise UsageError(f"rtcompile explore: {exc}") from None
 
 
-def _check_out(out: str) -> None:
-    """The folder must be creatable and writable before minutes of points, not after."""
-    try:
-        os.makedirs(out, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"rtcompile explore: --out {out!r}: cannot create ({exc.strerror})") from None
-    if not os.access(out, os.W_OK):
-        raise UsageError(f"rtcompile explore: --out {out!r}: not writable")
-
-
 def default_workers(spec, opts) -> int:
     """``--workers`` left out: one process per visible GPU when the points use one (measured
     speed or recall), RECALL_WORKERS_PER_GPU per GPU with recall, never more than the points
@@ -123,7 +112,7 @@ def run(args) -> int:
     from .tuning.store import check_store_file
 
     check_store_file(args.storage, create=True)  # a typo'd folder: refused before any point
-    _check_out(args.out)
+    check_out_dir("rtcompile explore", args.out)
     if args.workers is None:
         import dataclasses
 

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from .cli_args import int_list, positive_int
+from .cli_args import check_out_file, int_list, positive_int
 
 
 def _common(p) -> None:
@@ -93,6 +93,8 @@ def _print(plan, spec, target) -> None:
 
 
 def run_plan(args) -> int:
+    if args.out:
+        check_out_file("rtcompile plan", args.out)
     spec, target, plan = _make(args, _target_name(args))
     if args.out:
         plan.save(args.out)
@@ -146,6 +148,12 @@ def _validate_kernels(spec) -> list[tuple[str, float, bool]]:
 def run_build(args) -> int:
     from rich.console import Console
 
+    out = args.out or "plan.json"
+    check_out_file("rtcompile build", out)  # before minutes of tuning and checks, not after
+    if args.storage:
+        from .tuning.store import check_store_file
+
+        check_store_file(args.storage, create=True)
     err = Console(stderr=True)
     on_gpu = _on_gpu()
     if not on_gpu:
@@ -173,7 +181,6 @@ def run_build(args) -> int:
     _print(plan, spec, target)
     for name, e, ok in checks:
         print(f"kernel check {name}: relative error {e:.1e} against float64 -> {'ok' if ok else 'FAILED'}")
-    out = args.out or "plan.json"
     if not all(ok for _, _, ok in checks):
         print("kernel validation failed: no plan written", file=sys.stderr)
         return 1

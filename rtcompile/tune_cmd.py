@@ -120,8 +120,6 @@ def run(args) -> int:
     err = Console(stderr=True)
     if not on_gpu:
         os.environ["TRITON_INTERPRET"] = "1"  # workers and trials inherit it
-        err.print("[yellow]no CUDA GPU: tuning runs the Triton interpreter on the CPU with small shapes; "
-                  "CPU timings are not GPU timings[/]")
     if len(spec.key_widths) > 3:
         raise UsageError(f"rtcompile tune: order {spec.order}; the Triton kernels take orders 2-4")
     workers = args.workers or (max(1, torch.cuda.device_count()) if on_gpu else 1)
@@ -140,6 +138,9 @@ def run(args) -> int:
         if opts.fixed and (reason := device_refusal_of_space(bucket, opts)) is not None:
             raise UsageError(f"rtcompile tune: --fix: no config of the fixed sub-space runs on this machine "
                              f"({opts.device}): {reason}")
+    if not on_gpu:  # after the checks: a usage error stays one line
+        err.print("[yellow]no CUDA GPU: tuning runs the Triton interpreter on the CPU with small shapes; "
+                  "CPU timings are not GPU timings[/]")
     _rebuild_unreadable_table(opts, err)
     results = _tune_all(buckets, opts, err, start)
     _print_results(results, spec, args, on_gpu)

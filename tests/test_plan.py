@@ -196,6 +196,32 @@ def test_cli_plan_and_build(tmp_path, capsys, monkeypatch):
     assert text.count("-> ok") == 3 and Plan.load(built).target["name"] == "h200"
 
 
+def test_cli_out_is_checked_before_any_work(tmp_path, capsys, monkeypatch):
+    """plan / build --out FILE: a folder, or a folder that cannot be made, is one usage line (exit
+    2) before planning, tuning or kernel checks start; a missing folder is made, as the other
+    commands' --out folders are. build's --storage in a missing folder is refused up front too."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    spec = str(ROOT / "examples" / "order2_matrix.toml")
+    import rtcompile.plan_cmd as plan_cmd
+
+    started = []
+    monkeypatch.setattr(plan_cmd, "_make", lambda *a, **k: started.append(a) or (_ for _ in ()).throw(AssertionError))
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    for argv in (["plan", spec, "--out", str(tmp_path)], ["build", spec, "--out", str(tmp_path)],
+                 ["plan", spec, "--out", str(blocker / "x" / "p.json")],
+                 ["build", spec, "--storage", f"sqlite:///{tmp_path / 'no' / 's.db'}"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and ("--out" in err[0] or "storage" in err[0]), err
+    assert not started
+    monkeypatch.undo()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    out = tmp_path / "new" / "deeper" / "p.json"
+    assert main(["plan", spec, "--target", "h200", "--out", str(out), "--json"]) == 0
+    assert Plan.load(out).target["name"] == "h200"
+
+
 def test_plan_variant_that_cannot_run_here_falls_back(monkeypatch):
     """An H200 plan may name a config over this device's shared memory: the call still runs."""
     import os

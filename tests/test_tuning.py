@@ -261,6 +261,11 @@ def test_cli_usage_errors(capsys):
     assert main(["tune", "x.toml", "--trials", "3", "--seconds", "2"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 3 and all(line.startswith("rtcompile") for line in lines)
+    # a bad --fix on the CPU: the one error line, not the no-GPU notice before it
+    spec = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "order2_matrix.toml")
+    assert main(["tune", spec, "--fix", "split.no_such_field=1"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "no_such_field" in lines[0], lines
 
 
 def test_concurrent_creation_of_a_fresh_sqlite_store(tmp_path):
