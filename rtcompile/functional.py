@@ -122,6 +122,7 @@ def running_tensor(
                 return hit(q, k, v, g, beta, initial_state, output_final_state)
     if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"mode: got {mode!r}; allowed: {', '.join(MODES)}")
+    check_flags(output_final_state=output_final_state, l2norm=l2norm)
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)):
         raise TypeError(f"chunk_size: expected an int or None, got {type(chunk_size).__name__}")
     if chunk_size is not None and chunk_size < 1:
@@ -237,6 +238,14 @@ def running_tensor_decode_(
         )
     return (_LAUNCH or _launch_module()).decode_step(q, k, v, g, beta, state_cache, state_indices, scale, l2norm,
                                                      validate, variant)
+
+
+def check_flags(**flags) -> None:
+    """TypeError naming the first argument of ``flags`` that is not a bool (a truthy string or
+    2 would otherwise pass as True)."""
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
 
 
 # kernels.launch once imported: an import statement cost a T = 1 call ~1 us (CPU machine), and

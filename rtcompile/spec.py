@@ -284,6 +284,8 @@ class ModelSpec:
 
 def load_spec(path: str | os.PathLike) -> ModelSpec:
     """Read a spec from ``.toml`` or ``.json`` (no code is ever executed)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path: expected a str or os.PathLike spec file, got {type(path).__name__}")
     p = Path(path)
     suffix = p.suffix.lower()
     if suffix not in (".toml", ".json"):

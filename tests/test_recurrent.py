@@ -378,6 +378,10 @@ def _change(name):
         kw["state_indices"] = [0, 1]
     elif name == "two-tokens":
         kw.update(zip(("q", "k", "v", "g", "beta"), _decode_args(T=2)[:5]))
+    elif name == "l2norm-str":
+        kw["l2norm"] = "yes"
+    elif name == "validate-int":
+        kw["validate"] = 1
     elif name == "wrong-config-class":
         kw["variant"] = ResidentConfig(chunk_size=16, block_v=16)
     elif name == "config-cannot-run":
@@ -395,6 +399,8 @@ def _change(name):
     ("indices-shape", ValueError, r"state_indices: expected shape \[2\]"),
     ("indices-type", TypeError, r"state_indices: expected a torch.Tensor, got list"),
     ("two-tokens", ValueError, r"v: T = 2; allowed: T = 1"),
+    ("l2norm-str", TypeError, r"l2norm: expected a bool, got str"),
+    ("validate-int", TypeError, r"validate: expected a bool, got int"),
     ("wrong-config-class", TypeError, r"variant: expected one of RecurrentConfig, got ResidentConfig"),
     ("config-cannot-run", ValueError, r"block_k=64; allowed: at most K rounded up \(16\)"),
 ])

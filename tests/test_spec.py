@@ -253,3 +253,14 @@ def test_toml_spec_with_a_repeated_key_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     # tomllib already refuses a repeated key; its message gives the line, not the name.
     assert len(err) == 1 and "not valid TOML" in err[0] and "line 2" in err[0]
+
+
+@pytest.mark.parametrize("path", [None, 3, {"order": 2}], ids=["none", "int", "dict"])
+def test_load_spec_and_load_name_a_path_that_is_not_one(path):
+    """A path argument of the wrong type is a TypeError naming it (before any file is opened)."""
+    import rtcompile
+
+    with pytest.raises(TypeError, match=r"path: expected a str or os.PathLike spec file"):
+        load_spec(path)
+    with pytest.raises(TypeError, match=r"path: expected a str or os.PathLike bundle folder"):
+        rtcompile.load(path)

@@ -392,7 +392,10 @@ def check_graphs(root: Path, manifest: dict[str, Any]) -> None:
 
 
 def verify_bundle(path: str | os.PathLike) -> VerifiedBundle:
-    """Every check of the module docstring; BundleError at the first that fails."""
+    """Every check of the module docstring; BundleError at the first that fails (TypeError for
+    a ``path`` that is not a path)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path: expected a str or os.PathLike bundle folder, got {type(path).__name__}")
     root = Path(path)
     manifest = read_manifest(root)
     spec, plan, vocab, mlp = check_contents(root, manifest)

@@ -345,8 +345,10 @@ def decode_step(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, val
             DECODE_PLANS.remember(key, plan)
         if key is not None:
             DECODE_PLANS.note(head, tensors, plan)
-    if validate:
+    if validate is True:
         check_indices(state_indices, state_cache.shape[0])
+    elif validate is not False:
+        raise TypeError(f"validate: expected a bool, got {type(validate).__name__}")
     if plan.copy:  # the plan's key holds every input's contiguity: contiguous calls skip this
         q, k, v, g, beta, state_indices = args.contiguous_inputs(q, k, v, g, beta, state_indices)
     # empty_like(v): v is contiguous by then, so its copy's layout is the output's
@@ -361,6 +363,8 @@ def _plan_decode(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, va
         raise TypeError(f"state_cache: expected a torch.Tensor, got {type(state_cache).__name__}")
     if not isinstance(state_indices, torch.Tensor):
         raise TypeError(f"state_indices: expected a torch.Tensor, got {type(state_indices).__name__}")
+    if not isinstance(l2norm, bool):
+        raise TypeError(f"l2norm: expected a bool, got {type(l2norm).__name__}")
     p = check_inputs(q, k, v, g, beta, scale, None, None)
     if p.seq_len != 1:
         raise ValueError(f"v: T = {p.seq_len}; allowed: T = 1 for a decode step (use running_tensor_fwd for more)")
