@@ -1,6 +1,6 @@
 # The measurements of one GPU session, in steps that each fit one 10-minute device call.
 #
-#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train (= traintests traintime) | recalltests | recallcompile | tunetrain | trainfla | trainexp | sweep | bench | tunedecode | tunelarge | model | modelbf16 | serving | tpe | gluonc64 | profiletrain | profileprefill | profiledecode | checks | recall
+#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train (= traintests traintime) | recalltests | recallcompile | tunetrain | trainfla | trainexp | sweep | bench | tunedecode | tunelarge | model | modelbf16 | serving | tpe | gluonc64 | onnxcpu | profiletrain | profileprefill | profiledecode | checks | recall
 #
 # Run from the project root on the device machine after installing the carried wheels (see
 # benchmarks/README.md). Everything lands under $OUT. Each step writes as it goes, so a call cut
@@ -141,6 +141,13 @@ step_tpe() {  # issue 22's tuner must-show at two shapes: an exhaustive sweep, t
   fi
 }
 
+step_onnxcpu() {  # the ONNX prefill graph's chunk-parallel mixer body against the token Scan it
+  # replaced, onnxruntime on this host's CPUs, beside the torch reference (~2 min; no GPU used)
+  python3 benchmarks/onnx_prefill.py --seq-len 128,512,2048,8192 --skip-scan-above 2048 2>&1 | grep -v Warning \
+    | tee "$OUT/onnx_prefill.txt"
+  python3 benchmarks/onnx_prefill.py --batch 8 --seq-len 512 2>&1 | grep -v Warning | tail -n 1 | tee -a "$OUT/onnx_prefill.txt"
+}
+
 step_gluonc64() {  # why the Gluon loop at chunks of 64 gave wrong outputs at K 128 (refused since
   # 2026-12-04): diagnose_gluon_c64.py lifts the refusal in its own process and prints where the
   # outputs or states go wrong, beside the Triton loop at C 64 (~1-2 min with compiles)
@@ -231,6 +238,6 @@ step_recalltests() {  # one call's worth: the recall comparison (its trainings l
 }
 
 for s in "$@"; do
-  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, traintests, traintime, recalltests, recallcompile, tunetrain, trainfla, trainexp, sweep, bench, tunedecode, tunelarge, model, modelbf16, serving, tpe, gluonc64, profiletrain, profileprefill, profiledecode, checks, recall)" >&2; exit 2; }
+  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, traintests, traintime, recalltests, recallcompile, tunetrain, trainfla, trainexp, sweep, bench, tunedecode, tunelarge, model, modelbf16, serving, tpe, gluonc64, onnxcpu, profiletrain, profileprefill, profiledecode, checks, recall)" >&2; exit 2; }
   "step_$s"
 done

@@ -279,8 +279,8 @@ def test_export_refuses_graphs_that_do_not_carry_the_model(tmp_path, monkeypatch
 
     finish = onnx_model._finish
 
-    def wrong_weights(program, spec):
-        model = finish(program, spec)
+    def wrong_weights(program, spec, body):
+        model = finish(program, spec, body)
         t = _initializer(model, "lm.embed.weight")
         t.CopyFrom(numpy_helper.from_array(np.flip(numpy_helper.to_array(t), 0).copy(), t.name))
         return model

@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from rtcompile.export.onnx_model import export_onnx
+from rtcompile.export.onnx_model import ONNX_CHUNK, export_onnx
 from rtcompile.export.onnx_mixer import DOMAIN
 from rtcompile.model import RunningTensorLM
 from rtcompile.spec import Features, ModelSpec
@@ -48,8 +48,12 @@ def test_onnxruntime_prefill_and_greedy_decode(order, rule, tmp_path):
     tokens = torch.randint(0, 11, (3, 9))
     with torch.no_grad():
         ref, cache = lm(tokens, backend="reference")
-    outs = pre.run(None, {"tokens": tokens.numpy()})
     rel = lambda a, b: float(np.abs(a - b).max() / np.abs(b).max())
+    long = torch.randint(0, 11, (2, 2 * ONNX_CHUNK + 7))  # the prefill graph's chunk form over 3 chunks
+    with torch.no_grad():
+        ref_long, _ = lm(long, backend="reference")
+    assert rel(pre.run(None, {"tokens": long.numpy()})[0], ref_long.numpy()) < 1e-4
+    outs = pre.run(None, {"tokens": tokens.numpy()})
     assert rel(outs[0], ref.numpy()) < 1e-4
     names = [i.name for i in dec.get_inputs()][1:]
     state, tok = outs[1:], outs[0][:, -1].argmax(-1)

@@ -114,8 +114,16 @@ def input_names(order: int, update_rule: str) -> list[str]:
     return names
 
 
-def running_tensor_function(order: int, update_rule: str, l2norm: bool, opset: int = OPSET):
-    """The FunctionProto ``ai.rtcompile::RunningTensor`` for one order / rule / normalisation."""
+BODIES = ("scan", "chunk")
+
+
+def running_tensor_function(order: int, update_rule: str, l2norm: bool, opset: int = OPSET, *,
+                            body: str = "scan", chunk: int = 64):
+    """The FunctionProto ``ai.rtcompile::RunningTensor`` for one order / rule / normalisation.
+
+    ``body``: "scan", a Scan over tokens (the decode graph's: one step at T = 1), or "chunk",
+    the chunk-parallel form in chunks of ``chunk`` tokens (``onnx_chunk.py``: the prefill
+    graph's). Both compute the node's one meaning; the choice is the function body's only."""
     from onnx import AttributeProto
     from onnx import helper as h
 
@@ -123,12 +131,21 @@ def running_tensor_function(order: int, update_rule: str, l2norm: bool, opset: i
         raise ValueError(f"update_rule: got {update_rule!r}; allowed: {', '.join(UPDATE_RULES)}")
     if not isinstance(order, int) or order < 2:
         raise ValueError(f"order: got {order!r}; allowed: an integer >= 2")
+    if body not in BODIES:
+        raise ValueError(f"body: got {body!r}; allowed: {', '.join(BODIES)}")
     nf = order - 1
     names = input_names(order, update_rule)
     scale_attr = AttributeProto()
     scale_attr.name, scale_attr.ref_attr_name, scale_attr.type = "value_float", "scale", AttributeProto.FLOAT
     scale_node = h.make_node("Constant", [], ["scale_t"])
     scale_node.attribute.extend([scale_attr])
+    attributes = ["scale", "order", "update_rule", "chunk_size", "variant"]
+    if body == "chunk":
+        from .onnx_chunk import chunk_body
+
+        return h.make_function(DOMAIN, "RunningTensor", names, ["o", "present_state"],
+                               [scale_node, *chunk_body(order, update_rule, l2norm, chunk, L2NORM_EPS)],
+                               opset_imports=[h.make_opsetid("", opset)], attributes=attributes)
     # flatten the state to [B, H, K, V] for the loop, restore the order-o shape at the end
     nodes = [
         scale_node,
@@ -152,13 +169,13 @@ def running_tensor_function(order: int, update_rule: str, l2norm: bool, opset: i
     nodes.append(h.make_node("Shape", ["past_state"], ["state_shape"]))
     nodes.append(h.make_node("Reshape", ["S_final", "state_shape"], ["present_state"]))
     return h.make_function(DOMAIN, "RunningTensor", names, ["o", "present_state"], nodes,
-                           opset_imports=[h.make_opsetid("", opset)],
-                           attributes=["scale", "order", "update_rule", "chunk_size", "variant"])
+                           opset_imports=[h.make_opsetid("", opset)], attributes=attributes)
 
 
 def mixer_model(order: int, update_rule: str, l2norm: bool, scale: float, chunk_size: int = 0,
-                variant: str = ""):
-    """A one-node ONNX model of the mixer with dynamic B and T (fp32), carrying the function."""
+                variant: str = "", *, body: str = "scan", chunk: int = 64):
+    """A one-node ONNX model of the mixer with dynamic B and T (fp32), carrying the function
+    (``body`` / ``chunk``: as :func:`running_tensor_function`)."""
     from onnx import TensorProto
     from onnx import helper as h
 
@@ -180,6 +197,6 @@ def mixer_model(order: int, update_rule: str, l2norm: bool, scale: float, chunk_
                        order=order, update_rule=update_rule, chunk_size=chunk_size, variant=variant)
     graph = h.make_graph([node], "running_tensor_mixer", ins, outs)
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", OPSET), h.make_opsetid(DOMAIN, 1)],
-                         functions=[running_tensor_function(order, update_rule, l2norm)])
+                         functions=[running_tensor_function(order, update_rule, l2norm, body=body, chunk=chunk)])
     model.ir_version = 10
     return model

@@ -1,0 +1,173 @@
+"""The chunk-parallel body of the ONNX mixer function (``onnx_mixer.running_tensor_function``
+with ``body="chunk"``): the prefill graph's, where the token Scan runs one small step per token.
+
+The math is the chunk reference's (``kernels/reference._chunk_segment``), in the WY form that
+leaves the sequential part two products a chunk and everything else chunk-parallel. With the
+sequence padded to NT chunks of C tokens (zero keys, values, beta and log decay: exact), per
+chunk (local cumulative log decay c, Gamma = exp(c), D_ij = exp(c_i - c_j) for j <= i):
+
+    P  = scale (prod_i Q_i K_i^T) * D                    [C, C]   the scores
+    Ai = (I + A)^-1,  A = tril(diag(b) (prod_i K_i K_i^T) * D, -1)   (delta rules)
+    W  = Ai diag(b Gamma) phi(K),  U0 = Ai diag(b) V      (without the delta rule U0 = V)
+    Qg = scale diag(Gamma) phi(Q),  Kd = (diag(Gamma_C / Gamma) phi(K))^T
+
+all in parallel over (B, H, chunks); then a Scan over the chunks carries the state S [B, H, K,
+V]: U = U0 - W S, O = Qg S + P U, S = Gamma_C S + Kd U. A is strictly lower triangular, so
+(I + A)^-1 = prod_j (I + (-A)^(2^j)) for j < log2 C: matrix products only (ONNX has no
+triangular solve), exact like the substitution it replaces (both sum the Neumann series).
+"""
+
+from __future__ import annotations
+
+import math
+
+LOG_DECAY_FLOOR = -104.0  # as kernels/inputs.py: the chunk forms' clamp (exp of -inf - -inf is NaN)
+
+
+class _Nodes:
+    """A node list with fresh value names: ``op(kind, *inputs, **attrs)`` returns the output."""
+
+    def __init__(self):
+        from onnx import helper
+
+        self.h = helper
+        self.nodes: list = []
+        self._n = 0
+
+    def op(self, kind: str, *inputs: str, out: str | None = None, **attrs) -> str:
+        self._n += 1
+        name = out or f"_{kind.lower()}{self._n}"
+        self.nodes.append(self.h.make_node(kind, list(inputs), [name], **attrs))
+        return name
+
+    def const(self, value, dtype: str = "int64", shape: tuple[int, ...] | None = None) -> str:
+        import numpy as np
+        from onnx import numpy_helper
+
+        arr = np.asarray(value, dtype=dtype)
+        if shape is not None:
+            arr = arr.reshape(shape)
+        self._n += 1
+        name = f"_c{self._n}"
+        self.nodes.append(self.h.make_node("Constant", [], [name], value=numpy_helper.from_array(arr, name + "_v")))
+        return name
+
+
+def _bht(n: _Nodes, x: str, pads: str, C_t: str) -> str:
+    """[B, T, H, d] -> [B, H, NT, C, d]: heads before time, time padded, cut into chunks."""
+    d = n.op("Gather", n.op("Shape", x), n.const([3]), axis=0)
+    shape = n.op("Concat", n.const([0, 0, -1]), C_t, d, axis=0)  # Reshape: a 0 copies that axis
+    return n.op("Reshape", n.op("Pad", n.op("Transpose", x, perm=[0, 2, 1, 3]), pads), shape)
+
+
+def chunk_body(order: int, update_rule: str, l2norm: bool, chunk: int, eps: float) -> list:
+    """The function's nodes for the chunk-parallel body (inputs and outputs named as
+    ``onnx_mixer.input_names`` and ``o`` / ``present_state``; ``scale_t`` is defined by the
+    caller from the ``scale`` attribute). ``chunk``: C, a power of two."""
+    import numpy as np
+    from onnx import TensorProto
+    from onnx import helper as h
+
+    if chunk < 2 or chunk & (chunk - 1):
+        raise ValueError(f"chunk: got {chunk}; allowed: a power of two >= 2")
+    nf, C = order - 1, chunk
+    gated, delta = update_rule in ("gated", "gated_delta"), update_rule in ("delta", "gated_delta")
+    n = _Nodes()
+    # padding and chunk shapes from T: pad = (C - T mod C) mod C
+    C_t = n.const([C])
+    T = n.op("Gather", n.op("Shape", "v"), n.const([1]), axis=0)
+    pad = n.op("Mod", n.op("Sub", C_t, n.op("Mod", T, C_t)), C_t)
+    pads4 = n.op("Concat", n.const([0] * 6), pad, n.const([0]), axis=0)  # [B, H, T, d]: T's end only
+    pads3 = n.op("Concat", n.const([0] * 5), pad, axis=0)  # [B, H, T]
+    chunk3 = n.const([0, 0, -1, C])
+    last_axis = n.const([-1])
+
+    def normed(x: str) -> str:
+        if not l2norm:
+            return x
+        ss = n.op("ReduceSum", n.op("Mul", x, x), last_axis, keepdims=1)
+        return n.op("Div", x, n.op("Sqrt", n.op("Add", ss, n.const(eps, "float32"))))
+
+    Qc = [_bht(n, normed(f"q{i}"), pads4, C_t) for i in range(1, nf + 1)]
+    Kc = [_bht(n, normed(f"k{i}"), pads4, C_t) for i in range(1, nf + 1)]
+    Vc = _bht(n, "v", pads4, C_t)
+    tr = dict(perm=[0, 1, 2, 4, 3])
+
+    def gram(a: list[str], b: list[str]) -> str:
+        out = None
+        for x, y in zip(a, b):
+            g = n.op("MatMul", x, n.op("Transpose", y, **tr))
+            out = g if out is None else n.op("Mul", out, g)
+        return out
+
+    def kron(xs: list[str]) -> str:
+        phi = xs[0]
+        for x in xs[1:]:
+            outer = n.op("Mul", n.op("Unsqueeze", phi, last_axis), n.op("Unsqueeze", x, n.const([-2])))
+            phi = n.op("Reshape", outer, n.const([0, 0, 0, 0, -1]))
+        return phi
+
+    phiQ, phiK = kron(Qc), kron(Kc)
+    incl = n.const(np.tril(np.ones((C, C), dtype=bool)), "bool")
+    if gated:
+        g = n.op("Max", n.op("Transpose", "decay", perm=[0, 2, 1]), n.const(LOG_DECAY_FLOOR, "float32"))
+        cum = n.op("CumSum", n.op("Reshape", n.op("Pad", g, pads3), chunk3), n.const(3))  # [B, H, NT, C]
+        diff = n.op("Sub", n.op("Unsqueeze", cum, last_axis), n.op("Unsqueeze", cum, n.const([-2])))
+        D = n.op("Exp", n.op("Where", incl, diff, n.const(float("-inf"), "float32")))
+        last = n.op("Slice", cum, n.const([C - 1]), n.const([C]), n.const([3]))  # [B, H, NT, 1]
+        gam = n.op("Unsqueeze", n.op("Exp", cum), last_axis)  # [B, H, NT, C, 1]
+        Kd = n.op("Mul", phiK, n.op("Unsqueeze", n.op("Exp", n.op("Sub", last, cum)), last_axis))
+        gC = n.op("Exp", last)
+    else:
+        D = n.op("Cast", incl, to=TensorProto.FLOAT)
+        Kd = phiK
+    P = n.op("Mul", n.op("Mul", gram(Qc, Kc), D), "scale_t")
+    Qg = n.op("Mul", phiQ, "scale_t")
+    if gated:
+        Qg = n.op("Mul", Qg, gam)
+    Kd = n.op("Transpose", Kd, **tr)  # [B, H, NT, K, C]
+    scan = {}
+    if delta:
+        b = n.op("Unsqueeze", n.op("Reshape", n.op("Pad", n.op("Transpose", "beta", perm=[0, 2, 1]), pads3), chunk3),
+                 last_axis)  # [B, H, NT, C, 1]
+        strict = n.const(np.tril(np.ones((C, C), dtype=bool), -1), "bool")
+        A = n.op("Where", strict, n.op("Mul", n.op("Mul", b, gram(Kc, Kc)), D), n.const(0.0, "float32"))
+        eye = n.const(np.eye(C, dtype="float32"), "float32")
+        power = n.op("Neg", A)
+        Ai = n.op("Add", eye, power)
+        for _ in range(int(math.log2(C)) - 1):  # (-A)^(2^j) for j = 1 .. log2 C - 1
+            power = n.op("MatMul", power, power)
+            Ai = n.op("MatMul", Ai, n.op("Add", eye, power))
+        bk = n.op("Mul", b, gam) if gated else b
+        scan["W"] = n.op("MatMul", Ai, n.op("Mul", phiK, bk))
+        scan["U0"] = n.op("MatMul", Ai, n.op("Mul", Vc, b))
+    else:
+        scan["U0"] = Vc
+    scan.update(Qg=Qg, P=P, Kd=Kd)
+    if gated:
+        scan["gC"] = gC  # [B, H, NT, 1]
+
+    # the sequential part: a Scan over the chunk axis carrying S [B, H, K, V]
+    f = TensorProto.FLOAT
+    body = _Nodes()
+    U = "U0_t"
+    if delta:
+        U = body.op("Sub", "U0_t", body.op("MatMul", "W_t", "S_in"))
+    body.op("Add", body.op("MatMul", "Qg_t", "S_in"), body.op("MatMul", "P_t", U), out="O_t")
+    S = "S_in"
+    if gated:
+        S = body.op("Mul", S, body.op("Unsqueeze", "gC_t", body.const([-1])))
+    body.op("Add", S, body.op("MatMul", "Kd_t", U), out="S_out")
+    graph = h.make_graph(body.nodes, "running_tensor_chunk",
+                         [h.make_tensor_value_info("S_in", f, None)]
+                         + [h.make_tensor_value_info(f"{name}_t", f, None) for name in scan],
+                         [h.make_tensor_value_info("S_out", f, None), h.make_tensor_value_info("O_t", f, None)])
+    V = n.op("Gather", n.op("Shape", "v"), n.const([3]), axis=0)
+    S0 = n.op("Reshape", "past_state", n.op("Concat", n.const([0, 0, -1]), V, axis=0))
+    n.nodes.append(h.make_node("Scan", [S0, *scan.values()], ["S_final", "O_chunks"], body=graph,
+                               num_scan_inputs=len(scan), scan_input_axes=[2] * len(scan), scan_output_axes=[2]))
+    o = n.op("Reshape", "O_chunks", n.op("Concat", n.const([0, 0, -1]), V, axis=0))  # [B, H, NT C, V]
+    o = n.op("Slice", o, n.const([0]), T, n.const([2]))
+    n.op("Transpose", o, perm=[0, 2, 1, 3], out="o")
+    n.op("Reshape", "S_final", n.op("Shape", "past_state"), out="present_state")
+    return n.nodes
