@@ -17,10 +17,12 @@ launches:
 The split form (a state loop apart from chunk-parallel kernels: ``CostFigures.loop_elements``)
 is the sum of its loop, whose step latency grows with C x K, and its bytes at the share of the
 bandwidth its chunk-parallel kernels reach (``SPLIT_*``, fitted to its own H200 kernel split).
+The resident form (two kernels, the state in registers) has its own step too (``RESIDENT_*``):
+it grows with C x K and with how much of the GPU the programs fill.
 
-The latency constants were fitted to one H200 run (its RESULTS.md section is in git history; B8
-T4096 H8 V64 bf16, 256 programs = one wave of 2 per SM): o3 16x16 chunk (C 32, state in
-registers) 1.19 ms = 128 chunks x 9.3 us; o3 64x64 (C 64, 2 x 32 streamed [128, 16] tiles per
+The streamed and fused forms' latency constants were fitted to one H200 run (its RESULTS.md
+section is in git history; B8 T4096 H8 V64 bf16, 256 programs = one wave of 2 per SM): o3 16x16
+chunk (C 32, state in registers) 1.19 ms = 128 chunks x 9.3 us; o3 64x64 (C 64, 2 x 32 streamed [128, 16] tiles per
 chunk) 10.4 ms = 64 x 162 us, so 2.4 us per tile visit at C x BK = 64 x 128 (the 32x32 run,
 C x BK = 32 x 128, then predicts 3.6 ms against 3.17 measured); the fused prepare added 11.7 us
 per 32-row chunk at 16x16 (0.37 us per row of the forward substitution); the 16x16 scan took
@@ -44,7 +46,7 @@ from .kernels.config import KernelConfig, KernelShape, Workload
 from .spec import DTYPE_BYTES, ModelSpec
 from .target import Target
 
-CHUNK_ITER_S = 9.3e-6  # one chunk iteration of a wave of programs (state in registers)
+CHUNK_ITER_S = 9.3e-6  # one chunk iteration of a wave of programs: the streamed and fused forms' base step
 CHUNK_TILE_S = 2.4e-6  # one streamed state-tile visit at C x BK = 64 x 128, scaled by C x BK
 CHUNK_TILE_ELEMENTS = 64 * 128  # the C x BK that CHUNK_TILE_S was fitted at
 FUSED_ROW_S = 0.37e-6  # per chunk row: the fused prepare's forward substitution on the serial path
@@ -64,6 +66,20 @@ SCAN_TILE_S = 0.3e-6  # each streamed tile visit of a scan step (not measured: a
 SPLIT_STEP_S = 0.98e-6
 SPLIT_ELEMENT_S = 7.2e-11
 SPLIT_BW_SHARE = 0.65
+# The resident form's loop (two kernels, the state in registers: no streamed tiles, no fused
+# solve), one program's step: RESIDENT_STEP_S + RESIDENT_ELEMENT_S x C x K x (1 + fill), fill =
+# the share of SMs its programs occupy (the same step took 1.7 us at B1 and 3.0 us at B8, both
+# one program an SM: loads wait longer on a full GPU), times the programs sharing an SM.
+# Least squares through eight H200 measurements of whole calls (B8 / B1 T4096 H8 d_v 64 bf16,
+# CUDA graphs, 2026-12-02/04; materialise's phi kernels taken out): o2 64 C 32 + wy 0.343 ms,
+# o2 128 C 16 0.385, o3 16x8 materialised C 16 0.479, o3 16x16 C 16 0.77 (B1 0.429) and
+# materialised 0.810, o2 256 C 16 0.906, o3 16x16 C 32 + wy B1 0.312; median |log(predicted /
+# measured)| 0.10, max 0.32. The single constant before (CHUNK_ITER_S, fitted at o3 16x16 C 32
+# on an earlier kernel) put every one of them at 1.2 ms (0.6 at B1), and made small widths look
+# slower than large ones in `rtcompile explore` (o2 w16 predicted 1.4 ms at B8 against 0.69 for
+# o3 16x16). Below C x K = 2048 it is extrapolated (o2 widths 8-32 are not measured).
+RESIDENT_STEP_S = 0.55e-6
+RESIDENT_ELEMENT_S = 2.7e-10
 PROGRAMS_PER_SM = 2  # resident programs per SM these kernels reach (registers: ~200 per thread)
 DECODE_BW_EFFICIENCY = 0.8  # decode reached 70-87% of copy bandwidth on the H200
 
@@ -205,12 +221,25 @@ def chunk_cost(spec: ModelSpec, target: Target, batch: int, seq_len: int, config
         seconds, bound = _split_seconds(fig, target, nbytes, flops, spec)
         return _finish(seconds + fig.launches * target.launch_s, nbytes, flops, fig.programs, bound, "chunk", cal,
                        fig.launches)
-    per_step = (CHUNK_ITER_S + fig.tile_visits * CHUNK_TILE_S * fig.tile_elements / CHUNK_TILE_ELEMENTS
-                + fig.solve_rows * FUSED_ROW_S)
-    latency = _waves(fig.programs, target) * fig.serial_steps * per_step * _per_sm_share(fig.programs, target)
+    if fig.tile_visits == 0 and fig.solve_rows == 0:  # the resident form's loop (its own fit, above)
+        latency = _resident_loop(fig, config.chunk_size, spec, target)
+    else:
+        per_step = (CHUNK_ITER_S + fig.tile_visits * CHUNK_TILE_S * fig.tile_elements / CHUNK_TILE_ELEMENTS
+                    + fig.solve_rows * FUSED_ROW_S)
+        latency = _waves(fig.programs, target) * fig.serial_steps * per_step * _per_sm_share(fig.programs, target)
     seconds, bound = _pick(nbytes / (target.hbm_bytes_per_s * fill), flops / (_rate(spec, target) * fill), latency)
     return _finish(seconds + fig.launches * target.launch_s, nbytes, flops, fig.programs, bound, "chunk", cal,
                    fig.launches)
+
+
+def _resident_loop(fig, chunk_size: int, spec: ModelSpec, target: Target) -> float:
+    """The resident form's sequential loop (RESIDENT_*): waves x chunks x the programs sharing an
+    SM x one program's step, which grows with C x K and with how full the GPU is."""
+    per_sm = min(PROGRAMS_PER_SM, math.ceil(fig.programs / target.sms))
+    fill = min(1.0, fig.programs / target.sms)
+    key_dim = math.prod(spec.key_widths)
+    step = RESIDENT_STEP_S + RESIDENT_ELEMENT_S * chunk_size * key_dim * (1 + fill)
+    return _waves(fig.programs, target) * fig.serial_steps * per_sm * step
 
 
 def _split_seconds(fig, target: Target, nbytes: float, flops: float, spec: ModelSpec) -> tuple[float, str]:

@@ -129,6 +129,10 @@ def test_killed_sweep_resumes_without_recomputing(tmp_path, monkeypatch):
     evaluated.clear()
     again = run_sweep(load_spec(SPEC), opts, out)  # a finished sweep: nothing runs
     assert evaluated == [] and again.ran == 0 and again.results == res.results
+    # other speed code (an upgraded cost model or kernel): another study, every point runs again
+    monkeypatch.setattr(sweep_mod, "speed_code_digest", lambda: "0" * 16)
+    newer = run_sweep(load_spec(SPEC), opts, out)
+    assert sorted(evaluated) == sorted(GRID) and newer.ran == len(GRID) and newer.study != res.study
 
 
 @dataclass

@@ -225,11 +225,29 @@ def evaluate_point(point: Point, opts: SweepOptions, mode: SpeedMode, out: Path,
 
 
 # ----- the study -------------------------------------------------------------------------------
+# the code a point's speed figures come from: the kernels (measured, and the configs whose figures
+# the model prices), the cost model and its target profiles
+SPEED_SOURCES = ("costmodel.py", "figures.py", "target.py", "kernels/*.py")
+
+
+def speed_code_digest() -> str:
+    """sha256 (16 hex digits) of :data:`SPEED_SOURCES`: a study made by other code is another
+    study, so an upgrade never serves the figures an older cost model or kernel gave (a finished
+    point's recall training resumes from its checkpoints, so only the speed is recomputed)."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for pattern in SPEED_SOURCES:
+        for path in sorted(root.glob(pattern)):
+            h.update(path.name.encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def study_key(base: ModelSpec, opts: SweepOptions, mode: SpeedMode) -> dict[str, Any]:
     """Everything a point's figures depend on besides (order, width): the study's identity."""
     return {"format": RESULT_FORMAT, "base": base.to_dict(), "match": opts.match,
             "speed": [mode.source, mode.target], "prefill": PREFILL_SHAPES, "decode": DECODE_BATCHES,
-            "recall": None if opts.recall is None else asdict(opts.recall)}
+            "recall": None if opts.recall is None else asdict(opts.recall), "code": speed_code_digest()}
 
 
 def study_name(base: ModelSpec, opts: SweepOptions, mode: SpeedMode) -> str:
