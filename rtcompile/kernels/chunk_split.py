@@ -425,6 +425,39 @@ def chunk_split_output_kernel(
     tl.store(o + r[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_o)
 
 
+# ----- the state loops, by SplitConfig.loop -----
+def triton_state_loop(config: SplitConfig, p: Problem, v, beta, ws: dict, Hc, Uc, cu_seqlens, offsets):
+    """:func:`chunk_split_state_kernel` bound to one call's workspaces (``keys_workspace``), as
+    ``walk(h_in, h_out, c0, c1)``: chunks [c0, c1) of every (sequence, head, value block), the
+    state in from ``h_in`` (None: zeros) and out to ``h_out``. With ``tma`` the loop reads phi(K)
+    and the inverse (or W) and stores the states through tensor descriptors made once here."""
+    B, T, H, V = v.shape
+    C, K = config.chunk_size, p.key_dim
+    wy = ws["W"] is not None
+    Kd, Hd, Ad, Wd = ws["Kw"], Hc, ws["Ai"], ws["W"]
+    if config.tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        Kd = TensorDescriptor(ws["Kw"].view(B * H * T, K), [B * H * T, K], [K, 1], [C, K])
+        Hd = TensorDescriptor(Hc.view(-1, V), [Hc.numel() // V, V], [V, 1], [K, config.block_v])
+        if wy:
+            Wd = TensorDescriptor(ws["W"].view(B * H * T, K), [B * H * T, K], [K, 1], [C, K])
+        elif beta is not None:
+            Ad = TensorDescriptor(ws["Ai"].view(B * H * T, C), [B * H * T, C], [C, 1], [C, C])
+    lowp, prec = lowp_dots(v.dtype), config.dot_precision
+    kernel_call = cached(chunk_split_state_kernel)[(triton.cdiv(V, config.block_v), p.num_seqs * H)]
+
+    def walk(h_in, h_out, c0: int, c1: int) -> None:
+        kernel_call(v, beta, h_in, h_out, None if wy else Ad, Wd, ws["U0"], Kd, ws["Gc"], Hd, Uc, None, cu_seqlens, offsets,
+               T, c0, c1, H=H, K=K, V=V, C=C, BV=config.block_v, LOWP=lowp, PREC=prec, TMA=config.tma,
+               STRIDE=config.state_stride, num_warps=config.num_warps, num_stages=config.num_stages)
+
+    return walk
+
+
+# SplitConfig.loop -> the builder of that loop for one call (same signature, same walk)
+STATE_LOOPS = {"triton": triton_state_loop, "gluon": chunk_split_gluon.state_loop}
+
+
 # ----- launcher -----
 def launch(config: SplitConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm: bool) -> torch.Tensor:
     """Run ``config`` on checked inputs (``p`` from ``check_inputs``): prepare, state loop and
@@ -457,36 +490,16 @@ def launch(config: SplitConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seql
     parts = len(bounds) > 1
     run = ht if ht is not None or not parts else args.empty(p.state_shape, dtype=torch.float32, device=v.device)
     ws = keys_workspace(config, p, v, g, beta)
-    wy = ws["W"] is not None
-    Kd, Hd, Ad, Wd = ws["Kw"], Hc, ws["Ai"], ws["W"]
-    if config.tma and config.loop == "triton":  # phi(K), the stored states and the inverse (or W) by descriptors
-        from triton.tools.tensor_descriptor import TensorDescriptor
-        Kd = TensorDescriptor(ws["Kw"].view(B * H * T, K), [B * H * T, K], [K, 1], [C, K])
-        Hd = TensorDescriptor(Hc.view(-1, V), [Hc.numel() // V, V], [V, 1], [K, config.block_v])
-        if wy:
-            Wd = TensorDescriptor(ws["W"].view(B * H * T, K), [B * H * T, K], [K, 1], [C, K])
-        elif beta is not None:
-            Ad = TensorDescriptor(ws["Ai"].view(B * H * T, C), [B * H * T, C], [C, 1], [C, C])
     lowp, prec = lowp_dots(v.dtype), config.dot_precision
 
     def prepare(c0: int, c1: int) -> None:
         prepare_keys(config, p, q, k, v, g, beta, cu_seqlens=cu_seqlens, idx=idx, l2norm=l2norm, out=ws,
                      chunks=(c0, c1))
 
-    if config.loop == "gluon":
-        gd = chunk_split_gluon.descriptors(v, ws, Hc, C)
+    walk = STATE_LOOPS[config.loop](config, p, v, beta, ws, Hc, Uc, cu_seqlens, offsets)
 
     def loop(j: int, c0: int, c1: int) -> None:  # part j > 0 takes the state from the running buffer
-        if config.loop == "gluon":
-            chunk_split_gluon.run_loop(gd, v, beta, h0 if j == 0 else run, run, ws["Gc"], Uc, cu_seqlens, offsets, T,
-                                       c0, c1, p.num_seqs, H=H, K=K, V=V, C=C, stride=config.state_stride)
-            return
-        cached(chunk_split_state_kernel)[(triton.cdiv(V, config.block_v), p.num_seqs * H)](
-            v, beta, h0 if j == 0 else run, run, None if wy else Ad, Wd, ws["U0"], Kd, ws["Gc"], Hd, Uc, None,
-            cu_seqlens, offsets, T, c0, c1,
-            H=H, K=K, V=V, C=C, BV=config.block_v, LOWP=lowp, PREC=prec, TMA=config.tma, STRIDE=config.state_stride,
-            num_warps=config.num_warps, num_stages=config.num_stages,
-        )
+        walk(h0 if j == 0 else run, run, c0, c1)
 
     def outputs(c0: int, c1: int) -> None:
         cached(chunk_split_output_kernel)[(c1 - c0, H if varlen else p.num_seqs * H,

@@ -282,11 +282,19 @@ def descriptors(v: torch.Tensor, ws: dict, Hc: torch.Tensor, C: int) -> dict:
     }
 
 
-def run_loop(gd: dict, v, beta, h0, ht, Gc, Uc, cu_seqlens, chunk_offsets, T: int, c0: int, c1: int, num_seqs: int, *,
-             H: int, K: int, V: int, C: int, stride: int) -> None:
-    """Launch :func:`chunk_split_state_gluon_kernel` over chunks [c0, c1) of every (sequence,
-    head, value block); ``gd``: :func:`descriptors`' output."""
-    cached(chunk_split_state_gluon_kernel)[(triton.cdiv(V, GLUON_BV), num_seqs * H)](
-        gd["Vd"], beta, h0, ht, gd["Ad"], gd["Wd"], gd["U0d"], gd["Kd"], Gc, gd["Hd"], Uc, cu_seqlens, chunk_offsets,
-        T, c0, c1, H=H, K=K, V=V, C=C, BV=GLUON_BV, STRIDE=stride, num_warps=GLUON_WARPS,
-    )
+def state_loop(config, p, v, beta, ws: dict, Hc, Uc, cu_seqlens, chunk_offsets):
+    """:func:`chunk_split_state_gluon_kernel` bound to one call's workspaces, as
+    ``chunk_split.triton_state_loop``'s ``walk(h_in, h_out, c0, c1)``: the descriptors
+    (:func:`descriptors`) made once here, one launch per walk over chunks [c0, c1) of every
+    (sequence, head, value block of 64)."""
+    _, T, H, V = v.shape
+    C, K = config.chunk_size, p.key_dim
+    gd = descriptors(v, ws, Hc, C)
+    kernel_call = cached(chunk_split_state_gluon_kernel)[(triton.cdiv(V, GLUON_BV), p.num_seqs * H)]
+
+    def walk(h_in, h_out, c0: int, c1: int) -> None:
+        kernel_call(gd["Vd"], beta, h_in, h_out, gd["Ad"], gd["Wd"], gd["U0d"], gd["Kd"], ws["Gc"], gd["Hd"], Uc, cu_seqlens,
+               chunk_offsets, T, c0, c1, H=H, K=K, V=V, C=C, BV=GLUON_BV, STRIDE=config.state_stride,
+               num_warps=GLUON_WARPS)
+
+    return walk
