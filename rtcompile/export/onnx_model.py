@@ -310,9 +310,10 @@ def _session(path):
 
 
 def check_against_torch(lm, prefill_path, decode_path, tokens, logits, cache) -> None:
-    """BundleError unless onnxruntime's prefill logits on ``tokens`` and one decode step after
-    them match the torch module's (``logits``, ``cache`` from its reference forward): graphs
-    whose weights are not the module's are never written into a bundle."""
+    """BundleError unless onnxruntime's prefill logits on ``tokens`` and on a prompt of three
+    chunks, and one decode step after ``tokens``, match the torch module's (``logits``, ``cache``
+    from its reference forward): graphs whose weights are not the module's are never written
+    into a bundle."""
     import os
 
     import numpy as np
@@ -322,11 +323,17 @@ def check_against_torch(lm, prefill_path, decode_path, tokens, logits, cache) ->
     pre, dec = _session(prefill_path), _session(decode_path)
     outs = pre.run(None, {"tokens": tokens.cpu().numpy()})
     tok = logits[:, -1].argmax(-1)
+    # and a prompt over three of the prefill graph's chunks (a partial last one), which the short
+    # one does not reach
+    long = torch.randint(0, lm.head.out_features, (1, 2 * ONNX_CHUNK + 3), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         step, _ = lm.step(tok, cache, backend="reference")
+        long_logits, _ = lm(long, backend="reference")
     names = [i.name for i in dec.get_inputs()][1:]
     got = dec.run(None, {"tokens": tok[:, None].cpu().numpy().astype(np.int64), **dict(zip(names, outs[1:]))})
-    for path, out, ref in ((prefill_path, outs[0], logits), (decode_path, got[0][:, 0], step)):
+    long_out = pre.run(None, {"tokens": long.numpy()})[0]
+    for path, out, ref in ((prefill_path, outs[0], logits), (prefill_path, long_out, long_logits),
+                           (decode_path, got[0][:, 0], step)):
         ref = ref.detach().cpu().numpy()
         err = float(np.abs(out - ref).max() / max(float(np.abs(ref).max()), 1e-30))
         if not err <= GRAPH_MATCH_RTOL:  # NaN fails too
