@@ -232,7 +232,7 @@ def _decode(spec: ModelSpec, target: Target, B: int, cal: Calibration, measured)
         c = recurrent_cost(spec, target, B, 1, rec, cal, state_dtype=dtype, step=True)
         if not hit:
             return c
-        ratio = c.seconds / recurrent_cost(spec, target, B, 1, rec, cal, state_dtype="float32", step=True).seconds
+        ratio = c.kernel_s / recurrent_cost(spec, target, B, 1, rec, cal, state_dtype="float32", step=True).kernel_s
         return with_measured(c, hit[1] * ratio)
 
     fixed = spec.state_dtype if spec.state_dtype != "auto" else "float32"
@@ -290,7 +290,7 @@ def _train(spec: ModelSpec, target: Target, B: int, T: int, cal: Calibration, me
         (mB, mT), (backward, secs) = hit
         at = f"B{mB} T{mT}"
         if (mB, mT) != (B, T):  # the nearest tuned bucket, scaled by the model's forward-cost ratio
-            secs *= c_fwd.seconds / chunk_cost(spec, target, mB, mT, chunk, cal).seconds
+            secs *= c_fwd.kernel_s / chunk_cost(spec, target, mB, mT, chunk, cal).kernel_s
             at += ", scaled to this bucket by the model"
         c = with_measured(c, secs)
         how = f"forward + backward measured (tuned train bucket {at})"
@@ -331,7 +331,8 @@ def crossover(spec: ModelSpec, target: Target, batch: int, cal: Calibration = Ca
 
 def _fit_calibration(spec: ModelSpec, target: Target, measured) -> Calibration:
     """The cost model calibrated on the tuned measurements: chunk entries are prefill calls,
-    recurrent entries (T = 1) decode steps."""
+    recurrent entries (T = 1) decode steps; their seconds are device time (the tuner times
+    CUDA-graph replays), so they fit the kernels' scale and leave the host overheads alone."""
     pred: dict[str, list] = {"chunk": [], "decode": []}
     meas: dict[str, list[float]] = {"chunk": [], "decode": []}
     for (kernel, B, T), (config, secs) in measured.items():
@@ -343,7 +344,7 @@ def _fit_calibration(spec: ModelSpec, target: Target, measured) -> Calibration:
         else:
             pred["decode"].append(recurrent_cost(spec, target, B, T, config, step=True))
             meas["decode"].append(secs)
-    return calibrate(pred, meas)
+    return calibrate(pred, meas, device_time=True)
 
 
 def make_plan(spec: ModelSpec, target: Target, *, batches=PREFILL_BATCHES, seq_lens=PREFILL_SEQ_LENS,

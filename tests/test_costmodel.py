@@ -304,3 +304,16 @@ def test_split_workspace_counts_states_u_inverse_and_stored_keys():
     # the state of every 2nd chunk only: half the stored states
     strided = dataclasses.replace(v, state_stride=2)
     assert _ws(spec, 8, 4096, v) - _ws(spec, 8, 4096, strided) == chunks // 2 * 256 * 64 * dot
+
+
+def test_device_time_calibrates_the_scale_and_keeps_the_host_overheads():
+    """Tuned entries are CUDA-graph replays (no host time): fitted as whole eager calls, 1.5 x
+    the kernels would have come out as a smaller scale plus the model's overhead taken off."""
+    costs = _chunk_costs()
+    device = {"chunk": [1.5 * c.kernel_s for c in costs]}
+    cal = calibrate({"chunk": costs}, device, device_time=True)
+    assert cal.chunk == pytest.approx(1.5, rel=1e-6) and cal.chunk_call_s == CHUNK_CALL_S
+    assert cal.fits.startswith(f"chunk: device-time scale ({len(costs)} points)")
+    assert cal.decode == 1.0 and "decode: none (0 points)" in cal.fits
+    eager = calibrate({"chunk": costs}, device)  # the same numbers read as eager calls
+    assert eager.chunk < 1.5 or eager.chunk_call_s < CHUNK_CALL_S

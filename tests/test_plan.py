@@ -142,7 +142,8 @@ def test_measurements_calibrate_and_override(tmp_path, monkeypatch):
     spec = _spec()
     h200 = get_target("h200")
     v = ResidentConfig(chunk_size=32, block_v=16)
-    predicted = chunk_cost(spec, h200, 8, 4096, v).seconds
+    modelled = chunk_cost(spec, h200, 8, 4096, v)
+    predicted = modelled.kernel_s  # a tuned entry's seconds are device time (CUDA-graph replays)
     table = tmp_path / "tuned.json"
     entry = {**tuned.match_fields("chunk", spec.key_widths, 64, 8, spec.input_dtype, "NVIDIA H200"),
              "batch": 8, "seq_len": 4096, "variant": v.to_dict(), "seconds": 2 * predicted}
@@ -155,12 +156,16 @@ def test_measurements_calibrate_and_override(tmp_path, monkeypatch):
         monkeypatch.delenv("RTCOMPILE_TUNED")
         tuned.reload()
     d = next(d for d in plan.decisions if d.phase == "prefill" and d.seq_len == 4096)
-    assert any(a["cost"]["source"] == "measured (tuned)" for a in d.alternatives)
-    # one measurement: the scale alone, the host overhead kept at the model's; the calibrated
-    # model then reproduces the measurement
+    (measured,) = [a["cost"] for a in d.alternatives if a["cost"]["source"] == "measured (tuned)"]
+    # the measured option is that device time plus the call's modelled host overhead, as its rivals
+    assert measured["seconds"] == pytest.approx(2 * predicted + modelled.host_s, rel=1e-9)
+    assert measured["seconds"] - measured["host_s"] == pytest.approx(2 * predicted, rel=1e-9)
+    # device time calibrates the kernels' scale alone, the host overhead kept at the model's; the
+    # calibrated model's device time then reproduces the measurement
     cal = Calibration(**{k: v for k, v in plan.calibration.items()})
-    assert cal.fits.startswith("chunk: scale only (1 point)") and cal.chunk_call_s == CHUNK_CALL_S
-    assert chunk_cost(spec, h200, 8, 4096, v, cal).seconds == pytest.approx(2 * predicted, rel=1e-6)
+    assert cal.fits.startswith("chunk: device-time scale (1 point)") and cal.chunk_call_s == CHUNK_CALL_S
+    assert cal.chunk == pytest.approx(2.0, rel=1e-6)
+    assert chunk_cost(spec, h200, 8, 4096, v, cal).kernel_s == pytest.approx(2 * predicted, rel=1e-6)
     assert cal.recurrent == cal.decode == 1.0
 
 

@@ -105,7 +105,10 @@ def measured_layer_seconds(spec: ModelSpec, phase: str, batch: int, seq_len: int
 def _modelled_layer_seconds(spec: ModelSpec, target_name: str, phase: str, batch: int,
                             seq_len: int) -> tuple[float, str, str]:
     """The planner's decision for this bucket on ``target`` (its cost model, calibrated and
-    replaced by the tuned table's measurement of that GPU where there is one)."""
+    replaced by the tuned table's measurement of that GPU where there is one), as device time:
+    the call's modelled host overhead left out, as the measured figures (CUDA-graph replays)
+    leave it out. (With it, every decode figure was the eager call's ~70 us of host time a layer
+    whatever the order or width: 146 us for o2 w8 and o3 16x16 alike at B1.)"""
     from ..plan import make_plan
     from ..target import get_target
 
@@ -117,7 +120,8 @@ def _modelled_layer_seconds(spec: ModelSpec, target_name: str, phase: str, batch
     d = plan.decision_for(phase, batch, seq_len)
     source = "measured" if str(d.cost.get("source", "")).startswith("measured") else "model"
     form = d.variant.get("form", d.mode)
-    return d.cost["seconds"], f"{d.mode}{f' ({form})' if form != d.mode else ''}: {d.reason}", source
+    device_s = d.cost["seconds"] - d.cost.get("host_s", 0.0)
+    return device_s, f"{d.mode}{f' ({form})' if form != d.mode else ''}: {d.reason}; device time", source
 
 
 def speed_figures(spec: ModelSpec, mode: SpeedMode) -> list[dict[str, Any]]:
