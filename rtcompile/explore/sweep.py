@@ -230,8 +230,9 @@ def evaluate_point(point: Point, opts: SweepOptions, mode: SpeedMode, out: Path,
 
 # ----- the study -------------------------------------------------------------------------------
 # the code a point's speed figures come from: the kernels (measured, and the configs whose figures
-# the model prices), the cost model and its target profiles
-SPEED_SOURCES = ("costmodel.py", "figures.py", "target.py", "kernels/*.py")
+# the model prices), the cost model, the planner that picks and calibrates, the target profiles,
+# and this module's reading of them
+SPEED_SOURCES = ("costmodel.py", "figures.py", "plan.py", "target.py", "kernels/*.py", "explore/sweep.py")
 
 
 def speed_code_digest() -> str:
