@@ -46,13 +46,11 @@ class _Nodes:
         self.nodes.append(self.h.make_node(kind, list(inputs), [name], **attrs))
         return name
 
-    def const(self, value, dtype: str = "int64", shape: tuple[int, ...] | None = None) -> str:
+    def const(self, value, dtype: str = "int64") -> str:
         import numpy as np
         from onnx import numpy_helper
 
         arr = np.asarray(value, dtype=dtype)
-        if shape is not None:
-            arr = arr.reshape(shape)
         self._n += 1
         name = f"{self.prefix}c{self._n}"
         self.nodes.append(self.h.make_node("Constant", [], [name], value=numpy_helper.from_array(arr, name + "_v")))
@@ -141,7 +139,7 @@ def chunk_body(order: int, update_rule: str, l2norm: bool, chunk: int, eps: floa
     # are formed here, a chunk at a time ([B, H, C, K]: never [B, H, T, K], which at K 4096 and T
     # 4096 would be 512 MiB a tensor and head batch)
     f = TensorProto.FLOAT
-    body = _Nodes("_s")
+    body = _Nodes("_body_")
 
     def kron(xs: list[str]) -> str:
         phi = xs[0]
