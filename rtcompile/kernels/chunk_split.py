@@ -447,9 +447,9 @@ def triton_state_loop(config: SplitConfig, p: Problem, v, beta, ws: dict, Hc, Uc
     kernel_call = cached(chunk_split_state_kernel)[(triton.cdiv(V, config.block_v), p.num_seqs * H)]
 
     def walk(h_in, h_out, c0: int, c1: int) -> None:
-        kernel_call(v, beta, h_in, h_out, None if wy else Ad, Wd, ws["U0"], Kd, ws["Gc"], Hd, Uc, None, cu_seqlens, offsets,
-               T, c0, c1, H=H, K=K, V=V, C=C, BV=config.block_v, LOWP=lowp, PREC=prec, TMA=config.tma,
-               STRIDE=config.state_stride, num_warps=config.num_warps, num_stages=config.num_stages)
+        kernel_call(v, beta, h_in, h_out, None if wy else Ad, Wd, ws["U0"], Kd, ws["Gc"], Hd, Uc, None, cu_seqlens,
+                    offsets, T, c0, c1, H=H, K=K, V=V, C=C, BV=config.block_v, LOWP=lowp, PREC=prec, TMA=config.tma,
+                    STRIDE=config.state_stride, num_warps=config.num_warps, num_stages=config.num_stages)
 
     return walk
 

@@ -293,8 +293,8 @@ def state_loop(config, p, v, beta, ws: dict, Hc, Uc, cu_seqlens, chunk_offsets):
     kernel_call = cached(chunk_split_state_gluon_kernel)[(triton.cdiv(V, GLUON_BV), p.num_seqs * H)]
 
     def walk(h_in, h_out, c0: int, c1: int) -> None:
-        kernel_call(gd["Vd"], beta, h_in, h_out, gd["Ad"], gd["Wd"], gd["U0d"], gd["Kd"], ws["Gc"], gd["Hd"], Uc, cu_seqlens,
-               chunk_offsets, T, c0, c1, H=H, K=K, V=V, C=C, BV=GLUON_BV, STRIDE=config.state_stride,
-               num_warps=GLUON_WARPS)
+        kernel_call(gd["Vd"], beta, h_in, h_out, gd["Ad"], gd["Wd"], gd["U0d"], gd["Kd"], ws["Gc"], gd["Hd"], Uc,
+                    cu_seqlens, chunk_offsets, T, c0, c1, H=H, K=K, V=V, C=C, BV=GLUON_BV, STRIDE=config.state_stride,
+                    num_warps=GLUON_WARPS)
 
     return walk
