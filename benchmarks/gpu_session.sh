@@ -199,6 +199,7 @@ step_checks() {  # the bundle on the Triton kernels vs ONNX Runtime, then the pl
   python3 benchmarks/gpu_checks.py bundle --out "$OUT/checks"
   python3 benchmarks/gpu_checks.py first_call --out "$OUT/checks"
   python3 benchmarks/gpu_checks.py regret --out "$OUT/checks"
+  python3 benchmarks/replay_host_rule.py "$OUT/checks/regret.json"  # host + device against max(host, device)
 }
 
 step_recall() {  # issue 23's comparison: order 2 vs order 3 at matched parameters on MQAR (d_model

@@ -96,9 +96,6 @@ def profile_for(device_name: str) -> Target | None:
     return None
 
 
-_profile_for = profile_for  # the old name, still imported by plan.py until its rewrite lands; then delete
-
-
 def detect() -> Target:
     """The profile of the GPU present, with rates measured earlier on it (see :func:`measure`)."""
     import torch

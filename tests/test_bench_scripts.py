@@ -1,11 +1,13 @@
-"""benchmarks/onnx_prefill.py and tpe_check.py run end to end at tiny shapes on the CPU (their
-numbers are for the machines their headers name)."""
+"""benchmarks/onnx_prefill.py, tpe_check.py and replay_host_rule.py run end to end at tiny
+shapes on the CPU (their numbers are for the machines their headers name)."""
 
 from __future__ import annotations
 
 import re
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -37,3 +39,24 @@ def test_onnx_prefill_times_both_bodies_and_checks_the_logits(tmp_path, capsys):
 def test_tpe_check_refuses_bad_budgets(capsys):
     assert tpe_check.main(["x.toml", "--trials", "0", "--out", "/tmp/unused"]) == 2
     assert "--trials" in capsys.readouterr().err
+
+
+def test_replay_host_rule_prices_both_ways(tmp_path, capsys):
+    """A GPU-bound point where the rules disagree: A (host 0.3, device 0.35 ms, measured 0.36)
+    against B (host 0.15, device 0.45, measured 0.46): sum ranks B first (0.60 < 0.65), max A."""
+    import json
+
+    import replay_host_rule
+
+    alt = lambda host, dev, meas: {"mode": "chunk", "variant": {}, "measured_s": meas,
+                                   "cost": {"seconds": host + dev, "host_s": host}}
+    data = {"summary": {}, "rows": [{"alternatives": [alt(0.3e-3, 0.35e-3, 0.36e-3), alt(0.15e-3, 0.45e-3, 0.46e-3)]}]}
+    res = replay_host_rule.replay(data)
+    assert res["sum"]["regret_max"] == pytest.approx(0.46 / 0.36 - 1) and res["sum"]["within_5pct"] == 0
+    assert res["max"]["regret_max"] == 0 and res["max"]["within_5pct"] == 1
+    assert res["max"]["error_median"] < res["sum"]["error_median"]
+    path = tmp_path / "regret.json"
+    path.write_text(json.dumps(data))
+    assert replay_host_rule.main([str(path)]) == 0 and "max" in capsys.readouterr().out
+    path.write_text("[]")
+    assert replay_host_rule.main([str(path)]) == 2
