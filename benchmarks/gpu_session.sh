@@ -141,11 +141,12 @@ step_tpe() {  # issue 22's tuner must-show at two shapes: an exhaustive sweep, t
   fi
 }
 
-step_onnxcpu() {  # the ONNX prefill graph's chunk-parallel mixer body against the token Scan it
-  # replaced, onnxruntime on this host's CPUs, beside the torch reference (~2 min; no GPU used)
-  python3 benchmarks/onnx_prefill.py --seq-len 128,512,2048,8192 --skip-scan-above 2048 2>&1 | grep -v Warning \
-    | tee "$OUT/onnx_prefill.txt"
-  python3 benchmarks/onnx_prefill.py --batch 8 --seq-len 512 2>&1 | grep -v Warning | tail -n 1 | tee -a "$OUT/onnx_prefill.txt"
+step_onnxcpu() {  # the ONNX graphs' mixer bodies (chunk-parallel prefill, one-token decode) against
+  # the token Scan they replaced, onnxruntime on this host's CPUs, beside the torch reference
+  # (~2 min; no GPU used)
+  python3 benchmarks/onnx_cpu.py --seq-len 128,512,2048,8192 --skip-scan-above 2048 2>&1 | grep -v Warning \
+    | tee "$OUT/onnx_cpu.txt"
+  python3 benchmarks/onnx_cpu.py --batch 8 --seq-len 512 2>&1 | grep -v Warning | tail -n 2 | tee -a "$OUT/onnx_cpu.txt"
 }
 
 step_gluonc64() {  # why the Gluon loop at chunks of 64 gave wrong outputs at K 128 (refused since

@@ -1,4 +1,4 @@
-"""benchmarks/onnx_prefill.py, tpe_check.py and replay_host_rule.py run end to end at tiny
+"""benchmarks/onnx_cpu.py, tpe_check.py and replay_host_rule.py run end to end at tiny
 shapes on the CPU (their numbers are for the machines their headers name)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import onnx_prefill
+import onnx_cpu
 import tpe_check
 
 TINY = """name = "tiny"
@@ -26,10 +26,10 @@ input_dtype = "float32"
 """
 
 
-def test_onnx_prefill_times_both_bodies_and_checks_the_logits(tmp_path, capsys):
+def test_onnx_cpu_times_both_bodies_and_checks_the_logits(tmp_path, capsys):
     spec = tmp_path / "tiny.toml"
     spec.write_text(TINY)
-    assert onnx_prefill.main([str(spec), "--seq-len", "70", "--threads", "1"]) == 0
+    assert onnx_cpu.main([str(spec), "--seq-len", "70", "--threads", "1"]) == 0
     rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if re.match(r"\s+1\s+70\s", ln)]
     assert len(rows) == 1
     chunk_ms, scan_ms, ref_ms, diff = float(rows[0][2]), float(rows[0][3]), float(rows[0][4]), float(rows[0][7])

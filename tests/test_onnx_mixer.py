@@ -23,17 +23,19 @@ def _session(model):
 @pytest.mark.parametrize("order", [2, 3, 4], ids=["o2", "o3", "o4"])
 @pytest.mark.parametrize("rule", UPDATE_RULES)
 @pytest.mark.parametrize("l2norm", [True, False], ids=["l2", "raw"])
-@pytest.mark.parametrize("body", ["scan", "chunk"])
+@pytest.mark.parametrize("body", ["scan", "chunk", "token"])
 def test_onnxruntime_matches_reference(order, rule, l2norm, body):
-    """Both function bodies against the float64 token loop: the token Scan, and the chunk form
-    in chunks of 8 (T 9 and 23: a partial last chunk; 16: whole ones; 1: one padded chunk)."""
+    """Every function body against the float64 token loop: the token Scan, the chunk form in
+    chunks of 8 (T 9 and 23: a partial last chunk; 16: whole ones; 1: one padded chunk), and
+    the one-token body (T 1 only)."""
     model = mixer_model(order, rule, l2norm, scale=0.37, chunk_size=64, variant='{"kernel": "chunk"}', body=body,
                         chunk=8)
     onnx.checker.check_model(model, full_check=True)
     assert model.graph.node[0].domain == DOMAIN and model.functions[0].name == "RunningTensor"
     sess = _session(model)
     widths = WIDTHS[order]
-    for B, T in ((2, 9), (3, 1), (1, 16), (2, 23)):  # batch and sequence axes are dynamic; T = 1: a decode step
+    shapes = ((3, 1), (1, 1)) if body == "token" else ((2, 9), (3, 1), (1, 16), (2, 23))
+    for B, T in shapes:  # batch and sequence axes are dynamic; T = 1: a decode step
         gen = torch.Generator().manual_seed(B * 100 + T)
         r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
         q, k, v = [r(B, T, 2, w) for w in widths], [r(B, T, 2, w) for w in widths], r(B, T, 2, 6)
@@ -91,3 +93,13 @@ def test_chunk_body_takes_extreme_decay():
     assert np.isfinite(o).all() and np.isfinite(s).all()
     assert np.abs(o - o_ref.numpy()).max() < 1e-4 * np.abs(o_ref.numpy()).max()
     assert np.abs(s - s_ref.numpy()).max() < 1e-4 * np.abs(s_ref.numpy()).max()
+
+
+def test_token_body_refuses_more_than_one_token():
+    """The decode graph's body squeezes T: a call with T > 1 fails in onnxruntime rather than
+    returning one token's update."""
+    sess = _session(mixer_model(2, "linear", False, scale=1.0, body="token"))
+    feeds = {"q1": np.ones((1, 2, 1, 4), np.float32), "k1": np.ones((1, 2, 1, 4), np.float32),
+             "v": np.ones((1, 2, 1, 3), np.float32), "past_state": np.zeros((1, 1, 4, 3), np.float32)}
+    with pytest.raises(Exception, match="(?i)squeeze|dimension|shape"):
+        sess.run(None, feeds)

@@ -114,16 +114,17 @@ def input_names(order: int, update_rule: str) -> list[str]:
     return names
 
 
-BODIES = ("scan", "chunk")
+BODIES = ("scan", "chunk", "token")
 
 
 def running_tensor_function(order: int, update_rule: str, l2norm: bool, opset: int = OPSET, *,
                             body: str = "scan", chunk: int = 64):
     """The FunctionProto ``ai.rtcompile::RunningTensor`` for one order / rule / normalisation.
 
-    ``body``: "scan", a Scan over tokens (the decode graph's: one step at T = 1), or "chunk",
-    the chunk-parallel form in chunks of ``chunk`` tokens (``onnx_chunk.py``: the prefill
-    graph's). Both compute the node's one meaning; the choice is the function body's only."""
+    ``body``: "scan", a Scan over tokens (any T); "chunk", the chunk-parallel form in chunks of
+    ``chunk`` tokens (``onnx_chunk.py``: the prefill graph's); or "token", one token without a
+    Scan (T = 1 only: the decode graph's). All compute the node's one meaning; the choice is the
+    function body's only."""
     from onnx import AttributeProto
     from onnx import helper as h
 
@@ -140,11 +141,12 @@ def running_tensor_function(order: int, update_rule: str, l2norm: bool, opset: i
     scale_node = h.make_node("Constant", [], ["scale_t"])
     scale_node.attribute.extend([scale_attr])
     attributes = ["scale", "order", "update_rule", "chunk_size", "variant"]
-    if body == "chunk":
-        from .onnx_chunk import chunk_body
+    if body != "scan":
+        from .onnx_chunk import chunk_body, token_body
 
-        return h.make_function(DOMAIN, "RunningTensor", names, ["o", "present_state"],
-                               [scale_node, *chunk_body(order, update_rule, l2norm, chunk, L2NORM_EPS)],
+        nodes = (chunk_body(order, update_rule, l2norm, chunk, L2NORM_EPS) if body == "chunk"
+                 else token_body(order, update_rule, l2norm, L2NORM_EPS))
+        return h.make_function(DOMAIN, "RunningTensor", names, ["o", "present_state"], [scale_node, *nodes],
                                opset_imports=[h.make_opsetid("", opset)], attributes=attributes)
     # flatten the state to [B, H, K, V] for the loop, restore the order-o shape at the end
     nodes = [

@@ -235,7 +235,7 @@ def _finish27(program):
 
 def _finish(program, spec, body: str):
     """The exported ModelProto with the mixer's function attached (``body``: "chunk" for the
-    prefill graph, "scan" for the decode step's), checked."""
+    prefill graph, "token" for the decode step's), checked."""
     import onnx
 
     model = program.model_proto
@@ -287,7 +287,7 @@ def export_onnx(lm, out_dir, *, opset27: bool = False) -> tuple[str, str]:
         )
     os.makedirs(out_dir, exist_ok=True)
     paths = []
-    for name, prog, body in (("prefill.onnx", pre, "chunk"), ("decode.onnx", dec, "scan")):
+    for name, prog, body in (("prefill.onnx", pre, "chunk"), ("decode.onnx", dec, "token")):
         model = _finish27(prog) if opset27 else _finish(prog, spec, body)
         path = os.path.join(out_dir, name)
         onnx.save(model, path)
