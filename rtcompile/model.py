@@ -58,9 +58,9 @@ class _CausalDepthwise(nn.Module):
         nn.init.normal_(self.weight, std=1 / math.sqrt(width))
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None, in_place: bool = False):
-        """(y [B, T, C], the new tail [B, w - 1, C]). ``in_place`` (the serving step: T = 1 and
-        a tail): the tail is shifted in place and returned, and y is a weighted sum, not a
-        convolution, so that torch.compile fuses both into its neighbours' kernels (a
+        """(y [B, T, C], the new tail [B, w - 1, C]). At T = 1 with a tail y is a weighted sum,
+        not a convolution; ``in_place`` (the serving step) also shifts the tail in place and
+        returns it, so that torch.compile fuses both into its neighbours' kernels (a
         convolution is a library call that needs its input formed first: the conv, its input's
         concatenation and the tail's copy-back were 6 of the compiled B1 step's 43 launches and
         11.8 of its 76 us in kernels, H200). The tail keeps its taps outermost so that the
@@ -68,13 +68,18 @@ class _CausalDepthwise(nn.Module):
         the fused weighted sum and shift read 6-byte strides and took 11.2 us a layer of the
         compiled B256 step (H200, torch 2.11)."""
         B, T, C = x.shape
-        if in_place and T == 1 and tail is not None:
+        if T == 1 and tail is not None:  # one token: a weighted sum of the window (also in the
+            # exported decode graph, where onnxruntime's Conv took 0.7 ms a layer at B8, the
+            # example model's step 6.3 ms, on the CPU machine)
             # fp32 products and sum (float64 for float64), as a 16-bit convolution accumulates
             wide = torch.float64 if x.dtype == torch.float64 else torch.float32
             w = weight.to(wide)
             y = (tail.to(wide) * w[:, :-1].t()).sum(1) + x[:, 0].to(wide) * w[:, -1]
-            tail.copy_(torch.cat([tail[:, 1:], x], dim=1))
-            return y.to(x.dtype)[:, None], tail
+            shifted = torch.cat([tail[:, 1:], x], dim=1)
+            if in_place:
+                tail.copy_(shifted)
+                shifted = tail
+            return y.to(x.dtype)[:, None], shifted
         if tail is None:
             tail = x.new_zeros(B, self.width - 1, C)
         full = torch.cat([tail.transpose(1, 2), x.transpose(1, 2)], dim=2)  # [B, C, w - 1 + T]
