@@ -27,10 +27,12 @@ from .onnx_mixer import DOMAIN, running_tensor_function
 
 _SCHEMA_DONE = False
 log = logging.getLogger("rtcompile.export")
-# The prefill graph's chunk (onnx_chunk.py). The example model (o3 16x16, 2 layers) in
-# onnxruntime on the 2-core CPU machine, B1, best of 3: C 16 / 32 / 64 / 128 at T 2048 6631 / 7592 /
-# 8700 / 6473 tokens/s, at T 512 9156 / 6590 / 8752 / 6861; the token Scan took 229 and 210
-ONNX_CHUNK = 64
+# The prefill graph's chunk (onnx_chunk.py). Whole prefill graphs in onnxruntime on the 2-core CPU
+# machine, B1, one process, alternating, best of 4: C 32 against 64 at T 512 / 2048 / 8192 took
+# 85.3 / 241.1 / 953.1 against 90.2 / 257.0 / 1020.5 ms (example o3 16x16), 81.0 / 245.0 / 929.8
+# against 88.5 / 266.3 / 974.4 (o2 64), 109.2 / 328.9 / 1303.4 against 112.4 / 340.3 / 1377.9
+# (o3 32x32); the token Scan it replaced took 18-20x C 64's time at T 128-2048
+ONNX_CHUNK = 32
 # the loggers whose records _exporter_notes takes over while a graph is exported
 CONVERTER_LOGGER = "onnxscript.version_converter"
 REGISTRY_LOGGER = "torch.onnx._internal.exporter._registration"
