@@ -222,7 +222,7 @@ def chunk_cost(spec: ModelSpec, target: Target, batch: int, seq_len: int, config
         return _finish(seconds + fig.launches * target.launch_s, nbytes, flops, fig.programs, bound, "chunk", cal,
                        fig.launches)
     if fig.tile_visits == 0 and fig.solve_rows == 0:  # the resident form's loop (its own fit, above)
-        latency = _resident_loop(fig, config.chunk_size, spec, target)
+        latency = _resident_loop(fig, config.chunk_size, fill, spec, target)
     else:
         per_step = (CHUNK_ITER_S + fig.tile_visits * CHUNK_TILE_S * fig.tile_elements / CHUNK_TILE_ELEMENTS
                     + fig.solve_rows * FUSED_ROW_S)
@@ -232,11 +232,11 @@ def chunk_cost(spec: ModelSpec, target: Target, batch: int, seq_len: int, config
                    fig.launches)
 
 
-def _resident_loop(fig, chunk_size: int, spec: ModelSpec, target: Target) -> float:
+def _resident_loop(fig, chunk_size: int, fill: float, spec: ModelSpec, target: Target) -> float:
     """The resident form's sequential loop (RESIDENT_*): waves x chunks x the programs sharing an
-    SM x one program's step, which grows with C x K and with how full the GPU is."""
+    SM x one program's step, which grows with C x K and with ``fill``, the share of SMs the
+    programs occupy."""
     per_sm = min(PROGRAMS_PER_SM, math.ceil(fig.programs / target.sms))
-    fill = min(1.0, fig.programs / target.sms)
     key_dim = math.prod(spec.key_widths)
     step = RESIDENT_STEP_S + RESIDENT_ELEMENT_S * chunk_size * key_dim * (1 + fill)
     return _waves(fig.programs, target) * fig.serial_steps * per_sm * step

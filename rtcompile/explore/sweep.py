@@ -21,6 +21,7 @@ wider grid reuses the points already run.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -235,6 +236,7 @@ def evaluate_point(point: Point, opts: SweepOptions, mode: SpeedMode, out: Path,
 SPEED_SOURCES = ("costmodel.py", "figures.py", "plan.py", "target.py", "kernels/*.py", "explore/sweep.py")
 
 
+@functools.lru_cache(maxsize=1)
 def speed_code_digest() -> str:
     """sha256 (16 hex digits) of :data:`SPEED_SOURCES`: a study made by other code is another
     study, so an upgrade never serves the figures an older cost model or kernel gave (a finished

@@ -56,6 +56,29 @@ class _Nodes:
         self.nodes.append(self.h.make_node("Constant", [], [name], value=numpy_helper.from_array(arr, name + "_v")))
         return name
 
+    def l2normed(self, x: str, eps: float) -> str:
+        """``x`` over the norm of its last axis (as the references: x / sqrt(sum x^2 + eps))."""
+        ss = self.op("ReduceSum", self.op("Mul", x, x), self.const([-1]), keepdims=1)
+        return self.op("Div", x, self.op("Sqrt", self.op("Add", ss, self.const(eps, "float32"))))
+
+    def kron(self, xs: list[str], lead: int) -> str:
+        """phi: the row-wise Kronecker product of the factors ``xs`` (each [*lead axes, d_i]),
+        flattened to [*lead axes, prod d_i] in the state's row-major order."""
+        phi = xs[0]
+        for x in xs[1:]:
+            outer = self.op("Mul", self.op("Unsqueeze", phi, self.const([-1])), self.op("Unsqueeze", x, self.const([-2])))
+            phi = self.op("Reshape", outer, self.const([0] * lead + [-1]))
+        return phi
+
+    def flat_state(self) -> str:
+        """``past_state`` [B, H, d_1, ..., d_v] as [B, H, K, V]."""
+        V = self.op("Gather", self.op("Shape", "v"), self.const([3]), axis=0)
+        return self.op("Reshape", "past_state", self.op("Concat", self.const([0, 0, -1]), V, axis=0))
+
+    def present_state(self, S: str) -> None:
+        """``present_state``: ``S`` [B, H, K, V] in ``past_state``'s shape."""
+        self.op("Reshape", S, self.op("Shape", "past_state"), out="present_state")
+
 
 def _bht(n: _Nodes, x: str, pads: str, C_t: str) -> str:
     """[B, T, H, d] -> [B, H, NT, C, d]: heads before time, time padded, cut into chunks."""
@@ -85,13 +108,7 @@ def chunk_body(order: int, update_rule: str, l2norm: bool, chunk: int, eps: floa
     pads3 = n.op("Concat", n.const([0] * 5), pad, axis=0)  # [B, H, T]
     chunk3 = n.const([0, 0, -1, C])
     last_axis = n.const([-1])
-
-    def normed(x: str) -> str:
-        if not l2norm:
-            return x
-        ss = n.op("ReduceSum", n.op("Mul", x, x), last_axis, keepdims=1)
-        return n.op("Div", x, n.op("Sqrt", n.op("Add", ss, n.const(eps, "float32"))))
-
+    normed = (lambda x: n.l2normed(x, eps)) if l2norm else (lambda x: x)
     Qc = [_bht(n, normed(f"q{i}"), pads4, C_t) for i in range(1, nf + 1)]
     Kc = [_bht(n, normed(f"k{i}"), pads4, C_t) for i in range(1, nf + 1)]
     Vc = _bht(n, "v", pads4, C_t)
@@ -140,16 +157,8 @@ def chunk_body(order: int, update_rule: str, l2norm: bool, chunk: int, eps: floa
     # 4096 would be 512 MiB a tensor and head batch)
     f = TensorProto.FLOAT
     body = _Nodes("_body_")
-
-    def kron(xs: list[str]) -> str:
-        phi = xs[0]
-        for x in xs[1:]:
-            outer = body.op("Mul", body.op("Unsqueeze", phi, body.const([-1])), body.op("Unsqueeze", x, body.const([-2])))
-            phi = body.op("Reshape", outer, body.const([0, 0, 0, -1]))
-        return phi
-
-    phiQ = kron([f"q{i}_t" for i in range(1, nf + 1)])
-    phiK = kron([f"k{i}_t" for i in range(1, nf + 1)])
+    phiQ = body.kron([f"q{i}_t" for i in range(1, nf + 1)], 3)  # [B, H, C, K]
+    phiK = body.kron([f"k{i}_t" for i in range(1, nf + 1)], 3)
     U = "U0_t"
     if delta:  # U = U0 - Ai (diag(b Gamma) phi(K) S): [C, V] products, no [C, K] one
         U = body.op("Sub", "U0_t", body.op("MatMul", "Ai_t", body.op("MatMul", body.op("Mul", phiK, "bk_t"), "S_in")))
@@ -166,14 +175,13 @@ def chunk_body(order: int, update_rule: str, l2norm: bool, chunk: int, eps: floa
                          [h.make_tensor_value_info("S_in", f, None)]
                          + [h.make_tensor_value_info(f"{name}_t", f, None) for name in scan],
                          [h.make_tensor_value_info("S_out", f, None), h.make_tensor_value_info("O_t", f, None)])
-    V = n.op("Gather", n.op("Shape", "v"), n.const([3]), axis=0)
-    S0 = n.op("Reshape", "past_state", n.op("Concat", n.const([0, 0, -1]), V, axis=0))
-    n.nodes.append(h.make_node("Scan", [S0, *scan.values()], ["S_final", "O_chunks"], body=graph,
+    n.nodes.append(h.make_node("Scan", [n.flat_state(), *scan.values()], ["S_final", "O_chunks"], body=graph,
                                num_scan_inputs=len(scan), scan_input_axes=[2] * len(scan), scan_output_axes=[2]))
+    V = n.op("Gather", n.op("Shape", "v"), n.const([3]), axis=0)
     o = n.op("Reshape", "O_chunks", n.op("Concat", n.const([0, 0, -1]), V, axis=0))  # [B, H, NT C, V]
     o = n.op("Slice", o, n.const([0]), T, n.const([2]))
     n.op("Transpose", o, perm=[0, 2, 1, 3], out="o")
-    n.op("Reshape", "S_final", n.op("Shape", "past_state"), out="present_state")
+    n.present_state("S_final")
     return n.nodes
 
 
@@ -187,25 +195,17 @@ def token_body(order: int, update_rule: str, l2norm: bool, eps: float) -> list:
     nf = order - 1
     gated, delta = update_rule in ("gated", "gated_delta"), update_rule in ("delta", "gated_delta")
     n = _Nodes()
-    t_axis, last = n.const([1]), n.const([-1])
+    t_axis = n.const([1])
 
     def factor(x: str) -> str:  # [B, 1, H, d] -> [B, H, d], normalised
         x = n.op("Squeeze", x, t_axis)
-        if l2norm:
-            ss = n.op("ReduceSum", n.op("Mul", x, x), last, keepdims=1)
-            x = n.op("Div", x, n.op("Sqrt", n.op("Add", ss, n.const(eps, "float32"))))
-        return x
+        return n.l2normed(x, eps) if l2norm else x
 
     def phi_row(prefix: str) -> str:  # [B, H, 1, K]
-        phi = factor(f"{prefix}1")
-        for i in range(2, nf + 1):
-            outer = n.op("Mul", n.op("Unsqueeze", phi, last), n.op("Unsqueeze", factor(f"{prefix}{i}"), n.const([-2])))
-            phi = n.op("Reshape", outer, n.const([0, 0, -1]))
-        return n.op("Unsqueeze", phi, n.const([2]))
+        return n.op("Unsqueeze", n.kron([factor(f"{prefix}{i}") for i in range(1, nf + 1)], 2), n.const([2]))
 
     phiq, phik = phi_row("q"), phi_row("k")
-    V = n.op("Gather", n.op("Shape", "v"), n.const([3]), axis=0)
-    S = n.op("Reshape", "past_state", n.op("Concat", n.const([0, 0, -1]), V, axis=0))  # [B, H, K, V]
+    S = n.flat_state()  # [B, H, K, V]
     per_head = n.const([0, 0, 0, 1])  # [B, 1, H] -> [B, H, 1, 1] (Transpose then Reshape)
     scalar = lambda x: n.op("Reshape", n.op("Transpose", x, perm=[0, 2, 1]), per_head)
     if gated:
@@ -216,5 +216,5 @@ def token_body(order: int, update_rule: str, l2norm: bool, eps: float) -> list:
     S = n.op("Add", S, n.op("MatMul", n.op("Transpose", phik, perm=[0, 1, 3, 2]), u))
     o = n.op("Mul", n.op("MatMul", phiq, S), "scale_t")
     n.op("Transpose", o, perm=[0, 2, 1, 3], out="o")
-    n.op("Reshape", S, n.op("Shape", "past_state"), out="present_state")
+    n.present_state(S)
     return n.nodes
