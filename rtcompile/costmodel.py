@@ -336,6 +336,19 @@ def fit_kind(points: list[tuple[float, float]], default_call_s: float) -> tuple[
     return 1.0, default_call_s, f"none ({n} points)"
 
 
+def fit_device_kind(points: list[tuple[float, float]], default_call_s: float) -> tuple[float, float, str]:
+    """(scale, call overhead, how) for one kind from (modelled kernel s, measured device s)
+    points: the scale alone, through the origin (device time holds no call overhead), the
+    overhead kept at the model's; 1.0 with no usable point."""
+    points = [(d, m) for d, m in points if d > 0 and m > 0]
+    n = len(points)
+    if n:
+        scale, _ = _robust_fit(points, 0.0)
+        if scale > 0:
+            return scale, default_call_s, f"device-time scale ({n} point{'s' * (n > 1)})"
+    return 1.0, default_call_s, f"none ({n} points)"
+
+
 def calibrate(predicted: dict[str, list[Cost]], measured: dict[str, list[float]], *,
               device_time: bool = False) -> Calibration:
     """Fit a :class:`Calibration` from matched pairs per kind (:data:`KINDS`): ``predicted``
@@ -348,20 +361,13 @@ def calibrate(predicted: dict[str, list[Cost]], measured: dict[str, list[float]]
     base = Calibration()
     fields: dict = {}
     how = []
+    fit = fit_device_kind if device_time else fit_kind
     for kind in KINDS:
         pairs = zip(predicted.get(kind, []), measured.get(kind, []))
-        if device_time:
-            points = [(c.kernel_s, m) for c, m in pairs if c.kernel_s > 0 and m > 0]
-            scale, _ = _robust_fit(points, 0.0) if points else (1.0, 0.0)
-            ok = bool(points) and scale > 0
-            fields[kind], fields[f"{kind}_call_s"] = (scale if ok else 1.0), base.call_s(kind)
-            how.append(f"{kind}: " + (f"device-time scale ({len(points)} point{'s' * (len(points) > 1)})" if ok
-                                      else f"none ({len(points)} points)"))
-            continue
-        points = [(c.kernel_s, m - c.launch_host_s) for c, m in pairs]
-        scale, call, fit = fit_kind(points, base.call_s(kind))
-        fields[kind], fields[f"{kind}_call_s"] = scale, call
-        how.append(f"{kind}: {fit}")
+        # an eager call's measurement holds its launch's host time; a device time does not
+        points = [(c.kernel_s, m - (0.0 if device_time else c.launch_host_s)) for c, m in pairs]
+        fields[kind], fields[f"{kind}_call_s"], why = fit(points, base.call_s(kind))
+        how.append(f"{kind}: {why}")
     return Calibration(**fields, fits="; ".join(how))
 
 

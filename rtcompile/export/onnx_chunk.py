@@ -1,5 +1,6 @@
-"""The chunk-parallel body of the ONNX mixer function (``onnx_mixer.running_tensor_function``
-with ``body="chunk"``): the prefill graph's, where the token Scan runs one small step per token.
+"""The bodies of the ONNX mixer function (``onnx_mixer.running_tensor_function``): the token
+Scan (``body="scan"``), one token (``"token"``, the decode graph's) and, mostly, the chunk-parallel
+form (``"chunk"``): the prefill graph's, where the token Scan runs one small step per token.
 
 The math is the chunk reference's (``kernels/reference._chunk_segment``). With the sequence
 padded to NT chunks of C tokens (zero keys, values, beta and log decay: exact), per chunk
@@ -185,13 +186,24 @@ def chunk_body(order: int, update_rule: str, l2norm: bool, chunk: int, eps: floa
     return n.nodes
 
 
+def _token_update(n: _Nodes, S: str, phiq: str, phik: str, v: str, decay: str | None,
+                  beta: str | None) -> tuple[str, str]:
+    """One token's update: phi rows [B, H, 1, K], S [B, H, K, V], v [B, H, 1, V], log decay and
+    beta [B, H, 1, 1] (None without the gate / delta rule) -> (S', o [B, H, 1, V])."""
+    if decay is not None:
+        S = n.op("Mul", S, n.op("Exp", decay))
+    u = v
+    if beta is not None:
+        u = n.op("Mul", beta, n.op("Sub", v, n.op("MatMul", phik, S)))
+    S = n.op("Add", S, n.op("MatMul", n.op("Transpose", phik, perm=[0, 1, 3, 2]), u))
+    return S, n.op("Mul", n.op("MatMul", phiq, S), "scale_t")
+
+
 def token_body(order: int, update_rule: str, l2norm: bool, eps: float) -> list:
     """The function's nodes for one token (``body="token"``: the decode graph's, T = 1): the
     token Scan's step without the Scan, its contractions as matrix products (Einsum and a Scan
     of one step cost the decode graph's mixer 1.05 ms a layer at o3 16x16 B1 in onnxruntime on
     the CPU machine). Squeezing T fails at run time for T > 1 rather than computing one token."""
-    from onnx import helper as h
-
     nf = order - 1
     gated, delta = update_rule in ("gated", "gated_delta"), update_rule in ("delta", "gated_delta")
     n = _Nodes()
@@ -204,17 +216,44 @@ def token_body(order: int, update_rule: str, l2norm: bool, eps: float) -> list:
     def phi_row(prefix: str) -> str:  # [B, H, 1, K]
         return n.op("Unsqueeze", n.kron([factor(f"{prefix}{i}") for i in range(1, nf + 1)], 2), n.const([2]))
 
-    phiq, phik = phi_row("q"), phi_row("k")
-    S = n.flat_state()  # [B, H, K, V]
     per_head = n.const([0, 0, 0, 1])  # [B, 1, H] -> [B, H, 1, 1] (Transpose then Reshape)
     scalar = lambda x: n.op("Reshape", n.op("Transpose", x, perm=[0, 2, 1]), per_head)
-    if gated:
-        S = n.op("Mul", S, n.op("Exp", scalar("decay")))
-    u = n.op("Transpose", "v", perm=[0, 2, 1, 3])  # [B, H, 1, V]
-    if delta:
-        u = n.op("Mul", scalar("beta"), n.op("Sub", u, n.op("MatMul", phik, S)))
-    S = n.op("Add", S, n.op("MatMul", n.op("Transpose", phik, perm=[0, 1, 3, 2]), u))
-    o = n.op("Mul", n.op("MatMul", phiq, S), "scale_t")
+    S, o = _token_update(n, n.flat_state(), phi_row("q"), phi_row("k"), n.op("Transpose", "v", perm=[0, 2, 1, 3]),
+                         scalar("decay") if gated else None, scalar("beta") if delta else None)
     n.op("Transpose", o, perm=[0, 2, 1, 3], out="o")
     n.present_state(S)
+    return n.nodes
+
+
+def scan_body(order: int, update_rule: str, l2norm: bool, eps: float) -> list:
+    """The function's nodes for the token Scan (``body="scan"``: any T, one token a step; the
+    portable baseline the other bodies are checked against): the state flattened to
+    [B, H, K, V] is carried, each step the token update of :func:`token_body`."""
+    from onnx import TensorProto
+    from onnx import helper as h
+
+    nf = order - 1
+    gated, delta = update_rule in ("gated", "gated_delta"), update_rule in ("delta", "gated_delta")
+    scanned = [f"q{i}" for i in range(1, nf + 1)] + [f"k{i}" for i in range(1, nf + 1)] + ["v"]
+    scanned += ["decay"] * gated + ["beta"] * delta
+    # the step sees each scanned input without its T axis: factors [B, H, d], v [B, H, V], [B, H]
+    body = _Nodes("_body_")  # a subgraph's names may not repeat the enclosing function's
+    normed = (lambda x: body.l2normed(x, eps)) if l2norm else (lambda x: x)
+    phi_row = lambda p: body.op("Unsqueeze", body.kron([normed(f"{p}{i}_t") for i in range(1, nf + 1)], 2),
+                                body.const([2]))
+    scalar = lambda x: body.op("Unsqueeze", x, body.const([2, 3]))
+    S, o = _token_update(body, "S_in", phi_row("q"), phi_row("k"), body.op("Unsqueeze", "v_t", body.const([2])),
+                         scalar("decay_t") if gated else None, scalar("beta_t") if delta else None)
+    body.op("Identity", S, out="S_out")
+    body.op("Squeeze", o, body.const([2]), out="o_t")
+    f = TensorProto.FLOAT
+    graph = h.make_graph(body.nodes, "running_tensor_step",
+                         [h.make_tensor_value_info("S_in", f, None)]
+                         + [h.make_tensor_value_info(f"{name}_t", f, None) for name in scanned],
+                         [h.make_tensor_value_info("S_out", f, None), h.make_tensor_value_info("o_t", f, None)])
+    n = _Nodes()
+    n.nodes.append(h.make_node("Scan", [n.flat_state(), *scanned], ["S_final", "o"], body=graph,
+                               num_scan_inputs=len(scanned), scan_input_axes=[1] * len(scanned),
+                               scan_output_axes=[1]))
+    n.present_state("S_final")
     return n.nodes
