@@ -1,6 +1,6 @@
 """The ONNX graphs in onnxruntime on the CPU: the exported prefill graph (the mixer's
 chunk-parallel function body, ``export/onnx_chunk.py``) and decode graph (its one-token body)
-each against the same graph with the token Scan body they replaced, in one process, beside the
+each against the same graph with the token Scan body (``body="scan"``), in one process, beside the
 torch reference on the same CPU threads.
 
     python3 benchmarks/onnx_cpu.py [SPEC] [--seq-len 128,512,2048] [--batch 1] [--threads N]

@@ -201,9 +201,10 @@ def _token_update(n: _Nodes, S: str, phiq: str, phik: str, v: str, decay: str | 
 
 def token_body(order: int, update_rule: str, l2norm: bool, eps: float) -> list:
     """The function's nodes for one token (``body="token"``: the decode graph's, T = 1): the
-    token Scan's step without the Scan, its contractions as matrix products (Einsum and a Scan
-    of one step cost the decode graph's mixer 1.05 ms a layer at o3 16x16 B1 in onnxruntime on
-    the CPU machine). Squeezing T fails at run time for T > 1 rather than computing one token."""
+    token Scan's step without the Scan, its contractions as matrix products (the example model's
+    B1 decode step in onnxruntime on the CPU machine: 0.84 ms against 0.91 with a one-step Scan;
+    Einsum contractions had cost 1.05 ms a layer). Squeezing T fails at run time for T > 1
+    rather than computing one token."""
     nf = order - 1
     gated, delta = update_rule in ("gated", "gated_delta"), update_rule in ("delta", "gated_delta")
     n = _Nodes()

@@ -31,7 +31,7 @@ log = logging.getLogger("rtcompile.export")
 # machine, B1, one process, alternating, best of 4: C 32 against 64 at T 512 / 2048 / 8192 took
 # 85.3 / 241.1 / 953.1 against 90.2 / 257.0 / 1020.5 ms (example o3 16x16), 81.0 / 245.0 / 929.8
 # against 88.5 / 266.3 / 974.4 (o2 64), 109.2 / 328.9 / 1303.4 against 112.4 / 340.3 / 1377.9
-# (o3 32x32); the token Scan it replaced took 18-20x C 64's time at T 128-2048
+# (o3 32x32); a Scan over tokens takes ~3x C 32's time at T 128-2048 (benchmarks/onnx_cpu.py)
 ONNX_CHUNK = 32
 # the loggers whose records _exporter_notes takes over while a graph is exported
 CONVERTER_LOGGER = "onnxscript.version_converter"
