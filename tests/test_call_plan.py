@@ -96,6 +96,40 @@ def test_a_changed_signature_is_validated_again(fresh):
     assert len(CALL_PLANS) == 2 and len(fresh) == 3
 
 
+@pytest.mark.parametrize("bad", [
+    dict(l2norm="false"), dict(l2norm=0), dict(l2norm=1), dict(output_final_state=None),
+    dict(output_final_state="yes"), dict(chunk_size=64.0), dict(scale=True),
+], ids=lambda d: "-".join(f"{k}={v!r}" for k, v in d.items()))
+def test_a_planned_signature_still_refuses_arguments_of_the_wrong_type(bad, fresh):
+    """After a valid call made a plan, an argument that compares or hashes equal to the planned
+    one but has the wrong type (``0`` for False, ``64.0`` for 64, ``True`` for a scale of 1)
+    takes the full checks and is refused there, as in a fresh process: a plan never serves it."""
+    (q, k, v, g, beta), *_ = _steps(T=1)[0]
+    field, value = next(iter(bad.items()))
+    # a plan for the value the bad one equals: l2norm True for 1 and "false", False for 0, ...
+    planned = dict(l2norm=False, output_final_state=False, chunk_size=64, scale=1)
+    planned[field] = bool(value) if field in ("l2norm", "output_final_state") else planned[field]
+    running_tensor(q, k, v, g, beta, mode="recurrent", backend="triton", **planned)
+    assert len(CALL_PLANS) == 1
+    with pytest.raises(TypeError, match=f"^{field}: expected"):
+        running_tensor(q, k, v, g, beta, mode="recurrent", backend="triton", **(planned | bad))
+
+
+@pytest.mark.parametrize("bad", ["false", 0, 1], ids=repr)
+def test_a_planned_decode_signature_still_refuses_a_flag_that_is_not_a_bool(bad):
+    """As above for ``running_tensor_decode_``'s ``l2norm``."""
+    from rtcompile import running_tensor_decode_
+
+    (q, k, v, g, beta), *_ = _steps(T=1, B=2)[0]
+    cache = torch.zeros(3, 2, 3, 4, 5, device=DEVICE)
+    idx = torch.tensor([2, 0], device=DEVICE)
+    running_tensor_decode_(q, k, v, g, beta, state_cache=cache, state_indices=idx, l2norm=bool(bad))
+    before = cache.clone()
+    with pytest.raises(TypeError, match="^l2norm: expected a bool"):
+        running_tensor_decode_(q, k, v, g, beta, state_cache=cache, state_indices=idx, l2norm=bad)
+    assert torch.equal(cache, before)
+
+
 def test_inputs_that_require_grad_take_the_autograd_path(fresh):
     """backend "auto": a call that needs grad takes the autograd path (the custom op, its
     backward on materialised keys at widths 3x4), never the plan."""

@@ -273,9 +273,15 @@ def call_head(q, k, g, beta, initial_state, scale, output_final_state, l2norm, m
               variant) -> tuple:
     """The plain arguments of a public ``running_tensor`` call that its plan depends on (with the
     tuned table's generation, so a plan found before the table changed is not reused);
-    TypeError for factors that are not sequences."""
-    return (len(q), len(k), g is None, beta is None, initial_state is None, scale, bool(output_final_state),
-            bool(l2norm), mode, chunk_size, backend, variant, interpreting(), tuned.generation())
+    TypeError for factors that are not sequences, or for flags that are not bools (the full
+    checks then name them: a cached plan must never serve ``l2norm="false"`` or ``0``, which
+    compare or hash equal to a bool). ``scale`` and ``chunk_size`` enter with their types, so
+    ``64.0`` or ``True`` is not served by a plan made for ``64`` or ``1``."""
+    if output_final_state.__class__ is not bool or l2norm.__class__ is not bool:
+        raise TypeError("flags that are not bools go through the full checks")
+    return (len(q), len(k), g is None, beta is None, initial_state is None, scale, scale.__class__,
+            output_final_state, l2norm, mode, chunk_size, chunk_size.__class__, backend, variant, interpreting(),
+            tuned.generation())
 
 
 def call_key(head, tensors):
@@ -287,7 +293,9 @@ def call_key(head, tensors):
 
 def decode_head(q, k, g, beta, scale, l2norm, variant) -> tuple:
     """The plain arguments of a decode call that its plan depends on, as :func:`call_head`."""
-    return (len(q), len(k), g is None, beta is None, scale, bool(l2norm), variant, interpreting(),
+    if l2norm.__class__ is not bool:
+        raise TypeError("flags that are not bools go through the full checks")
+    return (len(q), len(k), g is None, beta is None, scale, scale.__class__, l2norm, variant, interpreting(),
             tuned.generation())
 
 
