@@ -209,6 +209,9 @@ def _print_results(results, spec, args, on_gpu: bool) -> None:
     from rich.markup import escape
     from rich.table import Table
 
+    from .kernels.forms import FORMS
+    from .tuning.space import in_subspace
+
     how = ("exhaustive sweep" if args.exhaustive else "tuned") + (f" (fixed: {', '.join(f'{k}={v}' for k, v in args.fix)})"
                                                                    if args.fix else "")
     table = Table(title=f"{how} {spec.name or args.spec} on {'GPU' if on_gpu else 'CPU (interpreter timings)'}",
@@ -219,11 +222,14 @@ def _print_results(results, spec, args, on_gpu: bool) -> None:
         table.add_column(c)
     # stale: a killed worker's trial, retried (its retry is counted instead): not a trial run
     failed = lambda c: str(c.get("failed", 0)) + (f" (+{c['stale']} stale)" if c.get("stale") else "")
+    fixed = dict(args.fix or ())
     for r in results:
         c = r.counts
         ms = lambda s: f"{s * 1e3:.4g}" if s else "-"
         v = r.best_variant or {}
         vt = " ".join(f"{k}={x}" for k, x in v.items() if k != "kernel")
+        if fixed and v and not in_subspace(FORMS[v["form"]].from_dict(v), fixed):
+            vt += " (the default, outside the fixed sub-space: none of it was faster)"
         ran = "0 (already tuned)" if r.already_tuned else str(r.trials_run)
         table.add_row(escape(r.bucket.label), str(r.trials_total), ran, str(c.get("ok", 0)), str(c.get("pruned", 0)),
                       str(c.get("rejected", 0)), failed(c), ms(r.best_seconds),

@@ -642,3 +642,21 @@ def test_the_sweep_leaves_out_configs_the_device_cannot_run():
     found = exhaustive_variants(bucket, TuneOptions(fixed=fixed))
     assert found and {c.loop for c in found} == {"triton"}  # three state strides, the Triton loop only
     assert len(found) == 3
+
+
+@pytest.mark.parametrize("fixed, inside", [
+    ({}, True),
+    ({"form": "resident"}, True),
+    ({"form": "split"}, False),
+    ({"resident.chunk_size": 16}, True),
+    ({"resident.chunk_size": 32}, False),
+    ({"split.loop": "gluon"}, True),  # a field of another form does not constrain this one
+    ({"form": "resident", "resident.wy": True}, False),
+], ids=["none", "its-form", "other-form", "its-field", "other-value", "other-forms-field", "form-and-field"])
+def test_in_subspace_reads_a_fix_as_tune_applies_it(fixed, inside):
+    """``tune --fix``'s sub-space membership, which the result table uses to say when the
+    winner is the default from outside it."""
+    from rtcompile.tuning.space import in_subspace
+
+    cfg = ResidentConfig(chunk_size=16, block_v=16, wy=False)
+    assert in_subspace(cfg, fixed) is inside

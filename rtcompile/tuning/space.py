@@ -128,6 +128,15 @@ def config_params(config: KernelConfig) -> dict[str, Any]:
     return {"form": config.form, **{f"{config.form}.{k}": v for k, v in config.to_dict().items() if k != "form"}}
 
 
+def in_subspace(config: KernelConfig, fixed: dict[str, Any]) -> bool:
+    """Does ``config`` lie in the sub-space ``fixed`` (``TuneOptions.fixed``) names: its form
+    the fixed one, and each ``FORM.FIELD`` of its own form at the fixed value (a field of
+    another form does not constrain it)."""
+    params = config_params(config)
+    return all(params.get(key) == value for key, value in fixed.items()
+               if key == "form" or key.split(".", 1)[0] == config.form)
+
+
 def params_config(params: dict[str, Any]) -> KernelConfig:
     """The config a trial's parameters describe (:func:`config_params` inverted)."""
     form = params["form"]
