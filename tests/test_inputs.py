@@ -62,14 +62,27 @@ def test_bad_arguments(case):
         ([1, 4, 10], torch.int32, 1, ValueError, "start at 0"),
         ([0, 4, 10], torch.float32, 1, TypeError, "int32"),
         ([0, 4, 10], torch.int32, 2, ValueError, "B = 1"),
+        ([0, 4, 10], "meta", 1, ValueError, "same device"),
     ],
-    ids=["empty-seq", "decreasing", "short", "offset-start", "float", "batch2"],
+    ids=["empty-seq", "decreasing", "short", "offset-start", "float", "batch2", "other-device"],
 )
 def test_bad_cu_seqlens(offsets, dtype, B, exc, needle):
     q, k, v, g, beta, _ = make_inputs(B, 10, 2, (3,), 4, dtype=torch.float32)
-    with pytest.raises(exc, match="cu_seqlens") as info:
-        rtcompile.running_tensor(q, k, v, g, beta, cu_seqlens=torch.tensor(offsets, dtype=dtype))
-    assert needle in str(info.value)
+    # "meta": offsets on another device, refused before they are read (reading a meta tensor fails)
+    cu = torch.tensor(offsets, dtype=torch.int32, device="meta") if dtype == "meta" else torch.tensor(offsets, dtype=dtype)
+    for backend in ("auto", "reference"):
+        with pytest.raises(exc, match="cu_seqlens") as info:
+            rtcompile.running_tensor(q, k, v, g, beta, cu_seqlens=cu, backend=backend)
+        assert needle in str(info.value)
+
+
+def test_a_chunk_longer_than_the_sequence_is_one_chunk():
+    """The chunk reference with a chunk far longer than T (10^6) computes one chunk of T (it
+    padded to the chunk: a [T, 10^6]-sized allocation) and equals the token loop."""
+    q, k, v, g, beta, s0 = make_inputs(1, 10, 2, (3, 2), 4, state=True, dtype=torch.float64)
+    want = running_tensor_recurrent_ref(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    got = running_tensor_chunk_ref(q, k, v, g, beta, initial_state=s0, output_final_state=True, chunk_size=10**6)
+    assert torch.allclose(got[0], want[0], atol=1e-12) and torch.allclose(got[1], want[1], atol=1e-12)
 
 
 def test_varlen_state_count():

@@ -142,6 +142,8 @@ def check_inputs(
             raise ValueError(f"cu_seqlens: expected a 1-D tensor of N+1 >= 2 offsets, got shape {tuple(cu_seqlens.shape)}")
         if B != 1:
             raise ValueError(f"cu_seqlens: given with B = {B}; allowed: B = 1 (sequences packed along T)")
+        if cu_seqlens.device != v.device:  # before reading it: a meta or remote tensor fails in tolist
+            raise ValueError(f"cu_seqlens: on {cu_seqlens.device}, v on {v.device}; allowed: the same device")
         offs = [int(x) for x in cu_seqlens.tolist()]
         if offs[0] != 0 or offs[-1] != T:
             raise ValueError(f"cu_seqlens: must start at 0 and end at T = {T}, got {offs[0]} ... {offs[-1]}")

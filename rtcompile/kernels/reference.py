@@ -119,7 +119,7 @@ def _chunk_segment(qs, ks, v, g, beta, S, scale, chunk_size):
     Without the delta rule U = V. Padding the last chunk with zeros (k = v = 0, g = 0) is exact.
     """
     B, T, H, V = v.shape
-    C = chunk_size
+    C = min(chunk_size, T)  # one chunk holds the whole segment: no [.., C, C] tensors beyond it
     NT = -(-T // C)
     pad = NT * C - T
 
