@@ -95,6 +95,21 @@ def test_this_machines_kernels_are_installed_where_triton_looks(bundle, tmp_path
     assert (cache / ENTRY / "chunk_kernel.cubin").read_bytes() == b"\x7fELF cubin"
 
 
+def test_an_entry_already_in_the_cache_is_never_replaced(bundle, tmp_path, monkeypatch):
+    """Triton's cache is shared by the user's processes: a bundle adds what is missing and
+    changes nothing there (an existing cubin under the same key stays byte for byte)."""
+    names = _with_kernels(bundle, tmp_path)
+    cache = tmp_path / "triton-cache"
+    (cache / ENTRY).mkdir(parents=True)
+    (cache / ENTRY / "chunk_kernel.cubin").write_bytes(b"\x7fELF compiled here")
+    monkeypatch.setattr(compiled, "triton_cache_dir", lambda: cache)
+    monkeypatch.setattr(compiled, "machine_key", lambda: dict(H200))
+    done = compiled.install(bundle, json.loads((bundle / "manifest.json").read_text()))
+    assert done[0] and f"installed {len(names) - 1} compiled kernel files" in done[1] and "1 already there" in done[1]
+    assert (cache / ENTRY / "chunk_kernel.cubin").read_bytes() == b"\x7fELF compiled here"
+    assert (cache / ENTRY / "chunk_kernel.ptx").read_bytes() == b"// ptx"
+
+
 def test_a_tampered_kernel_is_refused_before_anything_is_installed(bundle, tmp_path, monkeypatch):
     _with_kernels(bundle, tmp_path)
     cache = tmp_path / "triton-cache"

@@ -226,6 +226,20 @@ def test_from_dict_errors(data, exc, needle):
     assert needle in str(info.value)
 
 
+@pytest.mark.parametrize("form, field, value", [
+    ("resident", "wy", "no"), ("split", "wy", 1), ("recurrent", "stream_hints", "x"), ("recurrent", "outer_phi", 2),
+    ("resident", "chunk_size", "16"), ("streamed", "block_k", 32.0), ("fused", "solve", None),
+], ids=lambda x: str(x))
+def test_a_config_built_with_a_field_of_the_wrong_type_is_refused(form, field, value):
+    """The constructor checks the field types as ``from_dict`` does: ``wy="no"`` was a truthy
+    flag that ran."""
+    cls = FORMS[form]
+    good = _example(cls).to_dict()
+    good.pop("form")
+    with pytest.raises(TypeError, match=rf"^{cls.__name__}\.{field}: expected "):
+        cls(**{**good, field: value})
+
+
 def test_from_dict_refuses_another_kernel_or_form():
     with pytest.raises(ValueError, match="form 'recurrent' is a recurrent config; allowed for the chunk kernel: "
                                          "resident, streamed, fused, split"):

@@ -14,7 +14,11 @@ paths), where Triton's own loader finds them: the kernels are data for it (cubin
 JSON metadata). Shared libraries (Triton's compiled host launchers) are never shipped or
 installed: loading a bundle executes no code from it, so those are built on first use as
 before. Another machine's kernels are skipped with one message; the kernels JIT-compile as
-they do without a bundle.
+they do without a bundle. An entry already in the cache is never replaced: Triton's cache is
+shared by every process of the user, and a bundle's sha256 prove its files intact, not who
+made them, so a bundle adds kernels for keys nothing has compiled here and changes none that
+something has. (Its cubins are still machine code the GPU runs when Triton finds their key:
+load such bundles from sources you trust; one exported with ``--no-kernels`` compiles here.)
 """
 
 from __future__ import annotations
@@ -124,9 +128,13 @@ def install(root: Path, manifest: dict[str, Any], cache: Path | None = None) -> 
         return False, (f"bundle {str(root)!r}: its {len(names)} compiled kernel files are for {theirs['gpu']} "
                        f"(Triton {theirs['triton']}); this machine differs ({diff}): kernels compile on first use")
     cache = triton_cache_dir() if cache is None else cache
+    kept = 0
     for name in names:
         _, entry, fname = name.split("/")
         out = cache / entry
+        if (out / fname).exists():  # Triton's own, or an earlier install's: never replaced
+            kept += 1
+            continue
         out.mkdir(parents=True, exist_ok=True)
         src = root / name
         data = src.read_bytes()
@@ -134,7 +142,8 @@ def install(root: Path, manifest: dict[str, Any], cache: Path | None = None) -> 
             children = json.loads(data.decode("utf-8")).get("child_paths", {})
             data = json.dumps({"child_paths": {c: str(out / Path(p).name) for c, p in children.items()}}).encode()
         _write_atomic(out / fname, data)
-    return True, f"bundle {str(root)!r}: installed {len(names)} compiled kernel files into {cache}"
+    return True, (f"bundle {str(root)!r}: installed {len(names) - kept} compiled kernel files into {cache}"
+                  + (f" ({kept} already there, kept)" if kept else ""))
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

@@ -196,12 +196,17 @@ class KernelConfig:
         missing = sorted(f.name for f in fields(cls) if f.name not in data and f.default is MISSING)
         if missing:
             raise ValueError(f"{cls.__name__}: missing fields {missing}")
-        for f in fields(cls):  # JSON gives any type: a "true" flag or a 2.0 tile would pass unseen
-            want = _FIELD_TYPES.get(f.type)
-            if want is not None and f.name in data and not want(data[f.name]):
-                raise TypeError(f"{cls.__name__}.{f.name}: expected {f.type}, got {type(data[f.name]).__name__} "
-                                f"{data[f.name]!r}")
         return cls(**data)
+
+    def __post_init__(self):
+        # every field of its annotated type, however the config was made (JSON gives any type,
+        # and a constructor call too: wy="no" was a truthy flag, a 2.0 tile passed unseen)
+        for f in fields(self):
+            value = getattr(self, f.name)
+            want = _FIELD_TYPES.get(f.type)
+            if want is not None and not want(value):
+                raise TypeError(f"{type(self).__name__}.{f.name}: expected {f.type}, got {type(value).__name__} "
+                                f"{value!r}")
 
     def _check_choice(self, name: str, allowed) -> str | None:
         """The refusal for field ``name`` when its value is not one of ``allowed``."""
