@@ -660,3 +660,18 @@ def test_in_subspace_reads_a_fix_as_tune_applies_it(fixed, inside):
 
     cfg = ResidentConfig(chunk_size=16, block_v=16, wy=False)
     assert in_subspace(cfg, fixed) is inside
+
+
+def test_the_correctness_gate_rejects_an_unwritten_output_element():
+    """The checked call runs with poisoned allocations (kernels.args.poisoned): one element a
+    config never writes is NaN there and the config is rejected, whatever its memory held; the
+    real kernel through the same path passes, and the hooks are restored after the check."""
+    from rtcompile.kernels import args
+    from rtcompile.tuning.objective import evaluate
+
+    hooks = (args.empty, args.empty_like)
+    ok = evaluate(_request(C16, "rtcompile.tuning.objective:run_kernel"))
+    assert ok["status"] == "ok" and ok["error"] < 1e-5, ok
+    bad = evaluate(_request(C16, "tuning_impls:planted_unwritten"))
+    assert bad["status"] == "rejected" and "against float64" in bad["reason"], bad
+    assert (args.empty, args.empty_like) == hooks

@@ -100,3 +100,18 @@ def missing_gradient(bucket, variant, inp):
     out = run_train(bucket, variant, inp)
     out.pop("dbeta")
     return out
+
+
+def planted_unwritten(bucket, variant, inp):
+    """A config that leaves its output's last element unwritten: what that element holds is
+    whatever its memory held (often the previous call's correct value, which the allocator hands
+    back); the correctness gate poisons outputs so the element fails the check."""
+    from rtcompile.kernels import args
+
+    o, s = run_kernel(bucket, variant, inp)
+    earlier = args.empty_like(o)  # an earlier output of this size, correct, then freed: the
+    earlier.copy_(o)  # allocator's next block of the size is most likely this one
+    del earlier
+    out = args.empty_like(o)
+    out.view(-1)[:-1] = o.reshape(-1)[:-1]
+    return out, s

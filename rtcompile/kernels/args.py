@@ -7,8 +7,9 @@ with NaN) and prove that every element a kernel should write is written.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -21,6 +22,27 @@ empty = torch.empty
 # The decode output, once per token: empty_like(v) took 1.4 us against 4.3 for
 # empty(v.shape, dtype=, device=) on the CPU machine, where the eager call's budget is 30 us.
 empty_like = torch.empty_like
+
+
+def _nan_filled(t: torch.Tensor) -> torch.Tensor:
+    return t.fill_(float("nan")) if t.is_floating_point() else t
+
+
+@contextlib.contextmanager
+def poisoned() -> Iterator[None]:
+    """Within: every output and workspace the launchers allocate starts as NaN (floating types),
+    so an element a kernel should write and does not fails the comparison that follows. The
+    tuner's correctness gate runs each config's checked call so: without it an unwritten element
+    could hold the previous trial's correct value, which the caching allocator hands back in the
+    same block. Not thread-safe (it swaps this module's two hooks)."""
+    global empty, empty_like
+    saved = empty, empty_like
+    empty = lambda *a, **kw: _nan_filled(torch.empty(*a, **kw))  # noqa: E731
+    empty_like = lambda x, **kw: _nan_filled(torch.empty_like(x, **kw))  # noqa: E731
+    try:
+        yield
+    finally:
+        empty, empty_like = saved
 
 
 def interpreting() -> bool:

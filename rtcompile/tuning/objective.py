@@ -168,6 +168,7 @@ def _check_problem(bucket: Bucket, device: str, check_seed: int):
 def evaluate(request: dict[str, Any]) -> dict[str, Any]:
     """Check then time one config (``request["variant"]``: its ``to_dict()``, or None for the
     launcher's own choice); the result's ``status`` is ok, rejected or failed."""
+    from ..kernels.args import poisoned
     from ..kernels.forms import config_from_dict
 
     bucket = Bucket(**{**request["bucket"], "key_widths": tuple(request["bucket"]["key_widths"])})
@@ -181,11 +182,13 @@ def evaluate(request: dict[str, Any]) -> dict[str, Any]:
         inp, ref = _check_problem(bucket, device, check_seed)
         # a chunk call checked as timed: on a GPU its result from a CUDA-graph replay (the split
         # form's pipelined parts run only in captures: pipeline.parts_pay); a decode step
-        # updates its cache in place, so it runs once
-        if bucket.kernel == "chunk":
-            got = as_replayed(lambda: impl(bucket, variant, inp), device)
-        else:
-            got = impl(bucket, variant, inp)
+        # updates its cache in place, so it runs once. Outputs and workspaces start as NaN, so
+        # an element the config leaves unwritten fails the check (args.poisoned)
+        with poisoned():
+            if bucket.kernel == "chunk":
+                got = as_replayed(lambda: impl(bucket, variant, inp), device)
+            else:
+                got = impl(bucket, variant, inp)
         if not isinstance(got, dict):  # the forward kernels return (output, state)
             got = dict(zip(("o", "s"), got))
         err, where = worst_error(got, ref, rel_rms)
