@@ -122,6 +122,8 @@ def running_tensor(
                 return hit(q, k, v, g, beta, initial_state, output_final_state)
     if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"mode: got {mode!r}; allowed: {', '.join(MODES)}")
+    if plan is not None and not callable(getattr(plan, "decision_for", None)):
+        raise TypeError(f"plan: expected a rtcompile.plan.Plan or None, got {type(plan).__name__}")
     check_flags(output_final_state=output_final_state, l2norm=l2norm)
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)):
         raise TypeError(f"chunk_size: expected an int or None, got {type(chunk_size).__name__}")

@@ -102,8 +102,9 @@ def test_varlen_state_count():
         (dict(scale="big"), TypeError, "scale"),
         (dict(l2norm="yes"), TypeError, "l2norm: expected a bool, got str"),
         (dict(output_final_state=1), TypeError, "output_final_state: expected a bool, got int"),
+        (dict(plan="h200"), TypeError, "plan: expected a rtcompile.plan.Plan or None, got str"),
     ],
-    ids=["mode", "chunk0", "chunk-float", "scale-neg", "scale-str", "l2norm-str", "final-state-int"],
+    ids=["mode", "chunk0", "chunk-float", "scale-neg", "scale-str", "l2norm-str", "final-state-int", "plan-str"],
 )
 def test_bad_options(kwargs, exc, needle):
     q, k, v, g, beta, _ = make_inputs(1, 10, 2, (3,), 4, dtype=torch.float32)
