@@ -553,17 +553,22 @@ def test_gpu_config_sweep(dtype, configs, record_property):
         assert len(refused) < len(configs), f"every config was refused at {label}: {refused}"
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="the defaults a GPU resolves (its shared memory); the CPU tests above "
-                    "run each form")
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("widths", [(64,), (128,), (256,), (16, 16)], ids=["o2-64", "o2-128", "o2-256", "o3-16x16"])
 def test_gpu_default_config_at_the_timed_widths(widths, dtype, record_property):
-    """On the GPU, the default config at every width ``benchmarks/train_step.py`` times up to K =
+    """The default config a GPU resolves (the H200's shared memory on the CPU, as
+    test_default_config_above_k256) at every width ``benchmarks/train_step.py`` times up to K =
     256 (each picks its own key block, phi-gradient form and prepare warps): every gradient
-    against float64 autograd, T 200 (a partial last chunk), d_v 64."""
-    shape = KernelShape(widths, 64, 4 if dtype == torch.float32 else 2)
-    config = default_backward(shape, torch.cuda.get_device_properties(0).shared_memory_per_block_optin)
-    errors = check_gradients(widths, 200, 64, chunk_size=config.chunk_size, dtype=dtype, B=2, H=3, config=config)
+    against float64 autograd, a partial last chunk. On the GPU T 200, d_v 64, B 2, H 3; in the
+    interpreter (cost) d_v 20 (the same defaults as at 64), B 1, H 2 and T one whole chunk and 13
+    tokens (45 at C 32, 77 at C 64)."""
+    V, B, H = (64, 2, 3) if DEVICE == "cuda" else (20, 1, 2)
+    shape = KernelShape(widths, V, 4 if dtype == torch.float32 else 2)
+    smem = torch.cuda.get_device_properties(0).shared_memory_per_block_optin if DEVICE == "cuda" else 232448
+    config = default_backward(shape, smem)
+    T = 200 if DEVICE == "cuda" else config.chunk_size + 13
+    errors = check_gradients(widths, T, V, chunk_size=config.chunk_size, dtype=dtype, B=B, H=H, config=config)
     record_property("config", str(config))
     record_property("max_rel_err", max(errors.values()))
 
