@@ -661,3 +661,33 @@ def test_split_gradients_workspaces():
     assert BackwardConfig(chunk_size=16, block_v=16, grads_split=1).check(shape) is not None
 
 
+
+
+@needs_kernels
+@pytest.mark.parametrize("widths, T, offsets", [((16,), 37, None), ((16, 16), 41, [0, 9, 30, 41])],
+                         ids=["o2-16", "o3-16x16-varlen"])
+def test_row_solve(widths, T, offsets):
+    """solve="rows" (in the tuner's space): the unit-lower solve a row at a time, every gradient
+    against float64 autograd, partial chunks, every feature on."""
+    config = BackwardConfig(chunk_size=16, block_v=16, solve="rows")
+    assert config.check(KernelShape(widths, 20), 232448) is None
+    check_gradients(widths, T, 20, chunk_size=16, config=config, offsets=offsets)
+
+
+@needs_kernels
+def test_merged_passes_varlen_fp32():
+    """merge_passes (the streamed state loops' two passes in one) in fp32 with packed sequences of
+    9, 21 and 11 tokens (partial chunks, one initial state and final-state gradient each)."""
+    config = BackwardConfig(chunk_size=16, block_v=16, block_k=32, state_loop="streamed", state_block_k=64,
+                            merge_passes=True)
+    assert config.check(KernelShape((16, 16), 20), 232448) is None
+    check_gradients((16, 16), 41, 20, chunk_size=16, config=config, offsets=[0, 9, 30, 41])
+
+
+@needs_kernels
+def test_order4_varlen():
+    """Order 4 (K = 4096, streamed in tiles of 256 as its default) with packed sequences of 5 and
+    16 tokens: a partial chunk, then a whole one, each with its own initial state and final-state
+    gradient."""
+    config = BackwardConfig(chunk_size=16, block_v=16, block_k=32, **STREAMED_O4)
+    check_gradients((16, 16, 16), 21, 16, chunk_size=16, config=config, offsets=[0, 5, 21], H=1)  # cost: one head, one value block
