@@ -570,7 +570,13 @@ def test_gpu_default_config_at_the_timed_widths(widths, dtype, record_property):
     smem = torch.cuda.get_device_properties(0).shared_memory_per_block_optin if DEVICE == "cuda" else 232448
     config = default_backward(shape, smem)
     T = 200 if DEVICE == "cuda" else config.chunk_size + 13
-    errors = check_gradients(widths, T, V, chunk_size=config.chunk_size, dtype=dtype, B=B, H=H, config=config)
+    # the bf16 defaults keep U, R, dU in 16 bits (workspace_dtype "inputs"): in the interpreter
+    # their largest error over 30 fresh seeds each was 1.6e-2 - 1.9e-2, and 3.2e-2 at o2-128 (dg;
+    # 2 of 30 over 2e-2), so test_workspaces_in_the_inputs_type's 16-bit-workspace bound (4e-2)
+    # there; the GPU keeps HALF_TOL (2e-2) until it is measured there
+    tol = 4e-2 if DEVICE == "cpu" and config.workspace_dtype == "inputs" else None
+    errors = check_gradients(widths, T, V, chunk_size=config.chunk_size, dtype=dtype, B=B, H=H, config=config,
+                             tol=tol)
     record_property("config", str(config))
     record_property("max_rel_err", max(errors.values()))
 
