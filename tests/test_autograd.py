@@ -121,13 +121,20 @@ def bwd(monkeypatch):
     return types.SimpleNamespace(module=mod, standin=real is None, calls=calls)
 
 
+@pytest.fixture(autouse=True)
+def poison_outputs(poison):
+    """Every output and workspace the launchers allocate starts as NaN (conftest's ``poison``)."""
+
+
 def _tol(bwd) -> float:
     # stand-in: fp64 gradients cast to fp32 (exact up to the fp32 forward's rounding);
-    # real kernels: fp32 accumulation over T <= 40 tokens
-    return 1e-5 if bwd.standin else 2e-3
+    # real kernels: fp32 accumulation over T <= 40 tokens: the largest error of any leaf over 85
+    # fresh-seed comparisons (5 runs of this file's gradient tests) was 2.7e-5 (the next 7e-6),
+    # so ~10x that (test_backward.py holds the same kernels to 1e-4)
+    return 1e-5 if bwd.standin else 3e-4
 
 
-def _leaves(B=1, T=20, H=2, widths=(16,), V=16, *, gate=True, delta=True, state=True, num_seqs=None, seed=0):
+def _leaves(B=1, T=20, H=2, widths=(16,), V=16, *, gate=True, delta=True, state=True, num_seqs=None, seed=None):
     q, k, v, g, beta, s0 = make_inputs(B, T, H, widths, V, gate=gate, delta=delta, state=state, num_seqs=num_seqs,
                                        dtype=torch.float32, seed=seed)
     leaf = lambda x: None if x is None else x.to(DEVICE).float().requires_grad_()

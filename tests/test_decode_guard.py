@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from rtcompile import running_tensor_decode_
+from rtcompile.kernels import running_tensor_recurrent_ref
 
-from conftest import make_inputs
+from conftest import make_inputs, rel_err
 
 CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 DEVICE = "cuda" if CUDA else "cpu"
@@ -50,14 +51,28 @@ def assert_only_valid_slots_written(buf, before, idx):
 
 @pytest.mark.parametrize("widths", [(5,), (3, 4), (2, 2, 4)], ids=["o2", "o3", "o4"])
 @pytest.mark.parametrize("bad", BAD.keys())
-def test_unchecked_indices_never_write_outside_the_cache(bad, widths):
+def test_unchecked_indices_never_write_outside_the_cache(bad, widths, poison):
+    """The output (poisoned: conftest's ``poison``) and the valid slots' new states also equal
+    one float64 step of the recurrent reference from the slots' old states."""
     idx = BAD[bad]
     buf, cache = guarded_cache(widths)
     before = buf.clone()
-    o = running_tensor_decode_(*step_inputs(widths, len(idx)), state_cache=cache,
+    inputs = step_inputs(widths, len(idx))
+    o = running_tensor_decode_(*inputs, state_cache=cache,
                                state_indices=torch.tensor(idx, dtype=torch.int32, device=DEVICE), validate=False)
     assert o.shape == (len(idx), 1, H, V)
     assert_only_valid_slots_written(buf, before, idx)
+    rows = [j for j, i in enumerate(idx) if 0 <= i < SLOTS]  # the sequences with a slot
+    assert rows
+    q, k, v, g, beta = inputs
+    pick = lambda x: x[rows].double().cpu()  # noqa: E731
+    s0 = before[[GUARD + idx[j] for j in rows]].double().cpu()
+    o_ref, s_ref = running_tensor_recurrent_ref([pick(x) for x in q], [pick(x) for x in k], pick(v), pick(g),
+                                                pick(beta), initial_state=s0, output_final_state=True)
+    # fp32 kernel against float64: one step (observed ~1e-7)
+    assert rel_err(o[rows].cpu(), o_ref) < 1e-5, rel_err(o[rows].cpu(), o_ref)
+    got = buf.cpu()[[GUARD + idx[j] for j in rows]]
+    assert rel_err(got, s_ref) < 1e-5, rel_err(got, s_ref)
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs: on the GPU")

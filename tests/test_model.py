@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -64,15 +65,20 @@ def test_prefill_equals_token_by_token_steps(case):
         assert torch.allclose(a["state"], b["state"], rtol=1e-9, atol=1e-10)
 
 
-def test_triton_backend_matches_reference(exact_fp32):
-    torch.manual_seed(1)
+def test_triton_backend_matches_reference(exact_fp32, poison):
+    """The fp32 model on the Triton backend (its outputs and workspaces poisoned: conftest's
+    ``poison``) against a float64 copy of it on the reference backend, fresh weights and tokens."""
+    seed = torch.seed()  # fresh (earlier tests seed the global generator)
     spec = _spec((2, 4), Features(query_skip=True))
     lm = RunningTensorLM(spec, vocab_size=9).to(DEVICE)
+    lm64 = copy.deepcopy(lm).double().cpu()
     tokens = torch.randint(0, 9, (1, 20)).to(DEVICE)
     with torch.no_grad():
-        ref, _ = lm(tokens, backend="reference")
+        ref, _ = lm64(tokens.cpu(), backend="reference")
         tri, _ = lm(tokens, backend="triton")
-    assert float((tri - ref).abs().max() / ref.abs().max()) < 1e-4
+    assert tri.dtype == torch.float32 and ref.dtype == torch.float64
+    err = float((tri.cpu().double() - ref).abs().max() / ref.abs().max())
+    assert err < 1e-5, (err, seed)  # fp32 model against float64: observed 2e-7 - 8e-7 (4 seeds)
 
 
 def test_bad_vocab():
