@@ -11,7 +11,8 @@ import sys
 from typing import Sequence
 
 from ._version import __version__
-from .cli_args import EXIT_USAGE, Parser, UsageError, check_out_dir, int_at_least, positive_float
+from .cli_args import EXIT_USAGE, Parser, UsageError, check_out_dir, int_at_least, nonempty, positive_float
+from .fileio import WriteError
 from .spec import SpecError, SpecFileError, SpecTypeError
 
 __all__ = ["EXIT_USAGE", "INPUT_ERRORS", "UsageError", "build_parser", "main"]
@@ -32,9 +33,9 @@ def _lazy_errors() -> tuple[type, ...]:
     return tuple(found)
 
 
-# Errors that mean "your input is wrong": reported as one line. Anything else is a bug and
-# keeps its traceback.
-INPUT_ERRORS = (SpecError, SpecTypeError, SpecFileError)
+# Errors that mean "your input is wrong" (or an output path that cannot be written, found only
+# when writing: WriteError): reported as one line. Anything else is a bug and keeps its traceback.
+INPUT_ERRORS = (SpecError, SpecTypeError, SpecFileError, WriteError)
 
 
 def _fmt_bytes(n: float) -> str:
@@ -112,7 +113,7 @@ def _cmd_bench_model(args: argparse.Namespace) -> int:
     from .bench import lm
 
     opts = lm.ModelBenchOptions(spec=spec, spec_path=args.model, quick=args.quick,
-                                out=Path(args.out) if args.out else None, repeats=args.repeats,
+                                out=Path(args.out) if args.out is not None else None, repeats=args.repeats,
                                 budget_s=args.budget_s, only=tuple(args.only or ()))
     return _bench_run(args, opts, bool(lm.model_cases(spec, opts.quick, opts.only)), "--model",
                       lm.model_dry_run_lines, lm.run_model_bench)
@@ -146,7 +147,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
     opts = bench.BenchOptions(
-        phase=args.phase, quick=args.quick, out=Path(args.out) if args.out else None,
+        phase=args.phase, quick=args.quick, out=Path(args.out) if args.out is not None else None,
         repeats=args.repeats, budget_s=args.budget_s, only=tuple(args.only or ()),
     )
     return _bench_run(args, opts, bool(bench.plan(opts.phase, opts.quick, opts.variants, opts.only)),
@@ -177,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="time the whole model of a spec file instead: prefill tokens/s (B1, B8 at T4096) and "
                        "CUDA-graph decode tokens/s (B1, B32, B256), ours and fla's mixer where K <= 256")
     bench.add_argument("--quick", action="store_true", help="T=1024 and fewer cases (a smoke run)")
-    bench.add_argument("--out", metavar="DIR", help="write bench.json and bench.csv (model.json and model.csv with "
+    bench.add_argument("--out", metavar="DIR", type=nonempty("a folder path"), help="write bench.json and bench.csv (model.json and model.csv with "
                        "--model) into DIR (rewritten after every case)")
     bench.add_argument("--dry-run", action="store_true", help="list the cases a run would measure; needs no GPU")
     bench.add_argument("--repeats", type=int_at_least(MIN_REPEATS), default=DEFAULT_REPEATS, metavar="N",

@@ -1,14 +1,25 @@
 """Argument helpers shared by the command modules (``cli``, ``tune_cmd``, ``plan_cmd``,
 ``export_cmd``): the parser class, the usage error, and the value parsers.
 
-This module imports nothing else from rtcompile, so every command module can import it and
-none needs another: the command modules form no import cycle.
+This module imports no other command-line module (the rest of rtcompile only inside the
+function that needs it), so every command module can import it and none needs another: the
+command modules form no import cycle.
+
+Output paths (``--out``) are checked before any work by trying them: a file is created and
+removed in the folder that would hold the output (``os.access`` says yes to root in /sys or on
+a read-only mount). The checks create nothing; a command makes its output's folders when it
+writes (:func:`new_folders`, :func:`write_out`) and removes the ones it made if it then fails
+before anything is in them.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import secrets
+import stat
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 EXIT_USAGE = 2
 
@@ -74,10 +85,26 @@ int_list = int_list_of(1, "positive integers")  # ``8,32``
 
 
 def positive_int(text: str) -> int:
-    v = int_list(text)
-    if len(v) != 1:
-        raise argparse.ArgumentTypeError(f"expected one positive integer, got {text!r}")
-    return v[0]
+    """One integer >= 1 (a single-integer option's type: its error says so, not "comma-separated")."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def nonempty(what: str):
+    """An argparse type: text that is not empty (``--out ""`` was ignored as if not given);
+    ``what`` names what is allowed in the error."""
+
+    def parse(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"empty; allowed: {what}")
+        return text
+
+    return parse
 
 
 def fixed_param(text: str) -> tuple[str, object]:
@@ -94,20 +121,147 @@ def fixed_param(text: str) -> tuple[str, object]:
     return name.strip(), value
 
 
-def check_out_dir(prog: str, out: str | os.PathLike) -> None:
-    """``--out DIR`` before any work (minutes of measuring, not after): created with its parents
-    when missing, and writable; else a :class:`UsageError` naming ``prog``'s option."""
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISREG, "a file"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"),
+                       (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a broken link")):
+        if test(mode):
+            return name
+    return "not a regular file"  # pragma: no cover
+
+
+def _why(exc: OSError) -> str:
+    return exc.strerror or str(exc) or type(exc).__name__
+
+
+def _usable_folder(prog: str, text: str, folder: str) -> None:
+    """``folder`` (absolute) can hold ``--out text``: its nearest existing part is a folder in
+    which this process can create a file (created and removed here), so the rest can be made."""
+    base = folder
+    while not os.path.lexists(base):
+        base = os.path.dirname(base)
+    if not os.path.isdir(base):
+        raise UsageError(f"{prog}: --out {text!r}: {base!r} is {_kind(os.lstat(base).st_mode)}, not a folder; "
+                         "allowed: a path whose existing parents are folders")
+    probe = os.path.join(base, f".rtcompile-probe.{os.getpid()}.{secrets.token_hex(8)}")
     try:
-        os.makedirs(out, exist_ok=True)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError as exc:
-        raise UsageError(f"{prog}: --out {str(out)!r}: cannot create ({exc.strerror})") from None
-    if not os.access(out, os.W_OK):
-        raise UsageError(f"{prog}: --out {str(out)!r}: not writable")
+        raise UsageError(f"{prog}: --out {text!r}: cannot write in {base!r} ({_why(exc)}); allowed: a path in "
+                         "a folder this user can write") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def check_out_dir(prog: str, out: str | os.PathLike) -> None:
+    """``--out DIR`` before any work (minutes of measuring, not after): a folder, or a new path
+    whose existing parents are folders, writable (tried); else a :class:`UsageError` naming
+    ``prog``'s option. Nothing is created."""
+    text = os.fspath(out)
+    if not text.strip():
+        raise UsageError(f"{prog}: --out {text!r}: empty; allowed: a folder path")
+    path = os.path.abspath(text)
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise UsageError(f"{prog}: --out {text!r}: is {_kind(os.lstat(path).st_mode)}, not a folder; allowed: a "
+                         "folder path or a new one")
+    _usable_folder(prog, text, path)
 
 
 def check_out_file(prog: str, out: str | os.PathLike) -> None:
-    """``--out FILE`` before any work: not a folder, its folder created when missing (as an
-    ``--out DIR`` is) and writable; the file itself is written atomically later."""
-    if os.path.isdir(out):
-        raise UsageError(f"{prog}: --out {str(out)!r}: is a folder; allowed: a file path")
-    check_out_dir(prog, os.path.dirname(os.path.abspath(out)))
+    """``--out FILE`` before any work: a regular file (replaced atomically later) or a new path,
+    never a folder, FIFO or device node; its folder existing or makeable, and writable (tried).
+    Nothing is created."""
+    text = os.fspath(out)
+    if not text.strip():
+        raise UsageError(f"{prog}: --out {text!r}: empty; allowed: a regular file path or a new one")
+    path = os.path.abspath(text)
+    if os.path.lexists(path):
+        try:
+            mode = os.stat(path).st_mode  # a link to a regular file is replaced as a file is
+        except OSError:
+            mode = os.lstat(path).st_mode  # a broken link: replaced by the new file
+        if stat.S_ISDIR(mode) or not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+            raise UsageError(f"{prog}: --out {text!r}: is {_kind(mode)}; allowed: a regular file path or a new one")
+    _usable_folder(prog, text, os.path.dirname(path))
+
+
+def check_out_parent(prog: str, out: str | os.PathLike) -> None:
+    """The folder that will hold ``--out`` (a bundle folder, which the command judges itself):
+    existing or makeable, and writable (tried). Nothing is created."""
+    text = os.fspath(out)
+    if not text.strip():
+        raise UsageError(f"{prog}: --out {text!r}: empty; allowed: a folder path")
+    _usable_folder(prog, text, os.path.dirname(os.path.abspath(text)))
+
+
+def _remove_empty(folders: list[str]) -> None:
+    for d in reversed(folders):  # innermost first; a folder something was written into stays
+        try:
+            os.rmdir(d)
+        except OSError:
+            return
+
+
+@contextmanager
+def new_folders(prog: str, folder: str | os.PathLike) -> Iterator[None]:
+    """Make ``folder`` and its missing parents for ``--out``, and remove the ones made here when
+    the block fails while they are still empty: a command that fails before writing its output
+    leaves no folder behind."""
+    made: list[str] = []
+    missing, p = [], os.path.abspath(folder)
+    while not os.path.lexists(p):
+        missing.append(p)
+        p = os.path.dirname(p)
+    try:
+        for d in reversed(missing):
+            try:
+                os.mkdir(d)
+            except FileExistsError:
+                if not os.path.isdir(d):
+                    raise
+                continue
+            made.append(d)
+    except OSError as exc:
+        _remove_empty(made)
+        raise UsageError(f"{prog}: --out: cannot create {d!r} ({_why(exc)}); allowed: a path whose parents "
+                         "can be made") from None
+    try:
+        yield
+    except BaseException:
+        _remove_empty(made)
+        raise
+
+
+def write_out(prog: str, out: str | os.PathLike, write: Callable[[], object]) -> None:
+    """A command's final write of ``--out FILE``: ``write()`` (an atomic write of ``out``) with
+    the file's folder made first. An OSError of that write (a full disk, a folder made read-only
+    since the check, a FIFO put there since) is a :class:`UsageError` naming ``--out``; a folder
+    made for it is removed again."""
+    with new_folders(prog, os.path.dirname(os.path.abspath(out))):
+        try:
+            write()
+        except OSError as exc:
+            raise UsageError(f"{prog}: --out {os.fspath(out)!r}: cannot write ({_why(exc)})") from None
+
+
+def check_storage(url: str | None, create: bool) -> None:
+    """``--storage URL`` before any work or notice: the file behind a SQLite or journal URL
+    (``tuning.store.check_store_file``: its folder, and for SQLite that it is a database), and
+    for a server database the URL's form and its SQLAlchemy dialect, without connecting. Raises
+    the store's StoreError (one line naming the storage)."""
+    from .tuning.store import StoreError, check_store_file, store_file
+
+    check_store_file(url, create)
+    if url is None or store_file(url) is not None:
+        return
+    if url.startswith("journal:"):
+        raise StoreError(f"storage {url!r}: no file named; allowed: journal:PATH")
+    import sqlalchemy.exc
+    from sqlalchemy.engine import make_url
+
+    try:
+        make_url(url).get_dialect()
+    except (sqlalchemy.exc.ArgumentError, sqlalchemy.exc.NoSuchModuleError, ImportError, ValueError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise StoreError(f"storage {url!r}: not a database URL this installation can open ({first}); allowed: "
+                         "sqlite:///FILE, journal:PATH, or a SQLAlchemy URL of an installed driver "
+                         "(postgresql://...)") from None

@@ -11,7 +11,8 @@ from __future__ import annotations
 import sys
 import time
 
-from .cli_args import UsageError, check_out_dir, int_list, int_list_of, number_list_of, positive_int
+from .cli_args import (UsageError, check_out_dir, check_storage, int_list, int_list_of, new_folders, nonempty,
+                       number_list_of, positive_int)
 
 # SweepOptions / RecallOptions field -> the option that sets it (their errors name the field)
 OPTION_OF = {"orders": "--orders", "widths": "--widths", "d_model": "--d-model", "match": "--match",
@@ -39,13 +40,13 @@ def add_parser(sub) -> None:
     p.add_argument("--target", default="auto", choices=["auto", *PROFILES],
                    help="auto (default): measure on the CUDA GPU present, else the cost model for h200; a GPU "
                         "name: the cost model for it")
-    p.add_argument("--storage", metavar="URL",
+    p.add_argument("--storage", metavar="URL", type=nonempty("a storage URL"),
                    help="Optuna storage the points are trials of (default: the tuner's SQLite file in the rtcompile "
                         "cache); a shared database lets several hosts split the points")
     p.add_argument("--workers", type=positive_int, metavar="N",
                    help="processes running points (default: one per visible GPU when the points use one, four "
                         "per GPU with --recall, at most one per point; else 1)")
-    p.add_argument("--out", metavar="DIR", default=DEFAULT_OUT,
+    p.add_argument("--out", metavar="DIR", default=DEFAULT_OUT, type=nonempty("a folder path"),
                    help=f"folder for results.json, results.csv, the plots and recall checkpoints "
                         f"(default {DEFAULT_OUT})")
     r = p.add_argument_group("recall (MQAR)")
@@ -109,10 +110,9 @@ def run(args) -> int:
     spec = load_spec(args.spec)
     opts = _options(args)
     from .explore.sweep import run_sweep
-    from .tuning.store import check_store_file
 
-    check_store_file(args.storage, create=True)  # a typo'd folder: refused before any point
-    check_out_dir("rtcompile explore", args.out)
+    check_storage(args.storage, create=True)  # a typo'd folder or URL: refused before any point
+    check_out_dir("rtcompile explore", args.out)  # tried, nothing made
     if args.workers is None:
         import dataclasses
 
@@ -121,10 +121,16 @@ def run(args) -> int:
     def progress(point: str, what: str) -> None:
         print(f"{point}: {what} ({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)
 
-    result = run_sweep(spec, opts, args.out, progress=progress, show_training=sys.stderr.isatty())
     from .explore.report import write_report
 
-    paths = write_report(result, args.out)
+    # the folder made here is removed again when the sweep fails before writing anything into it
+    with new_folders("rtcompile explore", args.out):
+        result = run_sweep(spec, opts, args.out, progress=progress, show_training=sys.stderr.isatty())
+        try:
+            paths = write_report(result, args.out)
+        except OSError as exc:
+            raise UsageError(f"rtcompile explore: --out {args.out!r}: cannot write the report "
+                             f"({exc.strerror or exc})") from None
     print(f"{result.ran} point(s) run now, {len(result.results)} of {len(result.points)} finished "
           f"(study {result.study}); wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
     return 0

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import json
 
+from .cli_args import UsageError, check_out_parent, new_folders, nonempty
+
 
 def add_parsers(sub) -> None:
     e = sub.add_parser("export", help="write a bundle: manifest, safetensors weights, plan")
     e.add_argument("spec", help="model spec file (.toml or .json)")
-    e.add_argument("--out", required=True, metavar="DIR", help="bundle directory (written atomically)")
-    e.add_argument("--weights", metavar="FILE", help="safetensors state dict of a RunningTensorLM (default: seeded init)")
-    e.add_argument("--plan", metavar="FILE", help="plan file to pin into the bundle (rtcompile plan/build)")
+    e.add_argument("--out", required=True, metavar="DIR", type=nonempty("a folder path"),
+                   help="bundle directory (written atomically; its parent folders made when missing)")
+    e.add_argument("--weights", metavar="FILE", type=nonempty("a safetensors file"),
+                   help="safetensors state dict of a RunningTensorLM (default: seeded init)")
+    e.add_argument("--plan", metavar="FILE", type=nonempty("a plan file"),
+                   help="plan file to pin into the bundle (rtcompile plan/build)")
     e.add_argument("--vocab", type=int, default=256, metavar="N", help="vocabulary size (default 256)")
     e.add_argument("--force", action="store_true", help="replace an existing bundle")
     e.add_argument("--opset27", action="store_true",
@@ -49,6 +54,7 @@ def run_export(args) -> int:
     from pathlib import Path
 
     from .export import BundleError, check_replaceable, export_bundle
+    from .fileio import WriteError
     from .model import RunningTensorLM
     from .plan import Plan
     from .spec import load_spec
@@ -59,7 +65,8 @@ def run_export(args) -> int:
         if not args.force:
             raise BundleError(f"bundle {args.out!r}: already exists; allowed: a new path, or --force to replace a bundle")
         check_replaceable(out)
-    plan = Plan.load(args.plan) if args.plan else None
+    check_out_parent("rtcompile export", args.out)  # tried, nothing made
+    plan = Plan.load(args.plan) if args.plan is not None else None
     if plan is not None:
         from .export.verify import plan_mismatch
 
@@ -72,18 +79,26 @@ def run_export(args) -> int:
         raise BundleError(f"--vocab: got {args.vocab}; allowed: an integer >= 2")
     torch.manual_seed(0)
     model = RunningTensorLM(spec, vocab_size=args.vocab)
-    if args.weights:
+    if args.weights is not None:
         from safetensors.torch import load_file
 
         from .export.verify import safetensors_problem
 
+        if Path(args.weights).exists() and not Path(args.weights).is_file():
+            kind = "a folder" if Path(args.weights).is_dir() else "not a regular file"
+            raise BundleError(f"--weights {args.weights!r}: is {kind}; allowed: a safetensors file")
         need = {k: (list(v.shape), v.is_floating_point()) for k, v in model.state_dict().items()}
         problem = safetensors_problem(Path(args.weights), need, f"the spec (with --vocab {args.vocab})")
         if problem is not None:
             raise BundleError(f"--weights {args.weights!r}: {problem}")
         model.load_state_dict(load_file(args.weights), strict=True)
-    path = export_bundle(model, args.out, plan=plan, overwrite=args.force, onnx=not args.no_onnx,
-                         opset27=args.opset27, compiled=not args.no_kernels)
+    # the parent folders made here are removed again when the export fails before writing
+    with new_folders("rtcompile export", out.absolute().parent):
+        try:
+            path = export_bundle(model, args.out, plan=plan, overwrite=args.force, onnx=not args.no_onnx,
+                                 opset27=args.opset27, compiled=not args.no_kernels)
+        except WriteError as exc:
+            raise UsageError(f"rtcompile export: --out {args.out!r}: {exc}") from None
     print(f"bundle written to {path}")
     return 0
 

@@ -10,6 +10,10 @@ applies as it would to a plain ``open``: under umask 022 a file ends 0644 and a 
 0755. ``tempfile.mkstemp`` / ``mkdtemp`` would create 0600 / 0700, which left bundles and
 tables unreadable to the other users of a shared machine.
 
+A failure of those writes themselves (making the folder or the temporary, writing it, the
+rename) is a :class:`WriteError`, an OSError naming the destination; so is a destination that
+exists and is not a regular file (a FIFO, a device node, a folder): it is never replaced.
+
 This module imports nothing from rtcompile, so any layer (kernels, tuning, export, CLI) may
 use it without an import cycle.
 """
@@ -25,10 +29,35 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-__all__ = ["atomic_directory", "atomic_write", "cache_dir", "file_sha256", "honour_umask"]
+__all__ = ["WriteError", "atomic_directory", "atomic_write", "cache_dir", "file_sha256", "honour_umask"]
 
 # A clash of two 64-bit random names is improbable; the retries only bound a pathological loop.
 _NAME_TRIES = 16
+
+
+class WriteError(OSError):
+    """An output could not be written, or its destination is not a regular file: one line that
+    names the path (the OSError that caused it, if any, is its ``__cause__``)."""
+
+
+def _why(exc: OSError) -> str:
+    return exc.strerror or str(exc) or type(exc).__name__
+
+
+def _failed(dest: Path, exc: OSError) -> WriteError:
+    return exc if isinstance(exc, WriteError) else WriteError(f"cannot write {str(dest)!r}: {_why(exc)}")
+
+
+def _refuse_non_regular(dest: Path) -> None:
+    """WriteError when ``dest`` exists and is not a regular file (a link to one is)."""
+    try:
+        mode = os.stat(dest).st_mode
+    except OSError:
+        return  # absent (or unreachable: the write reports that)
+    if not stat.S_ISREG(mode):
+        kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else \
+            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file"
+        raise WriteError(f"{str(dest)!r} is {kind}: not replaced by a file; allowed: a regular file path or a new one")
 
 
 def _temp_name(dest: Path) -> Path:
@@ -66,18 +95,25 @@ def atomic_write(path: str | os.PathLike, data: bytes | str, *, encoding: str = 
     and no temporary file is left behind. The folder must exist. Returns the path."""
     dest = Path(path)
     payload = data.encode(encoding) if isinstance(data, str) else bytes(data)
-    tmp, fd = _create(dest)
+    _refuse_non_regular(dest)
+    try:
+        tmp, fd = _create(dest)
+    except OSError as exc:
+        raise _failed(dest, exc) from exc
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(payload)
             fh.flush()
             os.fsync(fh.fileno())  # the rename must not become visible before the data
+        _refuse_non_regular(dest)  # again: one may have been put there meanwhile
         os.replace(tmp, dest)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(exc, OSError):
+            raise _failed(dest, exc) from exc
         raise
     return dest
 
@@ -91,25 +127,35 @@ def atomic_directory(path: str | os.PathLike, *, overwrite: bool = False,
     place, then the old one removed (a folder cannot be renamed over a non-empty one); without
     it, an existing ``path`` is a FileExistsError before anything is written. ``may_replace``
     (called with ``path`` before anything is written and again just before the old folder is
-    moved aside) raises to refuse replacing what is there."""
+    moved aside) raises to refuse replacing what is there. Making the folders and the rename
+    failing, or an OSError of the block on a path inside the temporary folder, is a WriteError."""
     dest = Path(path)
     if dest.exists() or dest.is_symlink():
         if not overwrite:
             raise FileExistsError(f"{str(dest)!r} already exists")
         if may_replace is not None:
             may_replace(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    for _ in range(_NAME_TRIES):
-        tmp = _temp_name(dest)
-        try:
-            os.mkdir(tmp, 0o777)  # the umask applies (mkdtemp would make it 0700)
-        except FileExistsError:
-            continue
-        break
-    else:  # pragma: no cover
-        raise FileExistsError(f"{str(dest)!r}: could not create a temporary folder beside it")
     try:
-        yield tmp
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(_NAME_TRIES):
+            tmp = _temp_name(dest)
+            try:
+                os.mkdir(tmp, 0o777)  # the umask applies (mkdtemp would make it 0700)
+            except FileExistsError:
+                continue
+            break
+        else:  # pragma: no cover
+            raise FileExistsError(f"{str(dest)!r}: could not create a temporary folder beside it")
+    except OSError as exc:
+        raise _failed(dest, exc) from exc
+    try:
+        try:
+            yield tmp
+        except OSError as exc:  # a file of the bundle that could not be written
+            inside = exc.filename is not None and Path(os.path.abspath(exc.filename)).is_relative_to(tmp.absolute())
+            if inside:
+                raise _failed(dest, exc) from exc
+            raise
         old = None
         if dest.exists() or dest.is_symlink():
             if may_replace is not None:
@@ -118,9 +164,11 @@ def atomic_directory(path: str | os.PathLike, *, overwrite: bool = False,
             os.replace(dest, old)  # aside, not deleted: a failed rename below puts it back
         try:
             os.replace(tmp, dest)
-        except BaseException:
+        except BaseException as exc:
             if old is not None:
                 os.replace(old, dest)
+            if isinstance(exc, OSError):
+                raise _failed(dest, exc) from exc
             raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

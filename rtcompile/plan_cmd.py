@@ -7,20 +7,21 @@ import json
 import os
 import sys
 
-from .cli_args import check_out_file, int_list, positive_int
+from .cli_args import check_out_file, check_storage, int_list, nonempty, positive_int, write_out
 
 
 def _common(p) -> None:
-    from .target import DEFAULT_TARGET
+    from .target import DEFAULT_TARGET, PROFILES
 
     p.add_argument("spec", help="model spec file (.toml or .json)")
-    p.add_argument("--target", default=None, metavar="NAME",
+    p.add_argument("--target", default=None, metavar="NAME", type=nonempty(", ".join(["auto", *PROFILES])),
                    help=f"GPU profile (auto, h100-sxm, h200, a100-80gb, l40s, l4, rtx-4090, b200); default: auto "
                         f"on a GPU, {DEFAULT_TARGET} without one")
     p.add_argument("--batch", type=int_list, metavar="B,..", help="prefill batches to plan (default 1,8)")
     p.add_argument("--seq-len", type=int_list, metavar="T,..", help="prefill lengths to plan (default 16 to 65536)")
     p.add_argument("--decode-batch", type=int_list, metavar="B,..", help="decode batches (default 1,8,32,128,256)")
-    p.add_argument("--out", metavar="FILE", help="write the plan as JSON (atomically)")
+    p.add_argument("--out", metavar="FILE", type=nonempty("a file path"),
+                   help="write the plan as JSON (atomically; its folder made when missing)")
 
 
 def add_parsers(sub) -> None:
@@ -32,7 +33,8 @@ def add_parsers(sub) -> None:
     _common(b)
     b.add_argument("--trials", type=positive_int, default=10, metavar="N",
                    help="tuning trials per kernel and bucket on a GPU (default 10)")
-    b.add_argument("--storage", metavar="URL", help="tuning store (see rtcompile tune)")
+    b.add_argument("--storage", metavar="URL", type=nonempty("a storage URL"),
+                   help="tuning store (see rtcompile tune); checked on a CPU too, where nothing is tuned")
     b.set_defaults(func=run_build)
 
 
@@ -58,7 +60,7 @@ def _make(args, target_name: str):
 def _target_name(args) -> str:
     from .target import DEFAULT_TARGET
 
-    if args.target:
+    if args.target is not None:
         return args.target
     return "auto" if _on_gpu() else DEFAULT_TARGET
 
@@ -93,11 +95,11 @@ def _print(plan, spec, target) -> None:
 
 
 def run_plan(args) -> int:
-    if args.out:
-        check_out_file("rtcompile plan", args.out)
+    if args.out is not None:
+        check_out_file("rtcompile plan", args.out)  # tried, nothing made: a bad spec leaves no folder
     spec, target, plan = _make(args, _target_name(args))
-    if args.out:
-        plan.save(args.out)
+    if args.out is not None:
+        write_out("rtcompile plan", args.out, lambda: plan.save(args.out))
     if args.json:
         print(json.dumps(plan.to_dict(), indent=1))
     else:
@@ -148,12 +150,10 @@ def _validate_kernels(spec) -> list[tuple[str, float, bool]]:
 def run_build(args) -> int:
     from rich.console import Console
 
-    out = args.out or "plan.json"
-    check_out_file("rtcompile build", out)  # before minutes of tuning and checks, not after
-    if args.storage:
-        from .tuning.store import check_store_file
-
-        check_store_file(args.storage, create=True)
+    out = args.out if args.out is not None else "plan.json"
+    check_out_file("rtcompile build", out)  # before minutes of tuning and checks, not after; nothing made
+    if args.storage is not None:
+        check_storage(args.storage, create=True)  # as tune checks it, also where no tuning follows
     err = Console(stderr=True)
     on_gpu = _on_gpu()
     if not on_gpu:
@@ -184,6 +184,6 @@ def run_build(args) -> int:
     if not all(ok for _, _, ok in checks):
         print("kernel validation failed: no plan written", file=sys.stderr)
         return 1
-    plan.save(out)
+    write_out("rtcompile build", out, lambda: plan.save(out))
     print(f"plan written to {out}")
     return 0

@@ -8,7 +8,10 @@ import os
 import sys
 import time
 
-from .cli_args import UsageError, fixed_param, int_list, positive_float, positive_int
+from .cli_args import UsageError, check_storage, fixed_param, int_list, nonempty, positive_float, positive_int
+
+# the phase that tunes each kernel (--fix names a kernel's forms)
+PHASE_OF = {"chunk": "prefill", "recurrent": "decode", "chunk_bwd": "train"}
 
 
 def add_parser(sub) -> None:
@@ -17,7 +20,7 @@ def add_parser(sub) -> None:
     p.add_argument("--list", action="store_true", help="list the studies the store holds")
     p.add_argument("--target", default="auto", choices=["auto"],
                    help="tune for the GPU present (named targets come with the planner)")
-    p.add_argument("--storage", metavar="URL",
+    p.add_argument("--storage", metavar="URL", type=nonempty("a storage URL"),
                    help="Optuna storage: a SQLAlchemy URL (sqlite:///f.db, postgresql://...) or journal:PATH "
                         "(default: a SQLite file in the rtcompile cache)")
     budget = p.add_mutually_exclusive_group()
@@ -30,7 +33,9 @@ def add_parser(sub) -> None:
                              "TPE study is judged against)")
     p.add_argument("--fix", type=fixed_param, action="append", default=[], metavar="NAME=VALUE",
                    help="hold the kernel form (form=NAME) or one of a form's fields (FORM.FIELD=VALUE, e.g. "
-                        "resident.chunk_size=32) at one value (repeatable): tune a sub-space")
+                        "resident.chunk_size=32) at one value (repeatable): tune a sub-space. A form belongs to one "
+                        "kernel, so name its phase: --phase prefill for the chunk forms (resident, streamed, fused, "
+                        "split), decode for recurrent, train for backward; with --phase all a --fix is refused")
     p.add_argument("--workers", type=positive_int, metavar="N",
                    help="worker processes (default: one per visible GPU, 1 on the CPU); more workers than "
                         "GPUs overlap their compiles, while timings stay one at a time per GPU")
@@ -83,6 +88,8 @@ def _list(args) -> int:
 
     from .tuning import list_studies
 
+    check_storage(args.storage, create=False)  # a file that is not a store: one line, nothing made
+
     rows = list_studies(args.storage)
     from .tuning.store import default_url
 
@@ -113,9 +120,7 @@ def run(args) -> int:
     from .tuning import TuneOptions, device_refusal_of_space, refusal, search_space
 
     spec = load_spec(args.spec)
-    from .tuning.store import check_store_file
-
-    check_store_file(args.storage, create=True)  # a typo'd folder: refused before any warning or trial
+    check_storage(args.storage, create=True)  # a typo'd folder or URL: refused before any notice or trial
     on_gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
     err = Console(stderr=True)
     if not on_gpu:
@@ -128,9 +133,11 @@ def run(args) -> int:
                        device="cuda" if on_gpu else "cpu", trial_timeout=args.timeout, impl=args.impl,
                        repeats=20 if on_gpu else 3, fixed=dict(args.fix), exhaustive=args.exhaustive)
     buckets = buckets_of(spec, args, on_gpu)
+    _check_sizes(spec, buckets, on_gpu)
     for bucket in buckets:  # a shape the kernel cannot run, or a bad --fix: usage errors before any study starts
         if (reason := refusal(bucket)) is not None:
             raise UsageError(f"rtcompile tune: --phase {args.phase}: {reason}")
+        _check_fix_phase(args, bucket)
         try:
             search_space(bucket, opts)
         except ValueError as exc:
@@ -138,6 +145,9 @@ def run(args) -> int:
         if opts.fixed and (reason := device_refusal_of_space(bucket, opts)) is not None:
             raise UsageError(f"rtcompile tune: --fix: no config of the fixed sub-space runs on this machine "
                              f"({opts.device}): {reason}")
+    from .tuning import open_storage
+
+    open_storage(opts.storage)  # a store that does not open: one line, before the notice
     if not on_gpu:  # after the checks: a usage error stays one line
         err.print("[yellow]no CUDA GPU: tuning runs the Triton interpreter on the CPU with small shapes; "
                   "CPU timings are not GPU timings[/]")
@@ -149,6 +159,56 @@ def run(args) -> int:
     elif all(r.already_tuned for r in results):
         print("already tuned for this machine: 0 trials run (--resume to continue, --retune to start over)")
     return 0
+
+
+def _memory_target(on_gpu: bool):
+    """What the tuning shapes must fit: the GPU present, or on the CPU the host's memory (with
+    the default target's other figures, which the size check reads for the workspace)."""
+    import dataclasses
+
+    from .target import DEFAULT_TARGET, detect, get_target
+
+    if on_gpu:
+        return detect()
+    base = get_target(DEFAULT_TARGET)
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # no sysconf figures (not Linux / macOS)
+        return base
+    return dataclasses.replace(base, name="this host", memory_bytes=host)
+
+
+def _check_sizes(spec, buckets, on_gpu: bool) -> None:
+    """The planner's memory check (``plan.check_memory``, as ``rtcompile plan`` refuses the same
+    shapes) on every bucket, before a study starts: a trial at 10^9 tokens would try to allocate
+    tens of GiB and be recorded as failed."""
+    from .plan import PlanError, check_memory
+
+    target = _memory_target(on_gpu)
+    for b in buckets:
+        try:
+            check_memory(spec, target, b.batch, b.seq_len)
+        except PlanError as exc:
+            opt = "--decode-batch" if b.kernel == "recurrent" else "--batch / --seq-len"
+            why = str(exc).removeprefix("plan: ")
+            raise UsageError(f"rtcompile tune: {opt}: the {b.kernel} bucket (sizes rounded up to powers of two) "
+                             f"{why}") from None
+
+
+def _check_fix_phase(args, bucket) -> None:
+    """A --fix naming a form of another kernel than ``bucket``'s, under --phase all (which tunes
+    more than one kernel): a usage error that names the phase the form belongs to."""
+    from .kernels.forms import KERNELS
+
+    if args.phase != "all":
+        return  # one kernel: search_space's message names its forms
+    for key, value in args.fix:
+        form = str(value) if key == "form" else key.partition(".")[0]
+        owner = next((k for k, classes in KERNELS.items() if form in (c.form for c in classes)), None)
+        if owner is not None and owner != bucket.kernel:
+            raise UsageError(f"rtcompile tune: --fix {key}={value}: the {form} form belongs to the {owner} kernel, "
+                             f"which --phase {PHASE_OF[owner]} tunes, and --phase all tunes the {bucket.kernel} "
+                             f"kernel too; allowed: --phase {PHASE_OF[owner]} with this --fix")
 
 
 def _rebuild_unreadable_table(opts, err) -> None:

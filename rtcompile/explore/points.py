@@ -58,10 +58,10 @@ class RecallOptions:
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "kv_pairs", "steps", "batch_size"):
-            check_ints(name, [getattr(self, name)], 1, 1 << 24, "an integer >= 1")
+            check_ints(name, [getattr(self, name)], 1, 1 << 24, "an integer in [1, 2^24]")
         # distinct keys and values per sequence, and the filler token
         check_ints("vocab_size", [self.vocab_size], 2 * self.kv_pairs + 1, 1 << 24,
-                   f"an integer >= 2 * kv_pairs + 1 = {2 * self.kv_pairs + 1}")
+                   f"an integer in [2 * kv_pairs + 1 = {2 * self.kv_pairs + 1}, 2^24]")
         # MQAR lays out the pairs and their queries in the sequence: 4 tokens per pair at least
         if 4 * self.kv_pairs > self.seq_len:
             raise _fail("kv_pairs", f"got {self.kv_pairs} for seq_len {self.seq_len}; allowed: at most seq_len / 4 "

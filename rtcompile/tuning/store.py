@@ -198,13 +198,50 @@ def store_file(url: str | None = None) -> Path | None:
     return None
 
 
+SQLITE_HEADER = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite 3 database file
+
+
+def _check_sqlite_file(url: str, path: Path, create: bool) -> None:
+    """StoreError when an existing ``path`` is not an SQLite database: a folder or other
+    non-regular file, a non-empty file without SQLite's header, or (``create`` False: listing)
+    an empty file, which opening would turn into a new database. Checked before the lock file
+    beside it is made, so a refused file leaves none."""
+    import stat
+
+    try:
+        st = path.stat()
+    except OSError:
+        return  # absent: created (or, listing, refused) by the caller
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        raise StoreError(f"storage {url!r}: {str(path)!r} is {kind}; allowed: an SQLite database file or a new path")
+    if st.st_size == 0:
+        if not create:
+            raise StoreError(f"storage {url!r}: {str(path)!r} is an empty file, not a tuning store (listing never "
+                             "creates one); allowed: an SQLite database file")
+        return  # SQLite makes an empty file a new database
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(len(SQLITE_HEADER))
+    except OSError as exc:
+        raise StoreError(f"storage {url!r}: cannot read {str(path)!r} ({exc.strerror or exc})") from None
+    if head != SQLITE_HEADER:
+        raise StoreError(f"storage {url!r}: {str(path)!r} is not an SQLite database (no 'SQLite format 3' "
+                         "header); allowed: an SQLite database file, a new path, or journal:PATH")
+
+
 def check_store_file(url: str | None, create: bool) -> None:
     """StoreError, before anything is created, when the file behind ``url`` cannot be (or, with
-    ``create`` False, is not) there. Only the default store's folder (the cache) is created: a
+    ``create`` False, is not) there, or is there and is not an SQLite database (for a SQLite URL,
+    :func:`_check_sqlite_file`). Only the default store's folder (the cache) is created: a
     folder a user named that does not exist is a typo far more often than a wish for a new tree."""
     url = url or default_url()
     path = store_file(url)
-    if path is None or url == default_url():
+    if path is None:
+        return
+    if url.startswith("sqlite:///"):
+        _check_sqlite_file(url, path, create)
+    if url == default_url():
         return
     if not create and not path.exists():
         raise StoreError(f"storage {url!r}: no store at {str(path)!r} (listing never creates one)")
