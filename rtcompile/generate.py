@@ -20,14 +20,29 @@ import math
 import torch
 
 from .functional import BACKENDS
-from .model import step_state_dtype
+from .model import device_memory_bytes, step_state_dtype
 
 MODES = ("eager", "static", "graph")
 WARMUP_STEPS = 3  # PyTorch's CUDA-graph notes warm up a few iterations on a side stream (Triton JIT, cuBLAS handles)
+# The generated ids are one [B, max_new_tokens] int64 buffer, allocated before the prefill: 2**31
+# of them (16 GiB; at ~1 ms a step, weeks of decoding) bound it where the device's memory does not.
+MAX_OUTPUT_TOKENS = 1 << 31
 
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_output_size(max_new_tokens: int, batch: int, device) -> None:
+    """ValueError naming max_new_tokens when its [batch, max_new_tokens] int64 output could not
+    be allocated: more than MAX_OUTPUT_TOKENS elements, or more bytes than the device holds."""
+    limit, why = MAX_OUTPUT_TOKENS // batch, f"at most 2**{MAX_OUTPUT_TOKENS.bit_length() - 1} tokens in all"
+    memory = device_memory_bytes(device)
+    if memory is not None and memory // (8 * batch) < limit:
+        limit, why = memory // (8 * batch), f"their int64 ids within the {memory} bytes of {device} memory"
+    if max_new_tokens > limit:
+        raise ValueError(f"max_new_tokens: got {max_new_tokens}; allowed: an integer from 0 to {limit} "
+                         f"(the output holds {batch} sequences x max_new_tokens tokens, {why})")
 
 
 def check_generate_args(model, tokens, max_new_tokens, temperature, top_k, seed, cuda_graph, backend) -> bool:
@@ -43,13 +58,11 @@ def check_generate_args(model, tokens, max_new_tokens, temperature, top_k, seed,
     if tokens.device != device:
         raise ValueError(f"tokens: on {tokens.device}, the model on {device}; allowed: the model's device")
     vocab = model.embed.num_embeddings
-    lo, hi = int(tokens.min()), int(tokens.max())  # one sync, before the prefill
-    if lo < 0 or hi >= vocab:
-        raise ValueError(f"tokens: ids from {lo} to {hi}; allowed: 0 to {vocab - 1} (the vocabulary)")
     if not _is_int(max_new_tokens):
         raise TypeError(f"max_new_tokens: expected an int, got {type(max_new_tokens).__name__}")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens: got {max_new_tokens}; allowed: an integer >= 0")
+    check_output_size(max_new_tokens, tokens.shape[0], device)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(f"temperature: expected a float, got {type(temperature).__name__}")
     if not math.isfinite(temperature) or temperature < 0:
@@ -71,6 +84,9 @@ def check_generate_args(model, tokens, max_new_tokens, temperature, top_k, seed,
                          "(CUDA graphs need a CUDA device)")
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend: got {backend!r}; allowed: {', '.join(BACKENDS)}")
+    lo, hi = int(tokens.min()), int(tokens.max())  # one sync, the last check, before the prefill
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"tokens: ids from {lo} to {hi}; allowed: 0 to {vocab - 1} (the vocabulary)")
     return device.type == "cuda" if cuda_graph is None else cuda_graph
 
 
@@ -249,6 +265,11 @@ def generate(model, tokens: torch.Tensor, max_new_tokens: int, *, temperature: f
              compile_step: bool = False) -> torch.Tensor:
     """Prefill ``tokens`` [B, T] (int64 or int32 ids) with one forward, then decode
     ``max_new_tokens`` tokens per sequence; returns them, [B, max_new_tokens] int64.
+
+    Every argument is checked before any work (:func:`check_generate_args`): the ids of
+    ``tokens`` within the vocabulary on any device (one sync; the model's forward checks them
+    only on the CPU), ``max_new_tokens`` an integer from 0 to what one [B, max_new_tokens] int64
+    output can hold (:func:`check_output_size`: 2**31 tokens in all, or the device's memory).
 
     ``temperature`` 0 is greedy (argmax); above 0 each token is drawn from
     softmax(logits / temperature), restricted to the ``top_k`` largest logits when given, with a

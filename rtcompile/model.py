@@ -280,30 +280,149 @@ def device_memory_bytes(device) -> int | None:
     return _device_memory_bytes(str(torch.device(device)))
 
 
-def check_memory(needed: int, what: str, device) -> None:
-    """SpecError (field ``key_widths``) naming the bytes ``what`` needs when they exceed the
-    device's whole memory: the allocation could only fail, as a raw allocator error mid-way."""
+class ModelSizeError(SpecError):
+    """Parameters or states that cannot fit the device's memory: one line naming the field to
+    reduce first, ``spec.<field>`` for a spec field or ``vocab_size`` (the vocabulary is the
+    model's, not the spec's). A SpecError, so the command line reports it as an input error."""
+
+    def __init__(self, field_name: str, message: str):
+        ValueError.__init__(self, f"{field_name}: {message}")
+        self.field = field_name
+
+
+def check_memory(needed: int, what: str, device, field: str = "spec.key_widths",
+                 reduce: str = "reduce key_widths, value_width, heads, layers or the batch") -> None:
+    """ModelSizeError (``field`` first, ``reduce`` last) naming the bytes ``what`` needs when they
+    exceed the device's whole memory: the allocation could only fail, as a raw allocator error
+    mid-way."""
     total = device_memory_bytes(device)
     if total is not None and needed > total:
-        raise SpecError("key_widths", f"{what}: {needed} bytes needed ({needed / 2**30:.1f} GiB), more than the "
-                                      f"{total} bytes ({total / 2**30:.1f} GiB) of {torch.device(device)} memory; "
-                                      "reduce key_widths, value_width, heads, layers or the batch")
+        raise ModelSizeError(field, f"{what}: {needed} bytes needed ({needed / 2**30:.1f} GiB), more than the "
+                                    f"{total} bytes ({total / 2**30:.1f} GiB) of {torch.device(device)} memory; {reduce}")
 
 
-def parameter_count(spec: ModelSpec, vocab_size: int, mlp: bool, tie_embeddings: bool = False) -> int:
-    """Parameters of a RunningTensorLM (embedding, head unless tied, layers, norms, MLPs), before
-    building it."""
+def _check_parameter_memory(spec: ModelSpec, vocab_size: int, mlp: bool, tie_embeddings: bool) -> None:
+    """The fp32 parameters against the device's memory, before any is allocated: the refusal
+    names the largest part's field (vocab_size for the embedding and head) and each part's
+    parameter count."""
+    parts = parameter_parts(spec, vocab_size, mlp, tie_embeddings)
+    largest = max(parts, key=parts.get)
+    field, reduce = {
+        "embedding and head": ("vocab_size", "reduce vocab_size (or model_width)"),
+        "mixers": ("spec.key_widths", "reduce key_widths, value_width, heads, model_width or layers"),
+        "MLPs": ("spec.model_width", "reduce model_width or layers, or build without the MLPs (mlp=False)"),
+    }[largest]
+    tables = 1 if tie_embeddings else 2
+    counts = ", ".join(f"{name} {n:,}" for name, n in parts.items() if n)
+    reduce = (f"parameters by part: {counts} (the embedding and head: {tables} x vocab_size {vocab_size:,} x "
+              f"model_width {spec.model_width}); {reduce}")
+    check_memory(4 * sum(parts.values()), "RunningTensorLM: the fp32 parameters", torch.get_default_device(), field,
+                 reduce)
+
+
+def parameter_parts(spec: ModelSpec, vocab_size: int, mlp: bool, tie_embeddings: bool = False) -> dict[str, int]:
+    """Parameters of a RunningTensorLM by part, before building it: the embedding and head (one
+    table when tied), the mixers with their norms and the final norm, the MLPs."""
     from .figures import parameters_per_layer
 
     D = spec.model_width
     per_mlp = D + D * 4 * D + 4 * D + 4 * D * D + D if mlp else 0  # norm, up (with bias), down (with bias)
     tables = 1 if tie_embeddings else 2
-    return tables * vocab_size * D + D + spec.layers * (parameters_per_layer(spec) + D + per_mlp)
+    return {"embedding and head": tables * vocab_size * D,
+            "mixers": D + spec.layers * (parameters_per_layer(spec) + D), "MLPs": spec.layers * per_mlp}
+
+
+def parameter_count(spec: ModelSpec, vocab_size: int, mlp: bool, tie_embeddings: bool = False) -> int:
+    """Parameters of a RunningTensorLM (embedding, head unless tied, layers, norms, MLPs), before
+    building it."""
+    return sum(parameter_parts(spec, vocab_size, mlp, tie_embeddings).values())
 
 
 def state_bytes(spec: ModelSpec, batch: int, dtype: torch.dtype = torch.float32) -> int:
     """Bytes of the states of ``batch`` sequences, all layers, at ``dtype``."""
     return batch * spec.layers * spec.heads * spec.state_elements_per_head * dtype.itemsize
+
+
+def _tracing(tokens: torch.Tensor) -> bool:
+    """Is a graph being captured (torch.compile, torch.export, make_fx)? The eager call checked."""
+    exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+    return torch.compiler.is_compiling() or exporting() or type(tokens) is not torch.Tensor
+
+
+def _cache_layout(spec: ModelSpec, widths: list[int]) -> tuple[tuple[int, ...], int, tuple[int, ...]]:
+    """What a layer's cache holds past its batch dimension: the state's [H, d_1, ..., d_v], the
+    convolution tails' length w - 1 and their channels (one tail for the dense projection, one
+    per stream for conconlyc, none without a convolution)."""
+    w = spec.features.short_conv
+    tails = () if w == 0 else (sum(widths),) if spec.features.projection == "dense" else tuple(widths)
+    return (spec.heads, *spec.key_widths, spec.value_width), w - 1, tails
+
+
+def _check_cache(model, cache, B: int, device) -> None:
+    """``cache`` as forward returns it for ``B`` sequences of ``model``: shapes only (host side,
+    ~1 us a layer)."""
+    L = len(model.mixers)
+    if not isinstance(cache, (list, tuple)):
+        raise TypeError(f"cache: expected None or the list of {L} per-layer dicts that forward returns, "
+                        f"got {type(cache).__name__}")
+    if len(cache) != L:
+        raise ValueError(f"cache: {len(cache)} layers; allowed: {L} (one dict per layer, as forward returns)")
+    rest, tail_len, tails = model.cache_layout
+    for i, c in enumerate(cache):
+        state = c.get("state") if isinstance(c, dict) else None
+        if not isinstance(state, torch.Tensor):
+            raise TypeError(f"cache[{i}]: expected a dict with 'state' (a tensor) and 'conv', got "
+                            f"{type(c).__name__ if not isinstance(c, dict) else 'a dict without a state tensor'}")
+        shape = state.shape
+        if len(shape) and shape[0] != B:
+            raise ValueError(f"cache[{i}]['state']: holds {shape[0]} sequences, tokens {B}; allowed: the "
+                             f"cache of the same {B} sequences (tokens' first dimension)")
+        if shape[1:] != rest or not len(shape):
+            raise ValueError(f"cache[{i}]['state']: shape {list(shape)}; allowed: [B, H, d_1, ..., d_v] = "
+                             f"{[B, *rest]}")
+        if state.device != device:
+            raise ValueError(f"cache[{i}]['state']: on {state.device}, tokens on {device}; allowed: the same device")
+        if not tails:
+            continue
+        conv = c.get("conv")
+        ok = isinstance(conv, (list, tuple)) and len(conv) == len(tails)
+        for t, ch in zip(conv if ok else (), tails):
+            ok = ok and isinstance(t, torch.Tensor) and t.shape == (B, tail_len, ch)
+        if not ok:
+            got = [list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in conv] \
+                if isinstance(conv, (list, tuple)) else type(conv).__name__
+            raise ValueError(f"cache[{i}]['conv']: got {got}; allowed: {len(tails)} tails "
+                             f"{[[B, tail_len, ch] for ch in tails]} (as forward returns them)")
+
+
+def check_call(model, tokens, cache, plan) -> None:
+    """:meth:`RunningTensorLM.forward`'s arguments, host side only (see its docstring)."""
+    if torch.compiler.is_compiling():
+        return
+    if not isinstance(tokens, torch.Tensor):
+        raise TypeError(f"tokens: expected a torch.Tensor of token ids [B, T], got {type(tokens).__name__}")
+    if tokens.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"tokens: dtype {tokens.dtype}; allowed: torch.int64, torch.int32 (token ids)")
+    if _tracing(tokens):
+        return
+    if tokens.dim() != 2 or tokens.shape[0] < 1 or tokens.shape[1] < 1:
+        raise ValueError(f"tokens: shape {list(tokens.shape)}; allowed: [B, T] with B >= 1 and T >= 1")
+    device = model.embed.weight.device
+    if tokens.device != device:
+        raise ValueError(f"tokens: on {tokens.device}, the model on {device}; allowed: the model's device")
+    if plan is not None:
+        from .plan import Plan
+
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan: expected a rtcompile.plan.Plan (Plan.load(path), make_plan) or None, "
+                            f"got {type(plan).__name__} (plan= or the model's .plan)")
+    if cache is not None:
+        _check_cache(model, cache, tokens.shape[0], device)
+    if device.type == "cpu":  # no sync on the CPU: the ids' range is free to check here
+        vocab = model.embed.num_embeddings
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"tokens: ids from {lo} to {hi}; allowed: 0 to {vocab - 1} (the vocabulary)")
 
 
 class RunningTensorLM(nn.Module):
@@ -314,14 +433,19 @@ class RunningTensorLM(nn.Module):
         do; see ``explore/trainer.py`` for what it changes on MQAR); its ``state_dict`` then
         holds the one tensor under both names."""
         super().__init__()
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
-            raise ValueError(f"vocab_size: got {vocab_size!r}; allowed: an integer >= 2")
-        if not isinstance(tie_embeddings, bool):
-            raise TypeError(f"tie_embeddings: expected a bool, got {type(tie_embeddings).__name__}")
+        if not isinstance(spec, ModelSpec):
+            raise TypeError(f"spec: expected a ModelSpec (rtcompile.ModelSpec(...), ModelSpec.from_dict(d) or "
+                            f"rtcompile.load_spec(path)), got {type(spec).__name__}")
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+            raise TypeError(f"vocab_size: expected an integer >= 2, got {type(vocab_size).__name__} {vocab_size!r}")
+        if vocab_size < 2:
+            raise ValueError(f"vocab_size: got {vocab_size}; allowed: an integer >= 2")
+        for name, flag in (("mlp", mlp), ("tie_embeddings", tie_embeddings)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
         self.spec = spec
         D = spec.model_width
-        check_memory(4 * parameter_count(spec, vocab_size, mlp, tie_embeddings), "RunningTensorLM: the fp32 parameters",
-                     torch.get_default_device())
+        _check_parameter_memory(spec, vocab_size, mlp, tie_embeddings)
         self.embed = nn.Embedding(vocab_size, D)
         self.mixers = nn.ModuleList(RunningTensorLayer(spec) for _ in range(spec.layers))
         self.norms = nn.ModuleList(nn.RMSNorm(D) for _ in range(spec.layers))
@@ -333,12 +457,22 @@ class RunningTensorLM(nn.Module):
         if tie_embeddings:
             self.head.weight = self.embed.weight
         self.plan = None  # a Plan to follow (set by rtcompile.load from the bundle)
+        self.cache_layout = _cache_layout(spec, self.mixers[0].widths)  # what forward checks a cache against
 
     def forward(self, tokens: torch.Tensor, cache: list | None = None, *, plan=None, backend: str = "auto",
                 update_cache: bool = False, mixer: Mixer | None = None, fused: list | None = None):
         """tokens [B, T] -> (logits [B, T, vocab], cache): a prompt, or T tokens after a cache.
         ``update_cache``, ``mixer`` and ``fused`` (one per layer: :meth:`input_projections`): see
-        :meth:`RunningTensorLayer.forward` (``update_cache``: T = 1 only)."""
+        :meth:`RunningTensorLayer.forward` (``update_cache``: T = 1 only).
+
+        Checked first, on the host only (no device sync: this runs per token when decoding):
+        ``tokens`` an int64 / int32 tensor [B, T], B, T >= 1, on the model's device; ``cache`` None
+        or one dict per layer whose state and convolution tails are this model's for the same B
+        sequences; ``plan`` a Plan or None. TypeError / ValueError naming the argument. The ids'
+        range is checked here only for CPU tokens (free there); :meth:`generate` checks it on
+        any device (one sync, before its prefill)."""
+        plan = plan if plan is not None else self.plan
+        check_call(self, tokens, cache, plan)
         # a replaced mixer (the ONNX exporter's) allocates no state here; under tracing the
         # eager call has checked already
         if mixer is None and not torch.compiler.is_compiling():
@@ -346,7 +480,6 @@ class RunningTensorLM(nn.Module):
             check_memory(state_bytes(self.spec, tokens.shape[0], wide), f"the state of {tokens.shape[0]} sequences",
                          tokens.device)
         x = self.embed(tokens)
-        plan = plan if plan is not None else self.plan
         new = []
         for i, layer in enumerate(self.mixers):
             y, c = layer(self.norms[i](x), None if cache is None else cache[i], plan=plan, backend=backend,
@@ -361,7 +494,12 @@ class RunningTensorLM(nn.Module):
         """One token per sequence: tokens [B] -> (logits [B, vocab], cache). The cache's states
         and convolution tails are updated in place (``update_cache``): keep a copy of both to
         branch from an earlier point.
-        ``fused``: :meth:`input_projections`, one product per layer for its input maps."""
+        ``fused``: :meth:`input_projections`, one product per layer for its input maps.
+        ``tokens`` and ``cache`` are checked as :meth:`forward` checks them."""
+        if not torch.compiler.is_compiling() and (not isinstance(tokens, torch.Tensor) or tokens.dim() != 1):
+            got = list(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+            error = ValueError if isinstance(tokens, torch.Tensor) else TypeError
+            raise error(f"tokens: got {got}; allowed: a torch.Tensor [B] of token ids (one per sequence)")
         logits, cache = self.forward(tokens[:, None], cache, backend=backend, update_cache=True, fused=fused)
         return logits[:, 0], cache
 

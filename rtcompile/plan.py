@@ -13,7 +13,10 @@ keeps its alternatives and their costs. A plan whose state plus workspace cannot
 target's memory at the requested batch is refused before anything is allocated.
 
 Plan files are versioned JSON (``PLAN_FORMAT``); a file of another format is refused with a
-message naming it (format 1, rtcompile 0.1: variants without a ``form`` tag).
+message naming it (format 1, rtcompile 0.1: variants without a ``form`` tag). Every reader of a
+plan's data (``Plan.load``, ``Plan.from_dict``, a bundle's manifest, export) goes through
+:func:`check_plan_dict`, which checks every field and that the plan decides both phases the
+model runs, naming the field's path (``plan.decisions[3].batch``) and what is allowed.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from .kernels.chunk_backward_widths import rewritten_widths
 from .kernels.config import KernelConfig
 from .kernels.forms import config_from_dict, default_config, low_memory, two_kernel
 from .kernels.inputs import nearest_bucket
-from .spec import DTYPE_BYTES, ModelSpec
+from .spec import DTYPE_BYTES, ModelSpec, SpecError, SpecTypeError
 from .target import Target, profile_for
 
 PLAN_FORMAT = 2  # 2: a decision's variant is a config's to_dict() (with its "form"); 1: rtcompile 0.1's variants
@@ -89,36 +92,39 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Plan":
-        if not isinstance(data, dict) or not isinstance(data.get("format"), int):
-            raise PlanError("plan: not a plan file (no integer 'format')")
-        if data["format"] > PLAN_FORMAT:
-            raise PlanError(f"plan: format {data['format']} is newer than this rtcompile reads ({PLAN_FORMAT}); "
-                            "upgrade rtcompile or re-plan")
-        if data["format"] < PLAN_FORMAT:
-            old = OLD_FORMATS.get(data["format"], "an unknown old format")
-            raise PlanError(f"plan: format {data['format']} is {old}; this rtcompile reads format {PLAN_FORMAT} "
-                            "(configs tagged with 'form'): re-run `rtcompile plan` or `rtcompile build`")
-        try:
-            decisions = [Decision(**d) for d in data["decisions"]]
-            return cls(**{**data, "decisions": decisions})
-        except (KeyError, TypeError) as exc:
-            raise PlanError(f"plan: malformed ({exc})") from None
+        """A plan from its ``to_dict`` form, every field checked (:func:`check_plan_dict`):
+        PlanError naming the field's path (``plan.decisions[3].batch``) and what is allowed."""
+        return check_plan_dict(data)
 
     def save(self, path: str | os.PathLike) -> None:
         atomic_write(Path(path), json.dumps(self.to_dict(), indent=1))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Plan":
+        """A plan file, every field checked (:meth:`from_dict`); PlanError naming the file."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path: expected a str or os.PathLike plan file, got {type(path).__name__}")
         try:
             data = json.loads(Path(path).read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise PlanError(f"plan file {str(path)!r}: no such file") from None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise PlanError(f"plan file {str(path)!r}: unreadable ({str(exc).splitlines()[0]})") from None
-        return cls.from_dict(data)
+        except RecursionError:  # ~1000 nested brackets exhaust the parser; a plan nests a few levels
+            raise PlanError(f"plan file {str(path)!r}: nested too deeply to parse") from None
+        try:
+            return cls.from_dict(data)
+        except PlanError as exc:
+            raise PlanError(f"plan file {str(path)!r}: {exc}") from None
 
     def decision_for(self, phase: str, batch: int, seq_len: int) -> Decision:
         """The decision of the nearest bucket (log distance in B and T) for ``phase``."""
+        for name, value in (("batch", batch), ("seq_len", seq_len)):
+            # hasattr __index__: ints, and torch's symbolic sizes under tracing
+            if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+                raise TypeError(f"{name}: expected an integer >= 1, got {type(value).__name__} {value!r}")
+            if value < 1:
+                raise ValueError(f"{name}: got {value}; allowed: an integer >= 1")
         cands = [d for d in self.decisions if d.phase == phase]
         if not cands:
             raise PlanError(f"plan: no decision for phase {phase!r}; allowed: {sorted({d.phase for d in self.decisions})}")
@@ -133,6 +139,126 @@ class Plan:
         if not rows:
             self.decision_for("prefill", 1, 1)  # the PlanError an eager call raises, at trace time
         return json.dumps(rows, sort_keys=True, separators=(",", ":"))
+
+
+PHASES = ("prefill", "decode", "train")
+# The phases a RunningTensorLM runs (its forward and its step): a plan it follows decides both,
+# so a plan without one of them is refused when read, not at the first call that needs it.
+MODEL_PHASES = ("prefill", "decode")
+DECISION_MODES = ("chunk", "recurrent")
+DECISION_STATE_DTYPES = ("float32", "float16", "bfloat16")
+_PLAN_KEYS = tuple(f.name for f in dataclasses.fields(Plan))
+_PLAN_OPTIONAL = ("versions",)  # files written before it read as before
+_DECISION_KEYS = tuple(f.name for f in dataclasses.fields(Decision))
+_DECISION_OPTIONAL = ("state_dtype", "backward")
+
+
+def _got(value: Any, typed: bool = True) -> str:
+    """``value`` as an error shows it (cut at 80 characters), with its type where that is the problem."""
+    if value is None:
+        return "null"
+    text = repr(value)
+    text = text if len(text) <= 80 else text[:77] + "..."
+    return text if typed else f"{type(value).__name__} {text}"
+
+
+def _check_keys(where: str, data: Any, keys: tuple[str, ...], optional: tuple[str, ...]) -> None:
+    if not isinstance(data, dict):
+        raise PlanError(f"{where}: got {_got(data, False)}; allowed: an object with keys {', '.join(keys)}")
+    missing = [k for k in keys if k not in data and k not in optional]
+    unknown = sorted(str(k) for k in data if k not in keys)
+    if missing or unknown:
+        found = "; ".join(f"{what} {ks}" for what, ks in (("missing keys", missing), ("unknown keys", unknown)) if ks)
+        raise PlanError(f"{where}: {found}; allowed: {', '.join(keys)}"
+                        f"{' (' + ', '.join(optional) + ' optional)' if optional else ''}")
+
+
+def _check_choice(where: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if not isinstance(value, str) or value not in allowed:
+        raise PlanError(f"{where}: got {_got(value, isinstance(value, str))}; allowed: {', '.join(allowed)}")
+
+
+def _check_count(where: str, value: Any) -> None:
+    """A bucket's batch or length: an integer >= 1 (decision_for takes its log2)."""
+    ok_type = isinstance(value, int) and not isinstance(value, bool)
+    if not ok_type or value < 1:
+        raise PlanError(f"{where}: got {_got(value, ok_type)}; allowed: an integer >= 1")
+
+
+def _check_type(where: str, value: Any, kind: type | tuple[type, ...], allowed: str) -> None:
+    if not isinstance(value, kind):
+        raise PlanError(f"{where}: got {_got(value, False)}; allowed: {allowed}")
+
+
+def _check_config(where: str, value: Any, kernel: str) -> None:
+    try:
+        config_from_dict(value, kernel)
+    except (TypeError, ValueError) as exc:  # the config module's own check, naming the field
+        raise PlanError(f"{where}: {str(exc).splitlines()[0]}") from None
+
+
+def _check_decision(where: str, d: Any) -> Decision:
+    """One decision the model can follow: the values the forward uses (decision_for takes the
+    log2 of batch and length, the launcher builds the config) and the types of the rest."""
+    _check_keys(where, d, _DECISION_KEYS, _DECISION_OPTIONAL)
+    _check_choice(f"{where}.phase", d["phase"], PHASES)
+    _check_count(f"{where}.batch", d["batch"])
+    _check_count(f"{where}.seq_len", d["seq_len"])
+    _check_choice(f"{where}.mode", d["mode"], DECISION_MODES)
+    _check_config(f"{where}.variant", d["variant"], d["mode"])
+    _check_type(f"{where}.cost", d["cost"], dict, "an object (the cost model's figures)")
+    _check_type(f"{where}.alternatives", d["alternatives"], list, "a list of objects")
+    for i, a in enumerate(d["alternatives"]):
+        _check_type(f"{where}.alternatives[{i}]", a, dict, "an object (mode, variant, cost)")
+    _check_type(f"{where}.reason", d["reason"], str, "a string")
+    _check_choice(f"{where}.state_dtype", d.get("state_dtype", "float32"), DECISION_STATE_DTYPES)
+    if d.get("backward") is not None:
+        _check_config(f"{where}.backward", d["backward"], "chunk_bwd")
+    return Decision(**d)
+
+
+def check_plan_dict(data: Any) -> Plan:
+    """The one reader of a plan's data (``Plan.from_dict``, ``Plan.load``, a bundle's manifest):
+    the format, exactly the known keys, the spec through the spec module's validation, every
+    decision's values, and a decision for each phase the model runs (:data:`MODEL_PHASES`).
+    PlanError naming the field's path and what is allowed."""
+    if not isinstance(data, dict) or isinstance(data.get("format"), bool) or not isinstance(data.get("format"), int):
+        raise PlanError("plan: not a plan file (no integer 'format')")
+    if data["format"] > PLAN_FORMAT:
+        raise PlanError(f"plan: format {data['format']} is newer than this rtcompile reads ({PLAN_FORMAT}); "
+                        "upgrade rtcompile or re-plan")
+    if data["format"] < PLAN_FORMAT:
+        old = OLD_FORMATS.get(data["format"], "an unknown old format")
+        raise PlanError(f"plan: format {data['format']} is {old}; this rtcompile reads format {PLAN_FORMAT} "
+                        "(configs tagged with 'form'): re-run `rtcompile plan` or `rtcompile build`")
+    _check_keys("plan", data, _PLAN_KEYS, _PLAN_OPTIONAL)
+    _check_type("plan.spec", data["spec"], dict, "an object (the spec the plan was made for)")
+    try:
+        ModelSpec.from_dict(data["spec"])
+    except (SpecError, SpecTypeError) as exc:  # "spec.<field>: ..." -> "plan.spec.<field>: ..."
+        raise PlanError(f"plan.{str(exc).splitlines()[0]}") from None
+    _check_type("plan.target", data["target"], dict, "an object (the target's profile, with its name)")
+    if not isinstance(data["target"].get("name"), str) or not data["target"]["name"]:
+        raise PlanError(f"plan.target.name: got {_got(data['target'].get('name'), False)}; allowed: a non-empty "
+                        "string (the target's name)")
+    _check_type("plan.decisions", data["decisions"], list, "a list of decisions")
+    decisions = [_check_decision(f"plan.decisions[{i}]", d) for i, d in enumerate(data["decisions"])]
+    have = {d.phase for d in decisions}
+    for phase in MODEL_PHASES:
+        if phase not in have:
+            raise PlanError(f"plan.decisions: no decision for phase {phase!r} (the plan has {sorted(have) or 'none'}); "
+                            f"allowed: a plan with decisions for {' and '.join(MODEL_PHASES)}, the phases the model "
+                            "runs (rtcompile plan writes them)")
+    _check_type("plan.crossover", data["crossover"], dict, "an object (batch bucket -> length or null)")
+    for key, value in data["crossover"].items():
+        if value is not None:
+            _check_count(f"plan.crossover[{key!r}]", value)
+    for key in ("memory", "calibration"):
+        _check_type(f"plan.{key}", data[key], dict, "an object")
+    versions = data.get("versions", {})
+    if not isinstance(versions, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in versions.items()):
+        raise PlanError(f"plan.versions: got {_got(versions, False)}; allowed: an object of name -> version string")
+    return Plan(**{**data, "decisions": decisions})
 
 
 def _measured_seconds(spec: ModelSpec, target: Target) -> dict[tuple[str, int, int], tuple[KernelConfig, float]]:
@@ -347,13 +473,48 @@ def _fit_calibration(spec: ModelSpec, target: Target, measured) -> Calibration:
     return calibrate(pred, meas, device_time=True)
 
 
+def _check_buckets(name: str, values: Any, may_be_empty: bool = False) -> None:
+    """A list or tuple of integers >= 1 (the buckets' batches or lengths), non-empty unless
+    ``may_be_empty``."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)):
+        raise TypeError(f"{name}: expected a list or tuple of integers >= 1, got {type(values).__name__} {values!r}")
+    if not values and not may_be_empty:
+        raise PlanError(f"{name}: got an empty {type(values).__name__}; allowed: at least one integer >= 1")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name}: expected integers >= 1, got {type(v).__name__} {v!r}")
+        if v < 1:
+            raise PlanError(f"{name}: got {v}; allowed: integers >= 1")
+
+
+def check_plan_args(spec, target, batches, seq_lens, decode_batches, use_measurements, calibration) -> None:
+    """:func:`make_plan`'s arguments, before any work: TypeError for a wrong type, PlanError (a
+    ValueError) for a value out of range, each naming the argument and what is allowed."""
+    if not isinstance(spec, ModelSpec):
+        raise TypeError(f"spec: expected a ModelSpec (rtcompile.ModelSpec or rtcompile.load_spec(path)), "
+                        f"got {type(spec).__name__}")
+    if not isinstance(target, Target):
+        raise TypeError(f"target: expected a Target (rtcompile.target.get_target(name)), got {type(target).__name__}")
+    _check_buckets("batches", batches)
+    _check_buckets("seq_lens", seq_lens)
+    _check_buckets("decode_batches", decode_batches, may_be_empty=True)
+    if not isinstance(use_measurements, bool):
+        raise TypeError(f"use_measurements: expected a bool, got {type(use_measurements).__name__}")
+    if calibration is not None and not isinstance(calibration, Calibration):
+        raise TypeError(f"calibration: expected a Calibration or None, got {type(calibration).__name__}")
+
+
 def make_plan(spec: ModelSpec, target: Target, *, batches=PREFILL_BATCHES, seq_lens=PREFILL_SEQ_LENS,
               decode_batches=DECODE_BATCHES, use_measurements: bool = True,
               calibration: Calibration | None = None) -> Plan:
     """Plan every phase of ``spec`` on ``target`` (refuses what cannot fit; see module doc).
 
-    ``calibration``: plan with this one instead of the fit to the tuned measurements (replays of
-    measured runs compare the two)."""
+    ``batches`` and ``seq_lens`` (the prefill and train buckets) hold at least one integer >= 1;
+    ``decode_batches`` may be empty, for a plan of prefill alone (a cost study's: such a plan
+    cannot go into a bundle, whose model runs decode too). ``calibration``: plan with this one
+    instead of the fit to the tuned measurements (replays of measured runs compare the two).
+    The arguments are checked first (:func:`check_plan_args`)."""
+    check_plan_args(spec, target, batches, seq_lens, decode_batches, use_measurements, calibration)
     import torch
     import triton
 

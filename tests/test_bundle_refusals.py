@@ -332,10 +332,10 @@ def test_bundle_whose_plan_is_of_another_spec(bundle, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("field,value,pattern", [
-    ("batch", 0, r"plan\.decisions\[0\]: batch 0, seq_len 64; allowed: integers >= 1"),
-    ("mode", "fast", r"plan\.decisions\[0\]: phase 'prefill', mode 'fast'"),
+    ("batch", 0, r"plan\.decisions\[0\]\.batch: got 0; allowed: an integer >= 1"),
+    ("mode", "fast", r"plan\.decisions\[0\]\.mode: got 'fast'; allowed: chunk, recurrent"),
     ("variant", {"form": "turbo"}, r"plan\.decisions\[0\]\.variant: config: form 'turbo'; allowed:"),
-    ("state_dtype", "int8", r"plan\.decisions\[0\]: state_dtype 'int8'"),
+    ("state_dtype", "int8", r"plan\.decisions\[0\]\.state_dtype: got 'int8'; allowed: float32, float16, bfloat16"),
 ])
 def test_bundle_whose_plan_decision_cannot_be_followed(field, value, pattern, bundle, tmp_path, capsys):
     (tmp_path / "order3.toml").write_text(SPEC_TOML)

@@ -25,6 +25,7 @@ from .verify import (
     BUNDLE_FORMAT,
     GRAPHS,
     MANIFEST,
+    MAX_VOCAB,
     WEIGHTS,
     BundleError,
     graph_weights_sha256,
@@ -58,11 +59,32 @@ def export_bundle(model, out: str | os.PathLike, *, plan=None, overwrite: bool =
     CUDA machine) the Triton kernels the plan's shapes compile, for this GPU and software
     (``compiled.py``; without CUDA there are none to collect; ``rtcompile export`` asks for them
     unless ``--no-kernels``). A compile that fails leaves the bundle without kernels and says
-    so once (the bundle is still complete)."""
+    so once (the bundle is still complete). Before anything is written the arguments are
+    checked and ``plan`` is read back through the loader's own reader (every field, a decision
+    for prefill and decode, made for this spec): a bundle the loader would refuse is never written."""
     from safetensors.torch import save_file
 
+    from ..model import RunningTensorLM
+    from ..plan import Plan, PlanError
+
+    if not isinstance(model, RunningTensorLM):
+        raise TypeError(f"model: expected a RunningTensorLM, got {type(model).__name__}")
+    if plan is not None and not isinstance(plan, Plan):
+        raise TypeError(f"plan: expected a rtcompile.plan.Plan or None, got {type(plan).__name__}")
+    for name, flag in (("overwrite", overwrite), ("onnx", onnx), ("opset27", opset27), ("compiled", compiled)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+    if not isinstance(out, (str, os.PathLike)):
+        raise TypeError(f"out: expected a str or os.PathLike bundle folder, got {type(out).__name__}")
     dest = Path(out)
+    vocab = model.head.out_features
+    if not 2 <= vocab <= MAX_VOCAB:  # what the loader takes (verify._check_model): never write a bundle it refuses
+        raise BundleError(f"bundle {str(dest)!r}: vocab_size {vocab}; allowed: an integer in [2, {MAX_VOCAB}]")
     if plan is not None:
+        try:  # the loader's own reader: a plan it would refuse is never written
+            Plan.from_dict(plan.to_dict())
+        except PlanError as exc:
+            raise BundleError(f"bundle {str(dest)!r}: {str(exc).splitlines()[0]}") from None
         diff = plan_mismatch(plan.spec, model.spec)
         if diff is not None:
             raise BundleError(f"bundle {str(dest)!r}: the plan was made for another spec (plan's vs the model's: "

@@ -8,7 +8,8 @@ so nothing in a bundle is ever executed):
    with the right types; every listed file inside the bundle, present, of its ``bytes`` and
    ``sha256``;
 2. ``spec`` through the spec module's own validation, ``model`` (class, ``vocab_size``,
-   ``mlp``), ``plan`` through the plan module's reader and made for this spec;
+   ``mlp``), ``plan`` through the plan module's reader (:func:`rtcompile.plan.check_plan_dict`:
+   every field, and a decision for each phase the model runs) and made for this spec;
 3. ``weights.safetensors``: a safetensors file whose tensors are exactly the model's, each of
    its shape and a floating dtype (read from the header; no weight is loaded);
 4. the ONNX graphs: parseable, external data only in files the manifest lists (never a path
@@ -210,27 +211,6 @@ def _check_onnx_entry(root: Path, manifest: dict[str, Any]) -> None:
                                      f"per graph: {', '.join(GRAPHS)}}}")
 
 
-def _check_decisions(root: Path, plan) -> None:
-    """Each decision of a bundle's plan is one the model can follow: the plan reader checks the
-    keys, this the values the forward uses (decision_for takes log2 of batch and length, the
-    launcher builds the config)."""
-    from ..kernels.forms import config_from_dict
-
-    for i, d in enumerate(plan.decisions):
-        where = f"plan.decisions[{i}]"
-        if d.phase not in ("prefill", "decode", "train") or d.mode not in ("chunk", "recurrent"):
-            raise refuse(root, MANIFEST, f"{where}: phase {d.phase!r}, mode {d.mode!r}; allowed: phase prefill, "
-                                         "decode or train, mode chunk or recurrent")
-        if not (_is_int(d.batch) and d.batch >= 1 and _is_int(d.seq_len) and d.seq_len >= 1):
-            raise refuse(root, MANIFEST, f"{where}: batch {d.batch!r}, seq_len {d.seq_len!r}; allowed: integers >= 1")
-        if d.state_dtype not in ("float32", "float16", "bfloat16"):
-            raise refuse(root, MANIFEST, f"{where}: state_dtype {d.state_dtype!r}; allowed: float32, float16, bfloat16")
-        try:
-            config_from_dict(d.variant, d.mode)
-        except (TypeError, ValueError) as exc:
-            raise refuse(root, MANIFEST, f"{where}.variant: {str(exc).splitlines()[0]}") from None
-
-
 def check_contents(root: Path, manifest: dict[str, Any]):
     """spec, plan, vocab_size and mlp of a read manifest, each validated."""
     from ..plan import Plan, PlanError
@@ -246,7 +226,6 @@ def check_contents(root: Path, manifest: dict[str, Any]):
         diff = plan_mismatch(plan.spec, spec)
         if diff is not None:
             raise refuse(root, MANIFEST, f"plan: made for another spec (plan's vs the bundle's: {diff})")
-        _check_decisions(root, plan)
     _check_onnx_entry(root, manifest)
     return spec, plan, vocab, mlp
 
