@@ -157,6 +157,12 @@ def run_bundle(args) -> int:
     vocab = int(m["model"]["vocab_size"])
     if not prompt or any(not 0 <= t < vocab for t in prompt) or args.steps < 0:
         raise BundleError(f"--tokens/--steps: token ids in [0, {vocab}) and steps >= 0 required")
+    from .generate import check_output_size
+
+    try:  # both engines: an output of that many tokens must fit, before any work
+        check_output_size(args.steps, 1, "cpu")
+    except ValueError as exc:
+        raise BundleError(f"--steps: {exc}") from None
     if engine == "onnxruntime":
         import numpy as np
 
