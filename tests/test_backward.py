@@ -666,7 +666,8 @@ def test_split_gradients_workspaces():
         # dGq and dGs (C fp32 each), dc and the key blocks' (or the two sides') shares (fp32) per token
         assert cfg.workspace_bytes(work) - one.workspace_bytes(work) == work.rows * (2 * 4 * 16 + 4 * (1 + parts))
         assert cfg.figures(work).launches == one.figures(work).launches + launches
-    assert BackwardConfig(chunk_size=16, block_v=16, grads_split=1).check(shape) is not None
+    with pytest.raises(TypeError, match="^BackwardConfig.grads_split: expected bool"):  # refused when built
+        BackwardConfig(chunk_size=16, block_v=16, grads_split=1)
 
 
 
