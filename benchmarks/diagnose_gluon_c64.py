@@ -2,7 +2,7 @@
 ``chunk_split_gluon.config_refusal`` refuses since the H200 tests of 2026-12-04 failed at o3 16x8
 materialised (K 128, T 130, output_block_v 16) while K 256 passed.
 
-    python benchmarks/diagnose_gluon_c64.py
+    python benchmarks/diagnose_gluon_c64.py [--sanitize]     (each case in a process of its own)
 
 Lifts that refusal in this process only, then runs the split form on one small problem per
 (widths, config, features) against the float64 reference with NaN-poisoned workspaces, as the
@@ -23,7 +23,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 
-def main() -> int:
+WIDTHS = [(16, 8), (128,), (64,), (16, 16)]
+FEATS = ("plain", "gated-delta-l2-h0")
+CASE_NAMES = ("triton c64 out16", "gluon c64 out16", "gluon c64 out64", "gluon c64 out16 stride1", "gluon c32 out16")
+
+
+def main(only: str | None = None) -> int:
     import torch
 
     from conftest import nan_empty, rel_err
@@ -59,17 +64,59 @@ def main() -> int:
         "gluon c64 out16 stride1": SplitConfig(64, 64, loop="gluon", materialise=True),
         "gluon c32 out16": SplitConfig(32, 64, loop="gluon", materialise=True, state_stride=4),
     }
-    for widths in [(16, 8), (128,), (64,), (16, 16)]:
-        for name, cfg in cases.items():
-            if len(widths) == 1 or widths == (16, 16):
-                cfg = dataclasses.replace(cfg, materialise=False)
-            for feat in ("plain", "gated-delta-l2-h0"):
-                try:
-                    print(widths, name, feat, err(cfg, widths, 130, feat), flush=True)
-                except Exception as exc:  # a refusal or a launch failure: the row says which
-                    print(widths, name, feat, "ERROR", type(exc).__name__, str(exc)[:200], flush=True)
+    rows = [(widths, name, feat) for widths in WIDTHS for name in cases for feat in FEATS]
+    if only is not None:  # one case in this process (an illegal address ends the CUDA context)
+        rows = [r for r in rows if _row_id(*r) == only]
+        if not rows:
+            print(f"diagnose_gluon_c64: no case {only!r}", file=sys.stderr)
+            return 2
+    for widths, name, feat in rows:
+        cfg = cases[name]
+        if len(widths) == 1 or widths == (16, 16):
+            cfg = dataclasses.replace(cfg, materialise=False)
+        try:
+            print(widths, name, feat, err(cfg, widths, 130, feat), flush=True)
+        except Exception as exc:  # a refusal or a launch failure: the row says which
+            print(widths, name, feat, "ERROR", type(exc).__name__, str(exc)[:200], flush=True)
+    return 0
+
+
+def _row_id(widths, name, feat) -> str:
+    return f"{'x'.join(map(str, widths))}/{name.replace(' ', '-')}/{feat}"
+
+
+def run_each(sanitize: bool) -> int:
+    """Every case in a process of its own, so one illegal address cannot fail the cases after
+    it (on 2026-12-05 the first case's did, and every later row read the same error); with
+    ``sanitize`` the first case that fails runs again under compute-sanitizer, which names the
+    kernel and the address."""
+    import shutil
+    import subprocess
+
+    ids = [_row_id(w, n, f) for w in WIDTHS for n in CASE_NAMES for f in FEATS]
+    sanitizer = shutil.which("compute-sanitizer") or next(
+        (p for p in ("/usr/local/cuda/bin/compute-sanitizer",) if Path(p).exists()), None)
+    for row in ids:
+        cmd = [sys.executable, __file__, "--only", row]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        line = (res.stdout.strip().splitlines() or [f"{row} exit {res.returncode} {res.stderr.strip()[-200:]}"])[-1]
+        print(line, flush=True)
+        if sanitize and ("ERROR" in line or res.returncode) and sanitizer:
+            san = subprocess.run([sanitizer, "--tool", "memcheck", "--print-limit", "4", *cmd],
+                                 capture_output=True, text=True, timeout=400)
+            print("\n".join((san.stdout + san.stderr).splitlines()[:60]), flush=True)
+            sanitize = False
+        elif sanitize and "ERROR" in line:
+            print("compute-sanitizer: not found on this machine", flush=True)
+            sanitize = False
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", help="one case, WIDTHS/CASE/FEATURES as the rows print it (e.g. 16x8/triton-c64-out16/plain)")
+    ap.add_argument("--sanitize", action="store_true", help="rerun the first failing case under compute-sanitizer")
+    a = ap.parse_args()
+    raise SystemExit(main(a.only) if a.only else run_each(a.sanitize))

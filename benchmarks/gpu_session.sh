@@ -152,7 +152,7 @@ step_onnxcpu() {  # the ONNX graphs' mixer bodies (chunk-parallel prefill, one-t
 step_gluonc64() {  # why the Gluon loop at chunks of 64 gave wrong outputs at K 128 (refused since
   # 2026-12-04): diagnose_gluon_c64.py lifts the refusal in its own process and prints where the
   # outputs or states go wrong, beside the Triton loop at C 64 (~1-2 min with compiles)
-  timeout -s INT "${DIAG_S:-240}" python3 benchmarks/diagnose_gluon_c64.py > "$OUT/gluon_c64.txt" 2>&1 || true
+  timeout -s INT "${DIAG_S:-300}" python3 benchmarks/diagnose_gluon_c64.py --sanitize > "$OUT/gluon_c64.txt" 2>&1 || true
   tail -n 30 "$OUT/gluon_c64.txt"
 }
 
