@@ -136,6 +136,10 @@ FORMS = {
     "split-o3-16x16-c16-kg2-stride2-tma": (SplitConfig(16, 16, tma=True, key_group=2, state_stride=2), (16, 16), 77, 8),
     "split-o3-16x16-c16-kg4-stride4": (SplitConfig(16, 16, prepare_warps=2, key_group=4, state_stride=4), (16, 16),
                                        77, 6),
+    # chunks of 64 (the o3 16x16 default's; the tuner's space at every K): a partial last chunk
+    "split-o2-16-c64-stride4": (SplitConfig(64, 16, state_stride=4), (16,), 130, 6),
+    "split-o3-4x4-materialised-c64-stride2-tma": (SplitConfig(64, 16, state_stride=2, materialise=True, tma=True),
+                                                  (4, 4), 150, 8),
     "split-o3-16x16-c32-tma-out32": (SplitConfig(32, 16, tma=True, output_block_v=32, output_warps=2), (16, 16), 45, 40),
     # split on materialised keys: factors under 16 wide (4x4, 2x4x2: K 16), stored states every 2nd chunk
     "split-o3-4x4-materialised-stride2": (SplitConfig(16, 16, state_stride=2, materialise=True), (4, 4), 45, 6),
