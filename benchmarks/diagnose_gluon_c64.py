@@ -11,6 +11,13 @@ entries off by more than 5% of the largest: the Triton loop at C 64 (the control
 at C 64 with 16 and 64 output columns and with every chunk's state stored, and at C 32 (passes).
 A wrong final state points at the loop, right states with wrong outputs at the stored U / states
 or at the output kernel.
+
+First run (H200, `fb0aef6`, 2026-12-05, all cases in one process): the very first case, the
+*Triton* loop's control at C 64 (o3 16x8 materialised, K 128, stride 4, 32 value columns, no
+descriptors), ended in an illegal memory access, and every later case failed with it (a CUDA
+context does not survive one). So C 64 below K 256 may be wrong for the Triton loop too, not only
+the Gluon one; no test ran the split form at C 64 below K 256 until then (the interpreter passes
+it). Now each case runs in its own process, and ``--sanitize`` names the faulting kernel.
 """
 
 from __future__ import annotations
