@@ -66,6 +66,8 @@ def run_export(args) -> int:
             raise BundleError(f"bundle {args.out!r}: already exists; allowed: a new path, or --force to replace a bundle")
         check_replaceable(out)
     check_out_parent("rtcompile export", args.out)  # tried, nothing made
+    # the plan is read and checked (Plan.load: every field, both phases, this spec) before the model is
+    # built and its weights allocated: a bad plan file costs nothing
     plan = Plan.load(args.plan) if args.plan is not None else None
     if plan is not None:
         from .export.verify import plan_mismatch
