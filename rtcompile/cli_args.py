@@ -239,9 +239,13 @@ def write_out(prog: str, out: str | os.PathLike, write: Callable[[], object]) ->
     the file's folder made first. An OSError of that write (a full disk, a folder made read-only
     since the check, a FIFO put there since) is a :class:`UsageError` naming ``--out``; a folder
     made for it is removed again."""
+    from .fileio import WriteError
+
     with new_folders(prog, os.path.dirname(os.path.abspath(out))):
         try:
             write()
+        except WriteError as exc:  # already "cannot write <path>: <why>"
+            raise UsageError(f"{prog}: --out {os.fspath(out)!r}: {exc}") from None
         except OSError as exc:
             raise UsageError(f"{prog}: --out {os.fspath(out)!r}: cannot write ({_why(exc)})") from None
 

@@ -322,3 +322,31 @@ def test_export_refuses_a_bad_plan_before_building_the_model(work, capsys, monke
     _refused(["export", "tiny.toml", "--plan", path, "--out", "new/bundle", "--no-onnx", "--no-kernels"], capsys,
              work, needle)
 
+
+
+@pytest.mark.parametrize("part", ["weights.safetensors", "the ONNX graphs"])
+def test_export_a_weights_or_graph_write_that_fails_is_one_line_and_leaves_nothing(work, capsys, monkeypatch, part):
+    """safetensors' save_file or onnx.save fails part-way (a full disk): one line naming --out and
+    the file, exit 2, and no bundle, half-written file, temporary or folder left."""
+    full = os.strerror(errno.ENOSPC)
+    if part == "weights.safetensors":
+        import safetensors.torch
+        from safetensors import SafetensorError
+
+        def save_file(state, path, *a, **k):
+            Path(path).write_bytes(b"half")  # what was written when the disk filled up
+            raise SafetensorError(f"Error while serializing: I/O error: {full} (os error 28) at path {path!r}")
+
+        monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+        argv = [*COMMANDS["export"], "--out", "new/bundle"]
+    else:
+        import onnx
+
+        def save(model, path, *a, **k):
+            with open(path, "wb") as fh:
+                fh.write(b"half")
+            raise OSError(errno.ENOSPC, full)  # a write() on a full disk: no file name
+
+        monkeypatch.setattr(onnx, "save", save)
+        argv = ["export", "tiny.toml", "--no-kernels", "--out", "new/bundle"]
+    _refused(argv, capsys, work, "--out 'new/bundle'", part, full)
