@@ -152,13 +152,20 @@ def _usable_folder(prog: str, text: str, folder: str) -> None:
     os.unlink(probe)
 
 
+def _out_text(prog: str, out: str | os.PathLike, allowed: str) -> str:
+    """``--out``'s text, refused when empty or blank (:class:`UsageError`; ``allowed`` says what
+    the option takes)."""
+    text = os.fspath(out)
+    if not text.strip():
+        raise UsageError(f"{prog}: --out {text!r}: empty; allowed: {allowed}")
+    return text
+
+
 def check_out_dir(prog: str, out: str | os.PathLike) -> None:
     """``--out DIR`` before any work (minutes of measuring, not after): a folder, or a new path
     whose existing parents are folders, writable (tried); else a :class:`UsageError` naming
     ``prog``'s option. Nothing is created."""
-    text = os.fspath(out)
-    if not text.strip():
-        raise UsageError(f"{prog}: --out {text!r}: empty; allowed: a folder path")
+    text = _out_text(prog, out, "a folder path")
     path = os.path.abspath(text)
     if os.path.lexists(path) and not os.path.isdir(path):
         raise UsageError(f"{prog}: --out {text!r}: is {_kind(os.lstat(path).st_mode)}, not a folder; allowed: a "
@@ -170,9 +177,7 @@ def check_out_file(prog: str, out: str | os.PathLike) -> None:
     """``--out FILE`` before any work: a regular file (replaced atomically later) or a new path,
     never a folder, FIFO or device node; its folder existing or makeable, and writable (tried).
     Nothing is created."""
-    text = os.fspath(out)
-    if not text.strip():
-        raise UsageError(f"{prog}: --out {text!r}: empty; allowed: a regular file path or a new one")
+    text = _out_text(prog, out, "a regular file path or a new one")
     path = os.path.abspath(text)
     if os.path.lexists(path):
         try:
@@ -187,9 +192,7 @@ def check_out_file(prog: str, out: str | os.PathLike) -> None:
 def check_out_parent(prog: str, out: str | os.PathLike) -> None:
     """The folder that will hold ``--out`` (a bundle folder, which the command judges itself):
     existing or makeable, and writable (tried). Nothing is created."""
-    text = os.fspath(out)
-    if not text.strip():
-        raise UsageError(f"{prog}: --out {text!r}: empty; allowed: a folder path")
+    text = _out_text(prog, out, "a folder path")
     _usable_folder(prog, text, os.path.dirname(os.path.abspath(text)))
 
 
@@ -236,9 +239,13 @@ def write_out(prog: str, out: str | os.PathLike, write: Callable[[], object]) ->
     the file's folder made first. An OSError of that write (a full disk, a folder made read-only
     since the check, a FIFO put there since) is a :class:`UsageError` naming ``--out``; a folder
     made for it is removed again."""
+    from .fileio import WriteError
+
     with new_folders(prog, os.path.dirname(os.path.abspath(out))):
         try:
             write()
+        except WriteError as exc:  # already "cannot write <path>: <why>"
+            raise UsageError(f"{prog}: --out {os.fspath(out)!r}: {exc}") from None
         except OSError as exc:
             raise UsageError(f"{prog}: --out {os.fspath(out)!r}: cannot write ({_why(exc)})") from None
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .cli_args import UsageError, check_out_parent, new_folders, nonempty
+from .cli_args import check_out_parent, nonempty, write_out
 
 
 def add_parsers(sub) -> None:
@@ -54,7 +54,6 @@ def run_export(args) -> int:
     from pathlib import Path
 
     from .export import BundleError, check_replaceable, export_bundle
-    from .fileio import WriteError
     from .model import RunningTensorLM
     from .plan import Plan
     from .spec import load_spec
@@ -66,6 +65,8 @@ def run_export(args) -> int:
             raise BundleError(f"bundle {args.out!r}: already exists; allowed: a new path, or --force to replace a bundle")
         check_replaceable(out)
     check_out_parent("rtcompile export", args.out)  # tried, nothing made
+    # the plan is read and checked (Plan.load: every field, both phases, this spec) before the model is
+    # built and its weights allocated: a bad plan file costs nothing
     plan = Plan.load(args.plan) if args.plan is not None else None
     if plan is not None:
         from .export.verify import plan_mismatch
@@ -92,14 +93,13 @@ def run_export(args) -> int:
         if problem is not None:
             raise BundleError(f"--weights {args.weights!r}: {problem}")
         model.load_state_dict(load_file(args.weights), strict=True)
-    # the parent folders made here are removed again when the export fails before writing
-    with new_folders("rtcompile export", out.absolute().parent):
-        try:
-            path = export_bundle(model, args.out, plan=plan, overwrite=args.force, onnx=not args.no_onnx,
-                                 opset27=args.opset27, compiled=not args.no_kernels)
-        except WriteError as exc:
-            raise UsageError(f"rtcompile export: --out {args.out!r}: {exc}") from None
-    print(f"bundle written to {path}")
+    # the bundle is built in a temporary folder and renamed into place (export_bundle); a write that
+    # fails (the weights, the ONNX graphs, the manifest: a WriteError) is one line naming --out, and
+    # the parent folders made here are removed again
+    write_out("rtcompile export", args.out, lambda: export_bundle(
+        model, args.out, plan=plan, overwrite=args.force, onnx=not args.no_onnx, opset27=args.opset27,
+        compiled=not args.no_kernels))
+    print(f"bundle written to {out}")
     return 0
 
 

@@ -12,7 +12,9 @@ tables unreadable to the other users of a shared machine.
 
 A failure of those writes themselves (making the folder or the temporary, writing it, the
 rename) is a :class:`WriteError`, an OSError naming the destination; so is a destination that
-exists and is not a regular file (a FIFO, a device node, a folder): it is never replaced.
+exists and is not a regular file (a FIFO, a device node, a folder): it is never replaced. A
+writer of its own (safetensors, onnx) into the temporary folder of :func:`atomic_directory`
+runs inside :func:`writing`, which makes its OSError such a WriteError too.
 
 This module imports nothing from rtcompile, so any layer (kernels, tuning, export, CLI) may
 use it without an import cycle.
@@ -29,7 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-__all__ = ["WriteError", "atomic_directory", "atomic_write", "cache_dir", "file_sha256", "honour_umask"]
+__all__ = ["WriteError", "atomic_directory", "atomic_write", "cache_dir", "file_sha256", "honour_umask", "writing"]
 
 # A clash of two 64-bit random names is improbable; the retries only bound a pathological loop.
 _NAME_TRIES = 16
@@ -44,8 +46,22 @@ def _why(exc: OSError) -> str:
     return exc.strerror or str(exc) or type(exc).__name__
 
 
-def _failed(dest: Path, exc: OSError) -> WriteError:
-    return exc if isinstance(exc, WriteError) else WriteError(f"cannot write {str(dest)!r}: {_why(exc)}")
+def _failed(dest: Path, exc: OSError, part: str | None = None) -> WriteError:
+    if isinstance(exc, WriteError):
+        return exc
+    return WriteError(f"cannot write {str(dest)!r}{f' ({part})' if part else ''}: {_why(exc)}")
+
+
+@contextmanager
+def writing(dest: str | os.PathLike, part: str | None = None) -> Iterator[None]:
+    """A block that writes ``dest`` (``part``: which file of a folder being built for it, named
+    in the message): an OSError of the block, with or without a file name (a ``write`` on a
+    full disk has none), is a :class:`WriteError` naming ``dest``. Writing to a temporary name
+    and renaming it into place (what leaves nothing half-written) stays the caller's."""
+    try:
+        yield
+    except OSError as exc:
+        raise _failed(Path(dest), exc, part) from exc
 
 
 def _refuse_non_regular(dest: Path) -> None:

@@ -25,11 +25,13 @@ import dataclasses
 import json
 import math
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from ._version import __version__
+from .fields import FieldError, FieldValueError, check_int, check_ints, check_type
 from .fileio import atomic_write
 from .costmodel import Calibration, calibrate, chunk_cost, recurrent_cost, shape_of, with_measured, workload
 from .kernels.chunk_backward import default_backward
@@ -178,16 +180,16 @@ def _check_choice(where: str, value: Any, allowed: tuple[str, ...]) -> None:
         raise PlanError(f"{where}: got {_got(value, isinstance(value, str))}; allowed: {', '.join(allowed)}")
 
 
-def _check_count(where: str, value: Any) -> None:
-    """A bucket's batch or length: an integer >= 1 (decision_for takes its log2)."""
-    ok_type = isinstance(value, int) and not isinstance(value, bool)
-    if not ok_type or value < 1:
-        raise PlanError(f"{where}: got {_got(value, ok_type)}; allowed: an integer >= 1")
-
-
-def _check_type(where: str, value: Any, kind: type | tuple[type, ...], allowed: str) -> None:
-    if not isinstance(value, kind):
-        raise PlanError(f"{where}: got {_got(value, False)}; allowed: {allowed}")
+@contextmanager
+def _plan_field() -> Iterator[None]:
+    """Fields checked by :mod:`rtcompile.fields`, a refusal as a PlanError worded as every
+    other of a plan's refusals: ``<path>: got <value>; allowed: <what>`` (a plan file's value
+    of the wrong type is a bad value like any other, shown with its type)."""
+    try:
+        yield
+    except FieldError as exc:
+        got = _got(exc.value, isinstance(exc, ValueError))
+        raise PlanError(f"{exc.name}: got {got}; allowed: {exc.allowed}") from None
 
 
 def _check_config(where: str, value: Any, kernel: str) -> None:
@@ -202,15 +204,15 @@ def _check_decision(where: str, d: Any) -> Decision:
     log2 of batch and length, the launcher builds the config) and the types of the rest."""
     _check_keys(where, d, _DECISION_KEYS, _DECISION_OPTIONAL)
     _check_choice(f"{where}.phase", d["phase"], PHASES)
-    _check_count(f"{where}.batch", d["batch"])
-    _check_count(f"{where}.seq_len", d["seq_len"])
+    check_int(f"{where}.batch", d["batch"], 1)
+    check_int(f"{where}.seq_len", d["seq_len"], 1)
     _check_choice(f"{where}.mode", d["mode"], DECISION_MODES)
     _check_config(f"{where}.variant", d["variant"], d["mode"])
-    _check_type(f"{where}.cost", d["cost"], dict, "an object (the cost model's figures)")
-    _check_type(f"{where}.alternatives", d["alternatives"], list, "a list of objects")
+    check_type(f"{where}.cost", d["cost"], dict, "an object (the cost model's figures)")
+    check_type(f"{where}.alternatives", d["alternatives"], list, "a list of objects")
     for i, a in enumerate(d["alternatives"]):
-        _check_type(f"{where}.alternatives[{i}]", a, dict, "an object (mode, variant, cost)")
-    _check_type(f"{where}.reason", d["reason"], str, "a string")
+        check_type(f"{where}.alternatives[{i}]", a, dict, "an object (mode, variant, cost)")
+    check_type(f"{where}.reason", d["reason"], str, "a string")
     _check_choice(f"{where}.state_dtype", d.get("state_dtype", "float32"), DECISION_STATE_DTYPES)
     if d.get("backward") is not None:
         _check_config(f"{where}.backward", d["backward"], "chunk_bwd")
@@ -222,6 +224,11 @@ def check_plan_dict(data: Any) -> Plan:
     the format, exactly the known keys, the spec through the spec module's validation, every
     decision's values, and a decision for each phase the model runs (:data:`MODEL_PHASES`).
     PlanError naming the field's path and what is allowed."""
+    with _plan_field():  # the integer and type checks are rtcompile.fields'
+        return _check_plan(data)
+
+
+def _check_plan(data: Any) -> Plan:
     if not isinstance(data, dict) or isinstance(data.get("format"), bool) or not isinstance(data.get("format"), int):
         raise PlanError("plan: not a plan file (no integer 'format')")
     if data["format"] > PLAN_FORMAT:
@@ -232,16 +239,16 @@ def check_plan_dict(data: Any) -> Plan:
         raise PlanError(f"plan: format {data['format']} is {old}; this rtcompile reads format {PLAN_FORMAT} "
                         "(configs tagged with 'form'): re-run `rtcompile plan` or `rtcompile build`")
     _check_keys("plan", data, _PLAN_KEYS, _PLAN_OPTIONAL)
-    _check_type("plan.spec", data["spec"], dict, "an object (the spec the plan was made for)")
+    check_type("plan.spec", data["spec"], dict, "an object (the spec the plan was made for)")
     try:
         ModelSpec.from_dict(data["spec"])
     except (SpecError, SpecTypeError) as exc:  # "spec.<field>: ..." -> "plan.spec.<field>: ..."
         raise PlanError(f"plan.{str(exc).splitlines()[0]}") from None
-    _check_type("plan.target", data["target"], dict, "an object (the target's profile, with its name)")
+    check_type("plan.target", data["target"], dict, "an object (the target's profile, with its name)")
     if not isinstance(data["target"].get("name"), str) or not data["target"]["name"]:
         raise PlanError(f"plan.target.name: got {_got(data['target'].get('name'), False)}; allowed: a non-empty "
                         "string (the target's name)")
-    _check_type("plan.decisions", data["decisions"], list, "a list of decisions")
+    check_type("plan.decisions", data["decisions"], list, "a list of decisions")
     decisions = [_check_decision(f"plan.decisions[{i}]", d) for i, d in enumerate(data["decisions"])]
     have = {d.phase for d in decisions}
     for phase in MODEL_PHASES:
@@ -249,12 +256,12 @@ def check_plan_dict(data: Any) -> Plan:
             raise PlanError(f"plan.decisions: no decision for phase {phase!r} (the plan has {sorted(have) or 'none'}); "
                             f"allowed: a plan with decisions for {' and '.join(MODEL_PHASES)}, the phases the model "
                             "runs (rtcompile plan writes them)")
-    _check_type("plan.crossover", data["crossover"], dict, "an object (batch bucket -> length or null)")
+    check_type("plan.crossover", data["crossover"], dict, "an object (batch bucket -> length or null)")
     for key, value in data["crossover"].items():
         if value is not None:
-            _check_count(f"plan.crossover[{key!r}]", value)
+            check_int(f"plan.crossover[{key!r}]", value, 1)
     for key in ("memory", "calibration"):
-        _check_type(f"plan.{key}", data[key], dict, "an object")
+        check_type(f"plan.{key}", data[key], dict, "an object")
     versions = data.get("versions", {})
     if not isinstance(versions, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in versions.items()):
         raise PlanError(f"plan.versions: got {_got(versions, False)}; allowed: an object of name -> version string")
@@ -473,20 +480,6 @@ def _fit_calibration(spec: ModelSpec, target: Target, measured) -> Calibration:
     return calibrate(pred, meas, device_time=True)
 
 
-def _check_buckets(name: str, values: Any, may_be_empty: bool = False) -> None:
-    """A list or tuple of integers >= 1 (the buckets' batches or lengths), non-empty unless
-    ``may_be_empty``."""
-    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)):
-        raise TypeError(f"{name}: expected a list or tuple of integers >= 1, got {type(values).__name__} {values!r}")
-    if not values and not may_be_empty:
-        raise PlanError(f"{name}: got an empty {type(values).__name__}; allowed: at least one integer >= 1")
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"{name}: expected integers >= 1, got {type(v).__name__} {v!r}")
-        if v < 1:
-            raise PlanError(f"{name}: got {v}; allowed: integers >= 1")
-
-
 def check_plan_args(spec, target, batches, seq_lens, decode_batches, use_measurements, calibration) -> None:
     """:func:`make_plan`'s arguments, before any work: TypeError for a wrong type, PlanError (a
     ValueError) for a value out of range, each naming the argument and what is allowed."""
@@ -495,9 +488,12 @@ def check_plan_args(spec, target, batches, seq_lens, decode_batches, use_measure
                         f"got {type(spec).__name__}")
     if not isinstance(target, Target):
         raise TypeError(f"target: expected a Target (rtcompile.target.get_target(name)), got {type(target).__name__}")
-    _check_buckets("batches", batches)
-    _check_buckets("seq_lens", seq_lens)
-    _check_buckets("decode_batches", decode_batches, may_be_empty=True)
+    try:  # the buckets' batches and lengths (decision_for takes their log2)
+        check_ints("batches", batches, 1, None, "integers >= 1")
+        check_ints("seq_lens", seq_lens, 1, None, "integers >= 1")
+        check_ints("decode_batches", decode_batches, 1, None, "integers >= 1", may_be_empty=True)
+    except FieldValueError as exc:  # a value out of range is a PlanError (a ValueError) of the same text
+        raise PlanError(str(exc)) from None
     if not isinstance(use_measurements, bool):
         raise TypeError(f"use_measurements: expected a bool, got {type(use_measurements).__name__}")
     if calibration is not None and not isinstance(calibration, Calibration):

@@ -154,7 +154,11 @@ def run_build(args) -> int:
     check_out_file("rtcompile build", out)  # before minutes of tuning and checks, not after; nothing made
     if args.storage is not None:
         check_storage(args.storage, create=True)  # as tune checks it, also where no tuning follows
-    err = Console(stderr=True)
+    # The notices (no GPU: the cost model and the interpreter; on a GPU the measured rates and
+    # the tuning progress) say how the plan is made: they are the start of the report the table
+    # continues, so they go to stdout with it. stderr then holds a failure alone, as one line (a
+    # late write failure, a failed kernel check), never after a notice that is not an error.
+    report = Console()
     on_gpu = _on_gpu()
     if not on_gpu:
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
@@ -165,17 +169,17 @@ def run_build(args) -> int:
         from .tuning import Bucket, TuneOptions, tune_bucket
 
         target = measure()
-        err.print(f"measured {target.name}: copy {target.hbm_bytes_per_s / 1e9:.0f} GB/s, "
+        report.print(f"measured {target.name}: copy {target.hbm_bytes_per_s / 1e9:.0f} GB/s, "
                   f"bf16 matmul {target.bf16_flops / 1e12:.0f} TFLOP/s")
         opts = TuneOptions(storage=args.storage, trials=args.trials, device="cuda", repeats=20)
         common = dict(key_widths=spec.key_widths, value_width=spec.value_width, heads=spec.heads, dtype=spec.input_dtype)
         for bucket in [Bucket("chunk", batch=8, seq_len=4096, **common),
                        Bucket("recurrent", batch=32, seq_len=1, **common), Bucket("recurrent", batch=256, seq_len=1, **common)]:
             res = tune_bucket(bucket, opts)
-            err.print(f"tuned {bucket.label}: {'already tuned' if res.already_tuned else f'{res.trials_run} trials'}")
+            report.print(f"tuned {bucket.label}: {'already tuned' if res.already_tuned else f'{res.trials_run} trials'}")
         spec, target, plan = _make(args, "auto")
     else:
-        err.print(f"no CUDA GPU: planning for {target.name} with the cost model (no tuning); validating the kernels "
+        report.print(f"no CUDA GPU: planning for {target.name} with the cost model (no tuning); validating the kernels "
                   "through the Triton interpreter at small shapes")
     checks = _validate_kernels(spec)
     _print(plan, spec, target)

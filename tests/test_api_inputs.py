@@ -99,6 +99,10 @@ BAD_PLANS = [
     pytest.param(_set("spec", "x"), r"plan\.spec: got str 'x'; allowed: an object", id="spec-string"),
     pytest.param(_set("spec.order", 9), r"plan\.spec\.order: got 9; allowed: an integer in \[2, 6\]", id="spec-order-9"),
     pytest.param(_set("crossover", None), r"plan\.crossover: got null; allowed: an object", id="crossover-null"),
+    pytest.param(_set("crossover.B1", 0), r"plan\.crossover\['B1'\]: got 0; allowed: an integer >= 1",
+                 id="crossover-0"),
+    pytest.param(_set("crossover.B1", "x" * 200),  # the value cut at 80 characters
+                 r"plan\.crossover\['B1'\]: got str 'x{76}\.\.\.; allowed: an integer >= 1$", id="crossover-long"),
     pytest.param(_set("decisions", {}), r"plan\.decisions: got dict \{\}; allowed: a list", id="decisions-dict"),
     pytest.param(_set("bogus", 1), r"plan: unknown keys \['bogus'\]; allowed: spec, target", id="plan-unknown-key"),
     pytest.param(_set("memory", DELETE), r"plan: missing keys \['memory'\]", id="plan-missing-memory"),
@@ -325,6 +329,18 @@ def test_make_plan_refuses_bad_arguments_before_any_work(change, exc, pattern, m
     args.update(change)
     with pytest.raises(exc, match=pattern):
         make_plan(args.pop("spec"), args.pop("target"), **args)
+
+
+def test_make_plan_and_fields_share_the_bucket_check():
+    # make_plan's buckets go through rtcompile.fields.check_ints: a value out of range is a
+    # PlanError, and an empty list is a value out of range there too (was a TypeError in fields)
+    from rtcompile.fields import FieldValueError, check_ints
+
+    with pytest.raises(PlanError, match=r"^decode_batches: got 0; allowed: integers >= 1$"):
+        make_plan(SPEC, get_target("h200"), batches=(1,), seq_lens=(16,), decode_batches=[0])
+    with pytest.raises(FieldValueError, match=r"^orders: got an empty tuple; allowed: at least one of integers") as info:
+        check_ints("orders", (), 2, 6, "integers in [2, 6]")
+    assert (info.value.name, info.value.value, info.value.allowed) == ("orders", (), "at least one of integers in [2, 6]")
 
 
 # ----- 5. the memory refusal names the part that does not fit ----------------------------------

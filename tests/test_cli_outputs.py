@@ -148,10 +148,11 @@ def test_the_atomic_writer_refuses_to_rename_over_a_fifo(tmp_path):
     assert fifo.is_fifo() and sorted(p.name for p in tmp_path.iterdir()) == ["f"]  # no temporary left
 
 
-@pytest.mark.parametrize("cmd", ["plan", "export"])
+@pytest.mark.parametrize("cmd", ["plan", "build", "export"])
 def test_a_write_that_fails_at_the_end_is_one_line_and_leaves_nothing(work, capsys, monkeypatch, cmd):
     """The check passed, then the rename fails (a full disk, a folder made read-only meanwhile):
-    one line naming --out, exit 2, no output, no temporary, and no folder made for it."""
+    one line naming --out, exit 2, no output, no temporary, and no folder made for it (build's
+    no-GPU notice is not on stderr before it: it goes to stdout with the report)."""
     real = os.replace
 
     def full(src, dst, *a, **k):
@@ -276,3 +277,76 @@ def test_empty_strings_are_refused_not_ignored(work, capsys, monkeypatch, argv, 
 def test_a_fix_under_phase_all_names_the_phase_of_its_form(work, capsys, fix, phase):
     _refused(["tune", "tiny.toml", "--fix", fix, "--storage", f"sqlite:///{work / 's.db'}"], capsys, work,
              f"--fix {fix}", f"allowed: --phase {phase}")
+
+
+def _plan_file(work: Path, edit=None) -> Path:
+    """A plan of the tiny spec written to plan.json, ``edit`` applied to its dict first."""
+    import json
+
+    from rtcompile.plan import make_plan
+    from rtcompile.spec import load_spec
+    from rtcompile.target import get_target
+
+    data = make_plan(load_spec(work / "tiny.toml"), get_target("h200"), batches=(1,), seq_lens=(16,),
+                     decode_batches=(1,), use_measurements=False).to_dict()
+    if edit is not None:
+        edit(data)
+    path = work / "plan.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _no_model(monkeypatch):
+    """Building the model (its weights allocated) raises."""
+    import rtcompile.model
+
+    def built(*a, **k):
+        raise AssertionError("the model was built before the input was checked")
+
+    monkeypatch.setattr(rtcompile.model, "RunningTensorLM", built)
+
+
+@pytest.mark.parametrize(("edit", "needle"), [
+    (lambda d: d["decisions"][0].update(batch=0), "plan.decisions[0].batch: got 0; allowed: an integer >= 1"),
+    (lambda d: d.update(decisions=[x for x in d["decisions"] if x["phase"] != "decode"]),
+     "no decision for phase 'decode'"),
+    (lambda d: d["spec"].update(value_width=16), "made for another spec"),
+    (lambda d: d.update(format=99), "newer than this rtcompile reads"),
+    ("not json", "unreadable"),
+], ids=["bad-field", "no-decode", "other-spec", "newer-format", "not-json"])
+def test_export_refuses_a_bad_plan_before_building_the_model(work, capsys, monkeypatch, edit, needle):
+    path = _plan_file(work, None if isinstance(edit, str) else edit)
+    if isinstance(edit, str):
+        path.write_text(edit)
+    _no_model(monkeypatch)
+    _refused(["export", "tiny.toml", "--plan", path, "--out", "new/bundle", "--no-onnx", "--no-kernels"], capsys,
+             work, needle)
+
+
+
+@pytest.mark.parametrize("part", ["weights.safetensors", "the ONNX graphs"])
+def test_export_a_weights_or_graph_write_that_fails_is_one_line_and_leaves_nothing(work, capsys, monkeypatch, part):
+    """safetensors' save_file or onnx.save fails part-way (a full disk): one line naming --out and
+    the file, exit 2, and no bundle, half-written file, temporary or folder left."""
+    full = os.strerror(errno.ENOSPC)
+    if part == "weights.safetensors":
+        import safetensors.torch
+        from safetensors import SafetensorError
+
+        def save_file(state, path, *a, **k):
+            Path(path).write_bytes(b"half")  # what was written when the disk filled up
+            raise SafetensorError(f"Error while serializing: I/O error: {full} (os error 28) at path {path!r}")
+
+        monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+        argv = [*COMMANDS["export"], "--out", "new/bundle"]
+    else:
+        import onnx
+
+        def save(model, path, *a, **k):
+            with open(path, "wb") as fh:
+                fh.write(b"half")
+            raise OSError(errno.ENOSPC, full)  # a write() on a full disk: no file name
+
+        monkeypatch.setattr(onnx, "save", save)
+        argv = ["export", "tiny.toml", "--no-kernels", "--out", "new/bundle"]
+    _refused(argv, capsys, work, "--out 'new/bundle'", part, full)

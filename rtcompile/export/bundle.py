@@ -19,7 +19,7 @@ import subprocess
 import warnings
 from pathlib import Path
 
-from ..fileio import atomic_directory, file_sha256, honour_umask
+from ..fileio import atomic_directory, file_sha256, honour_umask, writing
 from .compiled import compile_into, install
 from .verify import (
     BUNDLE_FORMAT,
@@ -62,8 +62,6 @@ def export_bundle(model, out: str | os.PathLike, *, plan=None, overwrite: bool =
     so once (the bundle is still complete). Before anything is written the arguments are
     checked and ``plan`` is read back through the loader's own reader (every field, a decision
     for prefill and decode, made for this spec): a bundle the loader would refuse is never written."""
-    from safetensors.torch import save_file
-
     from ..model import RunningTensorLM
     from ..plan import Plan, PlanError
 
@@ -92,9 +90,13 @@ def export_bundle(model, out: str | os.PathLike, *, plan=None, overwrite: bool =
     if (dest.exists() or dest.is_symlink()) and not overwrite:
         raise BundleError(f"bundle {str(dest)!r}: already exists; allowed: a new path, or overwrite=True (--force)")
     with atomic_directory(dest, overwrite=overwrite, may_replace=check_replaceable) as tmp:
+        # Each write into the temporary folder (a full disk, a folder made read-only meanwhile) is a
+        # WriteError naming the bundle: one line from the CLI, and atomic_directory removes the
+        # temporary folder, so no half-written bundle is left.
         state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-        save_file(state, str(tmp / WEIGHTS))
-        honour_umask(tmp / WEIGHTS)  # save_file creates it 0600
+        with writing(dest, WEIGHTS):
+            _save_weights(state, tmp / WEIGHTS)
+            honour_umask(tmp / WEIGHTS)  # save_file creates it 0600
         names, onnx_entry = [WEIGHTS], None
         if onnx:
             import copy
@@ -111,7 +113,8 @@ def export_bundle(model, out: str | os.PathLike, *, plan=None, overwrite: bool =
             # weights, which load compares: a graph swapped in later, even with its file's
             # sha256 updated, is refused.
             try:
-                export_onnx(copy.deepcopy(model), tmp, opset27=opset27)
+                with writing(dest, "the ONNX graphs"):
+                    export_onnx(copy.deepcopy(model), tmp, opset27=opset27)
             except BundleError as exc:
                 raise BundleError(f"bundle {str(dest)!r}: {exc}") from None
             names += list(GRAPHS)
@@ -134,8 +137,23 @@ def export_bundle(model, out: str | os.PathLike, *, plan=None, overwrite: bool =
             "versions": _versions(),
             "files": files,
         }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+        with writing(dest, MANIFEST):
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
     return dest
+
+
+def _save_weights(state: dict, path: Path) -> None:
+    """safetensors' ``save_file``, an I/O error of which (its own SafetensorError, not an
+    OSError) raised as the OSError it reports; any other of its errors is a bug and stays one."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(state, str(path))
+    except SafetensorError as exc:
+        if "I/O error" not in str(exc):
+            raise
+        raise OSError(str(exc).splitlines()[0]) from exc
 
 
 def _compile_kernels(model, plan, tmp: Path):
