@@ -295,6 +295,73 @@ def test_export_refuses_graphs_that_do_not_carry_the_model(tmp_path, monkeypatch
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.toml"]
 
 
+@pytest.mark.parametrize("how,pattern", [
+    ("dims", r"raw_data size \(528 bytes\) is too small"),
+    ("data-type-0", r"UNDEFINED"),
+    ("data-type-999", r"tensor 'lm\.embed\.weight'.*data type 999"),
+], ids=["dims", "data-type-0", "data-type-999"])
+def test_onnx_graph_with_a_malformed_tensor(how, pattern, bundle, capsys):
+    # numpy_helper raised ValueError / TypeError / KeyError: a traceback from inspect and run
+    def edit(model):
+        t = _initializer(model, "lm.embed.weight")
+        if how == "dims":
+            t.dims[0] += 3
+        else:
+            t.data_type = 0 if how == "data-type-0" else 999
+
+    _rewrite_graph(bundle, "prefill.onnx", edit)
+    _refused(bundle, capsys, r"prefill\.onnx: ", pattern)
+
+
+@pytest.mark.parametrize("how,pattern", [
+    ("dangling-input", r"input 'nowhere' of node.*is not output of any previous nodes"),
+    ("unknown-op", r"No Op registered for Bogus"),
+], ids=["dangling-input", "unknown-op"])
+def test_onnx_graph_the_checker_refuses(how, pattern, bundle, capsys):
+    # parsed fine, so inspect passed it and onnxruntime failed at run with its own traceback
+    def edit(model):
+        if how == "dangling-input":
+            model.graph.node[3].input[0] = "nowhere"
+        else:
+            model.graph.node[3].op_type = "Bogus"
+
+    _rewrite_graph(bundle, "decode.onnx", edit)
+    _refused(bundle, capsys, r"decode\.onnx: not a valid ONNX model \(", pattern)
+
+
+def test_onnx_graph_onnxruntime_cannot_load_is_one_line_from_run(bundle, capsys):
+    # an op of the graph's own domain that nothing defines: the checker cannot know the domain's
+    # ops (it skips them), onnxruntime refuses the graph when the session is made
+    def edit(model):
+        model.graph.node[3].domain = "ai.rtcompile"
+        model.graph.node[3].op_type = "Bogus"
+
+    _rewrite_graph(bundle, "prefill.onnx", edit)
+    capsys.readouterr()
+    code = main(["run", str(bundle), "--engine", "onnxruntime", "--steps", "1"])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert str(bundle) in lines[0] and re.search(r"prefill\.onnx: onnxruntime cannot load it \(.*Bogus", lines[0]), lines
+
+
+def test_a_file_of_the_wrong_size_is_refused_before_it_is_hashed(bundle, capsys, monkeypatch):
+    # a sparse 64 GiB file in place of the weights took 110 s to hash before its size was compared
+    from rtcompile.export import verify
+
+    with open(bundle / "weights.safetensors", "r+b") as f:
+        f.truncate(64 << 30)
+    monkeypatch.setattr(verify, "file_sha256", lambda *a: pytest.fail("hashed a file of the wrong size"), raising=False)
+    monkeypatch.setattr(verify.hashlib, "sha256", lambda *a: pytest.fail("hashed a file of the wrong size"))
+    _refused(bundle, capsys, r"manifest\.json: files\['weights\.safetensors'\]\.bytes is \d+, the file has 68719476736")
+
+
+def test_a_recorded_size_beyond_the_cap_is_refused(bundle, capsys):
+    _edit(bundle, lambda m: m["files"]["weights.safetensors"].update(bytes=1 << 50))
+    _refused(bundle, capsys, r"files\['weights\.safetensors'\]\.bytes is int 1125899906842624; allowed: an integer "
+                             r"in \[0, 1099511627776\]")
+
+
 # ----- plans ----------------------------------------------------------------------------------
 
 def test_export_refuses_a_plan_of_another_spec(tmp_path, capsys):

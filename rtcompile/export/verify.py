@@ -13,7 +13,8 @@ so nothing in a bundle is ever executed):
 3. ``weights.safetensors``: a safetensors file whose tensors are exactly the model's, each of
    its shape and a floating dtype (read from the header; no weight is loaded);
 4. the ONNX graphs: parseable, external data only in files the manifest lists (never a path
-   leaving the bundle), and the digest of their weights equal to the one recorded at export.
+   leaving the bundle), valid for ``onnx.checker`` (known standard ops, no dangling input, no
+   malformed tensor), and the digest of their weights equal to the one recorded at export.
 """
 
 from __future__ import annotations
@@ -322,27 +323,45 @@ def graph_tensors(model):
 
 def graph_weights_sha256(model) -> str:
     """sha256 over every tensor of an ONNX model (name, type, dims, values): what the manifest
-    records at export and load compares."""
+    records at export and load compares. ValueError, naming the tensor, for one that cannot be
+    read as its data type and dims say."""
     import onnx
     from onnx import numpy_helper
 
     h = hashlib.sha256()
     for t in graph_tensors(model):
-        if t.data_type == onnx.TensorProto.STRING:
-            data = b"".join(len(s).to_bytes(8, "little") + s for s in t.string_data)
-        else:
-            data = numpy_helper.to_array(t).tobytes()
+        try:
+            if t.data_type == onnx.TensorProto.STRING:
+                data = b"".join(len(s).to_bytes(8, "little") + s for s in t.string_data)
+            else:
+                data = numpy_helper.to_array(t).tobytes()
+        except (ValueError, TypeError, KeyError, IndexError) as exc:
+            # numpy_helper on a malformed tensor: dims that disagree with its data (ValueError), data
+            # type 0 (TypeError) or one ONNX does not define (KeyError), none naming the tensor
+            raise ValueError(f"tensor {t.name!r} (data type {t.data_type}, dims {list(t.dims)}) cannot be read: "
+                             f"{str(exc) or type(exc).__name__}") from None
         h.update(f"{t.name}\0{t.data_type}\0{list(t.dims)}\0{len(data)}\0".encode())
         h.update(data)
     return h.hexdigest()
 
 
+def _one_line(exc: BaseException) -> str:
+    """An error's message on one line (the ONNX checker's span several), at most 300 characters."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
 def check_graphs(root: Path, manifest: dict[str, Any]) -> None:
     """Each ONNX graph parses, keeps its external data in files the manifest lists (so hashed
     and inside the bundle; onnxruntime would follow ``../x`` or ``/etc/x`` wherever it points),
-    and its weights are those recorded at export (``onnx.weights_sha256``)."""
+    passes ``onnx.checker.check_model`` (ops of the standard domains that exist at the graph's
+    opset, every node input produced before it, well-formed tensors, the model-local functions;
+    ops of another domain such as ai.rtcompile are the runtime's to resolve, see
+    ``onnx_model.run_greedy``), and its weights, each readable, are those recorded at export
+    (``onnx.weights_sha256``)."""
     import onnx
     from google.protobuf.message import DecodeError
+    from onnx.checker import ValidationError
     from onnx.external_data_helper import load_external_data_for_model
 
     files = manifest["files"]
@@ -365,7 +384,18 @@ def check_graphs(root: Path, manifest: dict[str, Any]) -> None:
                                          "does not list (unverified)")
         if external:
             load_external_data_for_model(model, str(root))
-        if graph_weights_sha256(model) != manifest["onnx"]["weights_sha256"][name]:
+        # with its external data in the proto: the checker would look for the data files relative
+        # to the working folder. A graph over 2 GiB is refused here (the exporter's onnx.save
+        # cannot write one, and onnxruntime takes none from memory either)
+        try:
+            onnx.checker.check_model(model)
+        except (ValidationError, ValueError) as exc:
+            raise refuse(root, name, f"not a valid ONNX model ({_one_line(exc)})") from None
+        try:
+            digest = graph_weights_sha256(model)
+        except ValueError as exc:
+            raise refuse(root, name, _one_line(exc)) from None
+        if digest != manifest["onnx"]["weights_sha256"][name]:
             raise refuse(root, name, f"its weights differ from those recorded at export (onnx.weights_sha256 in "
                                      f"{MANIFEST}): the graph is not the one exported with {WEIGHTS}")
 
