@@ -44,6 +44,9 @@ MODEL_CLASS = "RunningTensorLM"
 # The largest vocabularies in use are ~256k tokens (Gemma: 262,144); 2**24 (16.8M) leaves 64x
 # headroom while refusing a manifest whose embedding alone would be terabytes.
 MAX_VOCAB = 1 << 24
+# A file of a bundle is read whole (hashed, then loaded); 1 TiB is 16x the weights of a 16B-parameter
+# fp32 model with a 2**24 vocabulary, and refuses a size no machine holds before anything is read.
+MAX_FILE_BYTES = 1 << 40
 # The dtypes load_state_dict converts into the fp32 parameters without losing meaning; an
 # integer or boolean tensor in their place is a broken exporter, not a weight.
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
@@ -117,20 +120,21 @@ def _check_files(root: Path, files: Any) -> None:
         if not isinstance(meta, dict) or sorted(meta) != ["bytes", "sha256"]:
             got = sorted(meta) if isinstance(meta, dict) else _type_name(meta)
             raise refuse(root, MANIFEST, f"files[{name!r}] has keys {got}; allowed: exactly 'bytes' and 'sha256'")
-        if not _is_int(meta["bytes"]) or meta["bytes"] < 0:
+        if not _is_int(meta["bytes"]) or not 0 <= meta["bytes"] <= MAX_FILE_BYTES:
             raise refuse(root, MANIFEST, f"files[{name!r}].bytes is {_type_name(meta['bytes'])} {meta['bytes']!r}; "
-                                         "allowed: an integer >= 0")
+                                         f"allowed: an integer in [0, {MAX_FILE_BYTES}]")
         if not isinstance(meta["sha256"], str) or not _SHA256.fullmatch(meta["sha256"]):
             raise refuse(root, MANIFEST, f"files[{name!r}].sha256 is {meta['sha256']!r}; allowed: 64 lowercase hex digits")
     for name, meta in files.items():
         target = (root / name).resolve()
         if not target.is_file():
             raise BundleError(f"bundle {str(root)!r}: {name} is missing")
-        if file_sha256(target) != meta["sha256"]:
-            raise refuse(root, name, "does not match its sha256 in the manifest (tampered or corrupted)")
+        # the size first: hashing reads the whole file (a sparse 64 GiB one took 110 s to be refused)
         size = target.stat().st_size
         if size != meta["bytes"]:
             raise refuse(root, MANIFEST, f"files[{name!r}].bytes is {meta['bytes']}, the file has {size}")
+        if file_sha256(target) != meta["sha256"]:
+            raise refuse(root, name, "does not match its sha256 in the manifest (tampered or corrupted)")
 
 
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
