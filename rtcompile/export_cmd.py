@@ -140,7 +140,9 @@ def run_bundle(args) -> int:
 
     from .export import BundleError, verify_bundle
 
-    m = verify_bundle(args.bundle).manifest  # every check load makes, before a graph or weights are opened
+    # every check load makes, before a graph or weights are used; what is run is the bytes verified
+    v = verify_bundle(args.bundle)
+    m = v.manifest
     engine = args.engine
     if engine == "auto":
         engine = "torch" if torch.cuda.is_available() else "onnxruntime"
@@ -168,12 +170,12 @@ def run_bundle(args) -> int:
 
         from .export.onnx_model import run_greedy
 
-        decoded = run_greedy(args.bundle, np.array([prompt], dtype=np.int64), args.steps)[0].tolist()
+        decoded = run_greedy(v, np.array([prompt], dtype=np.int64), args.steps)[0].tolist()
         how = "onnxruntime"
     else:
-        from .export.bundle import load_bundle
+        from .export.bundle import model_of
 
-        model = load_bundle(args.bundle)
+        model = model_of(v)
         if torch.cuda.is_available():
             model = model.cuda()
         device = model.embed.weight.device
