@@ -362,13 +362,29 @@ def test_parameter_refusal_names_the_largest_part(spec, vocab, field, reduce, ei
         RunningTensorLM(spec, vocab_size=vocab)
 
 
-def test_export_of_a_vocabulary_that_does_not_fit_names_vocab_size(eight_gib, tmp_path, capsys):
+def test_export_of_a_vocabulary_that_does_not_fit_names_vocab_size(tmp_path, capsys, monkeypatch):
+    # the largest vocabulary a bundle holds (--vocab beyond it is refused before the model is
+    # built: the test below), on a machine whose memory it does not fit
+    monkeypatch.setattr(rtcompile.model, "device_memory_bytes", lambda device: 1 << 30)
     (tmp_path / "s.toml").write_text(SPEC_TOML)
     assert main(["export", str(tmp_path / "s.toml"), "--out", str(tmp_path / "b"), "--no-onnx",
-                 "--vocab", "100000000000"]) == 2
+                 "--vocab", "16777216"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("rtcompile: error: vocab_size: "), err
-    assert "vocab_size 100,000,000,000" in err[0] and "reduce vocab_size" in err[0], err
+    assert len(err) == 1 and err[0].startswith("rtcompile: error: vocab_size: RunningTensorLM"), err
+    assert "vocab_size 16,777,216" in err[0] and "reduce vocab_size" in err[0], err
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("vocab", ["60000000", "16777217", "1"])
+def test_export_refuses_a_vocabulary_a_bundle_cannot_hold_before_building_the_model(vocab, tmp_path, capsys,
+                                                                                     monkeypatch):
+    # --vocab 60000000 allocated ~6 GB of embedding and head before export_bundle refused vocab_size
+    monkeypatch.setattr(RunningTensorLM, "__init__", lambda *a, **k: pytest.fail("built the model before refusing"))
+    (tmp_path / "s.toml").write_text(SPEC_TOML)
+    assert main(["export", str(tmp_path / "s.toml"), "--out", str(tmp_path / "b"), "--no-onnx", "--vocab", vocab]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("rtcompile: error: vocab_size: --vocab "), err
+    assert f"vocab_size {int(vocab):,}" in err[0] and "allowed: an integer in [2, 16777216]" in err[0], err
     assert not (tmp_path / "b").exists()
 
 
