@@ -11,8 +11,8 @@ by bare file name in the bundle (Triton writes absolute paths).
 Load: the files were hashed with every other and each group file checked to name only listed
 files of its own entry (``verify``); when this machine's key equals the bundle's, each entry is
 written into Triton's cache folder from those verified bytes (group files with this machine's
-paths), every file prepared before the first is written, where Triton's own loader finds them: the kernels are data for it (cubin, PTX, IR and
-JSON metadata). Shared libraries (Triton's compiled host launchers) are never shipped or
+paths; every file prepared before the first is written), where Triton's own loader finds them:
+the kernels are data for it (cubin, PTX, IR and JSON metadata). Shared libraries (Triton's compiled host launchers) are never shipped or
 installed: loading a bundle executes no code from it, so those are built on first use as
 before. Another machine's kernels are skipped with one message; the kernels JIT-compile as
 they do without a bundle. An entry already in the cache is never replaced: Triton's cache is

@@ -303,7 +303,7 @@ def safetensors_header(data: bytes) -> dict[str, tuple[list[int], str]]:
     try:
         header = json.loads(data[8:8 + n].decode("utf-8"), object_pairs_hook=_unique_keys)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise ValueError(f"header is not JSON ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+        raise ValueError(f"header is not JSON ({_one_line(exc)})") from None
     if not isinstance(header, dict):
         raise ValueError(f"header is a JSON {_type_name(header)}; allowed: an object")
     body, got, spans = len(data) - 8 - n, {}, []
