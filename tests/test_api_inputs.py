@@ -440,6 +440,20 @@ def test_export_refuses_a_vocabulary_the_loader_would_refuse(tmp_path):
     assert not (tmp_path / "b").exists()
 
 
+def test_export_bundle_that_fails_leaves_no_folder_it_made(lm, tmp_path, monkeypatch):
+    # the CLI removed the parent folders it made for --out; the API left them behind
+    from rtcompile.export import bundle as bundle_module
+    from rtcompile.fileio import WriteError
+
+    def full_disk(state, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(bundle_module, "_save_weights", full_disk)
+    with pytest.raises(WriteError, match="No space left on device"):
+        export_bundle(lm, tmp_path / "new" / "deeper" / "b", onnx=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_a_conconlyc_cache_needs_one_tail_per_stream():
     # conconlyc: one tail per stream (q factors, k factors, v), each of its own width
     spec = SPEC.replace(features=Features(projection="conconlyc", short_conv=3))
