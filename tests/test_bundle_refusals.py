@@ -116,6 +116,17 @@ def test_weights_that_are_not_safetensors(content, bundle, capsys, monkeypatch):
     _refused(bundle, capsys, r"weights\.safetensors: not a safetensors file")
 
 
+@pytest.mark.parametrize("cut, pattern", [(4, r"data offsets \[\d+, \d+\] for \d+ bytes in a body of \d+"),
+                                          (-4, r"do not cover the file's \d+ bytes of data exactly")],
+                         ids=["truncated", "trailing-bytes"])
+def test_weights_whose_header_does_not_fit_their_data(cut, pattern, bundle, capsys):
+    # the header is read from the verified bytes (verify.safetensors_header), checked as
+    # safetensors' loader checks it: never its SafetensorError from load
+    data = (bundle / "weights.safetensors").read_bytes()
+    _rewrite(bundle, "weights.safetensors", data[:-cut] if cut > 0 else data + b"\0" * -cut)
+    _refused(bundle, capsys, r"weights\.safetensors: not a safetensors file \(", pattern)
+
+
 def test_weight_of_the_wrong_shape(bundle, capsys):
     _rewrite_weights(bundle, lambda w: w.update({"embed.weight": torch.zeros(12, 12)}))
     _refused(bundle, capsys, r"weights\.safetensors: tensor 'embed\.weight' has shape \[12, 12\]", r"need \[11, 12\]")

@@ -314,7 +314,8 @@ def safetensors_header(data: bytes) -> dict[str, tuple[list[int], str]]:
         offsets = info.get("data_offsets") if isinstance(info, dict) else None
         if not (isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape) and dtype in _ST_ITEM_BYTES
                 and isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
-            raise ValueError(f"tensor {name!r}: header entry {info!r} is not a shape, a known dtype and 2 offsets")
+            raise ValueError(f"tensor {name!r}: header entry {str(info)[:120]} is not a shape, a known dtype and 2 "
+                             "offsets")
         size = _ST_ITEM_BYTES[dtype]
         for d in shape:
             size *= d
