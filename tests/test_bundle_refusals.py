@@ -367,6 +367,20 @@ def test_a_file_of_the_wrong_size_is_refused_before_it_is_hashed(bundle, capsys,
     _refused(bundle, capsys, r"manifest\.json: files\['weights\.safetensors'\]\.bytes is \d+, the file has 68719476736")
 
 
+def test_a_file_that_does_not_fit_in_memory_is_refused(bundle, capsys, monkeypatch):
+    # each file is read whole (then hashed and used from memory): a MemoryError is one line
+    import io
+
+    from rtcompile.export import verify
+
+    class Huge(io.BytesIO):
+        def read(self, *args):
+            raise MemoryError
+
+    monkeypatch.setattr(verify, "open", lambda *a, **k: Huge(), raising=False)
+    _refused(bundle, capsys, r"weights\.safetensors: its \d+ bytes do not fit in this machine's memory")
+
+
 def test_a_recorded_size_beyond_the_cap_is_refused(bundle, capsys):
     _edit(bundle, lambda m: m["files"]["weights.safetensors"].update(bytes=1 << 50))
     _refused(bundle, capsys, r"files\['weights\.safetensors'\]\.bytes is int 1125899906842624; allowed: an integer "

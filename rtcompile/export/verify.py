@@ -147,6 +147,8 @@ def _check_files(root: Path, files: Any) -> dict[str, bytes]:
                 data[name] = fh.read(size + 1)  # one byte more: a file that grew since is seen
         except OSError as exc:
             raise refuse(root, name, f"unreadable ({exc.strerror or exc})") from None
+        except MemoryError:
+            raise refuse(root, name, f"its {size} bytes do not fit in this machine's memory") from None
         if len(data[name]) != size:
             raise refuse(root, name, f"changed while it was read ({len(data[name])} bytes, {size} before)")
         if hashlib.sha256(data[name]).hexdigest() != meta["sha256"]:
