@@ -12,14 +12,15 @@ Load: the files were hashed with every other and each group file checked to name
 files of its own entry (``verify``); when this machine's key equals the bundle's, each entry is
 written into Triton's cache folder from those verified bytes (group files with this machine's
 paths; every file prepared before the first is written), where Triton's own loader finds them:
-the kernels are data for it (cubin, PTX, IR and JSON metadata). Shared libraries (Triton's compiled host launchers) are never shipped or
-installed: loading a bundle executes no code from it, so those are built on first use as
-before. Another machine's kernels are skipped with one message; the kernels JIT-compile as
-they do without a bundle. An entry already in the cache is never replaced: Triton's cache is
-shared by every process of the user, and a bundle's sha256 prove its files intact, not who
-made them, so a bundle adds kernels for keys nothing has compiled here and changes none that
-something has. (Its cubins are still machine code the GPU runs when Triton finds their key:
-load such bundles from sources you trust; one exported with ``--no-kernels`` compiles here.)
+the kernels are data for it (cubin, PTX, IR and JSON metadata). Shared libraries (Triton's
+compiled host launchers) are never shipped or installed: loading a bundle executes no code from
+it, so those are built on first use as before. Another machine's kernels are skipped with one
+message; the kernels JIT-compile as they do without a bundle. An entry already in the cache is
+never replaced: Triton's cache is shared by every process of the user, and a bundle's sha256
+prove its files intact, not who made them, so a bundle adds kernels for keys nothing has
+compiled here and changes none that something has. (Its cubins are still machine code the GPU
+runs when Triton finds their key: load such bundles from sources you trust; one exported with
+``--no-kernels`` compiles here.)
 """
 
 from __future__ import annotations
