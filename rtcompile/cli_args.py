@@ -2,8 +2,8 @@
 ``export_cmd``): the parser class, the usage error, and the value parsers.
 
 This module imports no other command-line module (the rest of rtcompile only inside the
-function that needs it), so every command module can import it and none needs another: the
-command modules form no import cycle.
+function that needs it, but for ``fileio``, which imports nothing of rtcompile), so every
+command module can import it and none needs another: the command modules form no import cycle.
 
 Output paths (``--out``) are checked before any work by trying them: a file is created and
 removed in the folder that would hold the output (``os.access`` says yes to root in /sys or on
@@ -20,6 +20,8 @@ import secrets
 import stat
 from contextlib import contextmanager
 from typing import Callable, Iterator
+
+from .fileio import WriteError
 
 EXIT_USAGE = 2
 
@@ -239,8 +241,6 @@ def write_out(prog: str, out: str | os.PathLike, write: Callable[[], object]) ->
     the file's folder made first. An OSError of that write (a full disk, a folder made read-only
     since the check, a FIFO put there since) is a :class:`UsageError` naming ``--out``; a folder
     made for it is removed again."""
-    from .fileio import WriteError
-
     with new_folders(prog, os.path.dirname(os.path.abspath(out))):
         try:
             write()

@@ -16,7 +16,8 @@ def add_parsers(sub) -> None:
                    help="safetensors state dict of a RunningTensorLM (default: seeded init)")
     e.add_argument("--plan", metavar="FILE", type=nonempty("a plan file"),
                    help="plan file to pin into the bundle (rtcompile plan/build)")
-    e.add_argument("--vocab", type=int, default=256, metavar="N", help="vocabulary size (default 256)")
+    e.add_argument("--vocab", type=int, default=256, metavar="N",
+                   help="vocabulary size (default 256; at most 2**24, what a bundle holds)")
     e.add_argument("--force", action="store_true", help="replace an existing bundle")
     e.add_argument("--opset27", action="store_true",
                    help="emit ONNX's standard LinearAttention (opset 27) on materialised Kronecker features "
@@ -54,11 +55,18 @@ def run_export(args) -> int:
     from pathlib import Path
 
     from .export import BundleError, check_replaceable, export_bundle
+    from .export.verify import MAX_VOCAB
     from .model import RunningTensorLM
     from .plan import Plan
     from .spec import load_spec
 
     spec = load_spec(args.spec)
+    # before anything is built: --vocab 60000000 allocated ~6 GB of embedding and head before
+    # export_bundle refused a vocab_size that the loader would refuse (verify.MAX_VOCAB)
+    if not 2 <= args.vocab <= MAX_VOCAB:
+        why = "fewer than 2 tokens" if args.vocab < 2 else "more tokens than a bundle holds"
+        raise BundleError(f"vocab_size: --vocab {args.vocab}: vocab_size {args.vocab:,} is {why}; allowed: an "
+                          f"integer in [2, {MAX_VOCAB}]" + ("; reduce vocab_size" if args.vocab > MAX_VOCAB else ""))
     out = Path(args.out)
     if out.exists() or out.is_symlink():  # before building a model or an ONNX graph
         if not args.force:
@@ -76,8 +84,6 @@ def run_export(args) -> int:
             raise BundleError(f"--plan {args.plan!r}: made for another spec than {args.spec!r} (plan's vs the spec "
                               f"file's: {diff}); allowed: a plan made from this spec (rtcompile plan / build "
                               f"{args.spec})")
-    if args.vocab < 2:
-        raise BundleError(f"--vocab: got {args.vocab}; allowed: an integer >= 2")
     torch.manual_seed(0)
     model = RunningTensorLM(spec, vocab_size=args.vocab)
     if args.weights is not None:
@@ -140,7 +146,9 @@ def run_bundle(args) -> int:
 
     from .export import BundleError, verify_bundle
 
-    m = verify_bundle(args.bundle).manifest  # every check load makes, before a graph or weights are opened
+    # every check load makes, before a graph or weights are used; what is run is the bytes verified
+    v = verify_bundle(args.bundle)
+    m = v.manifest
     engine = args.engine
     if engine == "auto":
         engine = "torch" if torch.cuda.is_available() else "onnxruntime"
@@ -168,12 +176,12 @@ def run_bundle(args) -> int:
 
         from .export.onnx_model import run_greedy
 
-        decoded = run_greedy(args.bundle, np.array([prompt], dtype=np.int64), args.steps)[0].tolist()
+        decoded = run_greedy(v, np.array([prompt], dtype=np.int64), args.steps)[0].tolist()
         how = "onnxruntime"
     else:
-        from .export.bundle import load_bundle
+        from .export.bundle import model_of
 
-        model = load_bundle(args.bundle)
+        model = model_of(v)
         if torch.cuda.is_available():
             model = model.cuda()
         device = model.embed.weight.device

@@ -134,6 +134,33 @@ def atomic_write(path: str | os.PathLike, data: bytes | str, *, encoding: str = 
     return dest
 
 
+def _make_parents(dest: Path, made: list[Path]) -> None:
+    """Make the missing folders above ``dest``, outermost first, appending each made to ``made``
+    (one that appears meanwhile is not ours: not listed, never removed)."""
+    missing, p = [], dest.absolute().parent
+    while not os.path.lexists(p):
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d)
+        except FileExistsError:
+            if not d.is_dir():
+                raise
+            continue
+        made.append(d)
+
+
+def _remove_empty(made: list[Path]) -> None:
+    """Remove the folders of ``made``, innermost first, while empty (one that something was
+    written into since stays, and so do the folders above it)."""
+    for d in reversed(made):
+        try:
+            os.rmdir(d)
+        except OSError:
+            return
+
+
 @contextmanager
 def atomic_directory(path: str | os.PathLike, *, overwrite: bool = False,
                      may_replace: Callable[[Path], None] | None = None) -> Iterator[Path]:
@@ -144,15 +171,18 @@ def atomic_directory(path: str | os.PathLike, *, overwrite: bool = False,
     it, an existing ``path`` is a FileExistsError before anything is written. ``may_replace``
     (called with ``path`` before anything is written and again just before the old folder is
     moved aside) raises to refuse replacing what is there. Making the folders and the rename
-    failing, or an OSError of the block on a path inside the temporary folder, is a WriteError."""
+    failing, or an OSError of the block on a path inside the temporary folder, is a WriteError.
+    The missing parent folders of ``path`` are made, and removed again (those still empty) when
+    it is not written: a failed export leaves no folder behind, from the CLI or the API."""
     dest = Path(path)
     if dest.exists() or dest.is_symlink():
         if not overwrite:
             raise FileExistsError(f"{str(dest)!r} already exists")
         if may_replace is not None:
             may_replace(dest)
+    made: list[Path] = []
     try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
+        _make_parents(dest, made)
         for _ in range(_NAME_TRIES):
             tmp = _temp_name(dest)
             try:
@@ -163,6 +193,7 @@ def atomic_directory(path: str | os.PathLike, *, overwrite: bool = False,
         else:  # pragma: no cover
             raise FileExistsError(f"{str(dest)!r}: could not create a temporary folder beside it")
     except OSError as exc:
+        _remove_empty(made)
         raise _failed(dest, exc) from exc
     try:
         try:
@@ -188,6 +219,7 @@ def atomic_directory(path: str | os.PathLike, *, overwrite: bool = False,
             raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(made)
         raise
     if old is not None:
         if old.is_dir() and not old.is_symlink():

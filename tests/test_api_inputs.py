@@ -362,13 +362,29 @@ def test_parameter_refusal_names_the_largest_part(spec, vocab, field, reduce, ei
         RunningTensorLM(spec, vocab_size=vocab)
 
 
-def test_export_of_a_vocabulary_that_does_not_fit_names_vocab_size(eight_gib, tmp_path, capsys):
+def test_export_of_a_vocabulary_that_does_not_fit_names_vocab_size(tmp_path, capsys, monkeypatch):
+    # the largest vocabulary a bundle holds (--vocab beyond it is refused before the model is
+    # built: the test below), on a machine whose memory it does not fit
+    monkeypatch.setattr(rtcompile.model, "device_memory_bytes", lambda device: 1 << 30)
     (tmp_path / "s.toml").write_text(SPEC_TOML)
     assert main(["export", str(tmp_path / "s.toml"), "--out", str(tmp_path / "b"), "--no-onnx",
-                 "--vocab", "100000000000"]) == 2
+                 "--vocab", "16777216"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("rtcompile: error: vocab_size: "), err
-    assert "vocab_size 100,000,000,000" in err[0] and "reduce vocab_size" in err[0], err
+    assert len(err) == 1 and err[0].startswith("rtcompile: error: vocab_size: RunningTensorLM"), err
+    assert "vocab_size 16,777,216" in err[0] and "reduce vocab_size" in err[0], err
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("vocab", ["60000000", "16777217", "1"])
+def test_export_refuses_a_vocabulary_a_bundle_cannot_hold_before_building_the_model(vocab, tmp_path, capsys,
+                                                                                     monkeypatch):
+    # --vocab 60000000 allocated ~6 GB of embedding and head before export_bundle refused vocab_size
+    monkeypatch.setattr(RunningTensorLM, "__init__", lambda *a, **k: pytest.fail("built the model before refusing"))
+    (tmp_path / "s.toml").write_text(SPEC_TOML)
+    assert main(["export", str(tmp_path / "s.toml"), "--out", str(tmp_path / "b"), "--no-onnx", "--vocab", vocab]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("rtcompile: error: vocab_size: --vocab "), err
+    assert f"vocab_size {int(vocab):,}" in err[0] and "allowed: an integer in [2, 16777216]" in err[0], err
     assert not (tmp_path / "b").exists()
 
 
@@ -422,6 +438,20 @@ def test_export_refuses_a_vocabulary_the_loader_would_refuse(tmp_path):
     with pytest.raises(BundleError, match=rf"vocab_size {MAX_VOCAB + 1}; allowed: an integer in \[2, {MAX_VOCAB}\]"):
         export_bundle(big, tmp_path / "b", onnx=False)
     assert not (tmp_path / "b").exists()
+
+
+def test_export_bundle_that_fails_leaves_no_folder_it_made(lm, tmp_path, monkeypatch):
+    # the CLI removed the parent folders it made for --out; the API left them behind
+    from rtcompile.export import bundle as bundle_module
+    from rtcompile.fileio import WriteError
+
+    def full_disk(state, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(bundle_module, "_save_weights", full_disk)
+    with pytest.raises(WriteError, match="No space left on device"):
+        export_bundle(lm, tmp_path / "new" / "deeper" / "b", onnx=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_a_conconlyc_cache_needs_one_tail_per_stream():

@@ -104,7 +104,9 @@ def test_cli_export_and_inspect(tmp_path, capsys):
     assert "verified" in capsys.readouterr().out
     assert main(["export", str(spec), "--out", str(out)]) == 2  # exists: refused without --force
     assert "already exists" in capsys.readouterr().err
-    (out / "weights.safetensors").write_bytes(b"junk")
+    junk = bytearray((out / "weights.safetensors").read_bytes())
+    junk[-1] ^= 1  # of its recorded size (another size is refused before the file is hashed)
+    (out / "weights.safetensors").write_bytes(bytes(junk))
     assert main(["inspect", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "sha256" in err[0]
@@ -168,3 +170,50 @@ def test_export_of_huge_key_widths_refused_with_the_bytes(tmp_path, capsys, monk
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and ("bytes" in err[0] or " B per sequence" in err[0]), (argv, err)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["huge.toml"]
+
+
+def _forge_after_verify(monkeypatch, forge) -> None:
+    """A racing writer: ``verify_bundle`` (as load and run call it) returns, then ``forge(root)``
+    replaces the bundle's files on disk. What the bundle is used as must be what was verified."""
+    from rtcompile import export
+    from rtcompile.export import bundle as bundle_module
+
+    real = export.verify_bundle
+
+    def racing(path):
+        verified = real(path)
+        forge(Path(path))
+        return verified
+
+    monkeypatch.setattr(bundle_module, "verify_bundle", racing)
+    monkeypatch.setattr(export, "verify_bundle", racing)
+
+
+def test_load_uses_the_weights_it_verified_not_a_file_swapped_in_after(bundle, monkeypatch):
+    from safetensors.torch import save_file
+
+    model, path, _ = bundle
+
+    def forge(root):
+        save_file({k: torch.zeros_like(v) for k, v in model.state_dict().items()}, str(root / "weights.safetensors"))
+
+    _forge_after_verify(monkeypatch, forge)
+    loaded = load_bundle(path)
+    assert torch.equal(loaded.embed.weight, model.embed.weight)
+
+
+def test_run_uses_the_graphs_it_verified_not_files_swapped_in_after(tmp_path, monkeypatch, capsys):
+    torch.manual_seed(0)
+    path = export_bundle(RunningTensorLM(SPEC, vocab_size=11), tmp_path / "b")
+    argv = ["run", str(path), "--engine", "onnxruntime", "--steps", "3"]
+    assert main(argv) == 0
+    want = capsys.readouterr().out
+
+    def forge(root):
+        for name in ("prefill.onnx", "decode.onnx"):
+            (root / name).write_bytes(b"forged after the check")
+
+    _forge_after_verify(monkeypatch, forge)
+    code = main(argv)
+    out = capsys.readouterr()
+    assert code == 0 and out.out == want, out.err

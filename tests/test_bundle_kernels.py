@@ -5,6 +5,7 @@ out as Triton writes one (no GPU on CI); the GPU run is `benchmarks/gpu_checks.p
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from rtcompile.cli import main
-from rtcompile.export import BUNDLE_FORMAT, BundleError, export_bundle, load_bundle
+from rtcompile.export import BUNDLE_FORMAT, BundleError, export_bundle, load_bundle, verify_bundle
 from rtcompile.export import compiled
 from rtcompile.fileio import file_sha256
 from rtcompile.model import RunningTensorLM
@@ -104,7 +105,7 @@ def test_an_entry_already_in_the_cache_is_never_replaced(bundle, tmp_path, monke
     (cache / ENTRY / "chunk_kernel.cubin").write_bytes(b"\x7fELF compiled here")
     monkeypatch.setattr(compiled, "triton_cache_dir", lambda: cache)
     monkeypatch.setattr(compiled, "machine_key", lambda: dict(H200))
-    done = compiled.install(bundle, json.loads((bundle / "manifest.json").read_text()))
+    done = compiled.install(verify_bundle(bundle))
     assert done[0] and f"installed {len(names) - 1} compiled kernel files" in done[1] and "1 already there" in done[1]
     assert (cache / ENTRY / "chunk_kernel.cubin").read_bytes() == b"\x7fELF compiled here"
     assert (cache / ENTRY / "chunk_kernel.ptx").read_bytes() == b"// ptx"
@@ -119,6 +120,55 @@ def test_a_tampered_kernel_is_refused_before_anything_is_installed(bundle, tmp_p
     with pytest.raises(BundleError, match=f"kernels/{ENTRY}/chunk_kernel.cubin: does not match its sha256"):
         load_bundle(bundle)
     assert not cache.exists()
+
+
+@pytest.mark.parametrize("content, needle", [
+    (b"{not json", "not JSON"),
+    (b"[1, 2]", "allowed: an object"),
+    (b'{"child_paths": {"chunk_kernel.cubin": 7}}', "allowed: the name of a file of its entry"),
+    (b'{"child_paths": {"chunk_kernel.cubin": ".."}}', "allowed: the name of a file of its entry"),
+    (b'{"child_paths": {"chunk_kernel.cubin": "/etc/passwd"}}', "allowed: the name of a file of its entry"),
+    (b'{"child_paths": {"chunk_kernel.cubin": "a/chunk_kernel.cubin"}}', "allowed: the name of a file of its entry"),
+    (b'{"child_paths": {"chunk_kernel.cubin": "other.cubin"}}', "allowed: the name of a file of its entry"),
+    (b'{"child_paths": ["chunk_kernel.cubin"]}', "'child_paths' is list"),
+], ids=["bad-json", "list", "non-string", "dot-dot", "absolute", "separator", "unlisted", "children-list"])
+def test_a_malformed_group_file_is_refused_before_anything_is_installed(bundle, tmp_path, monkeypatch, content,
+                                                                        needle, capsys):
+    """install crashed on it halfway, after writing the entry's other files into Triton's cache,
+    and wrote a member path of '..' or '/etc/passwd' into the cache's group file."""
+    _with_kernels(bundle, tmp_path)
+    group = f"kernels/{ENTRY}/__grp__chunk_kernel.json"
+    (bundle / group).write_bytes(content)
+    m = json.loads((bundle / "manifest.json").read_text())
+    m["files"][group] = {"sha256": file_sha256(bundle / group), "bytes": len(content)}
+    (bundle / "manifest.json").write_text(json.dumps(m))
+    cache = tmp_path / "triton-cache"
+    monkeypatch.setattr(compiled, "triton_cache_dir", lambda: cache)
+    monkeypatch.setattr(compiled, "machine_key", lambda: dict(H200))
+    with pytest.raises(BundleError, match=f"{group}: .*{re.escape(needle)}"):
+        load_bundle(bundle)
+    assert not cache.exists()
+    assert main(["inspect", str(bundle)]) == 2  # inspect validates as load does
+    assert group in capsys.readouterr().err
+
+
+def test_install_writes_the_kernels_it_verified_not_files_swapped_in_after(bundle, tmp_path, monkeypatch):
+    from rtcompile.export import bundle as bundle_module
+
+    _with_kernels(bundle, tmp_path)
+    cache = tmp_path / "triton-cache"
+    monkeypatch.setattr(compiled, "triton_cache_dir", lambda: cache)
+    monkeypatch.setattr(compiled, "machine_key", lambda: dict(H200))
+    real = bundle_module.verify_bundle
+
+    def racing(path):  # a writer replacing a cubin once it has been hashed
+        verified = real(path)
+        (Path(path) / "kernels" / ENTRY / "chunk_kernel.cubin").write_bytes(b"\x7fELF forged")
+        return verified
+
+    monkeypatch.setattr(bundle_module, "verify_bundle", racing)
+    load_bundle(bundle)
+    assert (cache / ENTRY / "chunk_kernel.cubin").read_bytes() == b"\x7fELF cubin"
 
 
 @pytest.mark.parametrize("name", ["__triton_launcher.so", "run.py", "../x.json"])

@@ -116,6 +116,17 @@ def test_weights_that_are_not_safetensors(content, bundle, capsys, monkeypatch):
     _refused(bundle, capsys, r"weights\.safetensors: not a safetensors file")
 
 
+@pytest.mark.parametrize("cut, pattern", [(4, r"data offsets \[\d+, \d+\] for \d+ bytes in a body of \d+"),
+                                          (-4, r"do not cover the file's \d+ bytes of data exactly")],
+                         ids=["truncated", "trailing-bytes"])
+def test_weights_whose_header_does_not_fit_their_data(cut, pattern, bundle, capsys):
+    # the header is read from the verified bytes (verify.safetensors_header), checked as
+    # safetensors' loader checks it: never its SafetensorError from load
+    data = (bundle / "weights.safetensors").read_bytes()
+    _rewrite(bundle, "weights.safetensors", data[:-cut] if cut > 0 else data + b"\0" * -cut)
+    _refused(bundle, capsys, r"weights\.safetensors: not a safetensors file \(", pattern)
+
+
 def test_weight_of_the_wrong_shape(bundle, capsys):
     _rewrite_weights(bundle, lambda w: w.update({"embed.weight": torch.zeros(12, 12)}))
     _refused(bundle, capsys, r"weights\.safetensors: tensor 'embed\.weight' has shape \[12, 12\]", r"need \[11, 12\]")
@@ -293,6 +304,87 @@ def test_export_refuses_graphs_that_do_not_carry_the_model(tmp_path, monkeypatch
     assert len(err) == 1 and "Traceback" not in stderr, stderr
     assert re.search(r"prefill\.onnx: onnxruntime's logits differ from the torch model's", err[0]), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.toml"]
+
+
+@pytest.mark.parametrize("how,pattern", [
+    ("dims", r"raw_data size \(528 bytes\) is too small"),
+    ("data-type-0", r"UNDEFINED"),
+    ("data-type-999", r"tensor 'lm\.embed\.weight'.*data type 999"),
+], ids=["dims", "data-type-0", "data-type-999"])
+def test_onnx_graph_with_a_malformed_tensor(how, pattern, bundle, capsys):
+    # numpy_helper raised ValueError / TypeError / KeyError: a traceback from inspect and run
+    def edit(model):
+        t = _initializer(model, "lm.embed.weight")
+        if how == "dims":
+            t.dims[0] += 3
+        else:
+            t.data_type = 0 if how == "data-type-0" else 999
+
+    _rewrite_graph(bundle, "prefill.onnx", edit)
+    _refused(bundle, capsys, r"prefill\.onnx: ", pattern)
+
+
+@pytest.mark.parametrize("how,pattern", [
+    ("dangling-input", r"input 'nowhere' of node.*is not output of any previous nodes"),
+    ("unknown-op", r"No Op registered for Bogus"),
+], ids=["dangling-input", "unknown-op"])
+def test_onnx_graph_the_checker_refuses(how, pattern, bundle, capsys):
+    # parsed fine, so inspect passed it and onnxruntime failed at run with its own traceback
+    def edit(model):
+        if how == "dangling-input":
+            model.graph.node[3].input[0] = "nowhere"
+        else:
+            model.graph.node[3].op_type = "Bogus"
+
+    _rewrite_graph(bundle, "decode.onnx", edit)
+    _refused(bundle, capsys, r"decode\.onnx: not a valid ONNX model \(", pattern)
+
+
+def test_onnx_graph_onnxruntime_cannot_load_is_one_line_from_run(bundle, capsys):
+    # an op of the graph's own domain that nothing defines: the checker cannot know the domain's
+    # ops (it skips them), onnxruntime refuses the graph when the session is made
+    def edit(model):
+        model.graph.node[3].domain = "ai.rtcompile"
+        model.graph.node[3].op_type = "Bogus"
+
+    _rewrite_graph(bundle, "prefill.onnx", edit)
+    capsys.readouterr()
+    code = main(["run", str(bundle), "--engine", "onnxruntime", "--steps", "1"])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert str(bundle) in lines[0] and re.search(r"prefill\.onnx: onnxruntime cannot load it \(.*Bogus", lines[0]), lines
+
+
+def test_a_file_of_the_wrong_size_is_refused_before_it_is_hashed(bundle, capsys, monkeypatch):
+    # a sparse 64 GiB file in place of the weights took 110 s to hash before its size was compared
+    from rtcompile.export import verify
+
+    with open(bundle / "weights.safetensors", "r+b") as f:
+        f.truncate(64 << 30)
+    monkeypatch.setattr(verify, "file_sha256", lambda *a: pytest.fail("hashed a file of the wrong size"), raising=False)
+    monkeypatch.setattr(verify.hashlib, "sha256", lambda *a: pytest.fail("hashed a file of the wrong size"))
+    _refused(bundle, capsys, r"manifest\.json: files\['weights\.safetensors'\]\.bytes is \d+, the file has 68719476736")
+
+
+def test_a_file_that_does_not_fit_in_memory_is_refused(bundle, capsys, monkeypatch):
+    # each file is read whole (then hashed and used from memory): a MemoryError is one line
+    import io
+
+    from rtcompile.export import verify
+
+    class Huge(io.BytesIO):
+        def read(self, *args):
+            raise MemoryError
+
+    monkeypatch.setattr(verify, "open", lambda *a, **k: Huge(), raising=False)
+    _refused(bundle, capsys, r"weights\.safetensors: its \d+ bytes do not fit in this machine's memory")
+
+
+def test_a_recorded_size_beyond_the_cap_is_refused(bundle, capsys):
+    _edit(bundle, lambda m: m["files"]["weights.safetensors"].update(bytes=1 << 50))
+    _refused(bundle, capsys, r"files\['weights\.safetensors'\]\.bytes is int 1125899906842624; allowed: an integer "
+                             r"in \[0, 1099511627776\]")
 
 
 # ----- plans ----------------------------------------------------------------------------------

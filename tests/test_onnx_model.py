@@ -144,3 +144,9 @@ def test_cli_export_opset27_prints_no_traceback(tmp_path):
     assert run.stderr == ""
     model = onnx.load(str(out / "prefill.onnx"))
     assert [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")] == [27]
+    # its graphs pass every check of verify (onnx.checker among them: opset 27's LinearAttention)
+    # and run in onnxruntime
+    from rtcompile.export import verify_bundle
+    from rtcompile.export.onnx_model import run_greedy
+
+    assert run_greedy(verify_bundle(out), np.array([[1, 2, 3]], dtype=np.int64), 2).shape == (1, 2)

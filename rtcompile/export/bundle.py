@@ -28,6 +28,7 @@ from .verify import (
     MAX_VOCAB,
     WEIGHTS,
     BundleError,
+    VerifiedBundle,
     graph_weights_sha256,
     plan_mismatch,
     read_manifest,
@@ -201,20 +202,30 @@ def check_replaceable(path: str | os.PathLike) -> None:
 def load_bundle(path: str | os.PathLike):
     """A ready :class:`~rtcompile.model.RunningTensorLM` (eval mode) and its plan, or BundleError
     (every check of :func:`verify_bundle` first: nothing is built from an unchecked bundle)."""
-    from safetensors.torch import load_file
+    return model_of(verify_bundle(path))
+
+
+def model_of(v: VerifiedBundle):
+    """:func:`load_bundle` of a bundle verified already: the model is built from the bytes that
+    were verified (``v.data``), never from the files read again."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
 
     from ..model import RunningTensorLM
     from ..spec import SpecError
 
-    v = verify_bundle(path)
     try:
         model = RunningTensorLM(v.spec, vocab_size=v.vocab_size, mlp=v.mlp)
     except SpecError as exc:  # parameters larger than this machine's memory
-        raise BundleError(f"bundle {str(path)!r}: {MANIFEST}: {exc}") from None
-    model.load_state_dict(load_file(str(v.root / WEIGHTS)), strict=True)  # names and shapes checked above
+        raise BundleError(f"bundle {str(v.root)!r}: {MANIFEST}: {exc}") from None
+    try:
+        state = load(v.data[WEIGHTS])  # its header checked by verify as safetensors checks it
+    except SafetensorError as exc:
+        raise BundleError(f"bundle {str(v.root)!r}: {WEIGHTS}: not a safetensors file ({exc})") from None
+    model.load_state_dict(state, strict=True)  # names and shapes checked by verify
     model.eval()
     model.plan = v.plan
-    done = install(v.root, v.manifest)  # hashes checked above; another machine's: said once, not installed
+    done = install(v)  # hashes checked by verify; another machine's: said once, not installed
     if done is not None and not done[0]:
         warnings.warn(done[1], RuntimeWarning, stacklevel=2)
     return model

@@ -8,17 +8,19 @@ manifest with its sha256 (``files``), beside the machine it was compiled for (``
 GPU name, compute capability, Triton, CUDA and torch versions). Group files name their members
 by bare file name in the bundle (Triton writes absolute paths).
 
-Load: the files were hashed with every other (``verify``); when this machine's key equals the
-bundle's, each entry is written into Triton's cache folder (group files with this machine's
-paths), where Triton's own loader finds them: the kernels are data for it (cubin, PTX, IR and
-JSON metadata). Shared libraries (Triton's compiled host launchers) are never shipped or
-installed: loading a bundle executes no code from it, so those are built on first use as
-before. Another machine's kernels are skipped with one message; the kernels JIT-compile as
-they do without a bundle. An entry already in the cache is never replaced: Triton's cache is
-shared by every process of the user, and a bundle's sha256 prove its files intact, not who
-made them, so a bundle adds kernels for keys nothing has compiled here and changes none that
-something has. (Its cubins are still machine code the GPU runs when Triton finds their key:
-load such bundles from sources you trust; one exported with ``--no-kernels`` compiles here.)
+Load: the files were hashed with every other and each group file checked to name only listed
+files of its own entry (``verify``); when this machine's key equals the bundle's, each entry is
+written into Triton's cache folder from those verified bytes (group files with this machine's
+paths; every file prepared before the first is written), where Triton's own loader finds them:
+the kernels are data for it (cubin, PTX, IR and JSON metadata). Shared libraries (Triton's
+compiled host launchers) are never shipped or installed: loading a bundle executes no code from
+it, so those are built on first use as before. Another machine's kernels are skipped with one
+message; the kernels JIT-compile as they do without a bundle. An entry already in the cache is
+never replaced: Triton's cache is shared by every process of the user, and a bundle's sha256
+prove its files intact, not who made them, so a bundle adds kernels for keys nothing has
+compiled here and changes none that something has. (Its cubins are still machine code the GPU
+runs when Triton finds their key: load such bundles from sources you trust; one exported with
+``--no-kernels`` compiles here.)
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def collect(cache: Path, dest: Path) -> list[str]:
         out = dest / KERNELS_DIR / entry.name
         out.mkdir(parents=True, exist_ok=True)
         for f in files:
-            if f.name.startswith("__grp__"):
+            if f.name.startswith(GROUP_PREFIX):
                 children = json.loads(f.read_text(encoding="utf-8")).get("child_paths", {})
                 (out / f.name).write_text(json.dumps({"child_paths": {c: Path(p).name for c, p in children.items()}}),
                                           encoding="utf-8")
@@ -111,11 +113,58 @@ def check_entry(kernels: Any, files: dict[str, Any]) -> str | None:
     return None
 
 
-def install(root: Path, manifest: dict[str, Any], cache: Path | None = None) -> tuple[bool, str] | None:
-    """Install a verified bundle's compiled kernels into Triton's cache (``cache``: its folder,
-    default :func:`triton_cache_dir`) when they were compiled for this machine. Returns
-    (installed, a one-line message), None when the bundle has no compiled kernels. Call only
-    after ``verify_bundle`` (the files' hashes)."""
+GROUP_PREFIX = "__grp__"
+
+
+def _members(files: Any, entry: str) -> set[str]:
+    """The file names the manifest lists under ``kernels/<entry>/``."""
+    prefix = f"{KERNELS_DIR}/{entry}/"
+    return {n[len(prefix):] for n in files if n.startswith(prefix)}
+
+
+def read_group(data: bytes, members: set[str]) -> dict[str, str]:
+    """child -> file name of a bundle's group file (``data``), each file one of ``members`` (the
+    files of its entry that the manifest lists: never a path, '..' or a file not verified);
+    ValueError saying what is wrong."""
+    try:
+        group = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ValueError(f"not JSON ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+    allowed = '{"child_paths": {name: file name}}'
+    if not isinstance(group, dict):
+        raise ValueError(f"a JSON {type(group).__name__}; allowed: an object {allowed}")
+    if sorted(group) != ["child_paths"]:
+        raise ValueError(f"has keys {sorted(group)}; allowed: exactly {allowed}")
+    children = group["child_paths"]
+    if not isinstance(children, dict):
+        raise ValueError(f"'child_paths' is {type(children).__name__}; allowed: an object (name -> file name)")
+    for child, path in children.items():
+        if not isinstance(path, str) or path not in members:
+            raise ValueError(f"child_paths[{child!r}] is {path!r}; allowed: the name of a file of its entry that "
+                             "the manifest lists")
+    return children
+
+
+def check_groups(files: dict[str, Any], data: dict[str, bytes]) -> tuple[str, str] | None:
+    """(file, why) for the first malformed group file of a bundle (``data``: the files' verified
+    bytes), else None: run by ``verify`` so that :func:`install` meets only valid ones."""
+    for name in files:
+        parts = name.split("/")
+        if len(parts) == 3 and parts[0] == KERNELS_DIR and parts[2].startswith(GROUP_PREFIX):
+            try:
+                read_group(data[name], _members(files, parts[1]))
+            except ValueError as exc:
+                return name, str(exc)
+    return None
+
+
+def install(bundle, cache: Path | None = None) -> tuple[bool, str] | None:
+    """Install a verified bundle's compiled kernels (``bundle``: a ``VerifiedBundle``) into
+    Triton's cache (``cache``: its folder, default :func:`triton_cache_dir`) when they were
+    compiled for this machine. Returns (installed, a one-line message), None when the bundle has
+    no compiled kernels. What is written is the bytes that were verified (never the files read
+    again: a writer racing the check), every file prepared before the first is written."""
+    root, manifest = bundle.root, bundle.manifest
     kernels = manifest.get("kernels")
     if kernels is None:
         return None
@@ -128,19 +177,20 @@ def install(root: Path, manifest: dict[str, Any], cache: Path | None = None) -> 
         return False, (f"bundle {str(root)!r}: its {len(names)} compiled kernel files are for {theirs['gpu']} "
                        f"(Triton {theirs['triton']}); this machine differs ({diff}): kernels compile on first use")
     cache = triton_cache_dir() if cache is None else cache
-    kept = 0
+    writes = []
     for name in names:
         _, entry, fname = name.split("/")
-        out = cache / entry
+        data = bundle.data[name]
+        if fname.startswith(GROUP_PREFIX):  # members by this machine's paths, as Triton writes them
+            children = read_group(data, _members(manifest["files"], entry))  # checked by verify: cannot fail
+            data = json.dumps({"child_paths": {c: str(cache / entry / p) for c, p in children.items()}}).encode()
+        writes.append((cache / entry, fname, data))
+    kept = 0
+    for out, fname, data in writes:
         if (out / fname).exists():  # Triton's own, or an earlier install's: never replaced
             kept += 1
             continue
         out.mkdir(parents=True, exist_ok=True)
-        src = root / name
-        data = src.read_bytes()
-        if fname.startswith("__grp__"):  # members by this machine's paths, as Triton writes them
-            children = json.loads(data.decode("utf-8")).get("child_paths", {})
-            data = json.dumps({"child_paths": {c: str(out / Path(p).name) for c, p in children.items()}}).encode()
         _write_atomic(out / fname, data)
     return True, (f"bundle {str(root)!r}: installed {len(names) - kept} compiled kernel files into {cache}"
                   + (f" ({kept} already there, kept)" if kept else ""))

@@ -303,12 +303,12 @@ def export_onnx(lm, out_dir, *, opset27: bool = False) -> tuple[str, str]:
 GRAPH_MATCH_RTOL = 1e-3
 
 
-def _session(path):
+def _session(path_or_bytes):
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
-    return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(path_or_bytes, opts, providers=["CPUExecutionProvider"])
 
 
 def check_against_torch(lm, prefill_path, decode_path, tokens, logits, cache) -> None:
@@ -344,15 +344,36 @@ def check_against_torch(lm, prefill_path, decode_path, tokens, logits, cache) ->
                               "model it was exported from (an exporter bug)")
 
 
-def run_greedy(bundle_dir, prompt, steps: int):
-    """Prefill ``prompt`` [B, T] (int64) with prefill.onnx, then decode ``steps`` tokens greedily
-    with decode.onnx, feeding each present_* output back as past_*. Returns [B, steps]."""
-    import os
+def _ort_errors() -> tuple[type[BaseException], ...]:
+    """What onnxruntime raises for a graph it refuses: its own exception classes (Fail,
+    InvalidGraph, NotImplemented, ...: plain Exceptions, not RuntimeError) and RuntimeError."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as state
 
+    return (RuntimeError, *(v for v in vars(state).values() if isinstance(v, type) and issubclass(v, Exception)))
+
+
+def bundle_session(bundle, name: str):
+    """An onnxruntime session of a verified bundle's graph ``name`` (``bundle``: a
+    ``VerifiedBundle``; the graph's verified bytes, never its file read again), or BundleError
+    naming it: a graph the checker passed may still use an op of another domain that no function
+    defines, which only onnxruntime finds, when the session is made."""
+    from .verify import BundleError
+
+    try:
+        return _session(bundle.graphs[name])
+    except _ort_errors() as exc:
+        why = " ".join(str(exc).split()) or type(exc).__name__
+        raise BundleError(f"bundle {str(bundle.root)!r}: {name}: onnxruntime cannot load it ({why[:300]})") from None
+
+
+def run_greedy(bundle, prompt, steps: int):
+    """Prefill ``prompt`` [B, T] (int64) with prefill.onnx, then decode ``steps`` tokens greedily
+    with decode.onnx, feeding each present_* output back as past_*. ``bundle``: a
+    ``VerifiedBundle`` (``verify.verify_bundle``). Returns [B, steps]."""
     import numpy as np
 
-    pre = _session(os.path.join(bundle_dir, "prefill.onnx"))
-    dec = _session(os.path.join(bundle_dir, "decode.onnx"))
+    pre = bundle_session(bundle, "prefill.onnx")
+    dec = bundle_session(bundle, "decode.onnx")
     outs = pre.run(None, {"tokens": prompt})
     names = [i.name for i in dec.get_inputs()][1:]
     state, tok, got = outs[1:], outs[0][:, -1].argmax(-1), []

@@ -5,15 +5,19 @@ problem. The checks, in order (each reads only JSON, safetensors headers and ONN
 so nothing in a bundle is ever executed):
 
 1. ``manifest.json``: JSON (no repeated keys), a supported ``format``, exactly the known keys
-   with the right types; every listed file inside the bundle, present, of its ``bytes`` and
-   ``sha256``;
+   with the right types; every listed file inside the bundle, present, of its ``bytes`` (compared
+   before the file is read) and ``sha256``. Each file is read once: every later check and every
+   use (``load``, ``run``, installing kernels) takes those verified bytes (``VerifiedBundle.data``),
+   never the file again, so a file replaced after its check is not what gets loaded;
 2. ``spec`` through the spec module's own validation, ``model`` (class, ``vocab_size``,
    ``mlp``), ``plan`` through the plan module's reader (:func:`rtcompile.plan.check_plan_dict`:
    every field, and a decision for each phase the model runs) and made for this spec;
 3. ``weights.safetensors``: a safetensors file whose tensors are exactly the model's, each of
-   its shape and a floating dtype (read from the header; no weight is loaded);
+   its shape and a floating dtype (read from the header; no weight is loaded); the compiled
+   kernels' group files: JSON naming only files of their own entry (``compiled.read_group``);
 4. the ONNX graphs: parseable, external data only in files the manifest lists (never a path
-   leaving the bundle), and the digest of their weights equal to the one recorded at export.
+   leaving the bundle), valid for ``onnx.checker`` (known standard ops, no dangling input, no
+   malformed tensor), and the digest of their weights equal to the one recorded at export.
 """
 
 from __future__ import annotations
@@ -22,12 +26,11 @@ import hashlib
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
-from ..fileio import file_sha256
-from .compiled import check_entry
+from .compiled import check_entry, check_groups
 
 # 2: the manifest records a digest of the ONNX graphs' weights (onnx.weights_sha256), and
 #    every key is checked; 1: rtcompile before 0.2 (no digest).
@@ -43,6 +46,9 @@ MODEL_CLASS = "RunningTensorLM"
 # The largest vocabularies in use are ~256k tokens (Gemma: 262,144); 2**24 (16.8M) leaves 64x
 # headroom while refusing a manifest whose embedding alone would be terabytes.
 MAX_VOCAB = 1 << 24
+# A file of a bundle is read whole (hashed, then loaded); 1 TiB is 16x the weights of a 16B-parameter
+# fp32 model with a 2**24 vocabulary, and refuses a size no machine holds before anything is read.
+MAX_FILE_BYTES = 1 << 40
 # The dtypes load_state_dict converts into the fp32 parameters without losing meaning; an
 # integer or boolean tensor in their place is a broken exporter, not a weight.
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
@@ -55,7 +61,10 @@ class BundleError(ValueError):
 
 @dataclass(frozen=True)
 class VerifiedBundle:
-    """A bundle that passed every check: what ``load``, ``inspect`` and ``run`` use."""
+    """A bundle that passed every check: what ``load``, ``inspect`` and ``run`` use. ``data``
+    holds every listed file's bytes as they were read once and hashed, ``graphs`` each ONNX
+    graph as onnxruntime takes it (its external data inside): those are what is used, never the
+    files again (a writer racing the check would have had its forged file loaded)."""
 
     root: Path
     manifest: dict[str, Any]
@@ -63,6 +72,8 @@ class VerifiedBundle:
     plan: Any  # Plan | None
     vocab_size: int
     mlp: bool
+    data: dict[str, bytes] = field(default_factory=dict, repr=False)
+    graphs: dict[str, bytes] = field(default_factory=dict, repr=False)
 
 
 def refuse(root: Path, where: str, problem: str) -> BundleError:
@@ -104,7 +115,8 @@ def _safe_name(name: str) -> bool:
     return all(part not in ("", ".", "..") for part in PurePosixPath(name).parts) and not name.endswith("/")
 
 
-def _check_files(root: Path, files: Any) -> None:
+def _check_files(root: Path, files: Any) -> dict[str, bytes]:
+    """The manifest's 'files' checked, and each file read once: name -> its verified bytes."""
     if not isinstance(files, dict):
         raise refuse(root, MANIFEST, f"'files' is {_type_name(files)}; allowed: an object (file name -> bytes, sha256)")
     if WEIGHTS not in files:
@@ -116,25 +128,41 @@ def _check_files(root: Path, files: Any) -> None:
         if not isinstance(meta, dict) or sorted(meta) != ["bytes", "sha256"]:
             got = sorted(meta) if isinstance(meta, dict) else _type_name(meta)
             raise refuse(root, MANIFEST, f"files[{name!r}] has keys {got}; allowed: exactly 'bytes' and 'sha256'")
-        if not _is_int(meta["bytes"]) or meta["bytes"] < 0:
+        if not _is_int(meta["bytes"]) or not 0 <= meta["bytes"] <= MAX_FILE_BYTES:
             raise refuse(root, MANIFEST, f"files[{name!r}].bytes is {_type_name(meta['bytes'])} {meta['bytes']!r}; "
-                                         "allowed: an integer >= 0")
+                                         f"allowed: an integer in [0, {MAX_FILE_BYTES}]")
         if not isinstance(meta["sha256"], str) or not _SHA256.fullmatch(meta["sha256"]):
             raise refuse(root, MANIFEST, f"files[{name!r}].sha256 is {meta['sha256']!r}; allowed: 64 lowercase hex digits")
+    data = {}
     for name, meta in files.items():
         target = (root / name).resolve()
         if not target.is_file():
             raise BundleError(f"bundle {str(root)!r}: {name} is missing")
-        if file_sha256(target) != meta["sha256"]:
-            raise refuse(root, name, "does not match its sha256 in the manifest (tampered or corrupted)")
+        # the size first: hashing reads the whole file (a sparse 64 GiB one took 110 s to be refused)
         size = target.stat().st_size
         if size != meta["bytes"]:
             raise refuse(root, MANIFEST, f"files[{name!r}].bytes is {meta['bytes']}, the file has {size}")
+        try:
+            with open(target, "rb") as fh:
+                data[name] = fh.read(size + 1)  # one byte more: a file that grew since is seen
+        except OSError as exc:
+            raise refuse(root, name, f"unreadable ({exc.strerror or exc})") from None
+        except MemoryError:
+            raise refuse(root, name, f"its {size} bytes do not fit in this machine's memory") from None
+        if len(data[name]) != size:
+            raise refuse(root, name, f"changed while it was read ({len(data[name])} bytes, {size} before)")
+        if hashlib.sha256(data[name]).hexdigest() != meta["sha256"]:
+            raise refuse(root, name, "does not match its sha256 in the manifest (tampered or corrupted)")
+    return data
 
 
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
-    """The manifest, its format, keys and types checked and every listed file hashed. Reads no weights."""
-    root = Path(path)
+    """The manifest, its format, keys and types checked and every listed file hashed."""
+    return _read_manifest(Path(path))[0]
+
+
+def _read_manifest(root: Path) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """:func:`read_manifest`'s checks; the manifest and every listed file's verified bytes."""
     try:
         manifest = json.loads((root / MANIFEST).read_text(encoding="utf-8"), object_pairs_hook=_unique_keys)
     except FileNotFoundError:
@@ -162,10 +190,10 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
             raise refuse(root, MANIFEST, f"'{key}' is {_type_name(manifest[key])}; allowed: {allowed}")
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in manifest["versions"].items()):
         raise refuse(root, MANIFEST, "'versions' must map names to version strings")
-    _check_files(root, manifest["files"])
+    data = _check_files(root, manifest["files"])
     if (why := check_entry(manifest["kernels"], manifest["files"])) is not None:
         raise refuse(root, MANIFEST, why)
-    return manifest
+    return manifest, data
 
 
 def plan_mismatch(plan_spec: Any, spec) -> str | None:
@@ -257,19 +285,75 @@ def expected_tensors(spec, vocab_size: int, mlp: bool) -> dict[str, tuple[list[i
     return {k: (list(v.shape), v.is_floating_point()) for k, v in model.state_dict().items()}
 
 
-def safetensors_problem(path: Path, need: dict[str, tuple[list[int], bool]], what: str) -> str | None:
-    """None when the safetensors file at ``path`` holds exactly the tensors ``need`` lists (name
-    -> shape, is floating), each of its shape and, where floating, of a float dtype; else the
-    problem in words. Reads the header only."""
+# bytes per element of safetensors' dtypes (its format's names)
+_ST_ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+                  "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+# safetensors' own limit on the JSON header (100 MB)
+_ST_MAX_HEADER = 100_000_000
+
+
+def safetensors_header(data: bytes) -> dict[str, tuple[list[int], str]]:
+    """name -> (shape, dtype) of the safetensors file ``data``, read from its header and checked
+    as safetensors' loader checks it (each tensor's data of its size, together covering the
+    file's body exactly), so that ``safetensors.torch.load(data)`` then loads it; ValueError
+    saying why not. Copies no tensor."""
+    if len(data) < 8:
+        raise ValueError(f"{len(data)} bytes, shorter than the 8-byte header length")
+    n = int.from_bytes(data[:8], "little")
+    if n > min(len(data) - 8, _ST_MAX_HEADER):
+        raise ValueError(f"header length {n} beyond the file's {len(data)} bytes")
+    try:
+        header = json.loads(data[8:8 + n].decode("utf-8"), object_pairs_hook=_unique_keys)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ValueError(f"header is not JSON ({_one_line(exc)})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"header is a JSON {_type_name(header)}; allowed: an object")
+    body, got, spans = len(data) - 8 - n, {}, []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        shape, dtype = (info.get("shape"), info.get("dtype")) if isinstance(info, dict) else (None, None)
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape) and dtype in _ST_ITEM_BYTES
+                and isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
+            raise ValueError(f"tensor {name!r}: header entry {str(info)[:120]} is not a shape, a known dtype and 2 "
+                             "offsets")
+        size = _ST_ITEM_BYTES[dtype]
+        for d in shape:
+            size *= d
+        if not 0 <= offsets[0] <= offsets[1] <= body or offsets[1] - offsets[0] != size:
+            raise ValueError(f"tensor {name!r}: data offsets {offsets} for {size} bytes in a body of {body}")
+        got[name] = (shape, dtype)
+        spans.append(offsets)
+    end = 0
+    for begin, stop in sorted(spans):
+        if begin != end:
+            break
+        end = stop
+    if end != body:
+        raise ValueError(f"the tensors' data do not cover the file's {body} bytes of data exactly")
+    return got
+
+
+def safetensors_problem(source: Path | bytes, need: dict[str, tuple[list[int], bool]], what: str) -> str | None:
+    """None when the safetensors file at ``source`` (a path, or its verified bytes) holds
+    exactly the tensors ``need`` lists (name -> shape, is floating), each of its shape and,
+    where floating, of a float dtype; else the problem in words. Reads the header only."""
     from safetensors import SafetensorError, safe_open
 
-    if not Path(path).is_file():
+    if isinstance(source, bytes):
+        try:
+            got = safetensors_header(source)
+        except ValueError as exc:
+            return f"not a safetensors file ({exc})"
+    elif not Path(source).is_file():
         return "no such file"
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            got = {k: (list(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
-    except (SafetensorError, OSError) as exc:
-        return f"not a safetensors file ({str(exc).splitlines()[0]})"
+    else:
+        try:
+            with safe_open(str(source), framework="pt") as f:
+                got = {k: (list(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+        except (SafetensorError, OSError) as exc:
+            return f"not a safetensors file ({str(exc).splitlines()[0]})"
     missing, extra = sorted(set(need) - set(got)), sorted(set(got) - set(need))
     if missing:
         return f"lacks {len(missing)} tensors {missing[:3]} that {what} need"
@@ -283,10 +367,11 @@ def safetensors_problem(path: Path, need: dict[str, tuple[list[int], bool]], wha
     return None
 
 
-def check_weights(root: Path, spec, vocab_size: int, mlp: bool) -> None:
-    """weights.safetensors holds exactly the model's tensors, each of its shape (header only)."""
+def check_weights(root: Path, data: bytes, spec, vocab_size: int, mlp: bool) -> None:
+    """weights.safetensors (``data``, its verified bytes) holds exactly the model's tensors, each
+    of its shape (header only)."""
     what = f"the manifest's spec and model (vocab_size {vocab_size}, mlp {str(mlp).lower()})"
-    problem = safetensors_problem(root / WEIGHTS, expected_tensors(spec, vocab_size, mlp), what)
+    problem = safetensors_problem(data, expected_tensors(spec, vocab_size, mlp), what)
     if problem is not None:
         raise refuse(root, WEIGHTS, problem)
 
@@ -322,40 +407,78 @@ def graph_tensors(model):
 
 def graph_weights_sha256(model) -> str:
     """sha256 over every tensor of an ONNX model (name, type, dims, values): what the manifest
-    records at export and load compares."""
+    records at export and load compares. ValueError, naming the tensor, for one that cannot be
+    read as its data type and dims say."""
     import onnx
     from onnx import numpy_helper
 
     h = hashlib.sha256()
     for t in graph_tensors(model):
-        if t.data_type == onnx.TensorProto.STRING:
-            data = b"".join(len(s).to_bytes(8, "little") + s for s in t.string_data)
-        else:
-            data = numpy_helper.to_array(t).tobytes()
+        try:
+            if t.data_type == onnx.TensorProto.STRING:
+                data = b"".join(len(s).to_bytes(8, "little") + s for s in t.string_data)
+            else:
+                data = numpy_helper.to_array(t).tobytes()
+        except (ValueError, TypeError, KeyError, IndexError) as exc:
+            # numpy_helper on a malformed tensor: dims that disagree with its data (ValueError), data
+            # type 0 (TypeError) or one ONNX does not define (KeyError), none naming the tensor
+            raise ValueError(f"tensor {t.name!r} (data type {t.data_type}, dims {list(t.dims)}) cannot be read: "
+                             f"{str(exc) or type(exc).__name__}") from None
         h.update(f"{t.name}\0{t.data_type}\0{list(t.dims)}\0{len(data)}\0".encode())
         h.update(data)
     return h.hexdigest()
 
 
-def check_graphs(root: Path, manifest: dict[str, Any]) -> None:
+def _one_line(exc: BaseException) -> str:
+    """An error's message on one line (the ONNX checker's span several), at most 300 characters."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _inline(root: Path, name: str, t, data: bytes) -> None:
+    """Put an external tensor's data (its ``offset`` and ``length`` in the verified bytes
+    ``data`` of its file) into the tensor, as onnx's load_external_data_for_model would from the
+    file, which could have changed since it was hashed."""
+    import onnx
+
+    info = {e.key: e.value for e in t.external_data}
+    try:
+        offset = int(info.get("offset", 0))
+        length = len(data) - offset if info.get("length") is None else int(info["length"])
+    except ValueError:
+        offset = length = -1
+    if not 0 <= offset <= offset + length <= len(data) or length < 0:
+        raise refuse(root, name, f"tensor {t.name!r}: external data offset {info.get('offset')!r}, length "
+                                 f"{info.get('length')!r} outside the {len(data)} bytes of {info['location']!r}")
+    t.raw_data = data[offset:offset + length]
+    del t.external_data[:]
+    t.data_location = onnx.TensorProto.DEFAULT
+
+
+def check_graphs(root: Path, manifest: dict[str, Any], data: dict[str, bytes]) -> dict[str, bytes]:
     """Each ONNX graph parses, keeps its external data in files the manifest lists (so hashed
     and inside the bundle; onnxruntime would follow ``../x`` or ``/etc/x`` wherever it points),
-    and its weights are those recorded at export (``onnx.weights_sha256``)."""
+    passes ``onnx.checker.check_model`` (ops of the standard domains that exist at the graph's
+    opset, every node input produced before it, well-formed tensors, the model-local functions;
+    ops of another domain such as ai.rtcompile are the runtime's to resolve, see
+    ``onnx_model.run_greedy``), and its weights, each readable, are those recorded at export
+    (``onnx.weights_sha256``). Reads the verified bytes ``data`` (file name -> bytes); returns
+    each graph as onnxruntime is to take it (its bytes, or with external data, the checked proto
+    holding that data)."""
     import onnx
     from google.protobuf.message import DecodeError
-    from onnx.external_data_helper import load_external_data_for_model
+    from onnx.checker import ValidationError
 
-    files = manifest["files"]
+    files, graphs = manifest["files"], {}
     for name in GRAPHS:
         try:
-            model = onnx.load(str(root / name), load_external_data=False)
-        except (DecodeError, OSError, ValueError) as exc:
+            model = onnx.load_model_from_string(data[name])
+        except (DecodeError, ValueError) as exc:
             raise refuse(root, name, f"not an ONNX model ({str(exc).splitlines()[0]})") from None
-        external = False
+        external = []
         for t in graph_tensors(model):
             if t.data_location != onnx.TensorProto.EXTERNAL:
                 continue
-            external = True
             location = {e.key: e.value for e in t.external_data}.get("location", "")
             if not _safe_name(location) or root.resolve() not in (root / location).resolve().parents:
                 raise refuse(root, name, f"tensor {t.name!r} keeps its data at {location!r}, outside the bundle; "
@@ -363,11 +486,25 @@ def check_graphs(root: Path, manifest: dict[str, Any]) -> None:
             if location not in files:
                 raise refuse(root, name, f"tensor {t.name!r} keeps its data in {location!r}, which the manifest "
                                          "does not list (unverified)")
-        if external:
-            load_external_data_for_model(model, str(root))
-        if graph_weights_sha256(model) != manifest["onnx"]["weights_sha256"][name]:
+            external.append((t, location))
+        for t, location in external:
+            _inline(root, name, t, data[location])
+        # with its external data in the proto: the checker would look for the data files relative
+        # to the working folder. A graph over 2 GiB is refused here (the exporter's onnx.save
+        # cannot write one, and onnxruntime takes none from memory either)
+        try:
+            onnx.checker.check_model(model)
+        except (ValidationError, ValueError) as exc:
+            raise refuse(root, name, f"not a valid ONNX model ({_one_line(exc)})") from None
+        try:
+            digest = graph_weights_sha256(model)
+        except ValueError as exc:
+            raise refuse(root, name, _one_line(exc)) from None
+        if digest != manifest["onnx"]["weights_sha256"][name]:
             raise refuse(root, name, f"its weights differ from those recorded at export (onnx.weights_sha256 in "
                                      f"{MANIFEST}): the graph is not the one exported with {WEIGHTS}")
+        graphs[name] = model.SerializeToString() if external else data[name]
+    return graphs
 
 
 def verify_bundle(path: str | os.PathLike) -> VerifiedBundle:
@@ -376,9 +513,10 @@ def verify_bundle(path: str | os.PathLike) -> VerifiedBundle:
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path: expected a str or os.PathLike bundle folder, got {type(path).__name__}")
     root = Path(path)
-    manifest = read_manifest(root)
+    manifest, data = _read_manifest(root)
     spec, plan, vocab, mlp = check_contents(root, manifest)
-    check_weights(root, spec, vocab, mlp)
-    if manifest["onnx"] is not None:
-        check_graphs(root, manifest)
-    return VerifiedBundle(root, manifest, spec, plan, vocab, mlp)
+    check_weights(root, data[WEIGHTS], spec, vocab, mlp)
+    if (why := check_groups(manifest["files"], data)) is not None:
+        raise refuse(root, *why)
+    graphs = {} if manifest["onnx"] is None else check_graphs(root, manifest, data)
+    return VerifiedBundle(root, manifest, spec, plan, vocab, mlp, data, graphs)
