@@ -328,7 +328,8 @@ def write_tuned(entries: list[dict[str, Any]], path: Path | None = None, *, rebu
     """Merge ``entries`` into the tuned-config table (same key: replaced), atomically. A table
     that cannot be read (corrupt, an older format) is replaced: by the winners of the storage
     ``rebuild_from`` when given (the table is derived data, the store is the record), else by
-    ``entries`` alone."""
+    ``entries`` alone. Malformed entries of a readable table (``tuned.entry_problem``) are
+    skipped by its reader, so a rewrite drops them."""
     path = Path(path) if path is not None else tuned.table_path()
     with file_lock(path.with_name(path.name + ".lock")):
         try:
