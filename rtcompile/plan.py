@@ -270,28 +270,28 @@ def _check_plan(data: Any) -> Plan:
 
 def _measured_seconds(spec: ModelSpec, target: Target) -> dict[tuple[str, int, int], tuple[KernelConfig, float]]:
     """Tuned winners for this spec on this target's GPU: (kernel, B, T) -> (config, seconds).
-    An entry this version cannot read (an older format) is skipped, as the launcher skips it."""
+    The entries the launcher would take on that GPU: every field of ``tuned.match_fields`` (the
+    kernel source, Triton and rtcompile versions too: another's entry is stale) and a config
+    its own check accepts at the target's shared memory; malformed ones the table's reader
+    skipped already (``tuned.entry_problem``)."""
     from .kernels import tuned
 
-    try:
-        entries = tuned.entries()
-    except ValueError:
-        return {}
     out = {}
     # train entries sit under the widths the backward runs (chunk_backward_widths.rewritten_widths)
     widths = {"chunk_bwd": rewritten_widths(spec.key_widths)}
-    for e in entries:
-        prof = profile_for(e.get("gpu", ""))
-        same_gpu = e.get("gpu") == target.name or (prof is not None and prof.name == target.name)
-        if not same_gpu or tuple(e.get("key_widths", ())) != widths.get(e.get("kernel"), spec.key_widths):
+    for e in tuned.entries():
+        prof = profile_for(e["gpu"])
+        if e["gpu"] != target.name and (prof is None or prof.name != target.name):
             continue
-        if e.get("value_width") != spec.value_width or e.get("heads") != spec.heads or e.get("dtype") != spec.input_dtype:
+        kernel, key_widths = e["kernel"], widths.get(e["kernel"], spec.key_widths)
+        want = tuned.match_fields(kernel, key_widths, spec.value_width, spec.heads, spec.input_dtype, e["gpu"])
+        if any(e[k] != v for k, v in want.items()) or e.get("seconds") is None:
             continue
-        try:
-            config = config_from_dict(e["variant"], e["kernel"])
-        except (KeyError, TypeError, ValueError):
+        config = config_from_dict(e["variant"], kernel)  # read by entry_problem already
+        shape = dataclasses.replace(shape_of(spec), key_widths=tuple(key_widths))
+        if config.check(shape, target.smem_per_sm) is not None:
             continue
-        out[(e["kernel"], e["batch"], e["seq_len"])] = (config, e["seconds"])
+        out[(kernel, e["batch"], e["seq_len"])] = (config, e["seconds"])
     return out
 
 

@@ -14,7 +14,7 @@ from rtcompile.kernels import tuned
 from rtcompile.kernels.chunk_resident import ResidentConfig
 from rtcompile.kernels.forms import default_config
 from rtcompile.kernels.config import KernelShape
-from rtcompile.plan import make_plan
+from rtcompile.plan import _measured_seconds, make_plan
 from rtcompile.spec import ModelSpec
 from rtcompile.target import get_target
 from rtcompile.tuning.store import has_entry, table_problem, write_tuned
@@ -104,3 +104,26 @@ def test_the_planner_skips_malformed_entries():
         plan = make_plan(_plan_spec(), get_target("h200"), batches=(1,), seq_lens=(32,), decode_batches=(2,))
     d = plan.decision_for("prefill", 1, 32)
     assert any(a["cost"]["source"] == "measured (tuned)" for a in d.alternatives)
+
+
+@pytest.mark.parametrize("field, value", [("triton", "0.0.1"), ("package", "0.0.1"), ("source", "0" * 16)])
+def test_the_planner_takes_only_entries_the_launcher_would(field, value):
+    """An entry of another Triton, rtcompile or kernel source is stale for the launcher
+    (tuned.match_fields): the planner leaves it out too. Before: it planned with it."""
+    good = _entry(gpu="NVIDIA H200", variant=ResidentConfig(16, 16).to_dict())
+    _write([_entry(gpu="NVIDIA H200", variant=ResidentConfig(16, 16).to_dict(), **{field: value})])
+    tuned.reload()
+    assert _measured_seconds(_plan_spec(), get_target("h200")) == {}
+    _write([good])
+    tuned.reload()
+    assert set(_measured_seconds(_plan_spec(), get_target("h200"))) == {("chunk", 1, 32)}
+
+
+def test_the_planner_leaves_out_a_config_its_check_refuses():
+    """A config whose check refuses the shape on the target (C 128's tile solve at these
+    widths) is one the launcher would not run: the planner does not cost it either."""
+    refused = ResidentConfig(chunk_size=128, block_v=16, solve="tiles")
+    assert refused.check(SHAPE, get_target("h200").smem_per_sm) is not None
+    _write([_entry(gpu="NVIDIA H200", variant=refused.to_dict())])
+    tuned.reload()
+    assert _measured_seconds(_plan_spec(), get_target("h200")) == {}
