@@ -32,6 +32,7 @@ store. ``--retune`` is refused while another process tunes the study.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import queue
@@ -104,9 +105,14 @@ class BucketResult:
 
 
 def _study_name(bucket: Bucket, machine: Machine, source: str, opts: TuneOptions) -> str:
-    """The study key, plus the sub-space and the search when they differ from the plain study,
-    so an exhaustive sweep never mixes its trials into the TPE study it is compared with."""
-    name = study_name(bucket, machine, source)
+    """The study key, plus a hash of the search space's choices (Optuna refuses a categorical
+    parameter whose choices changed, "dynamic value space", so a space changed by a new
+    version or a new check is a new study, not a crash of every worker), plus the sub-space and
+    the search when they differ from the plain study, so an exhaustive sweep never mixes its
+    trials into the TPE study it is compared with."""
+    # the choices in their order (Optuna's CategoricalDistribution compares them in order)
+    space = json.dumps(search_space(bucket, opts), separators=(",", ":"))
+    name = study_name(bucket, machine, source) + f":space {hashlib.sha256(space.encode()).hexdigest()[:12]}"
     if opts.fixed:
         name += ":fixed " + ",".join(f"{k}={v}" for k, v in sorted(opts.fixed.items()))
     if opts.exhaustive:
