@@ -3,14 +3,20 @@ config today's checks accept (the study's own measurements may predate them)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from rtcompile.kernels import tuned
+from rtcompile.kernels.chunk_resident import ResidentConfig
+from rtcompile.kernels.config import KernelShape
 from rtcompile.tuning import Bucket, TuneOptions, search_space
 from rtcompile.tuning import study as study_mod
-from rtcompile.tuning.keys import Machine
+from rtcompile.tuning.keys import Machine, key_attrs
+from rtcompile.tuning.space import config_params
 
 TINY = Bucket("chunk", (2, 4), 8, 1, 1, 32, "float32")
+TINY_SHAPE = KernelShape(TINY.key_widths, TINY.value_width, 4)
 
 
 @pytest.fixture(autouse=True)
@@ -32,3 +38,42 @@ def test_a_changed_search_space_is_a_new_study(monkeypatch):
     monkeypatch.setattr(study_mod, "search_space", lambda bucket, o: changed)
     assert study_mod._study_name(TINY, machine, source, opts) != name
     assert study_mod._study_name(TINY, machine, source, opts).startswith(name.rsplit(":space ", 1)[0])
+
+
+def _study_with(trials):
+    """An in-memory study keyed for TINY holding COMPLETE trials (config, seconds)."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    machine, source = Machine.current("cpu"), tuned.source_hash("chunk")
+    study = optuna.create_study(study_name=study_mod._study_name(TINY, machine, source, TuneOptions()))
+    for k, v in key_attrs(TINY, machine, source).items():
+        study.set_user_attr(k, v)
+    for cfg, seconds in trials:
+        params = config_params(cfg)
+        dists = {k: optuna.distributions.CategoricalDistribution([v]) for k, v in params.items()}
+        study.add_trial(optuna.trial.create_trial(params=params, distributions=dists, value=seconds))
+    return study, machine, source
+
+
+def test_the_finish_without_remeasuring_never_records_a_refused_config(tmp_path):
+    """A study measured before a check tightened (a resumed, stale study; ``--seconds``, which
+    takes the study's own measurements) holds a fast config today's check refuses: the winner
+    is the fastest one it accepts. Before: the refused one was recorded and written."""
+    refused = ResidentConfig(chunk_size=128, block_v=16, solve="tiles")
+    ok = ResidentConfig(chunk_size=16, block_v=16)
+    assert refused.check(TINY_SHAPE) is not None and ok.check(TINY_SHAPE) is None
+    study, machine, source = _study_with([(refused, 1e-4), (ok, 2e-4)])
+    table = tmp_path / "tuned.json"
+    opts = TuneOptions(table=str(table))
+    assert study_mod._finish(study, None, TINY, machine, source, opts, remeasure=False)
+    assert study.user_attrs["best_variant"] == ok.to_dict()
+    (entry,) = json.loads(table.read_text())["entries"]
+    assert entry["variant"] == ok.to_dict() and entry["seconds"] == 2e-4
+
+
+def test_the_finish_records_nothing_when_every_config_is_refused(tmp_path):
+    study, machine, source = _study_with([(ResidentConfig(chunk_size=128, block_v=16, solve="tiles"), 1e-4)])
+    opts = TuneOptions(table=str(tmp_path / "tuned.json"))
+    assert not study_mod._finish(study, None, TINY, machine, source, opts, remeasure=False)
+    assert "best_variant" not in study.user_attrs and not (tmp_path / "tuned.json").exists()

@@ -23,7 +23,8 @@ at once, by the worker's recorded pid; elsewhere by heartbeat) and retries them,
 command after a kill -9 finishes the budget.
 
 Finishing a study re-measures the best few variants and the default (trials mode; with a
-time budget the time was the trials' and the study's own measurements decide), then records
+time budget the time was the trials' and the study's own measurements decide; either way only
+configs today's check and the device accept), then records
 the winner in the tuned-config table the kernels read and then in the study's user attributes
 (a table that cannot be written leaves the study unfinished). An already tuned study whose
 winner is missing from the table writes it again; an unreadable table is rebuilt from the
@@ -502,7 +503,10 @@ def _finish(study, storage, bucket: Bucket, machine: Machine, source: str, opts:
     recorded."""
     import optuna
 
-    done = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))]
+    # a study measured before today's checks (a resumed, stale one) may hold a config they now
+    # refuse: never a winner, nor re-measured
+    done = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+            if _runs(t.params, bucket, opts.device)]
     done.sort(key=lambda t: t.value)
     default = default_config(bucket.kernel, bucket_shape(bucket), smem_limit(opts.device))
     timed = []
@@ -525,6 +529,16 @@ def _finish(study, storage, bucket: Bucket, machine: Machine, source: str, opts:
     for k in RESULT_ATTRS:
         study.set_user_attr(k, attrs[k])
     return True
+
+
+def _runs(params: dict[str, Any], bucket: Bucket, device: str) -> bool:
+    """Does the config of a trial's parameters pass today's check and run on ``device``, as a
+    trial's draw must (``run_worker``) and the launcher requires of a tuned entry?"""
+    try:
+        cfg = params_config(params)
+    except (KeyError, TypeError, ValueError):  # parameters of a space this version no longer has
+        return False
+    return cfg.check(bucket_shape(bucket), smem_limit(device)) is None and device_refusal(cfg, device) is None
 
 
 def _result_from(study, bucket: Bucket, ran: int, already: bool) -> BucketResult:
