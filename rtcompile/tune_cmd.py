@@ -118,6 +118,9 @@ def run(args) -> int:
 
     from .spec import load_spec
     from .tuning import TuneOptions, device_refusal_of_space, refusal, search_space
+    from .tuning.study import sigterm_as_interrupt
+
+    sigterm_as_interrupt()  # a kill stops the workers and trial processes too (study._run_workers)
 
     spec = load_spec(args.spec)
     check_storage(args.storage, create=True)  # a typo'd folder or URL: refused before any notice or trial

@@ -77,3 +77,58 @@ def test_the_finish_records_nothing_when_every_config_is_refused(tmp_path):
     opts = TuneOptions(table=str(tmp_path / "tuned.json"))
     assert not study_mod._finish(study, None, TINY, machine, source, opts, remeasure=False)
     assert "best_variant" not in study.user_attrs and not (tmp_path / "tuned.json").exists()
+
+
+SPEC = ('order = 3\nkey_widths = [2, 4]\nvalue_width = 8\nheads = 1\nmodel_width = 16\n'
+        'input_dtype = "float32"\n')
+
+
+@pytest.mark.parametrize("how", ["sigterm", "ctrl-c"])
+def test_a_stopped_tune_leaves_no_process_and_says_one_line(tmp_path, monkeypatch, how):
+    """SIGTERM to the coordinator, or Ctrl-C (SIGINT to the whole process group), inside a
+    trial: the tune exits 130 with one stderr line, and its workers and trial processes end
+    with it. Before: SIGTERM orphaned them (they tuned on to the budget's end), and Ctrl-C
+    printed a KeyboardInterrupt traceback from every process."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from rtcompile.tuning import open_storage
+    from rtcompile.tuning.claims import process_alive
+
+    started, pids = tmp_path / "started.log", tmp_path / "pids.log"
+    monkeypatch.setenv("RTCOMPILE_TEST_STARTED", str(started))
+    monkeypatch.setenv("RTCOMPILE_TEST_PIDS", str(pids))
+    spec = tmp_path / "tiny.toml"
+    spec.write_text(SPEC)
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    argv = [str(spec), "--phase", "prefill", "--workers", "2", "--storage", url, "--trials", "20",
+            "--fix", "resident.chunk_size=16", "--impl", "tuning_impls:slow"]
+    proc = subprocess.Popen([sys.executable, "-m", "rtcompile.cli", "tune", *argv], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and proc.poll() is None and not (started.exists() and started.read_text().split()):
+        time.sleep(0.1)
+    assert proc.poll() is None, "the tune ended before the signal: nothing was tested"
+    import optuna
+
+    storage = open_storage(url)
+    (summary,) = optuna.get_all_study_summaries(storage, False)
+    trials = optuna.load_study(study_name=summary.study_name, storage=storage).get_trials(deepcopy=False)
+    workers = {t.user_attrs["pid"] for t in trials if "pid" in t.user_attrs}
+    if how == "sigterm":
+        os.kill(proc.pid, signal.SIGTERM)
+    else:
+        os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    lines = [ln for ln in err.strip().splitlines() if "trials run" not in ln]  # progress: stderr is no terminal
+    assert len(lines) == 1 and "interrupted" in lines[0], err
+    children = workers | {int(p) for p in pids.read_text().split()}
+    assert workers and len(children) > len(workers)
+    end = time.time() + 10
+    while time.time() < end and any(process_alive(p) for p in children):
+        time.sleep(0.1)
+    assert not [p for p in children if process_alive(p)], "a worker or trial process outlived the tune"

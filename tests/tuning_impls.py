@@ -21,10 +21,14 @@ def planted_wrong(bucket, variant, inp):
 def slow(bucket, variant, inp):
     """A correct kernel that takes long enough to be killed mid-study. As each call starts it
     appends its start time to the file named by RTCOMPILE_TEST_STARTED (when set), so a test
-    can aim a kill inside a call, hence inside a timed trial."""
+    can aim a kill inside a call, hence inside a timed trial, and its process id to the file
+    named by RTCOMPILE_TEST_PIDS (when set)."""
     if os.environ.get("RTCOMPILE_TEST_STARTED"):
         with open(os.environ["RTCOMPILE_TEST_STARTED"], "a") as fh:
             fh.write(f"{time.time()}\n")
+    if os.environ.get("RTCOMPILE_TEST_PIDS"):  # the trial processes, for a test that they all end
+        with open(os.environ["RTCOMPILE_TEST_PIDS"], "a") as fh:
+            fh.write(f"{os.getpid()}\n")
     time.sleep(1.0)
     return run_kernel(bucket, variant, inp)
 

@@ -212,10 +212,14 @@ RESULT_PREFIX = "rtcompile-trial-result "
 
 
 def main() -> int:
-    """Serve requests, one JSON line each on stdin, until EOF (see ``study.TrialRunner``)."""
-    for line in sys.stdin:
-        if line.strip():
-            print(RESULT_PREFIX + json.dumps(evaluate(json.loads(line))), flush=True)
+    """Serve requests, one JSON line each on stdin, until EOF (see ``study.TrialRunner``); a
+    Ctrl-C (the terminal's, to the whole process group) ends it quietly: the tune says so."""
+    try:
+        for line in sys.stdin:
+            if line.strip():
+                print(RESULT_PREFIX + json.dumps(evaluate(json.loads(line))), flush=True)
+    except KeyboardInterrupt:
+        return 130
     return 0
 
 

@@ -37,6 +37,7 @@ import hashlib
 import json
 import os
 import queue
+import signal
 import socket
 import subprocess
 import sys
@@ -439,36 +440,80 @@ def _run_workers(study, storage, url: str | None, name: str, bucket: Bucket, opt
     In trials mode the coordinator then waits for RUNNING trials it did not start (a previous
     run's, whose worker died: stale within the grace period; or a live worker's on another
     host: it finishes) and runs workers again for the retries that their staleness enqueued, so
-    a ``--resume`` right after a kill still runs the whole budget."""
+    a ``--resume`` right after a kill still runs the whole budget. However it ends (Ctrl-C,
+    SIGTERM, an error), no worker outlives it (:func:`_stop_workers`)."""
+    procs: list[subprocess.Popen] = []
+    try:
+        while True:
+            procs = _spawn_workers(url or _default_url(), name, bucket, opts, deadline)
+            if not _wait_workers(study, storage, url, name, opts, deadline, procs, report):
+                return
+    finally:  # stopped (Ctrl-C, SIGTERM, an error): the workers and their trial processes end too
+        _stop_workers(procs)
+
+
+def _wait_workers(study, storage, url: str | None, name: str, opts: TuneOptions, deadline: float | None,
+                  procs: list[subprocess.Popen], report: Callable[[], Any]) -> bool:
+    """Wait for ``procs`` to end, failing stale trials meanwhile; True when retries wait for
+    another round of workers (see :func:`_run_workers`)."""
     import optuna
 
     state = optuna.trial.TrialState
-    while True:
-        procs = _spawn_workers(url or _default_url(), name, bucket, opts, deadline)
-        last = time.monotonic()
-        while any(p.poll() is None for p in procs):
-            report()
-            if time.monotonic() - last >= STALE_POLL_S:
-                mark_stale(study, storage, opts.trial_timeout)
-                last = time.monotonic()
-            time.sleep(0.5)
+    last = time.monotonic()
+    while any(p.poll() is None for p in procs):
         report()
-        bad = [p.returncode for p in procs if p.returncode != 0]
-        if bad and not study_exists(url, name):
-            raise StoreError(f"study {name!r} was deleted while it ran (a `tune --retune` elsewhere?): stopped")
-        if bad:
-            raise RuntimeError(f"tuning workers exited with {bad}: see their output above")
-        if deadline is not None or heartbeat_interval(storage) is None:
-            # seconds mode: the time is spent. Journal: no heartbeats, an orphan goes stale only
-            # after twice the trial timeout (minutes): a later --resume retries it
-            return
-        while study.get_trials(deepcopy=False, states=(state.RUNNING,)):
+        if time.monotonic() - last >= STALE_POLL_S:
             mark_stale(study, storage, opts.trial_timeout)
-            if study.get_trials(deepcopy=False, states=(state.WAITING,)):
-                break
-            time.sleep(STALE_POLL_S)
-        if not study.get_trials(deepcopy=False, states=(state.WAITING,)):
-            return
+            last = time.monotonic()
+        time.sleep(0.5)
+    report()
+    bad = [p.returncode for p in procs if p.returncode != 0]
+    if bad and not study_exists(url, name):
+        raise StoreError(f"study {name!r} was deleted while it ran (a `tune --retune` elsewhere?): stopped")
+    if bad:
+        raise RuntimeError(f"tuning workers exited with {bad}: see their output above")
+    if deadline is not None or heartbeat_interval(storage) is None:
+        # seconds mode: the time is spent. Journal: no heartbeats, an orphan goes stale only
+        # after twice the trial timeout (minutes): a later --resume retries it
+        return False
+    while study.get_trials(deepcopy=False, states=(state.RUNNING,)):
+        mark_stale(study, storage, opts.trial_timeout)
+        if study.get_trials(deepcopy=False, states=(state.WAITING,)):
+            break
+        time.sleep(STALE_POLL_S)
+    return bool(study.get_trials(deepcopy=False, states=(state.WAITING,)))
+
+
+# A worker told to stop (SIGTERM) kills its trial process and exits within a second or two; one
+# that does not (stuck in a storage call) is killed, and its trial process then ends at the
+# close of its request pipe
+STOP_GRACE_S = 10.0
+
+
+def _stop_workers(procs: list[subprocess.Popen]) -> None:
+    """End the workers still running: SIGTERM (the worker's handler stops it and its trial
+    process, ``worker.main``), then SIGKILL after STOP_GRACE_S."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    end = time.monotonic() + STOP_GRACE_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def sigterm_as_interrupt() -> None:
+    """Make SIGTERM raise KeyboardInterrupt in the main thread, as Ctrl-C does, so ``finally``
+    blocks and context managers stop the workers and trial processes (Python's default for
+    SIGTERM ends the process at once, orphaning them). For the tune coordinator and workers."""
+    signal.signal(signal.SIGTERM, _interrupt)
 
 
 STUDY_DELETED_EXIT = 3  # a worker's exit status when its study was deleted while it ran
