@@ -151,9 +151,9 @@ def run(args) -> int:
     from .tuning import open_storage
 
     open_storage(opts.storage)  # a store that does not open: one line, before the notice
-    if not on_gpu:  # after the checks: a usage error stays one line
-        err.print("[yellow]no CUDA GPU: tuning runs the Triton interpreter on the CPU with small shapes; "
-                  "CPU timings are not GPU timings[/]")
+    if not on_gpu:  # on stdout, with the results: an error after it stays exactly one stderr line
+        Console().print("[yellow]no CUDA GPU: tuning runs the Triton interpreter on the CPU with small shapes; "
+                        "CPU timings are not GPU timings[/]")
     _rebuild_unreadable_table(opts, err)
     results = _tune_all(buckets, opts, err, start)
     _print_results(results, spec, args, on_gpu)

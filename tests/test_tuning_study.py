@@ -132,3 +132,22 @@ def test_a_stopped_tune_leaves_no_process_and_says_one_line(tmp_path, monkeypatc
     while time.time() < end and any(process_alive(p) for p in children):
         time.sleep(0.1)
     assert not [p for p in children if process_alive(p)], "a worker or trial process outlived the tune"
+
+
+def test_an_error_after_the_cpu_notice_is_exactly_one_stderr_line(tmp_path, monkeypatch, capsys):
+    """The no-GPU notice goes to stdout with the results: a late error (here the store
+    refusing the study mid-run) stays one stderr line. Before: the notice came first on stderr."""
+    from rtcompile import tune_cmd
+    from rtcompile.cli import main
+    from rtcompile.tuning import StoreError
+
+    def refused(*args, **kwargs):
+        raise StoreError("storage 'x': refused mid-run")
+
+    monkeypatch.setattr(tune_cmd, "_tune_all", refused)
+    spec = tmp_path / "tiny.toml"
+    spec.write_text(SPEC)
+    assert main(["tune", str(spec), "--phase", "prefill", "--storage", f"sqlite:///{tmp_path / 'n.db'}"]) == 2
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == ["rtcompile: error: storage 'x': refused mid-run"], err
+    assert "no CUDA GPU" in out
