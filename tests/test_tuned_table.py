@@ -127,3 +127,23 @@ def test_the_planner_leaves_out_a_config_its_check_refuses():
     _write([_entry(gpu="NVIDIA H200", variant=refused.to_dict())])
     tuned.reload()
     assert _measured_seconds(_plan_spec(), get_target("h200")) == {}
+
+
+def test_a_slower_winner_never_replaces_a_faster_entry_of_its_key(tmp_path):
+    """Two studies of one table key (a full study and a ``--fix`` sub-space's, same kernel
+    source and versions: the key holds them): the faster winner stays. Before: the last
+    written replaced it, and a 3x slower config ran."""
+    path = tmp_path / "tuned.json"
+    fast = _entry(seconds=1e-3, study="full")
+    slow = _entry(variant=ResidentConfig(32, 16).to_dict(), seconds=3e-3, study="fixed")
+    write_tuned([fast], path)
+    write_tuned([slow], path)
+    assert json.loads(path.read_text())["entries"] == [fast]
+    assert has_entry(slow, path)  # its key holds a faster winner: nothing to rewrite
+    faster = _entry(variant=ResidentConfig(32, 16).to_dict(), seconds=5e-4, study="fixed")
+    write_tuned([faster], path)
+    assert json.loads(path.read_text())["entries"] == [faster]
+    # an entry of other kernel sources is another key: both kept (the launcher takes its own)
+    other = _entry(source="0" * 16, seconds=1e-4)
+    write_tuned([other], path)
+    assert json.loads(path.read_text())["entries"] == [faster, other]
