@@ -151,3 +151,37 @@ def test_an_error_after_the_cpu_notice_is_exactly_one_stderr_line(tmp_path, monk
     out, err = capsys.readouterr()
     assert err.strip().splitlines() == ["rtcompile: error: storage 'x': refused mid-run"], err
     assert "no CUDA GPU" in out
+
+
+def _gate(bucket, impl: str, variant=None) -> dict:
+    from dataclasses import asdict
+
+    from rtcompile.tuning.objective import evaluate
+
+    return evaluate({"bucket": asdict(bucket), "variant": variant, "device": "cpu", "seed": 3, "check_seed": 1,
+                     "repeats": 1, "impl": impl})
+
+
+# one sequence of 4096 tokens in bf16: one zeroed token row moves the global relative RMS
+# error by about 1/sqrt(4096) = 1.6e-2, inside bf16's 2e-2
+LONG_BF16 = Bucket("chunk", (2, 4), 8, 1, 1, 4096, "bfloat16")
+
+
+def test_the_gate_refuses_an_output_with_one_zeroed_token_row():
+    """Before: a kernel that zeroed one output row per sequence at T 4096 passed the gate
+    (bf16 global relative RMS ~1.6e-2 against 2e-2); the per-token check refuses it, while the
+    correctly rounded output (the float64 result in bf16) passes."""
+    ok = _gate(LONG_BF16, "tuning_impls:rounded_reference")
+    assert ok["status"] == "ok", ok
+    bad = _gate(LONG_BF16, "tuning_impls:zeroed_row")
+    assert bad["status"] == "rejected", bad
+    assert bad["error"] <= 2e-2  # the global check alone passes it
+    assert "token" in bad["reason"] and "t=2048" in bad["reason"] and "against float64" in bad["reason"], bad
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_the_real_kernels_pass_the_per_token_check(dtype):
+    """The row tolerance leaves the kernels' own rounding room (objective.ROW_TOLERANCE)."""
+    for bucket in (Bucket("chunk", (4, 4), 32, 2, 1, 256, dtype), Bucket("recurrent", (16,), 16, 2, 8, 1, dtype)):
+        r = _gate(bucket, "rtcompile.tuning.objective:run_kernel")
+        assert r["status"] == "ok", (bucket.label, r)

@@ -119,3 +119,21 @@ def planted_unwritten(bucket, variant, inp):
     out = args.empty_like(o)
     out.view(-1)[:-1] = o.reshape(-1)[:-1]
     return out, s
+
+
+def rounded_reference(bucket, variant, inp):
+    """A correct kernel in the bucket's dtype without running one (fast at T 4096 in the
+    interpreter): the float64 result, rounded to the inputs' dtype."""
+    from rtcompile.tuning.objective import reference
+
+    ref = reference(bucket, inp)
+    return ref["o"].to(inp.v.dtype), ref["s"].float()
+
+
+def zeroed_row(bucket, variant, inp):
+    """:func:`rounded_reference` with token T/2 of every sequence zeroed: a kernel that drops
+    one row, small in the global error at long T."""
+    o, s = rounded_reference(bucket, variant, inp)
+    o = o.clone()
+    o[:, o.shape[1] // 2] = 0
+    return o, s
