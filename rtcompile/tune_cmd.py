@@ -40,8 +40,9 @@ def add_parser(sub) -> None:
                    help="worker processes (default: one per visible GPU, 1 on the CPU); more workers than "
                         "GPUs overlap their compiles, while timings stay one at a time per GPU")
     again = p.add_mutually_exclusive_group()
-    again.add_argument("--resume", action="store_true", help="continue finished studies for more trials (a killed run needs no flag: "
-                       "the same command again continues it)")
+    again.add_argument("--resume", action="store_true",
+                       help="continue finished studies for --trials N more trials each (a killed run needs no flag: "
+                            "the same command again finishes its budget)")
     again.add_argument("--retune", action="store_true", help="delete this machine's studies for the spec and start over")
     p.add_argument("--phase", choices=["prefill", "decode", "train", "all"], default="all",
                    help="tune the chunk (prefill) kernel, the recurrent (decode) kernel, or both (all); train: the "

@@ -185,3 +185,16 @@ def test_the_real_kernels_pass_the_per_token_check(dtype):
     for bucket in (Bucket("chunk", (4, 4), 32, 2, 1, 256, dtype), Bucket("recurrent", (16,), 16, 2, 8, 1, dtype)):
         r = _gate(bucket, "rtcompile.tuning.objective:run_kernel")
         assert r["status"] == "ok", (bucket.label, r)
+
+
+def test_resume_runs_n_more_trials(tmp_path):
+    """``--resume --trials N`` on a finished study runs N more trials. Before: N counted the
+    study's total, so a study of 2 resumed with 1 ran none."""
+    from rtcompile.tuning import tune_bucket
+
+    url = f"sqlite:///{tmp_path / 'resume.db'}"
+    fixed = {"form": "resident", "resident.chunk_size": 16}
+    first = tune_bucket(TINY, TuneOptions(storage=url, trials=2, repeats=1, top_k=1, fixed=fixed))
+    assert first.trials_run == 2 and first.trials_total == 2
+    more = tune_bucket(TINY, TuneOptions(storage=url, trials=1, repeats=1, top_k=1, fixed=fixed, resume=True))
+    assert more.trials_run == 1 and more.trials_total == 3 and more.best_variant is not None

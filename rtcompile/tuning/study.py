@@ -387,7 +387,7 @@ def _tune_study(study, storage, exists: bool, bucket: Bucket, machine: Machine, 
     study.set_user_attr("coordinator", {"host": socket.gethostname(), "pid": os.getpid()})  # see --retune
     # a killed run's trials: failed now (their worker is gone) and retried, with or without --resume
     mark_stale(study, storage, opts.trial_timeout)
-    deadline = None
+    deadline, budget = None, 0  # budget: the trials the study holds when done (trials mode)
     if opts.seconds is not None:
         deadline = opts.deadline if opts.deadline is not None else time.time() + opts.seconds
         if not study.get_trials(deepcopy=False):  # study.ask() takes enqueued trials first
@@ -404,7 +404,10 @@ def _tune_study(study, storage, exists: bool, bucket: Bucket, machine: Machine, 
                 if params not in have:
                     study.enqueue_trial(params)
         else:
-            missing = max(0, opts.trials - len(counted))
+            # --resume of a finished study: N more trials; an unfinished (killed) one's budget is
+            # finished first, with the flag or without
+            budget = opts.trials + (len(counted) if opts.resume and "best_variant" in study.user_attrs else 0)
+            missing = max(0, budget - len(counted))
             if not counted:
                 for i, params in enumerate(warm_starts(bucket, opts, missing)):
                     study.enqueue_trial(params, user_attrs={"warm_start": i})  # 0: the default
@@ -412,7 +415,7 @@ def _tune_study(study, storage, exists: bool, bucket: Bucket, machine: Machine, 
             for _ in range(missing):
                 study.enqueue_trial({})
     before = _finished(study)
-    total = len(exhaustive_variants(bucket, opts)) if opts.exhaustive else opts.trials or 0
+    total = len(exhaustive_variants(bucket, opts)) if opts.exhaustive else budget
 
     def report() -> None:
         if progress:
