@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ._version import __version__
-from .fields import FieldError, FieldValueError, check_int, check_ints, check_type
+from .fields import FieldError, check_int, check_ints, check_type
 from .fileio import atomic_write
 from .costmodel import Calibration, calibrate, chunk_cost, recurrent_cost, shape_of, with_measured, workload
 from .kernels.chunk_backward import default_backward
@@ -181,13 +181,19 @@ def _check_choice(where: str, value: Any, allowed: tuple[str, ...]) -> None:
 
 
 @contextmanager
-def _plan_field() -> Iterator[None]:
+def _plan_field(arguments: bool = False) -> Iterator[None]:
     """Fields checked by :mod:`rtcompile.fields`, a refusal as a PlanError worded as every
     other of a plan's refusals: ``<path>: got <value>; allowed: <what>`` (a plan file's value
-    of the wrong type is a bad value like any other, shown with its type)."""
+    of the wrong type is a bad value like any other, shown with its type). ``arguments``:
+    :func:`make_plan`'s, from Python, where the API's rule holds: a wrong type stays the
+    fields' TypeError, a value out of range is a PlanError (a ValueError) of the fields' text."""
     try:
         yield
     except FieldError as exc:
+        if arguments and isinstance(exc, TypeError):
+            raise
+        if arguments:
+            raise PlanError(str(exc)) from None
         got = _got(exc.value, isinstance(exc, ValueError))
         raise PlanError(f"{exc.name}: got {got}; allowed: {exc.allowed}") from None
 
@@ -488,12 +494,10 @@ def check_plan_args(spec, target, batches, seq_lens, decode_batches, use_measure
                         f"got {type(spec).__name__}")
     if not isinstance(target, Target):
         raise TypeError(f"target: expected a Target (rtcompile.target.get_target(name)), got {type(target).__name__}")
-    try:  # the buckets' batches and lengths (decision_for takes their log2)
+    with _plan_field(arguments=True):  # the buckets' batches and lengths (decision_for takes their log2)
         check_ints("batches", batches, 1, None, "integers >= 1")
         check_ints("seq_lens", seq_lens, 1, None, "integers >= 1")
         check_ints("decode_batches", decode_batches, 1, None, "integers >= 1", may_be_empty=True)
-    except FieldValueError as exc:  # a value out of range is a PlanError (a ValueError) of the same text
-        raise PlanError(str(exc)) from None
     if not isinstance(use_measurements, bool):
         raise TypeError(f"use_measurements: expected a bool, got {type(use_measurements).__name__}")
     if calibration is not None and not isinstance(calibration, Calibration):
