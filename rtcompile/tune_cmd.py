@@ -109,6 +109,13 @@ def _list(args) -> int:
 
 
 def run(args) -> int:
+    from .tuning.processes import stop_on_signal
+
+    with stop_on_signal():  # a kill stops the workers and trial processes too (study._run_workers)
+        return _run(args)
+
+
+def _run(args) -> int:
     if args.list:
         return _list(args)
     if not args.spec:
@@ -119,10 +126,6 @@ def run(args) -> int:
 
     from .spec import load_spec
     from .tuning import TuneOptions, device_refusal_of_space, refusal, search_space
-    from .tuning.study import sigterm_as_interrupt
-
-    sigterm_as_interrupt()  # a kill stops the workers and trial processes too (study._run_workers)
-
     spec = load_spec(args.spec)
     check_storage(args.storage, create=True)  # a typo'd folder or URL: refused before any notice or trial
     on_gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"

@@ -37,7 +37,6 @@ import hashlib
 import json
 import os
 import queue
-import signal
 import socket
 import subprocess
 import sys
@@ -51,6 +50,7 @@ from ..kernels import tuned
 from ..kernels.forms import default_config
 from .claims import Heartbeat, mark_stale, next_trial, process_alive, stale_numbers, trial_id
 from .keys import Bucket, Machine, key_attrs, study_name
+from .processes import spawn_workers, stop_workers
 from .space import (
     bucket_shape, config_params, device_refusal, exhaustive_variants, params_config, search_space, smem_limit, suggest,
     warm_starts,
@@ -293,36 +293,6 @@ def run_worker(storage_url: str | None, name: str, bucket: Bucket, opts: TuneOpt
     return done
 
 
-def _spawn_workers(storage_url: str, name: str, bucket: Bucket, opts: TuneOptions,
-                   deadline: float | None) -> list[subprocess.Popen]:
-    payload = json.dumps({"storage": storage_url, "study": name, "bucket": asdict(bucket),
-                          "options": asdict(opts), "deadline": deadline})
-    gpus = _visible_gpus(opts.device)
-    procs = []
-    for i in range(opts.workers):
-        env = dict(os.environ)
-        if gpus:  # one GPU per worker (round robin): trials on one GPU never share it
-            env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
-        p = subprocess.Popen([sys.executable, "-m", "rtcompile.tuning.worker", str(i)], stdin=subprocess.PIPE,
-                             text=True, env=env)
-        p.stdin.write(payload)
-        p.stdin.close()
-        procs.append(p)
-    return procs
-
-
-def _visible_gpus(device: str) -> list[str]:
-    """The GPU ids workers are spread over (none off the GPU)."""
-    if not device.startswith("cuda"):
-        return []
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if listed:
-        return [x.strip() for x in listed.split(",") if x.strip()]
-    import torch
-
-    return [str(i) for i in range(torch.cuda.device_count())]
-
-
 def tune_bucket(bucket: Bucket, opts: TuneOptions,
                 progress: Callable[[str, int, int], None] | None = None) -> BucketResult:
     """Run (or resume, or skip when already tuned) the study of one bucket."""
@@ -444,15 +414,15 @@ def _run_workers(study, storage, url: str | None, name: str, bucket: Bucket, opt
     run's, whose worker died: stale within the grace period; or a live worker's on another
     host: it finishes) and runs workers again for the retries that their staleness enqueued, so
     a ``--resume`` right after a kill still runs the whole budget. However it ends (Ctrl-C,
-    SIGTERM, an error), no worker outlives it (:func:`_stop_workers`)."""
+    SIGTERM, an error), no worker outlives it (``processes.stop_workers``)."""
     procs: list[subprocess.Popen] = []
     try:
         while True:
-            procs = _spawn_workers(url or _default_url(), name, bucket, opts, deadline)
+            procs = spawn_workers(url or _default_url(), name, bucket, opts, deadline)
             if not _wait_workers(study, storage, url, name, opts, deadline, procs, report):
                 return
     finally:  # stopped (Ctrl-C, SIGTERM, an error): the workers and their trial processes end too
-        _stop_workers(procs)
+        stop_workers(procs)
 
 
 def _wait_workers(study, storage, url: str | None, name: str, opts: TuneOptions, deadline: float | None,
@@ -485,38 +455,6 @@ def _wait_workers(study, storage, url: str | None, name: str, opts: TuneOptions,
             break
         time.sleep(STALE_POLL_S)
     return bool(study.get_trials(deepcopy=False, states=(state.WAITING,)))
-
-
-# A worker told to stop (SIGTERM) kills its trial process and exits within a second or two; one
-# that does not (stuck in a storage call) is killed, and its trial process then ends at the
-# close of its request pipe
-STOP_GRACE_S = 10.0
-
-
-def _stop_workers(procs: list[subprocess.Popen]) -> None:
-    """End the workers still running: SIGTERM (the worker's handler stops it and its trial
-    process, ``worker.main``), then SIGKILL after STOP_GRACE_S."""
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    end = time.monotonic() + STOP_GRACE_S
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
-def sigterm_as_interrupt() -> None:
-    """Make SIGTERM raise KeyboardInterrupt in the main thread, as Ctrl-C does, so ``finally``
-    blocks and context managers stop the workers and trial processes (Python's default for
-    SIGTERM ends the process at once, orphaning them). For the tune coordinator and workers."""
-    signal.signal(signal.SIGTERM, _interrupt)
 
 
 STUDY_DELETED_EXIT = 3  # a worker's exit status when its study was deleted while it ran

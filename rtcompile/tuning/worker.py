@@ -1,7 +1,7 @@
 """A tuning worker process: ``python -m rtcompile.tuning.worker INDEX`` with a JSON job on stdin.
 
 Several run at once on one study (and may run on other hosts against the same storage URL).
-Stopped by SIGTERM (the coordinator's ``_stop_workers``) or Ctrl-C, a worker kills its trial
+Stopped by SIGTERM (the coordinator's ``processes.stop_workers``) or Ctrl-C, a worker kills its trial
 process and exits quietly (130): the coordinator says the one line.
 """
 
@@ -11,13 +11,14 @@ import json
 import sys
 
 from .keys import Bucket
-from .study import STUDY_DELETED_EXIT, TuneOptions, run_worker, sigterm_as_interrupt, study_exists
+from .processes import stop_on_signal
+from .study import STUDY_DELETED_EXIT, TuneOptions, run_worker, study_exists
 
 
 def main() -> int:
-    sigterm_as_interrupt()
     try:
-        return _work()
+        with stop_on_signal():
+            return _work()
     except KeyboardInterrupt:  # its trial process was killed on the way out (TrialRunner's close)
         return 130
 
