@@ -45,12 +45,14 @@ def _malformed():
     good = _entry()
     no_batch = {k: v for k, v in _entry().items() if k != "batch"}
     return [None, _entry(batch="1"), no_batch, _entry(variant="resident"), _entry(seq_len=0),
-            _entry(key_widths="2x4"), _entry(variant={"form": "no-such-form"}), good]
+            _entry(key_widths="2x4"), _entry(variant={"form": "no-such-form"}), _entry(kernel=["chunk"]), good]
 
 
 @pytest.mark.parametrize("index, field", [(0, ": expected an object"), (1, ".batch"), (2, ": missing 'batch'"),
-                                          (3, ".variant"), (4, ".seq_len"), (5, ".key_widths"), (6, ".variant")],
-                         ids=["null", "str-batch", "no-batch", "str-variant", "zero-seq_len", "str-widths", "bad-form"])
+                                          (3, ".variant"), (4, ".seq_len"), (5, ".key_widths"), (6, ".variant"),
+                                          (7, ".kernel")],
+                         ids=["null", "str-batch", "no-batch", "str-variant", "zero-seq_len", "str-widths", "bad-form",
+                              "list-kernel"])
 def test_a_malformed_entry_is_skipped_with_a_warning_naming_it(index, field):
     """Before: every lookup (each kernel call without a variant) raised TypeError, KeyError or
     AttributeError from one hand-edited entry."""

@@ -100,7 +100,7 @@ def entry_problem(entry: Any, where: str = "entry") -> str | None:
     """Why ``entry`` cannot serve a call (``<where>.<field>: ...`` naming what is allowed), or
     None: the fields :func:`lookup` compares and reads, each of its type, and a variant the
     kernel's configs read (``forms.config_from_dict``)."""
-    from ..fields import FieldError, check_int, check_ints, check_type, check_float
+    from ..fields import FieldError, check_float, check_int, check_ints, check_type
     from .forms import config_from_dict  # forms sits above the launchers, which import this module
 
     try:
@@ -108,6 +108,7 @@ def entry_problem(entry: Any, where: str = "entry") -> str | None:
         missing = [k for k in ("kernel", *_STRING_KEYS, "key_widths", *_SIZE_KEYS, "variant") if k not in entry]
         if missing:
             return f"{where}: missing {', '.join(map(repr, missing))}"
+        check_type(f"{where}.kernel", entry["kernel"], str, "a string")
         if entry["kernel"] not in _SOURCES:
             return f"{where}.kernel: got {entry['kernel']!r}; allowed: {', '.join(_SOURCES)}"
         for k in _STRING_KEYS:
