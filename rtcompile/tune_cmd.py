@@ -126,6 +126,7 @@ def _run(args) -> int:
 
     from .spec import load_spec
     from .tuning import TuneOptions, device_refusal_of_space, refusal, search_space
+
     spec = load_spec(args.spec)
     check_storage(args.storage, create=True)  # a typo'd folder or URL: refused before any notice or trial
     on_gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
