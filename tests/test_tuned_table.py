@@ -149,3 +149,18 @@ def test_a_slower_winner_never_replaces_a_faster_entry_of_its_key(tmp_path):
     other = _entry(source="0" * 16, seconds=1e-4)
     write_tuned([other], path)
     assert json.loads(path.read_text())["entries"] == [faster, other]
+
+
+def test_rtcompile_plan_beside_a_malformed_table(tmp_path, capsys):
+    """`rtcompile plan` with a hand-edited table: the plan, the malformed entries skipped with
+    one warning. Before: an AttributeError traceback."""
+    from rtcompile.cli import main
+
+    _write(_malformed())
+    spec = tmp_path / "s.toml"
+    spec.write_text('order = 3\nkey_widths = [2, 4]\nvalue_width = 8\nheads = 1\nmodel_width = 16\n'
+                    'input_dtype = "float32"\n')
+    tuned._table = None  # as a fresh process finds it: read at the first use
+    with pytest.warns(RuntimeWarning, match="malformed entries in all"):
+        assert main(["plan", str(spec), "--target", "h200", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["decisions"]
