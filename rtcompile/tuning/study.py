@@ -43,7 +43,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 from ..kernels import tuned
@@ -392,7 +392,10 @@ def _tune_study(study, storage, exists: bool, bucket: Bucket, machine: Machine, 
             done = _finished(study)
             progress(bucket.label, done, max(total, done))  # a resumed study may hold more than asked
 
-    _run_workers(study, storage, url, name, bucket, opts, deadline, report)
+    # the workers' cap on pruned replacements counts the study's pruned trials against the whole
+    # budget, a resumed study's earlier trials included
+    work = replace(opts, trials=budget) if budget else opts
+    _run_workers(study, storage, url, name, bucket, work, deadline, report)
     ran = _finished(study) - before
     # seconds mode: the time was the trials'; the winner is the study's own measurement
     written = _finish(study, storage, bucket, machine, source, opts, remeasure=deadline is None)
