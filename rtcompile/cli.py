@@ -1,6 +1,7 @@
 """The ``rtcompile`` command line.
 
-Usage and input errors print one line on stderr and exit with code 2, never a traceback.
+Usage and input errors print one line on stderr and exit with code 2, never a traceback; an
+interrupted command (Ctrl-C; ``tune``: SIGTERM too) one line and exit code 130.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from .cli_args import EXIT_USAGE, Parser, UsageError, check_out_dir, int_at_leas
 from .fileio import WriteError
 from .spec import SpecError, SpecFileError, SpecTypeError
 
-__all__ = ["EXIT_USAGE", "INPUT_ERRORS", "UsageError", "build_parser", "main"]
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
+__all__ = ["EXIT_INTERRUPTED", "EXIT_USAGE", "INPUT_ERRORS", "UsageError", "build_parser", "main"]
 
 
 class _NoStoreError(Exception):
@@ -211,6 +213,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (*INPUT_ERRORS, *_lazy_errors()) as exc:
         print(f"rtcompile: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:  # Ctrl-C (tune: SIGTERM too), after the commands' own clean-up
+        print("rtcompile: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":  # pragma: no cover

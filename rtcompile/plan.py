@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ._version import __version__
-from .fields import FieldError, FieldValueError, check_int, check_ints, check_type
+from .fields import FieldError, check_int, check_ints, check_type
 from .fileio import atomic_write
 from .costmodel import Calibration, calibrate, chunk_cost, recurrent_cost, shape_of, with_measured, workload
 from .kernels.chunk_backward import default_backward
@@ -181,13 +181,19 @@ def _check_choice(where: str, value: Any, allowed: tuple[str, ...]) -> None:
 
 
 @contextmanager
-def _plan_field() -> Iterator[None]:
+def _plan_field(arguments: bool = False) -> Iterator[None]:
     """Fields checked by :mod:`rtcompile.fields`, a refusal as a PlanError worded as every
     other of a plan's refusals: ``<path>: got <value>; allowed: <what>`` (a plan file's value
-    of the wrong type is a bad value like any other, shown with its type)."""
+    of the wrong type is a bad value like any other, shown with its type). ``arguments``:
+    :func:`make_plan`'s, from Python, where the API's rule holds: a wrong type stays the
+    fields' TypeError, a value out of range is a PlanError (a ValueError) of the fields' text."""
     try:
         yield
     except FieldError as exc:
+        if arguments and isinstance(exc, TypeError):
+            raise
+        if arguments:
+            raise PlanError(str(exc)) from None
         got = _got(exc.value, isinstance(exc, ValueError))
         raise PlanError(f"{exc.name}: got {got}; allowed: {exc.allowed}") from None
 
@@ -270,28 +276,28 @@ def _check_plan(data: Any) -> Plan:
 
 def _measured_seconds(spec: ModelSpec, target: Target) -> dict[tuple[str, int, int], tuple[KernelConfig, float]]:
     """Tuned winners for this spec on this target's GPU: (kernel, B, T) -> (config, seconds).
-    An entry this version cannot read (an older format) is skipped, as the launcher skips it."""
+    The entries the launcher would take on that GPU: every field of ``tuned.match_fields`` (the
+    kernel source, Triton and rtcompile versions too: another's entry is stale) and a config
+    its own check accepts at the target's shared memory; malformed ones the table's reader
+    skipped already (``tuned.entry_problem``)."""
     from .kernels import tuned
 
-    try:
-        entries = tuned.entries()
-    except ValueError:
-        return {}
     out = {}
     # train entries sit under the widths the backward runs (chunk_backward_widths.rewritten_widths)
     widths = {"chunk_bwd": rewritten_widths(spec.key_widths)}
-    for e in entries:
-        prof = profile_for(e.get("gpu", ""))
-        same_gpu = e.get("gpu") == target.name or (prof is not None and prof.name == target.name)
-        if not same_gpu or tuple(e.get("key_widths", ())) != widths.get(e.get("kernel"), spec.key_widths):
+    for e in tuned.entries():
+        prof = profile_for(e["gpu"])
+        if e["gpu"] != target.name and (prof is None or prof.name != target.name):
             continue
-        if e.get("value_width") != spec.value_width or e.get("heads") != spec.heads or e.get("dtype") != spec.input_dtype:
+        kernel, key_widths = e["kernel"], widths.get(e["kernel"], spec.key_widths)
+        want = tuned.match_fields(kernel, key_widths, spec.value_width, spec.heads, spec.input_dtype, e["gpu"])
+        if any(e[k] != v for k, v in want.items()) or e.get("seconds") is None:
             continue
-        try:
-            config = config_from_dict(e["variant"], e["kernel"])
-        except (KeyError, TypeError, ValueError):
+        config = config_from_dict(e["variant"], kernel)  # read by entry_problem already
+        shape = dataclasses.replace(shape_of(spec), key_widths=tuple(key_widths))
+        if config.check(shape, target.smem_per_sm) is not None:
             continue
-        out[(e["kernel"], e["batch"], e["seq_len"])] = (config, e["seconds"])
+        out[(kernel, e["batch"], e["seq_len"])] = (config, e["seconds"])
     return out
 
 
@@ -488,12 +494,10 @@ def check_plan_args(spec, target, batches, seq_lens, decode_batches, use_measure
                         f"got {type(spec).__name__}")
     if not isinstance(target, Target):
         raise TypeError(f"target: expected a Target (rtcompile.target.get_target(name)), got {type(target).__name__}")
-    try:  # the buckets' batches and lengths (decision_for takes their log2)
+    with _plan_field(arguments=True):  # the buckets' batches and lengths (decision_for takes their log2)
         check_ints("batches", batches, 1, None, "integers >= 1")
         check_ints("seq_lens", seq_lens, 1, None, "integers >= 1")
         check_ints("decode_batches", decode_batches, 1, None, "integers >= 1", may_be_empty=True)
-    except FieldValueError as exc:  # a value out of range is a PlanError (a ValueError) of the same text
-        raise PlanError(str(exc)) from None
     if not isinstance(use_measurements, bool):
         raise TypeError(f"use_measurements: expected a bool, got {type(use_measurements).__name__}")
     if calibration is not None and not isinstance(calibration, Calibration):

@@ -170,7 +170,7 @@ def run_build(args) -> int:
 
         target = measure()
         report.print(f"measured {target.name}: copy {target.hbm_bytes_per_s / 1e9:.0f} GB/s, "
-                  f"bf16 matmul {target.bf16_flops / 1e12:.0f} TFLOP/s")
+                     f"bf16 matmul {target.bf16_flops / 1e12:.0f} TFLOP/s")
         opts = TuneOptions(storage=args.storage, trials=args.trials, device="cuda", repeats=20)
         common = dict(key_widths=spec.key_widths, value_width=spec.value_width, heads=spec.heads, dtype=spec.input_dtype)
         for bucket in [Bucket("chunk", batch=8, seq_len=4096, **common),
@@ -180,7 +180,7 @@ def run_build(args) -> int:
         spec, target, plan = _make(args, "auto")
     else:
         report.print(f"no CUDA GPU: planning for {target.name} with the cost model (no tuning); validating the kernels "
-                  "through the Triton interpreter at small shapes")
+                     "through the Triton interpreter at small shapes")
     checks = _validate_kernels(spec)
     _print(plan, spec, target)
     for name, e, ok in checks:

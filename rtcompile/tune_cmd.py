@@ -40,8 +40,9 @@ def add_parser(sub) -> None:
                    help="worker processes (default: one per visible GPU, 1 on the CPU); more workers than "
                         "GPUs overlap their compiles, while timings stay one at a time per GPU")
     again = p.add_mutually_exclusive_group()
-    again.add_argument("--resume", action="store_true", help="continue finished studies for more trials (a killed run needs no flag: "
-                       "the same command again continues it)")
+    again.add_argument("--resume", action="store_true",
+                       help="continue finished studies for --trials N more trials each (a killed run needs no flag: "
+                            "the same command again finishes its budget)")
     again.add_argument("--retune", action="store_true", help="delete this machine's studies for the spec and start over")
     p.add_argument("--phase", choices=["prefill", "decode", "train", "all"], default="all",
                    help="tune the chunk (prefill) kernel, the recurrent (decode) kernel, or both (all); train: the "
@@ -108,6 +109,13 @@ def _list(args) -> int:
 
 
 def run(args) -> int:
+    from .tuning.processes import stop_on_signal
+
+    with stop_on_signal():  # a kill stops the workers and trial processes too (study._run_workers)
+        return _run(args)
+
+
+def _run(args) -> int:
     if args.list:
         return _list(args)
     if not args.spec:
@@ -148,9 +156,9 @@ def run(args) -> int:
     from .tuning import open_storage
 
     open_storage(opts.storage)  # a store that does not open: one line, before the notice
-    if not on_gpu:  # after the checks: a usage error stays one line
-        err.print("[yellow]no CUDA GPU: tuning runs the Triton interpreter on the CPU with small shapes; "
-                  "CPU timings are not GPU timings[/]")
+    if not on_gpu:  # on stdout, with the results: an error after it stays exactly one stderr line
+        Console().print("[yellow]no CUDA GPU: tuning runs the Triton interpreter on the CPU with small shapes; "
+                        "CPU timings are not GPU timings[/]")
     _rebuild_unreadable_table(opts, err)
     results = _tune_all(buckets, opts, err, start)
     _print_results(results, spec, args, on_gpu)

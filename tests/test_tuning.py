@@ -284,10 +284,10 @@ def test_concurrent_creation_of_a_fresh_sqlite_store(tmp_path):
 
 
 def test_workers_spread_over_visible_gpus(monkeypatch):
-    from rtcompile.tuning.study import _visible_gpus
+    from rtcompile.tuning.processes import visible_gpus
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    assert _visible_gpus("cuda") == ["0", "1"] and _visible_gpus("cpu") == []
+    assert visible_gpus("cuda") == ["0", "1"] and visible_gpus("cpu") == []
 
 
 _CLAIMER = """

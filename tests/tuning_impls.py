@@ -21,10 +21,14 @@ def planted_wrong(bucket, variant, inp):
 def slow(bucket, variant, inp):
     """A correct kernel that takes long enough to be killed mid-study. As each call starts it
     appends its start time to the file named by RTCOMPILE_TEST_STARTED (when set), so a test
-    can aim a kill inside a call, hence inside a timed trial."""
+    can aim a kill inside a call, hence inside a timed trial, and its process id to the file
+    named by RTCOMPILE_TEST_PIDS (when set)."""
     if os.environ.get("RTCOMPILE_TEST_STARTED"):
         with open(os.environ["RTCOMPILE_TEST_STARTED"], "a") as fh:
             fh.write(f"{time.time()}\n")
+    if os.environ.get("RTCOMPILE_TEST_PIDS"):  # the trial processes, for a test that they all end
+        with open(os.environ["RTCOMPILE_TEST_PIDS"], "a") as fh:
+            fh.write(f"{os.getpid()}\n")
     time.sleep(1.0)
     return run_kernel(bucket, variant, inp)
 
@@ -115,3 +119,21 @@ def planted_unwritten(bucket, variant, inp):
     out = args.empty_like(o)
     out.view(-1)[:-1] = o.reshape(-1)[:-1]
     return out, s
+
+
+def rounded_reference(bucket, variant, inp):
+    """A correct kernel in the bucket's dtype without running one (fast at T 4096 in the
+    interpreter): the float64 result, rounded to the inputs' dtype."""
+    from rtcompile.tuning.objective import reference
+
+    ref = reference(bucket, inp)
+    return ref["o"].to(inp.v.dtype), ref["s"].float()
+
+
+def zeroed_row(bucket, variant, inp):
+    """:func:`rounded_reference` with token T/2 of every sequence zeroed: a kernel that drops
+    one row, small in the global error at long T."""
+    o, s = rounded_reference(bucket, variant, inp)
+    o = o.clone()
+    o[:, o.shape[1] // 2] = 0
+    return o, s

@@ -10,7 +10,10 @@ The table file is ``$RTCOMPILE_TUNED`` if set, else ``tuned.json`` in the rtcomp
 directory (``$XDG_CACHE_HOME/rtcompile`` or ``~/.cache/rtcompile``). It is read once per
 process and on :func:`reload`. The table is advice: a kernel call that finds it unreadable
 (corrupt, or an older format) warns once and runs the defaults; ``rtcompile tune`` rebuilds
-it from the tuning store.
+it from the tuning store. An entry of the wrong shape (a hand edit: ``"batch": "1"``, a
+missing field, ``null``) is skipped by every reader, with one warning naming the file and the
+field (:func:`entry_problem`): one bad entry must not stop every kernel call, nor ``rtcompile
+tune`` and ``rtcompile plan``, which read the table through :func:`reload` too.
 """
 
 from __future__ import annotations
@@ -83,8 +86,55 @@ def reload(path: str | os.PathLike | None = None) -> list[dict[str, Any]]:
     if not isinstance(data, dict) or data.get("format") != FORMAT_VERSION or not isinstance(data.get("entries"), list):
         raise ValueError(f"tuned-config table {str(p)!r}: not a format-{FORMAT_VERSION} table; "
                          "delete it or re-run `rtcompile tune`")
-    _table = data["entries"]
+    _table = _valid_entries(p, data["entries"])
     return _table
+
+
+# what an entry must hold to serve a call (match_fields' keys and the shape bucket); "seconds"
+# and "study" are optional: a table written by hand or by an older tune may lack them
+_STRING_KEYS = ("source", "dtype", "gpu", "triton", "package")
+_SIZE_KEYS = ("value_width", "heads", "batch", "seq_len")
+
+
+def entry_problem(entry: Any, where: str = "entry") -> str | None:
+    """Why ``entry`` cannot serve a call (``<where>.<field>: ...`` naming what is allowed), or
+    None: the fields :func:`lookup` compares and reads, each of its type, and a variant the
+    kernel's configs read (``forms.config_from_dict``)."""
+    from ..fields import FieldError, check_float, check_int, check_ints, check_type
+    from .forms import config_from_dict  # forms sits above the launchers, which import this module
+
+    try:
+        check_type(where, entry, dict, "an object")
+        missing = [k for k in ("kernel", *_STRING_KEYS, "key_widths", *_SIZE_KEYS, "variant") if k not in entry]
+        if missing:
+            return f"{where}: missing {', '.join(map(repr, missing))}"
+        check_type(f"{where}.kernel", entry["kernel"], str, "a string")
+        if entry["kernel"] not in _SOURCES:
+            return f"{where}.kernel: got {entry['kernel']!r}; allowed: {', '.join(_SOURCES)}"
+        for k in _STRING_KEYS:
+            check_type(f"{where}.{k}", entry[k], str, "a string")
+        check_ints(f"{where}.key_widths", entry["key_widths"], 1, None, "integers >= 1")
+        for k in _SIZE_KEYS:
+            check_int(f"{where}.{k}", entry[k], 1)
+        if entry.get("seconds") is not None:
+            check_float(f"{where}.seconds", entry["seconds"], lambda x: x > 0, "a number > 0 or null")
+        config_from_dict(entry["variant"], entry["kernel"])
+    except FieldError as exc:
+        return str(exc)
+    except (TypeError, ValueError) as exc:  # config_from_dict's refusal, naming the config's field
+        return f"{where}.variant: {str(exc).splitlines()[0]}"
+    return None
+
+
+def _valid_entries(path: Path, entries: list) -> list[dict[str, Any]]:
+    """``entries`` less the malformed ones, with one warning naming the first and the count."""
+    problems = [(e, entry_problem(e, f"entries[{i}]")) for i, e in enumerate(entries)]
+    bad = [why for _, why in problems if why is not None]
+    if bad:
+        more = f" ({len(bad)} malformed entries in all)" if len(bad) > 1 else ""
+        warnings.warn(f"tuned-config table {str(path)!r}: {bad[0]}; that entry is skipped{more}: fix or delete it "
+                      "(a table rewrite by `rtcompile tune` drops it)", RuntimeWarning, stacklevel=3)
+    return [e for e, why in problems if why is None]
 
 
 def generation() -> int:

@@ -324,31 +324,59 @@ def table_problem(path: Path | None = None) -> str | None:
     return None
 
 
+def _key(entry: dict[str, Any]) -> tuple[str, ...]:
+    return tuple(json.dumps(entry.get(k)) for k in TABLE_KEYS)
+
+
+def _faster(entry: dict[str, Any], than: dict[str, Any]) -> bool:
+    """Is ``entry`` the better winner of its key than ``than``? Measured faster, or either
+    lacks a measurement (nothing to compare: the later one). The key holds the kernel source
+    and the Triton and rtcompile versions, so both were measured on the same code."""
+    a, b = entry.get("seconds"), than.get("seconds")
+    return a is None or b is None or a <= b
+
+
+def _merge(table: list[dict[str, Any]], entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``table`` with ``entries`` merged in, one entry per key: a new entry replaces the
+    table's of its key (moved to the end) when it is faster (:func:`_faster`), else the
+    table's stays. Two studies share a key (a full study and a ``--fix`` sub-space's, an
+    exhaustive sweep): the last finished used to win, and a 3x slower sub-space winner then ran."""
+    out = list(table)
+    for e in entries:
+        i = next((i for i, t in enumerate(out) if _key(t) == _key(e)), None)
+        if i is None:
+            out.append(e)
+        elif _faster(e, out[i]):
+            del out[i]
+            out.append(e)
+    return out
+
+
 def write_tuned(entries: list[dict[str, Any]], path: Path | None = None, *, rebuild_from=None) -> Path:
-    """Merge ``entries`` into the tuned-config table (same key: replaced), atomically. A table
+    """Merge ``entries`` into the tuned-config table (same key: the faster kept, :func:`_merge`), atomically. A table
     that cannot be read (corrupt, an older format) is replaced: by the winners of the storage
     ``rebuild_from`` when given (the table is derived data, the store is the record), else by
-    ``entries`` alone."""
+    ``entries`` alone. Malformed entries of a readable table (``tuned.entry_problem``) are
+    skipped by its reader, so a rewrite drops them."""
     path = Path(path) if path is not None else tuned.table_path()
     with file_lock(path.with_name(path.name + ".lock")):
         try:
             old = tuned.reload(path) if path.exists() else []
         except ValueError:
             old = store_entries(rebuild_from) if rebuild_from is not None else []
-        new_keys = {tuple(json.dumps(e[k]) for k in TABLE_KEYS) for e in entries}
-        merged = [e for e in old if tuple(json.dumps(e.get(k)) for k in TABLE_KEYS) not in new_keys] + list(entries)
+        merged = _merge(_merge([], old), entries)
         atomic_write(path, json.dumps({"format": tuned.FORMAT_VERSION, "entries": merged}, indent=1))
     tuned.reload(path)
     return path
 
 
 def has_entry(entry: dict[str, Any], path: Path | None = None) -> bool:
-    """Does the (readable) table hold ``entry``'s winner under its key?"""
+    """Does the (readable) table hold ``entry``'s winner under its key, or one it does not
+    replace (:func:`_merge`: a faster one)?"""
     path = Path(path) if path is not None else tuned.table_path()
     try:
         table = tuned.reload(path) if path.exists() else []
     except ValueError:
         return False
-    key = tuple(json.dumps(entry[k]) for k in TABLE_KEYS)
-    return any(tuple(json.dumps(e.get(k)) for k in TABLE_KEYS) == key and e.get("variant") == entry["variant"]
+    return any(_key(e) == _key(entry) and (e.get("variant") == entry["variant"] or not _faster(entry, e))
                for e in table)

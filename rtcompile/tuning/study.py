@@ -23,7 +23,8 @@ at once, by the worker's recorded pid; elsewhere by heartbeat) and retries them,
 command after a kill -9 finishes the budget.
 
 Finishing a study re-measures the best few variants and the default (trials mode; with a
-time budget the time was the trials' and the study's own measurements decide), then records
+time budget the time was the trials' and the study's own measurements decide; either way only
+configs today's check and the device accept), then records
 the winner in the tuned-config table the kernels read and then in the study's user attributes
 (a table that cannot be written leaves the study unfinished). An already tuned study whose
 winner is missing from the table writes it again; an unreadable table is rebuilt from the
@@ -32,6 +33,7 @@ store. ``--retune`` is refused while another process tunes the study.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import queue
@@ -41,13 +43,14 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 from ..kernels import tuned
 from ..kernels.forms import default_config
 from .claims import Heartbeat, mark_stale, next_trial, process_alive, stale_numbers, trial_id
 from .keys import Bucket, Machine, key_attrs, study_name
+from .processes import spawn_workers, stop_workers
 from .space import (
     bucket_shape, config_params, device_refusal, exhaustive_variants, params_config, search_space, smem_limit, suggest,
     warm_starts,
@@ -104,9 +107,14 @@ class BucketResult:
 
 
 def _study_name(bucket: Bucket, machine: Machine, source: str, opts: TuneOptions) -> str:
-    """The study key, plus the sub-space and the search when they differ from the plain study,
-    so an exhaustive sweep never mixes its trials into the TPE study it is compared with."""
-    name = study_name(bucket, machine, source)
+    """The study key, plus a hash of the search space's choices (Optuna refuses a categorical
+    parameter whose choices changed, "dynamic value space", so a space changed by a new
+    version or a new check is a new study, not a crash of every worker), plus the sub-space and
+    the search when they differ from the plain study, so an exhaustive sweep never mixes its
+    trials into the TPE study it is compared with."""
+    # the choices in their order (Optuna's CategoricalDistribution compares them in order)
+    space = json.dumps(search_space(bucket, opts), separators=(",", ":"))
+    name = study_name(bucket, machine, source) + f":space {hashlib.sha256(space.encode()).hexdigest()[:12]}"
     if opts.fixed:
         name += ":fixed " + ",".join(f"{k}={v}" for k, v in sorted(opts.fixed.items()))
     if opts.exhaustive:
@@ -285,36 +293,6 @@ def run_worker(storage_url: str | None, name: str, bucket: Bucket, opts: TuneOpt
     return done
 
 
-def _spawn_workers(storage_url: str, name: str, bucket: Bucket, opts: TuneOptions,
-                   deadline: float | None) -> list[subprocess.Popen]:
-    payload = json.dumps({"storage": storage_url, "study": name, "bucket": asdict(bucket),
-                          "options": asdict(opts), "deadline": deadline})
-    gpus = _visible_gpus(opts.device)
-    procs = []
-    for i in range(opts.workers):
-        env = dict(os.environ)
-        if gpus:  # one GPU per worker (round robin): trials on one GPU never share it
-            env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
-        p = subprocess.Popen([sys.executable, "-m", "rtcompile.tuning.worker", str(i)], stdin=subprocess.PIPE,
-                             text=True, env=env)
-        p.stdin.write(payload)
-        p.stdin.close()
-        procs.append(p)
-    return procs
-
-
-def _visible_gpus(device: str) -> list[str]:
-    """The GPU ids workers are spread over (none off the GPU)."""
-    if not device.startswith("cuda"):
-        return []
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if listed:
-        return [x.strip() for x in listed.split(",") if x.strip()]
-    import torch
-
-    return [str(i) for i in range(torch.cuda.device_count())]
-
-
 def tune_bucket(bucket: Bucket, opts: TuneOptions,
                 progress: Callable[[str, int, int], None] | None = None) -> BucketResult:
     """Run (or resume, or skip when already tuned) the study of one bucket."""
@@ -379,7 +357,7 @@ def _tune_study(study, storage, exists: bool, bucket: Bucket, machine: Machine, 
     study.set_user_attr("coordinator", {"host": socket.gethostname(), "pid": os.getpid()})  # see --retune
     # a killed run's trials: failed now (their worker is gone) and retried, with or without --resume
     mark_stale(study, storage, opts.trial_timeout)
-    deadline = None
+    deadline, budget = None, 0  # budget: the trials the study holds when done (trials mode)
     if opts.seconds is not None:
         deadline = opts.deadline if opts.deadline is not None else time.time() + opts.seconds
         if not study.get_trials(deepcopy=False):  # study.ask() takes enqueued trials first
@@ -396,7 +374,10 @@ def _tune_study(study, storage, exists: bool, bucket: Bucket, machine: Machine, 
                 if params not in have:
                     study.enqueue_trial(params)
         else:
-            missing = max(0, opts.trials - len(counted))
+            # --resume of a finished study: N more trials; an unfinished (killed) one's budget is
+            # finished first, with the flag or without
+            budget = opts.trials + (len(counted) if opts.resume and "best_variant" in study.user_attrs else 0)
+            missing = max(0, budget - len(counted))
             if not counted:
                 for i, params in enumerate(warm_starts(bucket, opts, missing)):
                     study.enqueue_trial(params, user_attrs={"warm_start": i})  # 0: the default
@@ -404,14 +385,17 @@ def _tune_study(study, storage, exists: bool, bucket: Bucket, machine: Machine, 
             for _ in range(missing):
                 study.enqueue_trial({})
     before = _finished(study)
-    total = len(exhaustive_variants(bucket, opts)) if opts.exhaustive else opts.trials or 0
+    total = len(exhaustive_variants(bucket, opts)) if opts.exhaustive else budget
 
     def report() -> None:
         if progress:
             done = _finished(study)
             progress(bucket.label, done, max(total, done))  # a resumed study may hold more than asked
 
-    _run_workers(study, storage, url, name, bucket, opts, deadline, report)
+    # the workers' cap on pruned replacements counts the study's pruned trials against the whole
+    # budget, a resumed study's earlier trials included
+    work = replace(opts, trials=budget) if budget else opts
+    _run_workers(study, storage, url, name, bucket, work, deadline, report)
     ran = _finished(study) - before
     # seconds mode: the time was the trials'; the winner is the study's own measurement
     written = _finish(study, storage, bucket, machine, source, opts, remeasure=deadline is None)
@@ -432,36 +416,48 @@ def _run_workers(study, storage, url: str | None, name: str, bucket: Bucket, opt
     In trials mode the coordinator then waits for RUNNING trials it did not start (a previous
     run's, whose worker died: stale within the grace period; or a live worker's on another
     host: it finishes) and runs workers again for the retries that their staleness enqueued, so
-    a ``--resume`` right after a kill still runs the whole budget."""
+    a ``--resume`` right after a kill still runs the whole budget. However it ends (Ctrl-C,
+    SIGTERM, an error), no worker outlives it (``processes.stop_workers``)."""
+    procs: list[subprocess.Popen] = []
+    try:
+        while True:
+            procs = spawn_workers(url or _default_url(), name, bucket, opts, deadline)
+            if not _wait_workers(study, storage, url, name, opts, deadline, procs, report):
+                return
+    finally:  # stopped (Ctrl-C, SIGTERM, an error): the workers and their trial processes end too
+        stop_workers(procs)
+
+
+def _wait_workers(study, storage, url: str | None, name: str, opts: TuneOptions, deadline: float | None,
+                  procs: list[subprocess.Popen], report: Callable[[], Any]) -> bool:
+    """Wait for ``procs`` to end, failing stale trials meanwhile; True when retries wait for
+    another round of workers (see :func:`_run_workers`)."""
     import optuna
 
     state = optuna.trial.TrialState
-    while True:
-        procs = _spawn_workers(url or _default_url(), name, bucket, opts, deadline)
-        last = time.monotonic()
-        while any(p.poll() is None for p in procs):
-            report()
-            if time.monotonic() - last >= STALE_POLL_S:
-                mark_stale(study, storage, opts.trial_timeout)
-                last = time.monotonic()
-            time.sleep(0.5)
+    last = time.monotonic()
+    while any(p.poll() is None for p in procs):
         report()
-        bad = [p.returncode for p in procs if p.returncode != 0]
-        if bad and not study_exists(url, name):
-            raise StoreError(f"study {name!r} was deleted while it ran (a `tune --retune` elsewhere?): stopped")
-        if bad:
-            raise RuntimeError(f"tuning workers exited with {bad}: see their output above")
-        if deadline is not None or heartbeat_interval(storage) is None:
-            # seconds mode: the time is spent. Journal: no heartbeats, an orphan goes stale only
-            # after twice the trial timeout (minutes): a later --resume retries it
-            return
-        while study.get_trials(deepcopy=False, states=(state.RUNNING,)):
+        if time.monotonic() - last >= STALE_POLL_S:
             mark_stale(study, storage, opts.trial_timeout)
-            if study.get_trials(deepcopy=False, states=(state.WAITING,)):
-                break
-            time.sleep(STALE_POLL_S)
-        if not study.get_trials(deepcopy=False, states=(state.WAITING,)):
-            return
+            last = time.monotonic()
+        time.sleep(0.5)
+    report()
+    bad = [p.returncode for p in procs if p.returncode != 0]
+    if bad and not study_exists(url, name):
+        raise StoreError(f"study {name!r} was deleted while it ran (a `tune --retune` elsewhere?): stopped")
+    if bad:
+        raise RuntimeError(f"tuning workers exited with {bad}: see their output above")
+    if deadline is not None or heartbeat_interval(storage) is None:
+        # seconds mode: the time is spent. Journal: no heartbeats, an orphan goes stale only
+        # after twice the trial timeout (minutes): a later --resume retries it
+        return False
+    while study.get_trials(deepcopy=False, states=(state.RUNNING,)):
+        mark_stale(study, storage, opts.trial_timeout)
+        if study.get_trials(deepcopy=False, states=(state.WAITING,)):
+            break
+        time.sleep(STALE_POLL_S)
+    return bool(study.get_trials(deepcopy=False, states=(state.WAITING,)))
 
 
 STUDY_DELETED_EXIT = 3  # a worker's exit status when its study was deleted while it ran
@@ -496,7 +492,10 @@ def _finish(study, storage, bucket: Bucket, machine: Machine, source: str, opts:
     recorded."""
     import optuna
 
-    done = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))]
+    # a study measured before today's checks (a resumed, stale one) may hold a config they now
+    # refuse: never a winner, nor re-measured
+    done = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+            if _runs(t.params, bucket, opts.device)]
     done.sort(key=lambda t: t.value)
     default = default_config(bucket.kernel, bucket_shape(bucket), smem_limit(opts.device))
     timed = []
@@ -519,6 +518,16 @@ def _finish(study, storage, bucket: Bucket, machine: Machine, source: str, opts:
     for k in RESULT_ATTRS:
         study.set_user_attr(k, attrs[k])
     return True
+
+
+def _runs(params: dict[str, Any], bucket: Bucket, device: str) -> bool:
+    """Does the config of a trial's parameters pass today's check and run on ``device``, as a
+    trial's draw must (``run_worker``) and the launcher requires of a tuned entry?"""
+    try:
+        cfg = params_config(params)
+    except (KeyError, TypeError, ValueError):  # parameters of a space this version no longer has
+        return False
+    return cfg.check(bucket_shape(bucket), smem_limit(device)) is None and device_refusal(cfg, device) is None
 
 
 def _result_from(study, bucket: Bucket, ran: int, already: bool) -> BucketResult:

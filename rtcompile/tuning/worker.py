@@ -1,6 +1,8 @@
 """A tuning worker process: ``python -m rtcompile.tuning.worker INDEX`` with a JSON job on stdin.
 
 Several run at once on one study (and may run on other hosts against the same storage URL).
+Stopped by SIGTERM (the coordinator's ``processes.stop_workers``) or Ctrl-C, a worker kills its trial
+process and exits quietly (130): the coordinator says the one line.
 """
 
 from __future__ import annotations
@@ -9,10 +11,19 @@ import json
 import sys
 
 from .keys import Bucket
+from .processes import stop_on_signal
 from .study import STUDY_DELETED_EXIT, TuneOptions, run_worker, study_exists
 
 
 def main() -> int:
+    try:
+        with stop_on_signal():
+            return _work()
+    except KeyboardInterrupt:  # its trial process was killed on the way out (TrialRunner's close)
+        return 130
+
+
+def _work() -> int:
     index = int(sys.argv[1]) if len(sys.argv) > 1 else 0
     job = json.loads(sys.stdin.read())
     b = job["bucket"]

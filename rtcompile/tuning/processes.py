@@ -1,0 +1,109 @@
+"""The tune's processes: starting the workers, and stopping them with their trial processes.
+
+A stopped tune (Ctrl-C, SIGTERM, an error) leaves no process behind: the coordinator's
+``study._run_workers`` ends its workers (:func:`stop_workers`), a worker's SIGTERM stops its
+trial process through its context managers (:func:`stop_on_signal`), and under Ctrl-C
+(the whole process group) each process exits quietly, leaving the one line to the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import asdict
+from typing import Iterator
+
+
+def spawn_workers(storage_url: str, name: str, bucket, opts, deadline: float | None) -> list[subprocess.Popen]:
+    """``opts.workers`` worker processes (``python -m rtcompile.tuning.worker``) on the study, one
+    GPU each, round robin."""
+    payload = json.dumps({"storage": storage_url, "study": name, "bucket": asdict(bucket),
+                          "options": asdict(opts), "deadline": deadline})
+    gpus = visible_gpus(opts.device)
+    procs = []
+    for i in range(opts.workers):
+        env = dict(os.environ)
+        if gpus:  # one GPU per worker (round robin): trials on one GPU never share it
+            env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
+        p = subprocess.Popen([sys.executable, "-m", "rtcompile.tuning.worker", str(i)], stdin=subprocess.PIPE,
+                             text=True, env=env)
+        p.stdin.write(payload)
+        p.stdin.close()
+        procs.append(p)
+    return procs
+
+
+def visible_gpus(device: str) -> list[str]:
+    """The GPU ids workers are spread over (none off the GPU)."""
+    if not device.startswith("cuda"):
+        return []
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed:
+        return [x.strip() for x in listed.split(",") if x.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+# A worker told to stop (SIGTERM) kills its trial process and exits within a second or two; one
+# that does not (stuck in a storage call) is killed, and its trial process then ends at the
+# close of its request pipe
+STOP_GRACE_S = 10.0
+
+
+def stop_workers(procs: list[subprocess.Popen]) -> None:
+    """End the workers still running: SIGTERM (the worker's handler stops it and its trial
+    process, ``worker.main``), then SIGKILL after STOP_GRACE_S."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    end = time.monotonic() + STOP_GRACE_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+_STOPS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _interrupt(signum, frame) -> None:
+    # the first stop only: the clean-up it starts must not be interrupted in turn (a Ctrl-C to
+    # the process group, then the coordinator's SIGTERM, landed both in a worker's queue wait,
+    # and the second broke its lock: "RuntimeError: release unlocked lock", a traceback)
+    # (a Python no-op, not SIG_IGN: a signal already pending when the handler became SIG_IGN
+    # is reported as "Signal 15 ignored due to race condition", with a traceback header)
+    for sig in _STOPS:
+        signal.signal(sig, _ignore)
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _ignore(signum, frame) -> None:
+    pass
+
+
+@contextmanager
+def stop_on_signal() -> Iterator[None]:
+    """While held, the first SIGINT or SIGTERM raises KeyboardInterrupt in the main thread and
+    later ones are ignored, so ``finally`` blocks and context managers stop the workers and
+    trial processes, once (Python's default for SIGTERM ends the process at once, orphaning
+    them). For the tune coordinator and workers; the previous handlers are restored after
+    (``rtcompile.cli.main`` may run in a process that lives on), and off the main thread,
+    where no handler can be set, it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _interrupt) for sig in _STOPS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

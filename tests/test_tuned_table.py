@@ -1,0 +1,166 @@
+"""The tuned-config table as its readers see it: a hand-edited entry of the wrong shape is
+skipped with one warning by every reader (the launchers' lookup, ``rtcompile tune``'s table
+writes, the planner), never a crash; the planner takes the entries the launcher would."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from rtcompile.kernels import tuned
+from rtcompile.kernels.chunk_resident import ResidentConfig
+from rtcompile.kernels.forms import default_config
+from rtcompile.kernels.config import KernelShape
+from rtcompile.plan import _measured_seconds, make_plan
+from rtcompile.spec import ModelSpec
+from rtcompile.target import get_target
+from rtcompile.tuning.store import has_entry, table_problem, write_tuned
+
+WIDTHS, V, H = (2, 4), 8, 1
+SHAPE = KernelShape(WIDTHS, V, 4)
+
+
+@pytest.fixture(autouse=True)
+def isolated(tuning_cache):
+    """A private cache for every test (conftest's ``tuning_cache``)."""
+
+
+def _entry(variant=None, gpu="cpu-interpreter", **kw):
+    variant = variant or default_config("chunk", SHAPE).to_dict()
+    return {**tuned.match_fields("chunk", WIDTHS, V, H, "float32", gpu), "batch": 1, "seq_len": 32,
+            "variant": variant, "seconds": 1e-3, **kw}
+
+
+def _write(entries):
+    path = tuned.table_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"format": tuned.FORMAT_VERSION, "entries": entries}))
+    return path
+
+
+def _malformed():
+    good = _entry()
+    no_batch = {k: v for k, v in _entry().items() if k != "batch"}
+    return [None, _entry(batch="1"), no_batch, _entry(variant="resident"), _entry(seq_len=0),
+            _entry(key_widths="2x4"), _entry(variant={"form": "no-such-form"}), _entry(kernel=["chunk"]), good]
+
+
+@pytest.mark.parametrize("index, field", [(0, ": expected an object"), (1, ".batch"), (2, ": missing 'batch'"),
+                                          (3, ".variant"), (4, ".seq_len"), (5, ".key_widths"), (6, ".variant"),
+                                          (7, ".kernel")],
+                         ids=["null", "str-batch", "no-batch", "str-variant", "zero-seq_len", "str-widths", "bad-form",
+                              "list-kernel"])
+def test_a_malformed_entry_is_skipped_with_a_warning_naming_it(index, field):
+    """Before: every lookup (each kernel call without a variant) raised TypeError, KeyError or
+    AttributeError from one hand-edited entry."""
+    entries = _malformed()
+    _write([entries[index], entries[-1]])
+    with pytest.warns(RuntimeWarning, match="tuned-config table") as caught:
+        table = tuned.reload()
+    assert table == [entries[-1]]
+    (w,) = caught
+    assert f"entries[0]{field}" in str(w.message) and str(tuned.table_path()) in str(w.message), str(w.message)
+    assert tuned.lookup("chunk", WIDTHS, V, H, "float32", "cpu-interpreter", 1, 32) == entries[-1]["variant"]
+
+
+def test_a_kernel_call_runs_beside_malformed_entries():
+    from rtcompile import running_tensor
+
+    _write(_malformed()[:-1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        tuned.reload()
+    q = [torch.randn(1, 20, H, w) for w in WIDTHS]
+    k = [torch.randn(1, 20, H, w) for w in WIDTHS]
+    o, _ = running_tensor(q, k, torch.randn(1, 20, H, V), mode="chunk", backend="triton")
+    assert torch.isfinite(o).all()
+
+
+def test_table_writes_skip_the_malformed_entries(tmp_path):
+    """``rtcompile tune``'s table write and check (store.write_tuned, table_problem, has_entry)
+    read the table as the launchers do: malformed entries are dropped, the rest kept."""
+    entries = _malformed()
+    path = _write(entries[:-1] + [_entry(batch=8)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert table_problem(path) is None
+        write_tuned([entries[-1]], path)
+        assert has_entry(entries[-1], path)
+    kept = json.loads(path.read_text())["entries"]
+    assert kept == [_entry(batch=8), entries[-1]]
+
+
+def _plan_spec():
+    return ModelSpec(order=3, key_widths=WIDTHS, value_width=V, heads=H, model_width=16, input_dtype="float32")
+
+
+def test_the_planner_skips_malformed_entries():
+    """Before: make_plan raised AttributeError on a null entry."""
+    _write(_malformed()[:-1] + [_entry(gpu="NVIDIA H200", variant=ResidentConfig(16, 16).to_dict())])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        tuned.reload()
+        plan = make_plan(_plan_spec(), get_target("h200"), batches=(1,), seq_lens=(32,), decode_batches=(2,))
+    d = plan.decision_for("prefill", 1, 32)
+    assert any(a["cost"]["source"] == "measured (tuned)" for a in d.alternatives)
+
+
+@pytest.mark.parametrize("field, value", [("triton", "0.0.1"), ("package", "0.0.1"), ("source", "0" * 16)])
+def test_the_planner_takes_only_entries_the_launcher_would(field, value):
+    """An entry of another Triton, rtcompile or kernel source is stale for the launcher
+    (tuned.match_fields): the planner leaves it out too. Before: it planned with it."""
+    good = _entry(gpu="NVIDIA H200", variant=ResidentConfig(16, 16).to_dict())
+    _write([_entry(gpu="NVIDIA H200", variant=ResidentConfig(16, 16).to_dict(), **{field: value})])
+    tuned.reload()
+    assert _measured_seconds(_plan_spec(), get_target("h200")) == {}
+    _write([good])
+    tuned.reload()
+    assert set(_measured_seconds(_plan_spec(), get_target("h200"))) == {("chunk", 1, 32)}
+
+
+def test_the_planner_leaves_out_a_config_its_check_refuses():
+    """A config whose check refuses the shape on the target (C 128's tile solve at these
+    widths) is one the launcher would not run: the planner does not cost it either."""
+    refused = ResidentConfig(chunk_size=128, block_v=16, solve="tiles")
+    assert refused.check(SHAPE, get_target("h200").smem_per_sm) is not None
+    _write([_entry(gpu="NVIDIA H200", variant=refused.to_dict())])
+    tuned.reload()
+    assert _measured_seconds(_plan_spec(), get_target("h200")) == {}
+
+
+def test_a_slower_winner_never_replaces_a_faster_entry_of_its_key(tmp_path):
+    """Two studies of one table key (a full study and a ``--fix`` sub-space's, same kernel
+    source and versions: the key holds them): the faster winner stays. Before: the last
+    written replaced it, and a 3x slower config ran."""
+    path = tmp_path / "tuned.json"
+    fast = _entry(seconds=1e-3, study="full")
+    slow = _entry(variant=ResidentConfig(32, 16).to_dict(), seconds=3e-3, study="fixed")
+    write_tuned([fast], path)
+    write_tuned([slow], path)
+    assert json.loads(path.read_text())["entries"] == [fast]
+    assert has_entry(slow, path)  # its key holds a faster winner: nothing to rewrite
+    faster = _entry(variant=ResidentConfig(32, 16).to_dict(), seconds=5e-4, study="fixed")
+    write_tuned([faster], path)
+    assert json.loads(path.read_text())["entries"] == [faster]
+    # an entry of other kernel sources is another key: both kept (the launcher takes its own)
+    other = _entry(source="0" * 16, seconds=1e-4)
+    write_tuned([other], path)
+    assert json.loads(path.read_text())["entries"] == [faster, other]
+
+
+def test_rtcompile_plan_beside_a_malformed_table(tmp_path, capsys):
+    """`rtcompile plan` with a hand-edited table: the plan, the malformed entries skipped with
+    one warning. Before: an AttributeError traceback."""
+    from rtcompile.cli import main
+
+    _write(_malformed())
+    spec = tmp_path / "s.toml"
+    spec.write_text('order = 3\nkey_widths = [2, 4]\nvalue_width = 8\nheads = 1\nmodel_width = 16\n'
+                    'input_dtype = "float32"\n')
+    tuned._table = None  # as a fresh process finds it: read at the first use
+    with pytest.warns(RuntimeWarning, match="malformed entries in all"):
+        assert main(["plan", str(spec), "--target", "h200", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["decisions"]

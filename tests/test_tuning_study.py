@@ -1,0 +1,200 @@
+"""A study's key and its winner: a changed search space is a new study, and the winner is a
+config today's checks accept (the study's own measurements may predate them)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rtcompile.kernels import tuned
+from rtcompile.kernels.chunk_resident import ResidentConfig
+from rtcompile.kernels.config import KernelShape
+from rtcompile.tuning import Bucket, TuneOptions, search_space
+from rtcompile.tuning import study as study_mod
+from rtcompile.tuning.keys import Machine, key_attrs
+from rtcompile.tuning.space import config_params
+
+TINY = Bucket("chunk", (2, 4), 8, 1, 1, 32, "float32")
+TINY_SHAPE = KernelShape(TINY.key_widths, TINY.value_width, 4)
+
+
+@pytest.fixture(autouse=True)
+def isolated(tuning_cache):
+    """A private cache for every test (conftest's ``tuning_cache``)."""
+
+
+def test_a_changed_search_space_is_a_new_study(monkeypatch):
+    """Before: the study's name hashed the kernel files only, so a space whose choices changed
+    (a new value, a dropped one) reopened the old study and every worker died on Optuna's
+    "CategoricalDistribution does not support dynamic value space"."""
+    machine, source = Machine.current("cpu"), tuned.source_hash("chunk")
+    opts = TuneOptions()
+    name = study_mod._study_name(TINY, machine, source, opts)
+    assert study_mod._study_name(TINY, machine, source, opts) == name  # stable
+    space = search_space(TINY, opts)
+    changed = {form: {n: list(c) for n, c in fields.items()} for form, fields in space.items()}
+    changed["resident"]["num_warps"] = changed["resident"]["num_warps"][:-1]
+    monkeypatch.setattr(study_mod, "search_space", lambda bucket, o: changed)
+    assert study_mod._study_name(TINY, machine, source, opts) != name
+    assert study_mod._study_name(TINY, machine, source, opts).startswith(name.rsplit(":space ", 1)[0])
+
+
+def _study_with(trials):
+    """An in-memory study keyed for TINY holding COMPLETE trials (config, seconds)."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    machine, source = Machine.current("cpu"), tuned.source_hash("chunk")
+    study = optuna.create_study(study_name=study_mod._study_name(TINY, machine, source, TuneOptions()))
+    for k, v in key_attrs(TINY, machine, source).items():
+        study.set_user_attr(k, v)
+    for cfg, seconds in trials:
+        params = config_params(cfg)
+        dists = {k: optuna.distributions.CategoricalDistribution([v]) for k, v in params.items()}
+        study.add_trial(optuna.trial.create_trial(params=params, distributions=dists, value=seconds))
+    return study, machine, source
+
+
+def test_the_finish_without_remeasuring_never_records_a_refused_config(tmp_path):
+    """A study measured before a check tightened (a resumed, stale study; ``--seconds``, which
+    takes the study's own measurements) holds a fast config today's check refuses: the winner
+    is the fastest one it accepts. Before: the refused one was recorded and written."""
+    refused = ResidentConfig(chunk_size=128, block_v=16, solve="tiles")
+    ok = ResidentConfig(chunk_size=16, block_v=16)
+    assert refused.check(TINY_SHAPE) is not None and ok.check(TINY_SHAPE) is None
+    study, machine, source = _study_with([(refused, 1e-4), (ok, 2e-4)])
+    table = tmp_path / "tuned.json"
+    opts = TuneOptions(table=str(table))
+    assert study_mod._finish(study, None, TINY, machine, source, opts, remeasure=False)
+    assert study.user_attrs["best_variant"] == ok.to_dict()
+    (entry,) = json.loads(table.read_text())["entries"]
+    assert entry["variant"] == ok.to_dict() and entry["seconds"] == 2e-4
+
+
+def test_the_finish_records_nothing_when_every_config_is_refused(tmp_path):
+    study, machine, source = _study_with([(ResidentConfig(chunk_size=128, block_v=16, solve="tiles"), 1e-4)])
+    opts = TuneOptions(table=str(tmp_path / "tuned.json"))
+    assert not study_mod._finish(study, None, TINY, machine, source, opts, remeasure=False)
+    assert "best_variant" not in study.user_attrs and not (tmp_path / "tuned.json").exists()
+
+
+SPEC = ('order = 3\nkey_widths = [2, 4]\nvalue_width = 8\nheads = 1\nmodel_width = 16\n'
+        'input_dtype = "float32"\n')
+
+
+@pytest.mark.parametrize("how", ["sigterm", "ctrl-c"])
+def test_a_stopped_tune_leaves_no_process_and_says_one_line(tmp_path, monkeypatch, how):
+    """SIGTERM to the coordinator, or Ctrl-C (SIGINT to the whole process group), inside a
+    trial: the tune exits 130 with one stderr line, and its workers and trial processes end
+    with it. Before: SIGTERM orphaned them (they tuned on to the budget's end), and Ctrl-C
+    printed a KeyboardInterrupt traceback from every process."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from rtcompile.tuning import open_storage
+    from rtcompile.tuning.claims import process_alive
+
+    started, pids = tmp_path / "started.log", tmp_path / "pids.log"
+    monkeypatch.setenv("RTCOMPILE_TEST_STARTED", str(started))
+    monkeypatch.setenv("RTCOMPILE_TEST_PIDS", str(pids))
+    spec = tmp_path / "tiny.toml"
+    spec.write_text(SPEC)
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    argv = [str(spec), "--phase", "prefill", "--workers", "2", "--storage", url, "--trials", "20",
+            "--fix", "resident.chunk_size=16", "--impl", "tuning_impls:slow"]
+    proc = subprocess.Popen([sys.executable, "-m", "rtcompile.cli", "tune", *argv], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and proc.poll() is None and not (started.exists() and started.read_text().split()):
+        time.sleep(0.1)
+    assert proc.poll() is None, "the tune ended before the signal: nothing was tested"
+    import optuna
+
+    storage = open_storage(url)
+    (summary,) = optuna.get_all_study_summaries(storage, False)
+    trials = optuna.load_study(study_name=summary.study_name, storage=storage).get_trials(deepcopy=False)
+    workers = {t.user_attrs["pid"] for t in trials if "pid" in t.user_attrs}
+    if how == "sigterm":
+        os.kill(proc.pid, signal.SIGTERM)
+    else:
+        os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    lines = [ln for ln in err.strip().splitlines() if "trials run" not in ln]  # progress: stderr is no terminal
+    assert len(lines) == 1 and "interrupted" in lines[0], err
+    children = workers | {int(p) for p in pids.read_text().split()}
+    assert workers and len(children) > len(workers)
+    end = time.time() + 10
+    while time.time() < end and any(process_alive(p) for p in children):
+        time.sleep(0.1)
+    assert not [p for p in children if process_alive(p)], "a worker or trial process outlived the tune"
+
+
+def test_an_error_after_the_cpu_notice_is_exactly_one_stderr_line(tmp_path, monkeypatch, capsys):
+    """The no-GPU notice goes to stdout with the results: a late error (here the store
+    refusing the study mid-run) stays one stderr line. Before: the notice came first on stderr."""
+    from rtcompile import tune_cmd
+    from rtcompile.cli import main
+    from rtcompile.tuning import StoreError
+
+    def refused(*args, **kwargs):
+        raise StoreError("storage 'x': refused mid-run")
+
+    monkeypatch.setattr(tune_cmd, "_tune_all", refused)
+    spec = tmp_path / "tiny.toml"
+    spec.write_text(SPEC)
+    assert main(["tune", str(spec), "--phase", "prefill", "--storage", f"sqlite:///{tmp_path / 'n.db'}"]) == 2
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == ["rtcompile: error: storage 'x': refused mid-run"], err
+    assert "no CUDA GPU" in out
+
+
+def _gate(bucket, impl: str, variant=None) -> dict:
+    from dataclasses import asdict
+
+    from rtcompile.tuning.objective import evaluate
+
+    return evaluate({"bucket": asdict(bucket), "variant": variant, "device": "cpu", "seed": 3, "check_seed": 1,
+                     "repeats": 1, "impl": impl})
+
+
+# one sequence of 4096 tokens in bf16: one zeroed token row moves the global relative RMS
+# error by about 1/sqrt(4096) = 1.6e-2, inside bf16's 2e-2
+LONG_BF16 = Bucket("chunk", (2, 4), 8, 1, 1, 4096, "bfloat16")
+
+
+def test_the_gate_refuses_an_output_with_one_zeroed_token_row():
+    """Before: a kernel that zeroed one output row per sequence at T 4096 passed the gate
+    (bf16 global relative RMS ~1.6e-2 against 2e-2); the per-token check refuses it, while the
+    correctly rounded output (the float64 result in bf16) passes."""
+    ok = _gate(LONG_BF16, "tuning_impls:rounded_reference")
+    assert ok["status"] == "ok", ok
+    bad = _gate(LONG_BF16, "tuning_impls:zeroed_row")
+    assert bad["status"] == "rejected", bad
+    assert bad["error"] <= 2e-2  # the global check alone passes it
+    assert "token" in bad["reason"] and "t=2048" in bad["reason"] and "against float64" in bad["reason"], bad
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_the_real_kernels_pass_the_per_token_check(dtype):
+    """The row tolerance leaves the kernels' own rounding room (objective.ROW_TOLERANCE)."""
+    for bucket in (Bucket("chunk", (4, 4), 32, 2, 1, 256, dtype), Bucket("recurrent", (16,), 16, 2, 8, 1, dtype)):
+        r = _gate(bucket, "rtcompile.tuning.objective:run_kernel")
+        assert r["status"] == "ok", (bucket.label, r)
+
+
+def test_resume_runs_n_more_trials(tmp_path):
+    """``--resume --trials N`` on a finished study runs N more trials. Before: N counted the
+    study's total, so a study of 2 resumed with 1 ran none."""
+    from rtcompile.tuning import tune_bucket
+
+    url = f"sqlite:///{tmp_path / 'resume.db'}"
+    fixed = {"form": "resident", "resident.chunk_size": 16}
+    first = tune_bucket(TINY, TuneOptions(storage=url, trials=2, repeats=1, top_k=1, fixed=fixed))
+    assert first.trials_run == 2 and first.trials_total == 2
+    more = tune_bucket(TINY, TuneOptions(storage=url, trials=1, repeats=1, top_k=1, fixed=fixed, resume=True))
+    assert more.trials_run == 1 and more.trials_total == 3 and more.best_variant is not None
