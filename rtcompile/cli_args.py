@@ -21,7 +21,7 @@ import stat
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from .fileio import WriteError
+from .fileio import WriteError, make_folders, remove_empty
 
 EXIT_USAGE = 2
 
@@ -198,41 +198,20 @@ def check_out_parent(prog: str, out: str | os.PathLike) -> None:
     _usable_folder(prog, text, os.path.dirname(os.path.abspath(text)))
 
 
-def _remove_empty(folders: list[str]) -> None:
-    for d in reversed(folders):  # innermost first; a folder something was written into stays
-        try:
-            os.rmdir(d)
-        except OSError:
-            return
-
-
 @contextmanager
 def new_folders(prog: str, folder: str | os.PathLike) -> Iterator[None]:
     """Make ``folder`` and its missing parents for ``--out``, and remove the ones made here when
     the block fails while they are still empty: a command that fails before writing its output
     leaves no folder behind."""
-    made: list[str] = []
-    missing, p = [], os.path.abspath(folder)
-    while not os.path.lexists(p):
-        missing.append(p)
-        p = os.path.dirname(p)
     try:
-        for d in reversed(missing):
-            try:
-                os.mkdir(d)
-            except FileExistsError:
-                if not os.path.isdir(d):
-                    raise
-                continue
-            made.append(d)
+        made = make_folders(folder)
     except OSError as exc:
-        _remove_empty(made)
-        raise UsageError(f"{prog}: --out: cannot create {d!r} ({_why(exc)}); allowed: a path whose parents "
-                         "can be made") from None
+        raise UsageError(f"{prog}: --out: cannot create {str(exc.filename or folder)!r} ({_why(exc)}); allowed: a path "
+                         "whose parents can be made") from None
     try:
         yield
     except BaseException:
-        _remove_empty(made)
+        remove_empty(made)
         raise
 
 

@@ -134,26 +134,33 @@ def atomic_write(path: str | os.PathLike, data: bytes | str, *, encoding: str = 
     return dest
 
 
-def _make_parents(dest: Path, made: list[Path]) -> None:
-    """Make the missing folders above ``dest``, outermost first, appending each made to ``made``
-    (one that appears meanwhile is not ours: not listed, never removed)."""
-    missing, p = [], dest.absolute().parent
+def make_folders(folder: str | os.PathLike) -> list[Path]:
+    """Make ``folder`` and its missing parents, outermost first; returns the folders made (one
+    that appears meanwhile is not ours: not listed, never removed). On an OSError the ones made
+    are removed again (:func:`remove_empty`) before it propagates."""
+    missing, p = [], Path(os.path.abspath(folder))
     while not os.path.lexists(p):
         missing.append(p)
         p = p.parent
-    for d in reversed(missing):
-        try:
-            os.mkdir(d)
-        except FileExistsError:
-            if not d.is_dir():
-                raise
-            continue
-        made.append(d)
+    made: list[Path] = []
+    try:
+        for d in reversed(missing):
+            try:
+                os.mkdir(d)
+            except FileExistsError:
+                if not d.is_dir():
+                    raise
+                continue
+            made.append(d)
+    except OSError:
+        remove_empty(made)
+        raise
+    return made
 
 
-def _remove_empty(made: list[Path]) -> None:
-    """Remove the folders of ``made``, innermost first, while empty (one that something was
-    written into since stays, and so do the folders above it)."""
+def remove_empty(made: list[Path]) -> None:
+    """Remove the folders of ``made`` (:func:`make_folders`' list), innermost first, while empty
+    (one that something was written into since stays, and so do the folders above it)."""
     for d in reversed(made):
         try:
             os.rmdir(d)
@@ -182,7 +189,7 @@ def atomic_directory(path: str | os.PathLike, *, overwrite: bool = False,
             may_replace(dest)
     made: list[Path] = []
     try:
-        _make_parents(dest, made)
+        made = make_folders(dest.absolute().parent)
         for _ in range(_NAME_TRIES):
             tmp = _temp_name(dest)
             try:
@@ -193,7 +200,7 @@ def atomic_directory(path: str | os.PathLike, *, overwrite: bool = False,
         else:  # pragma: no cover
             raise FileExistsError(f"{str(dest)!r}: could not create a temporary folder beside it")
     except OSError as exc:
-        _remove_empty(made)
+        remove_empty(made)
         raise _failed(dest, exc) from exc
     try:
         try:
@@ -219,7 +226,7 @@ def atomic_directory(path: str | os.PathLike, *, overwrite: bool = False,
             raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        _remove_empty(made)
+        remove_empty(made)
         raise
     if old is not None:
         if old.is_dir() and not old.is_symlink():
