@@ -87,18 +87,24 @@ def run_export(args) -> int:
     torch.manual_seed(0)
     model = RunningTensorLM(spec, vocab_size=args.vocab)
     if args.weights is not None:
-        from safetensors.torch import load_file
+        from safetensors.torch import load
 
         from .export.verify import safetensors_problem
 
         if Path(args.weights).exists() and not Path(args.weights).is_file():
             kind = "a folder" if Path(args.weights).is_dir() else "not a regular file"
             raise BundleError(f"--weights {args.weights!r}: is {kind}; allowed: a safetensors file")
+        try:  # read once: the bytes checked are the bytes loaded (a file replaced in between is not)
+            data = Path(args.weights).read_bytes()
+        except FileNotFoundError:
+            raise BundleError(f"--weights {args.weights!r}: no such file") from None
+        except OSError as exc:
+            raise BundleError(f"--weights {args.weights!r}: cannot be read ({exc.strerror or exc})") from None
         need = {k: (list(v.shape), v.is_floating_point()) for k, v in model.state_dict().items()}
-        problem = safetensors_problem(Path(args.weights), need, f"the spec (with --vocab {args.vocab})")
+        problem = safetensors_problem(data, need, f"the spec (with --vocab {args.vocab})")
         if problem is not None:
             raise BundleError(f"--weights {args.weights!r}: {problem}")
-        model.load_state_dict(load_file(args.weights), strict=True)
+        model.load_state_dict(load(data), strict=True)
     # the bundle is built in a temporary folder and renamed into place (export_bundle); a write that
     # fails (the weights, the ONNX graphs, the manifest: a WriteError) is one line naming --out, and
     # the parent folders made here are removed again

@@ -461,6 +461,32 @@ def test_export_of_weights_that_do_not_fit(case, tmp_path, capsys):
     assert not (tmp_path / "b").exists()
 
 
+def test_export_loads_the_weights_it_checked_not_a_file_swapped_in_after(tmp_path, monkeypatch):
+    # the check read the file's header and the load opened it again: a file replaced in between
+    # (same names and shapes, other values) was exported unchecked
+    import rtcompile.export.verify as verify
+
+    (tmp_path / "s.toml").write_text(SPEC_TOML)
+    w = tmp_path / "w.safetensors"
+    state = {k: torch.randn_like(v) if v.is_floating_point() else v.clone()
+             for k, v in RunningTensorLM(rtcompile.load_spec(tmp_path / "s.toml"), 11).state_dict().items()}
+    save_file(state, str(w))
+    checked = verify.safetensors_problem
+
+    def check_then_swap(*a, **kw):
+        problem = checked(*a, **kw)
+        save_file({k: torch.zeros_like(v) for k, v in state.items()}, str(w))
+        return problem
+
+    monkeypatch.setattr(verify, "safetensors_problem", check_then_swap)
+    assert main(["export", str(tmp_path / "s.toml"), "--out", str(tmp_path / "b"), "--vocab", "11",
+                 "--weights", str(w), "--no-onnx"]) == 0
+    got = load_file(str(tmp_path / "b" / "weights.safetensors"))
+    assert set(got) == set(state)
+    for k, v in state.items():
+        assert torch.equal(got[k], v), k
+
+
 def test_manifest_with_an_unknown_key(bundle, capsys):
     # a newer exporter's field this version would silently ignore
     _edit(bundle, lambda m: m.update(quantization={"bits": 4}))

@@ -335,25 +335,15 @@ def safetensors_header(data: bytes) -> dict[str, tuple[list[int], str]]:
     return got
 
 
-def safetensors_problem(source: Path | bytes, need: dict[str, tuple[list[int], bool]], what: str) -> str | None:
-    """None when the safetensors file at ``source`` (a path, or its verified bytes) holds
-    exactly the tensors ``need`` lists (name -> shape, is floating), each of its shape and,
-    where floating, of a float dtype; else the problem in words. Reads the header only."""
-    from safetensors import SafetensorError, safe_open
-
-    if isinstance(source, bytes):
-        try:
-            got = safetensors_header(source)
-        except ValueError as exc:
-            return f"not a safetensors file ({exc})"
-    elif not Path(source).is_file():
-        return "no such file"
-    else:
-        try:
-            with safe_open(str(source), framework="pt") as f:
-                got = {k: (list(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
-        except (SafetensorError, OSError) as exc:
-            return f"not a safetensors file ({str(exc).splitlines()[0]})"
+def safetensors_problem(data: bytes, need: dict[str, tuple[list[int], bool]], what: str) -> str | None:
+    """None when the safetensors file ``data`` (its bytes, read once by the caller, which then
+    loads those same bytes) holds exactly the tensors ``need`` lists (name -> shape, is
+    floating), each of its shape and, where floating, of a float dtype; else the problem in
+    words. Reads the header only."""
+    try:
+        got = safetensors_header(data)
+    except ValueError as exc:
+        return f"not a safetensors file ({exc})"
     missing, extra = sorted(set(need) - set(got)), sorted(set(got) - set(need))
     if missing:
         return f"lacks {len(missing)} tensors {missing[:3]} that {what} need"
