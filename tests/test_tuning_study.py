@@ -198,3 +198,23 @@ def test_resume_runs_n_more_trials(tmp_path):
     assert first.trials_run == 2 and first.trials_total == 2
     more = tune_bucket(TINY, TuneOptions(storage=url, trials=1, repeats=1, top_k=1, fixed=fixed, resume=True))
     assert more.trials_run == 1 and more.trials_total == 3 and more.best_variant is not None
+
+
+def test_a_stop_handled_in_process_restores_the_handlers_and_the_pool_log_level():
+    """``rtcompile.cli.main`` may run in a process that lives on after an interrupted tune: the
+    signal handlers and the SQLAlchemy pool log level the stop changed come back as they were."""
+    import logging
+    import os
+    import signal
+
+    from rtcompile.tuning.processes import stop_on_signal
+
+    pool = logging.getLogger("sqlalchemy.pool")
+    pool.setLevel(logging.WARNING)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt), stop_on_signal():
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(100):  # the handler runs between bytecodes of the main thread
+            pass
+    assert pool.level == logging.WARNING
+    assert signal.getsignal(signal.SIGTERM) is before

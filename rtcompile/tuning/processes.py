@@ -107,8 +107,10 @@ def stop_on_signal() -> Iterator[None]:
         yield
         return
     previous = {sig: signal.signal(sig, _interrupt) for sig in _STOPS}
+    pool_level = logging.getLogger("sqlalchemy.pool").level  # _interrupt silences it
     try:
         yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        logging.getLogger("sqlalchemy.pool").setLevel(pool_level)

@@ -341,20 +341,20 @@ def _merge(table: list[dict[str, Any]], entries: list[dict[str, Any]]) -> list[d
     table's of its key (moved to the end) when it is faster (:func:`_faster`), else the
     table's stays. Two studies share a key (a full study and a ``--fix`` sub-space's, an
     exhaustive sweep): the last finished used to win, and a 3x slower sub-space winner then ran."""
-    out = list(table)
+    out = {_key(t): t for t in table}  # a dict keeps insertion order; one key each
     for e in entries:
-        i = next((i for i, t in enumerate(out) if _key(t) == _key(e)), None)
-        if i is None:
-            out.append(e)
-        elif _faster(e, out[i]):
-            del out[i]
-            out.append(e)
-    return out
+        k = _key(e)
+        if k not in out:
+            out[k] = e
+        elif _faster(e, out[k]):
+            del out[k]  # re-inserted last: the newest winner ends the table
+            out[k] = e
+    return list(out.values())
 
 
 def write_tuned(entries: list[dict[str, Any]], path: Path | None = None, *, rebuild_from=None) -> Path:
-    """Merge ``entries`` into the tuned-config table (same key: the faster kept, :func:`_merge`), atomically. A table
-    that cannot be read (corrupt, an older format) is replaced: by the winners of the storage
+    """Merge ``entries`` into the tuned-config table atomically (same key: the faster kept,
+    :func:`_merge`). A table that cannot be read (corrupt, an older format) is replaced: by the winners of the storage
     ``rebuild_from`` when given (the table is derived data, the store is the record), else by
     ``entries`` alone. Malformed entries of a readable table (``tuned.entry_problem``) are
     skipped by its reader, so a rewrite drops them."""
