@@ -395,6 +395,37 @@ def graph_tensors(model):
         yield from in_nodes(fn.node)
 
 
+def _all_nodes(model):
+    """Every node of the model: its graph's, its functions' and, depth first, their subgraphs'."""
+    import onnx
+
+    def in_nodes(nodes):
+        for node in nodes:
+            yield node
+            for attr in node.attribute:
+                for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else []) + list(attr.graphs):
+                    yield from in_nodes(g.node)
+
+    yield from in_nodes(model.graph.node)
+    for fn in model.functions:
+        yield from in_nodes(fn.node)
+
+
+STANDARD_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
+
+
+def undefined_op(model) -> str | None:
+    """The first node of a domain outside the standard ones that no model-local function
+    defines, as "domain.op_type", or None. The checker skips such nodes (it knows no domain's
+    ops but the standard ones), so without this a graph naming an op nothing defines passed
+    ``inspect`` and failed only when onnxruntime made its session."""
+    defined = {(fn.domain, fn.name) for fn in model.functions}
+    for node in _all_nodes(model):
+        if node.domain not in STANDARD_DOMAINS and (node.domain, node.op_type) not in defined:
+            return f"{node.domain}.{node.op_type}"
+    return None
+
+
 def graph_weights_sha256(model) -> str:
     """sha256 over every tensor of an ONNX model (name, type, dims, values): what the manifest
     records at export and load compares. ValueError, naming the tensor, for one that cannot be
@@ -449,9 +480,9 @@ def check_graphs(root: Path, manifest: dict[str, Any], data: dict[str, bytes]) -
     """Each ONNX graph parses, keeps its external data in files the manifest lists (so hashed
     and inside the bundle; onnxruntime would follow ``../x`` or ``/etc/x`` wherever it points),
     passes ``onnx.checker.check_model`` (ops of the standard domains that exist at the graph's
-    opset, every node input produced before it, well-formed tensors, the model-local functions;
-    ops of another domain such as ai.rtcompile are the runtime's to resolve, see
-    ``onnx_model.run_greedy``), and its weights, each readable, are those recorded at export
+    opset, every node input produced before it, well-formed tensors, the model-local functions),
+    names no op of another domain that none of its functions defines (:func:`undefined_op`),
+    and its weights, each readable, are those recorded at export
     (``onnx.weights_sha256``). Reads the verified bytes ``data`` (file name -> bytes); returns
     each graph as onnxruntime is to take it (its bytes, or with external data, the checked proto
     holding that data)."""
@@ -486,6 +517,10 @@ def check_graphs(root: Path, manifest: dict[str, Any], data: dict[str, bytes]) -
             onnx.checker.check_model(model)
         except (ValidationError, ValueError) as exc:
             raise refuse(root, name, f"not a valid ONNX model ({_one_line(exc)})") from None
+        if (op := undefined_op(model)) is not None:
+            raise refuse(root, name, f"op {op} is neither a standard ONNX op nor a function of the model; allowed: "
+                                     f"the domains {', '.join(repr(d) for d in STANDARD_DOMAINS)} and the model's "
+                                     "functions (the exporter defines its ai.rtcompile ops as functions)")
         try:
             digest = graph_weights_sha256(model)
         except ValueError as exc:
