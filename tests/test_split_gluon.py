@@ -69,7 +69,7 @@ def test_gluon_loop_refusals_name_the_field():
     assert "block_v=64" in dataclasses.replace(ok, block_v=32).check(shape, SMEM)
     assert "num_warps=4" in dataclasses.replace(ok, num_warps=8).check(shape, SMEM)
     assert "multiple of 64" in ok.check(KernelShape((16, 16), 96, 2), SMEM)
-    assert "chunk_size in 16, 32" in dataclasses.replace(ok, chunk_size=64).check(shape, SMEM)
+    assert "chunk_size in 16, 32" in dataclasses.replace(ok, chunk_size=64, output_block_v=64).check(shape, SMEM)
     assert "loop='cuda'; allowed: 'triton', 'gluon'" in dataclasses.replace(ok, loop="cuda").check(shape, SMEM)
 
 
