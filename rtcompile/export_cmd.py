@@ -87,6 +87,7 @@ def run_export(args) -> int:
     torch.manual_seed(0)
     model = RunningTensorLM(spec, vocab_size=args.vocab)
     if args.weights is not None:
+        from safetensors import SafetensorError
         from safetensors.torch import load
 
         from .export.verify import safetensors_problem
@@ -104,7 +105,11 @@ def run_export(args) -> int:
         problem = safetensors_problem(data, need, f"the spec (with --vocab {args.vocab})")
         if problem is not None:
             raise BundleError(f"--weights {args.weights!r}: {problem}")
-        model.load_state_dict(load(data), strict=True)
+        try:
+            state = load(data)
+        except SafetensorError as exc:  # whatever safetensors refuses that the header check passed
+            raise BundleError(f"--weights {args.weights!r}: not a safetensors file ({exc})") from None
+        model.load_state_dict(state, strict=True)
     # the bundle is built in a temporary folder and renamed into place (export_bundle); a write that
     # fails (the weights, the ONNX graphs, the manifest: a WriteError) is one line naming --out, and
     # the parent folders made here are removed again

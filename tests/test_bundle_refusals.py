@@ -460,15 +460,24 @@ def test_bundle_whose_plan_decision_cannot_be_followed(field, value, pattern, bu
     _refused(bundle, capsys, r"manifest\.json: " + pattern)
 
 
-@pytest.mark.parametrize("case", ["wrong-shape", "junk", "absent"])
+@pytest.mark.parametrize("case", ["wrong-shape", "junk", "absent", "metadata-not-strings"])
 def test_export_of_weights_that_do_not_fit(case, tmp_path, capsys):
-    # a wrong shape gave load_state_dict's RuntimeError traceback
+    # a wrong shape gave load_state_dict's RuntimeError traceback; metadata that is not an object
+    # of strings passed the header check and safetensors' load raised a traceback
     (tmp_path / "s.toml").write_text(SPEC_TOML)
     w = tmp_path / "w.safetensors"
-    if case == "wrong-shape":
+    if case in ("wrong-shape", "metadata-not-strings"):
         state = {k: v.clone() for k, v in RunningTensorLM(rtcompile.load_spec(tmp_path / "s.toml"), 11).state_dict().items()}
-        state["head.weight"] = torch.zeros(11, 13)
-        save_file(state, str(w))
+        if case == "wrong-shape":
+            state["head.weight"] = torch.zeros(11, 13)
+        save_file(state, str(w), metadata={"format": "pt"})
+        if case == "metadata-not-strings":
+            data = w.read_bytes()
+            n = int.from_bytes(data[:8], "little")
+            header = json.loads(data[8:8 + n])
+            header["__metadata__"] = {"format": 1}
+            raw = json.dumps(header).encode()
+            w.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n:])
     elif case == "junk":
         w.write_bytes(b"\0" * 64)
     assert main(["export", str(tmp_path / "s.toml"), "--out", str(tmp_path / "b"), "--vocab", "11",
@@ -476,7 +485,8 @@ def test_export_of_weights_that_do_not_fit(case, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and str(w) in err[0], err
     pattern = {"wrong-shape": r"tensor 'head\.weight' has shape \[11, 13\]; the spec \(with --vocab 11\) need \[11, 12\]",
-               "junk": r"not a safetensors file", "absent": r"no such file"}[case]
+               "junk": r"not a safetensors file", "absent": r"no such file",
+               "metadata-not-strings": r"not a safetensors file \(__metadata__ .* is not an object of strings\)"}[case]
     assert re.search(pattern, err[0]), err
     assert not (tmp_path / "b").exists()
 

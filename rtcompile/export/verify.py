@@ -310,7 +310,9 @@ def safetensors_header(data: bytes) -> dict[str, tuple[list[int], str]]:
         raise ValueError(f"header is a JSON {_type_name(header)}; allowed: an object")
     body, got, spans = len(data) - 8 - n, {}, []
     for name, info in header.items():
-        if name == "__metadata__":
+        if name == "__metadata__":  # safetensors' loader takes only an object of strings here
+            if not (isinstance(info, dict) and all(isinstance(x, str) for x in info.values())):
+                raise ValueError(f"__metadata__ {str(info)[:120]} is not an object of strings")
             continue
         shape, dtype = (info.get("shape"), info.get("dtype")) if isinstance(info, dict) else (None, None)
         offsets = info.get("data_offsets") if isinstance(info, dict) else None
