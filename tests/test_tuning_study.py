@@ -218,3 +218,38 @@ def test_a_stop_handled_in_process_restores_the_handlers_and_the_pool_log_level(
             pass
     assert pool.level == logging.WARNING
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_stop_while_workers_start_ends_those_already_started(monkeypatch):
+    """SIGTERM while ``spawn_workers`` is still starting workers: the ones started are ended by
+    ``_run_workers``' clean-up (a list returned only at the end left them running)."""
+    import os
+    import signal
+    import subprocess
+    import threading
+    import time
+
+    from rtcompile.tuning.processes import stop_on_signal
+
+    started = []
+
+    def slow_spawn(url, name, bucket, opts, deadline, procs):
+        for _ in range(4):  # stands in for four worker starts, each a fresh Python
+            procs.append(subprocess.Popen(["sleep", "60"]))
+            started.append(procs[-1])
+            time.sleep(0.2)
+
+    monkeypatch.setattr(study_mod, "spawn_workers", slow_spawn)
+    timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt), stop_on_signal():
+            study_mod._run_workers(None, None, "sqlite://", "n", None, None, None, lambda: None)
+    finally:
+        timer.cancel()
+        for p in started:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+                pytest.fail(f"worker {p.pid} outlived the stop")
+    assert 1 <= len(started) < 4

@@ -21,23 +21,23 @@ from dataclasses import asdict
 from typing import Iterator
 
 
-def spawn_workers(storage_url: str, name: str, bucket, opts, deadline: float | None) -> list[subprocess.Popen]:
-    """``opts.workers`` worker processes (``python -m rtcompile.tuning.worker``) on the study, one
-    GPU each, round robin."""
+def spawn_workers(storage_url: str, name: str, bucket, opts, deadline: float | None,
+                  procs: list[subprocess.Popen]) -> None:
+    """Start ``opts.workers`` worker processes (``python -m rtcompile.tuning.worker``) on the
+    study, one GPU each, round robin, each appended to the caller's ``procs`` as soon as it
+    exists: a stop landing while later ones start still finds the earlier ones to end (a list
+    returned at the end left them running, tuning to the deadline)."""
     payload = json.dumps({"storage": storage_url, "study": name, "bucket": asdict(bucket),
                           "options": asdict(opts), "deadline": deadline})
     gpus = visible_gpus(opts.device)
-    procs = []
     for i in range(opts.workers):
         env = dict(os.environ)
         if gpus:  # one GPU per worker (round robin): trials on one GPU never share it
             env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
-        p = subprocess.Popen([sys.executable, "-m", "rtcompile.tuning.worker", str(i)], stdin=subprocess.PIPE,
-                             text=True, env=env)
-        p.stdin.write(payload)
-        p.stdin.close()
-        procs.append(p)
-    return procs
+        procs.append(subprocess.Popen([sys.executable, "-m", "rtcompile.tuning.worker", str(i)],
+                                      stdin=subprocess.PIPE, text=True, env=env))
+        procs[-1].stdin.write(payload)
+        procs[-1].stdin.close()
 
 
 def visible_gpus(device: str) -> list[str]:

@@ -421,7 +421,8 @@ def _run_workers(study, storage, url: str | None, name: str, bucket: Bucket, opt
     procs: list[subprocess.Popen] = []
     try:
         while True:
-            procs = spawn_workers(url or _default_url(), name, bucket, opts, deadline)
+            procs = []  # the last round's have all ended
+            spawn_workers(url or _default_url(), name, bucket, opts, deadline, procs)
             if not _wait_workers(study, storage, url, name, opts, deadline, procs, report):
                 return
     finally:  # stopped (Ctrl-C, SIGTERM, an error): the workers and their trial processes end too
