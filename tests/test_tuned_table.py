@@ -164,3 +164,18 @@ def test_rtcompile_plan_beside_a_malformed_table(tmp_path, capsys):
     with pytest.warns(RuntimeWarning, match="malformed entries in all"):
         assert main(["plan", str(spec), "--target", "h200", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["decisions"]
+
+
+def test_another_versions_entries_are_kept_by_a_rewrite_and_never_judged():
+    """The table is shared by every installed rtcompile: an entry another version wrote (a form
+    this one lacks) draws no warning, serves no call here, and a rewrite keeps it as it was
+    (it was called malformed and dropped by the next `rtcompile tune`)."""
+    other = _entry(package="9.9.0", variant={"form": "tiled2", "block": 64})
+    odd = {"package": "0.0.1", "anything": [1, 2]}  # another version's, whatever its fields
+    path = _write([other, odd])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert tuned.reload(path) == []
+        write_tuned([_entry(variant=ResidentConfig(16, 16).to_dict())], path)
+    kept = json.loads(path.read_text())["entries"]
+    assert other in kept and odd in kept and len(kept) == 3

@@ -40,6 +40,7 @@ _SOURCES = {
                   "chunk_prepare.py", "chunk_split.py", "chunk_streamed.py", "blocks.py"),
 }
 _table: list[dict[str, Any]] | None = None
+_others: list[dict[str, Any]] = []  # the last read table's entries of other versions (other_version)
 # Bumped whenever the table is (re)read: the launch-plan caches key on it, so a plan found
 # before a table changed is not reused after (launch.py's call plans, the decode plans).
 _generation = 0
@@ -69,9 +70,10 @@ def source_hash(kernel: str) -> str:
 
 def reload(path: str | os.PathLike | None = None) -> list[dict[str, Any]]:
     """(Re)read the table; a missing file is an empty table, a malformed one an error."""
-    global _table, _generation
+    global _table, _generation, _others
     _generation += 1
     p = Path(path) if path is not None else table_path()
+    _others = []
     if not p.exists():
         _table = []
         return _table
@@ -87,7 +89,13 @@ def reload(path: str | os.PathLike | None = None) -> list[dict[str, Any]]:
         raise ValueError(f"tuned-config table {str(p)!r}: not a format-{FORMAT_VERSION} table; "
                          "delete it or re-run `rtcompile tune`")
     _table = _valid_entries(p, data["entries"])
+    _others = [e for e in data["entries"] if other_version(e)]
     return _table
+
+
+def other_versions() -> list[dict[str, Any]]:
+    """The entries of other rtcompile versions in the table :func:`reload` read last, as read."""
+    return list(_others)
 
 
 # what an entry must hold to serve a call (match_fields' keys and the shape bucket); "seconds"
@@ -126,9 +134,20 @@ def entry_problem(entry: Any, where: str = "entry") -> str | None:
     return None
 
 
+def other_version(entry: Any) -> bool:
+    """Is ``entry`` another rtcompile version's (its ``package`` a string naming another)? The
+    table is shared by every installed version: such an entry never serves this one
+    (``match_fields``), is not judged by this version's configs (a newer form is no defect),
+    and a rewrite keeps it as it was (``store.write_tuned``)."""
+    from .._version import __version__
+
+    return isinstance(entry, dict) and isinstance(entry.get("package"), str) and entry["package"] != __version__
+
+
 def _valid_entries(path: Path, entries: list) -> list[dict[str, Any]]:
-    """``entries`` less the malformed ones, with one warning naming the first and the count."""
-    problems = [(e, entry_problem(e, f"entries[{i}]")) for i, e in enumerate(entries)]
+    """This version's ``entries`` less the malformed ones, with one warning naming the first and
+    the count (other versions' are left out unjudged: :func:`other_version`)."""
+    problems = [(e, entry_problem(e, f"entries[{i}]")) for i, e in enumerate(entries) if not other_version(e)]
     bad = [why for _, why in problems if why is not None]
     if bad:
         more = f" ({len(bad)} malformed entries in all)" if len(bad) > 1 else ""

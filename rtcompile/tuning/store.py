@@ -354,17 +354,20 @@ def _merge(table: list[dict[str, Any]], entries: list[dict[str, Any]]) -> list[d
 
 def write_tuned(entries: list[dict[str, Any]], path: Path | None = None, *, rebuild_from=None) -> Path:
     """Merge ``entries`` into the tuned-config table atomically (same key: the faster kept,
-    :func:`_merge`). A table that cannot be read (corrupt, an older format) is replaced: by the winners of the storage
-    ``rebuild_from`` when given (the table is derived data, the store is the record), else by
-    ``entries`` alone. Malformed entries of a readable table (``tuned.entry_problem``) are
-    skipped by its reader, so a rewrite drops them."""
+    :func:`_merge`). A table that cannot be read (corrupt, an older format) is replaced: by the
+    winners of the storage ``rebuild_from`` when given (the table is derived data, the store is
+    the record), else by ``entries`` alone. Malformed entries of this version in a readable
+    table (``tuned.entry_problem``) are skipped by its reader, so a rewrite drops them; other
+    versions' entries (``tuned.other_version``) are kept as they were."""
     path = Path(path) if path is not None else tuned.table_path()
     with file_lock(path.with_name(path.name + ".lock")):
+        others = []
         try:
             old = tuned.reload(path) if path.exists() else []
+            others = tuned.other_versions()
         except ValueError:
             old = store_entries(rebuild_from) if rebuild_from is not None else []
-        merged = _merge(_merge([], old), entries)
+        merged = others + _merge(_merge([], old), entries)
         atomic_write(path, json.dumps({"format": tuned.FORMAT_VERSION, "entries": merged}, indent=1))
     tuned.reload(path)
     return path
