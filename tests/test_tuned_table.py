@@ -149,6 +149,10 @@ def test_a_slower_winner_never_replaces_a_faster_entry_of_its_key(tmp_path):
     other = _entry(source="0" * 16, seconds=1e-4)
     write_tuned([other], path)
     assert json.loads(path.read_text())["entries"] == [faster, other]
+    # a --retune's winner replaces its key's, slower or not (a lucky or since-refused
+    # measurement could not be retuned away: review of 2026-12-05)
+    write_tuned([slow], path, replace=True)
+    assert json.loads(path.read_text())["entries"] == [other, slow]
 
 
 def test_rtcompile_plan_beside_a_malformed_table(tmp_path, capsys):

@@ -336,29 +336,33 @@ def _faster(entry: dict[str, Any], than: dict[str, Any]) -> bool:
     return a is None or b is None or a <= b
 
 
-def _merge(table: list[dict[str, Any]], entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _merge(table: list[dict[str, Any]], entries: list[dict[str, Any]], replace: bool = False) -> list[dict[str, Any]]:
     """``table`` with ``entries`` merged in, one entry per key: a new entry replaces the
     table's of its key (moved to the end) when it is faster (:func:`_faster`), else the
     table's stays. Two studies share a key (a full study and a ``--fix`` sub-space's, an
-    exhaustive sweep): the last finished used to win, and a 3x slower sub-space winner then ran."""
+    exhaustive sweep): the last finished used to win, and a 3x slower sub-space winner then ran.
+    ``replace``: the new entries replace their keys' whatever their speed (``--retune``)."""
     out = {_key(t): t for t in table}  # a dict keeps insertion order; one key each
     for e in entries:
         k = _key(e)
         if k not in out:
             out[k] = e
-        elif _faster(e, out[k]):
+        elif replace or _faster(e, out[k]):
             del out[k]  # re-inserted last: the newest winner ends the table
             out[k] = e
     return list(out.values())
 
 
-def write_tuned(entries: list[dict[str, Any]], path: Path | None = None, *, rebuild_from=None) -> Path:
+def write_tuned(entries: list[dict[str, Any]], path: Path | None = None, *, rebuild_from=None,
+                replace: bool = False) -> Path:
     """Merge ``entries`` into the tuned-config table atomically (same key: the faster kept,
     :func:`_merge`). A table that cannot be read (corrupt, an older format) is replaced: by the
     winners of the storage ``rebuild_from`` when given (the table is derived data, the store is
     the record), else by ``entries`` alone. Malformed entries of this version in a readable
     table (``tuned.entry_problem``) are skipped by its reader, so a rewrite drops them; other
-    versions' entries (``tuned.other_version``) are kept as they were."""
+    versions' entries (``tuned.other_version``) are kept as they were. ``replace`` (a
+    ``--retune``'s winner): ``entries`` replace their keys' even where those were faster (a
+    lucky or since-refused measurement could not be retuned away)."""
     path = Path(path) if path is not None else tuned.table_path()
     with file_lock(path.with_name(path.name + ".lock")):
         others = []
@@ -367,7 +371,7 @@ def write_tuned(entries: list[dict[str, Any]], path: Path | None = None, *, rebu
             others = tuned.other_versions()
         except ValueError:
             old = store_entries(rebuild_from) if rebuild_from is not None else []
-        merged = others + _merge(_merge([], old), entries)
+        merged = others + _merge(_merge([], old), entries, replace)
         atomic_write(path, json.dumps({"format": tuned.FORMAT_VERSION, "entries": merged}, indent=1))
     tuned.reload(path)
     return path

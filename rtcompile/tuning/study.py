@@ -515,7 +515,7 @@ def _finish(study, storage, bucket: Bucket, machine: Machine, source: str, opts:
     best_s, best = min(timed, key=lambda sv: sv[0])
     attrs = {**study.user_attrs, "best_variant": best.to_dict(), "best_seconds": best_s,
              "default_seconds": default_s}
-    write_tuned([study_entry(study.study_name, attrs)], opts.table, rebuild_from=storage)
+    write_tuned([study_entry(study.study_name, attrs)], opts.table, rebuild_from=storage, replace=opts.retune)
     for k in RESULT_ATTRS:
         study.set_user_attr(k, attrs[k])
     return True
