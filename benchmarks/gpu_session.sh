@@ -1,6 +1,6 @@
 # The measurements of one GPU session, in steps that each fit one 10-minute device call.
 #
-#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train (= traintests traintime) | recalltests | recallcompile | tunetrain | trainfla | trainexp | sweep | bench | tunedecode | tunelarge | model | modelbf16 | serving | tpe | gluonc64 | onnxcpu | profiletrain | profileprefill | profiledecode | checks | recall
+#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train (= traintests traintime) | recalltests | recallcompile | tunetrain | trainfla | trainexp | sweep | bench | tunedecode | tunelarge | model | modelbf16 | serving | tpe | gluonc64 | splitoutput | onnxcpu | profiletrain | profileprefill | profiledecode | checks | recall
 #
 # Run from the project root on the device machine after installing the carried wheels (see
 # benchmarks/README.md). Everything lands under $OUT. Each step writes as it goes, so a call cut
@@ -156,6 +156,12 @@ step_gluonc64() {  # why the Gluon loop at chunks of 64 gave wrong outputs at K 
   tail -n 30 "$OUT/gluon_c64.txt"
 }
 
+step_splitoutput() {  # which split output tiles are wrong at chunks of 64 (~3-4 min, 56 cases in
+  # processes of their own, eight at once): SplitConfig.check refuses fewer than 64 columns at K >= 32
+  timeout -s INT "${SPLITOUT_S:-330}" python3 benchmarks/diagnose_split_output.py --jobs 8 > "$OUT/split_output.txt" 2>&1 || true
+  cat "$OUT/split_output.txt"
+}
+
 step_bench() {  # decode first (~60 s), so the prefill phase cannot starve it of budget
   python3 -m rtcompile.cli bench --out "$OUT/bench_decode" --phase decode --budget-s 60
   python3 -m rtcompile.cli bench --out "$OUT/bench_prefill" --phase prefill --budget-s 460
@@ -240,6 +246,6 @@ step_recalltests() {  # one call's worth: the recall comparison (its trainings l
 }
 
 for s in "$@"; do
-  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, traintests, traintime, recalltests, recallcompile, tunetrain, trainfla, trainexp, sweep, bench, tunedecode, tunelarge, model, modelbf16, serving, tpe, gluonc64, onnxcpu, profiletrain, profileprefill, profiledecode, checks, recall)" >&2; exit 2; }
+  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, traintests, traintime, recalltests, recallcompile, tunetrain, trainfla, trainexp, sweep, bench, tunedecode, tunelarge, model, modelbf16, serving, tpe, gluonc64, splitoutput, onnxcpu, profiletrain, profileprefill, profiledecode, checks, recall)" >&2; exit 2; }
   "step_$s"
 done
