@@ -400,11 +400,13 @@ def test_tuned_table_of_the_old_format_is_refused_naming_it(tmp_path):
 @pytest.mark.parametrize("widths, d_v, chunk, out, refused", [
     ((64,), 64, 64, 16, True), ((128,), 64, 64, 32, True), ((32,), 64, 64, 16, True),
     ((16,), 64, 64, 16, False), ((64,), 64, 64, 64, False), ((64,), 64, 32, 16, False), ((64,), 32, 64, 32, False),
+    ((16, 16), 64, 64, 16, False),
 ], ids=["o2-64-c64-out16", "o2-128-c64-out32", "o2-32-c64-out16", "o2-16-c64-out16",
-        "o2-64-c64-out64", "o2-64-c32-out16", "o2-64-dv32-c64-out32"])
+        "o2-64-c64-out64", "o2-64-c32-out16", "o2-64-dv32-c64-out32", "o3-16x16-c64-out16"])
 def test_split_output_tiles_measured_wrong_on_sm90_are_refused(widths, d_v, chunk, out, refused):
-    # chunks of 64 with 16 output columns: wrong outputs or an illegal address on an H100 at
-    # K 64 / 128 (2026-12-05), right at K 16; the interpreter runs them all correctly
+    # chunks of 64 with 16 / 32 output columns on one key axis: wrong outputs or an illegal
+    # address on an H100 at K 32-128 (2026-12-05), right at K 16 and at o3 16x16 (two axes);
+    # the interpreter runs them all correctly
     shape = KernelShape(widths, d_v, 2)
     reason = SplitConfig(chunk, 32, output_block_v=out).check(shape, 10**9)
     if refused:

@@ -52,7 +52,7 @@ class SplitConfig(KernelConfig):
     ``prepare_warps``, ``solve``, ``dot_precision``: as in ResidentConfig. ``output_block_v`` /
     ``output_warps``: the output kernel's value tile and warps (o3 16x16 C 64 on the H200:
     0.084 ms with 64 columns and 4 warps, 0.102 with 64 and 2, 0.135 with 32 and 4; at chunks of
-    64 and K >= 32 only 64 columns, or d_v rounded up, are allowed: ``_narrow_output_refusal``).
+    64 on one key axis, K >= 32, only 64 columns or d_v rounded up: ``_narrow_output_refusal``).
     ``tma``: the state loop reads phi(K) and the inverse and stores each chunk's state through
     tensor descriptors (sm_90 or newer; rows of 16-byte multiples; H200: loop 0.149 ms against
     0.164). ``key_group``: indices of key axis 1 per phi(K) store of the prepare kernel (order
@@ -430,15 +430,17 @@ def chunk_split_output_kernel(
 
 def _narrow_output_refusal(config: SplitConfig, shape: KernelShape) -> str | None:
     """The output kernel at chunks of 64 or more with fewer than 64 value columns (or d_v
-    rounded up) at K >= 32, refused: on an H100 (Triton 3.6, 2026-12-05, diagnose_gluon_c64.py)
-    chunks of 64 with 16 columns gave wrong outputs (up to 20 k of 50 k entries) or an illegal
-    address at K 64 and 128 (o2 64, o2 128, o3 16x8 materialised), whichever state loop fed it,
-    while 64 columns and chunks of 32 were right and the interpreter passes all of them. K 16
-    passed on the GPU (the kernel tests); K 32 and 32 columns were not measured, so refused too."""
+    rounded up) on one key axis (order 2, or materialised) at K >= 32, refused: on an H100
+    (Triton 3.6, 2026-12-05, diagnose_split_output.py, bf16, T 130) C 64 gave wrong outputs
+    (up to 25 k of 50 k entries; an illegal address at o3 16x8 materialised) at K 64 and 128
+    with 16 and 32 columns, at K 32 with 16 (state stride 1), whichever state loop fed it;
+    64 columns, chunks of 32, K 16, and o3 16x16 (two key axes) with any columns were right.
+    The interpreter runs them all correctly."""
     widest = min(64, shape.value_dim_pow2)
-    if config.chunk_size >= 64 and shape.key_dim >= 32 and config.output_block_v < widest:
-        return (f"output_block_v={config.output_block_v} at chunk_size={config.chunk_size} and K = {shape.key_dim}: "
-                f"wrong outputs on sm_90 (Triton 3.6); allowed: output_block_v={widest}, or chunk_size=32")
+    if (config.chunk_size >= 64 and len(shape.key_widths) == 1 and shape.key_dim >= 32
+            and config.output_block_v < widest):
+        return (f"output_block_v={config.output_block_v} at chunk_size={config.chunk_size} and K = {shape.key_dim} on "
+                f"one key axis: wrong outputs on sm_90 (Triton 3.6); allowed: output_block_v={widest}, or chunk_size=32")
     return None
 
 
