@@ -220,6 +220,39 @@ def test_a_stop_handled_in_process_restores_the_handlers_and_the_pool_log_level(
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_a_stop_swallowed_by_a_finalizer_still_stops_quietly(capfd):
+    """SIGTERM landing inside a finalizer: Python swallows the handler's KeyboardInterrupt
+    ("Exception ignored in ...", CI on 2026-12-05 inside SQLAlchemy's ``InstanceState._cleanup``)
+    and the coordinator tuned on past the stop. ``raise_if_stopped`` (every waiting loop's poll)
+    raises it again, leaving the block raises it too, and the swallowed one prints nothing."""
+    import gc
+    import os
+    import signal
+
+    from rtcompile.tuning.processes import raise_if_stopped, stop_on_signal
+
+    class StopsInItsFinalizer:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):  # the handler runs here, between bytecodes, inside __del__
+                pass
+
+    def swallow():
+        StopsInItsFinalizer()  # dropped at once: its __del__ runs, and the interrupt is lost
+        gc.collect()
+
+    with stop_on_signal():
+        raise_if_stopped()  # no stop yet: nothing raised
+    for leave_by in ("poll", "block end"):
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM"), stop_on_signal():
+            swallow()  # without the flag the block would end normally here
+            if leave_by == "poll":
+                raise_if_stopped()
+        with stop_on_signal():  # a new block starts unstopped
+            raise_if_stopped()
+    assert "Exception ignored" not in capfd.readouterr().err
+
+
 def test_a_stop_while_workers_start_ends_those_already_started(monkeypatch):
     """SIGTERM while ``spawn_workers`` is still starting workers: the ones started are ended by
     ``_run_workers``' clean-up (a list returned only at the end left them running)."""

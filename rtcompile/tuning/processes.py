@@ -76,7 +76,38 @@ def stop_workers(procs: list[subprocess.Popen]) -> None:
 _STOPS = (signal.SIGINT, signal.SIGTERM)
 
 
+# How often the tune's waiting loops look for a stop that was swallowed (raise_if_stopped)
+STOP_POLL_S = 0.5
+
+# The stop being handled (the signal's name) while stop_on_signal is held, else None: the
+# KeyboardInterrupt that _interrupt raises can be swallowed (below), and the polling loops
+# re-raise it from this (raise_if_stopped)
+_stopping: str | None = None
+
+
+def raise_if_stopped() -> None:
+    """Raise KeyboardInterrupt when a stop was signalled under :func:`stop_on_signal`.
+
+    The handler's own KeyboardInterrupt is lost when the signal lands inside a finalizer
+    (SQLAlchemy's ``InstanceState._cleanup`` in CI, 2026-12-05: "Exception ignored in", and the
+    coordinator then tuned on for the rest of its budget, past the test's 30 s). Every loop
+    that waits on the tune's processes calls this, so a stop ends the tune within one poll
+    (STOP_POLL_S) however the first raise fared."""
+    if _stopping is not None:
+        raise KeyboardInterrupt(_stopping)
+
+
+def _quiet_unraisable(unraisable) -> None:
+    # a stop swallowed by a finalizer prints "Exception ignored in ...: KeyboardInterrupt" with
+    # its traceback: noise once stopping (raise_if_stopped raises it again); others as before
+    if _stopping is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
+        return
+    sys.__unraisablehook__(unraisable)
+
+
 def _interrupt(signum, frame) -> None:
+    global _stopping
+    _stopping = signal.Signals(signum).name
     # the first stop only: the clean-up it starts must not be interrupted in turn (a Ctrl-C to
     # the process group, then the coordinator's SIGTERM, landed both in a worker's queue wait,
     # and the second broke its lock: "RuntimeError: release unlocked lock", a traceback)
@@ -88,7 +119,7 @@ def _interrupt(signum, frame) -> None:
     # traceback ("Exception during reset or similar") and swallows it (CI on 2026-12-05, once, under
     # the full suite's load): once stopping, that log is noise (STOP_GRACE_S ends such a worker)
     logging.getLogger("sqlalchemy.pool").setLevel(logging.CRITICAL + 1)  # the pools log through children
-    raise KeyboardInterrupt(signal.Signals(signum).name)
+    raise KeyboardInterrupt(_stopping)
 
 
 def _ignore(signum, frame) -> None:
@@ -102,15 +133,22 @@ def stop_on_signal() -> Iterator[None]:
     trial processes, once (Python's default for SIGTERM ends the process at once, orphaning
     them). For the tune coordinator and workers; the previous handlers are restored after
     (``rtcompile.cli.main`` may run in a process that lives on), and off the main thread,
-    where no handler can be set, it does nothing."""
+    where no handler can be set, it does nothing. A stop whose raise a finalizer swallowed is
+    raised again by the next :func:`raise_if_stopped`, or on leaving the block."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    global _stopping
+    _stopping = None
     previous = {sig: signal.signal(sig, _interrupt) for sig in _STOPS}
     pool_level = logging.getLogger("sqlalchemy.pool").level  # _interrupt silences it
+    hook, sys.unraisablehook = sys.unraisablehook, _quiet_unraisable
     try:
         yield
+        raise_if_stopped()  # a stop swallowed after the last poll still ends the caller as stopped
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         logging.getLogger("sqlalchemy.pool").setLevel(pool_level)
+        sys.unraisablehook = hook
+        _stopping = None

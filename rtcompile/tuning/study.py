@@ -50,7 +50,7 @@ from ..kernels import tuned
 from ..kernels.forms import default_config
 from .claims import Heartbeat, mark_stale, next_trial, process_alive, stale_numbers, trial_id
 from .keys import Bucket, Machine, key_attrs, study_name
-from .processes import spawn_workers, stop_workers
+from .processes import STOP_POLL_S, raise_if_stopped, spawn_workers, stop_workers
 from .space import (
     bucket_shape, config_params, device_refusal, exhaustive_variants, params_config, search_space, smem_limit, suggest,
     warm_starts,
@@ -177,9 +177,13 @@ class TrialRunner:
             return {"status": "failed", "reason": f"trial process unreachable: {exc}"}
         deadline = time.monotonic() + self.timeout
         while True:
-            try:
-                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            left = deadline - time.monotonic()
+            try:  # in slices: a stop whose raise a finalizer swallowed still ends the wait
+                line = self._lines.get(timeout=max(0.0, min(left, STOP_POLL_S)))
             except queue.Empty:
+                if left > STOP_POLL_S:
+                    raise_if_stopped()
+                    continue
                 self.close()
                 return {"status": "failed", "reason": f"timeout after {self.timeout:.0f} s (hang or slow compile)"}
             if line is None:
@@ -265,6 +269,7 @@ def run_worker(storage_url: str | None, name: str, bucket: Bucket, opts: TuneOpt
     with TrialRunner(opts.trial_timeout) as runner:  # one trial process for the worker's trials
         done = 0
         while deadline is None or time.time() < deadline:
+            raise_if_stopped()
             trial = next_trial(study, storage, storage_url, deadline)
             if trial is None:
                 break
@@ -438,11 +443,12 @@ def _wait_workers(study, storage, url: str | None, name: str, opts: TuneOptions,
     state = optuna.trial.TrialState
     last = time.monotonic()
     while any(p.poll() is None for p in procs):
+        raise_if_stopped()
         report()
         if time.monotonic() - last >= STALE_POLL_S:
             mark_stale(study, storage, opts.trial_timeout)
             last = time.monotonic()
-        time.sleep(0.5)
+        time.sleep(STOP_POLL_S)
     report()
     bad = [p.returncode for p in procs if p.returncode != 0]
     if bad and not study_exists(url, name):
@@ -454,6 +460,7 @@ def _wait_workers(study, storage, url: str | None, name: str, opts: TuneOptions,
         # after twice the trial timeout (minutes): a later --resume retries it
         return False
     while study.get_trials(deepcopy=False, states=(state.RUNNING,)):
+        raise_if_stopped()
         mark_stale(study, storage, opts.trial_timeout)
         if study.get_trials(deepcopy=False, states=(state.WAITING,)):
             break
