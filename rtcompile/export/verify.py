@@ -258,7 +258,7 @@ def check_contents(root: Path, manifest: dict[str, Any]):
     return spec, plan, vocab, mlp
 
 
-def _skipping_init():
+def skipping_init():
     """A torch-function mode under which ``torch.nn.init``'s functions leave their tensor as it
     is: on the meta device their in-place random fills run torch's Python decompositions, whose
     wrapper imports torch._dynamo (3.3 of the 4.4 s ``rtcompile.load`` took on the CPU machine)."""
@@ -280,7 +280,7 @@ def expected_tensors(spec, vocab_size: int, mlp: bool) -> dict[str, tuple[list[i
 
     from ..model import RunningTensorLM
 
-    with torch.device("meta"), _skipping_init():
+    with torch.device("meta"), skipping_init():
         model = RunningTensorLM(spec, vocab_size=vocab_size, mlp=mlp)
     return {k: (list(v.shape), v.is_floating_point()) for k, v in model.state_dict().items()}
 
