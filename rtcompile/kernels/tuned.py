@@ -40,7 +40,6 @@ _SOURCES = {
                   "chunk_prepare.py", "chunk_split.py", "chunk_streamed.py", "blocks.py"),
 }
 _table: list[dict[str, Any]] | None = None
-_others: list[dict[str, Any]] = []  # the last read table's entries of other versions (other_version)
 # Bumped whenever the table is (re)read: the launch-plan caches key on it, so a plan found
 # before a table changed is not reused after (launch.py's call plans, the decode plans).
 _generation = 0
@@ -69,33 +68,36 @@ def source_hash(kernel: str) -> str:
 
 
 def reload(path: str | os.PathLike | None = None) -> list[dict[str, Any]]:
-    """(Re)read the table; a missing file is an empty table, a malformed one an error."""
-    global _table, _generation, _others
+    """(Re)read the table this process looks configs up in: :func:`read_table`'s entries of
+    this version. A missing file is an empty table, a malformed one an error."""
+    global _table, _generation
     _generation += 1
-    p = Path(path) if path is not None else table_path()
-    _others = []
-    if not p.exists():
-        _table = []
-        return _table
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"tuned-config table {str(p)!r}: unreadable ({str(exc).splitlines()[0]}); "
-                         "delete it or re-run `rtcompile tune`") from None
-    if isinstance(data, dict) and data.get("format") in OLD_FORMATS:
-        raise ValueError(f"tuned-config table {str(p)!r}: format {data['format']} is {OLD_FORMATS[data['format']]}; "
-                         f"this version reads format {FORMAT_VERSION}: delete the file and re-run `rtcompile tune`")
-    if not isinstance(data, dict) or data.get("format") != FORMAT_VERSION or not isinstance(data.get("entries"), list):
-        raise ValueError(f"tuned-config table {str(p)!r}: not a format-{FORMAT_VERSION} table; "
-                         "delete it or re-run `rtcompile tune`")
-    _table = _valid_entries(p, data["entries"])
-    _others = [e for e in data["entries"] if other_version(e)]
+    _table, _ = read_table(Path(path) if path is not None else table_path())
     return _table
 
 
-def other_versions() -> list[dict[str, Any]]:
-    """The entries of other rtcompile versions in the table :func:`reload` read last, as read."""
-    return list(_others)
+def read_table(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(this version's valid entries, other versions' entries as they were) of the table at
+    ``path``; reads nothing into the module. The table is shared by every installed version:
+    the second list is what a rewrite keeps unjudged (``store.write_tuned``). A missing file is
+    empty; one that is not a format-FORMAT_VERSION table raises ValueError naming it."""
+    if not path.exists():
+        return [], []
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"tuned-config table {str(path)!r}: unreadable ({str(exc).splitlines()[0]}); "
+                         "delete it or re-run `rtcompile tune`") from None
+    if isinstance(data, dict) and data.get("format") in OLD_FORMATS:
+        raise ValueError(f"tuned-config table {str(path)!r}: format {data['format']} is {OLD_FORMATS[data['format']]}; "
+                         f"this version reads format {FORMAT_VERSION}: delete the file and re-run `rtcompile tune`")
+    if not isinstance(data, dict) or data.get("format") != FORMAT_VERSION or not isinstance(data.get("entries"), list):
+        raise ValueError(f"tuned-config table {str(path)!r}: not a format-{FORMAT_VERSION} table; "
+                         "delete it or re-run `rtcompile tune`")
+    mine, others = [], []
+    for i, e in enumerate(data["entries"]):
+        (others if other_version(e) else mine).append((i, e))
+    return _valid_entries(path, mine), [e for _, e in others]
 
 
 # what an entry must hold to serve a call (match_fields' keys and the shape bucket); "seconds"
@@ -144,10 +146,10 @@ def other_version(entry: Any) -> bool:
     return isinstance(entry, dict) and isinstance(entry.get("package"), str) and entry["package"] != __version__
 
 
-def _valid_entries(path: Path, entries: list) -> list[dict[str, Any]]:
-    """This version's ``entries`` less the malformed ones, with one warning naming the first and
-    the count (other versions' are left out unjudged: :func:`other_version`)."""
-    problems = [(e, entry_problem(e, f"entries[{i}]")) for i, e in enumerate(entries) if not other_version(e)]
+def _valid_entries(path: Path, entries: list[tuple[int, Any]]) -> list[dict[str, Any]]:
+    """This version's ``entries`` (with their index in the file) less the malformed ones, with
+    one warning naming the first and the count."""
+    problems = [(e, entry_problem(e, f"entries[{i}]")) for i, e in entries]
     bad = [why for _, why in problems if why is not None]
     if bad:
         more = f" ({len(bad)} malformed entries in all)" if len(bad) > 1 else ""

@@ -318,7 +318,7 @@ def table_problem(path: Path | None = None) -> str | None:
     """Why the tuned-config table cannot be read (None: readable, or absent)."""
     path = Path(path) if path is not None else tuned.table_path()
     try:
-        tuned.reload(path)
+        tuned.read_table(path)
     except ValueError as exc:
         return str(exc).split(";")[0]
     return None
@@ -365,12 +365,10 @@ def write_tuned(entries: list[dict[str, Any]], path: Path | None = None, *, rebu
     lucky or since-refused measurement could not be retuned away)."""
     path = Path(path) if path is not None else tuned.table_path()
     with file_lock(path.with_name(path.name + ".lock")):
-        others = []
         try:
-            old = tuned.reload(path) if path.exists() else []
-            others = tuned.other_versions()
+            old, others = tuned.read_table(path)
         except ValueError:
-            old = store_entries(rebuild_from) if rebuild_from is not None else []
+            old, others = (store_entries(rebuild_from) if rebuild_from is not None else []), []
         merged = others + _merge(_merge([], old), entries, replace)
         atomic_write(path, json.dumps({"format": tuned.FORMAT_VERSION, "entries": merged}, indent=1))
     tuned.reload(path)
@@ -382,7 +380,7 @@ def has_entry(entry: dict[str, Any], path: Path | None = None) -> bool:
     replace (:func:`_merge`: a faster one)?"""
     path = Path(path) if path is not None else tuned.table_path()
     try:
-        table = tuned.reload(path) if path.exists() else []
+        table, _ = tuned.read_table(path)
     except ValueError:
         return False
     return any(_key(e) == _key(entry) and (e.get("variant") == entry["variant"] or not _faster(entry, e))
