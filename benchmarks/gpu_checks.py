@@ -3,6 +3,7 @@
     python benchmarks/gpu_checks.py regret --out DIR     # every alternative measured at 18 points
     python benchmarks/gpu_checks.py bundle --out DIR     # a bundle on the GPU vs ONNX Runtime (CPU)
     python benchmarks/gpu_checks.py first_call --out DIR # load + first calls, with / without compiled kernels
+    python benchmarks/gpu_checks.py rowgate --out DIR    # the tuner's per-row gate on the proposals' outputs
 
 ``regret``: for each example spec and each (phase, shape) point, the plan's decision is compared
 with a measurement of every alternative the planner considered (median of CUDA-event repeats on
@@ -20,6 +21,12 @@ steps fed the same tokens (ONNX Runtime's greedy choice) on both sides.
 ``first_call``: a fresh process (empty Triton cache) loads the example bundle and runs its first
 prefill (T 1024) and two decode steps; once with the compiled kernels export collected on this
 machine, once from the same bundle exported without them.
+
+``rowgate``: every chunk proposal of the defaults table (``forms.candidates``) at four shapes,
+bf16 and fp32, against the float64 token loop: the global relative RMS error and the worst token
+row's (``objective.worst_row``), each beside the tuner's gate (``TOLERANCE``, ``ROW_TOLERANCE``).
+The row tolerance (5x the global) was set from interpreter runs: a correct kernel must clear it
+on the GPU too, or the tuner rejects it.
 
 ``--quick`` runs tiny shapes (with ``TRITON_INTERPRET=1`` on a CPU machine): the tests use it
 so the script cannot rot; its numbers mean nothing. Each subcommand writes ``DIR/<name>.json``
@@ -313,6 +320,50 @@ def first_call(args) -> dict:
     return {"summary": summary}
 
 
+ROWGATE_SHAPES = [(64,), (8, 8), (16, 16), (32, 32)]
+
+
+def _config_label(d: dict) -> str:
+    """A proposal named by the fields that tell the defaults table's rows apart."""
+    extra = [f"{d[k]}" for k in ("loop", "solve") if k in d] + (["materialised"] if d.get("materialise") else [])
+    return f"{d['form']} C{d['chunk_size']} {' '.join(extra)}".strip()
+
+
+def rowgate(args) -> dict:
+    from rtcompile.kernels.config import KernelShape
+    from rtcompile.kernels.forms import candidates
+    from rtcompile.kernels.reference import running_tensor_recurrent_ref
+    from rtcompile.tuning.objective import ROW_TOLERANCE, TOLERANCE, rel_rms, worst_row
+
+    device = _device()
+    B, T, H, V = (2, 40, 2, 8) if args.quick else (2, 2048, 8, 64)
+    shapes = [(2, 4), (4,)] if args.quick else ROWGATE_SHAPES
+    rows = []
+    for widths in shapes:
+        for dtype in ("bfloat16", "float32"):
+            q, k, v, g, beta, gen = random_inputs(B, T, H, widths, V, dtype, device, seed=7)
+            up = lambda x: x.detach().double()
+            ref, _ = running_tensor_recurrent_ref([up(x) for x in q], [up(x) for x in k], up(v), up(g), up(beta),
+                                                  l2norm=True)
+            shape = KernelShape(tuple(widths), V, 2 if dtype == "bfloat16" else 4)
+            for cfg in candidates("chunk", shape):
+                o, _ = running_tensor_fwd(q, k, v, g, beta, l2norm=True, mode="chunk", variant=cfg)
+                glob, (row, (b, t)) = rel_rms(o, ref), worst_row(o, ref)
+                rows.append({"widths": "x".join(map(str, widths)), "dtype": dtype, "config": _config_label(cfg.to_dict()),
+                             "variant": cfg.to_dict(), "global": glob, "worst_row": row, "at": [b, t],
+                             "row_over_global": row / glob if glob > 0 else None,
+                             "passes": glob <= TOLERANCE[dtype] and row <= ROW_TOLERANCE[dtype]})
+                r = rows[-1]  # as it goes: a run cut short still shows its rows
+                print(f"rowgate {r['widths']} {dtype} {r['config']}: global {glob:.2e} row {row:.2e} "
+                      f"passes {r['passes']}", file=sys.stderr, flush=True)
+    ratios = [r["row_over_global"] for r in rows if r["row_over_global"] is not None]
+    summary = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
+               "B": B, "T": T, "H": H, "V": V, "configs": len(rows), "rejected": sum(not r["passes"] for r in rows),
+               "row_over_global_max": max(ratios) if ratios else None,
+               "row_margin_min": min(ROW_TOLERANCE[r["dtype"]] / r["worst_row"] for r in rows if r["worst_row"] > 0)}
+    return {"rows": rows, "summary": summary}
+
+
 def _table(name: str, data: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -327,19 +378,26 @@ def _table(name: str, data: dict) -> None:
             reg = f"{r['regret'] * 100:.1f}%" if r["regret"] is not None else "-"
             t.add_row(r["spec"], r["phase"], str(r["batch"]), str(r["seq_len"]), r["chosen_label"], str(r["best_label"]),
                       reg, alts)
+    if name == "rowgate":
+        for c in ("widths", "dtype", "config", "global", "worst row", "row / global", "at (b, t)", "passes"):
+            t.add_column(c)
+        for r in data["rows"]:
+            ratio = "-" if r["row_over_global"] is None else f"{r['row_over_global']:.2f}"
+            t.add_row(r["widths"], r["dtype"], r["config"], f"{r['global']:.2e}", f"{r['worst_row']:.2e}", ratio,
+                      str(tuple(r["at"])), "yes" if r["passes"] else "NO")
     Console(width=200).print(t)
     print(json.dumps(data["summary"], indent=1))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("check", choices=["regret", "bundle", "first_call"])
+    ap.add_argument("check", choices=["regret", "bundle", "first_call", "rowgate"])
     ap.add_argument("--out", required=True, help="directory for <check>.json (and the bundle)")
     ap.add_argument("--target", help="target profile (default: auto on a GPU, h200 on the CPU)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, for the CPU tests")
     args = ap.parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    data = {"regret": regret, "bundle": bundle, "first_call": first_call}[args.check](args)
+    data = {"regret": regret, "bundle": bundle, "first_call": first_call, "rowgate": rowgate}[args.check](args)
     path = Path(args.out) / f"{args.check}.json"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1, default=str))

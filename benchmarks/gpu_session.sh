@@ -1,6 +1,6 @@
 # The measurements of one GPU session, in steps that each fit one 10-minute device call.
 #
-#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train (= traintests traintime) | recalltests | recallcompile | tunetrain | trainfla | trainexp | sweep | bench | tunedecode | tunelarge | model | modelbf16 | serving | tpe | gluonc64 | splitoutput | onnxcpu | profiletrain | profileprefill | profiledecode | checks | recall
+#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train (= traintests traintime) | recalltests | recallcompile | tunetrain | trainfla | trainexp | sweep | bench | tunedecode | tunelarge | model | modelbf16 | serving | tpe | gluonc64 | splitoutput | rowgate | onnxcpu | profiletrain | profileprefill | profiledecode | checks | recall
 #
 # Run from the project root on the device machine after installing the carried wheels (see
 # benchmarks/README.md). Everything lands under $OUT. Each step writes as it goes, so a call cut
@@ -162,6 +162,11 @@ step_splitoutput() {  # which split output tiles are wrong at chunks of 64 (~3-4
   cat "$OUT/split_output.txt"
 }
 
+step_rowgate() {  # the tuner's per-row gate (ROW_TOLERANCE, 5x the global, set on the CPU) on every
+  # chunk proposal at B2 T2048 H8, bf16 and fp32, against the float64 loop (~1-2 min with compiles)
+  python3 benchmarks/gpu_checks.py rowgate --out "$OUT/checks"
+}
+
 step_bench() {  # decode first (~60 s), so the prefill phase cannot starve it of budget
   python3 -m rtcompile.cli bench --out "$OUT/bench_decode" --phase decode --budget-s 60
   python3 -m rtcompile.cli bench --out "$OUT/bench_prefill" --phase prefill --budget-s 460
@@ -246,6 +251,6 @@ step_recalltests() {  # one call's worth: the recall comparison (its trainings l
 }
 
 for s in "$@"; do
-  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, traintests, traintime, recalltests, recallcompile, tunetrain, trainfla, trainexp, sweep, bench, tunedecode, tunelarge, model, modelbf16, serving, tpe, gluonc64, splitoutput, onnxcpu, profiletrain, profileprefill, profiledecode, checks, recall)" >&2; exit 2; }
+  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, traintests, traintime, recalltests, recallcompile, tunetrain, trainfla, trainexp, sweep, bench, tunedecode, tunelarge, model, modelbf16, serving, tpe, gluonc64, splitoutput, rowgate, onnxcpu, profiletrain, profileprefill, profiledecode, checks, recall)" >&2; exit 2; }
   "step_$s"
 done

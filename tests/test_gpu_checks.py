@@ -55,3 +55,14 @@ def test_train_step_set_changes_the_config_the_launcher_resolves(monkeypatch):
     cfg = chunk_backward.resolve_backward(KernelShape((16, 16), 64, 2), None, None, torch.device("cpu"))
     assert (cfg.chunk_size, cfg.grads_warps, cfg.grads_stages, cfg.prepare_warps) == (64, 8, 1, 4)
     assert label.startswith("rtcompile[chunk_size=64,")
+
+
+def test_rowgate_checks_every_proposal_against_the_float64_loop(tmp_path):
+    """The per-row gate's GPU check at tiny shapes: every proposal is run, correct (the
+    interpreter runs the kernels right), and its worst row sits within the row tolerance."""
+    assert gpu_checks.main(["rowgate", "--quick", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "rowgate.json").read_text())
+    rows, summary = data["rows"], data["summary"]
+    assert summary["configs"] == len(rows) >= 4 and {r["dtype"] for r in rows} == {"bfloat16", "float32"}
+    assert summary["rejected"] == 0 and all(r["passes"] for r in rows), rows
+    assert all(r["worst_row"] >= r["global"] > 0 for r in rows)  # the worst row is at least the mean
