@@ -338,7 +338,11 @@ def rowgate(args) -> dict:
     device = _device()
     B, T, H, V = (2, 40, 2, 8) if args.quick else (2, 2048, 8, 64)
     shapes = [(2, 4), (4,)] if args.quick else ROWGATE_SHAPES
-    rows = []
+    if args.widths:
+        shapes = [tuple(int(w) for w in part.split("x")) for part in args.widths.split(",")]
+    rows, start = [], time.perf_counter()
+    # a row a line as it goes, flushed: a device call cut at its time limit keeps the rows it ran
+    partial = open(Path(args.out) / "rowgate.partial.jsonl", "w", encoding="utf-8")
     for widths in shapes:
         for dtype in ("bfloat16", "float32"):
             q, k, v, g, beta, gen = random_inputs(B, T, H, widths, V, dtype, device, seed=7)
@@ -353,9 +357,12 @@ def rowgate(args) -> dict:
                              "variant": cfg.to_dict(), "global": glob, "worst_row": row, "at": [b, t],
                              "row_over_global": row / glob if glob > 0 else None,
                              "passes": glob <= TOLERANCE[dtype] and row <= ROW_TOLERANCE[dtype]})
-                r = rows[-1]  # as it goes: a run cut short still shows its rows
-                print(f"rowgate {r['widths']} {dtype} {r['config']}: global {glob:.2e} row {row:.2e} "
-                      f"passes {r['passes']}", file=sys.stderr, flush=True)
+                r = rows[-1]
+                partial.write(json.dumps(r) + "\n")
+                partial.flush()
+                print(f"rowgate {time.perf_counter() - start:6.1f} s {r['widths']} {dtype} {r['config']}: "
+                      f"global {glob:.2e} row {row:.2e} passes {r['passes']}", file=sys.stderr, flush=True)
+    partial.close()
     ratios = [r["row_over_global"] for r in rows if r["row_over_global"] is not None]
     summary = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
                "B": B, "T": T, "H": H, "V": V, "configs": len(rows), "rejected": sum(not r["passes"] for r in rows),
@@ -395,6 +402,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="directory for <check>.json (and the bundle)")
     ap.add_argument("--target", help="target profile (default: auto on a GPU, h200 on the CPU)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, for the CPU tests")
+    ap.add_argument("--widths", help="rowgate: key widths to check, e.g. 64,16x16 (default: 64,8x8,16x16,32x32)")
     args = ap.parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     data = {"regret": regret, "bundle": bundle, "first_call": first_call, "rowgate": rowgate}[args.check](args)
