@@ -1,6 +1,6 @@
 # The measurements of one GPU session, in steps that each fit one 10-minute device call.
 #
-#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train (= traintests traintime) | recalltests | recallcompile | tunetrain | trainfla | trainexp | sweep | bench | tunedecode | tunelarge | model | modelbf16 | serving | tpe | gluonc64 | splitoutput | rowgate | onnxcpu | profiletrain | profileprefill | profiledecode | checks | recall
+#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train (= traintests traintime) | recalltests | recallcompile | tunetrain | trainfla | trainexp | sweep | bench | tunedecode | tunelarge | model | modelbf16 | serving | tpe | splitoutput | rowgate | onnxcpu | profiletrain | profileprefill | profiledecode | checks | recall
 #
 # Run from the project root on the device machine after installing the carried wheels (see
 # benchmarks/README.md). Everything lands under $OUT. Each step writes as it goes, so a call cut
@@ -149,16 +149,10 @@ step_onnxcpu() {  # the ONNX graphs' mixer bodies (chunk-parallel prefill, one-t
   python3 benchmarks/onnx_cpu.py --batch 8 --seq-len 512 2>&1 | grep -v Warning | tail -n 2 | tee -a "$OUT/onnx_cpu.txt"
 }
 
-step_gluonc64() {  # why the Gluon loop at chunks of 64 gave wrong outputs at K 128 (refused since
-  # 2026-12-04): diagnose_gluon_c64.py lifts the refusal in its own process and prints where the
-  # outputs or states go wrong, beside the Triton loop at C 64 (~1-2 min with compiles)
-  timeout -s INT "${DIAG_S:-300}" python3 benchmarks/diagnose_gluon_c64.py --sanitize > "$OUT/gluon_c64.txt" 2>&1 || true
-  tail -n 30 "$OUT/gluon_c64.txt"
-}
-
-step_splitoutput() {  # which split output tiles are wrong at chunks of 64 (~3-4 min, 56 cases in
-  # processes of their own, eight at once): SplitConfig.check refuses fewer than 64 columns at K >= 32
-  timeout -s INT "${SPLITOUT_S:-330}" python3 benchmarks/diagnose_split_output.py --jobs 8 > "$OUT/split_output.txt" 2>&1 || true
+step_splitoutput() {  # which split output tiles are wrong at chunks of 64, behind the Triton and Gluon
+  # loops (~4-5 min, 80 cases in processes of their own, eight at once; the first failure again
+  # under compute-sanitizer): SplitConfig.check refuses fewer than 64 columns on one key axis at K >= 32
+  timeout -s INT "${SPLITOUT_S:-400}" python3 benchmarks/diagnose_split_output.py --jobs 8 --sanitize > "$OUT/split_output.txt" 2>&1 || true
   cat "$OUT/split_output.txt"
 }
 
@@ -251,6 +245,6 @@ step_recalltests() {  # one call's worth: the recall comparison (its trainings l
 }
 
 for s in "$@"; do
-  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, traintests, traintime, recalltests, recallcompile, tunetrain, trainfla, trainexp, sweep, bench, tunedecode, tunelarge, model, modelbf16, serving, tpe, gluonc64, splitoutput, rowgate, onnxcpu, profiletrain, profileprefill, profiledecode, checks, recall)" >&2; exit 2; }
+  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, traintests, traintime, recalltests, recallcompile, tunetrain, trainfla, trainexp, sweep, bench, tunedecode, tunelarge, model, modelbf16, serving, tpe, splitoutput, rowgate, onnxcpu, profiletrain, profileprefill, profiledecode, checks, recall)" >&2; exit 2; }
   "step_$s"
 done

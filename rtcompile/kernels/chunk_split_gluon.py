@@ -76,8 +76,9 @@ def config_refusal(cfg, shape) -> str | None:
                 f"got block_v={cfg.block_v}, num_warps={cfg.num_warps}")
     if shape.value_width % GLUON_BV:
         return f"loop='gluon' needs d_v a multiple of {GLUON_BV}, got {shape.value_width}; allowed: loop='triton'"
-    # chunk_size 64: wrong outputs at K = 128 (o3 16x8 materialised, T 130, H200, 2026-12-04; not
-    # found) and spills at K = 256 (384 B, 0.50 ms against 0.38 at C 32): refused until understood
+    # chunk_size 64: the wrong outputs at K = 128 (H200, 2026-12-04) were the output kernel's
+    # 16-column tiles, not this loop's (H100, 2026-12-05; SplitConfig.check refuses them now); still
+    # refused for the spills at K = 256 (384 B, 0.50 ms against 0.38 at C 32), not re-timed since
     if shape.key_dim not in (64, 128, 256) or cfg.chunk_size not in (16, 32):
         return (f"loop='gluon' takes K in 64, 128, 256 and chunk_size in 16, 32, got K={shape.key_dim}, "
                 f"chunk_size={cfg.chunk_size}")
