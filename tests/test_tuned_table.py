@@ -183,3 +183,18 @@ def test_another_versions_entries_are_kept_by_a_rewrite_and_never_judged():
         write_tuned([_entry(variant=ResidentConfig(16, 16).to_dict())], path)
     kept = json.loads(path.read_text())["entries"]
     assert other in kept and odd in kept and len(kept) == 3
+
+
+def test_every_kernel_source_is_hashed_into_the_entries_it_serves():
+    """A tuned entry is valid for the code it was measured on (``source_hash``): every kernels
+    module that defines a Triton or Gluon kernel is hashed into some kernel's entries, and the
+    split form's Gluon loop into the chunk kernel's. Before, chunk_split_gluon.py was in none,
+    so a changed Gluon loop kept serving entries measured on the old one."""
+    import re
+    from pathlib import Path
+
+    here = Path(tuned.__file__).parent
+    jit = {p.name for p in here.glob("*.py") if re.search(r"@(triton|gluon)\.jit", p.read_text(encoding="utf-8"))}
+    hashed = {name for names in tuned._SOURCES.values() for name in names}
+    assert jit and jit <= hashed, f"kernel sources no entry's hash covers: {sorted(jit - hashed)}"
+    assert "chunk_split_gluon.py" in tuned._SOURCES["chunk"]

@@ -31,8 +31,10 @@ FORMAT_VERSION = 2
 # earlier formats, named in the refusal (their entries hold configs this version cannot read)
 OLD_FORMATS = {1: "rtcompile 0.1's (ChunkVariant / RecurrentVariant entries without a 'form' tag)"}
 _SOURCES = {
+    # chunk_split_gluon.py: the split form's sm_90 state loop (loop="gluon"), missing until
+    # 2026-12-05, so a tuned entry outlived a change of that loop
     "chunk": ("chunk_prepare.py", "chunk_resident.py", "chunk_streamed.py", "chunk_fused.py", "chunk_split.py",
-              "blocks.py"),
+              "chunk_split_gluon.py", "blocks.py"),
     "recurrent": ("recurrent.py", "blocks.py"),
     # the backward runs the split (or streamed) form's prepare kernel and state loop for its recompute
     "chunk_bwd": ("chunk_backward.py", "chunk_backward_state.py", "chunk_backward_grads.py", "chunk_backward_factors.py",
