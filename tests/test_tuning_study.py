@@ -220,37 +220,77 @@ def test_a_stop_handled_in_process_restores_the_handlers_and_the_pool_log_level(
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+class _StopsInItsFinalizer:
+    def __del__(self):
+        import os
+        import signal
+
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):  # the handler runs here, between bytecodes, inside __del__
+            pass
+
+
+def _swallow_a_stop() -> None:
+    """SIGTERM to this process inside a finalizer: Python reports the handler's
+    KeyboardInterrupt as unraisable and goes on (the stop is lost but for stop_on_signal's flag)."""
+    import gc
+
+    _StopsInItsFinalizer()  # dropped at once: its __del__ runs
+    gc.collect()
+
+
 def test_a_stop_swallowed_by_a_finalizer_still_stops_quietly(capfd):
     """SIGTERM landing inside a finalizer: Python swallows the handler's KeyboardInterrupt
     ("Exception ignored in ...", CI on 2026-12-05 inside SQLAlchemy's ``InstanceState._cleanup``)
     and the coordinator tuned on past the stop. ``raise_if_stopped`` (every waiting loop's poll)
     raises it again, leaving the block raises it too, and the swallowed one prints nothing."""
-    import gc
-    import os
-    import signal
-
     from rtcompile.tuning.processes import raise_if_stopped, stop_on_signal
-
-    class StopsInItsFinalizer:
-        def __del__(self):
-            os.kill(os.getpid(), signal.SIGTERM)
-            for _ in range(1000):  # the handler runs here, between bytecodes, inside __del__
-                pass
-
-    def swallow():
-        StopsInItsFinalizer()  # dropped at once: its __del__ runs, and the interrupt is lost
-        gc.collect()
 
     with stop_on_signal():
         raise_if_stopped()  # no stop yet: nothing raised
     for leave_by in ("poll", "block end"):
         with pytest.raises(KeyboardInterrupt, match="SIGTERM"), stop_on_signal():
-            swallow()  # without the flag the block would end normally here
+            _swallow_a_stop()  # without the flag the block would end normally here
             if leave_by == "poll":
                 raise_if_stopped()
         with stop_on_signal():  # a new block starts unstopped
             raise_if_stopped()
     assert "Exception ignored" not in capfd.readouterr().err
+
+
+def test_workers_ended_by_a_swallowed_stop_end_the_wait_as_a_stop():
+    """Ctrl-C to the process group: the workers exit 130, and the coordinator's own interrupt
+    was swallowed by a finalizer. The wait ends in KeyboardInterrupt (the CLI's one line), not
+    in "tuning workers exited with [130]" (a RuntimeError traceback)."""
+    import subprocess
+
+    from rtcompile.tuning.processes import stop_on_signal
+
+    worker = subprocess.Popen(["sh", "-c", "exit 130"])
+    worker.wait()
+    with pytest.raises(KeyboardInterrupt), stop_on_signal():
+        _swallow_a_stop()
+        study_mod._wait_workers(None, None, "sqlite://", "n", None, None, [worker], lambda: None)
+
+
+def test_other_unraisable_exceptions_reach_the_hook_that_was_set(monkeypatch):
+    """Inside ``stop_on_signal`` only a stop's swallowed KeyboardInterrupt is silenced: any
+    other finalizer error still reaches the hook installed before (an app's, pytest's)."""
+    import sys
+
+    from rtcompile.tuning.processes import stop_on_signal
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(u.exc_type))
+
+    class FailsInItsFinalizer:
+        def __del__(self):
+            raise ValueError("finalizer")
+
+    with stop_on_signal():
+        FailsInItsFinalizer()
+    assert seen == [ValueError] and sys.unraisablehook is not None
+    assert sys.unraisablehook.__name__ == "<lambda>"  # restored on leaving
 
 
 def test_a_stop_while_workers_start_ends_those_already_started(monkeypatch):

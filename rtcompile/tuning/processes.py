@@ -91,10 +91,15 @@ def raise_if_stopped() -> None:
     The handler's own KeyboardInterrupt is lost when the signal lands inside a finalizer
     (SQLAlchemy's ``InstanceState._cleanup`` in CI, 2026-12-05: "Exception ignored in", and the
     coordinator then tuned on for the rest of its budget, past the test's 30 s). Every loop
-    that waits on the tune's processes calls this, so a stop ends the tune within one poll
-    (STOP_POLL_S) however the first raise fared."""
+    that waits on the tune's processes calls this each pass (STOP_POLL_S in the workers' wait,
+    STALE_POLL_S in the wait for other hosts' trials), and again before it judges how its
+    workers ended, so a stop ends the tune as a stop however the first raise fared."""
     if _stopping is not None:
         raise KeyboardInterrupt(_stopping)
+
+
+# the unraisable hook stop_on_signal replaced, which gets every other unraisable exception
+_outer_hook = sys.__unraisablehook__
 
 
 def _quiet_unraisable(unraisable) -> None:
@@ -102,7 +107,7 @@ def _quiet_unraisable(unraisable) -> None:
     # its traceback: noise once stopping (raise_if_stopped raises it again); others as before
     if _stopping is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
         return
-    sys.__unraisablehook__(unraisable)
+    _outer_hook(unraisable)
 
 
 def _interrupt(signum, frame) -> None:
@@ -134,21 +139,29 @@ def stop_on_signal() -> Iterator[None]:
     them). For the tune coordinator and workers; the previous handlers are restored after
     (``rtcompile.cli.main`` may run in a process that lives on), and off the main thread,
     where no handler can be set, it does nothing. A stop whose raise a finalizer swallowed is
-    raised again by the next :func:`raise_if_stopped`, or on leaving the block."""
+    raised again by the next :func:`raise_if_stopped`, or on leaving the block. Not nested (the
+    tune command and a worker each hold one): an inner block would clear an outer one's stop."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    global _stopping
+    global _stopping, _outer_hook
     _stopping = None
-    previous = {sig: signal.signal(sig, _interrupt) for sig in _STOPS}
     pool_level = logging.getLogger("sqlalchemy.pool").level  # _interrupt silences it
-    hook, sys.unraisablehook = sys.unraisablehook, _quiet_unraisable
+    _outer_hook, sys.unraisablehook = sys.unraisablehook, _quiet_unraisable
+    previous = {sig: signal.signal(sig, _interrupt) for sig in _STOPS}
     try:
         yield
         raise_if_stopped()  # a stop swallowed after the last poll still ends the caller as stopped
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        logging.getLogger("sqlalchemy.pool").setLevel(pool_level)
-        sys.unraisablehook = hook
-        _stopping = None
+        # the stops held off while the clean-up runs (a signal landing in it would raise out of
+        # it, leaving this module's state behind in a process that lives on: rtcompile.cli.main);
+        # one that came meanwhile is delivered after, to the handler restored
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
+        try:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            sys.unraisablehook, _outer_hook = _outer_hook, sys.__unraisablehook__
+            _stopping = None
+            logging.getLogger("sqlalchemy.pool").setLevel(pool_level)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)

@@ -449,6 +449,7 @@ def _wait_workers(study, storage, url: str | None, name: str, opts: TuneOptions,
             mark_stale(study, storage, opts.trial_timeout)
             last = time.monotonic()
         time.sleep(STOP_POLL_S)
+    raise_if_stopped()  # workers stopped by the same Ctrl-C exit 130: a stop, not their failure
     report()
     bad = [p.returncode for p in procs if p.returncode != 0]
     if bad and not study_exists(url, name):
@@ -465,6 +466,7 @@ def _wait_workers(study, storage, url: str | None, name: str, opts: TuneOptions,
         if study.get_trials(deepcopy=False, states=(state.WAITING,)):
             break
         time.sleep(STALE_POLL_S)
+    raise_if_stopped()
     return bool(study.get_trials(deepcopy=False, states=(state.WAITING,)))
 
 
