@@ -63,6 +63,7 @@ def test_a_malformed_entry_is_skipped_with_a_warning_naming_it(index, field):
     assert table == [entries[-1]]
     (w,) = caught
     assert f"entries[0]{field}" in str(w.message) and str(tuned.table_path()) in str(w.message), str(w.message)
+    assert w.filename == __file__  # the warning points at the reload's caller, not into tuned.py
     assert tuned.lookup("chunk", WIDTHS, V, H, "float32", "cpu-interpreter", 1, 32) == entries[-1]["variant"]
 
 

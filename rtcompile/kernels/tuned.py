@@ -74,15 +74,17 @@ def reload(path: str | os.PathLike | None = None) -> list[dict[str, Any]]:
     this version. A missing file is an empty table, a malformed one an error."""
     global _table, _generation
     _generation += 1
-    _table, _ = read_table(Path(path) if path is not None else table_path())
+    _table, _ = read_table(Path(path) if path is not None else table_path(), stacklevel=3)
     return _table
 
 
-def read_table(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def read_table(path: Path, stacklevel: int = 2) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(this version's valid entries, other versions' entries as they were) of the table at
     ``path``; reads nothing into the module. The table is shared by every installed version:
     the second list is what a rewrite keeps unjudged (``store.write_tuned``). A missing file is
-    empty; one that is not a format-FORMAT_VERSION table raises ValueError naming it."""
+    empty; one that is not a format-FORMAT_VERSION table raises ValueError naming it. A
+    malformed entry of this version is skipped with one warning, attributed ``stacklevel``
+    frames up as ``warnings.warn`` counts from here (2: the caller)."""
     if not path.exists():
         return [], []
     try:
@@ -99,7 +101,7 @@ def read_table(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     mine, others = [], []
     for i, e in enumerate(data["entries"]):
         (others if other_version(e) else mine).append((i, e))
-    return _valid_entries(path, mine), [e for _, e in others]
+    return _valid_entries(path, mine, stacklevel + 1), [e for _, e in others]
 
 
 # what an entry must hold to serve a call (match_fields' keys and the shape bucket); "seconds"
@@ -148,7 +150,7 @@ def other_version(entry: Any) -> bool:
     return isinstance(entry, dict) and isinstance(entry.get("package"), str) and entry["package"] != __version__
 
 
-def _valid_entries(path: Path, entries: list[tuple[int, Any]]) -> list[dict[str, Any]]:
+def _valid_entries(path: Path, entries: list[tuple[int, Any]], stacklevel: int) -> list[dict[str, Any]]:
     """This version's ``entries`` (with their index in the file) less the malformed ones, with
     one warning naming the first and the count."""
     problems = [(e, entry_problem(e, f"entries[{i}]")) for i, e in entries]
@@ -156,7 +158,7 @@ def _valid_entries(path: Path, entries: list[tuple[int, Any]]) -> list[dict[str,
     if bad:
         more = f" ({len(bad)} malformed entries in all)" if len(bad) > 1 else ""
         warnings.warn(f"tuned-config table {str(path)!r}: {bad[0]}; that entry is skipped{more}: fix or delete it "
-                      "(a table rewrite by `rtcompile tune` drops it)", RuntimeWarning, stacklevel=3)
+                      "(a table rewrite by `rtcompile tune` drops it)", RuntimeWarning, stacklevel=stacklevel)
     return [e for e, why in problems if why is None]
 
 
