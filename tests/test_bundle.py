@@ -72,6 +72,23 @@ def test_load_holds_about_two_copies_of_the_weights_at_its_peak(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
 
 
+def test_load_builds_the_model_on_the_default_device_and_dtype(bundle):
+    """Built on the meta device and then given the file's tensors, the model still lands where
+    the caller's default device and dtype say (``with torch.device("cuda"): rtcompile.load(p)``),
+    as when it was built there and copied into. The meta device stands in for a GPU here."""
+    model, path, _ = bundle
+    with torch.device("meta"):
+        assert {p.device.type for p in rtcompile.load(path).parameters()} == {"meta"}
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        loaded = rtcompile.load(path)
+    finally:
+        torch.set_default_dtype(before)
+    assert {p.dtype for p in loaded.parameters()} == {torch.float64}
+    assert all(torch.equal(a.double(), b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
+
+
 def _edit_manifest(path: Path, fn):
     m = json.loads((path / "manifest.json").read_text())
     fn(m)
