@@ -23,8 +23,9 @@ prefill (T 1024) and two decode steps; once with the compiled kernels export col
 machine, once from the same bundle exported without them.
 
 ``rowgate``: every chunk proposal of the defaults table (``forms.candidates``) at four shapes,
-bf16 and fp32, against the float64 token loop: the global relative RMS error and the worst token
-row's (``objective.worst_row``), each beside the tuner's gate (``TOLERANCE``, ``ROW_TOLERANCE``).
+bf16 and fp32, run as the tuner's gate runs it (NaN-poisoned, a CUDA-graph replay on a GPU),
+against the float64 token loop: the global relative RMS error and the worst token row's
+(``objective.worst_row``), each beside the gate's tolerances (``TOLERANCE``, ``ROW_TOLERANCE``).
 The row tolerance (5x the global) was set from interpreter runs: a correct kernel must clear it
 on the GPU too, or the tuner rejects it.
 
@@ -330,13 +331,16 @@ def _config_label(d: dict) -> str:
 
 
 def rowgate(args) -> dict:
+    from rtcompile.kernels.args import poisoned
     from rtcompile.kernels.config import KernelShape
     from rtcompile.kernels.forms import candidates
-    from rtcompile.kernels.reference import running_tensor_recurrent_ref
+    from rtcompile.timing import as_replayed
+    from rtcompile.tuning import objective
+    from rtcompile.tuning.keys import Bucket
     from rtcompile.tuning.objective import ROW_TOLERANCE, TOLERANCE, rel_rms, worst_row
 
     device = _device()
-    B, T, H, V = (2, 40, 2, 8) if args.quick else (2, 2048, 8, 64)
+    B, T, H, V = (2, 32, 2, 8) if args.quick else (2, 2048, 8, 64)
     shapes = [(2, 4), (4,)] if args.quick else ROWGATE_SHAPES
     if args.widths:
         shapes = [tuple(int(w) for w in part.split("x")) for part in args.widths.split(",")]
@@ -345,13 +349,15 @@ def rowgate(args) -> dict:
     partial = open(Path(args.out) / "rowgate.partial.jsonl", "w", encoding="utf-8")
     for widths in shapes:
         for dtype in ("bfloat16", "float32"):
-            q, k, v, g, beta, gen = random_inputs(B, T, H, widths, V, dtype, device, seed=7)
-            up = lambda x: x.detach().double()
-            ref, _ = running_tensor_recurrent_ref([up(x) for x in q], [up(x) for x in k], up(v), up(g), up(beta),
-                                                  l2norm=True)
+            bucket = Bucket("chunk", widths, V, H, B, T, dtype)
+            inp = objective.make_inputs(bucket, device, seed=7)
+            ref = objective.reference(bucket, inp)["o"]
             shape = KernelShape(tuple(widths), V, 2 if dtype == "bfloat16" else 4)
             for cfg in candidates("chunk", shape):
-                o, _ = running_tensor_fwd(q, k, v, g, beta, l2norm=True, mode="chunk", variant=cfg)
+                # as the tuner's gate runs it (objective.evaluate): NaN-poisoned outputs and
+                # workspaces, and on a GPU a CUDA-graph replay, where the pipelined parts run
+                with poisoned():
+                    o, _ = as_replayed(lambda: objective.run_kernel(bucket, cfg, inp), device)
                 glob, (row, (b, t)) = rel_rms(o, ref), worst_row(o, ref)
                 rows.append({"widths": "x".join(map(str, widths)), "dtype": dtype, "config": _config_label(cfg.to_dict()),
                              "variant": cfg.to_dict(), "global": glob, "worst_row": row, "at": [b, t],
@@ -367,7 +373,8 @@ def rowgate(args) -> dict:
     summary = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
                "B": B, "T": T, "H": H, "V": V, "configs": len(rows), "rejected": sum(not r["passes"] for r in rows),
                "row_over_global_max": max(ratios) if ratios else None,
-               "row_margin_min": min(ROW_TOLERANCE[r["dtype"]] / r["worst_row"] for r in rows if r["worst_row"] > 0)}
+               "row_margin_min": min((ROW_TOLERANCE[r["dtype"]] / r["worst_row"] for r in rows if r["worst_row"] > 0),
+                                     default=None)}
     return {"rows": rows, "summary": summary}
 
 

@@ -65,4 +65,22 @@ def test_rowgate_checks_every_proposal_against_the_float64_loop(tmp_path):
     rows, summary = data["rows"], data["summary"]
     assert summary["configs"] == len(rows) >= 4 and {r["dtype"] for r in rows} == {"bfloat16", "float32"}
     assert summary["rejected"] == 0 and all(r["passes"] for r in rows), rows
-    assert all(r["worst_row"] >= r["global"] > 0 for r in rows)  # the worst row is at least the mean
+    assert all(r["global"] > 0 and 0 <= r["at"][0] < summary["B"] and 0 <= r["at"][1] < summary["T"] for r in rows)
+
+
+def test_rowgate_reports_a_kernel_that_zeroes_one_token(tmp_path, monkeypatch):
+    """The numbers come from the kernel's output as the gate sees it: one token's row zeroed
+    fails every proposal, and the worst row names that token."""
+    from rtcompile.tuning import objective
+
+    run = objective.run_kernel
+
+    def zeroes_token_5(bucket, variant, inp):
+        o, s = run(bucket, variant, inp)
+        o[1, 5] = 0
+        return o, s
+
+    monkeypatch.setattr(objective, "run_kernel", zeroes_token_5)
+    assert gpu_checks.main(["rowgate", "--quick", "--widths", "4", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "rowgate.json").read_text())["rows"]
+    assert rows and all(not r["passes"] and r["at"] == [1, 5] for r in rows), rows
