@@ -167,16 +167,20 @@ def run_build(args) -> int:
     if on_gpu:
         from .target import measure
         from .tuning import Bucket, TuneOptions, tune_bucket
+        from .tuning.processes import stop_on_signal
 
         target = measure()
         report.print(f"measured {target.name}: copy {target.hbm_bytes_per_s / 1e9:.0f} GB/s, "
                      f"bf16 matmul {target.bf16_flops / 1e12:.0f} TFLOP/s")
         opts = TuneOptions(storage=args.storage, trials=args.trials, device="cuda", repeats=20)
         common = dict(key_widths=spec.key_widths, value_width=spec.value_width, heads=spec.heads, dtype=spec.input_dtype)
-        for bucket in [Bucket("chunk", batch=8, seq_len=4096, **common),
-                       Bucket("recurrent", batch=32, seq_len=1, **common), Bucket("recurrent", batch=256, seq_len=1, **common)]:
-            res = tune_bucket(bucket, opts)
-            report.print(f"tuned {bucket.label}: {'already tuned' if res.already_tuned else f'{res.trials_run} trials'}")
+        # as `rtcompile tune`: a SIGTERM stops the workers and trial processes too (Python's
+        # default ended the build at once and its workers tuned on to their deadline)
+        with stop_on_signal():
+            for bucket in [Bucket("chunk", batch=8, seq_len=4096, **common), Bucket("recurrent", batch=32, seq_len=1, **common),
+                           Bucket("recurrent", batch=256, seq_len=1, **common)]:
+                res = tune_bucket(bucket, opts)
+                report.print(f"tuned {bucket.label}: {'already tuned' if res.already_tuned else f'{res.trials_run} trials'}")
         spec, target, plan = _make(args, "auto")
     else:
         report.print(f"no CUDA GPU: planning for {target.name} with the cost model (no tuning); validating the kernels "

@@ -201,6 +201,39 @@ def test_cli_plan_and_build(tmp_path, capsys, monkeypatch):
     assert text.count("-> ok") == 3 and Plan.load(built).target["name"] == "h200"
 
 
+def test_build_tunes_under_the_stop_handler_and_a_sigterm_is_one_line(tmp_path, capsys, monkeypatch):
+    """build on a GPU tunes as `rtcompile tune` does: a SIGTERM stops it through the stop
+    handler (its workers and trial processes end with it; exit 130, one line). Before, Python's
+    default ended the build at once and its workers tuned on to their deadline. The GPU is
+    faked: the stand-in tune sends the SIGTERM only under the handler (else it fails)."""
+    import os
+    import signal
+
+    import rtcompile.plan_cmd as plan_cmd
+    import rtcompile.target
+    import rtcompile.tuning
+    from rtcompile.target import get_target
+    from rtcompile.tuning import processes
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(plan_cmd, "_on_gpu", lambda: True)
+    monkeypatch.setattr(rtcompile.target, "measure", lambda: get_target("h200"))
+
+    def tune(bucket, opts):
+        assert signal.getsignal(signal.SIGTERM) is processes._interrupt, "build tuned without the stop handler"
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):  # the handler runs between bytecodes
+            pass
+        raise AssertionError("the SIGTERM did not stop the tune")
+
+    monkeypatch.setattr(rtcompile.tuning, "tune_bucket", tune)
+    before = signal.getsignal(signal.SIGTERM)
+    spec = str(ROOT / "examples" / "order2_matrix.toml")
+    assert main(["build", spec, "--target", "h200", "--out", str(tmp_path / "p.json")]) == 130
+    assert capsys.readouterr().err.strip() == "rtcompile: interrupted"
+    assert signal.getsignal(signal.SIGTERM) is before and not (tmp_path / "p.json").exists()
+
+
 def test_cli_out_is_checked_before_any_work(tmp_path, capsys, monkeypatch):
     """plan / build --out FILE: a folder, or a folder that cannot be made, is one usage line (exit
     2) before planning, tuning or kernel checks start; a missing folder is made, as the other
