@@ -42,11 +42,11 @@ def test_round_trip_runs_the_same_model(bundle):
     assert not any(p.name.startswith(".") for p in path.parent.iterdir())  # no temporary left
 
 
-def test_load_holds_about_two_copies_of_the_weights_at_its_peak(tmp_path):
-    """The model is built on the meta device and takes the file's tensors as its parameters: the
-    peak is the verified bytes plus the tensors, not a third, randomly initialised copy as well.
-    Measured in a fresh process (Linux's VmHWM; 2.42x the weights here with the imports the load
-    makes, 3.42x before)."""
+def test_load_holds_the_weights_about_once_at_its_peak(tmp_path):
+    """The model is built on the meta device and its parameters are views of the verified
+    bytes: the peak is those bytes once, not the bytes, safetensors' copies and a randomly
+    initialised model besides. Measured in a fresh process (Linux's VmHWM): 1.41x the weights
+    here with the imports the load makes; 2.42x with safetensors' copies, 3.42x before both."""
     import subprocess
     import sys
 
@@ -67,7 +67,7 @@ def test_load_holds_about_two_copies_of_the_weights_at_its_peak(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     peak = int(out.stdout.split()[-1])
-    assert peak < 2.9 * weights, f"load's peak {peak / weights:.2f}x the weights"
+    assert peak < 1.9 * weights, f"load's peak {peak / weights:.2f}x the weights"
     loaded = rtcompile.load(path)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
 

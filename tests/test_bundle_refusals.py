@@ -393,9 +393,11 @@ def test_a_file_that_does_not_fit_in_memory_is_refused(bundle, capsys, monkeypat
 
     from rtcompile.export import verify
 
-    class Huge(io.BytesIO):
+    class Huge(io.BytesIO):  # the weights are read into a buffer (readinto), the rest by read
         def read(self, *args):
             raise MemoryError
+
+        readinto = read
 
     monkeypatch.setattr(verify, "open", lambda *a, **k: Huge(), raising=False)
     _refused(bundle, capsys, r"weights\.safetensors: its \d+ bytes do not fit in this machine's memory")

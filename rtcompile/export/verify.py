@@ -144,7 +144,9 @@ def _check_files(root: Path, files: Any) -> dict[str, bytes]:
             raise refuse(root, MANIFEST, f"files[{name!r}].bytes is {meta['bytes']}, the file has {size}")
         try:
             with open(target, "rb") as fh:
-                data[name] = fh.read(size + 1)  # one byte more: a file that grew since is seen
+                # one byte more: a file that grew since is seen. The weights into a bytearray:
+                # the loaded model's parameters are views of these verified bytes (no copy)
+                data[name] = _read_into_bytearray(fh, size + 1) if name == WEIGHTS else fh.read(size + 1)
         except OSError as exc:
             raise refuse(root, name, f"unreadable ({exc.strerror or exc})") from None
         except MemoryError:
@@ -154,6 +156,17 @@ def _check_files(root: Path, files: Any) -> dict[str, bytes]:
         if hashlib.sha256(data[name]).hexdigest() != meta["sha256"]:
             raise refuse(root, name, "does not match its sha256 in the manifest (tampered or corrupted)")
     return data
+
+
+def _read_into_bytearray(fh, limit: int) -> bytearray:
+    """Up to ``limit`` bytes of ``fh`` (fewer at its end) in one writable buffer."""
+    buf = bytearray(limit)
+    got, view = 0, memoryview(buf)
+    while got < limit and (n := fh.readinto(view[got:])):
+        got += n
+    view.release()
+    del buf[got:]
+    return buf
 
 
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
@@ -292,9 +305,9 @@ _ST_ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16"
 _ST_MAX_HEADER = 100_000_000
 
 
-def safetensors_header(data: bytes) -> dict[str, tuple[list[int], str]]:
-    """name -> (shape, dtype) of the safetensors file ``data``, read from its header and checked
-    as safetensors' loader checks it (each tensor's data of its size, together covering the
+def safetensors_header(data: bytes) -> dict[str, tuple[list[int], str, int]]:
+    """name -> (shape, dtype, offset of its data in ``data``) of the safetensors file ``data``,
+    read from its header and checked as safetensors' loader checks it (each tensor's data of its size, together covering the
     file's body exactly), so that ``safetensors.torch.load(data)`` then loads it; ValueError
     saying why not. Copies no tensor."""
     if len(data) < 8:
@@ -325,7 +338,7 @@ def safetensors_header(data: bytes) -> dict[str, tuple[list[int], str]]:
             size *= d
         if not 0 <= offsets[0] <= offsets[1] <= body or offsets[1] - offsets[0] != size:
             raise ValueError(f"tensor {name!r}: data offsets {offsets} for {size} bytes in a body of {body}")
-        got[name] = (shape, dtype)
+        got[name] = (shape, dtype, 8 + n + offsets[0])
         spans.append(offsets)
     end = 0
     for begin, stop in sorted(spans):
