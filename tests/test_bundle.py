@@ -264,3 +264,22 @@ def test_run_uses_the_graphs_it_verified_not_files_swapped_in_after(tmp_path, mo
     code = main(argv)
     out = capsys.readouterr()
     assert code == 0 and out.out == want, out.err
+
+
+@pytest.mark.parametrize("pad", [0, 1, 2, 3], ids=lambda p: f"header+{p}")
+def test_safetensors_views_are_the_tensors_and_aligned(pad):
+    """The loaded parameters are views of the verified bytes; a tensor whose data a hand-made
+    file leaves misaligned (a header of any length) is copied to an aligned one, same values."""
+    from rtcompile.export.bundle import safetensors_views
+
+    a, b = torch.randn(3, 5), torch.randn(7).to(torch.bfloat16)
+    body = a.numpy().tobytes() + b.view(torch.int16).numpy().tobytes()
+    header = json.dumps({"a": {"dtype": "F32", "shape": [3, 5], "data_offsets": [0, 60]},
+                         "b": {"dtype": "BF16", "shape": [7], "data_offsets": [60, 74]}}).encode()
+    header += b" " * ((-len(header) - 8) % 8 + pad)  # 8 + header: aligned, then off by pad bytes
+    data = bytearray(len(header).to_bytes(8, "little") + header + body)
+    got = safetensors_views(data)
+    assert torch.equal(got["a"], a) and torch.equal(got["b"], b)
+    assert all(t.data_ptr() % t.element_size() == 0 for t in got.values())
+    start = got["a"].data_ptr() - torch.frombuffer(data, dtype=torch.uint8).data_ptr()
+    assert (start == 8 + len(header)) == (pad % 4 == 0)  # a view of the bytes where aligned, else a copy
