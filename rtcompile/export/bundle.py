@@ -241,7 +241,8 @@ def load_bundle(path: str | os.PathLike):
 
 def model_of(v: VerifiedBundle):
     """:func:`load_bundle` of a bundle verified already: the model is built from the bytes that
-    were verified (``v.data``), never from the files read again."""
+    were verified (``v.data``), never from the files read again. On the CPU its parameters are
+    views of ``v.data``'s weight bytes: one model per verified bundle (a second would share them)."""
     import torch
     from safetensors import SafetensorError
 
