@@ -127,6 +127,31 @@ def test_weights_whose_header_does_not_fit_their_data(cut, pattern, bundle, caps
     _refused(bundle, capsys, r"weights\.safetensors: not a safetensors file \(", pattern)
 
 
+def test_weights_whose_tensors_share_their_data(bundle, capsys):
+    """Two tensors pointing at the same bytes (safetensors' loader refuses the file): refused.
+    Since the parameters are views of the verified bytes, such a file would load two parameters
+    sharing memory; the header check stopped at the first overlap and let the rest pass."""
+    w = load_file(str(bundle / "weights.safetensors"))
+    names = sorted(w)
+    sizes: dict = {}
+    for n in names:
+        sizes.setdefault((w[n].dtype, w[n].numel()), []).append(n)
+    first, second = next(group for group in sizes.values() if len(group) >= 2)[:2]
+    st_dtype = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+    header, body = {}, b""
+    for n in names:
+        if n != second:
+            raw = w[n].contiguous().view(torch.uint8).numpy().tobytes()
+            header[n] = {"dtype": st_dtype[w[n].dtype], "shape": list(w[n].shape),
+                         "data_offsets": [len(body), len(body) + len(raw)]}
+            body += raw
+    header[second] = {**header[first], "shape": list(w[second].shape)}
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    _rewrite(bundle, "weights.safetensors", len(h).to_bytes(8, "little") + h + body)
+    _refused(bundle, capsys, r"weights\.safetensors: not a safetensors file \(", r"exactly, once")
+
+
 def test_weight_of_the_wrong_shape(bundle, capsys):
     _rewrite_weights(bundle, lambda w: w.update({"embed.weight": torch.zeros(12, 12)}))
     _refused(bundle, capsys, r"weights\.safetensors: tensor 'embed\.weight' has shape \[12, 12\]", r"need \[11, 12\]")
@@ -252,6 +277,27 @@ def test_onnx_external_data_in_a_listed_file_is_accepted(bundle, capsys):
     data = (bundle / "embed.bin").read_bytes()
     _edit(bundle, lambda m: m["files"].update({"embed.bin": {"sha256": hashlib.sha256(data).hexdigest(),
                                                              "bytes": len(data)}}))
+    _accepted(bundle, capsys)
+
+
+def test_onnx_external_data_in_the_weights_file_is_accepted(bundle, capsys):
+    """A graph keeping an initializer's data in weights.safetensors itself (the embedding once
+    on disk) is accepted: the weights are verified into a bytearray, whose slice protobuf takes
+    as bytes (it raised a TypeError traceback when the bytearray came in)."""
+    from rtcompile.export.verify import safetensors_header
+
+    data = (bundle / "weights.safetensors").read_bytes()
+    _, _, offset = safetensors_header(data)["embed.weight"]
+
+    def edit(model):
+        t = _initializer(model, "lm.embed.weight")
+        raw = numpy_helper.to_array(t).tobytes()
+        assert data[offset:offset + len(raw)] == raw  # the same fp32 values in both files
+        set_external_data(t, "weights.safetensors", offset=offset, length=len(raw))
+        t.data_location = onnx.TensorProto.EXTERNAL
+        t.ClearField("raw_data")
+
+    _rewrite_graph(bundle, "prefill.onnx", edit)
     _accepted(bundle, capsys)
 
 

@@ -342,11 +342,12 @@ def safetensors_header(data: bytes) -> dict[str, tuple[list[int], str, int]]:
         spans.append(offsets)
     end = 0
     for begin, stop in sorted(spans):
-        if begin != end:
-            break
+        if begin != end:  # a gap, or data two tensors share (safetensors' loader refuses both)
+            raise ValueError(f"the tensors' data do not cover the file's {body} bytes of data exactly, once: "
+                             f"a span starts at {begin}, the one before ends at {end}")
         end = stop
     if end != body:
-        raise ValueError(f"the tensors' data do not cover the file's {body} bytes of data exactly")
+        raise ValueError(f"the tensors' data do not cover the file's {body} bytes of data exactly, once")
     return got
 
 
@@ -486,7 +487,7 @@ def _inline(root: Path, name: str, t, data: bytes) -> None:
     if not 0 <= offset <= offset + length <= len(data) or length < 0:
         raise refuse(root, name, f"tensor {t.name!r}: external data offset {info.get('offset')!r}, length "
                                  f"{info.get('length')!r} outside the {len(data)} bytes of {info['location']!r}")
-    t.raw_data = data[offset:offset + length]
+    t.raw_data = bytes(data[offset:offset + length])  # protobuf takes bytes (the weights are a bytearray)
     del t.external_data[:]
     t.data_location = onnx.TensorProto.DEFAULT
 
