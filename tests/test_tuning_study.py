@@ -293,6 +293,54 @@ def test_other_unraisable_exceptions_reach_the_hook_that_was_set(monkeypatch):
     assert sys.unraisablehook.__name__ == "<lambda>"  # restored on leaving
 
 
+def test_a_stop_raised_from_the_clean_up_still_restores_everything(monkeypatch):
+    """A stop whose handler runs inside the clean-up's own signal-blocking call (CPython runs
+    pending handlers there) raised out of it and left SIGTERM ignored, the hook and the flag
+    set, and the stops blocked, in a process that lives on. Simulated: the blocking call raises
+    KeyboardInterrupt after blocking."""
+    import signal
+    import sys
+
+    from rtcompile.tuning import processes
+
+    real = signal.pthread_sigmask
+    mask = real(signal.SIG_BLOCK, ())
+    before, hook = signal.getsignal(signal.SIGTERM), sys.unraisablehook
+
+    def blocks_then_raises(how, sigs):
+        out = real(how, sigs)
+        if how == signal.SIG_BLOCK and tuple(sigs) == processes._STOPS:
+            raise KeyboardInterrupt("SIGTERM")
+        return out
+
+    monkeypatch.setattr(processes.signal, "pthread_sigmask", blocks_then_raises)
+    with pytest.raises(KeyboardInterrupt), processes.stop_on_signal():
+        pass
+    monkeypatch.undo()
+    assert signal.getsignal(signal.SIGTERM) is before and sys.unraisablehook is hook
+    assert processes._stopping is None and real(signal.SIG_BLOCK, ()) == mask
+
+
+def test_a_hook_left_behind_is_not_taken_for_the_outer_one(monkeypatch):
+    """Were our own hook left installed (an interrupted clean-up), the next block would take it
+    as the hook to pass other errors to, and a finalizer error would recurse without end."""
+    import sys
+
+    from rtcompile.tuning import processes
+
+    monkeypatch.setattr(sys, "unraisablehook", processes._quiet_unraisable)
+    seen = []
+    monkeypatch.setattr(sys, "__unraisablehook__", lambda u: seen.append(u.exc_type))
+
+    class FailsInItsFinalizer:
+        def __del__(self):
+            raise ValueError("finalizer")
+
+    with processes.stop_on_signal():
+        FailsInItsFinalizer()
+    assert seen == [ValueError]
+
+
 def test_a_stop_while_workers_start_ends_those_already_started(monkeypatch):
     """SIGTERM while ``spawn_workers`` is still starting workers: the ones started are ended by
     ``_run_workers``' clean-up (a list returned only at the end left them running)."""

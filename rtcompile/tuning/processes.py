@@ -147,16 +147,28 @@ def stop_on_signal() -> Iterator[None]:
     global _stopping, _outer_hook
     _stopping = None
     pool_level = logging.getLogger("sqlalchemy.pool").level  # _interrupt silences it
-    _outer_hook, sys.unraisablehook = sys.unraisablehook, _quiet_unraisable
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())  # the signal mask as it is (unchanged)
+    hook = sys.unraisablehook  # never our own (one left by an interrupted clean-up would recurse)
+    _outer_hook = hook if hook is not _quiet_unraisable else sys.__unraisablehook__
+    sys.unraisablehook = _quiet_unraisable
     previous = {sig: signal.signal(sig, _interrupt) for sig in _STOPS}
     try:
         yield
         raise_if_stopped()  # a stop swallowed after the last poll still ends the caller as stopped
     finally:
-        # the stops held off while the clean-up runs (a signal landing in it would raise out of
-        # it, leaving this module's state behind in a process that lives on: rtcompile.cli.main);
-        # one that came meanwhile is delivered after, to the handler restored
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
+        _restore(previous, pool_level, mask)
+
+
+def _restore(previous: dict, pool_level: int, mask) -> None:
+    """:func:`stop_on_signal`'s clean-up, with the stops held off while it runs (a signal landing
+    in it raised out of it, leaving the handlers, hook and flag behind in a process that lives
+    on: ``rtcompile.cli.main``); a stop whose handler raises from the blocking call itself
+    still gets everything restored, the mask as it was on entry, and one that came meanwhile is
+    delivered after, to the handler restored."""
+    global _stopping, _outer_hook
+    try:
+        signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
+    finally:
         try:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -164,4 +176,4 @@ def stop_on_signal() -> Iterator[None]:
             _stopping = None
             logging.getLogger("sqlalchemy.pool").setLevel(pool_level)
         finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
