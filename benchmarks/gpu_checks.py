@@ -359,11 +359,12 @@ def rowgate(args) -> dict:
                 with poisoned():
                     o, _ = as_replayed(lambda: objective.run_kernel(bucket, cfg, inp), device)
                 glob, (row, (b, t)) = rel_rms(o, ref), worst_row(o, ref)
-                rows.append({"widths": "x".join(map(str, widths)), "dtype": dtype, "config": _config_label(cfg.to_dict()),
-                             "variant": cfg.to_dict(), "global": glob, "worst_row": row, "at": [b, t],
-                             "row_over_global": row / glob if glob > 0 else None,
-                             "passes": glob <= TOLERANCE[dtype] and row <= ROW_TOLERANCE[dtype]})
-                r = rows[-1]
+                variant = cfg.to_dict()
+                r = {"widths": "x".join(map(str, widths)), "dtype": dtype, "config": _config_label(variant),
+                     "variant": variant, "global": glob, "worst_row": row, "at": [b, t],
+                     "row_over_global": row / glob if glob > 0 else None,
+                     "passes": glob <= TOLERANCE[dtype] and row <= ROW_TOLERANCE[dtype]}
+                rows.append(r)
                 partial.write(json.dumps(r) + "\n")
                 partial.flush()
                 print(f"rowgate {time.perf_counter() - start:6.1f} s {r['widths']} {dtype} {r['config']}: "

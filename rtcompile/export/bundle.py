@@ -32,6 +32,7 @@ from .verify import (
     VerifiedBundle,
     graph_weights_sha256,
     plan_mismatch,
+    ST_TORCH_DTYPES,
     read_manifest,
     safetensors_header,
     skipping_init,
@@ -202,12 +203,6 @@ def check_replaceable(path: str | os.PathLike) -> None:
             raise refuse(f"holds {name!r}, which its {MANIFEST} does not list")
 
 
-# safetensors' dtype names as torch's (the loader's own table)
-_ST_TORCH = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "F8_E5M2": "float8_e5m2", "F8_E4M3": "float8_e4m3fn",
-             "I16": "int16", "U16": "uint16", "F16": "float16", "BF16": "bfloat16", "I32": "int32", "U32": "uint32",
-             "F32": "float32", "I64": "int64", "U64": "uint64", "F64": "float64"}
-
-
 def safetensors_views(data: bytearray) -> dict:
     """The tensors of the safetensors file ``data`` (checked by :func:`safetensors_header`) as
     views of its bytes: no copy, so a loaded model holds its weights once (``bundle.model_of``).
@@ -223,7 +218,7 @@ def safetensors_views(data: bytearray) -> dict:
         return load(bytes(data))
     out = {}
     for name, (shape, dtype, offset) in safetensors_header(data).items():
-        torch_dtype = getattr(torch, _ST_TORCH[dtype])
+        torch_dtype = getattr(torch, ST_TORCH_DTYPES[dtype])
         count = math.prod(shape)
         if count == 0:
             out[name] = torch.empty(shape, dtype=torch_dtype)

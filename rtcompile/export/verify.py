@@ -301,15 +301,19 @@ def expected_tensors(spec, vocab_size: int, mlp: bool) -> dict[str, tuple[list[i
 # bytes per element of safetensors' dtypes (its format's names)
 _ST_ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
                   "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+# the same names as torch's dtypes (safetensors' loader's table; bundle.safetensors_views)
+ST_TORCH_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "F8_E5M2": "float8_e5m2", "F8_E4M3": "float8_e4m3fn",
+                   "I16": "int16", "U16": "uint16", "F16": "float16", "BF16": "bfloat16", "I32": "int32",
+                   "U32": "uint32", "F32": "float32", "I64": "int64", "U64": "uint64", "F64": "float64"}
 # safetensors' own limit on the JSON header (100 MB)
 _ST_MAX_HEADER = 100_000_000
 
 
 def safetensors_header(data: bytes) -> dict[str, tuple[list[int], str, int]]:
     """name -> (shape, dtype, offset of its data in ``data``) of the safetensors file ``data``,
-    read from its header and checked as safetensors' loader checks it (each tensor's data of its size, together covering the
-    file's body exactly), so that ``safetensors.torch.load(data)`` then loads it; ValueError
-    saying why not. Copies no tensor."""
+    read from its header and checked as safetensors' loader checks it (each tensor's data of its
+    size, together covering the file's body exactly, once), so that ``safetensors.torch.load``
+    or ``bundle.safetensors_views`` then loads it; ValueError saying why not. Copies no tensor."""
     if len(data) < 8:
         raise ValueError(f"{len(data)} bytes, shorter than the 8-byte header length")
     n = int.from_bytes(data[:8], "little")
