@@ -141,10 +141,13 @@ def test_cli_export_and_inspect(tmp_path, capsys):
         assert main(["export", str(spec), "--out", str(out), "--vocab", "13"]) == 0
     finally:
         os.umask(old_umask)
-    assert sorted(p.name for p in out.iterdir()) == ["decode.onnx", "manifest.json", "prefill.onnx", "weights.safetensors"]
+    # on a CUDA machine export also stores the compiled kernels (kernels/, issue 21)
+    kernels = ["kernels"] if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else []
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["decode.onnx", "manifest.json", "prefill.onnx", "weights.safetensors", *kernels])
     # the umask decides, as for any file: readable by the other users of a shared machine
     assert stat.S_IMODE(out.stat().st_mode) == 0o755
-    assert all(stat.S_IMODE(p.stat().st_mode) == 0o644 for p in out.iterdir())
+    assert all(stat.S_IMODE(p.stat().st_mode) == (0o755 if p.is_dir() else 0o644) for p in out.rglob("*"))
     assert main(["run", str(out), "--tokens", "1,2,3", "--steps", "4"]) == 0
     assert "decoded" in capsys.readouterr().out
     assert main(["inspect", str(out)]) == 0

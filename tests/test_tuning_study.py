@@ -4,8 +4,11 @@ config today's checks accept (the study's own measurements may predate them)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
+import torch
+from conftest import interpreter_only
 
 from rtcompile.kernels import tuned
 from rtcompile.kernels.chunk_resident import ResidentConfig
@@ -15,6 +18,8 @@ from rtcompile.tuning import study as study_mod
 from rtcompile.tuning.keys import Machine, key_attrs
 from rtcompile.tuning.space import config_params
 
+# the Triton kernels' device: a GPU where there is one, else the CPU through the interpreter
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 TINY = Bucket("chunk", (2, 4), 8, 1, 1, 32, "float32")
 TINY_SHAPE = KernelShape(TINY.key_widths, TINY.value_width, 4)
 
@@ -153,12 +158,12 @@ def test_an_error_after_the_cpu_notice_is_exactly_one_stderr_line(tmp_path, monk
     assert "no CUDA GPU" in out
 
 
-def _gate(bucket, impl: str, variant=None) -> dict:
+def _gate(bucket, impl: str, variant=None, device: str = "cpu") -> dict:
     from dataclasses import asdict
 
     from rtcompile.tuning.objective import evaluate
 
-    return evaluate({"bucket": asdict(bucket), "variant": variant, "device": "cpu", "seed": 3, "check_seed": 1,
+    return evaluate({"bucket": asdict(bucket), "variant": variant, "device": device, "seed": 3, "check_seed": 1,
                      "repeats": 1, "impl": impl})
 
 
@@ -183,10 +188,11 @@ def test_the_gate_refuses_an_output_with_one_zeroed_token_row():
 def test_the_real_kernels_pass_the_per_token_check(dtype):
     """The row tolerance leaves the kernels' own rounding room (objective.ROW_TOLERANCE)."""
     for bucket in (Bucket("chunk", (4, 4), 32, 2, 1, 256, dtype), Bucket("recurrent", (16,), 16, 2, 8, 1, dtype)):
-        r = _gate(bucket, "rtcompile.tuning.objective:run_kernel")
+        r = _gate(bucket, "rtcompile.tuning.objective:run_kernel", device=DEVICE)
         assert r["status"] == "ok", (bucket.label, r)
 
 
+@interpreter_only  # its trials run the real kernels on the CPU (TuneOptions' device)
 def test_resume_runs_n_more_trials(tmp_path):
     """``--resume --trials N`` on a finished study runs N more trials. Before: N counted the
     study's total, so a study of 2 resumed with 1 ran none."""
