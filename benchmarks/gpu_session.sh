@@ -122,14 +122,15 @@ step_tpe() {  # issue 22's tuner must-show at two shapes: an exhaustive sweep, t
   # ~20% of the sub-space with three seeds (tpe_check.py). o2 64 repeats session 24's sub-space
   # (loop x wy x parts x stride = 48, the rest at the Gluon default's: B1 was 18% off before the
   # neighbour warm starts of ec7e264); o3 16x8 materialised is the second shape (the same fields
-  # plus output_warps: 144). TPE_SHAPES picks one ("o2" or "o3"); TPE_SEEDS the studies per bucket
+  # plus output_warps: 144). TPE_SHAPES picks one ("o2" or "o3"); TPE_SEEDS the studies per bucket;
+  # TPE_ROUNDS the interleaved rounds re-timing the picks beside the sweep's best (~5 s a round)
   local fixed="--fix form=split --fix split.chunk_size=32 --fix split.block_v=64 --fix split.num_warps=4
     --fix split.num_stages=3 --fix split.solve=tiles --fix split.dot_precision=ieee --fix split.output_block_v=64
     --fix split.tma=true --fix split.key_group=1"
   if [[ "${TPE_SHAPES:-o2 o3}" == *o2* ]]; then
     timeout -s INT "${TPE_S:-280}" python3 benchmarks/tpe_check.py examples/order2_matrix.toml --batch 1,8 --seq-len 4096 \
       $fixed --fix split.prepare_warps=2 --fix split.output_warps=4 --fix split.materialise=false \
-      --trials 10 --seeds "${TPE_SEEDS:-3}" --workers 4 --out "$OUT/tpe_o2_64" || true
+      --trials 10 --seeds "${TPE_SEEDS:-3}" --rounds "${TPE_ROUNDS:-5}" --workers 4 --out "$OUT/tpe_o2_64" || true
   fi
   if [[ "${TPE_SHAPES:-o2 o3}" == *o3* ]]; then
     sed -e 's/^order = 2/order = 3/' -e 's/^key_widths = \[64\]/key_widths = [16, 8]/' -e 's/^name = .*/name = "order3-16x8"/' \
@@ -137,7 +138,7 @@ step_tpe() {  # issue 22's tuner must-show at two shapes: an exhaustive sweep, t
     grep -q 'key_widths = \[16, 8\]' /tmp/order3_16x8.toml
     timeout -s INT "${TPE_S:-280}" python3 benchmarks/tpe_check.py /tmp/order3_16x8.toml --batch 1,8 --seq-len 4096 \
       $fixed --fix split.prepare_warps=1 --fix split.materialise=true \
-      --trials 29 --seeds "${TPE_SEEDS:-3}" --workers 4 --out "$OUT/tpe_o3_16x8" || true
+      --trials 29 --seeds "${TPE_SEEDS:-3}" --rounds "${TPE_ROUNDS:-5}" --workers 4 --out "$OUT/tpe_o3_16x8" || true
   fi
 }
 

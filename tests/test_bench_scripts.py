@@ -60,3 +60,38 @@ def test_replay_host_rule_prices_both_ways(tmp_path, capsys):
     assert replay_host_rule.main([str(path)]) == 0 and "max" in capsys.readouterr().out
     path.write_text("[]")
     assert replay_host_rule.main([str(path)]) == 2
+
+
+def test_interleaved_medians_rotate_the_order_and_drop_a_failed_config():
+    """Each pass starts one config later, so a machine slowing down over the passes charges every
+    config alike; a config that fails once has no median."""
+    order, clock = [], iter(range(100))
+
+    def measure(c):
+        order.append(c)
+        t = next(clock)
+        return None if c == "bad" and t > 3 else {"a": 1.0, "b": 2.0, "bad": 3.0}[c] + t / 1000
+
+    med = tpe_check.interleaved_medians(["a", "b", "bad"], measure, 3)
+    assert order == ["a", "b", "bad", "b", "bad", "a", "bad", "a", "b"]
+    assert med == {"a": 1.0 + 5 / 1000, "b": 2.0 + 3 / 1000}
+
+
+def test_tpe_check_reports_both_ratios(tmp_path, capsys, tuning_cache):
+    """End to end on the interpreter at a two-config sub-space: the sweep, one study, and the
+    re-timing of the sweep's best and the study's pick (ratios >= 1 against the fastest)."""
+    import json
+
+    spec = tmp_path / "tiny.toml"
+    spec.write_text(TINY)
+    fixed = ["form=resident", "resident.chunk_size=16", "resident.num_warps=2", "resident.num_stages=1",
+             "resident.prepare_warps=1", "resident.solve=rows", "resident.dot_precision=ieee",
+             "resident.prefetch_inputs=false", "resident.materialise=false"]
+    argv = [str(spec), "--batch", "1", "--seq-len", "32", "--trials", "1", "--seeds", "1", "--rounds", "2",
+            "--out", str(tmp_path / "out")] + [x for f in fixed for x in ("--fix", f)]
+    assert tpe_check.main(argv) == 0
+    [row] = json.loads((tmp_path / "out" / "tpe_check.json").read_text())
+    assert row["space"] == 2 and row["remeasured"]["rounds"] == 2 and row["remeasured"]["best_ms"] > 0
+    [study] = row["studies"]
+    assert study["remeasured_ratio"] >= 1 and study["ratio_in_sweep"] >= 1
+    assert "re-measured" in capsys.readouterr().out
