@@ -123,7 +123,7 @@ step_tpe() {  # issue 22's tuner must-show at two shapes: an exhaustive sweep, t
   # (loop x wy x parts x stride = 48, the rest at the Gluon default's: B1 was 18% off before the
   # neighbour warm starts of ec7e264); o3 16x8 materialised is the second shape (the same fields
   # plus output_warps: 144). TPE_SHAPES picks one ("o2" or "o3"); TPE_SEEDS the studies per bucket;
-  # TPE_ROUNDS the interleaved rounds re-timing the picks beside the sweep's best (~5 s a round)
+  # TPE_ROUNDS the interleaved rounds re-timing the picks beside the sweep's best (each time gated as a trial)
   local fixed="--fix form=split --fix split.chunk_size=32 --fix split.block_v=64 --fix split.num_warps=4
     --fix split.num_stages=3 --fix split.solve=tiles --fix split.dot_precision=ieee --fix split.output_block_v=64
     --fix split.tma=true --fix split.key_group=1"
