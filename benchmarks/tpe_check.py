@@ -72,6 +72,16 @@ def _trial_times(storage: str, name: str) -> dict:
     return {params_config(t.params): t.value for t in study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))}
 
 
+def _not_ok(storage: str, name: str) -> list[str]:
+    """Each trial of the study ``name`` that ran no timing, as "status: reason" (a study that ran
+    fewer than its budget of variants says why)."""
+    import optuna
+
+    study = optuna.load_study(study_name=name, storage=storage)
+    return [f"{t.user_attrs.get('status')}: {t.user_attrs.get('reason', '')}" for t in study.get_trials(deepcopy=False)
+            if t.user_attrs.get("status") not in (None, "ok")]
+
+
 def main(argv=None) -> int:
     from rtcompile.cli_args import fixed_param, int_list
 
@@ -131,6 +141,7 @@ def main(argv=None) -> int:
             in_sweep = swept.get(cfg)
             row["studies"].append({
                 "seed": DEFAULT_SEED + i, "best_ms": mine[cfg] * 1e3, "best": cfg.to_dict(), "ran": len(mine),
+                "counts": r.counts, "not_ok": _not_ok(url, r.study),
                 "best_in_sweep_ms": in_sweep * 1e3 if in_sweep else None,
                 "ratio_in_sweep": in_sweep / min(swept.values()) if in_sweep else None,
             })

@@ -94,4 +94,5 @@ def test_tpe_check_reports_both_ratios(tmp_path, capsys, tuning_cache):
     assert row["space"] == 2 and row["remeasured"]["rounds"] == 2 and row["remeasured"]["best_ms"] > 0
     [study] = row["studies"]
     assert study["remeasured_ratio"] >= 1 and study["ratio_in_sweep"] >= 1
+    assert study["counts"].get("ok", 0) >= 1 and study["not_ok"] == []
     assert "re-measured" in capsys.readouterr().out
