@@ -65,7 +65,11 @@ def check_generate_args(model, tokens, max_new_tokens, temperature, top_k, seed,
     check_output_size(max_new_tokens, tokens.shape[0], device)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(f"temperature: expected a float, got {type(temperature).__name__}")
-    if not math.isfinite(temperature) or temperature < 0:
+    try:  # an int past float's range (10**400) is not finite as a float: refused, not an OverflowError
+        finite = math.isfinite(temperature)
+    except OverflowError:
+        finite = False
+    if not finite or temperature < 0:
         raise ValueError(f"temperature: got {temperature!r}; allowed: 0 (greedy) or a finite float > 0 (sampling)")
     if top_k is not None:
         if not _is_int(top_k):
@@ -93,10 +97,14 @@ def check_generate_args(model, tokens, max_new_tokens, temperature, top_k, seed,
 def pick_next(logits: torch.Tensor, temperature: float, top_k: int | None, generator) -> torch.Tensor:
     """The next token per row of ``logits`` [B, vocab]: argmax at temperature 0, else a draw
     from softmax(logits / temperature) restricted to the ``top_k`` largest (ties at the k-th
-    value kept)."""
+    value kept). The rows draw from one generator in turn, so a row's tokens for a seed depend
+    on the batch it is sampled in."""
     if temperature == 0:
         return logits.argmax(-1)
-    x = logits.float() / temperature
+    # shifted so each row's largest is 0 before the division: a tiny temperature (1e-45) sends the
+    # others to -inf, not every logit to +-inf (softmax of inf is NaN; multinomial then raised)
+    x = logits.float()
+    x = (x - x.amax(-1, keepdim=True)) / temperature
     if top_k is not None and top_k < x.shape[-1]:
         kth = x.topk(top_k, dim=-1).values[:, -1:]
         x = x.masked_fill(x < kth, float("-inf"))

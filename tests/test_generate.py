@@ -235,6 +235,16 @@ def test_top_k_draws_only_among_the_k_largest():
         assert (first[:, None] == top2).any(-1).all(), (seed, first, top2)
 
 
+def test_a_tiny_temperature_samples_the_argmax():
+    """At temperature 1e-45 every logit but the largest is -inf once divided: the draw is the
+    argmax. Before: the logits were divided unshifted, went to +-inf, softmax gave NaN and
+    torch.multinomial raised after the prefill."""
+    lm = _lm()
+    prompt = torch.randint(0, VOCAB, (3, 4), generator=torch.Generator().manual_seed(3))
+    greedy = lm.generate(prompt, 5, backend="reference")
+    assert torch.equal(lm.generate(prompt, 5, temperature=1e-45, seed=1, backend="reference"), greedy)
+
+
 def test_zero_and_one_new_tokens():
     lm = _lm()
     prompt = torch.tensor([[1, 2, 3]], dtype=torch.int32)
@@ -255,6 +265,7 @@ BAD = [
     (dict(temperature="hot"), TypeError, "temperature: expected a float"),
     (dict(temperature=-0.5), ValueError, "temperature: got -0.5; allowed: 0"),
     (dict(temperature=float("nan")), ValueError, "temperature: got nan"),
+    (dict(temperature=10**400), ValueError, "temperature: got 1000"),  # was an OverflowError
     (dict(top_k=0), ValueError, f"top_k: got 0; allowed: None or an integer from 1 to {VOCAB}"),
     (dict(top_k=VOCAB + 1), ValueError, f"top_k: got {VOCAB + 1}"),
     (dict(top_k=2.5), TypeError, "top_k: expected an int or None"),
