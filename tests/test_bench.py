@@ -187,6 +187,33 @@ def test_write_results_json_and_csv(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["bench.csv", "bench.json"]  # no temporaries left
 
 
+def test_csv_rows_say_whether_the_tree_was_dirty(tmp_path):
+    """Before: the CSV carried the commit but not git_dirty, so a dirty tree's row read as the commit's."""
+    _, cpath = bench.write_results(tmp_path, {**HEADER, "git_dirty": True}, _fake_rows())
+    with cpath.open(newline="") as fh:
+        assert {row["git_dirty"] for row in csv.DictReader(fh)} == {"True"}
+
+
+@pytest.mark.parametrize("field, value, exc, match", [
+    ("repeats", 0, ValueError, r"repeats: got 0; allowed: an integer >= 3"),
+    ("repeats", 2.5, TypeError, r"repeats: expected an int"),
+    ("budget_s", -5.0, ValueError, r"budget_s: got -5.0; allowed: seconds > 0"),
+    ("budget_s", float("nan"), ValueError, r"budget_s: got nan"),
+    ("budget_s", "60", TypeError, r"budget_s: expected a float"),
+], ids=["repeats-0", "repeats-float", "budget-negative", "budget-nan", "budget-str"])
+def test_bench_options_refuse_what_the_cli_refuses(field, value, exc, match):
+    """The Python API checks what the CLI's parser does: repeats 0 wrote a results file whose rows
+    all read "no median for empty data", a negative budget one whose rows were all skipped."""
+    from rtcompile.bench.lm import ModelBenchOptions
+    from rtcompile.spec import ModelSpec
+
+    with pytest.raises(exc, match=match):
+        bench.BenchOptions(**{field: value})
+    with pytest.raises(exc, match=match):
+        ModelBenchOptions(spec=ModelSpec(order=2, key_widths=(4,), value_width=4, heads=1, model_width=8),
+                          **{field: value})
+
+
 def test_write_is_atomic(tmp_path, monkeypatch):
     bench.write_results(tmp_path, HEADER, _fake_rows())
     before = (tmp_path / "bench.json").read_text()
@@ -311,7 +338,7 @@ def fakes(monkeypatch):
     mod.running_tensor_decode_ = kernels.running_tensor_decode_
     monkeypatch.setitem(sys.modules, "rtcompile.kernels.launch", mod)
     fla = _fake_fla_module()
-    monkeypatch.setattr(measure, "_fla_ops", lambda: fla)
+    monkeypatch.setattr(measure, "fla_ops", lambda: fla)
     for module in (measure, report):  # each holds its own name for it
         monkeypatch.setattr(module, "fla_version", lambda: "0.6.0-fake")
     monkeypatch.setattr(measure, "EAGER_CALLS", 3)
@@ -528,7 +555,7 @@ def fake_fla_train(monkeypatch):
     fla.chunk_gated_delta_rule = chunk
     monkeypatch.setattr(train, "fla_ops", lambda: fla)
     monkeypatch.setattr(train, "_fla_guard_module", lambda: guard)
-    monkeypatch.setattr(train, "fla_version", lambda: "0.6.0-fake")
+    monkeypatch.setattr(measure, "fla_version", lambda: "0.6.0-fake")  # fla_refusal's
     return guard, seen
 
 

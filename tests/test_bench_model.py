@@ -20,9 +20,9 @@ from rtcompile.bench import (
     Case,
     Ceilings,
     Outcome,
+    measure,
     report,
     run_one,
-    train,
 )
 from rtcompile.bench import lm as model_bench
 from rtcompile.cli import main
@@ -153,7 +153,7 @@ def fake_fla(monkeypatch):
     calls: list = []
     mod = _fake_fla(calls)
     monkeypatch.setattr(model_bench, "fla_ops", lambda: mod)
-    for module in (model_bench, train, report):  # each holds its own name for it
+    for module in (model_bench, measure, report):  # each holds its own name for it
         monkeypatch.setattr(module, "fla_version", lambda: "0.6.0-fake")
     return calls
 
@@ -203,7 +203,7 @@ def test_fla_without_delta_rule_is_a_refused_row(fake_fla):
 
 
 def test_fla_not_installed_is_a_row_saying_so(monkeypatch):
-    monkeypatch.setattr(train, "fla_version", lambda: None)
+    monkeypatch.setattr(measure, "fla_version", lambda: None)  # fla_refusal's
     lm = _tiny_lm()
     case = model_bench.model_cases(lm.spec)[2]
     ctx = model_bench.BenchContext(torch.device("cpu"), repeats=3, l2_bytes=0)

@@ -10,13 +10,11 @@ import sys
 import time
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ..figures import chunk_figures, recurrent_figures
 from ..spec import Features, ModelSpec
-
-if TYPE_CHECKING:
-    pass
+from ..timing import GRAPH_TARGET_S  # one replay this long makes event overhead (a few us) negligible
 
 # ----- what runs ---------------------------------------------------------------------------
 PHASES = ("prefill", "decode", "train", "all")  # "all" = prefill + decode (see plan)
@@ -41,7 +39,6 @@ MATMUL_N = 8192
 WARMUP_PASSES = 2
 GRAPH_BELOW_S = 6e-3  # calls shorter than this are timed as CUDA-graph replays (fla's chunk
 # forward spends ~0.5 ms of host time per eager call at K=256: graphs compare kernels, not Python)
-GRAPH_TARGET_S = 5e-3  # one replay this long makes event overhead (a few us) negligible
 MIN_GRAPH_CALLS = 64  # the eager estimate includes Python overhead, so it undersizes graphs
 MAX_GRAPH_CALLS = 512
 MAX_TIMED_S = 10.0  # per implementation: slower calls get fewer repeats ...
@@ -194,7 +191,20 @@ class Row:
 
 ROW_FIELDS = tuple(f.name for f in fields(Row))
 # Header entries repeated on every CSV row, so a CSV row alone says where it was measured.
-CSV_HEADER_FIELDS = ("gpu", "compute_capability", "torch", "triton", "fla", "rtcompile", "commit", "date")
+CSV_HEADER_FIELDS = ("gpu", "compute_capability", "torch", "triton", "fla", "rtcompile", "commit", "git_dirty", "date")
+
+
+def check_run_options(repeats: Any, budget_s: Any) -> None:
+    """A bench's repeats and time budget, refused before anything runs (the CLI's own checks,
+    for the Python API: repeats 0 wrote rows that all read "no median for empty data")."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int):
+        raise TypeError(f"repeats: expected an int, got {type(repeats).__name__}")
+    if repeats < MIN_REPEATS:
+        raise ValueError(f"repeats: got {repeats}; allowed: an integer >= {MIN_REPEATS}")
+    if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)):
+        raise TypeError(f"budget_s: expected a float, got {type(budget_s).__name__}")
+    if not budget_s > 0:
+        raise ValueError(f"budget_s: got {budget_s!r}; allowed: seconds > 0")
 
 
 @dataclass(frozen=True)
@@ -206,6 +216,9 @@ class BenchOptions:
     budget_s: float = DEFAULT_BUDGET_S
     variants: Mapping[str, Any] = field(default_factory=lambda: dict(DEFAULT_VARIANTS), compare=False, hash=False)
     only: tuple[str, ...] = ()  # keep the cases whose name contains one of these (all when empty)
+
+    def __post_init__(self) -> None:  # the phase is plan()'s to check ("model" is the model bench's)
+        check_run_options(self.repeats, self.budget_s)
 
 
 def _case_shape(case: "Case") -> tuple[Any, int]:

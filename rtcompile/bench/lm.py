@@ -47,11 +47,15 @@ from .core import (
     Outcome,
     Row,
     Work,
+    check_run_options,
     run_one,
 )
 from .measure import (
     Inputs,
+    fla_ops,
+    fla_refusal,
     fla_version,
+    input_seed,
     kronify,
     peak_extra_bytes,
     rel_rms,
@@ -59,7 +63,6 @@ from .measure import (
     warm_up,
 )
 from .report import collect_header, print_model_table, progress_line, write_results
-from .train import fla_ops, fla_refusal, input_seed
 
 PREFILL_BATCHES = (1, 8)  # at PREFILL_T (QUICK_T with --quick)
 DECODE_BATCHES = (1, 32, 256)
@@ -110,6 +113,9 @@ class ModelBenchOptions:
     repeats: int = DEFAULT_REPEATS
     budget_s: float = DEFAULT_BUDGET_S
     only: tuple[str, ...] = ()  # keep the cases whose name contains one of these (all when empty)
+
+    def __post_init__(self) -> None:
+        check_run_options(self.repeats, self.budget_s)
 
 
 def model_cases(spec: ModelSpec, quick: bool = False, only: Sequence[str] = ()) -> list[Case]:

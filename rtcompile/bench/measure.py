@@ -246,7 +246,7 @@ def reference64(inp: Inputs, initial_state: Any = None) -> tuple:
                                         initial_state=s0, output_final_state=True, l2norm=True)
 
 
-def _seed(case: Case, i: int) -> int:
+def input_seed(case: Case, i: int) -> int:
     """Seed of input set i of a case. It depends on the case name and i only, so every
     implementation (and both dtypes of an error case) gets the same underlying values; crc32,
     not hash(), because str hashes change between processes."""
@@ -278,7 +278,7 @@ def fla_version() -> str | None:
     return None
 
 
-def _fla_ops() -> Any:
+def fla_ops() -> Any:
     """fla's gated-delta-rule ops module; ImportError when fla is not installed."""
     import importlib
 
@@ -302,7 +302,7 @@ def _prefill_call(impl: str, case: Case, inp: Inputs) -> Callable[[], Any]:
         return lambda: running_tensor_chunk_ref(inp.q, inp.k, inp.v, inp.g, inp.beta,
                                                 chunk_size=case.chunk_size, **common)
     if impl == IMPL_FLA:
-        op = _fla_ops().chunk_gated_delta_rule
+        op = fla_ops().chunk_gated_delta_rule
         return lambda: op(q=inp.q[0], k=inp.k[0], v=inp.v, g=inp.g, beta=inp.beta, scale=inp.scale,
                           initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=True)
     fwd = _rt_fwd()
@@ -315,11 +315,12 @@ def _prefill_call(impl: str, case: Case, inp: Inputs) -> Callable[[], Any]:
     return lambda: fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, mode="chunk", **common, **extra)
 
 
-def _fla_refusal(case: Case) -> str | None:
-    """Why fla is not called on ``case`` (None: call it)."""
+def fla_refusal(case: Case) -> str | None:
+    """Why fla is not called on ``case`` (None: call it): not installed, or K above what its chunk
+    kernel takes in every phase that runs it (all but decode, fused_recurrent's)."""
     if fla_version() is None:
         return "skipped: fla-core not installed (pip install -e '.[bench]')"
-    if case.phase in ("prefill", "error") and case.K > FLA_MAX_K:
+    if case.phase != "decode" and case.K > FLA_MAX_K:
         return (f"refused: K={case.K} > {FLA_MAX_K}, not called (fla-core 0.6.0's chunk_gated_delta_rule "
                 "asserts 'current kernel does not support head dimension larger than 256')")
     return None
@@ -328,21 +329,21 @@ def _fla_refusal(case: Case) -> str | None:
 # ----- prefill and error measures ----------------------------------------------------------------
 def _prefill_sets(case: Case, ctx: BenchContext, kron: bool) -> list[Inputs]:
     """Enough input sets that consecutive calls do not reuse L2 (same seeds for every impl)."""
-    first = make_inputs(case, ctx.device, _seed(case, 0))
+    first = make_inputs(case, ctx.device, input_seed(case, 0))
     if kron:
         first = kronify(first)
     out_bytes = case.B * case.T * case.H * case.V * first.v.element_size() + case.B * case.state_bytes_per_seq
     n = rotation_count(first.nbytes() + out_bytes, ctx.l2_bytes)
     sets = [first]
     for i in range(1, n):
-        s = make_inputs(case, ctx.device, _seed(case, i))
+        s = make_inputs(case, ctx.device, input_seed(case, i))
         sets.append(kronify(s) if kron else s)
     return sets
 
 
 def measure_prefill(case: Case, impl: str, ctx: BenchContext) -> Outcome:
     """Time one prefill implementation: warm-up, peak extra memory of one call, median timing."""
-    if impl == IMPL_FLA and (why := _fla_refusal(case)):
+    if impl == IMPL_FLA and (why := fla_refusal(case)):
         return Outcome(note=why)
     sets = _prefill_sets(case, ctx, kron=impl == IMPL_FLA)
     calls = [_prefill_call(impl, case, s) for s in sets]
@@ -361,7 +362,7 @@ class _Oracle:
 
     def get(self) -> tuple:
         if self._value is None:
-            inp = make_inputs(self.case, self.ctx.device, _seed(self.case, 0))
+            inp = make_inputs(self.case, self.ctx.device, input_seed(self.case, 0))
             o_ref, s_ref = reference64(inp)
             self._value = (inp, o_ref, s_ref)
         return self._value
@@ -369,7 +370,7 @@ class _Oracle:
 
 def measure_error(case: Case, impl: str, oracle: _Oracle) -> Outcome:
     """Relative RMS error of one implementation's output (and final state) vs the float64 loop."""
-    if impl == IMPL_FLA and (why := _fla_refusal(case)):
+    if impl == IMPL_FLA and (why := fla_refusal(case)):
         return Outcome(note=why)
     inp, o_ref, s_ref = oracle.get()
     call = _prefill_call(impl, case, kronify(inp) if impl == IMPL_FLA else inp)
@@ -391,12 +392,12 @@ def _decode_setup(case: Case, ctx: BenchContext) -> _DecodeSetup:
     import torch
 
     n = rotation_count(case.B * case.state_bytes_per_seq, ctx.l2_bytes, minimum=2)
-    sets = [make_inputs(case, ctx.device, _seed(case, i)) for i in range(n)]
-    gen = torch.Generator(device=ctx.device).manual_seed(_seed(case, 10_000))
+    sets = [make_inputs(case, ctx.device, input_seed(case, i)) for i in range(n)]
+    gen = torch.Generator(device=ctx.device).manual_seed(input_seed(case, 10_000))
     slots = n * case.B
     cache = torch.randn(slots, case.H, *case.key_widths, case.V, generator=gen, device=ctx.device,
                         dtype=torch.float32)
-    perm = torch.randperm(slots, generator=torch.Generator().manual_seed(_seed(case, 20_000)))
+    perm = torch.randperm(slots, generator=torch.Generator().manual_seed(input_seed(case, 20_000)))
     indices = [perm[i * case.B : (i + 1) * case.B].to(device=ctx.device, dtype=torch.int32) for i in range(n)]
     return _DecodeSetup(sets, cache, indices)
 
@@ -419,7 +420,7 @@ def _decode_calls(impl: str, case: Case, st: _DecodeSetup, *, validate: bool = F
 
         return [ref_call(s, i) for s, i in zip(st.sets, longs, strict=True)], lambda i: st.cache[longs[i]]
     if impl == IMPL_FLA:
-        op = _fla_ops().fused_recurrent_gated_delta_rule
+        op = fla_ops().fused_recurrent_gated_delta_rule
         B, H, K, V = case.B, case.H, case.K, case.V
         states = [st.cache[i.long()].reshape(B, H, K, V).contiguous() for i in st.indices]
         st.cache = None  # fla keeps its own per-group states; free the shared cache
@@ -452,7 +453,7 @@ def _decode_error(impl: str, case: Case, st: _DecodeSetup, call: Callable, state
 
 def measure_decode(case: Case, impl: str, ctx: BenchContext) -> Outcome:
     """Warm-up, one checked step (error), then graph-replay timing rotating over slot groups."""
-    if impl == IMPL_FLA and (why := _fla_refusal(case)):
+    if impl == IMPL_FLA and (why := fla_refusal(case)):
         return Outcome(note=why)
     if impl == IMPL_COPY:
         return _measure_same_size_copy(case, ctx)
@@ -489,7 +490,7 @@ def _measure_same_size_copy(case: Case, ctx: BenchContext) -> Outcome:
 
 def measure_eager(case: Case, impl: str, ctx: BenchContext) -> Outcome:
     """Wall time per eager decode call at a small shape: Python and launch overhead."""
-    if impl == IMPL_FLA and (why := _fla_refusal(case)):
+    if impl == IMPL_FLA and (why := fla_refusal(case)):
         return Outcome(note=why)
     st = _decode_setup(replace(case, phase="decode"), BenchContext(ctx.device, l2_bytes=0))
     if impl.startswith(IMPL_RT):

@@ -13,7 +13,7 @@ import sys
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from .._version import __version__
 from ..fileio import atomic_write
@@ -44,9 +44,6 @@ from .measure import (
     fla_version,
     measures_for,
 )
-
-if TYPE_CHECKING:
-    pass
 
 # ----- header and files ----------------------------------------------------------------------------
 def git_commit() -> tuple[str, bool | None]:

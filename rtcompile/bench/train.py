@@ -19,11 +19,11 @@ from __future__ import annotations
 import contextlib
 import importlib
 import math
-import zlib
 from typing import Any, Callable, Iterator
 
 from .core import FLA_MAX_K, IMPL_FLA, IMPL_REF, IMPL_RT, BenchContext, Case, Outcome
-from .measure import Inputs, fla_version, kronify, make_inputs, peak_extra_bytes, time_calls, warm_up
+from .measure import (Inputs, fla_ops, fla_refusal, input_seed, kronify, make_inputs, peak_extra_bytes,
+                      time_calls, warm_up)
 
 TRAIN_B, TRAIN_T, QUICK_TRAIN_T = 8, 4096, 1024
 # order 3 16x16 (the issue's target) and fla's order-2 anchors (K 64-256: fla's chunk limit)
@@ -62,27 +62,8 @@ def train_cases(quick: bool = False) -> list[Case]:
                  impls=(IMPL_RT, IMPL_REF, IMPL_FLA) if math.prod(w) <= 256 else (IMPL_RT,)) for w in widths]
 
 
-def input_seed(case: Case, i: int) -> int:
-    """Seed of input set i of a case, from its name (crc32: stable across processes)."""
-    return (zlib.crc32(case.name.encode()) * 1009 + i) & 0x7FFFFFFF
-
-
-def fla_ops() -> Any:
-    """fla's gated-delta-rule ops module; ImportError when fla is not installed."""
-    return importlib.import_module("fla.ops.gated_delta_rule")
-
-
 def _fla_guard_module() -> Any:
     return importlib.import_module(FLA_GUARD_MODULE)
-
-
-def fla_refusal(case: Case) -> str | None:
-    """Why fla is not called on ``case`` (None: call it)."""
-    if fla_version() is None:
-        return "skipped: fla-core not installed (pip install -e '.[bench]')"
-    if case.K > FLA_MAX_K:
-        return f"refused: K={case.K} > {FLA_MAX_K}, not called (fla-core 0.6.0's chunk kernel asserts K <= 256)"
-    return None
 
 
 @contextlib.contextmanager
