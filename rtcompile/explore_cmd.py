@@ -19,6 +19,10 @@ OPTION_OF = {"orders": "--orders", "widths": "--widths", "d_model": "--d-model",
              "target": "--target", "workers": "--workers", "seq_len": "--seq-len", "kv_pairs": "--kv-pairs", "vocab_size": "--vocab",
              "steps": "--steps", "learning_rates": "--lrs", "seeds": "--seeds", "batch_size": "--batch-size"}
 DEFAULT_OUT = "explore-results"
+# the MQAR options' defaults, applied only with --recall (given without it, an option is refused:
+# it was accepted and ignored)
+RECALL_DEFAULTS = {"seq_len": 256, "kv_pairs": 16, "vocab": 1024, "steps": 8000, "lrs": [1e-3, 3e-3, 1e-2],
+                   "seeds": [0], "batch_size": 64}
 
 
 def add_parser(sub) -> None:
@@ -51,18 +55,18 @@ def add_parser(sub) -> None:
                         f"(default {DEFAULT_OUT})")
     r = p.add_argument_group("recall (MQAR)")
     r.add_argument("--recall", action="store_true", help="train each point on MQAR and report its accuracy")
-    r.add_argument("--seq-len", type=positive_int, default=256, metavar="T", help="MQAR sequence length (default 256)")
-    r.add_argument("--kv-pairs", type=positive_int, default=16, metavar="N", help="key-value pairs (default 16)")
-    r.add_argument("--vocab", type=positive_int, default=1024, metavar="V",
+    r.add_argument("--seq-len", type=positive_int, metavar="T", help="MQAR sequence length (default 256)")
+    r.add_argument("--kv-pairs", type=positive_int, metavar="N", help="key-value pairs (default 16)")
+    r.add_argument("--vocab", type=positive_int, metavar="V",
                    help="MQAR vocabulary: keys from one half, values from the other (default 1024, "
                         "the measured runs'; Zoology's is 8192)")
-    r.add_argument("--steps", type=positive_int, default=8000, metavar="N", help="training steps per learning rate "
+    r.add_argument("--steps", type=positive_int, metavar="N", help="training steps per learning rate "
                    "(default 8000; early stop at 0.99 validation accuracy)")
-    r.add_argument("--lrs", type=number_list_of(float, None, "numbers"), default=[1e-3, 3e-3, 1e-2], metavar="LR,..",
+    r.add_argument("--lrs", type=number_list_of(float, None, "numbers"), metavar="LR,..",
                    help="learning rates swept per point, the best kept (default 1e-3,3e-3,1e-2)")
-    r.add_argument("--seeds", type=int_list_of(0, "integers >= 0"), default=[0], metavar="S,..",
+    r.add_argument("--seeds", type=int_list_of(0, "integers >= 0"), metavar="S,..",
                    help="training seeds; the accuracy reported is their mean (default 0)")
-    r.add_argument("--batch-size", type=positive_int, default=64, metavar="N", help="training batch (default 64)")
+    r.add_argument("--batch-size", type=positive_int, metavar="N", help="training batch (default 64)")
     p.set_defaults(func=run)
 
 
@@ -71,12 +75,18 @@ def _options(args):
     field, becomes a usage error naming the option."""
     from .explore.points import RecallOptions, SweepOptions
 
+    given = [name for name in RECALL_DEFAULTS if getattr(args, name) is not None]
+    if given and not args.recall:
+        flag = "--" + given[0].replace("_", "-")
+        raise UsageError(f"rtcompile explore: {flag}: given without --recall; allowed: with --recall (the MQAR "
+                         "options set the recall training)")
+    r = {name: RECALL_DEFAULTS[name] if getattr(args, name) is None else getattr(args, name) for name in RECALL_DEFAULTS}
     try:
         recall = None
         if args.recall:
-            recall = RecallOptions(seq_len=args.seq_len, kv_pairs=args.kv_pairs, vocab_size=args.vocab,
-                                   steps=args.steps, learning_rates=tuple(args.lrs), seeds=tuple(args.seeds),
-                                   batch_size=args.batch_size)
+            recall = RecallOptions(seq_len=r["seq_len"], kv_pairs=r["kv_pairs"], vocab_size=r["vocab"],
+                                   steps=r["steps"], learning_rates=tuple(r["lrs"]), seeds=tuple(r["seeds"]),
+                                   batch_size=r["batch_size"])
         return SweepOptions(orders=tuple(args.orders), widths=tuple(args.widths), d_model=args.d_model,
                             match=args.match, target=args.target, recall=recall, storage=args.storage,
                             workers=args.workers or 1)
@@ -113,6 +123,14 @@ def run(args) -> int:
 
     check_storage(args.storage, create=True)  # a typo'd folder or URL: refused before any point
     check_out_dir("rtcompile explore", args.out)  # tried, nothing made
+    from pathlib import Path
+
+    from .explore.report import REPORT_FILES
+
+    for name in REPORT_FILES:  # found only after every point had run (hours with --recall)
+        if (Path(args.out) / name).is_dir():
+            raise UsageError(f"rtcompile explore: --out {args.out!r}: {name} there is a folder; allowed: a folder "
+                             f"whose {name} is a file or absent")
     if args.workers is None:
         import dataclasses
 

@@ -37,9 +37,12 @@ def _point_spec(order: int, width: int, **changes):
 def test_cost_model_sweep_writes_table_json_csv_and_plots(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # measuring is refused under the interpreter: the model, GPU or not
     out = tmp_path / "out"
+    out.mkdir()
+    (out / "state_vs_recall.png").write_bytes(b"an earlier recall sweep's plot")
     rc = main(["explore", str(SPEC), "--orders", "2,3", "--widths", "8,16", "--out", str(out),
                "--storage", _storage(tmp_path)])
     assert rc == 0
+    assert not (out / "state_vs_recall.png").exists()  # no recall plot beside results without recall
     table = capsys.readouterr().out
     for o, w in GRID:
         assert sum(line.startswith(f"│ o{o}_w{w} ") for line in table.splitlines()) == 1, table
@@ -199,7 +202,8 @@ def test_recall_path_calls_the_trainer_and_reports_accuracy(tmp_path, capsys, mo
         assert settings == _FakeSettings((1e-3, 1e-2), 5, 64, settings.seed) and settings.seed in (0, 1)
         assert device == "cpu" and progress is False
         pid = f"o{spec.order}_w{spec.key_widths[0]}"
-        assert ckpt == out / "points" / pid / "ckpt" / f"seed{settings.seed}" and ckpt.is_dir()
+        assert ckpt.parent.parent == out / "points" / pid and ckpt.name == f"seed{settings.seed}" and ckpt.is_dir()
+        assert ckpt.parent.name.startswith("ckpt-")  # a folder per spec and recall settings
     base = next(c[0] for c in calls if c[0].order == 3 and c[0].key_widths == (16, 16))
     assert base.model_width == 128  # the recall default d_model; the base point is itself
 
@@ -230,6 +234,8 @@ def test_recall_path_calls_the_trainer_and_reports_accuracy(tmp_path, capsys, mo
     (["--orders", "2", "--widths", "8", "--recall", "--kv-pairs", "8", "--vocab", "16"], "--vocab"),
     (["--orders", "2", "--widths", "8", "--recall", "--lrs", "2"], "--lrs"),
     (["--widths", "8"], "--orders"),
+    (["--orders", "2", "--widths", "8", "--steps", "2"], "--steps"),  # accepted and ignored without --recall
+    (["--orders", "2", "--widths", "8", "--vocab", "3"], "--vocab"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, option):
     out = tmp_path / "out"
@@ -400,3 +406,68 @@ def test_the_cli_recall_defaults_are_the_options_defaults():
     explore_cmd.add_parser(parser.add_subparsers())
     args = parser.parse_args(["explore", str(SPEC), "--orders", "2", "--widths", "8", "--recall"])
     assert explore_cmd._options(args).recall == RecallOptions()
+
+
+@pytest.mark.parametrize("how", ["error", "interrupt"])
+def test_a_failing_point_is_reported_and_an_interrupt_exits_130(how, tmp_path, capsys, monkeypatch):
+    """Before: the failure handler read a live Trial's system_attrs (it has none), so any failing
+    point and any Ctrl-C ended in an AttributeError traceback, exit 1."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    real = sweep_mod.evaluate_point
+
+    def evaluate(point, *a, **kw):
+        if point.id == "o2_w16":
+            raise RuntimeError("planted") if how == "error" else KeyboardInterrupt
+        return real(point, *a, **kw)
+
+    monkeypatch.setattr(sweep_mod, "evaluate_point", evaluate)
+    out = tmp_path / "out"
+    rc = main(["explore", str(SPEC), "--orders", "2", "--widths", "8,16", "--out", str(out),
+               "--storage", _storage(tmp_path)])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "AttributeError" not in err, err
+    if how == "interrupt":
+        assert rc == 130 and "rtcompile: interrupted" in err
+    else:
+        assert rc == 0 and "o2_w16: failed: error: RuntimeError: planted" in err, err
+        points = {p["id"]: p for p in json.loads((out / "results.json").read_text())["points"]}
+        assert points["o2_w8"]["status"] == "ok" and points["o2_w16"]["status"] != "ok"
+
+
+def test_a_damaged_speed_cache_is_measured_again(tmp_path):
+    """A speed cache that is not the figures (edited, truncated) is computed again, not a failed point."""
+    from rtcompile.explore.points import make_point
+
+    opts = SweepOptions(orders=(2,), widths=(8,), target="h200")
+    base = sweep_mod.base_spec(load_spec(SPEC), opts)
+    point = make_point(base, opts, 2, 8)
+    mode = sweep_mod.speed_mode("h200")
+    cache = tmp_path / "speed.json"
+    want = sweep_mod.point_speed(point, mode, "cpu")
+    for junk in ("{x", '{"a": 1}', "[1, 2]"):
+        cache.write_text(junk)
+        assert sweep_mod.point_speed(point, mode, "cpu", cache) == want
+
+
+def test_a_store_of_another_program_is_one_line(tmp_path, capsys):
+    """A SQLite file whose "studies" table is not Optuna's: before, a StorageInternalError traceback."""
+    import sqlite3
+
+    db = tmp_path / "other.db"
+    with sqlite3.connect(db) as con:
+        con.execute("create table studies(x)")
+    rc = main(["explore", str(SPEC), "--orders", "2", "--widths", "8", "--out", str(tmp_path / "out"),
+               "--storage", f"sqlite:///{db}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "cannot open" in err[0] and str(db) in err[0], err
+
+
+def test_a_report_path_that_is_a_folder_is_refused_before_any_point(tmp_path, capsys, monkeypatch):
+    """Before: every point ran (hours with --recall), then "cannot write the report"."""
+    out = tmp_path / "out"
+    (out / "results.json").mkdir(parents=True)
+    monkeypatch.setattr(sweep_mod, "run_sweep", lambda *a, **k: pytest.fail("ran the sweep before refusing"))
+    rc = main(["explore", str(SPEC), "--orders", "2", "--widths", "8", "--out", str(out),
+               "--storage", _storage(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "results.json there is a folder" in err[0], err

@@ -32,6 +32,7 @@ PLOT_DECODE, PLOT_RECALL = "state_vs_decode.png", "state_vs_recall.png"
 # before it learns (order 3 16x16 left it at step ~4000 of 8000 on the H200), so a point that ends
 # at chance may only have run out of schedule; the curves show which
 PLOT_CURVES = "recall_curves.png"
+REPORT_FILES = (RESULTS_JSON, RESULTS_CSV, PLOT_DECODE, PLOT_RECALL, PLOT_CURVES)  # what write_report may write
 HEADER_IN_CSV = ("gpu", "speed_source", "target", "match", "commit", "date")  # so one CSV row says where it came from
 LATENCY_MEANS = ("the state mixer of every layer: one layer's call x layers (projections, MLP, embedding and head "
                  "excluded); measured: `rtcompile bench`'s timing (CUDA-graph replays, median, L2 rotated), gate, "
@@ -336,5 +337,9 @@ def write_report(result: SweepResult, out: str | Path, *, file: Any = None) -> d
         paths["recall_plot"] = _plot(out / PLOT_RECALL, recs, "recall_accuracy", "MQAR accuracy",
                                      "state vs recall", log_y=False)
         paths["curves_plot"] = _plot_curves(out / PLOT_CURVES, recs)
+    else:  # an earlier recall sweep's plots would sit beside results that have no recall
+        for name in (PLOT_RECALL, PLOT_CURVES):
+            if (out / name).is_file():
+                (out / name).unlink()
     print_table(recs, head, file)
     return paths

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from ..spec import MAX_WIDTH, ModelSpec
 from ..target import DEFAULT_TARGET
-from .points import KERNEL_ORDERS, Point, RecallOptions, SweepOptions, base_spec, make_point, make_points, point_id
+from .points import KERNEL_ORDERS, Point, RecallOptions, SweepOptions, base_spec, make_point, make_points
 
 PREFILL_SHAPES = ((1, 4096), (8, 4096))  # (batch, length): `rtcompile bench`'s T, B1 and its B8
 DECODE_BATCHES = (1, 32)  # bench's decode B32, and a single stream
@@ -173,6 +173,15 @@ def recall_figures(spec: ModelSpec, recall: RecallOptions, device: str, checkpoi
                      "vocab_size": task.vocab_size}, "runs": runs}
 
 
+def checkpoints(out: Path, point: Point, recall: RecallOptions) -> Path:
+    """Where a point's recall trainings keep their checkpoints: a folder per point spec and recall
+    settings (not per code version: a finished training resumes under newer kernels). One
+    folder for every setting made a rerun with another --steps, --vocab or --d-model fail each
+    point ("results.json was written for other settings")."""
+    key = json.dumps({"spec": point.spec.to_dict(), "recall": asdict(recall)}, sort_keys=True, default=str)
+    return Path(out) / "points" / point.id / f"ckpt-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
 def speed_cache(out: Path, point: Point, study: str) -> Path:
     """Where :func:`measure_speeds_first` leaves a point's measured figures for its trial."""
     return Path(out) / "points" / point.id / f"speed-{study.rsplit(':', 1)[-1]}.json"
@@ -185,7 +194,12 @@ def point_speed(point: Point, mode: SpeedMode, device: str, cache: Path | None =
     from ..tuning.store import device_lock
 
     if cache is not None and cache.exists():
-        return json.loads(cache.read_text())
+        try:  # written atomically by measure_speeds_first; anything else there is measured again
+            figures = json.loads(cache.read_text())
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+            figures = None
+        if isinstance(figures, list) and all(isinstance(f, dict) for f in figures):
+            return figures
     with device_lock(device) if device.startswith("cuda") and mode.source == "measured" else nullcontext():
         return speed_figures(point.spec, mode)
 
@@ -223,8 +237,8 @@ def evaluate_point(point: Point, opts: SweepOptions, mode: SpeedMode, out: Path,
     result: dict[str, Any] = {"speed": point_speed(point, mode, device, speed_from), "recall": None}
     if opts.recall is not None:
         with device_lock(device, shared=True) if gpu else nullcontext():
-            result["recall"] = recall_figures(point.spec, opts.recall, device,
-                                              Path(out) / "points" / point.id / "ckpt", progress)
+            result["recall"] = recall_figures(point.spec, opts.recall, device, checkpoints(out, point, opts.recall),
+                                              progress)
     result["wall_s"] = round(time.monotonic() - t0, 3)
     return result
 
@@ -325,20 +339,19 @@ def work(study, storage, url: str | None, ctx: Context) -> int:
         except BaseException as exc:
             from ..bench.core import failure_note
 
-            trial.set_user_attr("error", failure_note(exc) if isinstance(exc, Exception) else type(exc).__name__)
+            note = failure_note(exc) if isinstance(exc, Exception) else type(exc).__name__
+            # the enqueued point's id: a live Trial has no system_attrs (_trial_point's fixed
+            # params), and reading them here raised over every failure and every Ctrl-C
+            label = trial.user_attrs.get("point") or f"trial {trial.number}"
+            trial.set_user_attr("error", note)
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
             if ctx.progress:
-                ctx.progress(_trial_label(trial), f"failed: {trial.user_attrs.get('error', '')}")
+                ctx.progress(label, f"failed: {note}")
             if not isinstance(exc, Exception):
                 raise
         finally:
             beat.stop()
     return ran
-
-
-def _trial_label(trial) -> str:
-    p = _trial_point(trial)
-    return point_id(*p) if p else f"trial {trial.number}"
 
 
 @dataclass

@@ -275,11 +275,17 @@ def open_storage(url: str | None = None, *, create: bool = True):
                 raise StoreError(f"storage {url!r}: the file is not readable and writable")
             with file_lock(db.with_name(db.name + ".lock")):
                 # SQLite waits up to 60 s for a lock held by another worker instead of failing
-                return _rdb_storage(url, engine_kwargs={"connect_args": {"timeout": 60}})
-        return _rdb_storage(url)
+                storage = _rdb_storage(url, engine_kwargs={"connect_args": {"timeout": 60}})
+        else:
+            storage = _rdb_storage(url)
+        # a database whose tables are another program's (a "studies" table of other columns) is
+        # opened without complaint and failed at the first study made: read it once here
+        storage.get_all_studies()
+        return storage
     except StoreError:
         raise
-    except (sqlalchemy.exc.SQLAlchemyError, RuntimeError, ValueError, ImportError) as exc:
+    except (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError, RuntimeError, ValueError,
+            ImportError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise StoreError(f"storage {url!r}: cannot open ({first}); check the URL, or move a corrupted file away") from None
 
