@@ -471,3 +471,32 @@ def test_a_report_path_that_is_a_folder_is_refused_before_any_point(tmp_path, ca
                "--storage", _storage(tmp_path)])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "results.json there is a folder" in err[0], err
+
+
+def test_a_malformed_stored_result_is_a_failed_point_not_a_crash(tmp_path, capsys, monkeypatch):
+    """A store whose point result was edited ({"speed": {"a": 1}}): before, a TypeError traceback
+    from the report."""
+    import optuna
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    argv = ["explore", str(SPEC), "--orders", "2", "--widths", "8,16", "--out", str(tmp_path / "out"),
+            "--storage", _storage(tmp_path)]
+    assert main(argv) == 0
+    from rtcompile.tuning.store import open_storage
+
+    storage = open_storage(_storage(tmp_path))
+    [summary] = optuna.get_all_study_summaries(storage, False)
+    study = optuna.load_study(study_name=summary.study_name, storage=storage)
+    trial = next(t for t in study.get_trials() if t.params == {"order": 2, "width": 16})
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "explore.db") as con:  # Optuna refuses to edit a finished trial
+        con.execute("update trial_user_attributes set value_json = ? where trial_id = ? and key = 'result'",
+                    (json.dumps({"speed": {"a": 1}}), trial._trial_id))
+    capsys.readouterr()
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    points = {p["id"]: p for p in json.loads((tmp_path / "out" / "results.json").read_text())["points"]}
+    assert points["o2_w8"]["status"] == "ok" and points["o2_w16"]["status"] == "failed"
+    assert "stored result is not a point's figures" in points["o2_w16"]["note"]

@@ -483,6 +483,18 @@ def _run_workers(study, storage, name: str, ctx: Context) -> None:
         ctx.progress("sweep", f"worker processes exited with {bad}; their points are retried here")
 
 
+def _well_formed(result: Any) -> bool:
+    """A stored point result as :func:`evaluate_point` writes it: speed figures (phase, batch,
+    source, seconds: None for a shape that failed) and recall None or with an accuracy."""
+    if not isinstance(result, dict) or not isinstance(result.get("speed"), list):
+        return False
+    figures_ok = all(isinstance(f, dict) and isinstance(f.get("phase"), str) and isinstance(f.get("batch"), int)
+                     and isinstance(f.get("source"), str) and isinstance(f.get("seconds", ""), (int, float, type(None)))
+                     for f in result["speed"])
+    recall = result.get("recall")
+    return figures_ok and (recall is None or isinstance(recall, dict) and isinstance(recall.get("accuracy"), (int, float)))
+
+
 def collect(study, result: SweepResult) -> None:
     """Fill ``result`` from the store: each runnable point's finished figures (its latest
     COMPLETE trial), else why it has none (its latest failure, or still running)."""
@@ -496,9 +508,12 @@ def collect(study, result: SweepResult) -> None:
         if p.spec is None:
             continue
         trials = sorted(by_point.get((p.order, p.width), []), key=lambda t: t.number)
-        done = [t for t in trials if t.state == st.COMPLETE and isinstance(t.user_attrs.get("result"), dict)]
-        if done:
+        done = [t for t in trials if t.state == st.COMPLETE]
+        if done and _well_formed(done[-1].user_attrs.get("result")):
             result.results[p.id] = done[-1].user_attrs["result"]
+        elif done:  # an edited or foreign store: reported per point, not a crash of the report
+            result.errors[p.id] = (f"failed: trial {done[-1].number}'s stored result is not a point's figures; "
+                                   "run with another --storage to measure it again")
         elif any(t.state in (st.RUNNING, st.WAITING) for t in trials):
             result.errors[p.id] = "not finished: running in another worker"
         else:
