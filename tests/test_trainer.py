@@ -200,3 +200,21 @@ def test_a_compiled_model_trains_as_the_eager_one():
 def test_compile_backend_is_checked(value, error):
     with pytest.raises(error, match=r"TrainSettings\.compile_backend"):
         _settings(compile_backend=value)
+
+
+@pytest.mark.parametrize("damage", ["scheduler", "step", "history"])
+def test_a_damaged_checkpoint_json_is_a_value_error_naming_it(damage, tmp_path):
+    """The checkpoint's JSON (not hashed, unlike its tensors) with a field removed or of the wrong
+    type: before, a KeyError or TypeError from deep in the resume."""
+    settings = _settings(learning_rates=(1e-3,))
+    with pytest.raises(KeyboardInterrupt):
+        train_recall(SPEC, TASK, settings, progress=False, on_step=Steps(stop=(1e-3, 10)), checkpoint_dir=tmp_path)
+    path = tmp_path / "lr-0.001.json"
+    meta = json.loads(path.read_text())
+    if damage == "scheduler":
+        del meta["scheduler"]
+    else:
+        meta[damage] = {"step": "x", "history": 5}[damage]
+    path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"checkpoint_dir: .*lr-0\.001\.json' is damaged"):
+        train_recall(SPEC, TASK, settings, progress=False, checkpoint_dir=tmp_path)

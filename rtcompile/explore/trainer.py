@@ -296,12 +296,16 @@ class _Rate:
         try:
             self.model.load_state_dict(model_state, strict=True)
             self.opt.load_state_dict(_unflatten_optimizer(tensors, meta["optimizer"]))
-        except (RuntimeError, KeyError, ValueError) as exc:
+        except (RuntimeError, KeyError, ValueError, TypeError) as exc:
             raise ValueError(f"checkpoint_dir: {str(blob_path)!r} does not fit this model ({exc})") from None
-        self.sched.load_state_dict(meta["scheduler"])
-        self.batches.set_state(tensors["rng.batches"])
-        self.step, self.best = int(meta["step"]), float(meta["best_accuracy"])
-        self.history, self.wall_s = list(meta["history"]), float(meta["wall_s"])
+        try:  # the JSON's own fields (its tensors are hashed, it is not): a KeyError before
+            self.sched.load_state_dict(meta["scheduler"])
+            self.batches.set_state(tensors["rng.batches"])
+            self.step, self.best = int(meta["step"]), float(meta["best_accuracy"])
+            self.history, self.wall_s = list(meta["history"]), float(meta["wall_s"])
+        except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+            raise ValueError(f"checkpoint_dir: {str(path)!r} is damaged ({type(exc).__name__}: {exc}); remove it "
+                             "and its tensors to restart this learning rate") from None
         return True
 
     # -- training --
