@@ -201,6 +201,17 @@ def test_tune_checks_the_storage_url_before_its_notice(work, capsys):
              "storage 'bogus://x'", "allowed: sqlite:///FILE")
 
 
+@pytest.mark.parametrize("url", ["sqlite:///:memory:", "sqlite://"])
+def test_an_in_memory_store_is_refused(url, work, capsys):
+    """Before: accepted; explore's workers each died on "Record does not exist" and lock files
+    named ':memory:.lock' were left in the working folder."""
+    _refused(["explore", "tiny.toml", "--orders", "2", "--widths", "4", "--storage", url, "--out", "ex"], capsys, work,
+             "an in-memory database")
+    _refused(["tune", "tiny.toml", "--storage", url, "--trials", "1", "--phase", "decode"], capsys, work,
+             "an in-memory database")
+    assert not list(work.glob("*.lock"))
+
+
 def test_build_checks_the_storage_url_on_a_cpu(work, capsys, monkeypatch):
     _no_work(monkeypatch)
     _refused(["build", "tiny.toml", "--storage", "bogus://x", "--out", "p.json"], capsys, work, "storage 'bogus://x'")
