@@ -247,6 +247,27 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, option):
     assert cap.out == "" and not out.exists() and not (tmp_path / "explore.db").exists()
 
 
+@pytest.mark.parametrize("fields, exc, match", [
+    (dict(storage=123), TypeError, r"^storage: expected a str or None, got int"),
+    (dict(storage=""), ValueError, r"^storage: got ''; allowed: None"),
+    (dict(target=5), TypeError, r"^target: expected a str, got int"),
+    (dict(match=5), TypeError, r"^match: expected a str or None, got int"),
+], ids=["storage-int", "storage-empty", "target-int", "match-int"])
+def test_sweep_options_refuse_wrong_types(fields, exc, match):
+    """Before: storage=123 failed later in run_sweep (AttributeError), storage='' took the default
+    store silently, and an int target or match was a ValueError."""
+    with pytest.raises(exc, match=match):
+        SweepOptions(orders=(2,), widths=(8,), **fields)
+
+
+def test_run_sweep_refuses_what_is_not_a_spec_or_options(tmp_path):
+    opts = SweepOptions(orders=(2,), widths=(8,))
+    with pytest.raises(TypeError, match=r"^spec: expected a ModelSpec"):
+        run_sweep("notaspec", opts, tmp_path)
+    with pytest.raises(TypeError, match=r"^opts: expected SweepOptions, got dict"):
+        run_sweep(load_spec(SPEC), {"orders": (2,)}, tmp_path)
+
+
 def test_options_name_the_field():
     with pytest.raises(ValueError, match=r"^orders: got 1; allowed: 2, 3, 4"):
         SweepOptions(orders=(1,), widths=(8,))

@@ -100,10 +100,17 @@ class SweepOptions:
                                                       f"integers in [1, {MAX_WIDTH}]"))
         if self.d_model is not None:
             check_ints("d_model", [self.d_model], 1, 1 << 20, "an integer in [1, 2^20]")
+        for name in ("match", "storage"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise TypeError(f"{name}: expected a str or None, got {type(getattr(self, name)).__name__}")
+        if not isinstance(self.target, str):
+            raise TypeError(f"target: expected a str, got {type(self.target).__name__}")
         if self.match is not None and self.match not in MATCH_MODES:
             raise _fail("match", f"got {self.match!r}; allowed: {', '.join(MATCH_MODES)}")
-        if not isinstance(self.target, str) or self.target.lower() not in ("auto", *PROFILES):
+        if self.target.lower() not in ("auto", *PROFILES):
             raise _fail("target", f"got {self.target!r}; allowed: auto, {', '.join(PROFILES)}")
+        if self.storage is not None and not self.storage.strip():  # the CLI refuses it; run_sweep took the default
+            raise _fail("storage", "got ''; allowed: None (the default store) or a storage URL")
         if self.recall is not None and not isinstance(self.recall, RecallOptions):
             raise TypeError(f"recall: expected RecallOptions or None, got {type(self.recall).__name__}")
         check_ints("workers", [self.workers], 1, 1024, "an integer in [1, 1024]")

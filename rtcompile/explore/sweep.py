@@ -399,6 +399,10 @@ def run_sweep(spec: ModelSpec, opts: SweepOptions, out: str | os.PathLike, *,
     from ..tuning.claims import mark_stale
     from ..tuning.store import claim_lock, default_url, open_storage
 
+    if not isinstance(spec, ModelSpec):
+        raise TypeError(f"spec: expected a ModelSpec (rtcompile.load_spec(path)), got {type(spec).__name__}")
+    if not isinstance(opts, SweepOptions):
+        raise TypeError(f"opts: expected SweepOptions, got {type(opts).__name__}")
     t0 = time.monotonic()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     base = base_spec(spec, opts)
