@@ -521,3 +521,30 @@ def test_a_malformed_stored_result_is_a_failed_point_not_a_crash(tmp_path, capsy
     points = {p["id"]: p for p in json.loads((tmp_path / "out" / "results.json").read_text())["points"]}
     assert points["o2_w8"]["status"] == "ok" and points["o2_w16"]["status"] == "failed"
     assert "stored result is not a point's figures" in points["o2_w16"]["note"]
+
+
+def test_explicit_workers_are_capped_at_the_waiting_points(tmp_path, monkeypatch):
+    """--workers 4 for one point started four worker processes (~200 MB each); one is enough."""
+    import io
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    started = []
+
+    class Idle:  # a worker that claims nothing: the coordinator runs the point itself
+        returncode = 0
+
+        def __init__(self, *a, **k):
+            started.append(a)
+            self.stdin = io.StringIO()
+
+        def poll(self):
+            return 0
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(sweep_mod, "subprocess", types.SimpleNamespace(Popen=Idle, PIPE=-1))  # this module's only
+    monkeypatch.setattr(sweep_mod, "STALE_POLL_S", 0)
+    rc = main(["explore", str(SPEC), "--orders", "2", "--widths", "8", "--workers", "4", "--out", str(tmp_path / "out"),
+               "--storage", _storage(tmp_path)])
+    assert rc == 0 and len(started) == 1

@@ -70,8 +70,9 @@ class RecallOptions:
         if isinstance(lrs, (str, bytes)) or not isinstance(lrs, (list, tuple)) or not lrs:
             raise TypeError(f"learning_rates: expected a non-empty list of numbers, got {lrs!r}")
         for lr in lrs:
-            if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and 0 < lr < 1):
-                raise _fail("learning_rates", f"got {lr!r}; allowed: numbers in (0, 1)")
+            # the trainer's bound (TrainSettings: (0, 1]); this one refused 1 where the trainer took it
+            if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and 0 < lr <= 1):
+                raise _fail("learning_rates", f"got {lr!r}; allowed: numbers in (0, 1]")
         object.__setattr__(self, "learning_rates", tuple(float(x) for x in dict.fromkeys(lrs)))
         object.__setattr__(self, "seeds", check_ints("seeds", self.seeds, 0, 2**31 - 1, "integers in [0, 2^31)"))
 

@@ -459,13 +459,16 @@ def _drain(study, storage, ctx: Context, points: list[Point]) -> int:
 def _run_workers(study, storage, name: str, ctx: Context) -> None:
     """``ctx.opts.workers`` processes (:func:`main`), one GPU each in turn, claiming points
     from the study until none waits."""
+    import optuna
+
     from ..tuning.claims import mark_stale
 
     payload = json.dumps({"spec": ctx.base.to_dict(), "options": ctx.opts.to_dict(), "mode": asdict(ctx.mode),
                           "out": str(ctx.out), "study": name, "device": ctx.device})
     gpus = visible_gpus() if ctx.device.startswith("cuda") else []
+    waiting = len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)))
     procs = []
-    for i in range(ctx.opts.workers):
+    for i in range(min(ctx.opts.workers, max(1, waiting))):  # --workers 8 for one point started 8 (~200 MB each)
         env = dict(os.environ)
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
