@@ -115,24 +115,17 @@ def _checked_weights(args, spec) -> bytes:
     """``--weights``' bytes, read once (the bytes checked are the bytes loaded), their header
     holding exactly the tensors of the model ``spec`` and ``--vocab`` make (its shapes from a
     model built on the meta device: nothing allocated); BundleError naming --weights."""
-    from pathlib import Path
-
     import torch
 
     from .export import BundleError
     from .export.verify import safetensors_problem, skipping_init
+    from .fileio import ReadError, read_whole
     from .model import RunningTensorLM
 
-    path = Path(args.weights)
-    if path.exists() and not path.is_file():
-        kind = "a folder" if path.is_dir() else "not a regular file"
-        raise BundleError(f"--weights {args.weights!r}: is {kind}; allowed: a safetensors file")
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise BundleError(f"--weights {args.weights!r}: no such file") from None
-    except OSError as exc:
-        raise BundleError(f"--weights {args.weights!r}: cannot be read ({exc.strerror or exc})") from None
+        data = read_whole(args.weights)
+    except ReadError as exc:
+        raise BundleError(f"--weights {args.weights!r}: {exc.why}; allowed: a safetensors file") from None
     with torch.device("meta"), skipping_init():
         shapes = RunningTensorLM(spec, vocab_size=args.vocab).state_dict()
     need = {k: (list(v.shape), v.is_floating_point()) for k, v in shapes.items()}

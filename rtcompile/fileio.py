@@ -46,6 +46,28 @@ def _why(exc: OSError) -> str:
     return exc.strerror or str(exc) or type(exc).__name__
 
 
+class ReadError(ValueError):
+    """An input file that cannot be read whole; ``why`` says so in words for the caller's own
+    message: "no such file", "is a folder", "is not a regular file", "cannot be read (<reason>)"."""
+
+    def __init__(self, path: Path, why: str):
+        super().__init__(f"{str(path)!r}: {why}")
+        self.why = why
+
+
+def read_whole(path: str | os.PathLike) -> bytes:
+    """A regular file's bytes, read once; ReadError otherwise (a FIFO is refused, not waited on)."""
+    p = Path(path)
+    if p.exists() and not p.is_file():
+        raise ReadError(p, "is a folder" if p.is_dir() else "is not a regular file")
+    try:
+        return p.read_bytes()
+    except FileNotFoundError:
+        raise ReadError(p, "no such file") from None
+    except OSError as exc:
+        raise ReadError(p, f"cannot be read ({_why(exc)})") from None
+
+
 def _failed(dest: Path, exc: OSError, part: str | None = None) -> WriteError:
     if isinstance(exc, WriteError):
         return exc

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from .fileio import atomic_write
+from .fileio import ReadError, atomic_write, read_whole
 
 ORDERS = range(2, 7)  # 2..6; order 7 at width 2 is already 64 keys, beyond that nobody asks
 MAX_WIDTH = 65536
@@ -291,11 +291,9 @@ def load_spec(path: str | os.PathLike) -> ModelSpec:
     if suffix not in (".toml", ".json"):
         raise SpecFileError(f"spec file {str(p)!r}: unsupported extension {suffix or '(none)'!r}; allowed: .toml, .json")
     try:
-        raw = p.read_bytes()
-    except FileNotFoundError:
-        raise SpecFileError(f"spec file {str(p)!r}: no such file") from None
-    except OSError as exc:
-        raise SpecFileError(f"spec file {str(p)!r}: cannot read ({exc.strerror})") from None
+        raw = read_whole(p)
+    except ReadError as exc:
+        raise SpecFileError(f"spec file {str(p)!r}: {exc.why}") from None
     try:
         text = raw.decode("utf-8")
         data = tomllib.loads(text) if suffix == ".toml" else json.loads(text, object_pairs_hook=_unique_keys)

@@ -123,3 +123,17 @@ def test_atomic_directory_replaces_only_what_may_replace_accepts(tmp_path):
     assert seen == [dest, dest]  # checked before writing and again just before the swap
     assert sorted(p.name for p in dest.iterdir()) == ["x"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]  # the old folder, moved aside, is gone
+
+
+def test_read_whole_says_why_it_cannot_read(tmp_path):
+    """One reader for the inputs read whole (a spec, export's --weights): each refusal in words, a
+    FIFO refused rather than waited on."""
+    from rtcompile.fileio import ReadError, read_whole
+
+    (tmp_path / "f").write_bytes(b"abc")
+    assert read_whole(tmp_path / "f") == b"abc"
+    os.mkfifo(tmp_path / "fifo")
+    for name, why in (("missing", "no such file"), (".", "is a folder"), ("fifo", "is not a regular file")):
+        with pytest.raises(ReadError) as info:
+            read_whole(tmp_path / name)
+        assert info.value.why == why and isinstance(info.value, ValueError)
