@@ -40,23 +40,8 @@ def _lazy_errors() -> tuple[type, ...]:
 INPUT_ERRORS = (SpecError, SpecTypeError, SpecFileError, WriteError)
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def _fmt_count(n: float) -> str:
-    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= div:
-            return f"{n / div:.2f} {unit}"
-    return f"{n:.0f}"
-
-
 def _cmd_info(args: argparse.Namespace) -> int:
-    from .figures import summary
+    from .figures import human_bytes, human_count, summary
     from .spec import load_spec
 
     spec = load_spec(args.spec)
@@ -81,19 +66,19 @@ def _cmd_info(args: argparse.Namespace) -> int:
         ("update rule", f"{data['update_rule']}" + (", l2norm" if f.l2norm else "")),
         ("projection / short conv", f"{f.projection} / {f.short_conv or 'off'}"),
         ("scale", f"{data['scale']:.6g}"),
-        ("state per head", f"{'x'.join(map(str, st['shape_per_head']))} {st['dtype']} = {_fmt_bytes(st['bytes_per_head'])}"),
-        ("state per sequence, one layer", _fmt_bytes(st["bytes_per_sequence_per_layer"])),
-        ("state per sequence, all layers", _fmt_bytes(st["bytes_per_sequence"])),
-        ("parameters per layer", _fmt_count(par["per_layer"])),
-        ("parameters (no embeddings)", _fmt_count(par["model_excluding_embeddings"])),
-        ("recurrent FLOPs / token / layer", _fmt_count(rec["flops_per_token_per_layer"])),
-        ("recurrent bytes / token / layer", _fmt_bytes(rec["bytes_per_token_per_layer"])),
+        ("state per head", f"{'x'.join(map(str, st['shape_per_head']))} {st['dtype']} = {human_bytes(st['bytes_per_head'], '.2f')}"),
+        ("state per sequence, one layer", human_bytes(st["bytes_per_sequence_per_layer"], ".2f")),
+        ("state per sequence, all layers", human_bytes(st["bytes_per_sequence"], ".2f")),
+        ("parameters per layer", human_count(par["per_layer"], ".2f", ".0f")),
+        ("parameters (no embeddings)", human_count(par["model_excluding_embeddings"], ".2f", ".0f")),
+        ("recurrent FLOPs / token / layer", human_count(rec["flops_per_token_per_layer"], ".2f", ".0f")),
+        ("recurrent bytes / token / layer", human_bytes(rec["bytes_per_token_per_layer"], ".2f")),
         ("recurrent FLOPs / byte", f"{rec['flops_per_byte']:.2f}"),
         (
             f"chunk (C={chk['chunk_size']}{', default' if chk['chunk_size_is_default'] else ''}) FLOPs / token / layer",
-            _fmt_count(chk["flops_per_token_per_layer"]),
+            human_count(chk["flops_per_token_per_layer"], ".2f", ".0f"),
         ),
-        ("chunk bytes / token / layer", _fmt_bytes(chk["bytes_per_token_per_layer"])),
+        ("chunk bytes / token / layer", human_bytes(chk["bytes_per_token_per_layer"], ".2f")),
         ("chunk FLOPs / byte", f"{chk['flops_per_byte']:.2f}"),
     ]
     for r in rows:

@@ -140,3 +140,24 @@ def summary(spec: ModelSpec) -> dict:
             "flops_per_byte": chk.intensity,
         },
     }
+
+
+def human_bytes(n: float | None, fmt: str = ".3g") -> str:
+    """``n`` bytes in B, KiB, MiB, GiB or TiB (``fmt`` above bytes); "-" for None."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:{fmt}} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_count(n: float | None, fmt: str = ".3g", small: str | None = None) -> str:
+    """``n`` with a k, M or G suffix (``fmt``; below 1000 ``small``, default ``fmt``); "-" for None."""
+    if n is None:
+        return "-"
+    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:{fmt}} {unit}"
+    return f"{n:{small or fmt}}"

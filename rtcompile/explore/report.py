@@ -23,6 +23,7 @@ from typing import Any, Mapping, Sequence
 
 from .._version import __version__
 from ..fileio import atomic_write
+from ..figures import human_bytes, human_count
 from .points import MATCH_TOLERANCE, MLP, parameters
 from .sweep import DECODE_BATCHES, PARETO_DECODE_BATCH, PREFILL_SHAPES, SweepResult
 
@@ -177,25 +178,6 @@ def csv_rows(recs: Sequence[Mapping[str, Any]], head: Mapping[str, Any]) -> tupl
     return cols, rows
 
 
-def _size(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
-        n /= 1024
-    return "-"  # pragma: no cover
-
-
-def _count(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= div:
-            return f"{n / div:.3g} {unit}"
-    return f"{n:.3g}"
-
-
 def _clip(note: str | None, n: int = NOTE_IN_TABLE) -> str:
     note = note or ""
     return note if len(note) <= n else note[: n - 3] + "..."
@@ -206,7 +188,7 @@ def _speed_cell(f: Mapping[str, Any] | None) -> str:
         return "-"
     s = f["seconds"]
     lat = f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} us"
-    return f"{lat}, {_count(f['tokens_per_s'])} tok/s"
+    return f"{lat}, {human_count(f['tokens_per_s'])} tok/s"
 
 
 def print_table(recs: Sequence[Mapping[str, Any]], head: Mapping[str, Any], file: Any = None) -> None:
@@ -234,7 +216,8 @@ def print_table(recs: Sequence[Mapping[str, Any]], head: Mapping[str, Any], file
         figs = {(f["phase"], f["batch"], f["seq_len"]): f for f in r["speed"]}
         sources = sorted({f["source"] for f in r["speed"] if f["seconds"] is not None})
         row = [r["id"], axes, f"{r['heads']} x {r['value_width']}", str(r["model_width"]),
-               _size(r["state_bytes_per_sequence"]), _size(r["state_bytes_per_layer"]), _count(r["parameters"])]
+               human_bytes(r["state_bytes_per_sequence"]), human_bytes(r["state_bytes_per_layer"]),
+               human_count(r["parameters"])]
         row += [_speed_cell(figs.get(s)) for s in shapes]
         row.append("+".join(sources) or "-")
         if head["recall"]:
