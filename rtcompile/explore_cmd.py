@@ -95,6 +95,8 @@ def _options(args):
         if sep and field in OPTION_OF:
             if field == "kv_pairs":  # the pair count and the length limit each other
                 rest = rest.replace("seq_len", "--seq-len")
+            if field == "vocab_size":  # ... and the pair count the vocabulary
+                rest = rest.replace("kv_pairs", "--kv-pairs")
             raise UsageError(f"rtcompile explore: {OPTION_OF[field]}: {rest}") from None
         raise UsageError(f"rtcompile explore: {exc}") from None
 

@@ -231,7 +231,7 @@ def test_recall_path_calls_the_trainer_and_reports_accuracy(tmp_path, capsys, mo
     (["--orders", "2", "--widths", "8", "--d-model", "0"], "--d-model"),
     (["--orders", "2", "--widths", "8", "--target", "nope"], "--target"),
     (["--orders", "2", "--widths", "8", "--recall", "--kv-pairs", "100"], "--kv-pairs"),
-    (["--orders", "2", "--widths", "8", "--recall", "--kv-pairs", "8", "--vocab", "16"], "--vocab"),
+    (["--orders", "2", "--widths", "8", "--recall", "--kv-pairs", "8", "--vocab", "16"], "2 * --kv-pairs + 1 = 17"),
     (["--orders", "2", "--widths", "8", "--recall", "--lrs", "2"], "--lrs"),
     (["--widths", "8"], "--orders"),
     (["--orders", "2", "--widths", "8", "--steps", "2"], "--steps"),  # accepted and ignored without --recall
