@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .functional import needs_grad, resolve_backend, running_tensor, running_tensor_decode_
+from .functional import BACKENDS, needs_grad, resolve_backend, running_tensor, running_tensor_decode_
 from .spec import ModelSpec, SpecError
 
 # A replacement state mixer: ``mixer(spec, q, k, v, g, beta, state) -> (o, new_state)`` with q, k
@@ -358,6 +358,10 @@ def _cache_layout(spec: ModelSpec, widths: list[int]) -> tuple[tuple[int, ...], 
     return (spec.heads, *spec.key_widths, spec.value_width), w - 1, tails
 
 
+# what a cache's state may be held in: the step's dtypes, and float64 for a float64 model's reference
+CACHE_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 def _check_cache(model, cache, B: int, device) -> None:
     """``cache`` as forward returns it for ``B`` sequences of ``model``: shapes only (host side,
     ~1 us a layer)."""
@@ -382,6 +386,9 @@ def _check_cache(model, cache, B: int, device) -> None:
                              f"{[B, *rest]}")
         if state.device != device:
             raise ValueError(f"cache[{i}]['state']: on {state.device}, tokens on {device}; allowed: the same device")
+        if state.dtype not in CACHE_STATE_DTYPES:  # an int64 state was cast to fp32 by step, named initial_state by forward
+            raise TypeError(f"cache[{i}]['state']: dtype {state.dtype}; allowed: "
+                            f"{', '.join(str(d) for d in CACHE_STATE_DTYPES)}")
         if not tails:
             continue
         conv = c.get("conv")
@@ -395,10 +402,14 @@ def _check_cache(model, cache, B: int, device) -> None:
                              f"{[[B, tail_len, ch] for ch in tails]} (as forward returns them)")
 
 
-def check_call(model, tokens, cache, plan) -> None:
+def check_call(model, tokens, cache, plan, backend: str = "auto", update_cache: bool = False) -> None:
     """:meth:`RunningTensorLM.forward`'s arguments, host side only (see its docstring)."""
     if torch.compiler.is_compiling():
         return
+    if not isinstance(backend, str) or backend not in BACKENDS:  # a misspelt one ran the reference in a step
+        raise ValueError(f"backend: got {backend!r}; allowed: {', '.join(BACKENDS)}")
+    if not isinstance(update_cache, bool):
+        raise TypeError(f"update_cache: expected a bool, got {type(update_cache).__name__}")
     if not isinstance(tokens, torch.Tensor):
         raise TypeError(f"tokens: expected a torch.Tensor of token ids [B, T], got {type(tokens).__name__}")
     if tokens.dtype not in (torch.int64, torch.int32):
@@ -416,6 +427,9 @@ def check_call(model, tokens, cache, plan) -> None:
         if not isinstance(plan, Plan):
             raise TypeError(f"plan: expected a rtcompile.plan.Plan (Plan.load(path), make_plan) or None, "
                             f"got {type(plan).__name__} (plan= or the model's .plan)")
+    if update_cache and (cache is None or tokens.shape[1] != 1):  # was ignored: a new state came back
+        raise ValueError(f"update_cache: True with {'no cache' if cache is None else f'T = {tokens.shape[1]}'}; "
+                         "allowed: a cache and T = 1 (the serving step)")
     if cache is not None:
         _check_cache(model, cache, tokens.shape[0], device)
     if device.type == "cpu":  # no sync on the CPU: the ids' range is free to check here
@@ -472,7 +486,7 @@ class RunningTensorLM(nn.Module):
         range is checked here only for CPU tokens (free there); :meth:`generate` checks it on
         any device (one sync, before its prefill)."""
         plan = plan if plan is not None else self.plan
-        check_call(self, tokens, cache, plan)
+        check_call(self, tokens, cache, plan, backend, update_cache)
         # a replaced mixer (the ONNX exporter's) allocates no state here; under tracing the
         # eager call has checked already
         if mixer is None and not torch.compiler.is_compiling():

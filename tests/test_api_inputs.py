@@ -280,6 +280,21 @@ FORWARD_CASES = [
                  rf"tokens: ids from {VOCAB + 5} to {VOCAB + 5}; allowed: 0 to {VOCAB - 1}", id="step-out-of-vocab-cpu"),
     pytest.param(lambda lm, c: lm.step(torch.tensor([1]), "x"), TypeError, r"cache: expected None or the list",
                  id="step-cache-string"),
+    # a misspelt backend ran the reference in a step, and was named only after the embedding in forward
+    pytest.param(lambda lm, c: lm.step(torch.tensor([1]), c, backend="tirton"), ValueError,
+                 r"backend: got 'tirton'; allowed: auto, triton, reference", id="step-backend-typo"),
+    pytest.param(lambda lm, c: lm(torch.tensor([[1]]), backend="tirton"), ValueError, r"backend: got 'tirton'",
+                 id="forward-backend-typo"),
+    # update_cache="no" was truthy and updated the cache in place; at T = 2 or without a cache it was ignored
+    pytest.param(lambda lm, c: lm(torch.tensor([[1]]), c, update_cache="no"), TypeError,
+                 r"update_cache: expected a bool, got str", id="forward-update-cache-str"),
+    pytest.param(lambda lm, c: lm(torch.tensor([[1, 2]]), c, update_cache=True), ValueError,
+                 r"update_cache: True with T = 2; allowed: a cache and T = 1", id="forward-update-cache-T2"),
+    pytest.param(lambda lm, c: lm(torch.tensor([[1]]), update_cache=True), ValueError,
+                 r"update_cache: True with no cache", id="forward-update-cache-no-cache"),
+    # an int64 state was cast to fp32 by step, and named initial_state (never passed) by forward
+    pytest.param(lambda lm, c: lm.step(torch.tensor([1]), [{**x, "state": x["state"].long()} for x in c]), TypeError,
+                 r"cache\[0\]\['state'\]: dtype torch\.int64; allowed: torch\.float32", id="step-int-state"),
 ]
 
 
@@ -464,3 +479,18 @@ def test_a_conconlyc_cache_needs_one_tail_per_stream():
         cache[1]["conv"] = cache[1]["conv"][:-1]
         with pytest.raises(ValueError, match=r"cache\[1\]\['conv'\]: .*allowed: 5 tails"):
             m.step(torch.tensor([3]), cache)
+
+
+def test_the_decode_step_refuses_inputs_that_require_grad():
+    """Its output had no grad_fn: the gradients were lost without a word. validate=False (the
+    serving path, inside CUDA graphs) skips this check as it skips the index check."""
+    from rtcompile import running_tensor_decode_
+
+    q = [torch.randn(2, 1, 1, w) for w in (2, 4)]
+    k = [torch.randn(2, 1, 1, w) for w in (2, 4)]
+    v = torch.randn(2, 1, 1, 3, requires_grad=True)
+    cache = torch.zeros(4, 1, 2, 4, 3)
+    with pytest.raises(ValueError, match=r"running_tensor_decode_: an input requires grad, but the Triton decode "
+                                         r"step has no backward; allowed: .*torch\.no_grad"):
+        running_tensor_decode_(q, k, v, state_cache=cache, state_indices=torch.tensor([0, 1]))
+    assert torch.equal(cache, torch.zeros(4, 1, 2, 4, 3))  # refused before the launch
