@@ -66,7 +66,7 @@ def running_tensor(
         cu_seqlens: int32 (or int64) offsets ``[N + 1]`` of sequences packed along T, with B = 1.
         Every tensor may be a strided view (e.g. a slice of a fused projection); the Triton
         backend copies such views once before its launches, and gradients have the inputs' shapes.
-        mode: ``"recurrent"``, ``"chunk"`` or ``"auto"``.
+        mode: ``"recurrent"``, ``"chunk"`` or ``"auto"`` (with a ``variant``, its form's mode).
         chunk_size: chunk length for ``mode="chunk"``; default: the variant's (Triton) or 64.
         backend: ``"triton"`` (CUDA, or the interpreter with TRITON_INTERPRET=1),
             ``"reference"`` (PyTorch, differentiable, any order), or ``"auto"``: Triton when it
@@ -161,7 +161,8 @@ def running_tensor(
                                                       cu_seqlens)
         else:
             why_no_backward = backward_refusal(p, cu_seqlens)
-    backend = resolve_backend(backend, v, order, grad, why_no_backward=why_no_backward)
+    backend = resolve_backend(backend, v, order, grad, why_no_backward=why_no_backward,
+                              state_dtype=None if initial_state is None else initial_state.dtype)
     if defer_plan and backend != "triton":  # no op to defer to: the plan's mode, as eagerly
         mode = plan.decision_for("prefill", v.shape[0], seq_len).mode
     if backend != "triton":
@@ -170,6 +171,10 @@ def running_tensor(
         from .kernels.launch import runnable
 
         variant = runnable(variant, p, v.device)
+    if mode == "auto" and backend == "triton" and variant is not None:
+        # the caller's variant says its form: mode="auto" with a chunk config at T = 20 picked the
+        # recurrent form by length and refused the config
+        mode = "recurrent" if variant.kernel == "recurrent" else "chunk"
     if mode == "auto" and not (backend == "triton" and _tracing(v)):
         mode = auto_mode(seq_len, C)  # traced Triton calls leave it to the op (no guard on T)
     if backend == "triton" and not grad and not _tracing(v):
@@ -271,7 +276,7 @@ NO_DECODE_BACKWARD = "the Triton decode step has no backward"
 
 
 def resolve_backend(backend: str, v: torch.Tensor, order: int, grad: bool, *,
-                    why_no_backward: str | None = NO_DECODE_BACKWARD) -> str:
+                    why_no_backward: str | None = NO_DECODE_BACKWARD, state_dtype: torch.dtype | None = None) -> str:
     """``"triton"`` or ``"reference"`` for a call with values ``v`` (see :func:`running_tensor`'s
     ``backend``). ``grad``: an input requires grad; ``why_no_backward``: why the Triton backward
     cannot run the call (None when it can; the default serves the decode step, which has none).
@@ -285,8 +290,10 @@ def resolve_backend(backend: str, v: torch.Tensor, order: int, grad: bool, *,
             )
         return "reference"
     if backend == "auto":
-        # float64 stays on the reference: the kernels accumulate in fp32
-        usable = _triton_available(v) and order <= MAX_TRITON_ORDER and v.dtype != torch.float64
+        # float64 stays on the reference: the kernels accumulate in fp32 (a float64 initial state
+        # too: the Triton path refuses it, the reference takes it)
+        usable = _triton_available(v) and order <= MAX_TRITON_ORDER and v.dtype != torch.float64 \
+            and state_dtype != torch.float64
         return "triton" if usable else "reference"
     return backend
 

@@ -55,7 +55,7 @@ BIG = KernelShape((64, 64), 64)
 REFUSALS = {
     # every chunk form shares chunk_refusal's rules
     "resident-chunk-48": (ResidentConfig(chunk_size=48, block_v=16), O3, "chunk_size=48; allowed: a power of two"),
-    "resident-chunk-256": (ResidentConfig(chunk_size=256, block_v=16), O3, "chunk_size=256; allowed: 16, 32, 64 or 128"),
+    "resident-chunk-256": (ResidentConfig(chunk_size=256, block_v=16), O3, "chunk_size=256; allowed: 16, 32, 64, 128"),
     "resident-block-v-8": (ResidentConfig(chunk_size=16, block_v=8), O3, "block_v=8; allowed: 16 .. 64"),
     "resident-stages-5": (ResidentConfig(chunk_size=16, block_v=16, num_stages=5), O3,
                           "num_stages=5; allowed: 1, 2, 3 or 4"),

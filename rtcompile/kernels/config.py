@@ -237,6 +237,9 @@ def checked(config: "KernelConfig", shape: KernelShape, limit: int | None) -> st
     return config.check(shape) if limit is None else config.check(shape, limit)
 
 
+CHUNK_SIZES = (16, 32, 64, 128)  # what chunk_refusal lets through, before each form's own limits
+
+
 def chunk_refusal(cfg, shape: KernelShape) -> str | None:
     """The rules every chunk form shares: power-of-two tiles, 16 <= C <= 128 (tl.dot needs
     16 on every side; the solve is O(C^3)), a value tile no wider than d_v rounded up, a known
@@ -244,8 +247,8 @@ def chunk_refusal(cfg, shape: KernelShape) -> str | None:
     lowering had not finished after 50 s on the H200), and the prepare kernel's warps."""
     if (reason := cfg._check_pow2("chunk_size", "block_v", "num_warps")) is not None:
         return reason
-    if not 16 <= cfg.chunk_size <= 128:
-        return f"chunk_size={cfg.chunk_size}; allowed: 16, 32, 64 or 128"
+    if cfg.chunk_size not in CHUNK_SIZES:
+        return f"chunk_size={cfg.chunk_size}; allowed: {', '.join(map(str, CHUNK_SIZES))}"
     if not 16 <= cfg.block_v <= shape.value_dim_pow2:
         return f"block_v={cfg.block_v}; allowed: 16 .. {shape.value_dim_pow2} (d_v rounded up)"
     if isinstance(cfg.num_stages, bool) or not isinstance(cfg.num_stages, int) or not 1 <= cfg.num_stages <= 4:

@@ -27,7 +27,7 @@ from .chunk_fused import FusedConfig
 from .chunk_resident import ResidentConfig
 from .chunk_split import SplitConfig
 from .chunk_streamed import StreamedConfig
-from .config import DEFAULT_SMEM_BYTES, KernelConfig, KernelShape, checked
+from .config import CHUNK_SIZES, DEFAULT_SMEM_BYTES, KernelConfig, KernelShape, checked
 from .forms import check_config, config_from_dict, default_config
 from .inputs import Problem, check_inputs
 from .decode_plan import DECODE_PLANS, DecodePlan, PlanCache, check_indices, signature_key
@@ -115,6 +115,13 @@ def resolve_config(kernel: str, variant: KernelConfig | None, p: Problem, device
             and getattr(variant, "tma", False):  # a chosen config runs without TMA on an older GPU
         variant = dataclasses.replace(variant, tma=False)
         reason = checked(variant, shape, limit) or device_refusal(variant, device)
+    if reason is not None and chosen and chunk_size is not None:  # the caller named a chunk size, not a variant
+        base = _default(kernel, shape, limit, device)
+        ok = [str(c) for c in CHUNK_SIZES if checked(dataclasses.replace(base, chunk_size=c), shape, limit) is None
+              and device_refusal(dataclasses.replace(base, chunk_size=c), device) is None]
+        raise ValueError(f"chunk_size: {chunk_size} cannot run K={shape.key_dim}, d_v={shape.value_width} on the Triton "
+                         f"backend ({reason}); allowed: {', '.join(ok) or 'none here'}, or backend='reference' (any "
+                         "size)")
     if reason is not None:
         raise ValueError(f"variant: {variant} cannot run K={shape.key_dim}, d_v={shape.value_width}: {reason}")
     if chunk_size is not None and variant.chunk_size != chunk_size:

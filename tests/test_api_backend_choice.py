@@ -1,0 +1,63 @@
+"""``running_tensor``'s choices for the caller: the mode a variant implies, the backend an fp64
+initial state needs, and a chunk size the Triton kernels cannot run named as chunk_size."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import rtcompile
+from rtcompile.kernels.chunk_resident import ResidentConfig
+from rtcompile.kernels.reference import running_tensor_recurrent_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+TRITON = DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+needs_triton = pytest.mark.skipif(not TRITON, reason="the Triton backend: a GPU or TRITON_INTERPRET=1")
+
+
+def _inputs(T: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen).to(DEVICE)  # noqa: E731
+    q = [r(1, T, 1, w) for w in (2, 4)]
+    k = [r(1, T, 1, w) for w in (2, 4)]
+    v = r(1, T, 1, 16)
+    g = -torch.rand(1, T, 1, generator=gen).to(DEVICE)
+    beta = torch.rand(1, T, 1, generator=gen).to(DEVICE)
+    return q, k, v, g, beta
+
+
+@needs_triton
+@pytest.mark.parametrize("T", [20, 64], ids=["T20", "T64"])
+def test_auto_with_a_chunk_variant_runs_that_variant(T):
+    """Before: at T = 20 "auto" chose the recurrent form by length and refused the chunk config
+    (TypeError: expected one of RecurrentConfig); at T = 64 it ran."""
+    q, k, v, g, beta = _inputs(T)
+    o, s = rtcompile.running_tensor(q, k, v, g, beta, mode="auto", variant=ResidentConfig(chunk_size=16, block_v=16),
+                                    output_final_state=True, backend="triton")
+    d = lambda xs: [x.double() for x in xs]  # noqa: E731
+    o_ref, s_ref = running_tensor_recurrent_ref(d(q), d(k), v.double(), g.double(), beta.double(),
+                                                output_final_state=True)
+    assert (o.double() - o_ref).abs().max() < 1e-4 and (s.double() - s_ref).abs().max() < 1e-4
+
+
+@needs_triton
+def test_auto_takes_the_reference_for_a_float64_initial_state():
+    """Before: fp32 inputs with an fp64 initial state went to Triton, which refused the state's
+    dtype; the reference takes it, as the docstring's "auto" promises."""
+    q, k, v, g, beta = _inputs(5)
+    h0 = torch.randn(1, 1, 2, 4, 16, dtype=torch.float64, device=DEVICE)
+    o, _ = rtcompile.running_tensor(q, k, v, g, beta, initial_state=h0)
+    want, _ = rtcompile.running_tensor(q, k, v, g, beta, initial_state=h0, backend="reference")
+    assert torch.equal(o, want)
+
+
+@needs_triton
+def test_a_chunk_size_the_kernels_cannot_run_is_named_as_chunk_size():
+    """Before: "variant: ResidentConfig(chunk_size=8, ...) cannot run ..." for a call that gave
+    no variant. Now the argument given, and the sizes that do run."""
+    q, k, v, g, beta = _inputs(40)
+    with pytest.raises(ValueError, match=r"^chunk_size: 8 cannot run K=8, d_v=16 on the Triton backend \(.*\); "
+                                         r"allowed: 16, .*backend='reference'"):
+        rtcompile.running_tensor(q, k, v, g, beta, mode="chunk", chunk_size=8, backend="triton")
