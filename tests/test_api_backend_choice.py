@@ -61,3 +61,19 @@ def test_a_chunk_size_the_kernels_cannot_run_is_named_as_chunk_size():
     with pytest.raises(ValueError, match=r"^chunk_size: 8 cannot run K=8, d_v=16 on the Triton backend \(.*\); "
                                          r"allowed: 16, .*backend='reference'"):
         rtcompile.running_tensor(q, k, v, g, beta, mode="chunk", chunk_size=8, backend="triton")
+
+
+@needs_triton
+@pytest.mark.parametrize("call", ["running_tensor", "running_tensor_decode_"])
+def test_stacked_factors_are_refused_after_a_cached_call_too(call):
+    """Before: once a call with a list of factors had a cached launch plan, the same factors
+    stacked into one tensor unpacked into matching slices and ran; the full checks refuse them."""
+    _, _, v, g, beta = _inputs(1)
+    qs = [torch.randn(1, 1, 1, 4, device=DEVICE) for _ in range(2)]  # two factors of one width: stackable
+    ks = [torch.randn(1, 1, 1, 4, device=DEVICE) for _ in range(2)]
+    fn = getattr(rtcompile, call)
+    kw = {} if call == "running_tensor" else dict(state_cache=torch.zeros(2, 1, 4, 4, 16, device=DEVICE),
+                                                   state_indices=torch.tensor([0], device=DEVICE))
+    fn(qs, ks, v, g, beta, **kw)  # the list form: a plan noted
+    with pytest.raises(TypeError, match=r"q: expected a list or tuple"):
+        fn(torch.stack(qs), torch.stack(ks), v, g, beta, **kw)

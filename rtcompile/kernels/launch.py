@@ -276,6 +276,11 @@ class CallPlan:
 CALL_PLANS = PlanCache()  # call_key(...) -> CallPlan
 
 
+# a stacked tensor unpacks into slices of the shapes a cached list of factors had: a plan found by
+# them served q = torch.stack(factors), which the full checks refuse ("q: expected a list or tuple")
+FACTOR_SEQUENCES = (list, tuple)
+
+
 def call_head(q, k, g, beta, initial_state, scale, output_final_state, l2norm, mode, chunk_size, backend,
               variant) -> tuple:
     """The plain arguments of a public ``running_tensor`` call that its plan depends on (with the
@@ -286,6 +291,8 @@ def call_head(q, k, g, beta, initial_state, scale, output_final_state, l2norm, m
     ``64.0`` or ``True`` is not served by a plan made for ``64`` or ``1``."""
     if output_final_state.__class__ is not bool or l2norm.__class__ is not bool:
         raise TypeError("flags that are not bools go through the full checks")
+    if q.__class__ not in FACTOR_SEQUENCES or k.__class__ not in FACTOR_SEQUENCES:
+        raise TypeError("factors not in a list or tuple go through the full checks")
     return (len(q), len(k), g is None, beta is None, initial_state is None, scale, scale.__class__,
             output_final_state, l2norm, mode, chunk_size, chunk_size.__class__, backend, variant, interpreting(),
             tuned.generation())
@@ -302,6 +309,8 @@ def decode_head(q, k, g, beta, scale, l2norm, variant) -> tuple:
     """The plain arguments of a decode call that its plan depends on, as :func:`call_head`."""
     if l2norm.__class__ is not bool:
         raise TypeError("flags that are not bools go through the full checks")
+    if q.__class__ not in FACTOR_SEQUENCES or k.__class__ not in FACTOR_SEQUENCES:
+        raise TypeError("factors not in a list or tuple go through the full checks")
     return (len(q), len(k), g is None, beta is None, scale, scale.__class__, l2norm, variant, interpreting(),
             tuned.generation())
 
