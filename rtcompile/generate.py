@@ -150,14 +150,14 @@ class StaticStep:
         options = STEP_INDUCTOR_OPTIONS if inductor_options is None else inductor_options
         self._step = torch.compile(model.step, fullgraph=True, options=options or None) if compiled else model.step
         self.tokens = torch.zeros(bucket, dtype=torch.int64, device=p.device)
-        # the state cache and tails as a step would have them after its first in-place update;
-        # made by a zero-prompt prefill so that their shapes follow the layers, whatever the spec
-        with torch.no_grad():
-            _, cache = model(torch.zeros(bucket, 1, dtype=torch.int64, device=p.device), backend=backend)
+        # the state cache and tails as a step would have them after its first in-place update, in
+        # the shapes forward checks a cache against (model.cache_layout; a zero-prompt prefill of
+        # the bucket made them before)
+        rest, tail_len, tails = model.cache_layout
         dtype = step_state_dtype(model.spec, model.plan, bucket, p.dtype)
-        self.cache = [{"state": torch.zeros(c["state"].shape, dtype=dtype, device=p.device),
-                       "conv": None if c["conv"] is None else [torch.zeros_like(t) for t in c["conv"]]}
-                      for c in cache]
+        self.cache = [{"state": torch.zeros(bucket, *rest, dtype=dtype, device=p.device),
+                       "conv": [torch.zeros(bucket, tail_len, ch, dtype=p.dtype, device=p.device) for ch in tails]
+                       if tails else None} for _ in model.mixers]
         self.logits = None
         self.graph = None
         if capture:
