@@ -239,7 +239,8 @@ def check_storage(url: str | None, create: bool) -> None:
     check_store_file(url, create)
     if url is None or store_file(url) is not None:
         return
-    if url.split("?", 1)[0] in ("sqlite://", "sqlite:///:memory:"):  # gone at exit; worker processes see another
+    base = url.split("?", 1)[0]
+    if base.startswith("sqlite") and base.split("://", 1)[-1] in ("", "/:memory:"):  # sqlite[+driver]://; gone at exit
         raise StoreError(f"storage {url!r}: an in-memory database, which worker processes cannot share and no run "
                          "can resume; allowed: sqlite:///FILE, journal:PATH or a database server's URL")
     if url.startswith("journal:"):

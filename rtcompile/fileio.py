@@ -58,9 +58,9 @@ class ReadError(ValueError):
 def read_whole(path: str | os.PathLike) -> bytes:
     """A regular file's bytes, read once; ReadError otherwise (a FIFO is refused, not waited on)."""
     p = Path(path)
-    if p.exists() and not p.is_file():
-        raise ReadError(p, "is a folder" if p.is_dir() else "is not a regular file")
-    try:
+    try:  # the checks too: exists() raises PermissionError in a folder that cannot be searched
+        if p.exists() and not p.is_file():
+            raise ReadError(p, "is a folder" if p.is_dir() else "is not a regular file")
         return p.read_bytes()
     except FileNotFoundError:
         raise ReadError(p, "no such file") from None

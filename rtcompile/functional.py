@@ -174,7 +174,7 @@ def running_tensor(
     if mode == "auto" and backend == "triton" and variant is not None:
         # the caller's variant says its form: mode="auto" with a chunk config at T = 20 picked the
         # recurrent form by length and refused the config
-        mode = "recurrent" if variant.kernel == "recurrent" else "chunk"
+        mode = "recurrent" if getattr(variant, "kernel", None) == "recurrent" else "chunk"  # else: refused as a variant
     if mode == "auto" and not (backend == "triton" and _tracing(v)):
         mode = auto_mode(seq_len, C)  # traced Triton calls leave it to the op (no guard on T)
     if backend == "triton" and not grad and not _tracing(v):
@@ -243,7 +243,8 @@ def running_tensor_decode_(
             list(q), list(k), v, g, beta, state_cache, state_indices,
             float(scale) if scale is not None else _default_scale(q), l2norm, variant_to_json(variant),
         )
-    if validate and needs_grad(*q, *k, v, g, beta, state_cache):  # its output had no grad_fn: gradients lost silently
+    if validate and isinstance(q, (list, tuple)) and isinstance(k, (list, tuple)) \
+            and needs_grad(*q, *k, v, g, beta, state_cache):  # other q / k: the launcher's checks name them  # its output had no grad_fn: gradients lost silently
         raise ValueError(f"running_tensor_decode_: an input requires grad, but {NO_DECODE_BACKWARD}; allowed: "
                          "inputs under torch.no_grad() / torch.inference_mode(), or running_tensor(..., "
                          "backend='reference') for a step to differentiate")

@@ -510,6 +510,9 @@ class RunningTensorLM(nn.Module):
         branch from an earlier point.
         ``fused``: :meth:`input_projections`, one product per layer for its input maps.
         ``tokens`` and ``cache`` are checked as :meth:`forward` checks them."""
+        if not torch.compiler.is_compiling() and cache is None:  # forward's refusal would name update_cache
+            raise TypeError("cache: expected the list of per-layer dicts that forward returns (a step continues a "
+                            "prefill), got NoneType")
         if not torch.compiler.is_compiling() and (not isinstance(tokens, torch.Tensor) or tokens.dim() != 1):
             got = list(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
             error = ValueError if isinstance(tokens, torch.Tensor) else TypeError

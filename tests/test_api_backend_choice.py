@@ -58,7 +58,7 @@ def test_a_chunk_size_the_kernels_cannot_run_is_named_as_chunk_size():
     """Before: "variant: ResidentConfig(chunk_size=8, ...) cannot run ..." for a call that gave
     no variant. Now the argument given, and the sizes that do run."""
     q, k, v, g, beta = _inputs(40)
-    with pytest.raises(ValueError, match=r"^chunk_size: 8 cannot run K=8, d_v=16 on the Triton backend \(.*\); "
+    with pytest.raises(ValueError, match=r"^chunk_size: 8 cannot run K=8, d_v=16 on the Triton backend; "
                                          r"allowed: 16, .*backend='reference'"):
         rtcompile.running_tensor(q, k, v, g, beta, mode="chunk", chunk_size=8, backend="triton")
 
@@ -77,3 +77,21 @@ def test_stacked_factors_are_refused_after_a_cached_call_too(call):
     fn(qs, ks, v, g, beta, **kw)  # the list form: a plan noted
     with pytest.raises(TypeError, match=r"q: expected a list or tuple"):
         fn(torch.stack(qs), torch.stack(ks), v, g, beta, **kw)
+
+
+@needs_triton
+def test_a_variant_of_the_wrong_type_is_still_a_type_error_naming_it():
+    """mode="auto" reads the variant's form: a str or dict variant is refused as a variant, not
+    an AttributeError."""
+    q, k, v, g, beta = _inputs(5)
+    for bad in ("x", {"form": "resident"}):
+        with pytest.raises(TypeError, match=r"variant: expected one of"):
+            rtcompile.running_tensor(q, k, v, g, beta, variant=bad, backend="triton")
+
+
+def test_the_decode_step_names_q_that_is_not_a_list():
+    """Its grad check comes after q and k are seen to be lists: None is refused naming q."""
+    v = torch.randn(1, 1, 1, 3)
+    with pytest.raises(TypeError, match=r"^q: expected a list or tuple"):
+        rtcompile.running_tensor_decode_(None, [torch.randn(1, 1, 1, 2)], v, state_cache=torch.zeros(2, 1, 2, 3),
+                                         state_indices=torch.tensor([0]))

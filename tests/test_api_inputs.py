@@ -280,6 +280,9 @@ FORWARD_CASES = [
                  rf"tokens: ids from {VOCAB + 5} to {VOCAB + 5}; allowed: 0 to {VOCAB - 1}", id="step-out-of-vocab-cpu"),
     pytest.param(lambda lm, c: lm.step(torch.tensor([1]), "x"), TypeError, r"cache: expected None or the list",
                  id="step-cache-string"),
+    pytest.param(lambda lm, c: lm.step(torch.tensor([1]), None), TypeError,
+                 r"cache: expected the list of per-layer dicts that forward returns \(a step continues a prefill\)",
+                 id="step-cache-none"),
     # a misspelt backend ran the reference in a step, and was named only after the embedding in forward
     pytest.param(lambda lm, c: lm.step(torch.tensor([1]), c, backend="tirton"), ValueError,
                  r"backend: got 'tirton'; allowed: auto, triton, reference", id="step-backend-typo"),

@@ -201,7 +201,7 @@ def test_tune_checks_the_storage_url_before_its_notice(work, capsys):
              "storage 'bogus://x'", "allowed: sqlite:///FILE")
 
 
-@pytest.mark.parametrize("url", ["sqlite:///:memory:", "sqlite://"])
+@pytest.mark.parametrize("url", ["sqlite:///:memory:", "sqlite://", "sqlite+pysqlite://"])
 def test_an_in_memory_store_is_refused(url, work, capsys):
     """Before: accepted; explore's workers each died on "Record does not exist" and lock files
     named ':memory:.lock' were left in the working folder."""

@@ -250,9 +250,10 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, option):
 @pytest.mark.parametrize("fields, exc, match", [
     (dict(storage=123), TypeError, r"^storage: expected a str or None, got int"),
     (dict(storage=""), ValueError, r"^storage: got ''; allowed: None"),
+    (dict(storage="   "), ValueError, r"^storage: got '   '; allowed: None"),
     (dict(target=5), TypeError, r"^target: expected a str, got int"),
     (dict(match=5), TypeError, r"^match: expected a str or None, got int"),
-], ids=["storage-int", "storage-empty", "target-int", "match-int"])
+], ids=["storage-int", "storage-empty", "storage-blank", "target-int", "match-int"])
 def test_sweep_options_refuse_wrong_types(fields, exc, match):
     """Before: storage=123 failed later in run_sweep (AttributeError), storage='' took the default
     store silently, and an int target or match was a ValueError."""
@@ -465,7 +466,7 @@ def test_a_damaged_speed_cache_is_measured_again(tmp_path):
     mode = sweep_mod.speed_mode("h200")
     cache = tmp_path / "speed.json"
     want = sweep_mod.point_speed(point, mode, "cpu")
-    for junk in ("{x", '{"a": 1}', "[1, 2]"):
+    for junk in ("{x", '{"a": 1}', "[1, 2]", '[{"a": 1}]'):
         cache.write_text(junk)
         assert sweep_mod.point_speed(point, mode, "cpu", cache) == want
 
@@ -548,3 +549,15 @@ def test_explicit_workers_are_capped_at_the_waiting_points(tmp_path, monkeypatch
     rc = main(["explore", str(SPEC), "--orders", "2", "--widths", "8", "--workers", "4", "--out", str(tmp_path / "out"),
                "--storage", _storage(tmp_path)])
     assert rc == 0 and len(started) == 1
+
+
+def test_checkpoint_folders_follow_the_trained_task_not_the_rates_or_seeds():
+    """The trainer resumes across learning rates and keeps a folder per seed: adding a seed or a
+    rate must find the finished trainings (hours each); another --steps or --vocab must not."""
+    from rtcompile.explore.points import make_point
+
+    opts = SweepOptions(orders=(2,), widths=(8,), recall=RecallOptions())
+    point = make_point(sweep_mod.base_spec(load_spec(SPEC), opts), opts, 2, 8)
+    folder = lambda **change: sweep_mod.checkpoints(Path("o"), point, RecallOptions(**change))  # noqa: E731
+    assert folder() == folder(seeds=(0, 1)) == folder(learning_rates=(1e-3, 5e-4))
+    assert folder() != folder(steps=10) and folder() != folder(vocab_size=2048)

@@ -137,3 +137,19 @@ def test_read_whole_says_why_it_cannot_read(tmp_path):
         with pytest.raises(ReadError) as info:
             read_whole(tmp_path / name)
         assert info.value.why == why and isinstance(info.value, ValueError)
+
+
+def test_read_whole_turns_a_permission_error_of_the_checks_into_its_refusal(tmp_path, monkeypatch):
+    """Path.exists() raises PermissionError in a folder that cannot be searched (Python 3.11): a
+    ReadError too, not a traceback from load_spec."""
+    from pathlib import Path
+
+    from rtcompile.fileio import ReadError, read_whole
+
+    def denied(self, *a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "exists", denied)
+    with pytest.raises(ReadError) as info:
+        read_whole(tmp_path / "s.toml")
+    assert info.value.why == "cannot be read (Permission denied)"

@@ -111,7 +111,7 @@ class SweepOptions:
         if self.target.lower() not in ("auto", *PROFILES):
             raise _fail("target", f"got {self.target!r}; allowed: auto, {', '.join(PROFILES)}")
         if self.storage is not None and not self.storage.strip():  # the CLI refuses it; run_sweep took the default
-            raise _fail("storage", "got ''; allowed: None (the default store) or a storage URL")
+            raise _fail("storage", f"got {self.storage!r}; allowed: None (the default store) or a storage URL")
         if self.recall is not None and not isinstance(self.recall, RecallOptions):
             raise TypeError(f"recall: expected RecallOptions or None, got {type(self.recall).__name__}")
         check_ints("workers", [self.workers], 1, 1024, "an integer in [1, 1024]")

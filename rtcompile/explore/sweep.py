@@ -174,11 +174,13 @@ def recall_figures(spec: ModelSpec, recall: RecallOptions, device: str, checkpoi
 
 
 def checkpoints(out: Path, point: Point, recall: RecallOptions) -> Path:
-    """Where a point's recall trainings keep their checkpoints: a folder per point spec and recall
-    settings (not per code version: a finished training resumes under newer kernels). One
-    folder for every setting made a rerun with another --steps, --vocab or --d-model fail each
-    point ("results.json was written for other settings")."""
-    key = json.dumps({"spec": point.spec.to_dict(), "recall": asdict(recall)}, sort_keys=True, default=str)
+    """Where a point's recall trainings keep their checkpoints: a folder per point spec and the
+    recall settings the trainer's fingerprint holds (not per code version: a finished training
+    resumes under newer kernels; not per learning rates or seeds: each seed has its folder and a
+    training takes more rates). One folder for every setting made a rerun with another --steps,
+    --vocab or --d-model fail each point ("results.json was written for other settings")."""
+    task = {name: getattr(recall, name) for name in ("seq_len", "kv_pairs", "vocab_size", "steps", "batch_size")}
+    key = json.dumps({"spec": point.spec.to_dict(), "recall": task}, sort_keys=True, default=str)
     return Path(out) / "points" / point.id / f"ckpt-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
@@ -198,7 +200,7 @@ def point_speed(point: Point, mode: SpeedMode, device: str, cache: Path | None =
             figures = json.loads(cache.read_text())
         except (OSError, UnicodeDecodeError, ValueError, RecursionError):
             figures = None
-        if isinstance(figures, list) and all(isinstance(f, dict) for f in figures):
+        if _figures_ok(figures):
             return figures
     with device_lock(device) if device.startswith("cuda") and mode.source == "measured" else nullcontext():
         return speed_figures(point.spec, mode)
@@ -490,16 +492,22 @@ def _run_workers(study, storage, name: str, ctx: Context) -> None:
         ctx.progress("sweep", f"worker processes exited with {bad}; their points are retried here")
 
 
+def _figures_ok(figures: Any) -> bool:
+    """Speed figures as :func:`speed_figures` makes them: phase, batch, source, seconds (None for
+    a shape that failed)."""
+    return isinstance(figures, list) and all(
+        isinstance(f, dict) and isinstance(f.get("phase"), str) and isinstance(f.get("batch"), int)
+        and isinstance(f.get("source"), str) and isinstance(f.get("seconds", ""), (int, float, type(None)))
+        for f in figures)
+
+
 def _well_formed(result: Any) -> bool:
-    """A stored point result as :func:`evaluate_point` writes it: speed figures (phase, batch,
-    source, seconds: None for a shape that failed) and recall None or with an accuracy."""
-    if not isinstance(result, dict) or not isinstance(result.get("speed"), list):
+    """A stored point result as :func:`evaluate_point` writes it: speed figures
+    (:func:`_figures_ok`) and recall None or with an accuracy."""
+    if not isinstance(result, dict) or not _figures_ok(result.get("speed")):
         return False
-    figures_ok = all(isinstance(f, dict) and isinstance(f.get("phase"), str) and isinstance(f.get("batch"), int)
-                     and isinstance(f.get("source"), str) and isinstance(f.get("seconds", ""), (int, float, type(None)))
-                     for f in result["speed"])
     recall = result.get("recall")
-    return figures_ok and (recall is None or isinstance(recall, dict) and isinstance(recall.get("accuracy"), (int, float)))
+    return recall is None or isinstance(recall, dict) and isinstance(recall.get("accuracy"), (int, float))
 
 
 def collect(study, result: SweepResult) -> None:

@@ -119,9 +119,9 @@ def resolve_config(kernel: str, variant: KernelConfig | None, p: Problem, device
         base = _default(kernel, shape, limit, device)
         ok = [str(c) for c in CHUNK_SIZES if checked(dataclasses.replace(base, chunk_size=c), shape, limit) is None
               and device_refusal(dataclasses.replace(base, chunk_size=c), device) is None]
+        why = f" ({reason})" if chunk_size in CHUNK_SIZES else ""  # else the size rule, restated by allowed
         raise ValueError(f"chunk_size: {chunk_size} cannot run K={shape.key_dim}, d_v={shape.value_width} on the Triton "
-                         f"backend ({reason}); allowed: {', '.join(ok) or 'none here'}, or backend='reference' (any "
-                         "size)")
+                         f"backend{why}; allowed: {', '.join(ok) or 'none here'}, or backend='reference' (any size)")
     if reason is not None:
         raise ValueError(f"variant: {variant} cannot run K={shape.key_dim}, d_v={shape.value_width}: {reason}")
     if chunk_size is not None and variant.chunk_size != chunk_size:
