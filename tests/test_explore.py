@@ -212,6 +212,9 @@ def test_recall_path_calls_the_trainer_and_reports_accuracy(tmp_path, capsys, mo
     assert head["recall"]["seeds"] == [0, 1] and head["recall"]["learning_rates_swept"] == [1e-3, 1e-2]
     assert head["recall"]["learning_rates_chosen"]["o3_w16"] == [1e-2, 1e-2]
     assert pts["o2_w8"]["recall"]["accuracy"] == pytest.approx((0.38 + 0.381) / 2)
+    assert pts["o2_w8"]["recall"]["device"] == "cpu"  # each point says where it trained
+    with open(out / "results.csv", newline="") as fh:
+        assert {row["recall_device"] for row in csv.DictReader(fh)} == {"cpu"}
     assert pts["o3_w16"]["recall_accuracy"] == pytest.approx(0.95)
     for p in pts.values():
         assert p["match"]["within"] and p["match"]["gap"] <= 0.02 and "model_width" in p["match"]["by"]

@@ -160,7 +160,7 @@ def csv_rows(recs: Sequence[Mapping[str, Any]], head: Mapping[str, Any]) -> tupl
     cols = ["id", "order", "key_widths", "status", "heads", "value_width", "model_width", "layers", "matched_by",
             "match_gap", "state_bytes_per_sequence", "state_bytes_per_layer", "parameters"]
     cols += [f"{t}_{x}" for t in tags for x in ("s", "tokens_per_s", "source")]
-    cols += ["recall_accuracy", "recall_learning_rates", "pareto", "note", *HEADER_IN_CSV]
+    cols += ["recall_accuracy", "recall_learning_rates", "recall_device", "pareto", "note", *HEADER_IN_CSV]
     rows = []
     for r in recs:
         row: dict[str, Any] = {c: r.get(c) for c in cols}
@@ -173,6 +173,7 @@ def csv_rows(recs: Sequence[Mapping[str, Any]], head: Mapping[str, Any]) -> tupl
             row[f"{t}_s"], row[f"{t}_tokens_per_s"], row[f"{t}_source"] = f["seconds"], f["tokens_per_s"], f["source"]
         rec = r.get("recall")
         row["recall_learning_rates"] = " ".join(map(str, rec["learning_rates_chosen"])) if rec else None
+        row["recall_device"] = rec.get("device") if rec else None  # absent from results stored before it was kept
         row.update({k: head.get(k) for k in HEADER_IN_CSV})
         rows.append({k: ("" if v is None else v) for k, v in row.items()})
     return cols, rows

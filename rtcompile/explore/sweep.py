@@ -153,6 +153,8 @@ def recall_figures(spec: ModelSpec, recall: RecallOptions, device: str, checkpoi
                    progress: bool) -> dict[str, Any]:
     """MQAR accuracy of ``spec``: one learning-rate sweep per seed (``train_recall``), each
     checkpointed under ``checkpoints/seed<S>`` so a killed point resumes its training."""
+    import torch
+
     from .mqar import MQARTask
     from .trainer import TrainSettings, train_recall
 
@@ -170,7 +172,10 @@ def recall_figures(spec: ModelSpec, recall: RecallOptions, device: str, checkpoi
     return {"accuracy": sum(accs) / len(accs), "accuracy_min": min(accs), "accuracy_max": max(accs),
             "learning_rates_chosen": [r["learning_rate"] for r in runs], "seeds": list(recall.seeds),
             "task": {"seq_len": recall.seq_len, "num_kv_pairs": recall.kv_pairs,
-                     "vocab_size": task.vocab_size}, "runs": runs}
+                     "vocab_size": task.vocab_size}, "runs": runs,
+            # where it trained (bf16 autocast on CUDA, fp32 on the CPU): the study's key leaves the
+            # device out, so a store shared between hosts can serve another host's accuracy
+            "device": torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else device}
 
 
 def checkpoints(out: Path, point: Point, recall: RecallOptions) -> Path:
