@@ -44,6 +44,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
     from .figures import human_bytes, human_count, summary
     from .spec import load_spec
 
+    size = lambda n: human_bytes(n, ".2f")  # noqa: E731 -- info's two decimals
+    count = lambda n: human_count(n, ".2f", ".0f")  # noqa: E731
+
     spec = load_spec(args.spec)
     data = summary(spec)
     if args.json:
@@ -66,19 +69,19 @@ def _cmd_info(args: argparse.Namespace) -> int:
         ("update rule", f"{data['update_rule']}" + (", l2norm" if f.l2norm else "")),
         ("projection / short conv", f"{f.projection} / {f.short_conv or 'off'}"),
         ("scale", f"{data['scale']:.6g}"),
-        ("state per head", f"{'x'.join(map(str, st['shape_per_head']))} {st['dtype']} = {human_bytes(st['bytes_per_head'], '.2f')}"),
-        ("state per sequence, one layer", human_bytes(st["bytes_per_sequence_per_layer"], ".2f")),
-        ("state per sequence, all layers", human_bytes(st["bytes_per_sequence"], ".2f")),
-        ("parameters per layer", human_count(par["per_layer"], ".2f", ".0f")),
-        ("parameters (no embeddings)", human_count(par["model_excluding_embeddings"], ".2f", ".0f")),
-        ("recurrent FLOPs / token / layer", human_count(rec["flops_per_token_per_layer"], ".2f", ".0f")),
-        ("recurrent bytes / token / layer", human_bytes(rec["bytes_per_token_per_layer"], ".2f")),
+        ("state per head", f"{'x'.join(map(str, st['shape_per_head']))} {st['dtype']} = {size(st['bytes_per_head'])}"),
+        ("state per sequence, one layer", size(st["bytes_per_sequence_per_layer"])),
+        ("state per sequence, all layers", size(st["bytes_per_sequence"])),
+        ("parameters per layer", count(par["per_layer"])),
+        ("parameters (no embeddings)", count(par["model_excluding_embeddings"])),
+        ("recurrent FLOPs / token / layer", count(rec["flops_per_token_per_layer"])),
+        ("recurrent bytes / token / layer", size(rec["bytes_per_token_per_layer"])),
         ("recurrent FLOPs / byte", f"{rec['flops_per_byte']:.2f}"),
         (
             f"chunk (C={chk['chunk_size']}{', default' if chk['chunk_size_is_default'] else ''}) FLOPs / token / layer",
-            human_count(chk["flops_per_token_per_layer"], ".2f", ".0f"),
+            count(chk["flops_per_token_per_layer"]),
         ),
-        ("chunk bytes / token / layer", human_bytes(chk["bytes_per_token_per_layer"], ".2f")),
+        ("chunk bytes / token / layer", size(chk["bytes_per_token_per_layer"])),
         ("chunk FLOPs / byte", f"{chk['flops_per_byte']:.2f}"),
     ]
     for r in rows:

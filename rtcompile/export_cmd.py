@@ -113,22 +113,17 @@ def run_export(args) -> int:
 
 def _checked_weights(args, spec) -> bytes:
     """``--weights``' bytes, read once (the bytes checked are the bytes loaded), their header
-    holding exactly the tensors of the model ``spec`` and ``--vocab`` make (its shapes from a
-    model built on the meta device: nothing allocated); BundleError naming --weights."""
-    import torch
-
+    holding exactly the tensors of the model ``spec`` and ``--vocab`` make (the bundle check's
+    meta-device shapes: nothing allocated); BundleError naming --weights."""
     from .export import BundleError
-    from .export.verify import safetensors_problem, skipping_init
+    from .export.verify import expected_tensors, safetensors_problem
     from .fileio import ReadError, read_whole
-    from .model import RunningTensorLM
 
     try:
         data = read_whole(args.weights)
     except ReadError as exc:
         raise BundleError(f"--weights {args.weights!r}: {exc.why}; allowed: a safetensors file") from None
-    with torch.device("meta"), skipping_init():
-        shapes = RunningTensorLM(spec, vocab_size=args.vocab).state_dict()
-    need = {k: (list(v.shape), v.is_floating_point()) for k, v in shapes.items()}
+    need = expected_tensors(spec, args.vocab, mlp=True)  # export builds RunningTensorLM's default, with MLPs
     problem = safetensors_problem(data, need, f"the spec (with --vocab {args.vocab})")
     if problem is not None:
         raise BundleError(f"--weights {args.weights!r}: {problem}")

@@ -233,7 +233,8 @@ def running_tensor_decode_(
     ``[N, 1, H]`` (strided views accepted: copied before the launch); ``state_cache``
     ``[slots, H, d_1, ..., d_v]``, contiguous (updated in place); ``state_indices`` int32 or
     int64 ``[N]`` (negative = padding). ``validate`` checks the indices (one device sync) and that
-    no input requires grad (the step has no backward); pass False inside CUDA graphs. Under torch.compile the call is the custom op ``rtcompile::running_tensor_decode_``.
+    no input requires grad (the step has no backward); pass False inside CUDA graphs. Under
+    torch.compile the call is the custom op ``rtcompile::running_tensor_decode_``.
     Returns o ``[N, 1, H, d_v]``.
     """
     if torch.compiler.is_compiling():
@@ -243,8 +244,10 @@ def running_tensor_decode_(
             list(q), list(k), v, g, beta, state_cache, state_indices,
             float(scale) if scale is not None else _default_scale(q), l2norm, variant_to_json(variant),
         )
+    # its output had no grad_fn: gradients were lost silently (a q or k that is not a list is left
+    # to the launcher's checks, which name it)
     if validate and isinstance(q, (list, tuple)) and isinstance(k, (list, tuple)) \
-            and needs_grad(*q, *k, v, g, beta, state_cache):  # other q / k: the launcher's checks name them  # its output had no grad_fn: gradients lost silently
+            and needs_grad(*q, *k, v, g, beta, state_cache):
         raise ValueError(f"running_tensor_decode_: an input requires grad, but {NO_DECODE_BACKWARD}; allowed: "
                          "inputs under torch.no_grad() / torch.inference_mode(), or running_tensor(..., "
                          "backend='reference') for a step to differentiate")
