@@ -11,8 +11,8 @@ Per bucket: the sub-space's size, the sweep's best, and per TPE study the best o
 trials (inside the sub-space; ``rtcompile tune`` records the default beside it, which a fixed
 sub-space may not hold), and its ratio to the sweep's best twice: with the sweep's own times
 (one pass, one time per config) and re-timed beside the sweep's best few, interleaved over
-``--rounds`` (medians); within 3% or not. Without a GPU it runs on the interpreter with the CPU's small shapes (a smoke run:
-those timings are not GPU timings).
+``--rounds`` (medians); within 3% or not. Without a GPU it runs on the interpreter with the
+CPU's small shapes (a smoke run: those timings are not GPU timings).
 """
 
 from __future__ import annotations

@@ -530,7 +530,8 @@ class RunningTensorLM(nn.Module):
         """Prefill ``tokens`` [B, T], then decode ``max_new_tokens`` tokens per sequence; returns
         them, [B, max_new_tokens] int64. Greedy at ``temperature`` 0, else sampled (``top_k``,
         ``seed``: the same seed and batch give the same tokens; a row's tokens depend on the
-        rows sampled beside it, which draw from the same generator); on CUDA the decode step runs as one CUDA graph per batch bucket
+        rows sampled beside it, which draw from the same generator); on CUDA the decode step
+        runs as one CUDA graph per batch bucket
         (``cuda_graph`` None: on when the model is on CUDA), fused by torch.compile first with
         ``compile_step``. See :func:`rtcompile.generate.generate`."""
         from .generate import generate

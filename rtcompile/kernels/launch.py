@@ -117,8 +117,8 @@ def resolve_config(kernel: str, variant: KernelConfig | None, p: Problem, device
         reason = checked(variant, shape, limit) or device_refusal(variant, device)
     if reason is not None and chosen and chunk_size is not None:  # the caller named a chunk size, not a variant
         base = _default(kernel, shape, limit, device)
-        ok = [str(c) for c in CHUNK_SIZES if checked(dataclasses.replace(base, chunk_size=c), shape, limit) is None
-              and device_refusal(dataclasses.replace(base, chunk_size=c), device) is None]
+        sized = [dataclasses.replace(base, chunk_size=c) for c in CHUNK_SIZES]
+        ok = [str(c.chunk_size) for c in sized if checked(c, shape, limit) is None and device_refusal(c, device) is None]
         why = f" ({reason})" if chunk_size in CHUNK_SIZES else ""  # else the size rule, restated by allowed
         raise ValueError(f"chunk_size: {chunk_size} cannot run K={shape.key_dim}, d_v={shape.value_width} on the Triton "
                          f"backend{why}; allowed: {', '.join(ok) or 'none here'}, or backend='reference' (any size)")

@@ -250,6 +250,9 @@ def check_store_file(url: str | None, create: bool) -> None:
                          "existing folder")
 
 
+PROBE_STUDY = "rtcompile:probe:no-such-study"  # looked up, never made (open_storage)
+
+
 def open_storage(url: str | None = None, *, create: bool = True):
     """An Optuna storage for ``url`` (default: the cache's SQLite file); RDB storages keep
     heartbeats (see the module's docstring). With ``create`` False a SQLite or journal file that
@@ -279,8 +282,12 @@ def open_storage(url: str | None = None, *, create: bool = True):
         else:
             storage = _rdb_storage(url)
         # a database whose tables are another program's (a "studies" table of other columns) is
-        # opened without complaint and failed at the first study made: read it once here
-        storage.get_all_studies()
+        # opened without complaint and failed at the first study made: one indexed lookup of a
+        # name no study has reads that table here (get_all_studies would load every study)
+        try:
+            storage.get_study_id_from_name(PROBE_STUDY)
+        except KeyError:
+            pass
         return storage
     except StoreError:
         raise
