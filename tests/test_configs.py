@@ -114,6 +114,13 @@ REFUSALS = {
     "recurrent-hints-streamed": (RecurrentConfig(block_k=16, block_v=8, stream_hints=True), KernelShape((4, 8), 8, 4),
                                  "stream_hints=True needs the state slab resident (block_k >= 32)"),
     "recurrent-registers": (RecurrentConfig(block_k=4096, block_v=64, num_warps=1), BIG, "registers per thread"),
+    # 64 warps passed the checks, then failed to launch on the H100 (2048 threads > 1024)
+    "recurrent-warps-64": (RecurrentConfig(block_k=64, block_v=16, num_warps=64), O3,
+                           "num_warps=64; allowed: a power of two up to 32"),
+    "resident-warps-64": (ResidentConfig(chunk_size=16, block_v=16, num_warps=64), KernelShape((4, 4), 16),
+                          "num_warps=64; allowed: a power of two up to 32"),
+    "split-warps-128": (SplitConfig(chunk_size=16, block_v=16, num_warps=128), O3,
+                        "num_warps=128; allowed: a power of two up to 32"),
 }
 
 
@@ -219,6 +226,11 @@ def test_old_variant_format_is_refused_by_name():
     ({"form": "resident", "chunk_size": 16, "block_v": True}, TypeError, "ResidentConfig.block_v: expected int, got bool"),
     ({"form": "resident", "chunk_size": 16, "block_v": 16, "solve": 1}, TypeError,
      "ResidentConfig.solve: expected str, got int"),
+    # an unhashable form was a bare "unhashable type: 'list'" from the registry lookup
+    ({"form": ["resident"], "chunk_size": 16, "block_v": 16}, ValueError, "config: form ['resident']; allowed: "),
+    # an optional int field was not type-checked: 16.0 passed check() and failed in the kernel
+    ({"form": "backward", "chunk_size": 16, "block_v": 16, "grads_block_v": 16.0}, TypeError,
+     "BackwardConfig.grads_block_v: expected int | None, got float 16.0"),
 ])
 def test_from_dict_errors(data, exc, needle):
     with pytest.raises(exc) as info:
@@ -238,6 +250,17 @@ def test_a_config_built_with_a_field_of_the_wrong_type_is_refused(form, field, v
     good.pop("form")
     with pytest.raises(TypeError, match=rf"^{cls.__name__}\.{field}: expected "):
         cls(**{**good, field: value})
+
+
+@pytest.mark.parametrize("d_v", [1, 2, 3])
+def test_recurrent_space_holds_the_default_tile_at_tiny_value_widths(d_v):
+    """At d_v <= 2 the space had no block_v at all (Optuna: "'choices' must contain one or
+    more elements"), though the default's tile (d_v rounded up) runs."""
+    shape = KernelShape((8,), d_v, 4)
+    space = RecurrentConfig.space(shape)
+    default = default_config("recurrent", shape)
+    assert default.block_v in space["block_v"] and default.check(shape) is None
+    assert next(iter_space(RecurrentConfig, shape), None) is not None
 
 
 def test_from_dict_refuses_another_kernel_or_form():

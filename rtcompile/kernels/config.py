@@ -25,6 +25,9 @@ PREPARE_WARPS = (1, 2, 4, 8, 16)
 # most 255 per thread. Recurrent configs are refused above it (badly shaped decode tiles that
 # spilled ran 2-3x slower on the H200).
 MAX_REGS_PER_THREAD = 255
+# At most 1024 threads a block on every CUDA GPU: a config of 64 warps passed its check and
+# then failed to launch on the H100 ("out of resource: threads, Required: 2048").
+MAX_WARPS = 32
 # The chunk kernels' estimate (live fp32 tile elements per thread + 32) is a ranking, not a
 # count: ptxas caps at 255 and spills. On the H200 (48 o3 16x16 configs, B8 T4096 H2) the
 # fastest had an estimate of 392 (2 spilled registers) and all four estimated at 400 or more
@@ -143,6 +146,7 @@ _FIELD_TYPES = {
     "bool": lambda v: isinstance(v, bool),
     "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
     "str": lambda v: isinstance(v, str),
+    "int | None": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)),
 }
 
 
@@ -223,6 +227,13 @@ class KernelConfig:
         return None
 
 
+def warps_refusal(num_warps: int, name: str = "num_warps") -> str | None:
+    """The refusal of a power-of-two warp count beyond the hardware's block (MAX_WARPS)."""
+    if num_warps > MAX_WARPS:
+        return f"{name}={num_warps}; allowed: a power of two up to {MAX_WARPS} (1024 threads a block)"
+    return None
+
+
 def estimate_registers(live_elements: int, num_warps: int) -> int:
     """Registers per thread for ``live_elements`` fp32 values live at once in a program of
     ``num_warps`` warps, plus 32 for addresses and scalars: a ranking for refusals, not a count."""
@@ -246,6 +257,8 @@ def chunk_refusal(cfg, shape: KernelShape) -> str | None:
     solve and precision, the tile solve only up to C = 64 (C = 128, 8 blocks: Triton 3.6's LLVM
     lowering had not finished after 50 s on the H200), and the prepare kernel's warps."""
     if (reason := cfg._check_pow2("chunk_size", "block_v", "num_warps")) is not None:
+        return reason
+    if (reason := warps_refusal(cfg.num_warps)) is not None:
         return reason
     if cfg.chunk_size not in CHUNK_SIZES:
         return f"chunk_size={cfg.chunk_size}; allowed: {', '.join(map(str, CHUNK_SIZES))}"

@@ -55,7 +55,7 @@ def config_from_dict(data: dict[str, Any], kernel: str | None = None) -> KernelC
                 "re-run `rtcompile tune` or `rtcompile plan` to write them anew")
         raise ValueError(f"config: no 'form' in {data!r}; allowed forms: {', '.join(FORMS)}")
     form = data["form"]
-    if form not in FORMS:
+    if not isinstance(form, str) or form not in FORMS:  # an unhashable one is a TypeError in the lookup
         raise ValueError(f"config: form {form!r}; allowed: {', '.join(FORMS)}")
     cls = FORMS[form]
     if kernel is not None and cls.kernel != kernel:

@@ -37,7 +37,7 @@ from . import args
 from .args import factor_args, width_args
 from .config import (
     DEFAULT_SMEM_BYTES, MAX_REGS_PER_THREAD, CostFigures, KernelConfig, KernelShape, Workload, estimate_registers,
-    next_pow2,
+    next_pow2, warps_refusal,
 )
 from .blocks import load_state_tile, phi_gather, phi_inv_norm, phi_row_outer
 from .inputs import Problem
@@ -75,6 +75,8 @@ class RecurrentConfig(KernelConfig):
     def check(self, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> str | None:
         if (reason := self._check_pow2("block_k", "block_v", "num_warps")) is not None:
             return reason
+        if (reason := warps_refusal(self.num_warps)) is not None:
+            return reason
         kp = next_pow2(shape.key_dim)  # no tl.dot here: tiles narrower than 16 are fine
         if self.block_k > kp:
             return f"block_k={self.block_k}; allowed: at most K rounded up ({kp})"
@@ -99,7 +101,9 @@ class RecurrentConfig(KernelConfig):
         kp = next_pow2(shape.key_dim)
         return {
             "block_k": sorted({min(kp, b) for b in (32, 64, 128, 256, 512, 1024, kp)}),
-            "block_v": [b for b in (4, 8, 16, 32, 64) if b <= next_pow2(shape.value_width)],
+            # 1 and 2 only where d_v <= 2 rounds up to them: the default's tile must be in the space
+            "block_v": [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= next_pow2(shape.value_width)
+                        and (b >= 4 or next_pow2(shape.value_width) < 4)],
             "num_warps": [1, 2, 4, 8, 16],
             "num_stages": [1, 2, 3],
             "outer_phi": [False, True],
