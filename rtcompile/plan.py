@@ -1,16 +1,21 @@
 """The planner: how each phase runs on a target, and why.
 
 For prefill over T buckets it compares the chunk-parallel kernels (the default config, its
-fused low-memory sibling and, where the default is the split form, the two-kernel one) with the
-recurrent scan, and finds the crossover length below which the scan is
-faster (searched, not hard-coded); decode over batch buckets runs the recurrent step, and
-where the spec leaves the state dtype to the planner (``state_dtype = "auto"``) keeps the
-decode cache in bf16 when that is predicted at least STATE_DTYPE_MIN_GAIN faster; train runs
-chunk-parallel. Costs come from tuned measurements for this GPU where the tuned-config
-table has them, else from the cost model (calibrated by those measurements: a scale on the
-kernel time and a host overhead per kind of call, see :class:`Calibration`). Every decision
-keeps its alternatives and their costs. A plan whose state plus workspace cannot fit the
-target's memory at the requested batch is refused before anything is allocated.
+fused low-memory sibling and, where the default is the split form, the two-kernel one; at the
+spec's ``chunk_size`` where it names one) with the recurrent scan, and finds the crossover
+length below which the scan is faster (searched over those same options, not hard-coded);
+decode over batch buckets always runs the recurrent step (the model's step runs nothing else),
+and where the spec leaves the state dtype to the planner (``state_dtype = "auto"``) keeps the
+decode cache in bf16 when that is predicted at least STATE_DTYPE_MIN_GAIN faster; train always
+runs the chunk form and its backward. Costs come from tuned measurements for this GPU where
+the tuned-config table has them for the bucket (B and T rounded up as the tuner rounds them;
+a figure scaled from another bucket or cache dtype says so), else from the cost model
+(calibrated by those measurements: a scale on the kernel time and a host overhead per kind of
+call, see :class:`Calibration`); :mod:`rtcompile.plan_options` holds the options and their
+costs. Every decision keeps its alternatives and their costs (those the runtime does not run
+marked with a ``note``). A plan whose state plus workspace cannot fit the target's memory at
+the requested batch is refused before anything is allocated, as is a spec of an order the
+Triton kernels do not take (it runs on the reference backend).
 
 Plan files are versioned JSON (``PLAN_FORMAT``); a file of another format is refused with a
 message naming it (format 1, rtcompile 0.1: variants without a ``form`` tag). Every reader of a
@@ -33,14 +38,17 @@ from typing import Any, Iterator
 from ._version import __version__
 from .fields import FieldError, check_int, check_ints, check_type
 from .fileio import atomic_write
-from .costmodel import Calibration, calibrate, chunk_cost, recurrent_cost, shape_of, with_measured, workload
+from .costmodel import Calibration, chunk_cost, recurrent_cost, shape_of, workload
+from .functional import MAX_TRITON_ORDER
 from .kernels.chunk_backward import default_backward
 from .kernels.chunk_backward_widths import rewritten_widths
 from .kernels.config import KernelConfig
-from .kernels.forms import config_from_dict, default_config, low_memory, two_kernel
+from .kernels.forms import config_from_dict, default_config, low_memory
 from .kernels.inputs import nearest_bucket
-from .spec import DTYPE_BYTES, ModelSpec, SpecError, SpecTypeError
-from .target import Target, profile_for
+from .plan_options import (chunk_configs, chunk_size_note, crossover, fit_calibration, fitting, measured_cost,
+                           measured_seconds, memory_figures, prefill_options, tuned_hit)
+from .spec import ModelSpec, SpecError, SpecTypeError
+from .target import Target
 
 PLAN_FORMAT = 2  # 2: a decision's variant is a config's to_dict() (with its "form"); 1: rtcompile 0.1's variants
 OLD_FORMATS = {1: "rtcompile 0.1's (ChunkVariant / RecurrentVariant dicts without a 'form' tag)"}
@@ -274,48 +282,11 @@ def _check_plan(data: Any) -> Plan:
     return Plan(**{**data, "decisions": decisions})
 
 
-def _measured_seconds(spec: ModelSpec, target: Target) -> dict[tuple[str, int, int], tuple[KernelConfig, float]]:
-    """Tuned winners for this spec on this target's GPU: (kernel, B, T) -> (config, seconds).
-    The entries the launcher would take on that GPU: every field of ``tuned.match_fields`` (the
-    kernel source, Triton and rtcompile versions too: another's entry is stale) and a config
-    its own check accepts at the target's shared memory; malformed ones the table's reader
-    skipped already (``tuned.entry_problem``)."""
-    from .kernels import tuned
-
-    out = {}
-    # train entries sit under the widths the backward runs (chunk_backward_widths.rewritten_widths)
-    widths = {"chunk_bwd": rewritten_widths(spec.key_widths)}
-    for e in tuned.entries():
-        prof = profile_for(e["gpu"])
-        if e["gpu"] != target.name and (prof is None or prof.name != target.name):
-            continue
-        kernel, key_widths = e["kernel"], widths.get(e["kernel"], spec.key_widths)
-        want = tuned.match_fields(kernel, key_widths, spec.value_width, spec.heads, spec.input_dtype, e["gpu"])
-        if any(e[k] != v for k, v in want.items()) or e.get("seconds") is None:
-            continue
-        config = config_from_dict(e["variant"], kernel)  # read by entry_problem already
-        shape = dataclasses.replace(shape_of(spec), key_widths=tuple(key_widths))
-        if config.check(shape, target.smem_per_sm) is not None:
-            continue
-        out[(kernel, e["batch"], e["seq_len"])] = (config, e["seconds"])
-    return out
-
-
-def _memory(spec: ModelSpec, batch: int, seq_len: int, workspace: int) -> dict[str, int]:
-    ib = DTYPE_BYTES[spec.input_dtype]
-    acts = batch * seq_len * spec.heads * (2 * sum(spec.key_widths) + 2 * spec.value_width) * ib
-    return {"state": spec.state_bytes_per_sequence * batch, "workspace": workspace, "activations": acts}
-
-
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.3g} GB"
-
-
 def check_memory(spec: ModelSpec, target: Target, batch: int, seq_len: int) -> dict[str, int]:
     """Refuse (PlanError) when the model's state plus the smallest prefill workspace and one
     layer's activations exceed the target's memory at this batch; return the figures."""
     fused = low_memory(shape_of(spec), target.smem_per_sm)
-    need = _memory(spec, batch, seq_len, fused.workspace_bytes(workload(spec, batch, seq_len)))
+    need = memory_figures(spec, batch, seq_len, fused.workspace_bytes(workload(spec, batch, seq_len)))
     total = sum(need.values())
     if total > target.memory_bytes:
         raise PlanError(
@@ -327,76 +298,72 @@ def check_memory(spec: ModelSpec, target: Target, batch: int, seq_len: int) -> d
     return need
 
 
-def _prefill(spec: ModelSpec, target: Target, B: int, T: int, cal: Calibration, measured) -> Decision:
-    shape, smem = shape_of(spec), target.smem_per_sm
-    chunk_default = default_config("chunk", shape, smem, gluon=target.wgmma)
-    chunk_fused = low_memory(shape, smem)
-    rec = default_config("recurrent", shape, smem)
-    options = [
-        ("chunk", chunk_default, chunk_cost(spec, target, B, T, chunk_default, cal)),
-        ("chunk", chunk_fused, chunk_cost(spec, target, B, T, chunk_fused, cal)),
-        ("recurrent", rec, recurrent_cost(spec, target, B, T, rec, cal)),
-    ]
-    # where the default is the split form: its workspace is ~9x the two-kernel one's (o3 16x16 B8
-    # T4096: 289 against 32 MiB), so where only the smaller fits the choice is not between it and
-    # the fused form alone (None where the default is a two-kernel config already)
-    two = two_kernel(shape, smem)
-    if two is not None:
-        options.insert(1, ("chunk", two, chunk_cost(spec, target, B, T, two, cal)))
-    hit = measured.get(("chunk", B, T))
-    if hit:
-        options.append(("chunk", hit[0], with_measured(chunk_cost(spec, target, B, T, hit[0], cal), hit[1])))
-    # The workspace must fit beside the state: drop configs that would not.
-    free = target.memory_bytes - sum(_memory(spec, B, T, 0).values())
-    work = workload(spec, B, T)
-    fits = [o for o in options if o[1].workspace_bytes(work) <= free]
-    mode, variant, cost = min(fits, key=lambda o: o[2].seconds)
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.3g} GB"
+
+
+def _alternative(mode: str, config: KernelConfig, cost, **extra) -> dict[str, Any]:
+    return {"mode": mode, "variant": config.to_dict(), **extra, "cost": cost.to_dict()}
+
+
+def _prefill(spec: ModelSpec, target: Target, B: int, T: int, cal: Calibration, measured, configs) -> Decision:
+    """The fastest prefill option at (B, T) whose workspace fits (:func:`~.plan_options.prefill_options`)."""
+    options = prefill_options(spec, target, B, T, cal, measured, configs)
+    fits = fitting(spec, target, B, T, options)
+    mode, variant, cost = min(fits, key=lambda o: o[2].seconds)  # ties: the chunk form, listed first
     reason = f"fastest of {len(fits)} ({cost.source}, {cost.bound}-bound)"
     if len(fits) < len(options):
         reason += f"; {len(options) - len(fits)} refused for workspace beyond free memory"
-    alts = [{"mode": m, "variant": v.to_dict(), "cost": c.to_dict()} for m, v, c in options]
+    reason += chunk_size_note(spec, configs)
+    alts = [_alternative(m, v, c) for m, v, c in options]
     return Decision("prefill", B, T, mode, variant.to_dict(), cost.to_dict(), alts, reason)
 
 
+DECODE_NOT_RUN = "not run: the model decodes with the recurrent step (listed for comparison)"
+TRAIN_NOT_RUN = "not run: training runs the chunk form and its backward (listed for comparison)"
+
+
 def _decode(spec: ModelSpec, target: Target, B: int, cal: Calibration, measured) -> Decision:
+    """The decode step: always the recurrent kernel (the model's step runs nothing else); the
+    decision is its config and, under ``state_dtype = "auto"``, the cache's dtype. The chunk
+    form's cost stays among the alternatives, marked as not run."""
     shape = shape_of(spec)
     rec = default_config("recurrent", shape, target.smem_per_sm)
-    hit = measured.get(("recurrent", B, 1))
-    if hit:
-        rec = hit[0]
+    hit = tuned_hit(measured, "recurrent", B, 1)
+    if hit is not None:
+        rec = hit[1]
 
     def step_cost(dtype: str):
-        """The step with the cache in ``dtype``. Tuning measures an fp32 cache; other dtypes
-        scale that measurement by the model's ratio of the two."""
+        """The step with the cache in ``dtype``. Tuning measures an fp32 cache; another dtype or
+        batch scales that measurement by the model's ratio (and says so in its source)."""
         c = recurrent_cost(spec, target, B, 1, rec, cal, state_dtype=dtype, step=True)
-        if not hit:
+        if hit is None:
             return c
-        ratio = c.kernel_s / recurrent_cost(spec, target, B, 1, rec, cal, state_dtype="float32", step=True).kernel_s
-        return with_measured(c, hit[1] * ratio)
+        (mB, _), _, secs = hit
+        if (mB, dtype) == (B, "float32"):
+            return measured_cost(c, secs)
+        ratio = c.kernel_s / recurrent_cost(spec, target, mB, 1, rec, cal, state_dtype="float32", step=True).kernel_s
+        return measured_cost(c, secs, ratio, f"float32 cache (tuned B{mB}) by the model")
 
     fixed = spec.state_dtype if spec.state_dtype != "auto" else "float32"
-    cost = step_cost(fixed)
+    chosen, dtype = step_cost(fixed), fixed
     chunk = default_config("chunk", shape, target.smem_per_sm, gluon=target.wgmma)
-    alt = chunk_cost(spec, target, B, 1, chunk, cal)
-    alts = [{"mode": "recurrent", "variant": rec.to_dict(), "cost": cost.to_dict(), "state_dtype": fixed},
-            {"mode": "chunk", "variant": chunk.to_dict(), "cost": alt.to_dict(), "state_dtype": "float32"}]
-    if cost.seconds <= alt.seconds:
-        mode, variant, chosen, dtype = "recurrent", rec, cost, fixed
-    else:
-        mode, variant, chosen, dtype = "chunk", chunk, alt, "float32"
+    alts = [_alternative("recurrent", rec, chosen, state_dtype=fixed),
+            _alternative("chunk", chunk, chunk_cost(spec, target, B, 1, chunk, cal), state_dtype="float32",
+                         note=DECODE_NOT_RUN)]
     why_dtype = ""
-    if spec.state_dtype == "auto" and mode == "recurrent":
+    if spec.state_dtype == "auto":
         half = step_cost("bfloat16")
-        alts.append({"mode": "recurrent", "variant": rec.to_dict(), "cost": half.to_dict(), "state_dtype": "bfloat16"})
-        gain = cost.seconds / half.seconds
+        alts.append(_alternative("recurrent", rec, half, state_dtype="bfloat16"))
+        gain = chosen.seconds / half.seconds
         if gain >= STATE_DTYPE_MIN_GAIN:
             chosen, dtype = half, "bfloat16"
             why_dtype = f"; state dtype auto: a bf16 cache, {gain:.2f}x faster than fp32 (>= {STATE_DTYPE_MIN_GAIN}x)"
         else:
             why_dtype = f"; state dtype auto: fp32 kept, a bf16 cache only {gain:.2f}x faster (< {STATE_DTYPE_MIN_GAIN}x)"
-    reason = (f"one token per sequence: the step reads and writes the state once ({chosen.source}, "
+    reason = (f"one token per sequence: the recurrent step reads and writes the state once ({chosen.source}, "
               f"{chosen.bound}-bound){why_dtype}")
-    return Decision("decode", B, 1, mode, variant.to_dict(), chosen.to_dict(), alts, reason, dtype)
+    return Decision("decode", B, 1, "recurrent", rec.to_dict(), chosen.to_dict(), alts, reason, dtype)
 
 
 def _nearest_train(measured, B: int, T: int):
@@ -409,99 +376,71 @@ def _nearest_train(measured, B: int, T: int):
     return min(hits, key=dist)
 
 
-def _train(spec: ModelSpec, target: Target, B: int, T: int, cal: Calibration, measured=None) -> Decision:
-    """Forward + backward: measured where the tuned table has a train (``chunk_bwd``) entry for
-    this spec and GPU (the nearest bucket's seconds, scaled to this bucket by the model's ratio
-    of forward costs where the buckets differ), else TRAIN_BACKWARD_FACTOR x the modelled
-    forward. The decision pins the backward config (``Decision.backward``)."""
+def _train(spec: ModelSpec, target: Target, B: int, T: int, cal: Calibration, measured, configs) -> Decision:
+    """Forward + backward, always the chunk form and its backward (what training runs): measured
+    where the tuned table has a train (``chunk_bwd``) entry for this spec and GPU (the nearest
+    bucket's seconds; another bucket's scaled to this one by the model's ratio of forward costs,
+    labelled as scaled), else TRAIN_BACKWARD_FACTOR x the modelled forward. The decision pins
+    the backward config (``Decision.backward``); the scan's cost is listed, marked as not run."""
     shape, smem = shape_of(spec), target.smem_per_sm
-    chunk = default_config("chunk", shape, smem, gluon=target.wgmma)
+    chunk = configs[0]
     rec = default_config("recurrent", shape, smem)
-    c = chunk_cost(spec, target, B, T, chunk, cal)
-    r = recurrent_cost(spec, target, B, T, rec, cal)
+    c_fwd = chunk_cost(spec, target, B, T, chunk, cal)
     scale = lambda x: dataclasses.replace(x, seconds=x.seconds * TRAIN_BACKWARD_FACTOR)
-    c_fwd, c, r = c, scale(c), scale(r)
+    c, r = scale(c_fwd), scale(recurrent_cost(spec, target, B, T, rec, cal))
     # widths the backward's kernels do not tile train rewritten: its configs are that shape's
     rewritten = rewritten_widths(spec.key_widths)
     backward = default_backward(dataclasses.replace(shape, key_widths=rewritten), smem)
     hit = _nearest_train(measured or {}, B, T)
     if hit is not None:
         (mB, mT), (backward, secs) = hit
-        at = f"B{mB} T{mT}"
-        if (mB, mT) != (B, T):  # the nearest tuned bucket, scaled by the model's forward-cost ratio
-            secs *= c_fwd.kernel_s / chunk_cost(spec, target, mB, mT, chunk, cal).kernel_s
-            at += ", scaled to this bucket by the model"
-        c = with_measured(c, secs)
-        how = f"forward + backward measured (tuned train bucket {at})"
+        at = f"tuned train bucket B{mB} T{mT}"
+        if (mB, mT) == (B, T):
+            c = measured_cost(c, secs)
+            how = f"forward + backward measured ({at})"
+        else:  # the nearest tuned bucket, scaled by the model's forward-cost ratio
+            ratio = c_fwd.kernel_s / chunk_cost(spec, target, mB, mT, chunk, cal).kernel_s
+            c = measured_cost(c, secs, ratio, f"({at}) by the model")
+            how = f"forward + backward from the nearest {at}"
     else:
         how = (f"forward + backward ~ {TRAIN_BACKWARD_FACTOR:g}x forward (modelled: no tuned train measurement; "
                "`rtcompile tune --phase train` measures it)")
-    mode, variant, chosen = ("chunk", chunk, c) if c.seconds <= r.seconds else ("recurrent", rec, r)
     bwd = None if backward is None else backward.to_dict()
-    alts = [{"mode": "chunk", "variant": chunk.to_dict(), "backward": bwd, "cost": c.to_dict()},
-            {"mode": "recurrent", "variant": rec.to_dict(), "cost": r.to_dict()}]
-    reason = f"{how}, {chosen.source}, {chosen.bound}-bound"
+    alts = [_alternative("chunk", chunk, c, backward=bwd), _alternative("recurrent", rec, r, note=TRAIN_NOT_RUN)]
+    reason = f"{how}, {c.source}, {c.bound}-bound; training runs the chunk form and its backward"
+    reason += chunk_size_note(spec, configs)
     if rewritten != spec.key_widths:
         reason += (f"; the backward's kernels do not tile these widths: training rewrites them exactly as "
                    f"{'x'.join(map(str, rewritten))} (materialised keys or zero-padded factors)")
-    return Decision("train", B, T, mode, variant.to_dict(), chosen.to_dict(), alts, reason,
-                    backward=bwd if mode == "chunk" else None)
+    return Decision("train", B, T, "chunk", chunk.to_dict(), c.to_dict(), alts, reason, backward=bwd)
 
 
-def crossover(spec: ModelSpec, target: Target, batch: int, cal: Calibration = Calibration()) -> int | None:
-    """The shortest prompt length from which chunk-parallel prefill is no slower than the scan
-    (None if the scan wins up to 2^20 tokens)."""
-    shape = shape_of(spec)
-    chunk = default_config("chunk", shape, target.smem_per_sm, gluon=target.wgmma)
-    rec = default_config("recurrent", shape, target.smem_per_sm)
-    wins = lambda T: chunk_cost(spec, target, batch, T, chunk, cal).seconds <= recurrent_cost(spec, target, batch, T, rec, cal).seconds
-    lo, hi = 1, 2
-    if wins(1):
-        return 1
-    while not wins(hi):
-        lo, hi = hi, hi * 2
-        if hi > 1 << 20:
-            return None
-    while hi - lo > 1:  # first T where chunk wins, in (lo, hi]
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if wins(mid) else (mid, hi)
-    return hi
-
-
-def _fit_calibration(spec: ModelSpec, target: Target, measured) -> Calibration:
-    """The cost model calibrated on the tuned measurements: chunk entries are prefill calls,
-    recurrent entries (T = 1) decode steps; their seconds are device time (the tuner times
-    CUDA-graph replays), so they fit the kernels' scale and leave the host overheads alone."""
-    pred: dict[str, list] = {"chunk": [], "decode": []}
-    meas: dict[str, list[float]] = {"chunk": [], "decode": []}
-    for (kernel, B, T), (config, secs) in measured.items():
-        if kernel == "chunk_bwd":  # forward + backward: the train decision uses these directly
-            continue
-        if kernel == "chunk":
-            pred["chunk"].append(chunk_cost(spec, target, B, T, config))
-            meas["chunk"].append(secs)
-        else:
-            pred["decode"].append(recurrent_cost(spec, target, B, T, config, step=True))
-            meas["decode"].append(secs)
-    return calibrate(pred, meas, device_time=True)
-
-
-def check_plan_args(spec, target, batches, seq_lens, decode_batches, use_measurements, calibration) -> None:
+def check_plan_args(spec, target, batches, seq_lens, decode_batches, use_measurements,
+                    calibration) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """:func:`make_plan`'s arguments, before any work: TypeError for a wrong type, PlanError (a
-    ValueError) for a value out of range, each naming the argument and what is allowed."""
+    ValueError) for a value out of range, each naming the argument and what is allowed. Returns
+    the buckets (batches, seq_lens, decode_batches) without repeats: ``--batch 1,1`` planned
+    every decision twice."""
     if not isinstance(spec, ModelSpec):
         raise TypeError(f"spec: expected a ModelSpec (rtcompile.ModelSpec or rtcompile.load_spec(path)), "
                         f"got {type(spec).__name__}")
     if not isinstance(target, Target):
         raise TypeError(f"target: expected a Target (rtcompile.target.get_target(name)), got {type(target).__name__}")
+    if spec.order > MAX_TRITON_ORDER:
+        # running_tensor sends such a model to the reference (functional.resolve_backend): the
+        # Triton configs and costs a plan holds would describe kernels that never run
+        raise PlanError(f"spec.order: got {spec.order}; allowed: 2 to {MAX_TRITON_ORDER}, the orders of the Triton "
+                        f"kernels the planner chooses among (an order-{spec.order} model runs on the reference "
+                        "backend, PyTorch, with or without a plan: use it without one)")
     with _plan_field(arguments=True):  # the buckets' batches and lengths (decision_for takes their log2)
-        check_ints("batches", batches, 1, None, "integers >= 1")
-        check_ints("seq_lens", seq_lens, 1, None, "integers >= 1")
-        check_ints("decode_batches", decode_batches, 1, None, "integers >= 1", may_be_empty=True)
+        buckets = (check_ints("batches", batches, 1, None, "integers >= 1"),
+                   check_ints("seq_lens", seq_lens, 1, None, "integers >= 1"),
+                   check_ints("decode_batches", decode_batches, 1, None, "integers >= 1", may_be_empty=True))
     if not isinstance(use_measurements, bool):
         raise TypeError(f"use_measurements: expected a bool, got {type(use_measurements).__name__}")
     if calibration is not None and not isinstance(calibration, Calibration):
         raise TypeError(f"calibration: expected a Calibration or None, got {type(calibration).__name__}")
+    return buckets
 
 
 def make_plan(spec: ModelSpec, target: Target, *, batches=PREFILL_BATCHES, seq_lens=PREFILL_SEQ_LENS,
@@ -511,21 +450,23 @@ def make_plan(spec: ModelSpec, target: Target, *, batches=PREFILL_BATCHES, seq_l
 
     ``batches`` and ``seq_lens`` (the prefill and train buckets) hold at least one integer >= 1;
     ``decode_batches`` may be empty, for a plan of prefill alone (a cost study's: such a plan
-    cannot go into a bundle, whose model runs decode too). ``calibration``: plan with this one
-    instead of the fit to the tuned measurements (replays of measured runs compare the two).
-    The arguments are checked first (:func:`check_plan_args`)."""
-    check_plan_args(spec, target, batches, seq_lens, decode_batches, use_measurements, calibration)
+    cannot go into a bundle, whose model runs decode too). Repeated buckets are planned once.
+    ``calibration``: plan with this one instead of the fit to the tuned measurements (replays
+    of measured runs compare the two). The arguments are checked first (:func:`check_plan_args`)."""
+    batches, seq_lens, decode_batches = check_plan_args(spec, target, batches, seq_lens, decode_batches,
+                                                        use_measurements, calibration)
     import torch
     import triton
 
     memory = {f"B{B}_T{T}": check_memory(spec, target, B, T) for B in batches for T in seq_lens}
     memory.update({f"decode_B{B}": check_memory(spec, target, B, 1) for B in decode_batches})
-    measured = _measured_seconds(spec, target) if use_measurements else {}
+    measured = measured_seconds(spec, target) if use_measurements else {}
     # calibrate the model on what was measured, then plan every bucket with it
-    cal = calibration if calibration is not None else _fit_calibration(spec, target, measured)
-    decisions = [_prefill(spec, target, B, T, cal, measured) for B in batches for T in seq_lens]
+    cal = calibration if calibration is not None else fit_calibration(spec, target, measured)
+    configs = chunk_configs(spec, target)  # at the spec's chunk_size where it names one
+    decisions = [_prefill(spec, target, B, T, cal, measured, configs) for B in batches for T in seq_lens]
     decisions += [_decode(spec, target, B, cal, measured) for B in decode_batches]
-    decisions += [_train(spec, target, B, max(seq_lens), cal, measured) for B in batches]
-    cross = {f"B{B}": crossover(spec, target, B, cal) for B in batches}
+    decisions += [_train(spec, target, B, max(seq_lens), cal, measured, configs) for B in batches]
+    cross = {f"B{B}": crossover(spec, target, B, cal, measured, configs) for B in batches}
     versions = {"rtcompile": __version__, "torch": torch.__version__, "triton": triton.__version__}
     return Plan(spec.to_dict(), target.to_dict(), decisions, cross, memory, cal.to_dict(), versions)

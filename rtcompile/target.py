@@ -12,6 +12,7 @@ import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from .fields import check_float, check_type
 from .fileio import atomic_write, cache_dir
 
 GB = 10**9
@@ -37,6 +38,17 @@ class Target:
     launch_s: float = 4e-6  # one kernel launch under CUDA graphs (DESIGN.md: graphs for small calls)
     measured: bool = False
     wgmma: bool = False  # sm_90's warpgroup MMA: the split form's Gluon state loop runs there
+
+    def __post_init__(self) -> None:
+        """Every figure a finite number > 0 (launch_s >= 0): the cost model divides by the rates
+        and SM count, and compares against the memory (a custom Target with sms=0 was a
+        ZeroDivisionError in make_plan, memory_bytes=nan an empty min()). TypeError for a wrong
+        type, ValueError otherwise, each naming the field (fields.check_float's wording)."""
+        check_type("target.name", self.name, str, "a string")
+        for name in ("memory_bytes", "hbm_bytes_per_s", "bf16_flops", "fp16_flops", "fp32_flops", "sms",
+                     "smem_per_sm", "l2_bytes"):
+            check_float(f"target.{name}", getattr(self, name), lambda x: x > 0, "a finite number > 0")
+        check_float("target.launch_s", self.launch_s, lambda x: x >= 0, "a finite number >= 0")
 
     def to_dict(self) -> dict:
         return asdict(self)

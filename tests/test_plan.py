@@ -284,7 +284,7 @@ def test_tight_memory_picks_the_two_kernel_form_before_the_fused_one():
 
     from rtcompile.costmodel import workload
     from rtcompile.kernels.forms import low_memory, two_kernel
-    from rtcompile.plan import _memory
+    from rtcompile.plan_options import memory_figures
 
     spec, h200 = _spec((16, 16)), get_target("h200")
     plan = make_plan(spec, h200, batches=(8,), seq_lens=(4096,), decode_batches=(1,))
@@ -294,7 +294,7 @@ def test_tight_memory_picks_the_two_kernel_form_before_the_fused_one():
     assert isinstance(three, SplitConfig) and two == two_kernel(shape_of(spec), h200.smem_per_sm)
     assert fused == low_memory(shape_of(spec), h200.smem_per_sm) and fused.form == "fused"
     assert prefill.variant["form"] == "split"  # all fit on a 141 GB H200
-    fixed = sum(_memory(spec, 8, 4096, 0).values())
+    fixed = sum(memory_figures(spec, 8, 4096, 0).values())
     work = workload(spec, 8, 4096)
     assert three.workspace_bytes(work) > 8 * two.workspace_bytes(work)
     room = (two.workspace_bytes(work) + three.workspace_bytes(work)) // 2

@@ -14,7 +14,8 @@ from rtcompile.kernels import tuned
 from rtcompile.kernels.chunk_resident import ResidentConfig
 from rtcompile.kernels.forms import default_config
 from rtcompile.kernels.config import KernelShape
-from rtcompile.plan import _measured_seconds, make_plan
+from rtcompile.plan import make_plan
+from rtcompile.plan_options import measured_seconds
 from rtcompile.spec import ModelSpec
 from rtcompile.target import get_target
 from rtcompile.tuning.store import has_entry, table_problem, write_tuned
@@ -116,10 +117,10 @@ def test_the_planner_takes_only_entries_the_launcher_would(field, value):
     good = _entry(gpu="NVIDIA H200", variant=ResidentConfig(16, 16).to_dict())
     _write([_entry(gpu="NVIDIA H200", variant=ResidentConfig(16, 16).to_dict(), **{field: value})])
     tuned.reload()
-    assert _measured_seconds(_plan_spec(), get_target("h200")) == {}
+    assert measured_seconds(_plan_spec(), get_target("h200")) == {}
     _write([good])
     tuned.reload()
-    assert set(_measured_seconds(_plan_spec(), get_target("h200"))) == {("chunk", 1, 32)}
+    assert set(measured_seconds(_plan_spec(), get_target("h200"))) == {("chunk", 1, 32)}
 
 
 def test_the_planner_leaves_out_a_config_its_check_refuses():
@@ -129,7 +130,7 @@ def test_the_planner_leaves_out_a_config_its_check_refuses():
     assert refused.check(SHAPE, get_target("h200").smem_per_sm) is not None
     _write([_entry(gpu="NVIDIA H200", variant=refused.to_dict())])
     tuned.reload()
-    assert _measured_seconds(_plan_spec(), get_target("h200")) == {}
+    assert measured_seconds(_plan_spec(), get_target("h200")) == {}
 
 
 def test_a_slower_winner_never_replaces_a_faster_entry_of_its_key(tmp_path):
