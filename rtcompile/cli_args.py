@@ -123,6 +123,31 @@ def fixed_param(text: str) -> tuple[str, object]:
     return name.strip(), value
 
 
+def buckets_of(spec, phase: str, batch: list[int] | None, seq_len: list[int] | None,
+               decode_batch: list[int] | None, on_gpu: bool) -> list:
+    """The tuning buckets of ``spec`` for ``phase`` (prefill, decode, train or all: prefill and
+    decode) at ``--batch``, ``--seq-len`` and ``--decode-batch`` (None: the GPU's or the CPU's
+    defaults), without repeats: what ``tune`` tunes, and ``build`` on a GPU."""
+    from .kernels.chunk_backward_widths import rewritten_widths
+    from .tuning import Bucket
+
+    batch = batch or ([8] if on_gpu else [1])
+    seq = seq_len or ([4096] if on_gpu else [32])
+    dec = decode_batch or ([32, 256] if on_gpu else [2])
+    common = dict(key_widths=spec.key_widths, value_width=spec.value_width, heads=spec.heads, dtype=spec.input_dtype)
+    out = []
+    if phase in ("prefill", "all"):
+        out += [Bucket("chunk", batch=b, seq_len=t, **common) for b in batch for t in seq]
+    if phase in ("decode", "all"):
+        out += [Bucket("recurrent", batch=b, seq_len=1, **common) for b in dec]
+    if phase == "train":
+        # widths the backward's kernels do not tile train rewritten (kernels/chunk_backward_widths.py):
+        # the bucket is the rewritten shape's, under which a training call's backward looks it up
+        train = {**common, "key_widths": rewritten_widths(spec.key_widths)}
+        out += [Bucket("chunk_bwd", batch=b, seq_len=t, **train) for b in batch for t in seq]
+    return list(dict.fromkeys(out))
+
+
 def _kind(mode: int) -> str:
     for test, name in ((stat.S_ISREG, "a file"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"),
                        (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a broken link")):

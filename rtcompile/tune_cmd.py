@@ -8,7 +8,8 @@ import os
 import sys
 import time
 
-from .cli_args import UsageError, check_storage, fixed_param, int_list, nonempty, positive_float, positive_int
+from .cli_args import (UsageError, buckets_of, check_storage, fixed_param, int_list, nonempty, positive_float,
+                       positive_int)
 
 # the phase that tunes each kernel (--fix names a kernel's forms)
 PHASE_OF = {"chunk": "prefill", "recurrent": "decode", "chunk_bwd": "train"}
@@ -57,29 +58,6 @@ def add_parser(sub) -> None:
                    help="per-trial limit: compile, check and time (default 300)")
     p.add_argument("--impl", help=argparse.SUPPRESS)  # test hook: "module:function" replacing the kernel call
     p.set_defaults(func=run)
-
-
-def buckets_of(spec, args, on_gpu: bool):
-    """The tuning buckets of ``spec`` for ``args.phase`` at ``args``' batches and lengths (the
-    GPU's or the CPU's defaults), without repeats."""
-    from .kernels.chunk_backward_widths import rewritten_widths
-    from .tuning import Bucket
-
-    batch = args.batch or ([8] if on_gpu else [1])
-    seq = args.seq_len or ([4096] if on_gpu else [32])
-    dec = args.decode_batch or ([32, 256] if on_gpu else [2])
-    common = dict(key_widths=spec.key_widths, value_width=spec.value_width, heads=spec.heads, dtype=spec.input_dtype)
-    out = []
-    if args.phase in ("prefill", "all"):
-        out += [Bucket("chunk", batch=b, seq_len=t, **common) for b in batch for t in seq]
-    if args.phase in ("decode", "all"):
-        out += [Bucket("recurrent", batch=b, seq_len=1, **common) for b in dec]
-    if args.phase == "train":
-        # widths the backward's kernels do not tile train rewritten (kernels/chunk_backward_widths.py):
-        # the bucket is the rewritten shape's, under which a training call's backward looks it up
-        train = {**common, "key_widths": rewritten_widths(spec.key_widths)}
-        out += [Bucket("chunk_bwd", batch=b, seq_len=t, **train) for b in batch for t in seq]
-    return list(dict.fromkeys(out))
 
 
 def _list(args) -> int:
@@ -133,14 +111,16 @@ def _run(args) -> int:
     err = Console(stderr=True)
     if not on_gpu:
         os.environ["TRITON_INTERPRET"] = "1"  # workers and trials inherit it
-    if len(spec.key_widths) > 3:
-        raise UsageError(f"rtcompile tune: order {spec.order}; the Triton kernels take orders 2-4")
+    from .functional import MAX_TRITON_ORDER
+
+    if spec.order > MAX_TRITON_ORDER:
+        raise UsageError(f"rtcompile tune: order {spec.order}; the Triton kernels take orders 2-{MAX_TRITON_ORDER}")
     workers = args.workers or (max(1, torch.cuda.device_count()) if on_gpu else 1)
     opts = TuneOptions(storage=args.storage, trials=None if args.seconds else (args.trials or 20),
                        seconds=args.seconds, workers=workers, resume=args.resume, retune=args.retune,
                        device="cuda" if on_gpu else "cpu", trial_timeout=args.timeout, impl=args.impl,
                        repeats=20 if on_gpu else 3, fixed=dict(args.fix), exhaustive=args.exhaustive)
-    buckets = buckets_of(spec, args, on_gpu)
+    buckets = buckets_of(spec, args.phase, args.batch, args.seq_len, args.decode_batch, on_gpu)
     _check_sizes(spec, buckets, on_gpu)
     for bucket in buckets:  # a shape the kernel cannot run, or a bad --fix: usage errors before any study starts
         if (reason := refusal(bucket)) is not None:
