@@ -98,6 +98,7 @@ def _run(args) -> int:
         return _list(args)
     if not args.spec:
         raise UsageError("rtcompile tune: give a SPEC file, or --list")
+    _check_fix_repeats(args.fix)
     start = time.time()  # --seconds counts from here: imports, studies, compiles, checks and all
     import torch
     from rich.console import Console
@@ -181,6 +182,18 @@ def _check_sizes(spec, buckets, on_gpu: bool) -> None:
             why = str(exc).removeprefix("plan: ")
             raise UsageError(f"rtcompile tune: {opt}: the {b.kernel} bucket (sizes rounded up to powers of two) "
                              f"{why}") from None
+
+
+def _check_fix_repeats(fix: list[tuple[str, object]]) -> None:
+    """A field held twice (``--fix form=split --fix form=fused``): a usage error naming it. The
+    sub-space holds one value of a field; the last one was kept silently, under a title that
+    named both."""
+    seen: dict[str, object] = {}
+    for key, value in fix:
+        if key in seen:
+            raise UsageError(f"rtcompile tune: --fix {key}: given twice ({key}={seen[key]}, {key}={value}); "
+                             "allowed: one value per field")
+        seen[key] = value
 
 
 def _check_fix_phase(args, bucket) -> None:
