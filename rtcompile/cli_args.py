@@ -62,6 +62,15 @@ def positive_float(text: str) -> float:
     return value
 
 
+def finite_positive_float(text: str) -> float:
+    """A number > 0 that is finite: seconds a budget or a limit is made of (``inf`` has no deadline
+    to compute; TuneOptions refuses it)."""
+    value = positive_float(text)
+    if value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
+    return value
+
+
 def number_list_of(kind: type, minimum: float | None, what: str):
     """An argparse type: comma-separated ``kind`` values (int or float) >= ``minimum`` (None: any;
     ``what`` names them in the error)."""
@@ -259,15 +268,14 @@ def check_storage(url: str | None, create: bool) -> None:
     (``tuning.store.check_store_file``: its folder, and for SQLite that it is a database), and
     for a server database the URL's form and its SQLAlchemy dialect, without connecting. Raises
     the store's StoreError (one line naming the storage)."""
+    from .tuning.options import memory_store_refusal
     from .tuning.store import StoreError, check_store_file, store_file
 
     check_store_file(url, create)
     if url is None or store_file(url) is not None:
         return
-    base = url.split("?", 1)[0]
-    if base.startswith("sqlite") and base.split("://", 1)[-1] in ("", "/:memory:"):  # sqlite[+driver]://; gone at exit
-        raise StoreError(f"storage {url!r}: an in-memory database, which worker processes cannot share and no run "
-                         "can resume; allowed: sqlite:///FILE, journal:PATH or a database server's URL")
+    if (why := memory_store_refusal(url)) is not None:  # sqlite[+driver]://: gone at exit
+        raise StoreError(why)
     if url.startswith("journal:"):
         raise StoreError(f"storage {url!r}: no file named; allowed: journal:PATH")
     import sqlalchemy.exc

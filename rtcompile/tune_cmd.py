@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from .cli_args import (UsageError, buckets_of, check_storage, fixed_param, int_list, nonempty, positive_float,
+from .cli_args import (UsageError, buckets_of, check_storage, finite_positive_float, fixed_param, int_list, nonempty,
                        positive_int)
 
 # the phase that tunes each kernel (--fix names a kernel's forms)
@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
                         "(default: a SQLite file in the rtcompile cache)")
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--trials", type=positive_int, metavar="N", help="trials per kernel and bucket (default 20)")
-    budget.add_argument("--seconds", type=positive_float, metavar="S",
+    budget.add_argument("--seconds", type=finite_positive_float, metavar="S",
                         help="time budget of the whole command, shared evenly by the kernels and buckets (a trial "
                              "running at the end is finished)")
     budget.add_argument("--exhaustive", action="store_true",
@@ -54,7 +54,7 @@ def add_parser(sub) -> None:
     p.add_argument("--seq-len", type=int_list, metavar="T,..",
                    help="prefill / train length buckets (GPU default 4096; CPU 32)")
     p.add_argument("--decode-batch", type=int_list, metavar="B,..", help="decode batch buckets (GPU default 32,256; CPU 2)")
-    p.add_argument("--timeout", type=positive_float, default=300.0, metavar="S",
+    p.add_argument("--timeout", type=finite_positive_float, default=300.0, metavar="S",
                    help="per-trial limit: compile, check and time (default 300)")
     p.add_argument("--impl", help=argparse.SUPPRESS)  # test hook: "module:function" replacing the kernel call
     p.set_defaults(func=run)
