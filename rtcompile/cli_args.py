@@ -132,7 +132,7 @@ def fixed_param(text: str) -> tuple[str, object]:
     return name.strip(), value
 
 
-def buckets_of(spec, phase: str, batch: list[int] | None, seq_len: list[int] | None,
+def tuning_buckets(spec, phase: str, batch: list[int] | None, seq_len: list[int] | None,
                decode_batch: list[int] | None, on_gpu: bool) -> list:
     """The tuning buckets of ``spec`` for ``phase`` (prefill, decode, train or all: prefill and
     decode) at ``--batch``, ``--seq-len`` and ``--decode-batch`` (None: the GPU's or the CPU's

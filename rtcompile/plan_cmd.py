@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from .cli_args import (UsageError, buckets_of, check_out_file, check_storage, int_list, nonempty, positive_int,
+from .cli_args import (UsageError, check_out_file, check_storage, int_list, nonempty, positive_int, tuning_buckets,
                        write_out)
 
 
@@ -199,7 +199,7 @@ def run_build(args) -> int:
         from .tuning.processes import stop_on_signal
 
         # the buckets `rtcompile tune` would tune at these options (its GPU defaults where none given)
-        buckets = buckets_of(spec, "all", args.batch, args.seq_len, args.decode_batch, on_gpu=True)
+        buckets = tuning_buckets(spec, "all", args.batch, args.seq_len, args.decode_batch, on_gpu=True)
         for bucket in buckets:
             if (reason := refusal(bucket)) is not None:
                 raise UsageError(f"rtcompile build: {reason}")

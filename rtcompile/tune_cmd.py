@@ -8,8 +8,8 @@ import os
 import sys
 import time
 
-from .cli_args import (UsageError, buckets_of, check_storage, finite_positive_float, fixed_param, int_list, nonempty,
-                       positive_int)
+from .cli_args import (UsageError, check_storage, finite_positive_float, fixed_param, int_list, nonempty, positive_int,
+                       tuning_buckets)
 
 # the phase that tunes each kernel (--fix names a kernel's forms)
 PHASE_OF = {"chunk": "prefill", "recurrent": "decode", "chunk_bwd": "train"}
@@ -58,6 +58,13 @@ def add_parser(sub) -> None:
                    help="per-trial limit: compile, check and time (default 300)")
     p.add_argument("--impl", help=argparse.SUPPRESS)  # test hook: "module:function" replacing the kernel call
     p.set_defaults(func=run)
+
+
+def buckets_of(spec, args, on_gpu: bool):
+    """The tuning buckets of ``spec`` for ``args.phase`` at ``args``' batches and lengths (the
+    GPU's or the CPU's defaults), without repeats (``cli_args.tuning_buckets``, which build
+    tunes too)."""
+    return tuning_buckets(spec, args.phase, args.batch, args.seq_len, args.decode_batch, on_gpu)
 
 
 def _list(args) -> int:
@@ -121,7 +128,7 @@ def _run(args) -> int:
                        seconds=args.seconds, workers=workers, resume=args.resume, retune=args.retune,
                        device="cuda" if on_gpu else "cpu", trial_timeout=args.timeout, impl=args.impl,
                        repeats=20 if on_gpu else 3, fixed=dict(args.fix), exhaustive=args.exhaustive)
-    buckets = buckets_of(spec, args.phase, args.batch, args.seq_len, args.decode_batch, on_gpu)
+    buckets = buckets_of(spec, args, on_gpu)
     _check_sizes(spec, buckets, on_gpu)
     for bucket in buckets:  # a shape the kernel cannot run, or a bad --fix: usage errors before any study starts
         if (reason := refusal(bucket)) is not None:
