@@ -1,13 +1,15 @@
 """The ``rtcompile`` command line.
 
 Usage and input errors print one line on stderr and exit with code 2, never a traceback; an
-interrupted command (Ctrl-C; ``tune``: SIGTERM too) one line and exit code 130.
+interrupted command (Ctrl-C; ``tune``: SIGTERM too) one line and exit code 130; a command whose
+stdout's reader has gone (``| head``) stops quietly with exit code 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Sequence
 
@@ -17,7 +19,8 @@ from .fileio import WriteError
 from .spec import SpecError, SpecFileError, SpecTypeError
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
-__all__ = ["EXIT_INTERRUPTED", "EXIT_USAGE", "INPUT_ERRORS", "UsageError", "build_parser", "main"]
+EXIT_BROKEN_PIPE = 1  # the Python docs' recipe for a closed stdout (SIGPIPE ignored, as Python does)
+__all__ = ["EXIT_BROKEN_PIPE", "EXIT_INTERRUPTED", "EXIT_USAGE", "INPUT_ERRORS", "UsageError", "build_parser", "main"]
 
 
 class _NoStoreError(Exception):
@@ -188,13 +191,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stdout_gone() -> int:
+    """stdout's reader has gone (``rtcompile plan --json | head -1``): stop quietly, as the
+    Python docs' recipe does. stdout is pointed at devnull, so the interpreter's flush at exit
+    does not fail on the closed pipe again ("Exception ignored ... BrokenPipeError")."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a captured stdout): nothing is flushed to it
+        pass
+    return EXIT_BROKEN_PIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
         if args.command is None:
             raise UsageError("rtcompile: missing COMMAND; run 'rtcompile --help' for the list")
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a closed pipe is found here, where it is handled, not at exit
+        return code
+    except BrokenPipeError:
+        return _stdout_gone()
     except UsageError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_USAGE

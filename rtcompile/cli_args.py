@@ -62,6 +62,15 @@ def positive_float(text: str) -> float:
     return value
 
 
+def finite_positive_float(text: str) -> float:
+    """A number > 0 that is finite: seconds a budget or a limit is made of (``inf`` has no deadline
+    to compute; TuneOptions refuses it)."""
+    value = positive_float(text)
+    if value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
+    return value
+
+
 def number_list_of(kind: type, minimum: float | None, what: str):
     """An argparse type: comma-separated ``kind`` values (int or float) >= ``minimum`` (None: any;
     ``what`` names them in the error)."""
@@ -121,6 +130,31 @@ def fixed_param(text: str) -> tuple[str, object]:
     elif raw.lstrip("-").isdigit():
         value = int(raw)
     return name.strip(), value
+
+
+def tuning_buckets(spec, phase: str, batch: list[int] | None, seq_len: list[int] | None,
+               decode_batch: list[int] | None, on_gpu: bool) -> list:
+    """The tuning buckets of ``spec`` for ``phase`` (prefill, decode, train or all: prefill and
+    decode) at ``--batch``, ``--seq-len`` and ``--decode-batch`` (None: the GPU's or the CPU's
+    defaults), without repeats: what ``tune`` tunes, and ``build`` on a GPU."""
+    from .kernels.chunk_backward_widths import rewritten_widths
+    from .tuning import Bucket
+
+    batch = batch or ([8] if on_gpu else [1])
+    seq = seq_len or ([4096] if on_gpu else [32])
+    dec = decode_batch or ([32, 256] if on_gpu else [2])
+    common = dict(key_widths=spec.key_widths, value_width=spec.value_width, heads=spec.heads, dtype=spec.input_dtype)
+    out = []
+    if phase in ("prefill", "all"):
+        out += [Bucket("chunk", batch=b, seq_len=t, **common) for b in batch for t in seq]
+    if phase in ("decode", "all"):
+        out += [Bucket("recurrent", batch=b, seq_len=1, **common) for b in dec]
+    if phase == "train":
+        # widths the backward's kernels do not tile train rewritten (kernels/chunk_backward_widths.py):
+        # the bucket is the rewritten shape's, under which a training call's backward looks it up
+        train = {**common, "key_widths": rewritten_widths(spec.key_widths)}
+        out += [Bucket("chunk_bwd", batch=b, seq_len=t, **train) for b in batch for t in seq]
+    return list(dict.fromkeys(out))
 
 
 def _kind(mode: int) -> str:
@@ -234,15 +268,14 @@ def check_storage(url: str | None, create: bool) -> None:
     (``tuning.store.check_store_file``: its folder, and for SQLite that it is a database), and
     for a server database the URL's form and its SQLAlchemy dialect, without connecting. Raises
     the store's StoreError (one line naming the storage)."""
+    from .tuning.options import memory_store_refusal
     from .tuning.store import StoreError, check_store_file, store_file
 
     check_store_file(url, create)
     if url is None or store_file(url) is not None:
         return
-    base = url.split("?", 1)[0]
-    if base.startswith("sqlite") and base.split("://", 1)[-1] in ("", "/:memory:"):  # sqlite[+driver]://; gone at exit
-        raise StoreError(f"storage {url!r}: an in-memory database, which worker processes cannot share and no run "
-                         "can resume; allowed: sqlite:///FILE, journal:PATH or a database server's URL")
+    if (why := memory_store_refusal(url)) is not None:  # sqlite[+driver]://: gone at exit
+        raise StoreError(why)
     if url.startswith("journal:"):
         raise StoreError(f"storage {url!r}: no file named; allowed: journal:PATH")
     import sqlalchemy.exc

@@ -7,16 +7,17 @@ import json
 import os
 import sys
 
-from .cli_args import check_out_file, check_storage, int_list, nonempty, positive_int, write_out
+from .cli_args import (UsageError, check_out_file, check_storage, int_list, nonempty, positive_int, tuning_buckets,
+                       write_out)
 
 
-def _common(p) -> None:
+def _common(p, target_note: str = "") -> None:
     from .target import DEFAULT_TARGET, PROFILES
 
     p.add_argument("spec", help="model spec file (.toml or .json)")
     p.add_argument("--target", default=None, metavar="NAME", type=nonempty(", ".join(["auto", *PROFILES])),
                    help=f"GPU profile (auto, h100-sxm, h200, a100-80gb, l40s, l4, rtx-4090, b200); default: auto "
-                        f"on a GPU, {DEFAULT_TARGET} without one")
+                        f"on a GPU, {DEFAULT_TARGET} without one{target_note}")
     p.add_argument("--batch", type=int_list, metavar="B,..", help="prefill batches to plan (default 1,8)")
     p.add_argument("--seq-len", type=int_list, metavar="T,..", help="prefill lengths to plan (default 16 to 65536)")
     p.add_argument("--decode-batch", type=int_list, metavar="B,..", help="decode batches (default 1,8,32,128,256)")
@@ -30,7 +31,10 @@ def add_parsers(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run_plan)
     b = sub.add_parser("build", help="main job: plan, tune (GPU), re-plan from measurements, validate kernels")
-    _common(b)
+    # tuning measures the GPU present, so its measurements are no plan for another GPU
+    _common(b, ". On a GPU, auto (or the profile of the GPU present) tunes this GPU at the requested "
+               "--batch / --seq-len / --decode-batch and plans from the measurements; another GPU's profile is "
+               "planned from its datasheet figures, without tuning")
     b.add_argument("--trials", type=positive_int, default=10, metavar="N",
                    help="tuning trials per kernel and bucket on a GPU (default 10)")
     b.add_argument("--storage", metavar="URL", type=nonempty("a storage URL"),
@@ -147,11 +151,39 @@ def _validate_kernels(spec) -> list[tuple[str, float, bool]]:
     return out
 
 
+def _check_order(spec, path: str) -> None:
+    """The Triton kernels' orders (build validates them, and tunes them on a GPU): another order
+    is a usage error before any work, not a ValueError out of the kernel checks."""
+    from .functional import MAX_TRITON_ORDER
+
+    if spec.order > MAX_TRITON_ORDER:
+        raise UsageError(f"rtcompile build: {path}: order {spec.order}; the Triton kernels that build validates "
+                         f"(and tunes on a GPU) take orders 2-{MAX_TRITON_ORDER}; allowed: a spec of order 2 to "
+                         f"{MAX_TRITON_ORDER}")
+
+
+def _tunes_here(target_name: str) -> bool:
+    """Does a build on this GPU tune for ``target_name``: auto, or the profile of the GPU present
+    (detect() names a known GPU by its profile). Another GPU's profile is planned without
+    tuning: measurements of this GPU are no figures of that one."""
+    from .target import detect
+
+    return target_name.lower() == "auto" or detect().name == target_name.lower()
+
+
 def run_build(args) -> int:
     from rich.console import Console
 
+    on_gpu = _on_gpu()
+    if not on_gpu:
+        # first: triton picks its driver when a kernel module is imported, and check_storage's
+        # store (the tuned table's package) imports them; a CPU has no driver but the interpreter
+        os.environ["TRITON_INTERPRET"] = "1"
     out = args.out if args.out is not None else "plan.json"
     check_out_file("rtcompile build", out)  # before minutes of tuning and checks, not after; nothing made
+    from .spec import load_spec
+
+    _check_order(load_spec(args.spec), args.spec)
     if args.storage is not None:
         check_storage(args.storage, create=True)  # as tune checks it, also where no tuning follows
     # The notices (no GPU: the cost model and the interpreter; on a GPU the measured rates and
@@ -159,29 +191,33 @@ def run_build(args) -> int:
     # continues, so they go to stdout with it. stderr then holds a failure alone, as one line (a
     # late write failure, a failed kernel check), never after a notice that is not an error.
     report = Console()
-    on_gpu = _on_gpu()
-    if not on_gpu:
-        os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
     target_name = _target_name(args)
     spec, target, plan = _make(args, target_name)
-    if on_gpu:
+    if on_gpu and _tunes_here(target_name):
         from .target import measure
-        from .tuning import Bucket, TuneOptions, tune_bucket
+        from .tuning import TuneOptions, refusal, tune_bucket
         from .tuning.processes import stop_on_signal
 
+        # the buckets `rtcompile tune` would tune at these options (its GPU defaults where none given)
+        buckets = tuning_buckets(spec, "all", args.batch, args.seq_len, args.decode_batch, on_gpu=True)
+        for bucket in buckets:
+            if (reason := refusal(bucket)) is not None:
+                raise UsageError(f"rtcompile build: {reason}")
         target = measure()
         report.print(f"measured {target.name}: copy {target.hbm_bytes_per_s / 1e9:.0f} GB/s, "
                      f"bf16 matmul {target.bf16_flops / 1e12:.0f} TFLOP/s")
         opts = TuneOptions(storage=args.storage, trials=args.trials, device="cuda", repeats=20)
-        common = dict(key_widths=spec.key_widths, value_width=spec.value_width, heads=spec.heads, dtype=spec.input_dtype)
         # as `rtcompile tune`: a SIGTERM stops the workers and trial processes too (Python's
         # default ended the build at once and its workers tuned on to their deadline)
         with stop_on_signal():
-            for bucket in [Bucket("chunk", batch=8, seq_len=4096, **common), Bucket("recurrent", batch=32, seq_len=1, **common),
-                           Bucket("recurrent", batch=256, seq_len=1, **common)]:
+            for bucket in buckets:
                 res = tune_bucket(bucket, opts)
                 report.print(f"tuned {bucket.label}: {'already tuned' if res.already_tuned else f'{res.trials_run} trials'}")
-        spec, target, plan = _make(args, "auto")
+        spec, target, plan = _make(args, "auto")  # the measured target of this GPU, the table's new winners
+    elif on_gpu:
+        report.print(f"--target {target_name} is not this GPU: planning for {target.name} from its profile "
+                     "(no tuning: this GPU's measurements are not that one's; --target auto tunes this GPU); "
+                     "validating the kernels on this GPU")
     else:
         report.print(f"no CUDA GPU: planning for {target.name} with the cost model (no tuning); validating the kernels "
                      "through the Triton interpreter at small shapes")

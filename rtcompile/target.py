@@ -9,6 +9,9 @@ planner then prefers. Nothing here imports torch until ``auto`` or ``measure`` i
 from __future__ import annotations
 
 import json
+import math
+import re
+import warnings
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -98,12 +101,30 @@ def get_target(name: str) -> Target:
     return PROFILES[key]
 
 
+# The names CUDA gives the boards each profile's figures are: the model token, the tokens such a
+# name must hold too, and the ones it may (vendor words are dropped first). Any other token is
+# another board: "L40" is not "L4"; "H100 PCIe" (2.0 TB/s) and "H100 NVL" are not the SXM part
+# (3.35 TB/s); the A100 40GB (1.56 TB/s) and the 80GB PCIe (1.94) are not the 80GB SXM (2.04).
+# Unmatched, a GPU gets the detected target with measured rates (``detect``, ``measure``).
+_VENDOR_TOKENS = frozenset({"nvidia", "geforce", "tesla"})
+_NAME_TOKENS: dict[str, tuple[str, frozenset[str], frozenset[str]]] = {
+    "h200": ("h200", frozenset(), frozenset({"sxm", "sxm5", "141gb", "hbm3e"})),
+    "h100-sxm": ("h100", frozenset(), frozenset({"sxm", "sxm5", "80gb", "hbm3"})),
+    "a100-80gb": ("a100", frozenset({"80gb"}), frozenset({"sxm", "sxm4"})),
+    "l40s": ("l40s", frozenset(), frozenset({"48gb"})),
+    "l4": ("l4", frozenset(), frozenset({"24gb"})),
+    "rtx-4090": ("4090", frozenset(), frozenset({"rtx", "24gb"})),
+    "b200": ("b200", frozenset(), frozenset({"sxm", "sxm6", "180gb", "hbm3e"})),
+}
+
+
 def profile_for(device_name: str) -> Target | None:
-    """The datasheet profile whose GPU ``device_name`` (as CUDA reports it) is, or None."""
-    n = device_name.lower().replace(" ", "").replace("-", "")
-    for key, prof in (("h200", "h200"), ("h100", "h100-sxm"), ("a100", "a100-80gb"), ("l40s", "l40s"),
-                      ("l4", "l4"), ("4090", "rtx-4090"), ("b200", "b200")):
-        if key in n:
+    """The datasheet profile whose GPU ``device_name`` (as CUDA reports it) is, or None: the
+    name's words (split at spaces, hyphens and underscores) are a profile's model and the
+    words such a board's name may add, nothing else."""
+    tokens = {t for t in re.split(r"[\s_-]+", device_name.lower()) if t} - _VENDOR_TOKENS
+    for prof, (model, required, allowed) in _NAME_TOKENS.items():
+        if model in tokens and required <= tokens and tokens <= {model} | required | allowed:
             return PROFILES[prof]
     return None
 
@@ -128,11 +149,41 @@ def detect() -> Target:
     return replace(base, memory_bytes=props.total_memory, sms=props.multi_processor_count)
 
 
-def _load_measured() -> dict:
+_RATES = ("hbm_bytes_per_s", "bf16_flops")
+
+
+def _entry_problem(entry) -> str | None:
+    """Why a kept measurement is not one (an object with positive finite rates and a date), or None."""
+    if not isinstance(entry, dict):
+        return f"expected an object, got {type(entry).__name__}"
+    for key in _RATES:
+        v = entry.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+            return f"{key}: got {v!r}; allowed: a finite number > 0"
+    if not isinstance(entry.get("date"), str):
+        return f"date: got {entry.get('date')!r}; allowed: a date string"
+    return None
+
+
+def _load_measured() -> dict[str, dict]:
+    """The kept measurements (GPU name -> its rates and date), those of another shape left out
+    with one warning: the file is derived (``measure`` rewrites it), so a damaged one costs a
+    measurement, never the command. An absent or unreadable file is none kept."""
+    path = _cache_file()
     try:
-        return json.loads(_cache_file().read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+    if not isinstance(data, dict):
+        bad = [f"expected an object of GPU name -> measurement, got {type(data).__name__}"]
+        data = {}
+    else:
+        bad = [f"{name!r}: {why}" for name, e in data.items() if (why := _entry_problem(e)) is not None]
+    if bad:
+        more = f" ({len(bad)} in all)" if len(bad) > 1 else ""
+        warnings.warn(f"kept GPU measurements {str(path)!r}: {bad[0]}{more}; ignored (measured again by "
+                      "`rtcompile build` on that GPU)", RuntimeWarning, stacklevel=3)
+    return {name: e for name, e in data.items() if _entry_problem(e) is None}
 
 
 def measure() -> Target:
@@ -151,10 +202,17 @@ def measure() -> Target:
     m = 8192
     a, b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16), torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
     rate = 2 * m**3 / timed(lambda: a @ b)
-    data = _load_measured()
-    data[torch.cuda.get_device_name(0)] = {"hbm_bytes_per_s": bw, "bf16_flops": rate,
-                                           "date": datetime.date.today().isoformat()}
+    _keep(torch.cuda.get_device_name(0), bw, rate, datetime.date.today().isoformat())
+    return detect()
+
+
+def _keep(device_name: str, hbm_bytes_per_s: float, bf16_flops: float, date: str) -> None:
+    """Keep one GPU's measurement beside the others' valid ones: the file rewritten atomically
+    (one that held no object of measurements, or malformed ones, is replaced, not refused)."""
+    with warnings.catch_warnings():  # this rewrite drops them: the warning would say what is already done
+        warnings.simplefilter("ignore", RuntimeWarning)
+        data = _load_measured()
+    data[device_name] = {"hbm_bytes_per_s": hbm_bytes_per_s, "bf16_flops": bf16_flops, "date": date}
     path = _cache_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, json.dumps(data, indent=1))
-    return detect()

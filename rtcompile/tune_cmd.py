@@ -8,7 +8,8 @@ import os
 import sys
 import time
 
-from .cli_args import UsageError, check_storage, fixed_param, int_list, nonempty, positive_float, positive_int
+from .cli_args import (UsageError, check_storage, finite_positive_float, fixed_param, int_list, nonempty, positive_int,
+                       tuning_buckets)
 
 # the phase that tunes each kernel (--fix names a kernel's forms)
 PHASE_OF = {"chunk": "prefill", "recurrent": "decode", "chunk_bwd": "train"}
@@ -25,7 +26,7 @@ def add_parser(sub) -> None:
                         "(default: a SQLite file in the rtcompile cache)")
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--trials", type=positive_int, metavar="N", help="trials per kernel and bucket (default 20)")
-    budget.add_argument("--seconds", type=positive_float, metavar="S",
+    budget.add_argument("--seconds", type=finite_positive_float, metavar="S",
                         help="time budget of the whole command, shared evenly by the kernels and buckets (a trial "
                              "running at the end is finished)")
     budget.add_argument("--exhaustive", action="store_true",
@@ -53,7 +54,7 @@ def add_parser(sub) -> None:
     p.add_argument("--seq-len", type=int_list, metavar="T,..",
                    help="prefill / train length buckets (GPU default 4096; CPU 32)")
     p.add_argument("--decode-batch", type=int_list, metavar="B,..", help="decode batch buckets (GPU default 32,256; CPU 2)")
-    p.add_argument("--timeout", type=positive_float, default=300.0, metavar="S",
+    p.add_argument("--timeout", type=finite_positive_float, default=300.0, metavar="S",
                    help="per-trial limit: compile, check and time (default 300)")
     p.add_argument("--impl", help=argparse.SUPPRESS)  # test hook: "module:function" replacing the kernel call
     p.set_defaults(func=run)
@@ -61,25 +62,9 @@ def add_parser(sub) -> None:
 
 def buckets_of(spec, args, on_gpu: bool):
     """The tuning buckets of ``spec`` for ``args.phase`` at ``args``' batches and lengths (the
-    GPU's or the CPU's defaults), without repeats."""
-    from .kernels.chunk_backward_widths import rewritten_widths
-    from .tuning import Bucket
-
-    batch = args.batch or ([8] if on_gpu else [1])
-    seq = args.seq_len or ([4096] if on_gpu else [32])
-    dec = args.decode_batch or ([32, 256] if on_gpu else [2])
-    common = dict(key_widths=spec.key_widths, value_width=spec.value_width, heads=spec.heads, dtype=spec.input_dtype)
-    out = []
-    if args.phase in ("prefill", "all"):
-        out += [Bucket("chunk", batch=b, seq_len=t, **common) for b in batch for t in seq]
-    if args.phase in ("decode", "all"):
-        out += [Bucket("recurrent", batch=b, seq_len=1, **common) for b in dec]
-    if args.phase == "train":
-        # widths the backward's kernels do not tile train rewritten (kernels/chunk_backward_widths.py):
-        # the bucket is the rewritten shape's, under which a training call's backward looks it up
-        train = {**common, "key_widths": rewritten_widths(spec.key_widths)}
-        out += [Bucket("chunk_bwd", batch=b, seq_len=t, **train) for b in batch for t in seq]
-    return list(dict.fromkeys(out))
+    GPU's or the CPU's defaults), without repeats (``cli_args.tuning_buckets``, which build
+    tunes too)."""
+    return tuning_buckets(spec, args.phase, args.batch, args.seq_len, args.decode_batch, on_gpu)
 
 
 def _list(args) -> int:
@@ -120,6 +105,7 @@ def _run(args) -> int:
         return _list(args)
     if not args.spec:
         raise UsageError("rtcompile tune: give a SPEC file, or --list")
+    _check_fix_repeats(args.fix)
     start = time.time()  # --seconds counts from here: imports, studies, compiles, checks and all
     import torch
     from rich.console import Console
@@ -133,8 +119,10 @@ def _run(args) -> int:
     err = Console(stderr=True)
     if not on_gpu:
         os.environ["TRITON_INTERPRET"] = "1"  # workers and trials inherit it
-    if len(spec.key_widths) > 3:
-        raise UsageError(f"rtcompile tune: order {spec.order}; the Triton kernels take orders 2-4")
+    from .functional import MAX_TRITON_ORDER
+
+    if spec.order > MAX_TRITON_ORDER:
+        raise UsageError(f"rtcompile tune: order {spec.order}; the Triton kernels take orders 2-{MAX_TRITON_ORDER}")
     workers = args.workers or (max(1, torch.cuda.device_count()) if on_gpu else 1)
     opts = TuneOptions(storage=args.storage, trials=None if args.seconds else (args.trials or 20),
                        seconds=args.seconds, workers=workers, resume=args.resume, retune=args.retune,
@@ -201,6 +189,18 @@ def _check_sizes(spec, buckets, on_gpu: bool) -> None:
             why = str(exc).removeprefix("plan: ")
             raise UsageError(f"rtcompile tune: {opt}: the {b.kernel} bucket (sizes rounded up to powers of two) "
                              f"{why}") from None
+
+
+def _check_fix_repeats(fix: list[tuple[str, object]]) -> None:
+    """A field held twice (``--fix form=split --fix form=fused``): a usage error naming it. The
+    sub-space holds one value of a field; the last one was kept silently, under a title that
+    named both."""
+    seen: dict[str, object] = {}
+    for key, value in fix:
+        if key in seen:
+            raise UsageError(f"rtcompile tune: --fix {key}: given twice ({key}={seen[key]}, {key}={value}); "
+                             "allowed: one value per field")
+        seen[key] = value
 
 
 def _check_fix_phase(args, bucket) -> None:

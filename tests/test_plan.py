@@ -218,6 +218,7 @@ def test_build_tunes_under_the_stop_handler_and_a_sigterm_is_one_line(tmp_path, 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(plan_cmd, "_on_gpu", lambda: True)
     monkeypatch.setattr(rtcompile.target, "measure", lambda: get_target("h200"))
+    monkeypatch.setattr(rtcompile.target, "detect", lambda: get_target("h200"))  # the GPU --target names
 
     def tune(bucket, opts):
         assert signal.getsignal(signal.SIGTERM) is processes._interrupt, "build tuned without the stop handler"

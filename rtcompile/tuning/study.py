@@ -50,6 +50,7 @@ from ..kernels import tuned
 from ..kernels.forms import default_config
 from .claims import Heartbeat, mark_stale, next_trial, process_alive, stale_numbers, trial_id
 from .keys import Bucket, Machine, key_attrs, study_name
+from .options import TuneOptions
 from .processes import STOP_POLL_S, raise_if_stopped, spawn_workers, stop_workers
 from .space import (
     bucket_shape, config_params, device_refusal, exhaustive_variants, params_config, search_space, smem_limit, suggest,
@@ -60,30 +61,7 @@ from .store import (
     write_tuned,
 )
 
-DEFAULT_SEED = 20261129  # recorded in every study; TPE's choices are reproducible from it
 RESULT_ATTRS = ("best_variant", "best_seconds", "default_seconds")
-
-
-@dataclass
-class TuneOptions:
-    """How to run studies. ``trials`` xor ``seconds`` is the budget per bucket."""
-
-    storage: str | None = None
-    trials: int | None = 20
-    seconds: float | None = None
-    workers: int = 1
-    resume: bool = False
-    retune: bool = False
-    seed: int = DEFAULT_SEED
-    device: str = "cpu"
-    repeats: int = 5
-    trial_timeout: float = 300.0
-    top_k: int = 3
-    impl: str | None = None  # "module:function" replacing the kernel call (tests plant wrong variants)
-    table: str | None = None  # tuned-config table path (default: the kernels' own)
-    fixed: dict[str, Any] = field(default_factory=dict)  # form / FORM.FIELD held at one value (a sub-space)
-    exhaustive: bool = False  # one trial per valid config of the (sub-)space instead of TPE's picks
-    deadline: float | None = None  # seconds mode: when this bucket's time is up (time.time()); else now + seconds
 
 
 @dataclass
