@@ -89,6 +89,7 @@ def _print(plan, spec, target) -> None:
         short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
         alts = ", ".join(f"{a['mode']}{' ' + a['variant']['form'] if a['mode'] == 'chunk' else ''}"
                          f"{' ' + short[a['state_dtype']] if 'state_dtype' in a else ''} {ms(a['cost']['seconds'])}"
+                         f"{' (not run)' if a.get('note') else ''}"  # listed for comparison only
                          for a in d.alternatives)
         t.add_row(d.phase, str(d.batch), str(d.seq_len), d.mode, str(d.chunk_size or "-"), vt, short[d.state_dtype],
                   ms(d.cost["seconds"]), d.cost["bound"], d.cost["source"], alts)

@@ -113,6 +113,16 @@ def test_train_is_the_chunk_form_with_its_backward():
         assert scan["note"].startswith("not run")
 
 
+def test_the_plan_table_marks_the_alternatives_that_do_not_run(capsys):
+    """The table listed "chunk split fp32" beside each decode decision and "recurrent" beside
+    each train decision with nothing to say the runtime never runs them."""
+    assert main(["plan", str(O3_16), "--target", "h200", "--batch", "1", "--seq-len", "64",
+                 "--decode-batch", "1"]) == 0
+    rows = {line.split("│")[1].strip(): line for line in capsys.readouterr().out.splitlines() if line.count("│") > 5}
+    assert "(not run)" in rows["decode"] and "(not run)" in rows["train"]
+    assert "(not run)" not in rows["prefill"]
+
+
 # --- 3. the crossover agrees with the prefill decisions -----------------------------------
 
 
