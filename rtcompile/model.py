@@ -197,9 +197,13 @@ class RunningTensorLayer(nn.Module):
         elif step:
             o, state = self._step_in_place(q, k, v, g, beta, cache["state"], plan, backend)
         else:
+            # a spec's fixed chunk size is the chunk size without a plan too (it was the plan's and
+            # the ONNX graph's only, so a plan-less model ran the tuned table's or the default's C)
+            fixed = None if plan is not None or spec.chunk_size == "auto" else spec.chunk_size
             o, state = running_tensor(q, k, v, g, beta, scale=spec.scale,
                                       initial_state=None if cache is None else cache["state"],
-                                      output_final_state=True, l2norm=f.l2norm, plan=plan, backend=backend)
+                                      output_final_state=True, l2norm=f.l2norm, plan=plan, backend=backend,
+                                      chunk_size=fixed)
         if f.output_gate:
             o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm_weight
             o = o * F.silu(heads(pre["gate"], spec.value_width))

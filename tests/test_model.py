@@ -200,3 +200,27 @@ def test_huge_key_widths_refused_before_allocating(eight_gib):
     wide = HUGE_KEYS.replace(heads=32, model_width=4096)  # 2**35 projection weights
     with pytest.raises(ValueError, match=r"parameters: \d+ bytes needed"):
         RunningTensorLM(wide)
+
+
+@pytest.mark.parametrize("chunk_size", ["auto", 16, 32], ids=lambda c: f"C-{c}")
+def test_a_spec_fixed_chunk_size_is_what_a_plan_less_model_runs(chunk_size, monkeypatch):
+    """A spec's chunk_size was honoured by the plan and the ONNX graph only: the model without a
+    plan ran the tuned table's or the default's chunk size."""
+    import rtcompile.kernels.launch as launch
+
+    seen, real = [], launch.fwd_checked
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("chunk_size"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(launch, "fwd_checked", spy)
+    spec = ModelSpec(order=2, key_widths=(16,), value_width=16, heads=2, model_width=32, layers=1,
+                     chunk_size=chunk_size)
+    lm = RunningTensorLM(spec, vocab_size=64).eval()
+    tokens = torch.randint(0, 64, (1, 40))
+    with torch.no_grad():
+        got, _ = lm(tokens, backend="triton")
+        ref, _ = lm(tokens, backend="reference")
+    assert seen == [None if chunk_size == "auto" else chunk_size]
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
