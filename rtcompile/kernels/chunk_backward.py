@@ -71,7 +71,7 @@ from .chunk_backward_grads import chunk_bwd_grads_kernel
 from .chunk_backward_kept import Recomputed, recompute, workspace_dtype
 from .chunk_backward_state import state_grads
 from .chunk_backward_split import GradsTensors, split_grads
-from .chunk_backward_widths import materialised_keys, materialised_bwd, padded_bwd, tiled
+from .chunk_backward_widths import materialised_keys, materialised_bwd, padded_bwd, rewritten_widths, tiled
 from .chunk_resident import MATERIALISE_TILE
 from .chunk_split import KEY_GROUPS
 from .config import (
@@ -340,15 +340,27 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
     256: 32 first), 32 value columns, tf32 products for 16-bit inputs and ieee for fp32 (their
     tests ask 1e-4 of float64); up to K = 256 the resident loops, phi's gradients through the
     workspace, 16-bit workspaces for 16-bit inputs and the forward kept; above, the streamed
-    loops and the factors' gradients in registers. The smallest tiles where nothing passes."""
+    loops and the factors' gradients in registers (through the workspace where the check refuses
+    registers: order 2, a last width of 256 at order 3, of 128 or more at order 4). The smallest
+    tiles where nothing passes (:func:`supports` then refuses the problem with their check's reason)."""
     bv = min(32, shape.value_dim_pow2)
     streamed = shape.key_dim > MAX_KEY_DIM
     # key blocks: 128 at K = 256 through the workspace (gradients kernel 2.08 -> 1.93 ms at o3 16x16), else 64;
     # streamed, whole rows of the last width at one leading index (two: o3 32x32 3.87 -> 5.29 ms), four at
     # order 4, there in 4 warps (fwd+bwd o4 16^3 29.51 -> 20.37 ms; H200, 2026-12-03)
     last, K = (shape.key_widths[-1] if len(shape.key_widths) > 1 else 16), shape.key_dim_pow2
-    leads = 4 if len(shape.key_widths) == 3 else 1
-    bk = max(16, last) * leads if streamed else max(last, 128 if K >= 256 else min(64, K))
+    order4 = len(shape.key_widths) == 3
+    bk = max(16, last) * (4 if order4 else 1) if streamed else max(last, 128 if K >= 256 else min(64, K))
+    # streamed, the factors' gradients in registers where the check lets a key block of whole last-width
+    # rows through (<= 128 columns, <= 64 at order 4: fewer leading indices there); else through the
+    # workspace (o3 16x256, o4 16x16x128), as order 2's split always (its one factor is phi: the check
+    # refuses "registers" there as a duplicate). Registers' block_k 256 at o3 16x256 and 128 at o4
+    # 16x16x32 were refused by the check, so every training call there failed after its forward (review)
+    factor_grads = "registers"
+    if streamed and order4 and bk > 64:
+        bk = max(64, last)
+    if streamed and (len(shape.key_widths) == 1 or bk > (64 if order4 else 128)):
+        factor_grads = "workspace"
     group = 4 if len(shape.key_widths) >= 2 and shape.key_widths[0] % 4 == 0 else 1
     prec = "tf32" if shape.input_bytes == 2 else "ieee"
     # 16-bit workspaces for 16-bit inputs up to K = 256: o3 16x16 3.44 -> 3.29 ms, 1381 -> 1029 MiB,
@@ -365,7 +377,7 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
     # gradients kernel split, one side's factors per program: fwd+bwd o3 32x32 4.88 -> 4.63 ms, 64x64
     # 19.12 -> 18.49 (17.41 at d1c1993), o4 16^3 19.19 -> 18.90, peaks +131 MiB (H200, same call)
     loop = {"state_loop": "streamed", "state_block_k": tile, "num_stages": 1, "keep_forward": True,
-            "merge_passes": shape.key_dim_pow2 >= 4096, "grads_split": True} if streamed \
+            "merge_passes": shape.key_dim_pow2 >= 4096, "grads_split": True, "factor_grads": factor_grads} if streamed \
         else {"factor_grads": "workspace", "state_block_k": min(tile, shape.key_dim_pow2)}  # unused: in the space
     order = ((64, 8), (64, 4), (32, 8), (32, 4), (16, 4)) if streamed else ((64, 4), (64, 8), (32, 4), (32, 8), (16, 4))
     # 16-bit inputs up to K = 256, chunks of 32: the train tuner's winner at o3 16x16 B8 T4096 (422
@@ -397,16 +409,34 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
                              workspace_dtype=ws, grads_block_v=gbv, **kernels)
         if (chunk_size is None or C == chunk_size) and cfg.check(shape, smem_limit) is None:
             return cfg
+    # the smallest tiles: returned even where its check refuses them (the caller reports why; supports()
+    # asks this function first, so a training call is refused before its forward runs)
     return BackwardConfig(chunk_size=chunk_size or 16, block_v=16, block_k=bk, workspace_dtype=ws, **{**loop, "state_block_k": 16})
 
 
+def smem_limits(device: torch.device) -> tuple[int, int]:
+    """(the shared memory the default is sized for, the limit its check applies) on ``device``:
+    the GPU's opt-in limit twice; elsewhere (the interpreter) a 99 KiB device's default, unchecked."""
+    if device.type == "cuda":
+        limit = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+        return limit, limit
+    return DEFAULT_SMEM_BYTES, 10**9
+
+
 def supports(p: Problem, cu_seqlens) -> str | None:
-    """None when the Triton backward can run the problem, else the reason (a sentence)."""
+    """None when the Triton backward can run the problem, else the reason (a sentence): asked
+    before a training call's forward runs, so the backward's default config is checked here (a
+    refusal after the forward is the worst outcome: backend='auto' could not fall back)."""
     if p.order > 4:
         return f"order {p.order}: the Triton kernels take orders 2-4"
     if p.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {p.dtype}: the Triton backward takes float16, bfloat16 and float32 inputs"
-    return None  # any widths: tiled, materialised or zero-padded (chunk_backward_widths.py)
+    # any widths: tiled, materialised or zero-padded (chunk_backward_widths.py), under the rewritten shape's config
+    shape = KernelShape(rewritten_widths(p.key_widths), p.value_width, p.dtype.itemsize)
+    limit, check_limit = smem_limits(p.device)
+    if (reason := checked(default_backward(shape, limit), shape, check_limit)) is not None:
+        return f"no backward config runs key widths {shape.key_widths} with d_v {p.value_width} here: {reason}"
+    return None
 
 
 # ----- launcher -----
@@ -449,9 +479,7 @@ def resolve_backward(shape: KernelShape, variant, chunk_size: int | None, device
     "chunk_bwd"; only when ``chunk_size`` is not given, as the forward's launcher does), else
     the default (with ``chunk_size`` when given). A tuned entry this version cannot read or
     that fails its check here is ignored: the table is advice."""
-    limit = torch.cuda.get_device_properties(device).shared_memory_per_block_optin if device.type == "cuda" \
-        else DEFAULT_SMEM_BYTES
-    check_limit = limit if device.type == "cuda" else 10**9
+    limit, check_limit = smem_limits(device)
     if variant is None and chunk_size is None and p is not None:
         variant = tuned_backward(p, device)
         if variant is not None and checked(variant, shape, check_limit) is not None:
