@@ -44,7 +44,7 @@ each, the products' type); per token P and T (4 C each; T with the delta rule), 
 each, or the inputs' 2 with ``workspace_dtype="inputs"``; R with the delta rule), the log decay
 (4, gates), resident loops phi(K), phi(Q) (K each, the products' type), stored phi gradients (K
 each, as U); streamed loops add the running S and dS (fp32, K d_v each, once). o3 16x16, d_v 64,
-bf16, the default (C 32, resident, stored, 16-bit): per token-head 2 x 512 (phi, then its
+bf16, the default without a gate (C 32, resident, stored, 16-bit): per token-head 2 x 512 (phi, then its
 gradients over it) + 2 x 128 (P, T) + 3 x 128 (U, R, dU) + 4 bytes, per chunk 2 x 32 KiB; o3 64x64
 (streamed, registers, split: dGq, dGs and dc's parts added): 2 x 512 KiB per chunk + 1.8 KiB per token.
 
@@ -334,15 +334,16 @@ def shape_refusal(shape: KernelShape) -> str | None:
 
 @functools.lru_cache(maxsize=1024)  # a pure function, resolved by every eager training call
 def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
-                     chunk_size: int | None = None) -> BackwardConfig:
+                     chunk_size: int | None = None, gated: bool = True) -> BackwardConfig:
     """The first proposal that passes its check (with ``chunk_size``, only its proposals), each
     with the fields measured for it (the numbers below): C 64, 32, 16 (16-bit inputs up to K =
     256: 32 first), 32 value columns, tf32 products for 16-bit inputs and ieee for fp32 (their
     tests ask 1e-4 of float64); up to K = 256 the resident loops, phi's gradients through the
-    workspace, 16-bit workspaces for 16-bit inputs and the forward kept; above, the streamed
-    loops and the factors' gradients in registers (through the workspace where the check refuses
-    registers: order 2, a last width of 256 at order 3, of 128 or more at order 4). The smallest
-    tiles where nothing passes (:func:`supports` then refuses the problem with their check's reason)."""
+    workspace, 16-bit workspaces for 16-bit inputs without a gate (``gated`` False) and the
+    forward kept; above, the streamed loops and the factors' gradients in registers (through the
+    workspace where the check refuses registers: order 2, a last width of 256 at order 3, of 128
+    or more at order 4). The smallest tiles where nothing passes (:func:`supports` then refuses
+    the problem with their check's reason)."""
     bv = min(32, shape.value_dim_pow2)
     streamed = shape.key_dim > MAX_KEY_DIM
     # key blocks: 128 at K = 256 through the workspace (gradients kernel 2.08 -> 1.93 ms at o3 16x16), else 64;
@@ -364,8 +365,13 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
     group = 4 if len(shape.key_widths) >= 2 and shape.key_widths[0] % 4 == 0 else 1
     prec = "tf32" if shape.input_bytes == 2 else "ieee"
     # 16-bit workspaces for 16-bit inputs up to K = 256: o3 16x16 3.44 -> 3.29 ms, 1381 -> 1029 MiB,
-    # bf16 error 4.3e-3 -> 5.2e-3 (H200, 76a95a8); o3 32x32 gained 1%, its dbeta error 2.1e-2 (> 2e-2)
-    ws = "inputs" if shape.input_bytes == 2 and not streamed else "float32"
+    # bf16 error 4.3e-3 -> 5.2e-3 (H200, 76a95a8); o3 32x32 gained 1%, its dbeta error 2.1e-2 (> 2e-2).
+    # Not with a gate: dg (fp32) sums differences of the rounded U, R, dU, and cancels: bf16 o2 16 dg
+    # errors 9.5e-3 - 4.0e-2 over 6 seeds against 4e-7 - 1.3e-6 with fp32 workspaces (interpreter,
+    # review), a model's forget-gate bias gradient 47% off. The fp32 default's cost on the GPU is not
+    # measured yet (above: 3.29 -> 3.44 ms, 1029 -> 1381 MiB at o3 16x16 is the likely order); a tuned
+    # entry may still pick "inputs" (the train tuner's gradient gate decides)
+    ws = "inputs" if shape.input_bytes == 2 and not streamed and not gated else "float32"
     # phi's gradients through a [T, K] workspace up to K = 256 (o3 16x16 fwd+bwd 2.07 ms, 965 MiB at
     # 95f8c83); above, in registers: o3 32x32 9.63 ms, 1393 MiB against 13.46, 3441 stored (a3f20ec)
     # streamed: 256-row tiles, all trailing axes, so phi blocks are factor rows' outer products (o4 16^3, 128 gathered:
@@ -464,7 +470,7 @@ def running_tensor_bwd(q, k, v, g, beta, *, scale: float, initial_state, cu_seql
         rewrite = materialised_bwd if materialised_keys(shape) else padded_bwd
         return rewrite(running_tensor_bwd, p, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                        cu_seqlens=cu_seqlens, l2norm=l2norm, do=do, dht=dht, chunk_size=chunk_size, variant=variant)
-    config = resolve_backward(shape, variant, chunk_size, v.device, p)
+    config = resolve_backward(shape, variant, chunk_size, v.device, p, gated=g is not None)
     # strided inputs (slices of a fused projection) are copied once here, as the forward's
     # launcher does (args.contiguous_inputs says why); the gradients are allocated with the
     # inputs' shapes, contiguous, which autograd accumulates into views of any layout
@@ -474,18 +480,18 @@ def running_tensor_bwd(q, k, v, g, beta, *, scale: float, initial_state, cu_seql
 
 
 def resolve_backward(shape: KernelShape, variant, chunk_size: int | None, device: torch.device,
-                     p: Problem | None = None) -> BackwardConfig:
+                     p: Problem | None = None, gated: bool = True) -> BackwardConfig:
     """``variant`` (checked), else the tuned table's for ``p``'s shape bucket (kernel
     "chunk_bwd"; only when ``chunk_size`` is not given, as the forward's launcher does), else
-    the default (with ``chunk_size`` when given). A tuned entry this version cannot read or
-    that fails its check here is ignored: the table is advice."""
+    the default (with ``chunk_size`` when given; ``gated``: the call has a gate g). A tuned
+    entry this version cannot read or that fails its check here is ignored: the table is advice."""
     limit, check_limit = smem_limits(device)
     if variant is None and chunk_size is None and p is not None:
         variant = tuned_backward(p, device)
         if variant is not None and checked(variant, shape, check_limit) is not None:
             variant = None
     if variant is None:
-        variant = default_backward(shape, limit, chunk_size)
+        variant = default_backward(shape, limit, chunk_size, gated=gated)
     elif not isinstance(variant, BackwardConfig):
         raise TypeError(f"variant: expected a BackwardConfig, got {type(variant).__name__}")
     elif chunk_size is not None and chunk_size != variant.chunk_size:

@@ -293,7 +293,7 @@ def kept_training_call(p, q, k, v, g, beta, initial_state, cu_seqlens, l2norm: b
     shape = KernelShape(p.key_widths, p.value_width, v.element_size())
     if not chunk_backward.tiled(shape):  # rewritten widths take the op (chunk_backward_widths.py)
         return None
-    config = chunk_backward.resolve_backward(shape, None, chunk_size, v.device, p)
+    config = chunk_backward.resolve_backward(shape, None, chunk_size, v.device, p, gated=g is not None)
     if not config.keep_forward:
         return None
     o, ht = KeptForward.apply(config, p, l2norm, output_final_state, cu_seqlens, v, g, beta, initial_state, *q, *k)
