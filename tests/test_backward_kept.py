@@ -217,3 +217,17 @@ def test_the_bf16_default_keeps_its_forward_and_matches_float64(monkeypatch):
     want = torch.autograd.grad((ro * do.double().cpu()).sum() + (rs * ds.double().cpu()).sum(), ref)
     for i, (a, b) in enumerate(zip(grads, want)):
         assert a.shape == b.shape and rel_err(a.cpu(), b) < 2e-2, (i, rel_err(a.cpu(), b))
+
+
+def test_double_backward_through_the_kept_forward_is_refused():
+    """A gradient penalty (create_graph=True, then a backward through the first gradient) through
+    the kept forward: its backward's gradients carry no graph, so the second backward is refused
+    (as the custom op's is), not run as if the penalty's second-order term were zero."""
+    q, k, v, g, beta, _ = make_inputs(1, 20, 1, (16,), 16, seed=0)
+    low = lambda x: x.to(torch.bfloat16).to(DEVICE).requires_grad_()  # noqa: E731
+    q, k, v, beta, g = [low(x) for x in q], [low(x) for x in k], low(v), low(beta), g.float().to(DEVICE)
+    o, _ = rtcompile.running_tensor(q, k, v, g, beta, mode="chunk", backend="triton")
+    assert type(o.grad_fn).__name__ == "KeptForwardBackward", o.grad_fn  # the bf16 default keeps its forward
+    (dq,) = torch.autograd.grad(o.float().pow(2).sum(), q[0], create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice a function that was marked with @once_differentiable"):
+        (o.float().sum() + dq.float().pow(2).sum()).backward()

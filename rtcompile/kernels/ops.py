@@ -267,7 +267,8 @@ class KeptForward(torch.autograd.Function):
         return o, ht
 
     @staticmethod
-    def backward(ctx, do, dht):
+    @torch.autograd.function.once_differentiable  # the kernels' gradients have no graph: a double backward
+    def backward(ctx, do, dht):  # (create_graph=True) is refused, as the custom op's, not a silent first order
         saved = ctx.saved_tensors
         n = (len(saved) - 5) // 2
         q, k = list(saved[:n]), list(saved[n:2 * n])
