@@ -75,7 +75,7 @@ from .chunk_backward_widths import materialised_keys, materialised_bwd, padded_b
 from .chunk_resident import MATERIALISE_TILE
 from .chunk_split import KEY_GROUPS
 from .config import (
-    DEFAULT_SMEM_BYTES, PREPARE_WARPS, SOLVES, CostFigures, KernelConfig, KernelShape, Workload,
+    CHUNK_SIZES, DEFAULT_SMEM_BYTES, PREPARE_WARPS, SOLVES, CostFigures, KernelConfig, KernelShape, Workload,
     checked, chunk_count, chunk_programs, chunk_refusal, chunk_smem_estimate, dot_operand_bytes, estimate_registers,
     resource_refusal,
 )
@@ -484,8 +484,18 @@ def resolve_backward(shape: KernelShape, variant, chunk_size: int | None, device
     """``variant`` (checked), else the tuned table's for ``p``'s shape bucket (kernel
     "chunk_bwd"; only when ``chunk_size`` is not given, as the forward's launcher does), else
     the default (with ``chunk_size`` when given; ``gated``: the call has a gate g). A tuned
-    entry this version cannot read or that fails its check here is ignored: the table is advice."""
+    entry this version cannot read or that fails its check here is ignored: the table is advice.
+    A ``chunk_size`` the forward takes but no default of the backward runs (128; 64 past the
+    resources) gives way to the backward's own choice: the backward's chunk length changes how
+    it computes the gradient, not the gradient, and a training call's forward has run by then."""
     limit, check_limit = smem_limits(device)
+    if variant is None and chunk_size is not None:
+        if isinstance(chunk_size, bool) or chunk_size not in CHUNK_SIZES:
+            raise ValueError(f"chunk_size: {chunk_size!r} cannot run the backward; allowed: "
+                             f"{', '.join(map(str, BWD_CHUNK_SIZES))} or None (its own choice)")
+        if chunk_size not in BWD_CHUNK_SIZES \
+                or checked(default_backward(shape, limit, chunk_size, gated=gated), shape, check_limit) is not None:
+            chunk_size = None
     if variant is None and chunk_size is None and p is not None:
         variant = tuned_backward(p, device)
         if variant is not None and checked(variant, shape, check_limit) is not None:
