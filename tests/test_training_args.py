@@ -70,3 +70,21 @@ def test_resolve_backward_chunk_sizes():
     assert resolve_backward(shape, None, 16, cpu).chunk_size == 16
     with pytest.raises(ValueError, match=r"^chunk_size: 24 .*allowed: 16, 32, 64"):
         resolve_backward(shape, None, 24, cpu)
+
+
+@pytest.mark.parametrize("variant", [{"form": "resident", "chunk_size": 16, "block_v": 16}, "resident",
+                                     "backward-config"], ids=["dict", "str", "backward-config"])
+def test_a_variant_of_the_wrong_type_is_a_type_error_with_grad(variant):
+    """With grad as without: TypeError naming variant and the allowed classes (with grad, a dict
+    was an AttributeError from the op's JSON encoding, before any check)."""
+    from rtcompile.kernels.chunk_backward import BackwardConfig
+
+    if variant == "backward-config":  # a config of another kernel: the backward's is not a forward variant
+        variant = BackwardConfig(chunk_size=16, block_v=16)
+    q, k, v, g, beta, h0 = _leaves(20)
+    messages = []
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad), pytest.raises(TypeError) as err:
+            rtcompile.running_tensor(q, k, v, g, beta, mode="chunk", variant=variant)
+        messages.append(str(err.value))
+    assert messages[0] == messages[1] and messages[1].startswith("variant: expected one of ResidentConfig"), messages
