@@ -195,8 +195,13 @@ def running_tensor(
         if kept is not None:
             return kept
     if backend == "triton":
+        from .kernels.forms import check_config
         from .kernels.ops import running_tensor_fwd_op, variant_to_json
 
+        if variant is not None and mode in ("chunk", "recurrent"):
+            # before variant_to_json reads its fields: a dict there was an AttributeError with grad,
+            # against the no-grad path's TypeError naming variant (the launcher's check, the same call)
+            check_config(variant, mode)
         if defer_plan:
             mode = plan_mode(plan)
         o, ht = running_tensor_fwd_op(

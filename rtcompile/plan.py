@@ -390,7 +390,8 @@ def _train(spec: ModelSpec, target: Target, B: int, T: int, cal: Calibration, me
     c, r = scale(c_fwd), scale(recurrent_cost(spec, target, B, T, rec, cal))
     # widths the backward's kernels do not tile train rewritten: its configs are that shape's
     rewritten = rewritten_widths(spec.key_widths)
-    backward = default_backward(dataclasses.replace(shape, key_widths=rewritten), smem)
+    backward = default_backward(dataclasses.replace(shape, key_widths=rewritten), smem,
+                                gated=spec.features.forget_gate)
     hit = _nearest_train(measured or {}, B, T)
     if hit is not None:
         (mB, mT), (backward, secs) = hit

@@ -185,16 +185,17 @@ def test_keep_forward_with_either_state_loop():
 
 def test_the_bf16_default_keeps_its_forward_and_matches_float64(monkeypatch):
     """The default as users get it on the H200 (its shared memory: the CPU's portable limit picks
-    another): bf16 inputs at o3 16x16 resolve to chunks of 32 with ``keep_forward`` and 16-bit
-    workspaces; the forward keeps the prepare and state loop (once, in the forward), and the
+    another): bf16 inputs at o3 16x16 with a gate resolve to chunks of 32 with ``keep_forward``
+    and fp32 workspaces (16-bit ones cancelled in dg); the forward keeps the prepare and state loop (once, in the forward), and the
     output, the final state and every gradient match float64 autograd to bf16's tolerance
     (tests/test_backward.py's 2e-2). T 70: two chunks and a part."""
     shape = KernelShape((16, 16), 20, 2)
     base = chunk_backward.default_backward
     default = base(shape, 232448)
-    assert default.keep_forward and default.chunk_size == 32 and default.workspace_dtype == "inputs", default
+    assert default.keep_forward and default.chunk_size == 32 and default.workspace_dtype == "float32", default
+    assert base(shape, 232448, gated=False).workspace_dtype == "inputs"  # no gate: 16-bit workspaces stay
     monkeypatch.setattr(chunk_backward, "default_backward",
-                        lambda s, limit=None, chunk_size=None: base(s, 232448, chunk_size))
+                        lambda s, limit=None, chunk_size=None, **kw: base(s, 232448, chunk_size, **kw))
     calls = []
     for mod in (chunk_backward_kept, chunk_backward):
         real = mod.recompute
@@ -216,3 +217,17 @@ def test_the_bf16_default_keeps_its_forward_and_matches_float64(monkeypatch):
     want = torch.autograd.grad((ro * do.double().cpu()).sum() + (rs * ds.double().cpu()).sum(), ref)
     for i, (a, b) in enumerate(zip(grads, want)):
         assert a.shape == b.shape and rel_err(a.cpu(), b) < 2e-2, (i, rel_err(a.cpu(), b))
+
+
+def test_double_backward_through_the_kept_forward_is_refused():
+    """A gradient penalty (create_graph=True, then a backward through the first gradient) through
+    the kept forward: its backward's gradients carry no graph, so the second backward is refused
+    (as the custom op's is), not run as if the penalty's second-order term were zero."""
+    q, k, v, g, beta, _ = make_inputs(1, 20, 1, (16,), 16, seed=0)
+    low = lambda x: x.to(torch.bfloat16).to(DEVICE).requires_grad_()  # noqa: E731
+    q, k, v, beta, g = [low(x) for x in q], [low(x) for x in k], low(v), low(beta), g.float().to(DEVICE)
+    o, _ = rtcompile.running_tensor(q, k, v, g, beta, mode="chunk", backend="triton")
+    assert type(o.grad_fn).__name__ == "KeptForwardBackward", o.grad_fn  # the bf16 default keeps its forward
+    (dq,) = torch.autograd.grad(o.float().pow(2).sum(), q[0], create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice a function that was marked with @once_differentiable"):
+        (o.float().sum() + dq.float().pow(2).sum()).backward()

@@ -44,7 +44,7 @@ each, the products' type); per token P and T (4 C each; T with the delta rule), 
 each, or the inputs' 2 with ``workspace_dtype="inputs"``; R with the delta rule), the log decay
 (4, gates), resident loops phi(K), phi(Q) (K each, the products' type), stored phi gradients (K
 each, as U); streamed loops add the running S and dS (fp32, K d_v each, once). o3 16x16, d_v 64,
-bf16, the default (C 32, resident, stored, 16-bit): per token-head 2 x 512 (phi, then its
+bf16, the default without a gate (C 32, resident, stored, 16-bit): per token-head 2 x 512 (phi, then its
 gradients over it) + 2 x 128 (P, T) + 3 x 128 (U, R, dU) + 4 bytes, per chunk 2 x 32 KiB; o3 64x64
 (streamed, registers, split: dGq, dGs and dc's parts added): 2 x 512 KiB per chunk + 1.8 KiB per token.
 
@@ -71,11 +71,11 @@ from .chunk_backward_grads import chunk_bwd_grads_kernel
 from .chunk_backward_kept import Recomputed, recompute, workspace_dtype
 from .chunk_backward_state import state_grads
 from .chunk_backward_split import GradsTensors, split_grads
-from .chunk_backward_widths import materialised_keys, materialised_bwd, padded_bwd, tiled
+from .chunk_backward_widths import materialised_keys, materialised_bwd, padded_bwd, rewritten_widths, tiled
 from .chunk_resident import MATERIALISE_TILE
 from .chunk_split import KEY_GROUPS
 from .config import (
-    DEFAULT_SMEM_BYTES, PREPARE_WARPS, SOLVES, CostFigures, KernelConfig, KernelShape, Workload,
+    CHUNK_SIZES, DEFAULT_SMEM_BYTES, PREPARE_WARPS, SOLVES, CostFigures, KernelConfig, KernelShape, Workload,
     checked, chunk_count, chunk_programs, chunk_refusal, chunk_smem_estimate, dot_operand_bytes, estimate_registers,
     resource_refusal,
 )
@@ -334,26 +334,44 @@ def shape_refusal(shape: KernelShape) -> str | None:
 
 @functools.lru_cache(maxsize=1024)  # a pure function, resolved by every eager training call
 def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
-                     chunk_size: int | None = None) -> BackwardConfig:
+                     chunk_size: int | None = None, gated: bool = True) -> BackwardConfig:
     """The first proposal that passes its check (with ``chunk_size``, only its proposals), each
     with the fields measured for it (the numbers below): C 64, 32, 16 (16-bit inputs up to K =
     256: 32 first), 32 value columns, tf32 products for 16-bit inputs and ieee for fp32 (their
     tests ask 1e-4 of float64); up to K = 256 the resident loops, phi's gradients through the
-    workspace, 16-bit workspaces for 16-bit inputs and the forward kept; above, the streamed
-    loops and the factors' gradients in registers. The smallest tiles where nothing passes."""
+    workspace, 16-bit workspaces for 16-bit inputs without a gate (``gated`` False) and the
+    forward kept; above, the streamed loops and the factors' gradients in registers (through the
+    workspace where the check refuses registers: order 2, a last width of 256 at order 3, of 128
+    or more at order 4). The smallest tiles where nothing passes (:func:`supports` then refuses
+    the problem with their check's reason)."""
     bv = min(32, shape.value_dim_pow2)
     streamed = shape.key_dim > MAX_KEY_DIM
     # key blocks: 128 at K = 256 through the workspace (gradients kernel 2.08 -> 1.93 ms at o3 16x16), else 64;
     # streamed, whole rows of the last width at one leading index (two: o3 32x32 3.87 -> 5.29 ms), four at
     # order 4, there in 4 warps (fwd+bwd o4 16^3 29.51 -> 20.37 ms; H200, 2026-12-03)
     last, K = (shape.key_widths[-1] if len(shape.key_widths) > 1 else 16), shape.key_dim_pow2
-    leads = 4 if len(shape.key_widths) == 3 else 1
-    bk = max(16, last) * leads if streamed else max(last, 128 if K >= 256 else min(64, K))
+    order4 = len(shape.key_widths) == 3
+    bk = max(16, last) * (4 if order4 else 1) if streamed else max(last, 128 if K >= 256 else min(64, K))
+    # streamed, the factors' gradients in registers where the check lets a key block of whole last-width
+    # rows through (<= 128 columns, <= 64 at order 4: fewer leading indices there); else through the
+    # workspace (o3 16x256, o4 16x16x128), as order 2's split always (its one factor is phi: the check
+    # refuses "registers" there as a duplicate). Registers' block_k 256 at o3 16x256 and 128 at o4
+    # 16x16x32 were refused by the check, so every training call there failed after its forward (review)
+    factor_grads = "registers"
+    if streamed and order4 and bk > 64:
+        bk = max(64, last)
+    if streamed and (len(shape.key_widths) == 1 or bk > (64 if order4 else 128)):
+        factor_grads = "workspace"
     group = 4 if len(shape.key_widths) >= 2 and shape.key_widths[0] % 4 == 0 else 1
     prec = "tf32" if shape.input_bytes == 2 else "ieee"
     # 16-bit workspaces for 16-bit inputs up to K = 256: o3 16x16 3.44 -> 3.29 ms, 1381 -> 1029 MiB,
-    # bf16 error 4.3e-3 -> 5.2e-3 (H200, 76a95a8); o3 32x32 gained 1%, its dbeta error 2.1e-2 (> 2e-2)
-    ws = "inputs" if shape.input_bytes == 2 and not streamed else "float32"
+    # bf16 error 4.3e-3 -> 5.2e-3 (H200, 76a95a8); o3 32x32 gained 1%, its dbeta error 2.1e-2 (> 2e-2).
+    # Not with a gate: dg (fp32) sums differences of the rounded U, R, dU, and cancels: bf16 o2 16 dg
+    # errors 9.5e-3 - 4.0e-2 over 6 seeds against 4e-7 - 1.3e-6 with fp32 workspaces (interpreter,
+    # review), a model's forget-gate bias gradient 47% off. The fp32 default's cost on the GPU is not
+    # measured yet (above: 3.29 -> 3.44 ms, 1029 -> 1381 MiB at o3 16x16 is the likely order); a tuned
+    # entry may still pick "inputs" (the train tuner's gradient gate decides)
+    ws = "inputs" if shape.input_bytes == 2 and not streamed and not gated else "float32"
     # phi's gradients through a [T, K] workspace up to K = 256 (o3 16x16 fwd+bwd 2.07 ms, 965 MiB at
     # 95f8c83); above, in registers: o3 32x32 9.63 ms, 1393 MiB against 13.46, 3441 stored (a3f20ec)
     # streamed: 256-row tiles, all trailing axes, so phi blocks are factor rows' outer products (o4 16^3, 128 gathered:
@@ -365,7 +383,7 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
     # gradients kernel split, one side's factors per program: fwd+bwd o3 32x32 4.88 -> 4.63 ms, 64x64
     # 19.12 -> 18.49 (17.41 at d1c1993), o4 16^3 19.19 -> 18.90, peaks +131 MiB (H200, same call)
     loop = {"state_loop": "streamed", "state_block_k": tile, "num_stages": 1, "keep_forward": True,
-            "merge_passes": shape.key_dim_pow2 >= 4096, "grads_split": True} if streamed \
+            "merge_passes": shape.key_dim_pow2 >= 4096, "grads_split": True, "factor_grads": factor_grads} if streamed \
         else {"factor_grads": "workspace", "state_block_k": min(tile, shape.key_dim_pow2)}  # unused: in the space
     order = ((64, 8), (64, 4), (32, 8), (32, 4), (16, 4)) if streamed else ((64, 4), (64, 8), (32, 4), (32, 8), (16, 4))
     # 16-bit inputs up to K = 256, chunks of 32: the train tuner's winner at o3 16x16 B8 T4096 (422
@@ -397,16 +415,34 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
                              workspace_dtype=ws, grads_block_v=gbv, **kernels)
         if (chunk_size is None or C == chunk_size) and cfg.check(shape, smem_limit) is None:
             return cfg
+    # the smallest tiles: returned even where its check refuses them (the caller reports why; supports()
+    # asks this function first, so a training call is refused before its forward runs)
     return BackwardConfig(chunk_size=chunk_size or 16, block_v=16, block_k=bk, workspace_dtype=ws, **{**loop, "state_block_k": 16})
 
 
+def smem_limits(device: torch.device) -> tuple[int, int]:
+    """(the shared memory the default is sized for, the limit its check applies) on ``device``:
+    the GPU's opt-in limit twice; elsewhere (the interpreter) a 99 KiB device's default, unchecked."""
+    if device.type == "cuda":
+        limit = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+        return limit, limit
+    return DEFAULT_SMEM_BYTES, 10**9
+
+
 def supports(p: Problem, cu_seqlens) -> str | None:
-    """None when the Triton backward can run the problem, else the reason (a sentence)."""
+    """None when the Triton backward can run the problem, else the reason (a sentence): asked
+    before a training call's forward runs, so the backward's default config is checked here (a
+    refusal after the forward is the worst outcome: backend='auto' could not fall back)."""
     if p.order > 4:
         return f"order {p.order}: the Triton kernels take orders 2-4"
     if p.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {p.dtype}: the Triton backward takes float16, bfloat16 and float32 inputs"
-    return None  # any widths: tiled, materialised or zero-padded (chunk_backward_widths.py)
+    # any widths: tiled, materialised or zero-padded (chunk_backward_widths.py), under the rewritten shape's config
+    shape = KernelShape(rewritten_widths(p.key_widths), p.value_width, p.dtype.itemsize)
+    limit, check_limit = smem_limits(p.device)
+    if (reason := checked(default_backward(shape, limit), shape, check_limit)) is not None:
+        return f"no backward config runs key widths {shape.key_widths} with d_v {p.value_width} here: {reason}"
+    return None
 
 
 # ----- launcher -----
@@ -434,7 +470,7 @@ def running_tensor_bwd(q, k, v, g, beta, *, scale: float, initial_state, cu_seql
         rewrite = materialised_bwd if materialised_keys(shape) else padded_bwd
         return rewrite(running_tensor_bwd, p, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                        cu_seqlens=cu_seqlens, l2norm=l2norm, do=do, dht=dht, chunk_size=chunk_size, variant=variant)
-    config = resolve_backward(shape, variant, chunk_size, v.device, p)
+    config = resolve_backward(shape, variant, chunk_size, v.device, p, gated=g is not None)
     # strided inputs (slices of a fused projection) are copied once here, as the forward's
     # launcher does (args.contiguous_inputs says why); the gradients are allocated with the
     # inputs' shapes, contiguous, which autograd accumulates into views of any layout
@@ -444,20 +480,28 @@ def running_tensor_bwd(q, k, v, g, beta, *, scale: float, initial_state, cu_seql
 
 
 def resolve_backward(shape: KernelShape, variant, chunk_size: int | None, device: torch.device,
-                     p: Problem | None = None) -> BackwardConfig:
+                     p: Problem | None = None, gated: bool = True) -> BackwardConfig:
     """``variant`` (checked), else the tuned table's for ``p``'s shape bucket (kernel
     "chunk_bwd"; only when ``chunk_size`` is not given, as the forward's launcher does), else
-    the default (with ``chunk_size`` when given). A tuned entry this version cannot read or
-    that fails its check here is ignored: the table is advice."""
-    limit = torch.cuda.get_device_properties(device).shared_memory_per_block_optin if device.type == "cuda" \
-        else DEFAULT_SMEM_BYTES
-    check_limit = limit if device.type == "cuda" else 10**9
+    the default (with ``chunk_size`` when given; ``gated``: the call has a gate g). A tuned
+    entry this version cannot read or that fails its check here is ignored: the table is advice.
+    A ``chunk_size`` the forward takes but no default of the backward runs (128; 64 past the
+    resources) gives way to the backward's own choice: the backward's chunk length changes how
+    it computes the gradient, not the gradient, and a training call's forward has run by then."""
+    limit, check_limit = smem_limits(device)
+    if variant is None and chunk_size is not None:
+        if isinstance(chunk_size, bool) or chunk_size not in CHUNK_SIZES:
+            raise ValueError(f"chunk_size: {chunk_size!r} cannot run the backward; allowed: "
+                             f"{', '.join(map(str, BWD_CHUNK_SIZES))} or None (its own choice)")
+        if chunk_size not in BWD_CHUNK_SIZES \
+                or checked(default_backward(shape, limit, chunk_size, gated=gated), shape, check_limit) is not None:
+            chunk_size = None
     if variant is None and chunk_size is None and p is not None:
         variant = tuned_backward(p, device)
         if variant is not None and checked(variant, shape, check_limit) is not None:
             variant = None
     if variant is None:
-        variant = default_backward(shape, limit, chunk_size)
+        variant = default_backward(shape, limit, chunk_size, gated=gated)
     elif not isinstance(variant, BackwardConfig):
         raise TypeError(f"variant: expected a BackwardConfig, got {type(variant).__name__}")
     elif chunk_size is not None and chunk_size != variant.chunk_size:

@@ -267,7 +267,8 @@ class KeptForward(torch.autograd.Function):
         return o, ht
 
     @staticmethod
-    def backward(ctx, do, dht):
+    @torch.autograd.function.once_differentiable  # the kernels' gradients have no graph: a double backward
+    def backward(ctx, do, dht):  # (create_graph=True) is refused, as the custom op's, not a silent first order
         saved = ctx.saved_tensors
         n = (len(saved) - 5) // 2
         q, k = list(saved[:n]), list(saved[n:2 * n])
@@ -293,8 +294,13 @@ def kept_training_call(p, q, k, v, g, beta, initial_state, cu_seqlens, l2norm: b
     shape = KernelShape(p.key_widths, p.value_width, v.element_size())
     if not chunk_backward.tiled(shape):  # rewritten widths take the op (chunk_backward_widths.py)
         return None
-    config = chunk_backward.resolve_backward(shape, None, chunk_size, v.device, p)
-    if not config.keep_forward:
+    # a chunk size the backward cannot run (24, 128 ...) takes the op: its forward refuses one that is
+    # wrong there too (naming chunk_size, as without grad), its backward runs its own chunk length
+    if chunk_size is not None and chunk_size not in chunk_backward.BWD_CHUNK_SIZES:
+        return None
+    config = chunk_backward.resolve_backward(shape, None, chunk_size, v.device, p, gated=g is not None)
+    # the kept forward runs at the backward config's chunk size: only where that is the caller's
+    if not config.keep_forward or (chunk_size is not None and config.chunk_size != chunk_size):
         return None
     o, ht = KeptForward.apply(config, p, l2norm, output_final_state, cu_seqlens, v, g, beta, initial_state, *q, *k)
     return o, ht
