@@ -12,6 +12,10 @@ _CACHE = tempfile.mkdtemp(prefix="rtcompile-tests-")
 os.environ["XDG_CACHE_HOME"] = _CACHE
 os.environ["RTCOMPILE_TUNED"] = os.path.join(_CACHE, "rtcompile", "tuned.json")
 
+# Where the Triton kernels run: the GPU when there is one (and no interpreter), else the CPU
+# under TRITON_INTERPRET=1. Tests that run kernels put their tensors here.
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
 # pytest-xdist workers share the cores: each torch process (and the trial processes it starts)
 # gets its share of intra-op threads instead of all of them (-n 2 on the 2-core CI machine:
 # 108 -> 98 s on the generate / ONNX / conventions tests; oversubscribed OpenMP regions spin).

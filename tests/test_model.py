@@ -217,8 +217,10 @@ def test_a_spec_fixed_chunk_size_is_what_a_plan_less_model_runs(chunk_size, monk
     monkeypatch.setattr(launch, "fwd_checked", spy)
     spec = ModelSpec(order=2, key_widths=(16,), value_width=16, heads=2, model_width=32, layers=1,
                      chunk_size=chunk_size)
-    lm = RunningTensorLM(spec, vocab_size=64).eval()
-    tokens = torch.randint(0, 64, (1, 40))
+    from conftest import DEVICE
+
+    lm = RunningTensorLM(spec, vocab_size=64).to(DEVICE).eval()
+    tokens = torch.randint(0, 64, (1, 40), device=DEVICE)
     with torch.no_grad():
         got, _ = lm(tokens, backend="triton")
         ref, _ = lm(tokens, backend="reference")
