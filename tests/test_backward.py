@@ -243,7 +243,8 @@ def test_workspaces_in_the_inputs_type(widths, extra, dtype, monkeypatch):
 
     config = BackwardConfig(chunk_size=16, block_v=16, block_k=32, workspace_dtype="inputs", **extra)
     shape = KernelShape(widths, 20, 2)
-    assert config.workspace_bytes_per_element(shape) == 2 and config.check(shape) is None
+    assert config.value_bytes_per_element(shape) == config.phi_grad_bytes_per_element(shape) == 2
+    assert config.check(shape) is None
     made, empty = [], args.empty
     monkeypatch.setattr(args, "empty", lambda *a, **kw: made.append((tuple(a[0] if len(a) == 1 else a), kw["dtype"]))
                         or empty(*a, **kw))

@@ -6,12 +6,13 @@ refused (through the interpreter, against float64 autograd of the recurrent refe
 from __future__ import annotations
 
 import itertools
+import math
 import os
 
 import pytest
 import torch
 
-from rtcompile.kernels.chunk_backward import default_backward, supports
+from rtcompile.kernels.chunk_backward import BackwardConfig, default_backward, supports
 from rtcompile.kernels.chunk_backward_widths import rewritten_widths
 from rtcompile.kernels.config import DEFAULT_SMEM_BYTES, KernelShape
 from rtcompile.kernels.inputs import Problem
@@ -131,3 +132,32 @@ def test_bf16_gate_gradient_of_the_default(path):
         errors.append(rel_err(dg.cpu(), want))
     # 16-bit workspaces (the earlier default): 3.1e-3 - 2.3e-2 here, two seeds of ten over 2e-2; fp32: < 1e-6
     assert max(errors) < HALF_TOL[torch.bfloat16], errors
+
+
+@needs_kernels
+@pytest.mark.parametrize("widths, extra", [((16,), {}), ((16, 16), {"factor_grads": "workspace"})],
+                         ids=["o2-16", "o3-16x16-workspace"])
+def test_mixed_workspaces(widths, extra, monkeypatch):
+    """workspace_dtype="mixed" (the bf16 default with a gate): U, R and dU in fp32 and phi's
+    stored gradients in bf16 -- all fp32 cost o3 16x16 bf16 training 1.94 -> 2.35 ms and
+    965 -> 1573 MiB on the H100, nearly all of it phi's gradients -- every gradient within
+    bf16's tolerance of float64 autograd, partial chunk, every feature on."""
+    from rtcompile.kernels import args
+
+    from test_backward import FEATURES, HALF_TOL
+
+    config = BackwardConfig(chunk_size=16, block_v=16, block_k=32, workspace_dtype="mixed", **extra)
+    shape = KernelShape(widths, 20, 2)
+    assert (config.value_bytes_per_element(shape), config.phi_grad_bytes_per_element(shape)) == (4, 2)
+    assert config.check(shape) is None
+    made, empty = [], args.empty
+    monkeypatch.setattr(args, "empty", lambda *a, **kw: made.append((tuple(a[0] if len(a) == 1 else a), kw["dtype"]))
+                        or empty(*a, **kw))
+    check_gradients(widths, 37, 20, chunk_size=16, dtype=torch.bfloat16, config=config,
+                    tol=HALF_TOL[torch.bfloat16], **FEATURES["gated-delta-l2-h0"])
+    K = math.prod(widths)
+    assert made.count(((1, 37, 2, 20), torch.float32)) == 3, made  # U, R, dU
+    assert made.count(((1, 37, 2, 20), torch.bfloat16)) == 1, made  # dv
+    # phi's gradients in bf16: over phi's own workspaces where those are bf16 (the GPU), else two
+    # buffers of their own (the interpreter keeps phi in fp32: bf16 tl.dot is wrong there)
+    assert made.count(((1, 2, 37, K), torch.bfloat16)) == (0 if config.phi_grads_over_phi(shape) else 2), made

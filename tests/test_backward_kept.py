@@ -186,13 +186,13 @@ def test_keep_forward_with_either_state_loop():
 def test_the_bf16_default_keeps_its_forward_and_matches_float64(monkeypatch):
     """The default as users get it on the H200 (its shared memory: the CPU's portable limit picks
     another): bf16 inputs at o3 16x16 with a gate resolve to chunks of 32 with ``keep_forward``
-    and fp32 workspaces (16-bit ones cancelled in dg); the forward keeps the prepare and state loop (once, in the forward), and the
+    and fp32 U, R, dU with 16-bit phi gradients ("mixed": 16-bit U, R, dU cancelled in dg); the forward keeps the prepare and state loop (once, in the forward), and the
     output, the final state and every gradient match float64 autograd to bf16's tolerance
     (tests/test_backward.py's 2e-2). T 70: two chunks and a part."""
     shape = KernelShape((16, 16), 20, 2)
     base = chunk_backward.default_backward
     default = base(shape, 232448)
-    assert default.keep_forward and default.chunk_size == 32 and default.workspace_dtype == "float32", default
+    assert default.keep_forward and default.chunk_size == 32 and default.workspace_dtype == "mixed", default
     assert base(shape, 232448, gated=False).workspace_dtype == "inputs"  # no gate: 16-bit workspaces stay
     monkeypatch.setattr(chunk_backward, "default_backward",
                         lambda s, limit=None, chunk_size=None, **kw: base(s, 232448, chunk_size, **kw))

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from rtcompile.cli import main
 
@@ -19,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SMALL = "order = 2\nkey_widths = [3]\nvalue_width = 5\nheads = 1\nmodel_width = 8\n"
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU machine's build (CI runs it); on the GPU machine its "
+                    "Triton 3.6 interpreter with numpy 2.4 cannot run range() over a runtime int")
 def test_build_with_storage_on_a_cpu_sets_the_interpreter_before_the_kernels_load(tmp_path):
     """--storage is checked first, and its store imports the kernel modules: Triton chose the
     GPU driver for them (none on a CPU: "0 active drivers", a traceback) unless

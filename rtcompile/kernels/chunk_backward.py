@@ -68,7 +68,7 @@ from . import args
 from .args import contiguous_inputs, factor_args, width_args
 from .chunk_backward_factors import phi_grads_to_factors_kernel
 from .chunk_backward_grads import chunk_bwd_grads_kernel
-from .chunk_backward_kept import Recomputed, recompute, workspace_dtype
+from .chunk_backward_kept import Recomputed, phi_grads_dtype, recompute
 from .chunk_backward_state import state_grads
 from .chunk_backward_split import GradsTensors, split_grads
 from .chunk_backward_widths import materialised_keys, materialised_bwd, padded_bwd, rewritten_widths, tiled
@@ -97,8 +97,11 @@ STATE_BLOCK_KS = (16, 32, 64, 128, 256)
 # one key block of whole rows (block_k >= K) and contracted there (no [T, K] tensor, no fifth launch)
 FACTOR_GRADS = ("registers", "workspace", "rows")
 # the per-token workspaces' type (U, R, dU, stored phi gradients): fp32, or the inputs' 16-bit type (as
-# fla keeps its recomputed values): o3 16x16 bf16 B8 T4096 H8 workspace_bytes 1345 -> 993 MiB
-WORKSPACE_DTYPES = ("float32", "inputs")
+# fla keeps its recomputed values): o3 16x16 bf16 B8 T4096 H8 workspace_bytes 1345 -> 993 MiB; or "mixed":
+# U, R, dU in fp32 (dg sums differences of them: 16-bit ones cancelled to bf16 dg errors of 4e-2) and
+# phi's gradients in the inputs' type, over phi's own workspaces where the one-pass kernel stores them
+# (all fp32 took o3 16x16 bf16 fwd+bwd 1.94 -> 2.35 ms and 965 -> 1573 MiB peak: H100, ac56808)
+WORKSPACE_DTYPES = ("float32", "inputs", "mixed")
 
 
 @dataclass(frozen=True)
@@ -269,15 +272,15 @@ class BackwardConfig(KernelConfig):
         phi's gradients stored over phi (in its type, not ``grads_split``): phi's alone;
         with the delta rule the inverse (fp32, C) and R (V); with gates the cumulative log decay
         (fp32); ``grads_split``: dGq (and dGs) per token, C fp32 each, and with gates dc and
-        each key block's share of it. U, R, dU and phi's gradients take
-        :meth:`workspace_bytes_per_element`. (The
+        each key block's share of it. U, R and dU take :meth:`value_bytes_per_element`, phi's
+        gradients :meth:`phi_grad_bytes_per_element`. (The
         initial state's gradient, an output, is formed in an fp32 buffer of the state's size and
         cast to the state's dtype.)"""
         K, V, C = w.shape.key_dim, w.shape.value_width, self.chunk_size
         dot = dot_operand_bytes(w.shape.input_bytes)
         chunks = w.batch * w.heads * chunk_count(w, C)
-        e = self.workspace_bytes_per_element(w.shape)
-        phi_grads = 2 * e * K if self.phi_grads_stored(w.shape) else 0
+        e = self.value_bytes_per_element(w.shape)
+        phi_grads = 2 * self.phi_grad_bytes_per_element(w.shape) * K if self.phi_grads_stored(w.shape) else 0
         per_token = 4 * C + 2 * e * V
         running = 0
         if self.state_loop == "resident":
@@ -296,9 +299,13 @@ class BackwardConfig(KernelConfig):
                 per_token += 4 * (1 + parts)
         return 2 * chunks * K * V * dot + w.rows * per_token + running
 
-    def workspace_bytes_per_element(self, shape: KernelShape) -> int:
-        """Bytes of an element of U, R, dU and the stored phi gradients (``workspace_dtype``)."""
+    def value_bytes_per_element(self, shape: KernelShape) -> int:
+        """Bytes of an element of U, R and dU (``workspace_dtype``)."""
         return shape.input_bytes if self.workspace_dtype == "inputs" else 4
+
+    def phi_grad_bytes_per_element(self, shape: KernelShape) -> int:
+        """Bytes of an element of phi's stored gradients (``workspace_dtype``)."""
+        return 4 if self.workspace_dtype == "float32" else shape.input_bytes
 
     def phi_grads_over_phi(self, shape: KernelShape) -> bool:
         """Do phi's stored gradients go over phi's own workspaces (``launch_backward``)? When the
@@ -307,7 +314,7 @@ class BackwardConfig(KernelConfig):
         throughout): o3 16x16 B8 T4096 H8 bf16 forward + backward then peaked at 965 MiB
         against 1221 (H200)."""
         return (self.phi_grads_stored(shape) and self.state_loop == "resident" and not self.grads_split
-                and self.workspace_bytes_per_element(shape) == dot_operand_bytes(shape.input_bytes))
+                and self.phi_grad_bytes_per_element(shape) == dot_operand_bytes(shape.input_bytes))
 
     def phi_grads_stored(self, shape: KernelShape) -> bool:
         """Are phi's gradients stored ([T, K] each) and contracted by a fifth launch? (Order 2
@@ -368,10 +375,10 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
     # bf16 error 4.3e-3 -> 5.2e-3 (H200, 76a95a8); o3 32x32 gained 1%, its dbeta error 2.1e-2 (> 2e-2).
     # Not with a gate: dg (fp32) sums differences of the rounded U, R, dU, and cancels: bf16 o2 16 dg
     # errors 9.5e-3 - 4.0e-2 over 6 seeds against 4e-7 - 1.3e-6 with fp32 workspaces (interpreter,
-    # review), a model's forget-gate bias gradient 47% off. The fp32 default's cost on the GPU is not
-    # measured yet (above: 3.29 -> 3.44 ms, 1029 -> 1381 MiB at o3 16x16 is the likely order); a tuned
+    # review), a model's forget-gate bias gradient 47% off. So with a gate "mixed": U, R, dU in fp32, phi's
+    # gradients 16-bit (all fp32 took o3 16x16 1.94 -> 2.35 ms, 965 -> 1573 MiB; H100, ac56808); a tuned
     # entry may still pick "inputs" (the train tuner's gradient gate decides)
-    ws = "inputs" if shape.input_bytes == 2 and not streamed and not gated else "float32"
+    ws = ("mixed" if gated else "inputs") if shape.input_bytes == 2 and not streamed else "float32"
     # phi's gradients through a [T, K] workspace up to K = 256 (o3 16x16 fwd+bwd 2.07 ms, 965 MiB at
     # 95f8c83); above, in registers: o3 32x32 9.63 ms, 1393 MiB against 13.46, 3441 stored (a3f20ec)
     # streamed: 256-row tiles, all trailing axes, so phi blocks are factor rows' outer products (o4 16^3, 128 gathered:
@@ -537,7 +544,7 @@ def launch_backward(config: BackwardConfig, p: Problem, q, k, v, g, beta, h0, cu
     C, K, dev = config.chunk_size, p.key_dim, v.device
     varlen = cu_seqlens is not None
     prec = config.dot_precision
-    store = workspace_dtype(config, v)  # U, R, dU, phi's gradients
+    store = phi_grads_dtype(config, v)  # phi's stored gradients (U, R, dU: the recompute's and state loop's)
     if kept is None:  # 1. prepare: P, T, c (and for the resident loops phi(K), phi(Q)); 2. the recompute
         kept = recompute(config, p, q, k, v, g, beta, h0, cu_seqlens, l2norm)
     dHc, dUc, dh0 = state_grads(config, p, q, k, v, beta, h0, cu_seqlens, l2norm, kept, do, dht)

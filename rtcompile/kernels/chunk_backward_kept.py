@@ -14,7 +14,7 @@ backward then starts from what it kept (``ops.KeptForward``), so a training step
 prepare and the state loop once instead of twice (the forward's own and the recompute). The
 price is memory between the forward and the backward: what :func:`recompute` allocates is held
 from the forward on instead of only during the backward. Per (sequence, head), with the products in 16-bit and 16-bit workspaces (bf16
-inputs up to K = 256 without a gate; with one U and R are fp32, 4 d_v each): per chunk S (2 K d_v bytes); per token P and T (4 C each), phi(K) and
+inputs up to K = 256 without a gate; with one U and R are fp32, 4 d_v each: "mixed"): per chunk S (2 K d_v bytes); per token P and T (4 C each), phi(K) and
 phi(Q) (2 K each), U and R (2 d_v each), the log decay (4); o3 16x16, d_v 64, C 32: 2.5 KiB
 per token-head, 640 MiB at B8 T4096 H8, held per layer until its backward. Streamed loops (the
 default above K = 256) keep S per chunk (2 K d_v bytes), P and T, U and R (4 d_v each, fp32):
@@ -69,7 +69,12 @@ def prepare_config(config) -> SplitConfig:
 
 
 def workspace_dtype(config, v: torch.Tensor) -> torch.dtype:
-    """U, R, dU and phi's stored gradients: fp32, or the inputs' 16-bit type."""
+    """U, R and dU: fp32 (``workspace_dtype`` "float32" or "mixed"), or the inputs' 16-bit type."""
+    return v.dtype if config.workspace_dtype == "inputs" else torch.float32
+
+
+def phi_grads_dtype(config, v: torch.Tensor) -> torch.dtype:
+    """phi's stored gradients: fp32 (``workspace_dtype`` "float32"), or the inputs' 16-bit type."""
     return torch.float32 if config.workspace_dtype == "float32" else v.dtype
 
 
