@@ -1,0 +1,91 @@
+"""Command-line inputs that went wrong (review, reproduced): each is refused in one line on
+stderr with exit code 2, naming the option or field and what is allowed, before the long work,
+with nothing left behind; a SIGTERM stops any command through its clean-up."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rtcompile.cli import EXIT_INTERRUPTED, main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = 'order = 2\nkey_widths = [4]\nvalue_width = 4\nheads = 1\nmodel_width = 16\n'
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+# ----- SIGTERM -----------------------------------------------------------------------------------
+
+
+def test_sigterm_during_export_leaves_no_temporary_folder(tmp_path):
+    """A SIGTERM mid-export ended the process at once (Python's default): the temporary bundle
+    folder ``.b.<pid>.<hex>.tmp`` and the parent folders export had made stayed behind, where a
+    Ctrl-C cleaned them up. The signal is sent once the temporary folder exists (polled), so
+    it lands inside the export's clean-up scope, whatever the machine's speed."""
+    (tmp_path / "s.toml").write_text(TINY)
+    parent = tmp_path / "made" / "here"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1", "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    p = subprocess.Popen([sys.executable, "-m", "rtcompile.cli", "export", str(tmp_path / "s.toml"), "--out",
+                          str(parent / "b"), "--no-kernels"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        end = time.monotonic() + 60
+        while not (parent.is_dir() and any(parent.glob(".b.*.tmp"))):
+            assert p.poll() is None, p.communicate()
+            assert time.monotonic() < end, "the export made no temporary folder in 60 s"
+            time.sleep(0.01)
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == EXIT_INTERRUPTED, err.decode()[-2000:]
+    assert err.decode().strip().splitlines() == ["rtcompile: interrupted"], err.decode()[-2000:]
+    assert not (tmp_path / "made").exists(), sorted(str(x) for x in (tmp_path / "made").rglob("*"))
+
+
+def test_sigterm_handler_is_held_by_main_for_every_command(tmp_path, monkeypatch, capsys):
+    """In-process: a command (here ``info``) stopped by SIGTERM ends as a Ctrl-C does (exit
+    130, one line), and main restores the handler it found (a process that lives on). The
+    handler in place before main stands for Python's default, which would end pytest too."""
+    import rtcompile.cli as cli
+
+    spec = tmp_path / "s.toml"
+    spec.write_text(TINY)
+
+    def found(signum, frame):
+        raise RuntimeError("the SIGTERM reached the handler main found: main held none")
+
+    def stopped(args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):  # the handler runs between bytecodes of the main thread
+            pass
+        raise AssertionError("the SIGTERM did not stop the command")
+
+    parser = cli.build_parser
+    monkeypatch.setattr(cli, "build_parser", lambda: _with_func(parser(), "info", stopped))
+    before = signal.signal(signal.SIGTERM, found)
+    try:
+        assert main(["info", str(spec)]) == EXIT_INTERRUPTED
+        assert signal.getsignal(signal.SIGTERM) is found
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert _one_line(capsys) == "rtcompile: interrupted"
+
+
+def _with_func(parser, command: str, func):
+    """``parser`` with ``command``'s function replaced by ``func``."""
+    sub = next(a for a in parser._actions if a.dest == "command")
+    sub.choices[command].set_defaults(func=func)
+    return parser
