@@ -70,6 +70,8 @@ def run_export(args) -> int:
         why = "fewer than 2 tokens" if args.vocab < 2 else "more tokens than a bundle holds"
         raise BundleError(f"vocab_size: --vocab {args.vocab}: vocab_size {args.vocab:,} is {why}; allowed: an "
                           f"integer in [2, {MAX_VOCAB}]" + ("; reduce vocab_size" if args.vocab > MAX_VOCAB else ""))
+    if not args.no_onnx:
+        _check_onnx_size(spec, args.vocab)
     out = Path(args.out)
     if out.exists() or out.is_symlink():  # before building a model or an ONNX graph
         check_replaceable(out)  # a file or a user's folder: refused with or without --force
@@ -109,6 +111,26 @@ def run_export(args) -> int:
         compiled=not args.no_kernels))
     print(f"bundle written to {out}")
     return 0
+
+
+def _check_onnx_size(spec, vocab: int) -> None:
+    """The ONNX graphs fit a protobuf (2 GiB), before the model is built: ``--vocab 16777216`` at
+    model_width 16 built for 44 s, then failed in protobuf's serialiser with a traceback.
+    BundleError naming --vocab, the largest vocabulary that fits and --no-onnx."""
+    from .export import BundleError
+    from .export.bundle import ONNX_MAX_BYTES, onnx_graph_bytes
+    from .model import parameter_count
+
+    size = onnx_graph_bytes(parameter_count(spec, vocab, mlp=True), spec.layers)
+    if size <= ONNX_MAX_BYTES:
+        return
+    rest = onnx_graph_bytes(parameter_count(spec, 0, mlp=True), spec.layers)  # all but the embedding and head
+    largest = (ONNX_MAX_BYTES - rest) // (4 * 2 * spec.model_width)  # two vocab x model_width tables
+    smaller = (f"a smaller --vocab (at most {largest:,} at model_width {spec.model_width}) or model_width"
+               if largest >= 2 else "a smaller model_width, layers or widths (the layers alone exceed it)")
+    raise BundleError(f"--vocab {vocab}: each ONNX graph would hold ~{size:,} bytes (fp32 weights, embedding and head "
+                      f"{2 * vocab * spec.model_width:,} parameters), beyond the {ONNX_MAX_BYTES:,} (2 GiB) a protobuf "
+                      f"holds; allowed: --no-onnx, or {smaller}")
 
 
 def _checked_weights(args, spec) -> bytes:

@@ -89,3 +89,58 @@ def _with_func(parser, command: str, func):
     sub = next(a for a in parser._actions if a.dest == "command")
     sub.choices[command].set_defaults(func=func)
     return parser
+
+
+# ----- export: ONNX's 2 GiB ----------------------------------------------------------------------
+
+
+def test_export_refuses_onnx_graphs_beyond_2_gib_before_building(tmp_path, capsys, monkeypatch):
+    """``--vocab 16777216`` at model_width 16: 2 x 2^24 x 16 fp32 embedding and head weights, 2 GiB
+    in each graph. The model was built (44 s) and the export then failed in protobuf's
+    serialiser ("EncodeError: Failed to serialize proto", a traceback)."""
+    import rtcompile.model as model_mod
+
+    (tmp_path / "s.toml").write_text(TINY)
+    monkeypatch.setattr(model_mod, "RunningTensorLM", lambda *a, **k: pytest.fail("the model was built"))
+    assert main(["export", str(tmp_path / "s.toml"), "--out", str(tmp_path / "b"), "--vocab", "16777216"]) == 2
+    line = _one_line(capsys)
+    assert "--vocab 16777216" in line and "2 GiB" in line and "--no-onnx" in line, line
+    assert "allowed:" in line and "at most" in line, line
+    assert not (tmp_path / "b").exists()
+
+
+def test_export_reports_an_onnx_serialisation_failure_in_one_line(tmp_path, capsys, monkeypatch):
+    """The safety net behind the size check: protobuf's EncodeError out of the ONNX export (a
+    graph whose non-weight part the estimate missed) is one line naming the bundle, and the
+    temporary folder is removed."""
+    from google.protobuf.message import EncodeError
+
+    import rtcompile.export.onnx_model as onnx_model
+
+    def fails(*a, **k):
+        raise EncodeError("Failed to serialize proto")
+
+    (tmp_path / "s.toml").write_text(TINY)
+    monkeypatch.setattr(onnx_model, "export_onnx", fails)
+    assert main(["export", str(tmp_path / "s.toml"), "--out", str(tmp_path / "x" / "b"), "--vocab", "8",
+                 "--no-kernels"]) == 2
+    line = _one_line(capsys)
+    assert "Failed to serialize proto" in line and "--no-onnx" in line, line
+    assert not (tmp_path / "x").exists()
+
+
+def test_onnx_size_check_takes_the_largest_vocabulary_it_names(capsys):
+    """The vocabulary the refusal offers fits; one more token does not."""
+    import re
+
+    from rtcompile.export import BundleError
+    from rtcompile.export_cmd import _check_onnx_size
+    from rtcompile.spec import ModelSpec
+
+    spec = ModelSpec(order=2, key_widths=(4,), value_width=4, heads=1, model_width=16)
+    with pytest.raises(BundleError) as info:
+        _check_onnx_size(spec, 1 << 24)
+    largest = int(re.search(r"at most ([\d,]+)", str(info.value)).group(1).replace(",", ""))
+    _check_onnx_size(spec, largest)
+    with pytest.raises(BundleError, match="--no-onnx"):
+        _check_onnx_size(spec, largest + 1)
