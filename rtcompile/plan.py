@@ -37,7 +37,7 @@ from typing import Any, Iterator
 
 from ._version import __version__
 from .fields import FieldError, check_int, check_ints, check_type
-from .fileio import atomic_write
+from .fileio import ReadError, atomic_write, parse_problem, read_whole
 from .costmodel import Calibration, chunk_cost, recurrent_cost, shape_of, workload
 from .functional import MAX_TRITON_ORDER
 from .kernels.chunk_backward import default_backward
@@ -114,12 +114,14 @@ class Plan:
         """A plan file, every field checked (:meth:`from_dict`); PlanError naming the file."""
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"path: expected a str or os.PathLike plan file, got {type(path).__name__}")
+        try:  # read_whole: a FIFO is refused, not waited on for ever
+            raw = read_whole(path)
+        except ReadError as exc:
+            raise PlanError(f"plan file {str(path)!r}: {exc.why}; allowed: a plan file (rtcompile plan / build)") from None
         try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise PlanError(f"plan file {str(path)!r}: no such file") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise PlanError(f"plan file {str(path)!r}: unreadable ({str(exc).splitlines()[0]})") from None
+            data = json.loads(raw.decode("utf-8"))
+        except ValueError as exc:  # not UTF-8 or JSON, or a number past Python's 4300 digits
+            raise PlanError(f"plan file {str(path)!r}: unreadable ({parse_problem(exc)})") from None
         except RecursionError:  # ~1000 nested brackets exhaust the parser; a plan nests a few levels
             raise PlanError(f"plan file {str(path)!r}: nested too deeply to parse") from None
         try:

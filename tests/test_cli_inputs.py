@@ -144,3 +144,143 @@ def test_onnx_size_check_takes_the_largest_vocabulary_it_names(capsys):
     _check_onnx_size(spec, largest)
     with pytest.raises(BundleError, match="--no-onnx"):
         _check_onnx_size(spec, largest + 1)
+
+
+# ----- numbers past float and past Python's 4300 digits; FIFOs as input files ------------------------
+
+BIG_INT = "1" + "0" * 400  # an int no float holds: math.isfinite raised OverflowError
+HUGE_INT = "1" + "0" * 5000  # past Python's int-from-text limit (4300 digits): json and tomllib raise ValueError
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """A tiny spec, a plan of it (h200, one bucket a phase) and a bundle of it (no ONNX)."""
+    from rtcompile.plan import make_plan
+    from rtcompile.spec import load_spec
+    from rtcompile.target import get_target
+
+    root = tmp_path_factory.mktemp("made")
+    (root / "s.toml").write_text(TINY)
+    plan = make_plan(load_spec(root / "s.toml"), get_target("h200"), batches=(1,), seq_lens=(16,), decode_batches=(1,))
+    plan.save(root / "plan.json")
+    assert main(["export", str(root / "s.toml"), "--out", str(root / "b"), "--vocab", "8", "--no-onnx",
+                 "--no-kernels"]) == 0
+    return root
+
+
+def _with_raw(path: Path, edit, raw: str) -> str:
+    """``path``'s JSON with ``edit(data)`` applied, where the placeholder it sets is written as
+    the raw number text ``raw`` (json.dumps cannot write a 5000-digit int)."""
+    import json
+
+    data = json.loads(path.read_text())
+    edit(data)
+    return json.dumps(data).replace('"@RAW@"', raw)
+
+
+def _set_scale(data):
+    data["spec"]["scale"] = "@RAW@"
+
+
+def _copy_bundle(made, tmp_path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(made / "b", tmp_path / "b"))
+
+
+_PLACES = ["spec-toml-info", "spec-json-info", "spec-toml-plan", "plan-file", "manifest"]
+
+
+# --force replaces a bundle whatever its spec says (a corrupted one is what it is for): a scale there is no refusal
+@pytest.mark.parametrize("where, raw, field", [
+    *[pytest.param(w, BIG_INT, "scale", id=f"scale-1e400-{w}") for w in _PLACES],
+    *[pytest.param(w, HUGE_INT, "digits", id=f"5000-digits-{w}") for w in [*_PLACES, "manifest-force"]],
+])
+def test_huge_numbers_in_input_files_are_one_line(where, raw, field, made, tmp_path, capsys):
+    """A 401-digit scale: "OverflowError: int too large to convert to float" out of
+    math.isfinite (spec.py), a traceback from info, plan, export --plan and inspect. A 5000-digit
+    number anywhere: "ValueError: Exceeds the limit (4300 digits)" from the parsers, a traceback
+    wherever it was not caught as a ValueError (the spec, the plan file, --force's manifest)."""
+    spec_text = TINY + (f"scale = {raw}\n" if field == "scale" else f"name = {raw}\n")
+    if where == "spec-toml-info":
+        (tmp_path / "s.toml").write_text(spec_text)
+        argv = ["info", str(tmp_path / "s.toml")]
+    elif where == "spec-json-info":
+        import json
+        import tomllib
+
+        data = tomllib.loads(TINY)
+        data["scale"] = "@RAW@"
+        (tmp_path / "s.json").write_text(json.dumps(data).replace('"@RAW@"', raw))
+        argv = ["info", str(tmp_path / "s.json")]
+    elif where == "spec-toml-plan":
+        (tmp_path / "s.toml").write_text(spec_text)
+        argv = ["plan", str(tmp_path / "s.toml"), "--target", "h200", "--out", str(tmp_path / "p" / "plan.json")]
+    elif where == "plan-file":
+        (tmp_path / "plan.json").write_text(_with_raw(made / "plan.json", _set_scale, raw))
+        argv = ["export", str(made / "s.toml"), "--out", str(tmp_path / "o" / "b"), "--plan", str(tmp_path / "plan.json")]
+    else:
+        bundle = _copy_bundle(made, tmp_path)
+        (bundle / "manifest.json").write_text(_with_raw(made / "b" / "manifest.json", _set_scale, raw))
+        argv = (["inspect", str(bundle)] if where == "manifest" else
+                ["export", str(made / "s.toml"), "--out", str(bundle), "--force", "--no-onnx", "--no-kernels"])
+    assert main(argv) == 2
+    line = _one_line(capsys)
+    if field == "scale":
+        assert "scale: got" in line and "allowed: a finite number > 0" in line and len(line) < 400, line
+    else:
+        assert "Exceeds the limit (4300 digits)" in line and "set_int_max_str_digits" not in line, line
+    assert not any((tmp_path / name).exists() for name in ("p", "o")), line
+
+
+class _Unblocking:
+    """Opens ``fifo`` for writing (non-blocking, so it needs a reader) and closes it again,
+    every 20 ms until stopped: a reader that waits on the FIFO gets its end of file after at
+    most ``after_s`` instead of hanging the test for ever (what the unfixed reads did)."""
+
+    def __init__(self, fifo: Path, after_s: float = 3.0):
+        import threading
+
+        self.fifo, self.after_s, self.stop = fifo, after_s, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        start = time.monotonic()
+        while not self.stop.wait(0.02):
+            if time.monotonic() - start < self.after_s:
+                continue
+            try:
+                os.close(os.open(self.fifo, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:  # no reader (ENXIO): nothing waits on it
+                pass
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
+@pytest.mark.parametrize("where", ["export-plan", "inspect-manifest", "force-manifest"])
+def test_a_fifo_as_an_input_file_is_refused_not_waited_on(where, made, tmp_path, capsys):
+    """``export --plan fifo.json`` and ``inspect DIR`` whose manifest.json is a FIFO waited for
+    a writer for ever (read_text opens it blocking); read_whole refuses what is not a regular file."""
+    if where == "export-plan":
+        fifo = tmp_path / "fifo.json"
+        os.mkfifo(fifo)
+        argv = ["export", str(made / "s.toml"), "--out", str(tmp_path / "o" / "b"), "--plan", str(fifo)]
+    else:
+        bundle = _copy_bundle(made, tmp_path)
+        fifo = bundle / "manifest.json"
+        fifo.unlink()
+        os.mkfifo(fifo)
+        argv = (["inspect", str(bundle)] if where == "inspect-manifest" else
+                ["export", str(made / "s.toml"), "--out", str(bundle), "--force", "--no-onnx", "--no-kernels"])
+    start = time.monotonic()
+    with _Unblocking(fifo):
+        assert main(argv) == 2
+    line = _one_line(capsys)
+    assert "not a regular file" in line and time.monotonic() - start < 2.5, line
+    assert not (tmp_path / "o").exists()

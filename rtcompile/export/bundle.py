@@ -20,7 +20,7 @@ import subprocess
 import warnings
 from pathlib import Path
 
-from ..fileio import atomic_directory, file_sha256, honour_umask, writing
+from ..fileio import ReadError, atomic_directory, file_sha256, honour_umask, parse_problem, read_whole, writing
 from .compiled import compile_into, install
 from .verify import (
     BUNDLE_FORMAT,
@@ -220,10 +220,12 @@ def check_replaceable(path: str | os.PathLike) -> None:
                                      "(allowed: a new path, or a folder rtcompile export wrote)")
     if root.is_symlink() or not root.is_dir():
         raise refuse("exists and is not a folder")
-    try:
-        manifest = json.loads((root / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-        raise refuse(f"is not a bundle (no readable {MANIFEST})") from None
+    try:  # read_whole: a FIFO is refused, not waited on for ever
+        manifest = json.loads(read_whole(root / MANIFEST).decode("utf-8"))
+    except ReadError as exc:
+        raise refuse(f"is not a bundle ({MANIFEST} {exc.why})") from None
+    except (ValueError, RecursionError) as exc:  # not UTF-8 or JSON, or a number past Python's 4300 digits
+        raise refuse(f"is not a bundle (no readable {MANIFEST}: {parse_problem(exc)})") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("format"), int) or not isinstance(files, dict):
         raise refuse(f"is not a bundle ({MANIFEST} is not a bundle manifest)")
