@@ -225,6 +225,21 @@ def check_out_file(prog: str, out: str | os.PathLike) -> None:
     _usable_folder(prog, text, os.path.dirname(path))
 
 
+def check_out_not_input(prog: str, out: str | os.PathLike, name: str, given: str | os.PathLike) -> None:
+    """``--out`` is not the input file ``given`` (``name``: what it is, "the spec file"): build's
+    default --out plan.json, run on a spec copied to plan.json, replaced the spec with the
+    plan. The same path once resolved (``./x/../spec.json``, a symbolic link), or the same file
+    (a hard link): a :class:`UsageError` before any work."""
+    a, b = os.path.realpath(out), os.path.realpath(given)
+    try:
+        same = a == b or os.path.samefile(a, b)
+    except OSError:  # one of them absent: only the resolved paths can tell
+        same = False
+    if same:
+        raise UsageError(f"{prog}: --out {os.fspath(out)!r}: is {name} {os.fspath(given)!r}, which the output would "
+                         f"replace; allowed: another path")
+
+
 def check_out_parent(prog: str, out: str | os.PathLike) -> None:
     """The folder that will hold ``--out`` (a bundle folder, which the command judges itself):
     existing or makeable, and writable (tried). Nothing is created."""

@@ -284,3 +284,38 @@ def test_a_fifo_as_an_input_file_is_refused_not_waited_on(where, made, tmp_path,
     line = _one_line(capsys)
     assert "not a regular file" in line and time.monotonic() - start < 2.5, line
     assert not (tmp_path / "o").exists()
+
+
+# ----- --out naming the spec -----------------------------------------------------------------------
+
+
+def _json_spec(path: Path) -> str:
+    import json
+    import tomllib
+
+    text = json.dumps(tomllib.loads(TINY))
+    path.write_text(text)
+    return text
+
+
+@pytest.mark.parametrize("how", ["build-default-out", "plan-same-path", "plan-dotted-path", "plan-hard-link"])
+def test_out_naming_the_spec_file_is_refused(how, tmp_path, capsys, monkeypatch):
+    """``cp spec.json plan.json; rtcompile build plan.json`` (build's --out defaults to plan.json)
+    replaced the spec with the plan, silently; ``plan S --out S`` too."""
+    import rtcompile.plan_cmd as plan_cmd
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(plan_cmd, "_validate_kernels", lambda spec: pytest.fail("the kernels were checked"))
+    text = _json_spec(tmp_path / "plan.json")
+    if how == "build-default-out":
+        argv = ["build", "plan.json", "--target", "h200"]
+    else:
+        out = {"plan-same-path": "plan.json", "plan-dotted-path": "./sub/../plan.json", "plan-hard-link": "link.json"}[how]
+        (tmp_path / "sub").mkdir()
+        if how == "plan-hard-link":
+            os.link(tmp_path / "plan.json", tmp_path / "link.json")
+        argv = ["plan", "plan.json", "--target", "h200", "--out", out]
+    assert main(argv) == 2
+    line = _one_line(capsys)
+    assert "--out" in line and "is the spec file" in line and "allowed:" in line, line
+    assert (tmp_path / "plan.json").read_text() == text
