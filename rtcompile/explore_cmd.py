@@ -8,6 +8,7 @@ line on stderr and exit 2 before any point runs.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -133,6 +134,10 @@ def run(args) -> int:
         if (Path(args.out) / name).is_dir():
             raise UsageError(f"rtcompile explore: --out {args.out!r}: {name} there is a folder; allowed: a folder "
                              f"whose {name} is a file or absent")
+    points = Path(args.out) / "points"  # each point's checkpoints and figures (sweep.py): every point failed
+    if os.path.lexists(points) and not points.is_dir():
+        raise UsageError(f"rtcompile explore: --out {args.out!r}: points there is not a folder; allowed: a folder "
+                         "whose points is a folder or absent")
     if args.workers is None:
         import dataclasses
 

@@ -319,3 +319,44 @@ def test_out_naming_the_spec_file_is_refused(how, tmp_path, capsys, monkeypatch)
     line = _one_line(capsys)
     assert "--out" in line and "is the spec file" in line and "allowed:" in line, line
     assert (tmp_path / "plan.json").read_text() == text
+
+
+# ----- explore: what only failed at every point -----------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["seq-len-past-mqar", "points-is-a-file"])
+def test_explore_refuses_what_every_point_would_fail_on(case, tmp_path, capsys, monkeypatch):
+    """``--recall --seq-len 2000000`` passed the options (2^24) but MQARTask takes at most 2^20:
+    every point failed when it ran, exit 0. ``--out DIR`` whose ``points`` is a file: every
+    point's checkpoint folder failed, exit 0. Both before any point now."""
+    import rtcompile.explore.sweep as sweep
+
+    monkeypatch.setattr(sweep, "run_sweep", lambda *a, **k: pytest.fail("the sweep ran"))
+    out = tmp_path / "out"
+    argv = ["explore", str(ROOT / "examples" / "order3_16x16.toml"), "--orders", "2", "--widths", "4", "--out",
+            str(out), "--storage", f"sqlite:///{tmp_path / 'e.db'}"]
+    if case == "seq-len-past-mqar":
+        argv += ["--recall", "--seq-len", "2000000"]
+    else:
+        out.mkdir()
+        (out / "points").write_text("")
+    assert main(argv) == 2
+    line = _one_line(capsys)
+    if case == "seq-len-past-mqar":
+        assert "--seq-len" in line and "1048576" in line and "allowed" in line, line
+        assert not out.exists()
+    else:
+        assert "points" in line and "allowed" in line, line
+    assert not (tmp_path / "e.db").exists()
+
+
+@pytest.mark.parametrize("seq_len", [3, (1 << 20) + 1], ids=["below-4", "past-2^20"])
+def test_recall_options_take_mqar_lengths(seq_len):
+    """RecallOptions' bounds are MQARTask's (4 to 2^20 tokens); its error names seq_len."""
+    from rtcompile.explore.mqar import MAX_SEQ_LEN, MQARTask
+    from rtcompile.explore.points import RecallOptions
+
+    with pytest.raises(ValueError, match=r"^seq_len: .*\[4, 1048576\]"):
+        RecallOptions(seq_len=seq_len, kv_pairs=1)
+    RecallOptions(seq_len=MAX_SEQ_LEN, kv_pairs=1)  # the longest MQAR takes is taken
+    MQARTask(seq_len=MAX_SEQ_LEN, num_kv_pairs=1)
