@@ -360,3 +360,74 @@ def test_recall_options_take_mqar_lengths(seq_len):
         RecallOptions(seq_len=seq_len, kv_pairs=1)
     RecallOptions(seq_len=MAX_SEQ_LEN, kv_pairs=1)  # the longest MQAR takes is taken
     MQARTask(seq_len=MAX_SEQ_LEN, num_kv_pairs=1)
+
+
+# ----- comma lists: empty items, repeated options --------------------------------------------------
+
+
+@pytest.fixture
+def no_long_work(monkeypatch):
+    """A command that got past its option checks fails at once instead of tuning, checking the
+    kernels or sweeping (minutes under the interpreter)."""
+    import rtcompile.explore.sweep as sweep
+    import rtcompile.plan_cmd as plan_cmd
+    import rtcompile.tune_cmd as tune_cmd
+
+    monkeypatch.setattr(tune_cmd, "_tune_all", lambda *a, **k: pytest.fail("a study started"))
+    monkeypatch.setattr(plan_cmd, "_validate_kernels", lambda *a, **k: pytest.fail("the kernels were checked"))
+    monkeypatch.setattr(sweep, "run_sweep", lambda *a, **k: pytest.fail("the sweep ran"))
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["plan", "{spec}", "--target", "h200", "--seq-len", "1,,2"], "--seq-len"),
+    (["plan", "{spec}", "--target", "h200", "--batch", "1,2,"], "--batch"),
+    (["plan", "{spec}", "--target", "h200", "--decode-batch", ",4"], "--decode-batch"),
+    (["tune", "{spec}", "--batch", "1, ,2"], "--batch"),
+    (["explore", "{spec}", "--orders", "2,,3", "--widths", "4"], "--orders"),
+    (["explore", "{spec}", "--orders", "2", "--widths", "4", "--recall", "--lrs", "0.1,,0.2"], "--lrs"),
+], ids=["plan-seq-len", "plan-batch-trailing", "plan-decode-batch-leading", "tune-batch-blank", "explore-orders",
+        "explore-lrs"])
+def test_an_empty_item_in_a_comma_list_is_refused(argv, option, tmp_path, capsys, no_long_work):
+    """``--seq-len 1,,2`` planned 1 and 2: the empty item was dropped silently (a typo'd bucket)."""
+    (tmp_path / "s.toml").write_text(TINY)
+    assert main([a.replace("{spec}", str(tmp_path / "s.toml")) for a in argv]) == 2
+    line = _one_line(capsys)
+    assert f"argument {option}: empty item in" in line and "allowed: comma-separated" in line, line
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["plan", "{spec}", "--target", "h200", "--batch", "1", "--batch", "2"], "--batch"),
+    (["build", "{spec}", "--target", "h200", "--seq-len", "16", "--seq-len", "32"], "--seq-len"),
+    (["plan", "{spec}", "--target", "h200", "--decode-batch", "1", "--decode-batch", "1"], "--decode-batch"),
+    (["tune", "{spec}", "--seq-len", "16", "--seq-len", "32"], "--seq-len"),
+    (["explore", "{spec}", "--orders", "2", "--orders", "3", "--widths", "4"], "--orders"),
+    (["explore", "{spec}", "--orders", "2", "--widths", "4", "--widths", "8"], "--widths"),
+    (["explore", "{spec}", "--orders", "2", "--widths", "4", "--recall", "--seeds", "0", "--seeds", "1"], "--seeds"),
+    (["run", "{spec}", "--tokens", "1", "--tokens", "2"], "--tokens"),
+], ids=["plan-batch", "build-seq-len", "plan-decode-batch-same", "tune-seq-len", "explore-orders", "explore-widths",
+        "explore-seeds", "run-tokens"])
+def test_a_list_option_given_twice_is_refused(argv, option, tmp_path, capsys, no_long_work):
+    """``--batch 1 --batch 2`` planned batch 2 alone: argparse keeps the last, silently."""
+    (tmp_path / "s.toml").write_text(TINY)
+    assert main([a.replace("{spec}", str(tmp_path / "s.toml")) for a in argv]) == 2
+    line = _one_line(capsys)
+    assert f"argument {option}: given more than once" in line and "allowed:" in line, line
+
+
+@pytest.mark.parametrize("tokens", ["1,,2", "1,2,", " ,1"], ids=["middle", "trailing", "blank-first"])
+def test_run_refuses_an_empty_token_item(tokens, made, capsys, monkeypatch):
+    """``run --tokens 1,,2`` ran the prompt [1, 2]. Refused before the bundle is verified."""
+    import rtcompile.export as export_pkg
+
+    monkeypatch.setattr(export_pkg, "verify_bundle", lambda *a: pytest.fail("verified before the options"))
+    assert main(["run", str(made / "b"), "--tokens", tokens, "--steps", "1"]) == 2
+    line = _one_line(capsys)
+    assert f"--tokens: empty item in {tokens!r}; allowed: comma-separated integers" in line, line
+
+
+def test_parsed_arguments_carry_no_bookkeeping():
+    """The once-only options' record of what was given does not reach the commands."""
+    from rtcompile.cli import build_parser
+
+    args = build_parser().parse_args(["plan", "s.toml", "--batch", "1,2"])
+    assert args.batch == [1, 2] and not [k for k in vars(args) if k.startswith("_")]
