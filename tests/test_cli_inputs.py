@@ -431,3 +431,61 @@ def test_parsed_arguments_carry_no_bookkeeping():
 
     args = build_parser().parse_args(["plan", "s.toml", "--batch", "1,2"])
     assert args.batch == [1, 2] and not [k for k in vars(args) if k.startswith("_")]
+
+
+# ----- plans: configs checked for their values, not only their types -----------------------------------
+
+
+def _edit_decision(made, phase: str, key: str, field: str, raw: str) -> str:
+    """The made plan's JSON with ``field`` of the first ``phase`` decision's ``key`` config set to
+    the raw number text ``raw``."""
+    def edit(data):
+        d = next(d for d in data["decisions"] if d["phase"] == phase)
+        d[key][field] = "@RAW@"
+
+    return _with_raw(made / "plan.json", edit, raw)
+
+
+@pytest.mark.parametrize("phase, key, field, raw, why", [
+    ("prefill", "variant", "block_v", "-16", "block_v=-16; allowed: a power of two"),
+    ("prefill", "variant", "num_warps", "3", "num_warps=3; allowed: a power of two"),
+    ("prefill", "variant", "chunk_size", "1" + "0" * 400, "chunk_size=100000...(401 digits); allowed: a power of two"),
+    ("decode", "variant", "block_v", "-16", "block_v=-16"),
+    ("train", "backward", "num_warps", "3", "num_warps=3"),
+], ids=["block_v-negative", "num_warps-3", "chunk_size-1e400", "decode-block_v", "train-backward-warps"])
+@pytest.mark.parametrize("via", ["export-plan", "inspect-manifest"])
+def test_a_plan_config_that_cannot_run_is_refused(via, phase, key, field, raw, why, made, tmp_path, capsys):
+    """A plan with variant block_v=-16, num_warps=3 or a 401-digit chunk_size was exported into a
+    bundle and inspect called it verified: configs were type-checked only. Each is now checked
+    with its own check() at the plan's spec shape, the field named."""
+    text = _edit_decision(made, phase, key, field, raw)
+    if via == "export-plan":
+        (tmp_path / "plan.json").write_text(text)
+        argv = ["export", str(made / "s.toml"), "--out", str(tmp_path / "o" / "b"), "--plan", str(tmp_path / "plan.json"),
+                "--no-onnx", "--no-kernels"]
+    else:
+        import json
+
+        bundle = _copy_bundle(made, tmp_path)
+        manifest = json.loads((bundle / "manifest.json").read_text())
+        manifest["plan"], manifest["target"] = "@PLAN@", "h200"
+        (bundle / "manifest.json").write_text(json.dumps(manifest).replace('"@PLAN@"', text))
+        argv = ["inspect", str(bundle)]
+    assert main(argv) == 2
+    line = _one_line(capsys)
+    assert f"plan.decisions[" in line and f"].{key}: {why}" in line and len(line) < 400, line
+    assert not (tmp_path / "o").exists()
+
+
+def test_plans_of_every_example_and_target_read_back():
+    """The check refuses no plan the planner writes: every example spec on every GPU profile."""
+    from rtcompile.plan import Plan, make_plan
+    from rtcompile.spec import load_spec
+    from rtcompile.target import PROFILES, get_target
+
+    specs = sorted((ROOT / "examples").glob("*.*"))
+    assert len(specs) >= 6
+    for path in specs:
+        for name in PROFILES:
+            plan = make_plan(load_spec(path), get_target(name))
+            assert Plan.from_dict(plan.to_dict()).decisions == plan.decisions, (path.name, name)
