@@ -489,3 +489,33 @@ def test_plans_of_every_example_and_target_read_back():
         for name in PROFILES:
             plan = make_plan(load_spec(path), get_target(name))
             assert Plan.from_dict(plan.to_dict()).decisions == plan.decisions, (path.name, name)
+
+
+# ----- the tuned-config table named by $RTCOMPILE_TUNED ---------------------------------------------
+
+
+def test_a_tuned_table_error_says_rtcompile_tuned_named_it(tmp_path, capsys, monkeypatch):
+    """``RTCOMPILE_TUNED=<a folder> rtcompile tune ...`` said "'<folder>' is a folder: not replaced
+    by a file", with nothing saying the path came from the environment, not from an option."""
+    import rtcompile.tune_cmd as tune_cmd
+
+    (tmp_path / "s.toml").write_text(TINY)
+    (tmp_path / "table").mkdir()
+    monkeypatch.setenv("RTCOMPILE_TUNED", str(tmp_path / "table"))
+    monkeypatch.setattr(tune_cmd, "_tune_all", lambda *a, **k: pytest.fail("a study started"))
+    assert main(["tune", str(tmp_path / "s.toml"), "--phase", "decode", "--trials", "1", "--storage",
+                 f"sqlite:///{tmp_path / 's.db'}"]) == 2
+    line = _one_line(capsys)
+    assert "tuned-config table ($RTCOMPILE_TUNED)" in line and "is a folder" in line, line
+
+
+@pytest.mark.parametrize("named_by", ["env", "argument"])
+def test_table_problem_names_rtcompile_tuned_only_when_it_set_the_path(named_by, tmp_path, monkeypatch):
+    from rtcompile.tuning.store import table_problem
+
+    table = tmp_path / "t.json"
+    table.write_text("{")
+    monkeypatch.setenv("RTCOMPILE_TUNED", str(table))
+    problem = table_problem() if named_by == "env" else table_problem(table)
+    assert problem.startswith("tuned-config table ($RTCOMPILE_TUNED) " if named_by == "env" else
+                              f"tuned-config table {str(table)!r}"), problem
