@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict
 
 from .. import stopping
-from ..stopping import _STOPS, _ignore, _interrupt, _quiet_unraisable, raise_if_stopped, stop_on_signal  # noqa: F401
+from ..stopping import raise_if_stopped, stop_on_signal  # noqa: F401 -- the tune's names for them, as before
 
 
 def spawn_workers(storage_url: str, name: str, bucket, opts, deadline: float | None,
@@ -77,9 +77,14 @@ def stop_workers(procs: list[subprocess.Popen]) -> None:
 STOP_POLL_S = 0.5
 
 
+# the stop handling's internals, which lived here before rtcompile.stopping took them (the tests
+# of the tune's stops read them through this module)
+_FROM_STOPPING = ("_STOPS", "_held", "_ignore", "_interrupt", "_outer_hook", "_quiet_unraisable", "_stopping")
+
+
 def __getattr__(name: str):
-    """The stop's state (``_stopping``, ``_outer_hook``) as :mod:`rtcompile.stopping` holds it
-    now, not a copy taken at import."""
-    if name in ("_stopping", "_outer_hook"):
+    """The stop handling's internals as :mod:`rtcompile.stopping` holds them now (its state too:
+    not a copy taken at import)."""
+    if name in _FROM_STOPPING:
         return getattr(stopping, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
