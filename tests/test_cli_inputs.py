@@ -519,3 +519,14 @@ def test_table_problem_names_rtcompile_tuned_only_when_it_set_the_path(named_by,
     problem = table_problem() if named_by == "env" else table_problem(table)
     assert problem.startswith("tuned-config table ($RTCOMPILE_TUNED) " if named_by == "env" else
                               f"tuned-config table {str(table)!r}"), problem
+
+
+@pytest.mark.parametrize("text", [f'{{"format": {HUGE_INT}}}', "[" * 100_000], ids=["5000-digits", "nested"])
+def test_a_recall_checkpoint_json_past_the_parser_names_checkpoint_dir(text, tmp_path):
+    """explore's recall checkpoints: a number past 4300 digits (ValueError) or brackets nested
+    past the recursion limit (RecursionError) escaped unnamed from the reader."""
+    from rtcompile.explore.trainer import _read_json
+
+    (tmp_path / "lr.json").write_text(text)
+    with pytest.raises(ValueError, match=r"^checkpoint_dir: .*lr\.json' cannot be read as JSON"):
+        _read_json(tmp_path / "lr.json")
