@@ -1,8 +1,9 @@
 """The ``rtcompile`` command line.
 
 Usage and input errors print one line on stderr and exit with code 2, never a traceback; an
-interrupted command (Ctrl-C; ``tune``: SIGTERM too) one line and exit code 130; a command whose
-stdout's reader has gone (``| head``) stops quietly with exit code 1.
+interrupted command (Ctrl-C or SIGTERM, after its clean-up: no temporary file or folder left)
+one line and exit code 130; a command whose stdout's reader has gone (``| head``) stops quietly
+with exit code 1.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from ._version import __version__
 from .cli_args import EXIT_USAGE, Parser, UsageError, check_out_dir, int_at_least, nonempty, positive_float
 from .fileio import WriteError
 from .spec import SpecError, SpecFileError, SpecTypeError
+from .stopping import stop_on_signal
 
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
+# 128 + SIGINT, as a shell reports a Ctrl-C; a SIGTERM too (tune's since it handled one): one code for a stop
+EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 1  # the Python docs' recipe for a closed stdout (SIGPIPE ignored, as Python does)
 __all__ = ["EXIT_BROKEN_PIPE", "EXIT_INTERRUPTED", "EXIT_USAGE", "INPUT_ERRORS", "UsageError", "build_parser", "main"]
 
@@ -207,11 +210,14 @@ def _stdout_gone() -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
-        if args.command is None:
-            raise UsageError("rtcompile: missing COMMAND; run 'rtcompile --help' for the list")
-        code = args.func(args)
-        sys.stdout.flush()  # a closed pipe is found here, where it is handled, not at exit
+        # every command: a SIGTERM stops it as a Ctrl-C does, through its clean-up (Python's default
+        # ended `export` at once, leaving its temporary bundle folder and the folders it had made)
+        with stop_on_signal():
+            args = parser.parse_args(argv)
+            if args.command is None:
+                raise UsageError("rtcompile: missing COMMAND; run 'rtcompile --help' for the list")
+            code = args.func(args)
+            sys.stdout.flush()  # a closed pipe is found here, where it is handled, not at exit
         return code
     except BrokenPipeError:
         return _stdout_gone()
@@ -221,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (*INPUT_ERRORS, *_lazy_errors()) as exc:
         print(f"rtcompile: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:  # Ctrl-C (tune: SIGTERM too), after the commands' own clean-up
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM, after the commands' own clean-up
         print("rtcompile: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
 

@@ -30,11 +30,34 @@ class UsageError(Exception):
     """A command-line usage error: reported as one line, exit code 2."""
 
 
+# The namespace attribute in which :class:`Once` records the options given during one parse;
+# :class:`Parser` removes it before the namespace reaches a command
+_GIVEN = "_rtcompile_given"
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, with its errors raised as :class:`UsageError` (one line, no usage block)."""
 
     def error(self, message: str) -> None:  # argparse prints usage + message; we want one line
         raise UsageError(f"{self.prog}: {message}")
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, rest = super().parse_known_args(args, namespace)
+        vars(namespace).pop(_GIVEN, None)  # a subcommand's parser removes it before its values are copied up
+        return namespace, rest
+
+
+class Once(argparse.Action):
+    """An option that may be given once: ``--batch 1 --batch 2`` planned batch 2 alone (argparse
+    keeps the last occurrence, silently). A comma list's options take every value at once."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = vars(namespace).setdefault(_GIVEN, set())
+        if self.dest in given:
+            raise argparse.ArgumentError(self, f"given more than once; allowed: once, every value in one "
+                                               f"comma-separated list ({option_string} {self.metavar or 'A,B'})")
+        given.add(self.dest)
+        setattr(namespace, self.dest, values)
 
 
 def int_at_least(lo: int):
@@ -76,8 +99,11 @@ def number_list_of(kind: type, minimum: float | None, what: str):
     ``what`` names them in the error)."""
 
     def parse(text: str) -> list:
+        items = text.split(",")
+        if len(items) > 1 and any(not x.strip() for x in items):  # "1,,2" planned 1 and 2, silently
+            raise argparse.ArgumentTypeError(f"empty item in {text!r}; allowed: comma-separated {what}")
         try:
-            values = [kind(x) for x in text.split(",") if x.strip()]
+            values = [kind(x) for x in items if x.strip()]
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from None
         if not values or (minimum is not None and any(v < minimum for v in values)):
@@ -223,6 +249,21 @@ def check_out_file(prog: str, out: str | os.PathLike) -> None:
         if stat.S_ISDIR(mode) or not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
             raise UsageError(f"{prog}: --out {text!r}: is {_kind(mode)}; allowed: a regular file path or a new one")
     _usable_folder(prog, text, os.path.dirname(path))
+
+
+def check_out_not_input(prog: str, out: str | os.PathLike, name: str, given: str | os.PathLike) -> None:
+    """``--out`` is not the input file ``given`` (``name``: what it is, "the spec file"): build's
+    default --out plan.json, run on a spec copied to plan.json, replaced the spec with the
+    plan. The same path once resolved (``./x/../spec.json``, a symbolic link), or the same file
+    (a hard link): a :class:`UsageError` before any work."""
+    a, b = os.path.realpath(out), os.path.realpath(given)
+    try:
+        same = a == b or os.path.samefile(a, b)
+    except OSError:  # one of them absent: only the resolved paths can tell
+        same = False
+    if same:
+        raise UsageError(f"{prog}: --out {os.fspath(out)!r}: is {name} {os.fspath(given)!r}, which the output would "
+                         f"replace; allowed: another path")
 
 
 def check_out_parent(prog: str, out: str | os.PathLike) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .cli_args import check_out_parent, nonempty, write_out
+from .cli_args import Once, check_out_parent, nonempty, write_out
 
 
 def add_parsers(sub) -> None:
@@ -34,7 +34,7 @@ def add_parsers(sub) -> None:
     r = sub.add_parser("run", help="run a bundle: prefill a prompt, then greedy decode (CUDA graphs on a GPU, "
                                    "else the bundle's ONNX graphs in onnxruntime)")
     r.add_argument("bundle", metavar="DIR")
-    r.add_argument("--tokens", default="1,2,3", help="prompt token ids, comma-separated (default 1,2,3)")
+    r.add_argument("--tokens", action=Once, default="1,2,3", metavar="ID,..", help="prompt token ids, comma-separated (default 1,2,3)")
     r.add_argument("--steps", type=int, default=8, help="tokens to decode greedily (default 8)")
     r.add_argument("--engine", choices=ENGINES, default="auto",
                    help="auto (default): torch on a CUDA GPU (RunningTensorLM.generate, the decode step as a CUDA "
@@ -70,6 +70,8 @@ def run_export(args) -> int:
         why = "fewer than 2 tokens" if args.vocab < 2 else "more tokens than a bundle holds"
         raise BundleError(f"vocab_size: --vocab {args.vocab}: vocab_size {args.vocab:,} is {why}; allowed: an "
                           f"integer in [2, {MAX_VOCAB}]" + ("; reduce vocab_size" if args.vocab > MAX_VOCAB else ""))
+    if not args.no_onnx:
+        _check_onnx_size(spec, args.vocab)
     out = Path(args.out)
     if out.exists() or out.is_symlink():  # before building a model or an ONNX graph
         check_replaceable(out)  # a file or a user's folder: refused with or without --force
@@ -109,6 +111,26 @@ def run_export(args) -> int:
         compiled=not args.no_kernels))
     print(f"bundle written to {out}")
     return 0
+
+
+def _check_onnx_size(spec, vocab: int) -> None:
+    """The ONNX graphs fit a protobuf (2 GiB), before the model is built: ``--vocab 16777216`` at
+    model_width 16 built for 44 s, then failed in protobuf's serialiser with a traceback.
+    BundleError naming --vocab, the largest vocabulary that fits and --no-onnx."""
+    from .export import BundleError
+    from .export.bundle import ONNX_MAX_BYTES, onnx_graph_bytes
+    from .model import parameter_count
+
+    size = onnx_graph_bytes(parameter_count(spec, vocab, mlp=True), spec.layers)
+    if size <= ONNX_MAX_BYTES:
+        return
+    rest = onnx_graph_bytes(parameter_count(spec, 0, mlp=True), spec.layers)  # all but the embedding and head
+    largest = (ONNX_MAX_BYTES - rest) // (4 * 2 * spec.model_width)  # two vocab x model_width tables
+    smaller = (f"a smaller --vocab (at most {largest:,} at model_width {spec.model_width}) or model_width"
+               if largest >= 2 else "a smaller model_width, layers or widths (the layers alone exceed it)")
+    raise BundleError(f"--vocab {vocab}: each ONNX graph would hold ~{size:,} bytes (fp32 weights, embedding and head "
+                      f"{2 * vocab * spec.model_width:,} parameters), beyond the {ONNX_MAX_BYTES:,} (2 GiB) a protobuf "
+                      f"holds; allowed: --no-onnx, or {smaller}")
 
 
 def _checked_weights(args, spec) -> bytes:
@@ -175,8 +197,11 @@ def run_bundle(args) -> int:
     if args.compile_step and not (engine == "torch" and torch.cuda.is_available()):
         raise BundleError(f"--compile-step: with engine {engine} on {'a CUDA GPU' if torch.cuda.is_available() else 'no GPU'}; "
                           "allowed: the torch engine on a CUDA GPU (it fuses the captured decode step)")
+    items = args.tokens.split(",")
+    if len(items) > 1 and any(not x.strip() for x in items):  # "1,,2" ran the prompt [1, 2], silently
+        raise BundleError(f"--tokens: empty item in {args.tokens!r}; allowed: comma-separated integers")
     try:
-        prompt = [int(x) for x in args.tokens.split(",") if x.strip()]
+        prompt = [int(x) for x in items if x.strip()]
     except ValueError:
         raise BundleError(f"--tokens: got {args.tokens!r}; allowed: comma-separated integers") from None
     if not prompt:

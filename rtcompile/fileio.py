@@ -31,7 +31,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-__all__ = ["WriteError", "atomic_directory", "atomic_write", "cache_dir", "file_sha256", "honour_umask", "writing"]
+__all__ = ["ReadError", "WriteError", "atomic_directory", "atomic_write", "cache_dir", "file_sha256", "honour_umask",
+           "parse_problem", "read_whole", "writing"]
 
 # A clash of two 64-bit random names is improbable; the retries only bound a pathological loop.
 _NAME_TRIES = 16
@@ -66,6 +67,14 @@ def read_whole(path: str | os.PathLike) -> bytes:
         raise ReadError(p, "no such file") from None
     except OSError as exc:
         raise ReadError(p, f"cannot be read ({_why(exc)})") from None
+
+
+def parse_problem(exc: BaseException) -> str:
+    """A parser's error (json, tomllib) as one line for a message: its first line, less Python's
+    advice on its int digit limit ("Exceeds the limit (4300 digits) for integer string
+    conversion ...; use sys.set_int_max_str_digits() ..."), which a command's user cannot follow."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return text.split("; use sys.set_int_max_str_digits")[0]
 
 
 def _failed(dest: Path, exc: OSError, part: str | None = None) -> WriteError:

@@ -30,6 +30,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,12 +38,12 @@ from typing import Any, Iterator
 
 from ._version import __version__
 from .fields import FieldError, check_int, check_ints, check_type
-from .fileio import atomic_write
+from .fileio import ReadError, atomic_write, parse_problem, read_whole
 from .costmodel import Calibration, chunk_cost, recurrent_cost, shape_of, workload
 from .functional import MAX_TRITON_ORDER
 from .kernels.chunk_backward import default_backward
 from .kernels.chunk_backward_widths import rewritten_widths
-from .kernels.config import KernelConfig
+from .kernels.config import DEFAULT_SMEM_BYTES, KernelConfig, KernelShape
 from .kernels.forms import config_from_dict, default_config, low_memory
 from .kernels.inputs import nearest_bucket
 from .plan_options import (chunk_configs, chunk_size_note, crossover, fit_calibration, fitting, measured_cost,
@@ -114,12 +115,14 @@ class Plan:
         """A plan file, every field checked (:meth:`from_dict`); PlanError naming the file."""
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"path: expected a str or os.PathLike plan file, got {type(path).__name__}")
+        try:  # read_whole: a FIFO is refused, not waited on for ever
+            raw = read_whole(path)
+        except ReadError as exc:
+            raise PlanError(f"plan file {str(path)!r}: {exc.why}; allowed: a plan file (rtcompile plan / build)") from None
         try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise PlanError(f"plan file {str(path)!r}: no such file") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise PlanError(f"plan file {str(path)!r}: unreadable ({str(exc).splitlines()[0]})") from None
+            data = json.loads(raw.decode("utf-8"))
+        except ValueError as exc:  # not UTF-8 or JSON, or a number past Python's 4300 digits
+            raise PlanError(f"plan file {str(path)!r}: unreadable ({parse_problem(exc)})") from None
         except RecursionError:  # ~1000 nested brackets exhaust the parser; a plan nests a few levels
             raise PlanError(f"plan file {str(path)!r}: nested too deeply to parse") from None
         try:
@@ -206,22 +209,45 @@ def _plan_field(arguments: bool = False) -> Iterator[None]:
         raise PlanError(f"{exc.name}: got {got}; allowed: {exc.allowed}") from None
 
 
-def _check_config(where: str, value: Any, kernel: str) -> None:
+def _check_config(where: str, value: Any, kernel: str, shape: KernelShape, smem: int) -> None:
+    """A config of ``kernel`` that runs ``shape``: its types (``config_from_dict``), then its
+    values by the config's own ``check`` (block_v=-16, num_warps=3 or a 401-digit chunk_size
+    were read, written into a bundle and called verified: a launch would refuse them)."""
     try:
-        config_from_dict(value, kernel)
+        config = config_from_dict(value, kernel)
     except (TypeError, ValueError) as exc:  # the config module's own check, naming the field
-        raise PlanError(f"{where}: {str(exc).splitlines()[0]}") from None
+        raise PlanError(f"{where}: {_short_numbers(str(exc).splitlines()[0])}") from None
+    if (why := config.check(shape, smem)) is not None:
+        widths = "x".join(map(str, shape.key_widths))
+        raise PlanError(f"{where}: {_short_numbers(why)} (for key widths {widths}, d_v {shape.value_width}, "
+                        f"{smem} bytes of shared memory)")
 
 
-def _check_decision(where: str, d: Any) -> Decision:
+def _short_numbers(text: str) -> str:
+    """``text`` with every run of more than 24 digits cut to its first six and its length: a
+    401-digit chunk_size made a 450-character line."""
+    return re.sub(r"\d{25,}", lambda m: f"{m.group()[:6]}...({len(m.group())} digits)", text)
+
+
+def _plan_smem(target: dict[str, Any]) -> int:
+    """The shared memory a plan's configs must fit: its target's (``Target.to_dict``'s
+    smem_per_sm), else the portable bound the configs' check assumes (DEFAULT_SMEM_BYTES)."""
+    smem = target.get("smem_per_sm")
+    if isinstance(smem, bool) or not isinstance(smem, int) or smem < 1:
+        return DEFAULT_SMEM_BYTES
+    return smem
+
+
+def _check_decision(where: str, d: Any, shape: KernelShape, smem: int) -> Decision:
     """One decision the model can follow: the values the forward uses (decision_for takes the
-    log2 of batch and length, the launcher builds the config) and the types of the rest."""
+    log2 of batch and length, the launcher builds the config at the plan's spec ``shape``; the
+    backward's at the widths training rewrites them to) and the types of the rest."""
     _check_keys(where, d, _DECISION_KEYS, _DECISION_OPTIONAL)
     _check_choice(f"{where}.phase", d["phase"], PHASES)
     check_int(f"{where}.batch", d["batch"], 1)
     check_int(f"{where}.seq_len", d["seq_len"], 1)
     _check_choice(f"{where}.mode", d["mode"], DECISION_MODES)
-    _check_config(f"{where}.variant", d["variant"], d["mode"])
+    _check_config(f"{where}.variant", d["variant"], d["mode"], shape, smem)
     check_type(f"{where}.cost", d["cost"], dict, "an object (the cost model's figures)")
     check_type(f"{where}.alternatives", d["alternatives"], list, "a list of objects")
     for i, a in enumerate(d["alternatives"]):
@@ -229,7 +255,8 @@ def _check_decision(where: str, d: Any) -> Decision:
     check_type(f"{where}.reason", d["reason"], str, "a string")
     _check_choice(f"{where}.state_dtype", d.get("state_dtype", "float32"), DECISION_STATE_DTYPES)
     if d.get("backward") is not None:
-        _check_config(f"{where}.backward", d["backward"], "chunk_bwd")
+        trained = dataclasses.replace(shape, key_widths=rewritten_widths(shape.key_widths))  # as _train plans it
+        _check_config(f"{where}.backward", d["backward"], "chunk_bwd", trained, smem)
     return Decision(**d)
 
 
@@ -255,7 +282,7 @@ def _check_plan(data: Any) -> Plan:
     _check_keys("plan", data, _PLAN_KEYS, _PLAN_OPTIONAL)
     check_type("plan.spec", data["spec"], dict, "an object (the spec the plan was made for)")
     try:
-        ModelSpec.from_dict(data["spec"])
+        spec = ModelSpec.from_dict(data["spec"])
     except (SpecError, SpecTypeError) as exc:  # "spec.<field>: ..." -> "plan.spec.<field>: ..."
         raise PlanError(f"plan.{str(exc).splitlines()[0]}") from None
     check_type("plan.target", data["target"], dict, "an object (the target's profile, with its name)")
@@ -263,7 +290,8 @@ def _check_plan(data: Any) -> Plan:
         raise PlanError(f"plan.target.name: got {_got(data['target'].get('name'), False)}; allowed: a non-empty "
                         "string (the target's name)")
     check_type("plan.decisions", data["decisions"], list, "a list of decisions")
-    decisions = [_check_decision(f"plan.decisions[{i}]", d) for i, d in enumerate(data["decisions"])]
+    shape, smem = shape_of(spec), _plan_smem(data["target"])
+    decisions = [_check_decision(f"plan.decisions[{i}]", d, shape, smem) for i, d in enumerate(data["decisions"])]
     have = {d.phase for d in decisions}
     for phase in MODEL_PHASES:
         if phase not in have:

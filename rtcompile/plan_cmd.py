@@ -7,8 +7,8 @@ import json
 import os
 import sys
 
-from .cli_args import (UsageError, check_out_file, check_storage, int_list, nonempty, positive_int, tuning_buckets,
-                       write_out)
+from .cli_args import (Once, UsageError, check_out_file, check_out_not_input, check_storage, int_list, nonempty,
+                       positive_int, tuning_buckets, write_out)
 
 
 def _common(p, target_note: str = "") -> None:
@@ -18,9 +18,9 @@ def _common(p, target_note: str = "") -> None:
     p.add_argument("--target", default=None, metavar="NAME", type=nonempty(", ".join(["auto", *PROFILES])),
                    help=f"GPU profile (auto, h100-sxm, h200, a100-80gb, l40s, l4, rtx-4090, b200); default: auto "
                         f"on a GPU, {DEFAULT_TARGET} without one{target_note}")
-    p.add_argument("--batch", type=int_list, metavar="B,..", help="prefill batches to plan (default 1,8)")
-    p.add_argument("--seq-len", type=int_list, metavar="T,..", help="prefill lengths to plan (default 16 to 65536)")
-    p.add_argument("--decode-batch", type=int_list, metavar="B,..", help="decode batches (default 1,8,32,128,256)")
+    p.add_argument("--batch", action=Once, type=int_list, metavar="B,..", help="prefill batches to plan (default 1,8)")
+    p.add_argument("--seq-len", action=Once, type=int_list, metavar="T,..", help="prefill lengths to plan (default 16 to 65536)")
+    p.add_argument("--decode-batch", action=Once, type=int_list, metavar="B,..", help="decode batches (default 1,8,32,128,256)")
     p.add_argument("--out", metavar="FILE", type=nonempty("a file path"),
                    help="write the plan as JSON (atomically; its folder made when missing)")
 
@@ -102,6 +102,7 @@ def _print(plan, spec, target) -> None:
 def run_plan(args) -> int:
     if args.out is not None:
         check_out_file("rtcompile plan", args.out)  # tried, nothing made: a bad spec leaves no folder
+        check_out_not_input("rtcompile plan", args.out, "the spec file", args.spec)
     spec, target, plan = _make(args, _target_name(args))
     if args.out is not None:
         write_out("rtcompile plan", args.out, lambda: plan.save(args.out))
@@ -182,6 +183,7 @@ def run_build(args) -> int:
         os.environ["TRITON_INTERPRET"] = "1"
     out = args.out if args.out is not None else "plan.json"
     check_out_file("rtcompile build", out)  # before minutes of tuning and checks, not after; nothing made
+    check_out_not_input("rtcompile build", out, "the spec file", args.spec)  # --out's default, plan.json, may be it
     from .spec import load_spec
 
     _check_order(load_spec(args.spec), args.spec)

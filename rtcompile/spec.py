@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from .fileio import ReadError, atomic_write, read_whole
+from .fileio import ReadError, atomic_write, parse_problem, read_whole
 
 ORDERS = range(2, 7)  # 2..6; order 7 at width 2 is already 64 keys, beyond that nobody asks
 MAX_WIDTH = 65536
@@ -190,9 +190,15 @@ class ModelSpec:
         if self.scale is not None:
             if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)):
                 raise SpecTypeError("scale", f"expected a positive number, got {type(self.scale).__name__}")
-            if not (math.isfinite(self.scale) and self.scale > 0):
+            try:
+                scale = float(self.scale)
+            except OverflowError:  # an int no float holds (math.isfinite raised it too): 10**400
+                # its bits, not its digits: str() of an int past 4300 digits raises ValueError
+                raise SpecError("scale", f"got an integer of {self.scale.bit_length()} bits, beyond a float's range "
+                                "(~1.8e308); allowed: a finite number > 0 (omit for prod(key_widths)**-0.5)") from None
+            if not (math.isfinite(scale) and scale > 0):
                 raise SpecError("scale", f"got {self.scale}; allowed: a finite number > 0 (omit for prod(key_widths)**-0.5)")
-            object.__setattr__(self, "scale", float(self.scale))
+            object.__setattr__(self, "scale", scale)
         if not isinstance(self.features, Features):
             raise SpecTypeError("features", f"expected Features, got {type(self.features).__name__}")
         total = self.state_bytes_per_sequence
@@ -297,9 +303,8 @@ def load_spec(path: str | os.PathLike) -> ModelSpec:
     try:
         text = raw.decode("utf-8")
         data = tomllib.loads(text) if suffix == ".toml" else json.loads(text, object_pairs_hook=_unique_keys)
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
-        msg = str(exc).splitlines()[0]
-        raise SpecFileError(f"spec file {str(p)!r}: not valid {suffix[1:].upper()}: {msg}") from None
+    except ValueError as exc:  # a decode error of either parser, or a number past Python's 4300 digits
+        raise SpecFileError(f"spec file {str(p)!r}: not valid {suffix[1:].upper()}: {parse_problem(exc)}") from None
     except _DuplicateKey as exc:
         raise SpecFileError(f"spec file {str(p)!r}: key {exc.args[0]!r} appears more than once; "
                             "allowed: each key once") from None

@@ -22,6 +22,7 @@ from typing import Any
 from ..fields import check_ints
 from ..spec import MAX_WIDTH, ModelSpec, SpecError, SpecTypeError
 from ..target import PROFILES
+from .mqar import MAX_SEQ_LEN
 
 KERNEL_ORDERS = (2, 3, 4)  # the Triton kernels' orders (kernels/launch.py): every point must run on them
 MATCH_MODES = ("params", "state")
@@ -57,8 +58,10 @@ class RecallOptions:
     batch_size: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "kv_pairs", "steps", "batch_size"):
+        for name in ("kv_pairs", "steps", "batch_size"):
             check_ints(name, [getattr(self, name)], 1, 1 << 24, "an integer in [1, 2^24]")
+        # MQARTask's own bounds: 2^24 passed here, and every point then failed when it built its task
+        check_ints("seq_len", [self.seq_len], 4, MAX_SEQ_LEN, f"an integer in [4, {MAX_SEQ_LEN}] (MQAR's lengths)")
         # distinct keys and values per sequence, and the filler token
         check_ints("vocab_size", [self.vocab_size], 2 * self.kv_pairs + 1, 1 << 24,
                    f"an integer in [2 * kv_pairs + 1 = {2 * self.kv_pairs + 1}, 2^24]")

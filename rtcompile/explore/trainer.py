@@ -165,7 +165,7 @@ def _rate_name(lr: float) -> str:
 def _read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: a decode error, or a number past 4300 digits
         raise ValueError(f"checkpoint_dir: {str(path)!r} cannot be read as JSON ({exc}); allowed: a folder "
                          "written by train_recall (remove the file to start that part again)") from None
     if not isinstance(data, dict) or data.get("format") != CHECKPOINT_FORMAT:

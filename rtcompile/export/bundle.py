@@ -20,7 +20,7 @@ import subprocess
 import warnings
 from pathlib import Path
 
-from ..fileio import atomic_directory, file_sha256, honour_umask, writing
+from ..fileio import ReadError, atomic_directory, file_sha256, honour_umask, parse_problem, read_whole, writing
 from .compiled import compile_into, install
 from .verify import (
     BUNDLE_FORMAT,
@@ -39,8 +39,30 @@ from .verify import (
     verify_bundle,
 )
 
-__all__ = ["BUNDLE_FORMAT", "BundleError", "check_replaceable", "export_bundle", "load_bundle", "read_manifest",
-           "verify_bundle"]
+__all__ = ["BUNDLE_FORMAT", "BundleError", "ONNX_MAX_BYTES", "check_replaceable", "export_bundle", "load_bundle",
+           "onnx_graph_bytes", "read_manifest", "verify_bundle"]
+
+# protobuf serialises at most 2 GiB a message, and an ONNX file (without external data) is one
+# message: a model past it built for 44 s and then failed ("EncodeError: Failed to serialize proto")
+ONNX_MAX_BYTES = 1 << 31
+# what a graph holds beyond its fp32 weights grows with the layers: 331 KB in each of o3 16x16's
+# graphs at model_width 64, 4 layers (~83 KB a layer); 128 KiB a layer keeps a margin
+ONNX_GRAPH_BYTES_PER_LAYER = 128 << 10
+
+
+def onnx_graph_bytes(parameters: int, layers: int) -> int:
+    """The estimated bytes of one ONNX graph of a model of ``parameters`` parameters and
+    ``layers`` layers: its fp32 weights (the exporter casts to fp32) and the rest."""
+    return 4 * parameters + ONNX_GRAPH_BYTES_PER_LAYER * layers
+
+
+def _onnx_failed(exc: Exception) -> bool:
+    """Is ``exc`` protobuf refusing a graph's size (EncodeError, or onnx's ValueError naming the
+    2GB limit)? Other errors of the export are bugs and keep their traceback."""
+    from google.protobuf.message import EncodeError
+
+    text = str(exc)
+    return isinstance(exc, EncodeError) or (isinstance(exc, ValueError) and ("2GB" in text or "protobuf" in text))
 
 
 def _versions() -> dict[str, str]:
@@ -94,6 +116,9 @@ def export_bundle(model, out: str | os.PathLike, *, plan=None, overwrite: bool =
                               f"{diff}); allowed: a plan made from this spec (rtcompile plan / build)")
     if (dest.exists() or dest.is_symlink()) and not overwrite:
         raise BundleError(f"bundle {str(dest)!r}: already exists; allowed: a new path, or overwrite=True (--force)")
+    if onnx and (size := onnx_graph_bytes(sum(p.numel() for p in model.parameters()), model.spec.layers)) > ONNX_MAX_BYTES:
+        raise BundleError(f"bundle {str(dest)!r}: each ONNX graph would hold ~{size:,} bytes (fp32 weights), beyond the "
+                          f"{ONNX_MAX_BYTES:,} (2 GiB) a protobuf holds; allowed: onnx=False (--no-onnx), or a smaller model")
     with atomic_directory(dest, overwrite=overwrite, may_replace=check_replaceable) as tmp:
         # Each write into the temporary folder (a full disk, a folder made read-only meanwhile) is a
         # WriteError naming the bundle: one line from the CLI, and atomic_directory removes the
@@ -107,8 +132,9 @@ def export_bundle(model, out: str | os.PathLike, *, plan=None, overwrite: bool =
             import copy
 
             import onnx as onnx_pkg
+            from google.protobuf.message import EncodeError
 
-            from .onnx_model import export_onnx
+            from . import onnx_model
 
             # The exporter renames, transposes and folds the weights (q_proj.weight becomes a
             # transposed `val_8`, a conv weight a reshaped `unsqueeze`), so a graph cannot be
@@ -119,9 +145,15 @@ def export_bundle(model, out: str | os.PathLike, *, plan=None, overwrite: bool =
             # sha256 updated, is refused.
             try:
                 with writing(dest, "the ONNX graphs"):
-                    export_onnx(copy.deepcopy(model), tmp, opset27=opset27)
+                    onnx_model.export_onnx(copy.deepcopy(model), tmp, opset27=opset27)
             except BundleError as exc:
                 raise BundleError(f"bundle {str(dest)!r}: {exc}") from None
+            except (ValueError, EncodeError) as exc:
+                if not _onnx_failed(exc):
+                    raise
+                first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                raise BundleError(f"bundle {str(dest)!r}: the ONNX graphs could not be serialised ({first}); allowed: "
+                                  "onnx=False (--no-onnx), or a smaller model (a protobuf holds 2 GiB)") from None
             names += list(GRAPHS)
             onnx_entry = {"mixer": "LinearAttention (opset 27)" if opset27 else "ai.rtcompile::RunningTensor",
                           "weights_sha256": {g: graph_weights_sha256(onnx_pkg.load(str(tmp / g))) for g in GRAPHS}}
@@ -188,10 +220,12 @@ def check_replaceable(path: str | os.PathLike) -> None:
                                      "(allowed: a new path, or a folder rtcompile export wrote)")
     if root.is_symlink() or not root.is_dir():
         raise refuse("exists and is not a folder")
-    try:
-        manifest = json.loads((root / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-        raise refuse(f"is not a bundle (no readable {MANIFEST})") from None
+    try:  # read_whole: a FIFO is refused, not waited on for ever
+        manifest = json.loads(read_whole(root / MANIFEST).decode("utf-8"))
+    except ReadError as exc:
+        raise refuse(f"is not a bundle ({MANIFEST} {exc.why})") from None
+    except (ValueError, RecursionError) as exc:  # not UTF-8 or JSON, or a number past Python's 4300 digits
+        raise refuse(f"is not a bundle (no readable {MANIFEST}: {parse_problem(exc)})") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("format"), int) or not isinstance(files, dict):
         raise refuse(f"is not a bundle ({MANIFEST} is not a bundle manifest)")

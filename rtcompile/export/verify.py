@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
+from ..fileio import ReadError, parse_problem, read_whole
 from .compiled import check_entry, check_groups
 
 # 2: the manifest records a digest of the ONNX graphs' weights (onnx.weights_sha256), and
@@ -176,12 +177,16 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
 
 def _read_manifest(root: Path) -> tuple[dict[str, Any], dict[str, bytes]]:
     """:func:`read_manifest`'s checks; the manifest and every listed file's verified bytes."""
+    try:  # read_whole: a FIFO is refused, not waited on for ever
+        raw = read_whole(root / MANIFEST)
+    except ReadError as exc:
+        if exc.why == "no such file":
+            raise BundleError(f"bundle {str(root)!r}: no {MANIFEST}") from None
+        raise refuse(root, MANIFEST, f"{exc.why}; allowed: a regular file") from None
     try:
-        manifest = json.loads((root / MANIFEST).read_text(encoding="utf-8"), object_pairs_hook=_unique_keys)
-    except FileNotFoundError:
-        raise BundleError(f"bundle {str(root)!r}: no {MANIFEST}") from None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError and repeated keys are ValueErrors
-        raise refuse(root, MANIFEST, f"unreadable ({str(exc).splitlines()[0]})") from None
+        manifest = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except ValueError as exc:  # not UTF-8 or JSON, repeated keys, a number past Python's 4300 digits
+        raise refuse(root, MANIFEST, f"unreadable ({parse_problem(exc)})") from None
     except RecursionError:  # ~1000 nested brackets exhaust the parser's recursion; a manifest nests 4 levels
         raise refuse(root, MANIFEST, "nested too deeply to parse") from None
     if not isinstance(manifest, dict):

@@ -25,7 +25,7 @@ from typing import Any, Iterator
 
 from filelock import FileLock
 
-from ..fileio import atomic_write
+from ..fileio import WriteError, atomic_write
 from ..kernels import tuned
 
 # A heartbeat is one small UPDATE per worker; every 5 s is noise next to a trial's compile and
@@ -327,13 +327,31 @@ def store_entries(storage) -> list[dict[str, Any]]:
     return out
 
 
+TABLE = "tuned-config table"
+
+
+def _from_env(path: Path | None) -> bool:
+    """Is the table at ``path`` (None: the default) the one $RTCOMPILE_TUNED names?"""
+    return path is None and bool(os.environ.get("RTCOMPILE_TUNED"))
+
+
+def _env_named(text: str, path: Path | None) -> str:
+    """``text`` (an error about the table) saying that $RTCOMPILE_TUNED named the table where
+    it did: a path that no option gave is otherwise a puzzle."""
+    if not _from_env(path):
+        return text
+    if text.startswith(TABLE + " "):
+        return f"{TABLE} ($RTCOMPILE_TUNED) {text[len(TABLE) + 1:]}"
+    return f"{TABLE} ($RTCOMPILE_TUNED): {text}"
+
+
 def table_problem(path: Path | None = None) -> str | None:
     """Why the tuned-config table cannot be read (None: readable, or absent)."""
-    path = Path(path) if path is not None else tuned.table_path()
+    where = Path(path) if path is not None else tuned.table_path()
     try:
-        tuned.read_table(path)
+        tuned.read_table(where)
     except ValueError as exc:
-        return str(exc).split(";")[0]
+        return _env_named(str(exc).split(";")[0], path)
     return None
 
 
@@ -376,14 +394,17 @@ def write_tuned(entries: list[dict[str, Any]], path: Path | None = None, *, rebu
     versions' entries (``tuned.other_version``) are kept as they were. ``replace`` (a
     ``--retune``'s winner): ``entries`` replace their keys' even where those were faster (a
     lucky or since-refused measurement could not be retuned away)."""
-    path = Path(path) if path is not None else tuned.table_path()
-    with file_lock(path.with_name(path.name + ".lock")):
-        try:
-            old, others = tuned.read_table(path)
-        except ValueError:
-            old, others = (store_entries(rebuild_from) if rebuild_from is not None else []), []
-        merged = others + _merge(_merge([], old), entries, replace)
-        atomic_write(path, json.dumps({"format": tuned.FORMAT_VERSION, "entries": merged}, indent=1))
+    given, path = path, Path(path) if path is not None else tuned.table_path()
+    try:
+        with file_lock(path.with_name(path.name + ".lock")):
+            try:
+                old, others = tuned.read_table(path)
+            except ValueError:
+                old, others = (store_entries(rebuild_from) if rebuild_from is not None else []), []
+            merged = others + _merge(_merge([], old), entries, replace)
+            atomic_write(path, json.dumps({"format": tuned.FORMAT_VERSION, "entries": merged}, indent=1))
+    except WriteError as exc:  # already one line naming the path; say where the path came from
+        raise WriteError(_env_named(str(exc), given)) from exc
     tuned.reload(path)
     return path
 
