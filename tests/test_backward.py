@@ -430,7 +430,7 @@ def test_default_and_space(shape, limit):
         # factor_grads is kept: the register estimate reads it (the key loop in registers holds less)
         first = dataclasses.replace(c, **{n: space[n][0] for n in free if n != "factor_grads"})
         assert (c.check(shape, limit) is None) == (first.check(shape, limit) is None), c
-    assert space["workspace_dtype"] == (["float32", "inputs"] if shape.input_bytes == 2 else ["float32"])
+    assert space["workspace_dtype"] == (["float32", "inputs", "mixed"] if shape.input_bytes == 2 else ["float32"])
     assert BackwardConfig.space(KernelShape((12, 16), 64)) == {}
     assert (default.state_loop == "streamed") == (shape.key_dim > 256)
 

@@ -376,7 +376,7 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
     # Not with a gate: dg (fp32) sums differences of the rounded U, R, dU, and cancels: bf16 o2 16 dg
     # errors 9.5e-3 - 4.0e-2 over 6 seeds against 4e-7 - 1.3e-6 with fp32 workspaces (interpreter,
     # review), a model's forget-gate bias gradient 47% off. So with a gate "mixed": U, R, dU in fp32, phi's
-    # gradients 16-bit (all fp32 took o3 16x16 1.94 -> 2.35 ms, 965 -> 1573 MiB; H100, ac56808); a tuned
+    # gradients 16-bit: o3 16x16 1.92 -> 2.13 ms, 965 -> 1061 MiB (all fp32: 2.35 ms, 1573; H100, 2c06d2b); a tuned
     # entry may still pick "inputs" (the train tuner's gradient gate decides)
     ws = ("mixed" if gated else "inputs") if shape.input_bytes == 2 and not streamed else "float32"
     # phi's gradients through a [T, K] workspace up to K = 256 (o3 16x16 fwd+bwd 2.07 ms, 965 MiB at
