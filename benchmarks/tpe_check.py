@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     from rtcompile.tune_cmd import buckets_of
     from rtcompile.tuning import TuneOptions, search_space, tune_bucket
     from rtcompile.tuning.space import exhaustive_variants, params_config
-    from rtcompile.tuning.study import DEFAULT_SEED
+    from rtcompile.tuning.options import DEFAULT_SEED
 
     on_gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
     if not on_gpu:
