@@ -200,3 +200,15 @@ def test_every_kernel_source_is_hashed_into_the_entries_it_serves():
     hashed = {name for names in tuned._SOURCES.values() for name in names}
     assert jit and jit <= hashed, f"kernel sources no entry's hash covers: {sorted(jit - hashed)}"
     assert "chunk_split_gluon.py" in tuned._SOURCES["chunk"]
+
+
+@pytest.mark.parametrize("text", ['{"format": 1' + "0" * 5000 + ', "entries": []}', "[" * 100000 + "]" * 100000,
+                                  b"\xff\xfe{".decode("latin-1")], ids=["5000-digits", "deep-nesting", "not-utf8"])
+def test_an_unparsable_table_is_named(tmp_path, text):
+    """A number past Python's 4300-digit limit (and nesting past the parser's recursion) escaped
+    the reader as a bare ValueError / RecursionError that named no file."""
+    path = tmp_path / "tuned.json"
+    path.write_bytes(text.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"^tuned-config table '.*tuned\.json': unreadable \(") as info:
+        tuned.read_table(path)
+    assert "set_int_max_str_digits" not in str(info.value)

@@ -87,10 +87,12 @@ def read_table(path: Path, stacklevel: int = 2) -> tuple[list[dict[str, Any]], l
     frames up as ``warnings.warn`` counts from here (2: the caller)."""
     if not path.exists():
         return [], []
+    from ..fileio import parse_problem
+
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"tuned-config table {str(path)!r}: unreadable ({str(exc).splitlines()[0]}); "
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: JSON, UTF-8, a number past 4300 digits
+        raise ValueError(f"tuned-config table {str(path)!r}: unreadable ({parse_problem(exc)}); "
                          "delete it or re-run `rtcompile tune`") from None
     if isinstance(data, dict) and data.get("format") in OLD_FORMATS:
         raise ValueError(f"tuned-config table {str(path)!r}: format {data['format']} is {OLD_FORMATS[data['format']]}; "
