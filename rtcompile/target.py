@@ -177,13 +177,15 @@ def _load_measured() -> dict[str, dict]:
     if not isinstance(data, dict):
         bad = [f"expected an object of GPU name -> measurement, got {type(data).__name__}"]
         data = {}
-    else:
-        bad = [f"{name!r}: {why}" for name, e in data.items() if (why := _entry_problem(e)) is not None]
+    else:  # each entry judged once: its problem both warns and leaves it out
+        problems = {name: _entry_problem(e) for name, e in data.items()}
+        bad = [f"{name!r}: {why}" for name, why in problems.items() if why is not None]
+        data = {name: e for name, e in data.items() if problems[name] is None}
     if bad:
         more = f" ({len(bad)} in all)" if len(bad) > 1 else ""
         warnings.warn(f"kept GPU measurements {str(path)!r}: {bad[0]}{more}; ignored (measured again by "
                       "`rtcompile build` on that GPU)", RuntimeWarning, stacklevel=3)
-    return {name: e for name, e in data.items() if _entry_problem(e) is None}
+    return data
 
 
 def measure() -> Target:
