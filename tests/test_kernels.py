@@ -158,6 +158,13 @@ FORMS = {
                                                 (16, 16), 77, 8),
     "split-o3-16x16-c16-wy-kg4-rows": (SplitConfig(16, 16, solve="rows", key_group=4, wy=True), (16, 16), 21, 5),
     "split-o3-4x4-materialised-wy-c32": (SplitConfig(32, 16, materialise=True, wy=True), (4, 4), 37, 6),
+    # the loop on the factors (loop="kron": no stored phi(K), the state as [D1, D2, BV]), at K
+    # 256, 512 and 1024 (its space's K > 256); d_v past one value block
+    "split-o3-16x16-kron-c16": (SplitConfig(16, 16, loop="kron"), (16, 16), 37, 6),
+    "split-o3-32x16-kron-c32-stride2-pipeline2": (SplitConfig(32, 16, loop="kron", state_stride=2, pipeline=2),
+                                                  (32, 16), 77, 20),
+    "split-o3-32x32-kron-c16-w8-stride4": (SplitConfig(16, 16, num_warps=8, loop="kron", state_stride=4), (32, 32),
+                                           37, 6),
 }
 
 
@@ -202,6 +209,7 @@ HALF = {  # 16-bit inputs: products in the input type (fp16 here; bf16 is upcast
     "split-o3-16x16-c16-kg2-stride2-tma": (SplitConfig(16, 16, tma=True, key_group=2, state_stride=2), (16, 16)),
     "split-o2-16-c32": (SplitConfig(32, 16, dot_precision="tf32"), (16,)),
     "split-o3-16x16-c16-wy-kg2": (SplitConfig(16, 16, key_group=2, wy=True), (16, 16)),
+    "split-o3-16x32-kron-c32": (SplitConfig(32, 16, loop="kron"), (16, 32)),
 }
 
 
@@ -227,6 +235,7 @@ VARLEN = {  # sequences of 5, 1, 17 and 7 tokens packed along T (split: 5, 1, 54
     # pipeline=4 asked, but under varlen the launcher runs all chunks in one part (no pipeline)
     "split-o2-16-c16-pipeline4-asked-runs-one-part": (SplitConfig(16, 16, pipeline=4), (16,), "long"),
     "split-o3-16x16-wy-tma": (SplitConfig(16, 16, tma=True, key_group=2, wy=True), (16, 16), "long"),
+    "split-o3-16x16-kron-stride2": (SplitConfig(16, 16, loop="kron", state_stride=2), (16, 16), "long"),
 }
 
 

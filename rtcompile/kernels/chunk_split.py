@@ -33,13 +33,13 @@ from .config import (
 from .inputs import Problem
 from .launch_cache import cached
 from .pipeline import PIPELINE_PARTS, part_bounds, parts_pay, run_parts
-from . import chunk_split_gluon
+from . import chunk_split_gluon, chunk_split_kron
 
 OUTPUT_BLOCK_VS = (16, 32, 64)
 STATE_STRIDES = (1, 2, 4)
 KEY_GROUPS = (1, 2, 4)  # (8: the prepare kernel 0.25 ms, twice 2's, on the H200)
 OUTPUT_WARPS = (2, 4, 8)
-LOOPS = ("triton", "gluon")  # the state loop's implementation (chunk_split_gluon.py)
+LOOPS = ("triton", "gluon", "kron")  # the state loop's implementation (chunk_split_gluon.py, chunk_split_kron.py)
 ALL_CHUNKS = 2**31 - 1  # a state loop's chunk bound that every sequence ends before
 
 
@@ -129,6 +129,8 @@ class SplitConfig(KernelConfig):
             return reason
         if self.loop == "gluon" and (reason := chunk_split_gluon.config_refusal(self, shape)) is not None:
             return reason
+        if self.loop == "kron" and (reason := chunk_split_kron.config_refusal(self, shape)) is not None:
+            return reason
         dot = dot_operand_bytes(shape.input_bytes)
         if self.tma and (shape.key_dim * dot % 16 or shape.value_width * dot % 16):
             return (f"tma=True needs rows of 16-byte multiples (K = {shape.key_dim}, d_v = {shape.value_width} at "
@@ -142,6 +144,8 @@ class SplitConfig(KernelConfig):
         C, bk, bv = self.chunk_size, self.block_k(shape), self.block_v
         if self.loop == "gluon":  # S^T, its 16-bit copy and four [BV, C] products; no phi(K) tile
             return estimate_registers(bk * bv * 3 // 2 + 4 * C * bv, self.num_warps)
+        if self.loop == "kron":
+            return chunk_split_kron.estimate_registers(shape, C, bv, self.num_warps)
         live = bk * bv + C * bk + 4 * C * bv + 2 * C * sum(shape.key_widths)
         live += C * bv if self.wy else 2 * C * C
         return estimate_registers(live, self.num_warps)
@@ -154,6 +158,8 @@ class SplitConfig(KernelConfig):
         C, bk, bv = self.chunk_size, self.block_k(shape), self.block_v
         if self.loop == "gluon":
             return chunk_split_gluon.smem_bytes(C, bk, bv, self.wy)
+        if self.loop == "kron":
+            return chunk_split_kron.smem_bytes(shape, C, bv)
         solve = C * bk * shape.input_bytes + 4 * C * bv if self.wy else 4 * C * C
         return max(1, self.num_stages) * (C * bk * shape.input_bytes + solve) + 2 * bk * bv + 4 * C * bv
 
@@ -164,9 +170,13 @@ class SplitConfig(KernelConfig):
         # --config: 255 registers and 528-1608 B of spill stack at 4-8 warps and C 16-64, 432-1016
         # B at 16 warps; the output kernel's whole-K phi(Q) tile 200-216 B)
         mat = can_materialise(shape) and materialised(shape).whole_factor_tiles
+        order3 = len(shape.key_widths) >= 2
+        if 256 < shape.key_dim <= chunk_split_kron.MAX_KEY_DIM and order3 and shape.whole_factor_tiles:
+            # only the loop on the factors
+            return {**_KRON_SPACE, "block_v": [b for b in (16, 32) if b <= shape.value_dim_pow2],
+                    "output_block_v": [b for b in OUTPUT_BLOCK_VS if b <= shape.value_dim_pow2]}
         if not (shape.whole_factor_tiles or mat) or shape.key_dim > 256:
             return {}
-        order3 = len(shape.key_widths) >= 2
         return {
             "chunk_size": [16, 32, 64],
             "block_v": [b for b in (16, 32, 64) if b <= shape.value_dim_pow2],
@@ -196,7 +206,9 @@ class SplitConfig(KernelConfig):
         dot = dot_operand_bytes(w.shape.input_bytes)
         K, V = w.shape.key_dim, w.shape.value_width
         states = w.batch * w.heads * math.ceil(chunk_count(w, self.chunk_size) / self.state_stride)
-        work = states * K * V * dot + w.rows * V * dot + w.rows * K * dot
+        work = states * K * V * dot + w.rows * V * dot
+        if self.loop != "kron":  # the stored phi(K); the "kron" loop forms it from the factors
+            work += w.rows * K * dot
         if w.delta_rule and self.wy:
             work += wy_workspace(w)
         if stores_inverse(w.delta_rule, self.wy, self.solve):
@@ -221,6 +233,15 @@ class SplitConfig(KernelConfig):
                            state_passes=2, workspace_bytes=self.workspace_bytes(w),
                            launches=3 + 2 * self.materialise,
                            loop_elements=self.chunk_size * w.shape.key_dim_pow2)
+
+
+# The space at K > 256 (order >= 3): the loop on the factors only (the stored-phi(K) loops spill
+# there, see SplitConfig.space), the fields it reads
+_KRON_SPACE = {
+    "chunk_size": [16, 32, 64], "num_warps": [4, 8, 16], "num_stages": [2, 3], "prepare_warps": list(PREPARE_WARPS),
+    "solve": list(SOLVES), "dot_precision": list(DOT_PRECISIONS), "output_warps": list(OUTPUT_WARPS), "tma": [False], "key_group": [1], "state_stride": list(STATE_STRIDES),
+    "materialise": [False], "pipeline": list(PIPELINE_PARTS), "wy": [False], "loop": ["kron"],
+}
 
 
 # ----- the state loop -----
@@ -445,11 +466,13 @@ def _narrow_output_refusal(config: SplitConfig, shape: KernelShape) -> str | Non
 
 
 # ----- the state loops, by SplitConfig.loop -----
-def triton_state_loop(config: SplitConfig, p: Problem, v, beta, ws: dict, Hc, Uc, cu_seqlens, offsets):
+def triton_state_loop(config: SplitConfig, p: Problem, v, beta, ws: dict, Hc, Uc, cu_seqlens, offsets, *, keys,
+                      l2norm: bool):
     """:func:`chunk_split_state_kernel` bound to one call's workspaces (``keys_workspace``), as
     ``walk(h_in, h_out, c0, c1)``: chunks [c0, c1) of every (sequence, head, value block), the
     state in from ``h_in`` (None: zeros) and out to ``h_out``. With ``tma`` the loop reads phi(K)
-    and the inverse (or W) and stores the states through tensor descriptors made once here."""
+    and the inverse (or W) and stores the states through tensor descriptors made once here.
+    ``keys`` / ``l2norm`` (the key factors) are not read: the loop reads the stored phi(K)."""
     B, T, H, V = v.shape
     C, K = config.chunk_size, p.key_dim
     wy = ws["W"] is not None
@@ -474,7 +497,7 @@ def triton_state_loop(config: SplitConfig, p: Problem, v, beta, ws: dict, Hc, Uc
 
 
 # SplitConfig.loop -> the builder of that loop for one call (same signature, same walk)
-STATE_LOOPS = {"triton": triton_state_loop, "gluon": chunk_split_gluon.state_loop}
+STATE_LOOPS = {"triton": triton_state_loop, "gluon": chunk_split_gluon.state_loop, "kron": chunk_split_kron.state_loop}
 
 
 # ----- launcher -----
@@ -515,7 +538,7 @@ def launch(config: SplitConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seql
         prepare_keys(config, p, q, k, v, g, beta, cu_seqlens=cu_seqlens, idx=idx, l2norm=l2norm, out=ws,
                      chunks=(c0, c1))
 
-    walk = STATE_LOOPS[config.loop](config, p, v, beta, ws, Hc, Uc, cu_seqlens, offsets)
+    walk = STATE_LOOPS[config.loop](config, p, v, beta, ws, Hc, Uc, cu_seqlens, offsets, keys=k, l2norm=l2norm)
 
     def loop(j: int, c0: int, c1: int) -> None:  # part j > 0 takes the state from the running buffer
         walk(h0 if j == 0 else run, run, c0, c1)

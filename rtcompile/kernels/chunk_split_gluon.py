@@ -283,11 +283,12 @@ def descriptors(v: torch.Tensor, ws: dict, Hc: torch.Tensor, C: int) -> dict:
     }
 
 
-def state_loop(config, p, v, beta, ws: dict, Hc, Uc, cu_seqlens, chunk_offsets):
+def state_loop(config, p, v, beta, ws: dict, Hc, Uc, cu_seqlens, chunk_offsets, *, keys, l2norm: bool):
     """:func:`chunk_split_state_gluon_kernel` bound to one call's workspaces, as
     ``chunk_split.triton_state_loop``'s ``walk(h_in, h_out, c0, c1)``: the descriptors
     (:func:`descriptors`) made once here, one launch per walk over chunks [c0, c1) of every
-    (sequence, head, value block of 64)."""
+    (sequence, head, value block of 64). ``keys`` / ``l2norm`` (the key factors) are not read:
+    the loop reads the prepare kernel's phi(K)."""
     _, T, H, V = v.shape
     C, K = config.chunk_size, p.key_dim
     gd = descriptors(v, ws, Hc, C)

@@ -1,0 +1,183 @@
+"""Check, then time, the split form's state loop on the Kronecker factors (``loop="kron"``)
+against each shape's default, in one process on one GPU.
+
+    python benchmarks/compare_kron.py [--rounds 2] [--out FILE.json] [--only 32x32]
+
+First every proposal runs against the float64 reference on the GPU (B1 T 203 and varlen
+sequences of 37 and 166 tokens, H2 d_v 64: partial chunks, an initial state, gate, delta rule,
+l2norm; bf16 and fp32 (ieee products); every workspace and output NaN-poisoned first). Only
+proposals that pass are timed. Timing as ``compare_defaults.py``: B8 T4096 H8 d_v 64 bf16,
+each call captured in a CUDA graph per input set (two sets, replayed alternately), median of
+7 x 20 replays; the default and the proposals alternate within each round. The last columns:
+the largest difference between a proposal's output and the default's over the largest output,
+and the time over the default's. Prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+
+KRON = {"loop": "kron", "state_stride": 2, "pipeline": 2, "num_stages": 2, "prepare_warps": 1,
+        "dot_precision": "tf32", "output_warps": 4}
+# (case, widths, proposals: SplitConfig fields over KRON); probe_offline (sm_90, Triton 3.6):
+# o3 32x32 C 16 8 warps 242 registers, no spill; C 32 8 warps 216 B; 16 warps at C 16 80 B
+CASES = [
+    ("o3 32x32", (32, 32), [
+        dict(chunk_size=16, block_v=16, num_warps=8, output_block_v=16),
+        dict(chunk_size=16, block_v=16, num_warps=8, output_block_v=32),
+        dict(chunk_size=16, block_v=16, num_warps=16, output_block_v=16),
+        dict(chunk_size=16, block_v=16, num_warps=8, output_block_v=16, state_stride=4),
+        dict(chunk_size=16, block_v=16, num_warps=8, output_block_v=16, state_stride=1, pipeline=1),
+        dict(chunk_size=32, block_v=16, num_warps=8, output_block_v=16),
+    ]),
+    ("o3 32x16", (32, 16), [
+        dict(chunk_size=16, block_v=16, num_warps=8, output_block_v=32),
+        dict(chunk_size=32, block_v=16, num_warps=8, output_block_v=32),
+    ]),
+    ("o3 16x16", (16, 16), [
+        dict(chunk_size=16, block_v=32, num_warps=8, output_block_v=64),
+        dict(chunk_size=32, block_v=32, num_warps=8, output_block_v=64),
+        dict(chunk_size=32, block_v=16, num_warps=4, output_block_v=64),
+        dict(chunk_size=16, block_v=16, num_warps=16, output_block_v=64),
+        dict(chunk_size=64, block_v=32, num_warps=8, output_block_v=64, prepare_warps=2),
+    ]),
+]
+
+
+def _name(fields: dict) -> str:
+    f = {**KRON, **fields}
+    return (f"C{f['chunk_size']} bv{f['block_v']} w{f['num_warps']} stride{f['state_stride']} "
+            f"parts{f['pipeline']} out{f['output_block_v']}")
+
+
+def _nan_empty(*shape, dtype, device):
+    import torch
+
+    t = torch.empty(*shape, dtype=dtype, device=device)
+    return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-(2**30))
+
+
+def check(config, widths) -> str | None:
+    """None when ``config`` matches float64 on the GPU in every case, else what failed."""
+    import torch
+
+    from rtcompile.kernels import args, running_tensor_recurrent_ref
+    from rtcompile.kernels.launch import running_tensor_fwd
+
+    saved = args.empty
+    args.empty = _nan_empty
+    try:
+        for dtype, tol in ((torch.bfloat16, 1.5e-2), (torch.float32, 5e-5)):
+            cfg = config if dtype == torch.bfloat16 else dataclasses.replace(config, dot_precision="ieee")
+            for offsets in (None, [0, 37, 203]):
+                gen = torch.Generator().manual_seed(7)
+                r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+                B, T, H, V = 1, 203, 2, 64
+                n = 1 if offsets is None else len(offsets) - 1
+                q = [r(B, T, H, w).to(dtype) for w in widths]
+                k = [r(B, T, H, w).to(dtype) for w in widths]
+                v = r(B, T, H, V).to(dtype)
+                g = (-torch.rand(B, T, H, generator=gen, dtype=torch.float64) * 0.2).float()
+                beta = torch.rand(B, T, H, generator=gen, dtype=torch.float64).to(dtype)
+                s0 = (r(n, H, *widths, V) * 0.05).float()
+                cu = None if offsets is None else torch.tensor(offsets, dtype=torch.int32)
+                dev = lambda x: x.cuda()  # noqa: E731
+                o, s = running_tensor_fwd([dev(x) for x in q], [dev(x) for x in k], dev(v), dev(g), dev(beta),
+                                          initial_state=dev(s0), output_final_state=True, l2norm=True,
+                                          cu_seqlens=None if cu is None else dev(cu), variant=cfg)
+                up = lambda x: x.double()  # noqa: E731
+                o_ref, s_ref = running_tensor_recurrent_ref(
+                    [up(x) for x in q], [up(x) for x in k], up(v), up(g), up(beta), initial_state=s0.double(),
+                    output_final_state=True, l2norm=True, cu_seqlens=cu)
+                for name, got, ref in (("output", o, o_ref), ("state", s, s_ref)):
+                    got = got.cpu().double()
+                    err = float("inf") if torch.isnan(got).any() else float(
+                        (got - ref).abs().max() / ref.abs().max())
+                    if not err < tol:
+                        return f"{dtype} {'varlen' if cu is not None else 'T203'} {name}: {err:.3g} (tol {tol})"
+    finally:
+        args.empty = saved
+    return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", help="write the rows as JSON here")
+    ap.add_argument("--only", help="only the cases whose name contains this")
+    args = ap.parse_args()
+    import torch
+
+    import rtcompile
+    from compare_defaults import _capture, _prefill_inputs, _timed
+    from rtcompile.kernels import launch
+    from rtcompile.kernels.chunk_split import SplitConfig
+    from rtcompile.kernels.inputs import check_inputs
+
+    dev = torch.device("cuda")
+    rows = []
+    for case, widths, proposals in CASES:
+        if args.only and args.only not in case:
+            continue
+        sets = [_prefill_inputs(widths, seed) for seed in (1, 2)]
+        p = check_inputs(*sets[0], None, None, None)
+        default = launch.resolve_config("chunk", None, p, dev)
+        configs = {"default": default}
+        for fields in proposals:
+            cfg = SplitConfig.from_dict({**SplitConfig(16, 16).to_dict(), **KRON, **fields})
+            refusal = cfg.check(launch.kernel_shape(p), launch.smem_limit(dev))
+            failed = refusal or check(cfg, widths)
+            print(f"{case} {_name(fields)}: {'refused: ' + refusal if refusal else failed or 'matches float64'}",
+                  file=sys.stderr, flush=True)
+            if failed:
+                rows.append({"case": case, "config": _name(fields), "failed": failed})
+                continue
+            configs[_name(fields)] = cfg
+
+        def call(s, cfg):
+            return lambda: rtcompile.running_tensor(*s, l2norm=True, output_final_state=True, mode="chunk",
+                                                    backend="triton", variant=cfg)
+        outs = {n: call(sets[0], c)()[0].float() for n, c in configs.items()}
+        graphs = {n: [_capture(call(s, c)) for s in sets] for n, c in configs.items()}
+        times = {n: [] for n in configs}
+        for _ in range(args.rounds):
+            for n in configs:
+                times[n].append(_timed(graphs[n]))
+        ref = outs["default"]
+        base = statistics.median(times["default"])
+        for n in configs:
+            t = statistics.median(times[n])
+            diff = float((outs[n] - ref).abs().max() / ref.abs().max())
+            rows.append({"case": case, "config": n if n != "default" else f"default {configs[n]}", "ms": t * 1e3,
+                         "rounds_ms": [x * 1e3 for x in times[n]], "vs_default": t / base, "diff": diff})
+            print(f"{case} {n}: {t * 1e3:.4f} ms ({t / base:.3f} of the default), diff {diff:.2e}", file=sys.stderr,
+                  flush=True)
+        del sets, graphs, outs
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": __import__("triton").__version__, "rows": rows}, f, indent=1)
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"split loop on the factors vs the default, B8 T4096 H8 d_v 64 bf16 "
+                        f"({torch.cuda.get_device_name()}, median of {args.rounds} rounds)")
+    for col in ("case", "config", "ms", "x default", "diff"):
+        table.add_column(col)
+    for r in rows:
+        if "failed" in r:
+            table.add_row(r["case"], r["config"], "FAILED", r["failed"], "")
+        else:
+            cfg = r["config"] if not r["config"].startswith("default") else "default"
+            table.add_row(r["case"], cfg, f"{r['ms']:.4f}", f"{r['vs_default']:.3f}", f"{r['diff']:.1e}")
+    Console(width=160).print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
