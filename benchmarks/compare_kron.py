@@ -66,6 +66,8 @@ def check(config, widths) -> str | None:
     import torch
 
     from rtcompile.kernels import args, running_tensor_recurrent_ref
+    from rtcompile.kernels.config import KernelShape
+    from rtcompile.kernels.launch import smem_limit
     from rtcompile.kernels.launch import running_tensor_fwd
 
     saved = args.empty
@@ -73,6 +75,8 @@ def check(config, widths) -> str | None:
     try:
         for dtype, tol in ((torch.bfloat16, 1.5e-2), (torch.float32, 5e-5)):
             cfg = config if dtype == torch.bfloat16 else dataclasses.replace(config, dot_precision="ieee")
+            if cfg.check(KernelShape(tuple(widths), 64, dtype.itemsize), smem_limit(torch.device("cuda"))):
+                continue  # (fp32 operands need twice the shared memory: C 32 at K 1024 does not fit)
             for offsets in (None, [0, 37, 203]):
                 gen = torch.Generator().manual_seed(7)
                 r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
