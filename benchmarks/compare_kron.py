@@ -108,11 +108,34 @@ def check(config, widths) -> str | None:
     return None
 
 
+def kernel_split(call, n: int = 5) -> dict[str, float]:
+    """Per-kernel GPU time of ``call`` (eager: one pipelined part), us per call, by kernel name."""
+    import collections
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            call()
+        torch.cuda.synchronize()
+    total = collections.Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            total[e.name] += e.time_range.elapsed_us() / n
+    return dict(total.most_common(6))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", help="write the rows as JSON here")
     ap.add_argument("--only", help="only the cases whose name contains this")
+    ap.add_argument("--profile", action="store_true",
+                    help="also the per-kernel split (torch.profiler, eager) of the default and the fastest proposal")
     args = ap.parse_args()
     import torch
 
@@ -160,6 +183,14 @@ def main() -> int:
                          "rounds_ms": [x * 1e3 for x in times[n]], "vs_default": t / base, "diff": diff})
             print(f"{case} {n}: {t * 1e3:.4f} ms ({t / base:.3f} of the default), diff {diff:.2e}", file=sys.stderr,
                   flush=True)
+        if args.profile:
+            fastest = min((n for n in configs if n != "default"), key=lambda n: statistics.median(times[n]),
+                          default=None)
+            for n in ("default", fastest) if fastest else ("default",):
+                split = kernel_split(call(sets[0], configs[n]))
+                rows.append({"case": case, "profile": n, "kernels_us": split})
+                print(f"{case} {n} kernels (us per eager call): "
+                      + "; ".join(f"{k[:40]} {v:.1f}" for k, v in split.items()), flush=True)
         del sets, graphs, outs
         torch.cuda.empty_cache()
     if args.out:
@@ -174,6 +205,8 @@ def main() -> int:
     for col in ("case", "config", "ms", "x default", "diff"):
         table.add_column(col)
     for r in rows:
+        if "profile" in r:
+            continue
         if "failed" in r:
             table.add_row(r["case"], r["config"], "FAILED", r["failed"], "")
         else:
