@@ -1,7 +1,8 @@
 """Check, then time, the split form's state loop on the Kronecker factors (``loop="kron"``)
-against each shape's default, in one process on one GPU.
+and phi(K) from the token-parallel phi kernel (``phi_pass``) against each shape's default, in
+one process on one GPU.
 
-    python benchmarks/compare_kron.py [--rounds 2] [--out FILE.json] [--only 32x32]
+    python benchmarks/compare_kron.py [--rounds 2] [--out FILE.json] [--only 32x32] [--phi-pass] [--profile]
 
 First every proposal runs against the float64 reference on the GPU (B1 T 203 and varlen
 sequences of 37 and 166 tokens, H2 d_v 64: partial chunks, an initial state, gate, delta rule,
@@ -48,7 +49,16 @@ CASES = [
 ]
 
 
+# (case, widths, changes to the shape's default): phi(K) from the token-parallel phi kernel
+PHI_PASS = [
+    ("o3 16x16", (16, 16), [dict(phi_pass=True), dict(phi_pass=True, prepare_warps=2),
+                            dict(phi_pass=True, num_stages=2), dict(phi_pass=True, pipeline=1)]),
+]
+
+
 def _name(fields: dict) -> str:
+    if "phi_pass" in fields:
+        return "default + " + " ".join(f"{k}={v}" for k, v in fields.items())
     f = {**KRON, **fields}
     return (f"C{f['chunk_size']} bv{f['block_v']} w{f['num_warps']} stride{f['state_stride']} "
             f"parts{f['pipeline']} out{f['output_block_v']}")
@@ -134,6 +144,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", help="write the rows as JSON here")
     ap.add_argument("--only", help="only the cases whose name contains this")
+    ap.add_argument("--phi-pass", action="store_true", help="only the phi_pass proposals")
     ap.add_argument("--profile", action="store_true",
                     help="also the per-kernel split (torch.profiler, eager) of the default and the fastest proposal")
     args = ap.parse_args()
@@ -147,7 +158,7 @@ def main() -> int:
 
     dev = torch.device("cuda")
     rows = []
-    for case, widths, proposals in CASES:
+    for case, widths, proposals in (PHI_PASS if args.phi_pass else CASES + PHI_PASS):
         if args.only and args.only not in case:
             continue
         sets = [_prefill_inputs(widths, seed) for seed in (1, 2)]
@@ -155,7 +166,10 @@ def main() -> int:
         default = launch.resolve_config("chunk", None, p, dev)
         configs = {"default": default}
         for fields in proposals:
-            cfg = SplitConfig.from_dict({**SplitConfig(16, 16).to_dict(), **KRON, **fields})
+            if "phi_pass" in fields:
+                cfg = type(default).from_dict({**default.to_dict(), **fields})
+            else:
+                cfg = SplitConfig.from_dict({**SplitConfig(16, 16).to_dict(), **KRON, **fields})
             refusal = cfg.check(launch.kernel_shape(p), launch.smem_limit(dev))
             failed = refusal or check(cfg, widths)
             print(f"{case} {_name(fields)}: {'refused: ' + refusal if refusal else failed or 'matches float64'}",

@@ -163,6 +163,11 @@ FORMS = {
     "split-o3-16x16-kron-c16": (SplitConfig(16, 16, loop="kron"), (16, 16), 37, 6),
     "split-o3-32x16-kron-c32-stride2-pipeline2": (SplitConfig(32, 16, loop="kron", state_stride=2, pipeline=2),
                                                   (32, 16), 77, 20),
+    # phi(K) token-major from the token-parallel phi kernel (phi_pass), by pointers or descriptors
+    "split-o3-16x16-c32-phipass": (SplitConfig(32, 16, phi_pass=True), (16, 16), 45, 6),
+    "split-o3-16x16-c16-phipass-tma-kg2-stride2-pipeline2": (SplitConfig(16, 16, tma=True, key_group=2, state_stride=2,
+                                                                         pipeline=2, phi_pass=True), (16, 16), 77, 8),
+    "split-o2-16-c16-phipass": (SplitConfig(16, 16, phi_pass=True), (16,), 37, 6),
     "split-o3-32x32-kron-c16-w8-stride4": (SplitConfig(16, 16, num_warps=8, loop="kron", state_stride=4), (32, 32),
                                            37, 6),
 }
@@ -210,6 +215,7 @@ HALF = {  # 16-bit inputs: products in the input type (fp16 here; bf16 is upcast
     "split-o2-16-c32": (SplitConfig(32, 16, dot_precision="tf32"), (16,)),
     "split-o3-16x16-c16-wy-kg2": (SplitConfig(16, 16, key_group=2, wy=True), (16, 16)),
     "split-o3-16x32-kron-c32": (SplitConfig(32, 16, loop="kron"), (16, 32)),
+    "split-o3-16x16-c16-phipass-tma": (SplitConfig(16, 16, tma=True, phi_pass=True), (16, 16)),
 }
 
 
@@ -236,6 +242,8 @@ VARLEN = {  # sequences of 5, 1, 17 and 7 tokens packed along T (split: 5, 1, 54
     "split-o2-16-c16-pipeline4-asked-runs-one-part": (SplitConfig(16, 16, pipeline=4), (16,), "long"),
     "split-o3-16x16-wy-tma": (SplitConfig(16, 16, tma=True, key_group=2, wy=True), (16, 16), "long"),
     "split-o3-16x16-kron-stride2": (SplitConfig(16, 16, loop="kron", state_stride=2), (16, 16), "long"),
+    "split-o3-16x16-phipass-tma-stride2": (SplitConfig(16, 16, tma=True, state_stride=2, phi_pass=True), (16, 16),
+                                           "long"),
 }
 
 

@@ -24,7 +24,7 @@ from .blocks import (
     first_stored_state, resident_state_tile, scores_from_tiles, sequence_of_program,
 )
 from .chunk_prepare import chunk_indices, keys_workspace, prepare_keys
-from .chunk_resident import can_materialise, materialise_refusal, materialised, materialised_call
+from .chunk_resident import can_materialise, fill_phi, materialise_refusal, materialised, materialised_call
 from .config import (
     DEFAULT_SMEM_BYTES, DOT_PRECISIONS, PREPARE_WARPS, SOLVES, CostFigures, KernelConfig,
     KernelShape, Workload, chunk_count, chunk_programs, chunk_refusal, dot_operand_bytes, estimate_registers,
@@ -73,7 +73,12 @@ class SplitConfig(KernelConfig):
     three, for W's [T, K] and U0's [T, V] fp32 more workspace traffic. ``loop``: the state loop
     in Triton ("triton") or in Gluon with S^T as a wgmma accumulator ("gluon",
     ``chunk_split_gluon.py``: no shared-memory round trip on the chain; sm_90 only, 16-bit
-    inputs, 64 value columns, 4 warps; ``num_stages`` and ``tma`` are the Triton loop's).
+    inputs, 64 value columns, 4 warps; ``num_stages`` and ``tma`` are the Triton loop's), or
+    on the Kronecker factors ("kron", ``chunk_split_kron.py``: no stored phi(K); order 3, K <=
+    1024; an experiment, not in the space: 1.5-3x slower than the defaults, see there).
+    ``phi_pass`` (the Triton loop; not with ``wy``): phi(K) is written token-major by the
+    token-parallel ``chunk_resident.fill_phi`` before the first part, and the prepare kernel
+    stores none (its column-block stores were ~100 of its 135 us at o3 16x16 C 64 on an H100).
     """
 
     kernel: ClassVar[str] = "chunk"
@@ -94,6 +99,7 @@ class SplitConfig(KernelConfig):
     pipeline: int = 1
     wy: bool = False
     loop: str = "triton"
+    phi_pass: bool = False
 
     def block_k(self, shape: KernelShape) -> int:
         return shape.key_dim_pow2
@@ -131,6 +137,10 @@ class SplitConfig(KernelConfig):
             return reason
         if self.loop == "kron" and (reason := chunk_split_kron.config_refusal(self, shape)) is not None:
             return reason
+        if self.phi_pass and (self.loop != "triton" or self.wy or self.materialise):
+            return (f"phi_pass=True is the Triton loop's on the factors' phi(K) (got loop={self.loop!r}, "
+                    f"wy={self.wy}, materialise={self.materialise}); allowed: loop='triton', wy=False, "
+                    "materialise=False, or phi_pass=False")
         dot = dot_operand_bytes(shape.input_bytes)
         if self.tma and (shape.key_dim * dot % 16 or shape.value_width * dot % 16):
             return (f"tma=True needs rows of 16-byte multiples (K = {shape.key_dim}, d_v = {shape.value_width} at "
@@ -277,6 +287,7 @@ def chunk_split_state_kernel(
     v, beta, h0, ht, Ai, W, U0, Kw, Gc, Hc, Uc, Rc, cu_seqlens, chunk_offsets, T, c0, c_end,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
     LOWP: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr, STRIDE: tl.constexpr,
+    TOKEN_KEYS: tl.constexpr = False,
 ):
     """The sequential loop of the split form: the state only. Per chunk of one (sequence, head,
     value block) it stores the incoming state S into ``Hc`` ([stored states, H, K, V], in the
@@ -300,7 +311,9 @@ def chunk_split_state_kernel(
     ``W`` / ``U0`` (delta rule, the prepare kernel's WY products W = Ai diag(b Gamma) phi(K) as
     [B, H, T, K] or its descriptor with TMA, U0 = Ai diag(b) V as [B, H, T, V] fp32; None:
     Ai is applied here): U = U0 - W S, one product on the chain where Ai's takes two (phi(K) S,
-    then Ai); ``Ai`` and ``v`` are not read then, and ``Rc`` must be None."""
+    then Ai); ``Ai`` and ``v`` are not read then, and ``Rc`` must be None. TOKEN_KEYS: ``Kw`` is
+    token-major ([B, T, H, K], ``SplitConfig.phi_pass``; its descriptor [B T, H K] in [C, K]
+    blocks)."""
     WY: tl.constexpr = W is not None
     tl.static_assert(not (WY and Rc is not None), "the backward's recompute (Rc) reads R, which WY never forms")
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -320,8 +333,12 @@ def chunk_split_state_kernel(
         # one load, transposed in place for the update (o3 16x16 C 64 on the H200: the loop took
         # 0.211 ms against 0.223 with a second, transposed load, and with half the shared memory
         # per stage a third stage fits: 0.172 ms)
-        if TMA:  # one descriptor load: no per-element addresses or masks (see the docstring)
+        if TMA and TOKEN_KEYS:  # one descriptor load: no per-element addresses or masks (see the docstring)
+            b_k = Kw.load([(i_b * T + bos + i_c * C).to(tl.int32), i_h * K])
+        elif TMA:
             b_k = Kw.load([((i_b * H + i_h) * T + bos + i_c * C).to(tl.int32), 0])
+        elif TOKEN_KEYS:
+            b_k = tl.load(Kw + r[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
         else:
             b_k = tl.load(Kw + p_row[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
         b_kt = tl.trans(b_k)
@@ -480,6 +497,8 @@ def triton_state_loop(config: SplitConfig, p: Problem, v, beta, ws: dict, Hc, Uc
     if config.tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
         Kd = TensorDescriptor(ws["Kw"].view(B * H * T, K), [B * H * T, K], [K, 1], [C, K])
+        if config.phi_pass:  # token-major: a head's rows are every H-th K-wide slice of a [B T, H K] row
+            Kd = TensorDescriptor(ws["Kw"].view(B * T, H * K), [B * T, H * K], [H * K, 1], [C, K])
         Hd = TensorDescriptor(Hc.view(-1, V), [Hc.numel() // V, V], [V, 1], [K, config.block_v])
         if wy:
             Wd = TensorDescriptor(ws["W"].view(B * H * T, K), [B * H * T, K], [K, 1], [C, K])
@@ -491,7 +510,8 @@ def triton_state_loop(config: SplitConfig, p: Problem, v, beta, ws: dict, Hc, Uc
     def walk(h_in, h_out, c0: int, c1: int) -> None:
         kernel_call(v, beta, h_in, h_out, None if wy else Ad, Wd, ws["U0"], Kd, ws["Gc"], Hd, Uc, None, cu_seqlens,
                     offsets, T, c0, c1, H=H, K=K, V=V, C=C, BV=config.block_v, LOWP=lowp, PREC=prec, TMA=config.tma,
-                    STRIDE=config.state_stride, num_warps=config.num_warps, num_stages=config.num_stages)
+                    STRIDE=config.state_stride, TOKEN_KEYS=config.phi_pass, num_warps=config.num_warps,
+                    num_stages=config.num_stages)
 
     return walk
 
@@ -535,6 +555,12 @@ def launch(config: SplitConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seql
     lowp, prec = lowp_dots(v.dtype), config.dot_precision
 
     def prepare(c0: int, c1: int) -> None:
+        if config.phi_pass:  # all of phi(K) with the first part (a part is no range of token-head rows)
+            if c0 == bounds[0][0]:
+                fill_phi([k], [ws["Kw"]], l2norm)
+            prepare_keys(config, p, q, k, v, g, beta, cu_seqlens=cu_seqlens, idx=idx, l2norm=l2norm,
+                         out={**ws, "Kw": None}, chunks=(c0, c1))
+            return
         prepare_keys(config, p, q, k, v, g, beta, cu_seqlens=cu_seqlens, idx=idx, l2norm=l2norm, out=ws,
                      chunks=(c0, c1))
 
