@@ -181,10 +181,6 @@ class SplitConfig(KernelConfig):
         # B at 16 warps; the output kernel's whole-K phi(Q) tile 200-216 B)
         mat = can_materialise(shape) and materialised(shape).whole_factor_tiles
         order3 = len(shape.key_widths) >= 2
-        if 256 < shape.key_dim <= chunk_split_kron.MAX_KEY_DIM and order3 and shape.whole_factor_tiles:
-            # only the loop on the factors
-            return {**_KRON_SPACE, "block_v": [b for b in (16, 32) if b <= shape.value_dim_pow2],
-                    "output_block_v": [b for b in OUTPUT_BLOCK_VS if b <= shape.value_dim_pow2]}
         if not (shape.whole_factor_tiles or mat) or shape.key_dim > 256:
             return {}
         return {
@@ -203,7 +199,8 @@ class SplitConfig(KernelConfig):
             "materialise": [False] * shape.whole_factor_tiles + [True] * mat,
             "pipeline": list(PIPELINE_PARTS),
             "wy": [False, True],
-            "loop": list(LOOPS),
+            "loop": [loop for loop in LOOPS if loop != "kron"],  # (kron: 1.5-3.8x the default at o3 16x16)
+            "phi_pass": [False, True],
         }
 
     def workspace_bytes(self, w: Workload) -> int:
@@ -243,15 +240,6 @@ class SplitConfig(KernelConfig):
                            state_passes=2, workspace_bytes=self.workspace_bytes(w),
                            launches=3 + 2 * self.materialise,
                            loop_elements=self.chunk_size * w.shape.key_dim_pow2)
-
-
-# The space at K > 256 (order >= 3): the loop on the factors only (the stored-phi(K) loops spill
-# there, see SplitConfig.space), the fields it reads
-_KRON_SPACE = {
-    "chunk_size": [16, 32, 64], "num_warps": [4, 8, 16], "num_stages": [2, 3], "prepare_warps": list(PREPARE_WARPS),
-    "solve": list(SOLVES), "dot_precision": list(DOT_PRECISIONS), "output_warps": list(OUTPUT_WARPS), "tma": [False], "key_group": [1], "state_stride": list(STATE_STRIDES),
-    "materialise": [False], "pipeline": list(PIPELINE_PARTS), "wy": [False], "loop": ["kron"],
-}
 
 
 # ----- the state loop -----

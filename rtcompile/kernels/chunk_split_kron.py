@@ -132,7 +132,7 @@ def config_refusal(config, shape) -> str | None:
     if shape.key_dim > MAX_KEY_DIM:
         return f"loop='kron' holds the [K, block_v] state in registers: K <= {MAX_KEY_DIM}, got {shape.key_dim}"
     if config.materialise or config.wy or config.tma:
-        return "loop='kron' forms phi(K) from the factors: allowed materialise=False, wy=False, tma=False"
+        return "loop='kron' forms phi(K) from the factors; allowed: materialise=False, wy=False, tma=False"
     return None
 
 
