@@ -212,3 +212,22 @@ def test_an_unparsable_table_is_named(tmp_path, text):
     with pytest.raises(ValueError, match=r"^tuned-config table '.*tuned\.json': unreadable \(") as info:
         tuned.read_table(path)
     assert "set_int_max_str_digits" not in str(info.value)
+
+
+@pytest.mark.parametrize("from_env", [True, False], ids=["env", "cache-folder"])
+def test_an_unreadable_table_warns_once_naming_where_its_path_came_from(from_env, monkeypatch):
+    """Before: the warning named the file but not $RTCOMPILE_TUNED, so a user who had set it long
+    ago did not see why this file was read."""
+    path = tuned.table_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("{not json", encoding="utf-8")
+    if not from_env:
+        monkeypatch.delenv("RTCOMPILE_TUNED")
+        monkeypatch.setattr(tuned, "cache_dir", lambda: path.parent)
+    monkeypatch.setattr(tuned, "_table", None)
+    with pytest.warns(RuntimeWarning, match="unreadable") as caught:
+        assert tuned.entries() == []
+    (w,) = caught
+    assert str(path) in str(w.message)
+    assert ("$RTCOMPILE_TUNED" in str(w.message)) == from_env, str(w.message)
+    path.unlink()  # the fixture's closing reload reads the table

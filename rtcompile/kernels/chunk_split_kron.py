@@ -16,6 +16,16 @@ with the batch (axis 1's index) spread over the warps: D1 products [C, D2] x [D2
 one [C, K] x [K, BV]. phi(K) is formed from the factor rows in registers, so the prepare kernel
 stores no [T, K] phi(K) (537 MB at o3 32x32 B8 T4096 H8, written once and read once by the
 Triton loop). Order 4 (K >= 4096 at widths >= 16) would not fit: see MAX_KEY_DIM.
+
+Measured (H100, B8 T4096 H8 d_v 64 bf16, ``benchmarks/compare_kron.py``, 2026-12-06), it loses
+everywhere, so it is an explicit config only (not in the tuner's space, no default): o3 32x32
+2.68 ms at best (C 32, block_v 16, 8 warps) against the streamed default's 1.30; o3 32x16 1.53
+against 0.89; o3 16x16 0.566 (C 32, block_v 16, 4 warps) against 0.384. The prepare kernel does
+drop to 35-40 us from 135-147, but the loop is slower per token than the one it replaces: at o3
+16x16 398 us against 152 (~3.1 us a chunk of 32 against 2.4 a chunk of 64), its factor loads
+not ahead of the chain, the batched products mma.sync tiles with a cross-warp sum over the
+batch; at o3 32x32 1692 us against the streamed loop's 1166, and the output kernel's whole-K
+phi(Q) tile with 16 value columns 1070 us.
 """
 
 from __future__ import annotations

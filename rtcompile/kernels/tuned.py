@@ -34,7 +34,7 @@ _SOURCES = {
     # chunk_split_gluon.py: the split form's sm_90 state loop (loop="gluon"), missing until
     # 2026-12-05, so a tuned entry outlived a change of that loop
     "chunk": ("chunk_prepare.py", "chunk_resident.py", "chunk_streamed.py", "chunk_fused.py", "chunk_split.py",
-              "chunk_split_gluon.py", "blocks.py"),
+              "chunk_split_gluon.py", "chunk_split_kron.py", "blocks.py"),
     "recurrent": ("recurrent.py", "blocks.py"),
     # the backward runs the split (or streamed) form's prepare kernel and state loop for its recompute
     "chunk_bwd": ("chunk_backward.py", "chunk_backward_state.py", "chunk_backward_grads.py", "chunk_backward_factors.py",
@@ -181,7 +181,9 @@ def entries() -> list[dict[str, Any]]:
             reload()
         except ValueError as exc:
             _table = []
-            warnings.warn(f"{exc}; until then the kernels use their default configs", RuntimeWarning, stacklevel=2)
+            named = " (the file $RTCOMPILE_TUNED names)" if os.environ.get("RTCOMPILE_TUNED") else ""
+            warnings.warn(f"{exc}{named}; until then the kernels use their default configs", RuntimeWarning,
+                          stacklevel=2)
     return _table
 
 
