@@ -55,8 +55,7 @@ CASES = [
 
 # (case, widths, changes to the shape's default): phi(K) from the token-parallel phi kernel
 PHI_PASS = [
-    ("o3 16x16", (16, 16), [dict(phi_pass=True), dict(phi_pass=True, prepare_warps=2),
-                            dict(phi_pass=True, num_stages=2), dict(phi_pass=True, pipeline=1)]),
+    ("o3 16x16", (16, 16), [dict(phi_pass=True), dict(phi_pass=True, prepare_warps=2), dict(phi_pass=True, pipeline=1)]),
 ]
 
 
