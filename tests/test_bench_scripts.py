@@ -96,3 +96,25 @@ def test_tpe_check_reports_both_ratios(tmp_path, capsys, tuning_cache):
     assert study["remeasured_ratio"] >= 1 and study["ratio_in_sweep"] >= 1
     assert study["counts"].get("ok", 0) >= 1 and study["not_ok"] == []
     assert "re-measured" in capsys.readouterr().out
+
+
+def test_compare_kron_check_passes_a_right_config_and_names_a_wrong_one(monkeypatch):
+    """compare_kron.check (the GPU gate before timing) on the CPU: the interpreter's kernels in
+    place of CUDA ones. A config that matches float64 passes; outputs zeroed by a broken launcher
+    are named (dtype, case, which output)."""
+    import torch
+
+    import compare_kron
+    from rtcompile.kernels import launch
+    from rtcompile.kernels.chunk_split import SplitConfig
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self: self)
+    monkeypatch.setattr(launch, "smem_limit", lambda device: 232448)
+    config = SplitConfig(16, 16, loop="kron", state_stride=2)
+    assert compare_kron.check(config, (16, 16)) is None
+    real = launch.running_tensor_fwd
+    monkeypatch.setattr(launch, "running_tensor_fwd",
+                        lambda *a, **kw: tuple(torch.zeros_like(x) for x in real(*a, **kw)))
+    failed = compare_kron.check(config, (16, 16))
+    assert failed is not None and failed.startswith("torch.bfloat16 T203 output"), failed

@@ -238,7 +238,7 @@ class SplitConfig(KernelConfig):
         # loop apart from the chunk-parallel kernels
         return CostFigures(programs=chunk_programs(w, self.block_v), serial_steps=chunk_count(w, self.chunk_size),
                            state_passes=2, workspace_bytes=self.workspace_bytes(w),
-                           launches=3 + 2 * self.materialise,
+                           launches=3 + 2 * self.materialise + self.phi_pass,
                            loop_elements=self.chunk_size * w.shape.key_dim_pow2)
 
 

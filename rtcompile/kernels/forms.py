@@ -123,6 +123,15 @@ def _split(shape: KernelShape) -> list[KernelConfig]:
             for tma in (True, False) for stages in (3, 2)]
 
 
+def _split_phi_pass(shape: KernelShape) -> list[KernelConfig]:
+    # phi(K) written token-major by the token-parallel phi kernel, the prepare kernel storing
+    # none (o3 16x16, H200, compare_kron.py at 329e92d, two rounds: 0.3335 / 0.3324 ms against
+    # 0.3508 / 0.3500; kernel time prepare 127.6 -> 84.0 us plus the phi kernel's 37.8; with two
+    # prepare warps 0.368, in one part 0.354); the stored-phi(K) proposals after it
+    proposals = _split(shape)
+    return [*(dataclasses.replace(c, phi_pass=True) for c in proposals), *proposals]
+
+
 # The split form's loop on the prepare kernel's WY products (U = U0 - W S: two products a chunk
 # on its chain for three) with two prepare warps (one spills with W: 704 bytes at o3 16x16, sm_90).
 # H200, B8 T4096, one process, two rounds, 2026-12-04: o2 64 0.272 ms against 0.279, o2 256 0.659
@@ -203,9 +212,10 @@ CHUNK_DEFAULTS: tuple[DefaultRow, ...] = (
                                          prefetch_inputs=True, wy=True)],
                "K <= 64: next chunk's inputs ahead + the solve applied in parallel (wy); o2 64: 0.378 ms "
                "with the tile solve, 0.426 rows, 0.574 without wy, 0.731 with neither"),
-    DefaultRow(lambda s: s.key_dim_pow2 == 256 and len(s.key_widths) >= 2, _split,
-               "o3 16x16: the split form, stored phi(K), state of every 2nd chunk, tma and 3 stages where they "
-               "fit, two pipelined parts: 0.348 ms, 1.75x fla's 0.610 (H200, 2026-12-04)"),
+    DefaultRow(lambda s: s.key_dim_pow2 == 256 and len(s.key_widths) >= 2, _split_phi_pass,
+               "o3 16x16: the split form, phi(K) from the token-parallel phi kernel (phi_pass), state of every 2nd "
+               "chunk, tma and 3 stages where they fit, two pipelined parts: 0.333 ms against 0.350 with phi(K) "
+               "stored by the prepare kernel, 1.87x fla's 0.621 (H200, 2026-12-06, two rounds)"),
     DefaultRow(lambda s: 64 < s.key_dim_pow2 <= 256,
                lambda s: [*_gluon_split(s), _tiled(s, 16, s.key_dim_pow2, 32, 4, prefetch_inputs=True),
                           _tiled(s, 32, s.key_dim_pow2, 16, 4, prepare_warps=4, prefetch_inputs=True, wy=True),
