@@ -111,6 +111,9 @@ REFUSALS = {
                          "K <= 1024, got 4096"),
     "split-kron-tma": (SplitConfig(chunk_size=16, block_v=16, loop="kron", tma=True), O3,
                        "allowed: materialise=False, wy=False, tma=False"),
+    # materialised keys are one axis: the refusal names materialise, not the (order-3) widths
+    "split-kron-materialise": (SplitConfig(chunk_size=16, block_v=16, loop="kron", materialise=True),
+                               KernelShape((16, 16), 64, 2), "allowed: materialise=False, wy=False, tma=False"),
     "split-kron-wy": (SplitConfig(chunk_size=16, block_v=16, loop="kron", wy=True), O3,
                       "allowed: materialise=False, wy=False, tma=False"),
     "split-phi-pass-wy": (SplitConfig(chunk_size=16, block_v=16, phi_pass=True, wy=True), O3,

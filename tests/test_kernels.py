@@ -355,8 +355,12 @@ def test_unit_lower_inverse_tiles_is_the_inverse(C, n_rows):
     FusedConfig(chunk_size=16, block_k=256, block_v=16),
     FusedConfig(chunk_size=16, block_k=256, block_v=16, solve="rows"),
     SplitConfig(chunk_size=16, block_v=16, state_stride=2),
+    # phi(K) token-major (one buffer, not the stored layout's too), and none with the kron loop
+    SplitConfig(chunk_size=16, block_v=16, phi_pass=True),
+    SplitConfig(chunk_size=16, block_v=16, loop="kron"),
 ], ids=lambda c: f"{c.form}-{c.solve}{'-wy' if getattr(c, 'wy', False) else ''}"
-                 f"{'-materialised' if getattr(c, 'materialise', False) else ''}")
+                 f"{'-materialised' if getattr(c, 'materialise', False) else ''}"
+                 f"{'-phipass' if getattr(c, 'phi_pass', False) else ''}-{getattr(c, 'loop', '')}")
 def test_launcher_allocates_the_workspace_its_config_declares(monkeypatch, config, delta, gate):
     """What a form's launcher allocates beyond the output is what its config's ``workspace_bytes``
     says (the planner's memory check and the cost model read that figure)."""

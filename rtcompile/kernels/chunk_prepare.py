@@ -247,9 +247,12 @@ def keys_workspace(config, p: Problem, v, g, beta) -> dict:
     chunk, [B, H, T] fp32, gates); None for what is not made."""
     B, T, H, V = v.shape
     # the "kron" state loop forms phi(K) from the factors: no stored phi(K)
-    kw = None if config.loop == "kron" else args.empty(B, H, T, p.key_dim, dtype=dot_dtype(v), device=v.device)
-    if config.phi_pass:  # token-major, filled by chunk_resident.fill_phi
+    if config.loop == "kron":
+        kw = None
+    elif config.phi_pass:  # token-major, filled by chunk_resident.fill_phi
         kw = args.empty(B, T, H, p.key_dim, dtype=dot_dtype(v), device=v.device)
+    else:
+        kw = args.empty(B, H, T, p.key_dim, dtype=dot_dtype(v), device=v.device)
     out = {"Kw": kw, "Ai": None, "W": None, "U0": None, "Gc": None}
     wy = config.wy and beta is not None
     if wy:

@@ -75,7 +75,7 @@ class SplitConfig(KernelConfig):
     ``chunk_split_gluon.py``: no shared-memory round trip on the chain; sm_90 only, 16-bit
     inputs, 64 value columns, 4 warps; ``num_stages`` and ``tma`` are the Triton loop's), or
     on the Kronecker factors ("kron", ``chunk_split_kron.py``: no stored phi(K); order 3, K <=
-    1024; an experiment, not in the space: 1.5-3x slower than the defaults, see there).
+    1024; an experiment, not in the space: 1.5-3.8x slower than the defaults, see there).
     ``phi_pass`` (the Triton loop; not with ``wy``): phi(K) is written token-major by the
     token-parallel ``chunk_resident.fill_phi`` before the first part, and the prepare kernel
     stores none (its column-block stores were ~100 of its 135 us at o3 16x16 C 64 on an H100).
@@ -233,7 +233,7 @@ class SplitConfig(KernelConfig):
         return len(part_bounds(chunks, self.pipeline, self.state_stride)) if chunks > 0 else 1
 
     def figures(self, w: Workload) -> CostFigures:
-        # three launches: the cost model prices an eager call (its host time), which runs one
+        # three launches (four with phi_pass): the cost model prices an eager call (its host time), which runs one
         # part (pipeline.parts_pay; the parts' overlap in a graph is not modelled); the state
         # loop apart from the chunk-parallel kernels
         return CostFigures(programs=chunk_programs(w, self.block_v), serial_steps=chunk_count(w, self.chunk_size),
@@ -282,8 +282,9 @@ def chunk_split_state_kernel(
     products' type) at every STRIDE-th chunk (``chunk_offsets``: each varlen sequence's first,
     in stored-state units) and U = Ai diag(b) (V - diag(Gamma) phi(K) S) into ``Uc`` (laid out
     as v), then S' = Gamma_C S + phi(K)^T diag(Gamma_C / Gamma) U. phi(K) is read from ``Kw``
-    (normalised, [B, H, T, K]) and the cumulative log decay from ``Gc`` ([B, H, T] fp32; None:
-    no gates), both written by the prepare kernel, so the loop holds no scan and no reduction
+    (normalised, [B, H, T, K]; token-major with TOKEN_KEYS, written by the phi kernel) and the
+    cumulative log decay from ``Gc`` ([B, H, T] fp32; None: no gates), written by the prepare
+    kernel, so the loop holds no scan and no reduction
     across its warps; phi(Q), the scores and the outputs are left to
     :func:`chunk_split_output_kernel`, which runs over all chunks at once. The [K, BV] state
     stays in registers. TMA: ``Kw`` is a descriptor of phi(K) as [B H T, K] read in [C, K]
@@ -515,7 +516,8 @@ def launch(config: SplitConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seql
     ``ht``: None, or the fp32 final-state buffer to store into. Returns o.
     Workspace (``SplitConfig.workspace_bytes``): the incoming state of every state_stride-th
     chunk ([stored states, H, K, V]) and U ([B, T, H, V]), both in the products' type, and the
-    prepare kernel's phi(K), inverse and cumulative log decay (and with ``materialise`` phi(q),
+    prepare kernel's inverse and cumulative log decay, and phi(K) (the prepare kernel's; with
+    ``phi_pass`` the phi kernel's, token-major; none with ``loop`` "kron") (and with ``materialise`` phi(q),
     phi(k): order 2's problem on them; with parts, the running state when ``ht`` is None)."""
     if config.materialise:
         p, q, k, h0, ht, l2norm = materialised_call(p, q, k, h0, ht, l2norm)

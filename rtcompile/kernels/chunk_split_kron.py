@@ -136,13 +136,13 @@ def config_refusal(config, shape) -> str | None:
     need order 3 on the factors themselves (no ``materialise``) with power-of-two widths >= 16
     and K <= MAX_KEY_DIM; the loop reads no stored phi(K) (so neither ``wy``'s W nor ``tma``'s
     descriptors)."""
+    if config.materialise or config.wy or config.tma:
+        return "loop='kron' forms phi(K) from the factors; allowed: materialise=False, wy=False, tma=False"
     if len(shape.key_widths) != 2 or not shape.whole_factor_tiles:
         return (f"loop='kron' needs order 3 with power-of-two key widths >= 16, got {shape.key_widths}; "
                 "allowed: loop='triton'")
     if shape.key_dim > MAX_KEY_DIM:
         return f"loop='kron' holds the [K, block_v] state in registers: K <= {MAX_KEY_DIM}, got {shape.key_dim}"
-    if config.materialise or config.wy or config.tma:
-        return "loop='kron' forms phi(K) from the factors; allowed: materialise=False, wy=False, tma=False"
     return None
 
 
