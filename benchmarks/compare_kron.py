@@ -57,7 +57,8 @@ CASES = [
 # (measured here at 329e92d as dict(phi_pass=True) beside the stored-phi(K) default); now the
 # stored-phi(K) config is the proposal
 PHI_PASS = [
-    ("o3 16x16", (16, 16), [dict(phi_pass=False), dict(phi_pass=True, prepare_warps=2), dict(phi_pass=True, pipeline=1)]),
+    ("o3 16x16", (16, 16), [dict(phi_pass=False), dict(phi_pass=True, prepare_warps=2),
+                            dict(phi_pass=True, pipeline=1)]),
 ]
 
 

@@ -180,9 +180,9 @@ class SplitConfig(KernelConfig):
         # --config: 255 registers and 528-1608 B of spill stack at 4-8 warps and C 16-64, 432-1016
         # B at 16 warps; the output kernel's whole-K phi(Q) tile 200-216 B)
         mat = can_materialise(shape) and materialised(shape).whole_factor_tiles
-        order3 = len(shape.key_widths) >= 2
         if not (shape.whole_factor_tiles or mat) or shape.key_dim > 256:
             return {}
+        order3 = len(shape.key_widths) >= 2
         return {
             "chunk_size": [16, 32, 64],
             "block_v": [b for b in (16, 32, 64) if b <= shape.value_dim_pow2],
@@ -233,8 +233,8 @@ class SplitConfig(KernelConfig):
         return len(part_bounds(chunks, self.pipeline, self.state_stride)) if chunks > 0 else 1
 
     def figures(self, w: Workload) -> CostFigures:
-        # three launches (four with phi_pass): the cost model prices an eager call (its host time), which runs one
-        # part (pipeline.parts_pay; the parts' overlap in a graph is not modelled); the state
+        # three launches (four with phi_pass): the cost model prices an eager call (its host
+        # time), which runs one part (pipeline.parts_pay; the parts' overlap in a graph is not modelled); the state
         # loop apart from the chunk-parallel kernels
         return CostFigures(programs=chunk_programs(w, self.block_v), serial_steps=chunk_count(w, self.chunk_size),
                            state_passes=2, workspace_bytes=self.workspace_bytes(w),
@@ -485,9 +485,10 @@ def triton_state_loop(config: SplitConfig, p: Problem, v, beta, ws: dict, Hc, Uc
     Kd, Hd, Ad, Wd = ws["Kw"], Hc, ws["Ai"], ws["W"]
     if config.tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
-        Kd = TensorDescriptor(ws["Kw"].view(B * H * T, K), [B * H * T, K], [K, 1], [C, K])
         if config.phi_pass:  # token-major: a head's rows are every H-th K-wide slice of a [B T, H K] row
             Kd = TensorDescriptor(ws["Kw"].view(B * T, H * K), [B * T, H * K], [H * K, 1], [C, K])
+        else:
+            Kd = TensorDescriptor(ws["Kw"].view(B * H * T, K), [B * H * T, K], [K, 1], [C, K])
         Hd = TensorDescriptor(Hc.view(-1, V), [Hc.numel() // V, V], [V, 1], [K, config.block_v])
         if wy:
             Wd = TensorDescriptor(ws["W"].view(B * H * T, K), [B * H * T, K], [K, 1], [C, K])
@@ -515,10 +516,10 @@ def launch(config: SplitConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seql
     outputs, once each, or once per part with ``pipeline`` > 1 (not varlen; ``pipeline.py``).
     ``ht``: None, or the fp32 final-state buffer to store into. Returns o.
     Workspace (``SplitConfig.workspace_bytes``): the incoming state of every state_stride-th
-    chunk ([stored states, H, K, V]) and U ([B, T, H, V]), both in the products' type, and the
+    chunk ([stored states, H, K, V]) and U ([B, T, H, V]), both in the products' type, the
     prepare kernel's inverse and cumulative log decay, and phi(K) (the prepare kernel's; with
-    ``phi_pass`` the phi kernel's, token-major; none with ``loop`` "kron") (and with ``materialise`` phi(q),
-    phi(k): order 2's problem on them; with parts, the running state when ``ht`` is None)."""
+    ``phi_pass`` the phi kernel's, token-major; none with ``loop`` "kron"); with ``materialise``
+    phi(q), phi(k) (order 2's problem on them); with parts, the running state when ``ht`` is None."""
     if config.materialise:
         p, q, k, h0, ht, l2norm = materialised_call(p, q, k, h0, ht, l2norm)
     B, T, H, V = v.shape
@@ -545,14 +546,10 @@ def launch(config: SplitConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seql
     lowp, prec = lowp_dots(v.dtype), config.dot_precision
 
     def prepare(c0: int, c1: int) -> None:
-        if config.phi_pass:  # all of phi(K) with the first part (a part is no range of token-head rows)
-            if c0 == bounds[0][0]:
-                fill_phi([k], [ws["Kw"]], l2norm)
-            prepare_keys(config, p, q, k, v, g, beta, cu_seqlens=cu_seqlens, idx=idx, l2norm=l2norm,
-                         out={**ws, "Kw": None}, chunks=(c0, c1))
-            return
-        prepare_keys(config, p, q, k, v, g, beta, cu_seqlens=cu_seqlens, idx=idx, l2norm=l2norm, out=ws,
-                     chunks=(c0, c1))
+        if config.phi_pass and c0 == bounds[0][0]:  # all of phi(K) with the first part (a part is no row range)
+            fill_phi([k], [ws["Kw"]], l2norm)
+        prepare_keys(config, p, q, k, v, g, beta, cu_seqlens=cu_seqlens, idx=idx, l2norm=l2norm,
+                     out={**ws, "Kw": None} if config.phi_pass else ws, chunks=(c0, c1))
 
     walk = STATE_LOOPS[config.loop](config, p, v, beta, ws, Hc, Uc, cu_seqlens, offsets, keys=k, l2norm=l2norm)
 

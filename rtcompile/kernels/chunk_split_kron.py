@@ -50,7 +50,7 @@ def _state_offsets(i_n, i_h, o_v, m_v, H: tl.constexpr, D1: tl.constexpr, TW: tl
     o_i = tl.arange(0, D1)
     o_j = tl.arange(0, TW)
     off_k = (o_i[:, None, None] * TW + o_j[None, :, None]) * V + o_v[None, None, :]
-    m_s = (o_i < D1)[:, None, None] & (o_j < TW)[None, :, None] & m_v[None, None, :]
+    m_s = (off_k >= 0) & m_v[None, None, :]  # every key row is real (power-of-two widths): the columns
     off_s = (i_n.to(tl.int64) * H + i_h) * (D1 * TW) * V + off_k
     return off_k, m_s, off_s
 
