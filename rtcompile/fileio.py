@@ -176,14 +176,16 @@ def make_folders(folder: str | os.PathLike) -> list[Path]:
     made: list[Path] = []
     try:
         for d in reversed(missing):
+            # listed before the mkdir: an interrupt (Ctrl-C, SIGTERM) landing just after it still
+            # finds the folder; one listed but never made is skipped by remove_empty
+            made.append(d)
             try:
                 os.mkdir(d)
             except FileExistsError:
+                made.pop()
                 if not d.is_dir():
                     raise
-                continue
-            made.append(d)
-    except OSError:
+    except BaseException:
         remove_empty(made)
         raise
     return made
@@ -195,6 +197,8 @@ def remove_empty(made: list[Path]) -> None:
     for d in reversed(made):
         try:
             os.rmdir(d)
+        except FileNotFoundError:  # listed, never made (make_folders interrupted before its mkdir)
+            continue
         except OSError:
             return
 
@@ -219,20 +223,26 @@ def atomic_directory(path: str | os.PathLike, *, overwrite: bool = False,
         if may_replace is not None:
             may_replace(dest)
     made: list[Path] = []
+    tmp: Path | None = None
     try:
         made = make_folders(dest.absolute().parent)
         for _ in range(_NAME_TRIES):
-            tmp = _temp_name(dest)
+            tmp = _temp_name(dest)  # named before the mkdir: an interrupt just after it still finds it
             try:
                 os.mkdir(tmp, 0o777)  # the umask applies (mkdtemp would make it 0700)
             except FileExistsError:
+                tmp = None  # not ours
                 continue
             break
         else:  # pragma: no cover
             raise FileExistsError(f"{str(dest)!r}: could not create a temporary folder beside it")
-    except OSError as exc:
+    except BaseException as exc:  # an OSError, or Ctrl-C / SIGTERM before the block's own clean-up scope
+        if tmp is not None:
+            remove_empty([tmp])
         remove_empty(made)
-        raise _failed(dest, exc) from exc
+        if isinstance(exc, OSError):
+            raise _failed(dest, exc) from exc
+        raise
     try:
         try:
             yield tmp

@@ -83,6 +83,33 @@ def test_atomic_directory(tmp_path, umask_022):
     assert sorted(x.name for x in dest.iterdir()) == ["g.txt"]
 
 
+@pytest.mark.parametrize("after", [".tmp", "made"], ids=["after-temporary-folder", "after-a-parent"])
+def test_atomic_directory_interrupted_right_after_a_mkdir_leaves_nothing(tmp_path, monkeypatch, after):
+    """A Ctrl-C / SIGTERM (KeyboardInterrupt) landing just after a mkdir returned, before the
+    code that lists the folder ran, left it behind: the temporary folder (outside both clean-up
+    scopes, which caught only OSError then began at the yield; a flaky SIGTERM test in CI) or a
+    parent folder made on the way."""
+    real = os.mkdir
+
+    def mkdir(path, *a, **kw):
+        real(path, *a, **kw)
+        if str(path).endswith(after):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(fileio.os, "mkdir", mkdir)
+    with pytest.raises(KeyboardInterrupt):
+        with fileio.atomic_directory(tmp_path / "made" / "here" / "b"):
+            pytest.fail("the block ran")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_remove_empty_skips_a_listed_folder_never_made(tmp_path):
+    made = [tmp_path / "a", tmp_path / "a" / "b"]
+    made[0].mkdir()
+    fileio.remove_empty(made)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_file_sha256(tmp_path):
     import hashlib
 
