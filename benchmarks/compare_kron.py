@@ -17,6 +17,7 @@ and the time over the default's. Prints a table last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -57,13 +58,15 @@ CASES = [
 # (measured here at 329e92d as dict(phi_pass=True) beside the stored-phi(K) default); now the
 # stored-phi(K) config is the proposal
 PHI_PASS = [
-    ("o3 16x16", (16, 16), [dict(phi_pass=False), dict(phi_pass=True, prepare_warps=2),
-                            dict(phi_pass=True, pipeline=1)]),
+    ("o3 16x16", (16, 16), [dict(phi_pass=False), dict(_phi_by_part=False),
+                            dict(pipeline=4), dict(pipeline=4, num_stages=2), dict(block_v=16),
+                            dict(output_warps=8), dict(output_block_v=32), dict(state_stride=1),
+                            dict(num_stages=2)]),
 ]
 
 
 def _name(fields: dict) -> str:
-    if "phi_pass" in fields:
+    if "loop" not in fields and "chunk_size" not in fields:  # a change to the default
         return "default + " + " ".join(f"{k}={v}" for k, v in fields.items())
     f = {**KRON, **fields}
     return (f"C{f['chunk_size']} bv{f['block_v']} w{f['num_warps']} stride{f['state_stride']} "
@@ -77,8 +80,36 @@ def _nan_empty(*shape, dtype, device):
     return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-(2**30))
 
 
+@contextlib.contextmanager
+def phi_by_part(on: bool):
+    """chunk_split's experiment switch (phi_pass's phi(K) per pipelined part) set for the block."""
+    from rtcompile.kernels import chunk_split
+
+    saved, chunk_split._PHI_BY_PART = chunk_split._PHI_BY_PART, on
+    try:
+        yield
+    finally:
+        chunk_split._PHI_BY_PART = saved
+
+
+@contextlib.contextmanager
+def _parts(on: bool):
+    """Eager calls run the config's pipelined parts (a graph capture's path) in parts of any
+    length, so T 203 cuts into parts; off: as the launcher decides (one part eagerly)."""
+    from rtcompile.kernels import chunk_split, pipeline
+
+    saved = chunk_split.parts_pay, pipeline.MIN_PART_CHUNKS
+    if on:
+        chunk_split.parts_pay, pipeline.MIN_PART_CHUNKS = (lambda device: True), 1
+    try:
+        yield
+    finally:
+        chunk_split.parts_pay, pipeline.MIN_PART_CHUNKS = saved
+
+
 def check(config, widths) -> str | None:
-    """None when ``config`` matches float64 on the GPU in every case, else what failed."""
+    """None when ``config`` matches float64 on the GPU in every case (one part, then the
+    pipelined parts on their streams), else what failed."""
     import torch
 
     from rtcompile.kernels import args, running_tensor_recurrent_ref
@@ -90,7 +121,8 @@ def check(config, widths) -> str | None:
     args.empty = _nan_empty
     args.empty_like = lambda x: _nan_empty(*x.shape, dtype=x.dtype, device=x.device)
     try:
-        for dtype, tol in ((torch.bfloat16, 1.5e-2), (torch.float32, 5e-5)):
+        for dtype, tol, parts in ((torch.bfloat16, 1.5e-2, False), (torch.float32, 5e-5, False),
+                                  (torch.bfloat16, 1.5e-2, True), (torch.float32, 5e-5, True)):
             cfg = config if dtype == torch.bfloat16 else dataclasses.replace(config, dot_precision="ieee")
             if cfg.check(KernelShape(tuple(widths), 64, dtype.itemsize), smem_limit(torch.device("cuda"))):
                 continue  # (fp32 operands need twice the shared memory: C 32 at K 1024 does not fit)
@@ -107,9 +139,12 @@ def check(config, widths) -> str | None:
                 s0 = (r(n, H, *widths, V) * 0.05).float()
                 cu = None if offsets is None else torch.tensor(offsets, dtype=torch.int32)
                 dev = lambda x: x.cuda()  # noqa: E731
-                o, s = running_tensor_fwd([dev(x) for x in q], [dev(x) for x in k], dev(v), dev(g), dev(beta),
-                                          initial_state=dev(s0), output_final_state=True, l2norm=True,
-                                          cu_seqlens=None if cu is None else dev(cu), variant=cfg)
+                with _parts(parts):
+                    o, s = running_tensor_fwd([dev(x) for x in q], [dev(x) for x in k], dev(v), dev(g), dev(beta),
+                                              initial_state=dev(s0), output_final_state=True, l2norm=True,
+                                              cu_seqlens=None if cu is None else dev(cu), variant=cfg)
+                    if o.is_cuda:
+                        torch.cuda.synchronize()
                 up = lambda x: x.double()  # noqa: E731
                 o_ref, s_ref = running_tensor_recurrent_ref(
                     [up(x) for x in q], [up(x) for x in k], up(v), up(g), up(beta), initial_state=s0.double(),
@@ -119,7 +154,8 @@ def check(config, widths) -> str | None:
                     err = float("inf") if torch.isnan(got).any() else float(
                         (got - ref).abs().max() / ref.abs().max())
                     if not err < tol:
-                        return f"{dtype} {'varlen' if cu is not None else 'T203'} {name}: {err:.3g} (tol {tol})"
+                        where = f"{'varlen' if cu is not None else 'T203'}{' parts' if parts else ''}"
+                        return f"{dtype} {where} {name}: {err:.3g} (tol {tol})"
     finally:
         args.empty, args.empty_like = saved
     return None
@@ -144,6 +180,15 @@ def kernel_split(call, n: int = 5) -> dict[str, float]:
         if e.device_type == torch.autograd.DeviceType.CUDA:
             total[e.name] += e.time_range.elapsed_us() / n
     return dict(total.most_common(6))
+
+
+def _capture_output(fn):
+    """(the CUDA graph of ``fn``, the outputs its replays write)."""
+    from compare_defaults import _capture
+
+    held = []
+    graph = _capture(lambda: held.append(fn()))
+    return graph, held[-1]
 
 
 def main() -> int:
@@ -172,25 +217,43 @@ def main() -> int:
         p = check_inputs(*sets[0], None, None, None)
         default = launch.resolve_config("chunk", None, p, dev)
         configs = {"default": default}
+        by_part = {"default": True}
+        with phi_by_part(True):
+            failed = check(default, widths)  # the default runs the same checks first
+        print(f"{case} default: {failed or 'matches float64'}", file=sys.stderr, flush=True)
+        if failed:
+            rows.append({"case": case, "config": "default", "failed": failed})
+            continue
         for fields in proposals:
-            if "phi_pass" in fields:
+            fields = dict(fields)
+            part = fields.pop("_phi_by_part", True)
+            if "loop" not in fields and "chunk_size" not in fields:
                 cfg = type(default).from_dict({**default.to_dict(), **fields})
             else:
                 cfg = SplitConfig.from_dict({**SplitConfig(16, 16).to_dict(), **KRON, **fields})
             refusal = cfg.check(launch.kernel_shape(p), launch.smem_limit(dev))
-            failed = refusal or check(cfg, widths)
+            with phi_by_part(part):
+                failed = refusal or check(cfg, widths)
+            fields = fields if part else {**fields, "_phi_by_part": False}
             print(f"{case} {_name(fields)}: {'refused: ' + refusal if refusal else failed or 'matches float64'}",
                   file=sys.stderr, flush=True)
             if failed:
                 rows.append({"case": case, "config": _name(fields), "failed": failed})
                 continue
             configs[_name(fields)] = cfg
+            by_part[_name(fields)] = part
 
         def call(s, cfg):
             return lambda: rtcompile.running_tensor(*s, l2norm=True, output_final_state=True, mode="chunk",
                                                     backend="triton", variant=cfg)
-        outs = {n: call(sets[0], c)()[0].float() for n, c in configs.items()}
-        graphs = {n: [_capture(call(s, c)) for s in sets] for n, c in configs.items()}
+        outs, graphs = {}, {}
+        for n, c in configs.items():
+            with phi_by_part(by_part[n]):
+                captured = [_capture_output(call(s, c)) for s in sets]
+            graphs[n] = [graph for graph, _ in captured]
+            graphs[n][0].replay()  # the captured parts' output (the graph's memory), compared below
+            torch.cuda.synchronize()
+            outs[n] = captured[0][1][0].float()
         times = {n: [] for n in configs}
         for _ in range(args.rounds):
             for n in configs:

@@ -118,3 +118,24 @@ def test_compare_kron_check_passes_a_right_config_and_names_a_wrong_one(monkeypa
                         lambda *a, **kw: tuple(torch.zeros_like(x) for x in real(*a, **kw)))
     failed = compare_kron.check(config, (16, 16))
     assert failed is not None and failed.startswith("torch.bfloat16 T203 output"), failed
+
+
+def test_compare_kron_check_runs_the_pipelined_parts(monkeypatch):
+    """The GPU gate also runs the parts a graph capture would (eagerly, parts of any length): a
+    launcher that drops every part after the first passes the one-part checks and is named
+    there. phi_pass with phi(K) per part, the default's form at o3 16x16."""
+    import torch
+
+    import compare_kron
+    from rtcompile.kernels import chunk_split, launch
+    from rtcompile.kernels.chunk_split import SplitConfig
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self: self)
+    monkeypatch.setattr(launch, "smem_limit", lambda device: 232448)
+    config = SplitConfig(32, 16, state_stride=2, pipeline=2, phi_pass=True)
+    assert compare_kron.check(config, (16, 16)) is None
+    real = chunk_split.run_parts
+    monkeypatch.setattr(chunk_split, "run_parts", lambda bounds, *a: real(bounds[:1], *a))
+    failed = compare_kron.check(config, (16, 16))
+    assert failed is not None and failed.startswith("torch.bfloat16 T203 parts output"), failed

@@ -404,6 +404,18 @@ def test_materialise_phi_kernel(poison, widths, l2norm, dtype):
     assert rel_err(got, want) < (1e-6 if dtype == torch.float32 else 5e-3)
 
 
+@pytest.mark.parametrize("tokens", [(5, 21), (0, 37), (36, 37)], ids=lambda t: f"t{t[0]}-{t[1]}")
+def test_fill_phi_writes_only_the_token_range(tokens):
+    """A pipelined part's phi(K) (phi_pass): positions [t0, t1) of every sequence, equal to the
+    whole call's there; every other entry keeps its NaN poison."""
+    k = [torch.randn(3, 37, 2, d, device=DEVICE) for d in (4, 3)]
+    out = torch.full((3, 37, 2, 12), float("nan"), device=DEVICE)
+    chunk_resident.fill_phi([k], [out], True, tokens)
+    t0, t1 = tokens
+    torch.testing.assert_close(out[:, t0:t1], chunk_resident.materialise_phi(k, True)[:, t0:t1], rtol=0, atol=0)
+    assert out[:, :t0].isnan().all() and out[:, t1:].isnan().all()
+
+
 @pytest.mark.parametrize("widths", [(8, 8), (3, 5), (2, 3, 4)], ids=lambda w: "x".join(map(str, w)))
 def test_materialise_pair_forms_both_sides_in_one_launch(monkeypatch, widths):
     """phi(q), phi(k) of the materialised call from one launch (into NaN-filled buffers), each

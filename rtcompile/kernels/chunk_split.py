@@ -511,6 +511,10 @@ STATE_LOOPS = {"triton": triton_state_loop, "gluon": chunk_split_gluon.state_loo
 
 
 # ----- launcher -----
+# EXPERIMENT (compare_kron.py flips it): phi_pass's phi(K) per pipelined part, not all before the first
+_PHI_BY_PART = True
+
+
 def launch(config: SplitConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm: bool) -> torch.Tensor:
     """Run ``config`` on checked inputs (``p`` from ``check_inputs``): prepare, state loop and
     outputs, once each, or once per part with ``pipeline`` > 1 (not varlen; ``pipeline.py``).
@@ -546,8 +550,10 @@ def launch(config: SplitConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seql
     lowp, prec = lowp_dots(v.dtype), config.dot_precision
 
     def prepare(c0: int, c1: int) -> None:
-        if config.phi_pass and c0 == bounds[0][0]:  # all of phi(K) with the first part (a part is no row range)
-            fill_phi([k], [ws["Kw"]], l2norm)
+        if config.phi_pass and (c0 == bounds[0][0] or _PHI_BY_PART):
+            # each part's phi(K) on the prepare stream before its prepare kernel, beside the loop
+            # of the part before (varlen: one part, all of it)
+            fill_phi([k], [ws["Kw"]], l2norm, None if varlen or not _PHI_BY_PART else (c0 * C, min(c1 * C, T)))
         prepare_keys(config, p, q, k, v, g, beta, cu_seqlens=cu_seqlens, idx=idx, l2norm=l2norm,
                      out={**ws, "Kw": None} if config.phi_pass else ws, chunks=(c0, c1))
 
