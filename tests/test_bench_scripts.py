@@ -123,7 +123,7 @@ def test_compare_kron_check_passes_a_right_config_and_names_a_wrong_one(monkeypa
 def test_compare_kron_check_runs_the_pipelined_parts(monkeypatch):
     """The GPU gate also runs the parts a graph capture would (eagerly, parts of any length): a
     launcher that drops every part after the first passes the one-part checks and is named
-    there. phi_pass with phi(K) per part, the default's form at o3 16x16."""
+    there. phi_pass, the default's form at o3 16x16."""
     import torch
 
     import compare_kron

@@ -360,17 +360,14 @@ def _phi_rows(x1, x2, x3, out, r, m_t, NF: tl.constexpr, D1: tl.constexpr, D2: t
 
 
 @triton.jit
-def materialise_phi_kernel(x1, x2, x3, y1, y2, y3, out_x, out_y, N, seq_rows, row0, NF: tl.constexpr,
-                           D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, BD1: tl.constexpr,
-                           BD2: tl.constexpr, BD3: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
-                           L2NORM: tl.constexpr):
-    """Rows [i BT, (i + 1) BT) of the N token-head rows from ``row0`` of sequence program_id(2)
-    (``seq_rows`` rows apart) of phi of the factors ``x`` into ``out_x``; program_id(1) 1: the
-    second side, ``y`` into ``out_y`` (None: one side). Both sides in one launch (o3 8x8 B8
-    T4096 H8 bf16 on the H200: 24.1 us against 26.3 in two)."""
-    o_r = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
-    m_t = o_r < N
-    r = tl.program_id(2).to(tl.int64) * seq_rows + row0 + o_r
+def materialise_phi_kernel(x1, x2, x3, y1, y2, y3, out_x, out_y, N, NF: tl.constexpr, D1: tl.constexpr,
+                           D2: tl.constexpr, D3: tl.constexpr, BD1: tl.constexpr, BD2: tl.constexpr,
+                           BD3: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, L2NORM: tl.constexpr):
+    """Rows [i BT, (i + 1) BT) of phi of the N token-head rows of the factors ``x`` into
+    ``out_x``; program_id(1) 1: the second side, ``y`` into ``out_y`` (None: one side). Both
+    sides in one launch (o3 8x8 B8 T4096 H8 bf16 on the H200: 24.1 us against 26.3 in two)."""
+    r = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+    m_t = r < N
     if y1 is None:
         _phi_rows(x1, x2, x3, out_x, r, m_t, NF, D1, D2, D3, BD1, BD2, BD3, KP, BT, L2NORM)
     elif tl.program_id(1) == 0:
@@ -392,19 +389,17 @@ def phi_store_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype == torch.bfloat16 and args.interpreting() else dtype
 
 
-def fill_phi(sides, outs, l2norm: bool, tokens: tuple[int, int] | None = None) -> None:
+def fill_phi(sides, outs, l2norm: bool) -> None:
     """phi of each side's factors ([B, T, H, d_i] each, contiguous; one or two sides) into its
-    ``outs`` buffer ([B, T, H, K] in :func:`phi_store_dtype`), in one launch; ``tokens`` (t0, t1):
-    only those positions of every sequence (a pipelined part's), else all."""
-    B, T, H, _ = sides[0][0].shape
-    t0, t1 = (0, T) if tokens is None else tokens
+    ``outs`` buffer ([B, T, H, K] in :func:`phi_store_dtype`), in one launch."""
+    rows = sides[0][0].numel() // sides[0][0].shape[-1]
     kp = next_pow2(outs[0].shape[-1])
     bt = max(1, min(256, MATERIALISE_TILE // kp))
     second = factor_args(sides[1]) if len(sides) > 1 else (None, None, None)
-    cached(materialise_phi_kernel)[(triton.cdiv((t1 - t0) * H, bt), len(sides), B)](
-        *factor_args(sides[0]), *second, outs[0], outs[-1] if len(sides) > 1 else None, (t1 - t0) * H, T * H,
-        t0 * H, NF=len(sides[0]), **width_args(tuple(x.shape[-1] for x in sides[0]), 1), KP=kp, BT=bt,
-        L2NORM=l2norm, num_warps=4)
+    cached(materialise_phi_kernel)[(triton.cdiv(rows, bt), len(sides))](
+        *factor_args(sides[0]), *second, outs[0], outs[-1] if len(sides) > 1 else None, rows,
+        NF=len(sides[0]), **width_args(tuple(x.shape[-1] for x in sides[0]), 1), KP=kp, BT=bt, L2NORM=l2norm,
+        num_warps=4)
 
 
 def materialise_phi(factors, l2norm: bool) -> torch.Tensor:
