@@ -59,25 +59,11 @@ CASES = [
 # stored-phi(K) config is the proposal
 # At 251da1b (H200, two rounds) each of pipeline=4 (+ num_stages=2), block_v=16, output_warps=8,
 # output_block_v=32, state_stride=1 and num_stages=2 ran 1.04-1.28x the default (0.3293 ms).
-# "_block_solve": chunk_prepare's experiment switch (the tile solve in registers) on for that proposal.
 PHI_PASS = [
-    ("o3 16x16", (16, 16), [dict(output_block_k=32), dict(output_block_k=64), dict(output_block_k=128),
-                            dict(output_block_k=32, output_block_v=32), dict(output_block_k=32, output_warps=8),
-                            dict(_block_solve=True), dict(_block_solve=True, prepare_warps=2),
-                            dict(_block_solve=True, prepare_warps=4)]),
+    ("o3 16x16", (16, 16), [dict(output_block_k=16), dict(output_block_k=32), dict(output_block_k=64),
+                            dict(output_block_k=128), dict(output_block_k=32, output_block_v=32),
+                            dict(output_block_k=32, output_warps=8), dict(output_block_k=64, output_warps=8)]),
 ]
-
-
-@contextlib.contextmanager
-def block_solve(on: bool):
-    """chunk_prepare's experiment switch (the tile solve in registers) set for the block."""
-    from rtcompile.kernels import chunk_prepare
-
-    saved, chunk_prepare._BLOCK_SOLVE = chunk_prepare._BLOCK_SOLVE, on
-    try:
-        yield
-    finally:
-        chunk_prepare._BLOCK_SOLVE = saved
 
 
 def _name(fields: dict) -> str:
@@ -225,33 +211,26 @@ def main() -> int:
         if failed:
             rows.append({"case": case, "config": "default", "failed": failed})
             continue
-        solve_on = {"default": False}
         for fields in proposals:
-            fields = dict(fields)
-            on = fields.pop("_block_solve", False)
             if "loop" not in fields and "chunk_size" not in fields:
                 cfg = type(default).from_dict({**default.to_dict(), **fields})
             else:
                 cfg = SplitConfig.from_dict({**SplitConfig(16, 16).to_dict(), **KRON, **fields})
             refusal = cfg.check(launch.kernel_shape(p), launch.smem_limit(dev))
-            with block_solve(on):
-                failed = refusal or check(cfg, widths)
-            fields = {**fields, "_block_solve": True} if on else fields
+            failed = refusal or check(cfg, widths)
             print(f"{case} {_name(fields)}: {'refused: ' + refusal if refusal else failed or 'matches float64'}",
                   file=sys.stderr, flush=True)
             if failed:
                 rows.append({"case": case, "config": _name(fields), "failed": failed})
                 continue
             configs[_name(fields)] = cfg
-            solve_on[_name(fields)] = on
 
         def call(s, cfg):
             return lambda: rtcompile.running_tensor(*s, l2norm=True, output_final_state=True, mode="chunk",
                                                     backend="triton", variant=cfg)
         outs, graphs = {}, {}
         for n, c in configs.items():
-            with block_solve(solve_on[n]):
-                captured = [_capture_output(call(s, c)) for s in sets]
+            captured = [_capture_output(call(s, c)) for s in sets]
             graphs[n] = [graph for graph, _ in captured]
             graphs[n][0].replay()  # the captured parts' output (the graph's memory), compared below
             torch.cuda.synchronize()
@@ -273,8 +252,7 @@ def main() -> int:
             fastest = min((n for n in configs if n != "default"), key=lambda n: statistics.median(times[n]),
                           default=None)
             for n in ("default", fastest) if fastest else ("default",):
-                with block_solve(solve_on[n]):
-                    split = kernel_split(call(sets[0], configs[n]))
+                split = kernel_split(call(sets[0], configs[n]))
                 rows.append({"case": case, "profile": n, "kernels_us": split})
                 print(f"{case} {n} kernels (us per eager call): "
                       + "; ".join(f"{k[:40]} {v:.1f}" for k, v in split.items()), flush=True)

@@ -16,7 +16,6 @@ from rtcompile.kernels import (
     args, chunk_fused, chunk_resident, chunk_split, chunk_streamed, running_tensor_recurrent_ref,
 )
 from rtcompile.kernels.blocks import unit_lower_inverse_tiles
-from rtcompile.kernels import chunk_prepare
 from rtcompile.kernels.chunk_fused import FusedConfig
 from rtcompile.kernels.chunk_resident import ResidentConfig
 from rtcompile.kernels.chunk_split import SplitConfig
@@ -209,17 +208,6 @@ def test_part_bounds(monkeypatch, n_chunks, parts, unit, minimum, expected):
 def test_form_matches_float64(form, feat):
     config, widths, T, V = FORMS[form]
     check_against_reference(config, 2, T, 1, widths, V, **FEATURES[feat])
-
-
-@pytest.mark.parametrize("config", [SplitConfig(16, 16, phi_pass=True), SplitConfig(32, 16, state_stride=2),
-                                    ResidentConfig(64, 16, num_warps=8, prepare_warps=2)],
-                         ids=["split-c16-phipass", "split-c32-stride2", "resident-c64"])
-def test_block_solve_matches_float64(monkeypatch, config):
-    """The tile solve with every block of A in registers (chunk_prepare._BLOCK_SOLVE), C 16 / 32 / 64,
-    a partial last chunk, gates, delta rule, an initial state."""
-    monkeypatch.setattr(chunk_prepare, "_BLOCK_SOLVE", True)
-    check_against_reference(config, 2, 77, 2, (16, 16) if isinstance(config, SplitConfig) else (4, 8), 6,
-                            **FEATURES["gated-delta-l2-h0"])
 
 
 HALF = {  # 16-bit inputs: products in the input type (fp16 here; bf16 is upcast under the interpreter)

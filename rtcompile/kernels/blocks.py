@@ -143,66 +143,6 @@ def unit_lower_inverse_tiles(p_A, n_rows, C: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _block_inverse_row(b_Xii, b_S, PREC: tl.constexpr):
-    """X_ij = -X_ii S (S = sum_k A_ik X_kj), a [16, 16] block of the inverse."""
-    return -tl.dot(b_Xii, b_S, input_precision=PREC)
-
-
-@triton.jit
-def unit_lower_inverse_blocks(p_A, n_rows, C: tl.constexpr, PREC: tl.constexpr):
-    """:func:`unit_lower_inverse_tiles` with every block of A loaded once and the inverse formed
-    in registers (C 16, 32 or 64): the diagonal blocks by forward substitution, the blocks below
-    by block forward substitution X_ij = -X_ii sum_{k=j}^{i-1} A_ik X_kj, then stored in A's
-    place after one barrier (the tile form goes through memory between its steps: 15 loads on
-    the substitution's chain and a barrier and a store per block). The caller stores A from the
-    same program and puts a barrier between that store and this call."""
-    NB: tl.constexpr = C // 16
-    o_b = tl.arange(0, 16)
-    b_X00 = unit_lower_inverse(_tile(p_A, 0, 0, n_rows, C), 16)
-    if NB > 1:
-        b_A10 = _tile(p_A, 1, 0, n_rows, C)
-        b_X11 = unit_lower_inverse(_tile(p_A, 1, 1, n_rows, C), 16)
-        b_X10 = _block_inverse_row(b_X11, tl.dot(b_A10, b_X00, input_precision=PREC), PREC)
-    if NB > 2:
-        b_A20 = _tile(p_A, 2, 0, n_rows, C)
-        b_A21 = _tile(p_A, 2, 1, n_rows, C)
-        b_A30 = _tile(p_A, 3, 0, n_rows, C)
-        b_A31 = _tile(p_A, 3, 1, n_rows, C)
-        b_A32 = _tile(p_A, 3, 2, n_rows, C)
-        b_X22 = unit_lower_inverse(_tile(p_A, 2, 2, n_rows, C), 16)
-        b_X33 = unit_lower_inverse(_tile(p_A, 3, 3, n_rows, C), 16)
-        b_X21 = _block_inverse_row(b_X22, tl.dot(b_A21, b_X11, input_precision=PREC), PREC)
-        b_X20 = _block_inverse_row(b_X22, tl.dot(b_A20, b_X00, input_precision=PREC)
-                                   + tl.dot(b_A21, b_X10, input_precision=PREC), PREC)
-        b_X32 = _block_inverse_row(b_X33, tl.dot(b_A32, b_X22, input_precision=PREC), PREC)
-        b_X31 = _block_inverse_row(b_X33, tl.dot(b_A31, b_X11, input_precision=PREC)
-                                   + tl.dot(b_A32, b_X21, input_precision=PREC), PREC)
-        b_X30 = _block_inverse_row(b_X33, tl.dot(b_A30, b_X00, input_precision=PREC)
-                                   + tl.dot(b_A31, b_X10, input_precision=PREC)
-                                   + tl.dot(b_A32, b_X20, input_precision=PREC), PREC)
-    tl.debug_barrier()  # every warp has read its A blocks before they are overwritten
-    _store_block(p_A, b_X00, 0, 0, n_rows, C)
-    if NB > 1:
-        _store_block(p_A, b_X10, 1, 0, n_rows, C)
-        _store_block(p_A, b_X11, 1, 1, n_rows, C)
-    if NB > 2:
-        _store_block(p_A, b_X20, 2, 0, n_rows, C)
-        _store_block(p_A, b_X21, 2, 1, n_rows, C)
-        _store_block(p_A, b_X22, 2, 2, n_rows, C)
-        _store_block(p_A, b_X30, 3, 0, n_rows, C)
-        _store_block(p_A, b_X31, 3, 1, n_rows, C)
-        _store_block(p_A, b_X32, 3, 2, n_rows, C)
-        _store_block(p_A, b_X33, 3, 3, n_rows, C)
-
-
-@triton.jit
-def _store_block(p_A, b_X, i, j, n_rows, C: tl.constexpr):
-    """Block (i, j) of the [C, C] matrix at p_A := b_X ([16, 16]); rows from n_rows on untouched."""
-    o_b = tl.arange(0, 16)
-    tl.store(p_A + (i * 16 + o_b)[:, None] * C + j * 16 + o_b[None, :], b_X, mask=(i * 16 + o_b < n_rows)[:, None])
-
-
-@triton.jit
 def unit_lower_inverse_scratch(p_X, b_A, C: tl.constexpr, PREC: tl.constexpr):
     """:func:`unit_lower_inverse_tiles` for a [C, C] register tile, through this program's own
     [C, C] fp32 scratch at ``p_X`` (the fused kernel's: no workspace that grows with T). Padded

@@ -20,8 +20,7 @@ import triton.language as tl
 from . import args
 from .args import dot_dtype, factor_args, lowp_dots, width_args
 from .blocks import (
-    chunk_log_decay, chunk_rows, chunk_scores, dot, phi_block, phi_inv_norm, unit_lower_inverse_blocks,
-    unit_lower_inverse_tiles,
+    chunk_log_decay, chunk_rows, chunk_scores, dot, phi_block, phi_inv_norm, unit_lower_inverse_tiles,
 )
 from .config import next_pow2, stores_inverse
 from .inputs import Problem
@@ -130,7 +129,7 @@ def chunk_prepare_kernel(
     H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
     BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, C: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
-    SOLVE: tl.constexpr, OUTER: tl.constexpr, KEY_GROUP: tl.constexpr, BLOCK_SOLVE: tl.constexpr = False,
+    SOLVE: tl.constexpr, OUTER: tl.constexpr, KEY_GROUP: tl.constexpr,
 ):
     """One program per (chunk, head): the chunk's workspaces. Each output is written when it is
     given and skipped when None: ``P`` the scores; ``Ai`` the inverse (delta rule: ``beta``
@@ -160,10 +159,7 @@ def chunk_prepare_kernel(
             tl.store(Ai + off_w, b_Ai, mask=m_t[:, None])
             tl.debug_barrier()
             # the chunk's first row and its valid rows (rows from C on are never touched)
-            if BLOCK_SOLVE:
-                unit_lower_inverse_blocks(Ai + (p_last - i_last) * C, i_last + 1, C, PREC)
-            else:
-                unit_lower_inverse_tiles(Ai + (p_last - i_last) * C, i_last + 1, C, PREC)
+            unit_lower_inverse_tiles(Ai + (p_last - i_last) * C, i_last + 1, C, PREC)
             if WY:  # the inverse back in registers, for W and U0 (padded rows read 0: never stored)
                 tl.debug_barrier()
                 b_Ai = tl.load(Ai + off_w, mask=m_t[:, None], other=0.0)
@@ -211,14 +207,8 @@ def _run(p: Problem, q, k, v, g, beta, *, cu_seqlens, idx, l2norm: bool, config,
         outputs.get("U0"), outputs.get("Kw"), outputs.get("Qw"), outputs.get("Gc"), cu_seqlens, idx, T, c0,
         H=H, NF=len(q), **width_args(p.key_widths, 16), C=C, V=V, BK=block_k, BV=max(16, next_pow2(V)),
         L2NORM=l2norm, LOWP=lowp_dots(v.dtype), PREC=config.dot_precision, SOLVE=config.solve, OUTER=outer,
-        KEY_GROUP=key_group, BLOCK_SOLVE=_BLOCK_SOLVE and C <= 64, num_warps=config.prepare_warps,
-        num_stages=config.num_stages,
+        KEY_GROUP=key_group, num_warps=config.prepare_warps, num_stages=config.num_stages,
     )
-
-
-# EXPERIMENT (compare_kron.py's "_block_solve" proposals flip it): the tile solve in registers
-# (blocks.unit_lower_inverse_blocks) instead of through memory between its steps
-_BLOCK_SOLVE = False
 
 
 def _wy_buffers(p: Problem, v) -> dict:
