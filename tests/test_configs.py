@@ -120,13 +120,6 @@ REFUSALS = {
                           "phi_pass=True is the Triton loop's"),
     "split-phi-pass-kron": (SplitConfig(chunk_size=16, block_v=16, phi_pass=True, loop="kron"), O3,
                             "allowed: loop='triton', wy=False, materialise=False, or phi_pass=False"),
-    # the output kernel's key slices: whole indices of key axis 1, below K, powers of two from 16
-    "split-output-block-k-odd": (SplitConfig(chunk_size=16, block_v=16, output_block_k=24), O3,
-                                 "output_block_k=24; allowed: 0, 16, 32, 64, 128"),
-    "split-output-block-k-whole": (SplitConfig(chunk_size=16, block_v=16, output_block_k=256), O3,
-                                   "output_block_k=256; allowed: 0, 16, 32, 64, 128"),
-    "split-output-block-k-axis": (SplitConfig(chunk_size=16, block_v=16, output_block_k=16), KernelShape((16, 32), 64),
-                                  "output_block_k=16; allowed: 0, 32, 64, 128"),
     "recurrent-block-k-pow2": (RecurrentConfig(block_k=24, block_v=16), O3, "block_k=24; allowed: a power of two"),
     "recurrent-block-k-over": (RecurrentConfig(block_k=8192, block_v=16), O3,
                                "block_k=8192; allowed: at most K rounded up (256)"),

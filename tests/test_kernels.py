@@ -168,14 +168,6 @@ FORMS = {
     "split-o3-16x16-c16-phipass-tma-kg2-stride2-pipeline2": (SplitConfig(16, 16, tma=True, key_group=2, state_stride=2,
                                                                          pipeline=2, phi_pass=True), (16, 16), 77, 8),
     "split-o2-16-c16-phipass": (SplitConfig(16, 16, phi_pass=True), (16,), 37, 6),
-    # the output kernel's phi(Q) S over key slices (output_block_k): one index of axis 1 a slice
-    # (16 rows), four (64), order 2's column slices, a materialised phi(Q)'s
-    "split-o3-16x16-c16-outbk16-phipass-stride2": (SplitConfig(16, 16, output_block_k=16, state_stride=2,
-                                                               phi_pass=True), (16, 16), 45, 6),
-    "split-o3-16x16-c32-outbk64-pipeline2": (SplitConfig(32, 16, output_block_k=64, pipeline=2, state_stride=2),
-                                             (16, 16), 77, 20),
-    "split-o2-64-c16-outbk32": (SplitConfig(16, 16, output_block_k=32), (64,), 37, 6),
-    "split-o3-8x8-materialised-outbk16": (SplitConfig(16, 16, output_block_k=16, materialise=True), (8, 8), 37, 6),
     "split-o3-32x32-kron-c16-w8-stride4": (SplitConfig(16, 16, num_warps=8, loop="kron", state_stride=4), (32, 32),
                                            37, 6),
 }
@@ -224,7 +216,6 @@ HALF = {  # 16-bit inputs: products in the input type (fp16 here; bf16 is upcast
     "split-o3-16x16-c16-wy-kg2": (SplitConfig(16, 16, key_group=2, wy=True), (16, 16)),
     "split-o3-16x32-kron-c32": (SplitConfig(32, 16, loop="kron"), (16, 32)),
     "split-o3-16x16-c16-phipass-tma": (SplitConfig(16, 16, tma=True, phi_pass=True), (16, 16)),
-    "split-o3-16x16-c16-outbk32": (SplitConfig(16, 16, output_block_k=32), (16, 16)),
 }
 
 
@@ -253,7 +244,6 @@ VARLEN = {  # sequences of 5, 1, 17 and 7 tokens packed along T (split: 5, 1, 54
     "split-o3-16x16-kron-stride2": (SplitConfig(16, 16, loop="kron", state_stride=2), (16, 16), "long"),
     "split-o3-16x16-phipass-tma-stride2": (SplitConfig(16, 16, tma=True, state_stride=2, phi_pass=True), (16, 16),
                                            "long"),
-    "split-o3-16x16-outbk64-stride2": (SplitConfig(16, 16, state_stride=2, output_block_k=64), (16, 16), "long"),
 }
 
 

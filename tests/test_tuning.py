@@ -636,8 +636,7 @@ def test_the_sweep_leaves_out_configs_the_device_cannot_run():
     fixed = {"form": "split", "split.chunk_size": 32, "split.block_v": 64, "split.num_warps": 4,
              "split.num_stages": 2, "split.prepare_warps": 1, "split.solve": "tiles", "split.dot_precision": "ieee",
              "split.output_block_v": 64, "split.output_warps": 4, "split.tma": True, "split.key_group": 1,
-             "split.materialise": False, "split.wy": False, "split.pipeline": 1, "split.phi_pass": False,
-             "split.output_block_k": 0}
+             "split.materialise": False, "split.wy": False, "split.pipeline": 1, "split.phi_pass": False}
     gluon = SplitConfig(32, 64, loop="gluon")
     assert "sm_90" in device_refusal(gluon, "cpu") and device_refusal(SplitConfig(32, 64), "cpu") is None
     found = exhaustive_variants(bucket, TuneOptions(fixed=fixed))

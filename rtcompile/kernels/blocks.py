@@ -111,7 +111,9 @@ def unit_lower_inverse_tiles(p_A, n_rows, C: tl.constexpr, PREC: tl.constexpr):
     step, not two), and the blocks below follow by block forward substitution,
     X_ij = -X_ii sum_{k=j}^{i-1} A_ik X_kj, as [16, 16] products, each X_ij stored in A_ij's
     place. Exact block elimination: the same terms as the row-by-row form. The caller stores
-    A from the same program and puts a barrier between that store and this call.
+    A from the same program and puts a barrier between that store and this call. Every block
+    of A loaded once and the inverse formed in registers instead ran the o3 16x16 split default
+    1.13x as long with one prepare warp (640 B of spill), 1.35 / 1.68x with 2 / 4 (H100, e906e88).
     """
     NB: tl.constexpr = C // 16
     o_b = tl.arange(0, 16)

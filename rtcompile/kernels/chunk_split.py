@@ -20,7 +20,7 @@ import triton.language as tl
 from . import args
 from .args import dot_dtype, factor_args, lowp_dots, width_args
 from .blocks import (
-    chunk_of_program, dot, factor_inv_norm, factor_tiles, load_row_inputs, load_state_tile, one_side_tiles, phi_from_tiles,
+    chunk_of_program, dot, factor_tiles, load_row_inputs, load_state_tile, one_side_tiles, phi_from_tiles,
     first_stored_state, resident_state_tile, scores_from_tiles, sequence_of_program,
 )
 from .chunk_prepare import chunk_indices, keys_workspace, prepare_keys
@@ -41,14 +41,6 @@ KEY_GROUPS = (1, 2, 4)  # (8: the prepare kernel 0.25 ms, twice 2's, on the H200
 OUTPUT_WARPS = (2, 4, 8)
 LOOPS = ("triton", "gluon", "kron")  # the state loop's implementation (chunk_split_gluon.py, chunk_split_kron.py)
 ALL_CHUNKS = 2**31 - 1  # a state loop's chunk bound that every sequence ends before
-
-
-def output_block_ks(shape: KernelShape) -> list[int]:
-    """The output kernel's key slices at ``shape`` (the materialised one with ``materialise``):
-    powers of two from 16 below K, each whole indices of key axis 1 (a multiple of the trailing
-    widths' product)."""
-    trailing = math.prod(shape.key_widths[1:])
-    return [bk for bk in (16, 32, 64, 128) if bk < shape.key_dim and bk % trailing == 0 and shape.key_dim % bk == 0]
 
 
 @dataclass(frozen=True)
@@ -87,9 +79,6 @@ class SplitConfig(KernelConfig):
     ``phi_pass`` (the Triton loop; not with ``wy``): phi(K) is written token-major by the
     token-parallel ``chunk_resident.fill_phi`` before the first part, and the prepare kernel
     stores none (its column-block stores were ~100 of its 135 us at o3 16x16 C 64 on an H100).
-    ``output_block_k``: 0, the output kernel forms phi(Q) whole ([C, K] fp32 in registers: 247
-    registers at o3 16x16 C 64); else its phi(Q) S product runs over key slices of this many
-    rows, each formed from a slice of key axis 1 (a multiple of the trailing widths' product).
     """
 
     kernel: ClassVar[str] = "chunk"
@@ -111,7 +100,6 @@ class SplitConfig(KernelConfig):
     wy: bool = False
     loop: str = "triton"
     phi_pass: bool = False
-    output_block_k: int = 0
 
     def block_k(self, shape: KernelShape) -> int:
         return shape.key_dim_pow2
@@ -140,10 +128,6 @@ class SplitConfig(KernelConfig):
             return f"output_block_v={self.output_block_v}; allowed: {allowed}"
         if (reason := _narrow_output_refusal(self, shape)) is not None:
             return reason
-        if self.output_block_k and self.output_block_k not in output_block_ks(shape):
-            allowed = ", ".join(map(str, [0, *output_block_ks(shape)]))
-            return (f"output_block_k={self.output_block_k}; allowed: {allowed} (0: the whole K; else a power of two "
-                    f"from 16 below K = {shape.key_dim}, a multiple of the trailing widths' product)")
         if self.key_group > 1 and (len(shape.key_widths) < 2 or shape.key_widths[0] % self.key_group):
             return (f"key_group={self.key_group} needs order >= 3 and a first key width it divides, got widths "
                     f"{shape.key_widths} (or key_group=1)")
@@ -217,8 +201,6 @@ class SplitConfig(KernelConfig):
             "wy": [False, True],
             "loop": [loop for loop in LOOPS if loop != "kron"],  # (kron: 1.5-3.8x the default at o3 16x16)
             "phi_pass": [False, True],
-            "output_block_k": [0, *output_block_ks(materialised(shape) if mat and not shape.whole_factor_tiles
-                                                   else shape)],
         }
 
     def workspace_bytes(self, w: Workload) -> int:
@@ -423,43 +405,12 @@ def _window_outputs(b_o, b_c, b_q1, b_q2, b_q3, k1, k2, k3, Gc, Uc, i_c, bos, eo
     return b_o, b_c + b_off
 
 
-@triton.jit
-def _sliced_query_state(q1, b_q2, b_q3, p_h, r, m_t, o_v, m_v, NF: tl.constexpr, D1: tl.constexpr,
-                        D2: tl.constexpr, D3: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
-                        BK: tl.constexpr, L2NORM: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr):
-    """phi(Q) S ([C, BV] fp32) over key slices of BK rows, each BK / (D2 D3) indices of key axis
-    1 (its columns reloaded and scaled by the row's 1 / ||q1||) times the trailing axes' phi:
-    a [C, BK] phi(Q) tile live at a time instead of the whole [C, K] (fp32, formed in
-    registers). ``p_h``: the stored state's [K, V] rows; ``b_q2`` / ``b_q3``: the trailing
-    factors' (normalised) tiles."""
-    DT: tl.constexpr = q1.dtype.element_ty
-    G: tl.constexpr = BK // (D2 * D3)
-    o_g = tl.arange(0, G)
-    o_k = tl.arange(0, BK)
-    b_rs = tl.where(m_t, 1.0, 0.0)
-    if L2NORM:
-        b_rs = factor_inv_norm(q1, r[:, None], m_t[:, None], D1, D1)
-    b_23 = b_q2
-    if NF > 2:
-        b_23 = tl.reshape(b_q2[:, :, None] * b_q3[:, None, :], [C, D2 * D3])
-    b_qh = tl.zeros([C, BV], dtype=tl.float32)
-    for i_g in range(0, D1 // G):
-        b_x = tl.load(q1 + r[:, None] * D1 + i_g * G + o_g[None, :], mask=m_t[:, None], other=0.0)
-        b_x = b_x.to(tl.float32) * b_rs[:, None]
-        b_q = b_x
-        if NF > 1:
-            b_q = tl.reshape(b_x[:, :, None] * b_23[:, None, :], [C, BK])
-        b_h = tl.load(p_h + (i_g * BK + o_k)[:, None] * V + o_v[None, :], mask=m_v[None, :], other=0.0)
-        b_qh += dot(b_q, b_h, LOWP, DT, PREC)
-    return b_qh
-
-
 @triton.jit(do_not_specialize=["c0"])
 def chunk_split_output_kernel(
     q1, q2, q3, k1, k2, k3, Gc, o, Hc, Uc, cu_seqlens, chunk_indices, state_offsets, scale, T, c0,
     H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
-    V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr,
-    LOWP: tl.constexpr, PREC: tl.constexpr, STRIDE: tl.constexpr,
+    V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, LOWP: tl.constexpr,
+    PREC: tl.constexpr, STRIDE: tl.constexpr,
 ):
     """O = scale (diag(Gamma) phi(Q) S_c + P U) for every chunk in parallel: S_c and U as
     :func:`chunk_split_state_kernel` stored them, P from the factor Grams as in the prepare
@@ -469,8 +420,10 @@ def chunk_split_output_kernel(
     first, with varlen); chunk c reads the one at its window's first chunk w and adds the
     earlier chunks j of the window as cross-chunk scores,
     O = scale (diag(Gamma_w->t) phi(Q) S_w + sum_{w <= j <= c} P_cj U_j). ``c0``: the first
-    chunk (or pair) of this launch (a pipelined part). BK: phi(Q) S_w whole (K) or in key
-    slices of BK rows (:func:`_sliced_query_state`)."""
+    chunk (or pair) of this launch (a pipelined part). phi(Q) S_w in one product over the whole
+    K: over key slices of 32 / 64 / 128 rows in a loop (247 -> 194-205 registers, sm_90) the
+    default ran 1.06 / 1.016 / 1.03x as long (o3 16x16, H100, compare_kron.py at e906e88; the
+    kernel 109 us against 96): its loads no longer all issue at once."""
     K: tl.constexpr = D1 * D2 * D3
     i_nh, i_v = tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
@@ -497,16 +450,11 @@ def chunk_split_output_kernel(
     if STRIDE > 1:
         b_o, b_c = _window_outputs(b_o, b_c, b_q1, b_q2, b_q3, k1, k2, k3, Gc, Uc, i_c, bos, eos, i_b, i_h, T,
                                    o_v, m_v, H, NF, D1, D2, D3, V, C, L2NORM, LOWP, PREC, STRIDE)
-    p_h = Hc + (i_s * H + i_h) * K * V
-    if BK == K:
-        b_q = phi_from_tiles(b_q1, b_q2, b_q3, NF, C, D1, D2, D3)
-        o_k = tl.arange(0, K)
-        b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_v[None, :], other=0.0)
-        b_qh = dot(b_q, b_h, LOWP, DT, PREC)
-    else:
-        b_qh = _sliced_query_state(q1, b_q2, b_q3, p_h, r, m_t, o_v, m_v, NF, D1, D2, D3, V, C, BV, BK, L2NORM,
-                                   LOWP, PREC)
-    b_o = scale * (tl.exp(b_c)[:, None] * b_qh + b_o)
+    b_q = phi_from_tiles(b_q1, b_q2, b_q3, NF, C, D1, D2, D3)
+    o_k = tl.arange(0, K)
+    b_h = tl.load(Hc + (i_s * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
+                  mask=(o_k < K)[:, None] & m_v[None, :], other=0.0)
+    b_o = scale * (tl.exp(b_c)[:, None] * dot(b_q, b_h, LOWP, DT, PREC) + b_o)
     tl.store(o + r[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_o)
 
 
@@ -601,9 +549,9 @@ def launch(config: SplitConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seql
     lowp, prec = lowp_dots(v.dtype), config.dot_precision
 
     def prepare(c0: int, c1: int) -> None:
+        # all of phi(K) with the first part: each part's own before its prepare kernel ran 0.3320 ms
+        # against 0.3293 (o3 16x16, H200, compare_kron.py at 251da1b, two rounds)
         if config.phi_pass and c0 == bounds[0][0]:
-            # all of phi(K) with the first part: each part's before its own prepare kernel took
-            # 0.3320 ms against 0.3293 (o3 16x16, H200, compare_kron.py at 251da1b, two rounds)
             fill_phi([k], [ws["Kw"]], l2norm)
         prepare_keys(config, p, q, k, v, g, beta, cu_seqlens=cu_seqlens, idx=idx, l2norm=l2norm,
                      out={**ws, "Kw": None} if config.phi_pass else ws, chunks=(c0, c1))
@@ -618,7 +566,7 @@ def launch(config: SplitConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seql
                                            triton.cdiv(V, config.output_block_v))](
             *factor_args(q), *factor_args(k), ws["Gc"], o, Hc, Uc, cu_seqlens, idx, offsets, p.scale, T, c0,
             H=H, NF=len(q), **{n: w for n, w in width_args(p.key_widths, 16).items() if not n.startswith("BD")},
-            V=V, C=C, BV=config.output_block_v, BK=config.output_block_k or K, L2NORM=l2norm, LOWP=lowp, PREC=prec, STRIDE=config.state_stride,
+            V=V, C=C, BV=config.output_block_v, L2NORM=l2norm, LOWP=lowp, PREC=prec, STRIDE=config.state_stride,
             num_warps=config.output_warps, num_stages=config.num_stages,
         )
 
