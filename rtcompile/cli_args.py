@@ -41,6 +41,14 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse prints usage + message; we want one line
         raise UsageError(f"{self.prog}: {message}")
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # every argument that stores a value may be given once (argparse keeps the last of
+        # `--steps 4 --steps 8` silently): the registry's "store" (also the default action) is
+        # Once, for this parser's argument groups too; appending options and flags are as they are
+        self.register("action", None, Once)
+        self.register("action", "store", Once)
+
     def parse_known_args(self, args=None, namespace=None):
         namespace, rest = super().parse_known_args(args, namespace)
         vars(namespace).pop(_GIVEN, None)  # a subcommand's parser removes it before its values are copied up
@@ -49,13 +57,17 @@ class Parser(argparse.ArgumentParser):
 
 class Once(argparse.Action):
     """An option that may be given once: ``--batch 1 --batch 2`` planned batch 2 alone (argparse
-    keeps the last occurrence, silently). A comma list's options take every value at once."""
+    keeps the last occurrence, silently). A comma list's options (metavar ``X,..``) take every
+    value at once. :class:`Parser` makes every one-value option one of these."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         given = vars(namespace).setdefault(_GIVEN, set())
         if self.dest in given:
-            raise argparse.ArgumentError(self, f"given more than once; allowed: once, every value in one "
-                                               f"comma-separated list ({option_string} {self.metavar or 'A,B'})")
+            if str(self.metavar or "").endswith(",.."):
+                allowed = f"once, every value in one comma-separated list ({option_string} {self.metavar})"
+            else:
+                allowed = "once"
+            raise argparse.ArgumentError(self, f"given more than once; allowed: {allowed}")
         given.add(self.dest)
         setattr(namespace, self.dest, values)
 

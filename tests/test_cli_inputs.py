@@ -414,6 +414,23 @@ def test_a_list_option_given_twice_is_refused(argv, option, tmp_path, capsys, no
     assert f"argument {option}: given more than once" in line and "allowed:" in line, line
 
 
+@pytest.mark.parametrize("argv, option", [
+    (["run", "{spec}", "--steps", "4", "--steps", "8"], "--steps"),
+    (["tune", "{spec}", "--seconds", "5", "--seconds", "9"], "--seconds"),
+    (["plan", "{spec}", "--target", "h200", "--target", "h100"], "--target"),
+    (["export", "{spec}", "--out", "{tmp}/a", "--out", "{tmp}/b"], "--out"),
+    (["bench", "--phase", "decode", "--phase", "prefill"], "--phase"),
+], ids=["run-steps", "tune-seconds", "plan-target", "export-out", "bench-phase"])
+def test_a_one_value_option_given_twice_is_refused(argv, option, tmp_path, capsys, no_long_work):
+    """``run --steps 4 --steps 8`` decoded 8 steps: every one-value option (cli_args.Parser
+    makes each a cli_args.Once) is refused the second time, before any work; nothing is written."""
+    (tmp_path / "s.toml").write_text(TINY)
+    assert main([a.replace("{spec}", str(tmp_path / "s.toml")).replace("{tmp}", str(tmp_path)) for a in argv]) == 2
+    line = _one_line(capsys)
+    assert line.endswith(f"argument {option}: given more than once; allowed: once"), line
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["s.toml"]
+
+
 @pytest.mark.parametrize("tokens", ["1,,2", "1,2,", " ,1"], ids=["middle", "trailing", "blank-first"])
 def test_run_refuses_an_empty_token_item(tokens, made, capsys, monkeypatch):
     """``run --tokens 1,,2`` ran the prompt [1, 2]. Refused before the bundle is verified."""
