@@ -173,6 +173,56 @@ def test_a_second_backward_through_a_kept_forward_recomputes(monkeypatch):
         assert rel_err(a.cpu(), b) < TOL, (i, rel_err(a.cpu(), b))
 
 
+def test_non_reentrant_checkpointing_drops_the_kept_workspaces_and_recomputes_them(monkeypatch):
+    """Under torch.utils.checkpoint(use_reentrant=False) the kept workspaces (the chunk states,
+    U, R, the inverse ...) go through the saved-tensor hooks like any saved tensor, so the
+    checkpoint drops them after the forward; as ctx attributes every checkpointed layer's had
+    stayed alive until its backward. Here the hooks of the checkpoint's forward see the stored
+    chunk states ([chunks, H, K, V]), the forward runs twice (once recomputed for the backward),
+    and the gradients equal those of the same call without the checkpoint."""
+    from torch.utils.checkpoint import checkpoint
+
+    base = chunk_backward.default_backward
+    monkeypatch.setattr(chunk_backward, "default_backward",
+                        lambda *a, **kw: dataclasses.replace(base(*a, **kw), chunk_size=16, block_v=16,
+                                                             keep_forward=True, state_loop="resident",
+                                                             factor_grads="workspace"))
+    forwards = []
+    real = chunk_backward_kept.recompute
+    monkeypatch.setattr(chunk_backward_kept, "recompute", lambda *a, **kw: forwards.append(1) or real(*a, **kw))
+    q, k, v, g, beta, h0, cu = _case("o3-16x16-varlen-h0")
+    leaves = [x.requires_grad_() for x in (*q, *k, v, g, beta, h0)]
+    n = len(q)
+
+    def layer(*xs):
+        return rtcompile.running_tensor(list(xs[:n]), list(xs[n:2 * n]), *xs[2 * n:-1], initial_state=xs[-1],
+                                        output_final_state=True, l2norm=True, cu_seqlens=cu, mode="chunk",
+                                        backend="triton")
+
+    do = ds = None
+    grads = []
+    for checkpointed in (False, True):
+        packed = []
+
+        def pack(t):
+            packed.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            o, s = checkpoint(layer, *leaves, use_reentrant=False) if checkpointed else layer(*leaves)
+        if do is None:
+            do, ds = torch.randn_like(o), torch.randn_like(s)
+        forwards.clear()
+        grads.append(torch.autograd.grad((o * do).sum() + (s * ds).sum(), leaves))
+        if checkpointed:
+            assert forwards == [1]  # the checkpoint recomputed the forward (with its workspaces) for the backward
+        else:
+            H, K, V = 2, 256, 16
+            assert any(len(x) == 4 and x[1:] == (H, K, V) for x in packed), packed  # the chunk states
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_keep_forward_with_either_state_loop():
     shape = KernelShape((16, 16), 64)
     assert CONFIG.check(shape) is None and STREAMED.check(shape) is None

@@ -262,18 +262,32 @@ class KeptForward(torch.autograd.Function):
         n = len(factors) // 2
         q, k, v, g, beta, h0, cu_seqlens = contiguous_inputs(factors[:n], factors[n:], v, g, beta, h0, cu_seqlens)
         o, ht, kept = forward_kept(config, p, q, k, v, g, beta, h0, cu_seqlens, l2norm, output_final_state)
-        ctx.config, ctx.p, ctx.l2norm, ctx.kept = config, p, l2norm, kept
-        ctx.save_for_backward(*q, *k, v, g, beta, h0, cu_seqlens)
+        ctx.config, ctx.p, ctx.l2norm, ctx.spent = config, p, l2norm, False
+        # the kept workspaces are saved tensors, not ctx attributes, so saved-tensor hooks see
+        # them: non-reentrant checkpointing drops them after the forward and recomputes them
+        # for the backward (as ctx attributes every checkpointed layer's stayed alive until its
+        # backward), and save_on_cpu moves them
+        ctx.ws_keys, ctx.n_chunks = tuple(kept.ws), kept.n_chunks
+        ctx.save_for_backward(*q, *k, v, g, beta, h0, cu_seqlens, *kept.ws.values(), kept.Hc, kept.Uc, kept.Rc,
+                              kept.idx, kept.offsets)
+        ctx.n_factors = len(q)
         return o, ht
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # the kernels' gradients have no graph: a double backward
     def backward(ctx, do, dht):  # (create_graph=True) is refused, as the custom op's, not a silent first order
-        saved = ctx.saved_tensors
-        n = (len(saved) - 5) // 2
+        from .chunk_backward_kept import Recomputed
+
+        saved, n = ctx.saved_tensors, ctx.n_factors
         q, k = list(saved[:n]), list(saved[n:2 * n])
-        v, g, beta, h0, cu_seqlens = saved[2 * n:]
-        kept, ctx.kept = ctx.kept, None  # the workspaces go with this backward
+        v, g, beta, h0, cu_seqlens = saved[2 * n:2 * n + 5]
+        rest = saved[2 * n + 5:]
+        kept = None
+        if not ctx.spent:  # a second backward (retain_graph) recomputes: the first wrote over phi's workspaces
+            ws = dict(zip(ctx.ws_keys, rest[:len(ctx.ws_keys)]))
+            kept = Recomputed(ws, *rest[len(ctx.ws_keys):], n_chunks=ctx.n_chunks)
+            ctx.spent = True
+        del rest
         do = torch.zeros_like(v) if do is None else do.contiguous()
         dq, dk, dv, dg, db, dh0 = _backward_module().launch_backward(
             ctx.config, ctx.p, q, k, v, g, beta, h0, cu_seqlens, ctx.l2norm, do,
