@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .cli_args import Once, check_out_parent, nonempty, write_out
+from .cli_args import check_out_parent, int_at_least, int_list_of, nonempty, write_out
 
 
 def add_parsers(sub) -> None:
@@ -34,8 +34,9 @@ def add_parsers(sub) -> None:
     r = sub.add_parser("run", help="run a bundle: prefill a prompt, then greedy decode (CUDA graphs on a GPU, "
                                    "else the bundle's ONNX graphs in onnxruntime)")
     r.add_argument("bundle", metavar="DIR")
-    r.add_argument("--tokens", action=Once, default="1,2,3", metavar="ID,..", help="prompt token ids, comma-separated (default 1,2,3)")
-    r.add_argument("--steps", type=int, default=8, help="tokens to decode greedily (default 8)")
+    r.add_argument("--tokens", type=int_list_of(0, "integers >= 0 (token ids)"), default=[1, 2, 3], metavar="ID,..",
+                   help="prompt token ids, comma-separated (default 1,2,3)")
+    r.add_argument("--steps", type=int_at_least(0), default=8, help="tokens to decode greedily (default 8)")
     r.add_argument("--engine", choices=ENGINES, default="auto",
                    help="auto (default): torch on a CUDA GPU (RunningTensorLM.generate, the decode step as a CUDA "
                         "graph), else onnxruntime; torch: the loaded model on this machine's best device (eager "
@@ -197,17 +198,7 @@ def run_bundle(args) -> int:
     if args.compile_step and not (engine == "torch" and torch.cuda.is_available()):
         raise BundleError(f"--compile-step: with engine {engine} on {'a CUDA GPU' if torch.cuda.is_available() else 'no GPU'}; "
                           "allowed: the torch engine on a CUDA GPU (it fuses the captured decode step)")
-    items = args.tokens.split(",")
-    if len(items) > 1 and any(not x.strip() for x in items):  # "1,,2" ran the prompt [1, 2], silently
-        raise BundleError(f"--tokens: empty item in {args.tokens!r}; allowed: comma-separated integers")
-    try:
-        prompt = [int(x) for x in items if x.strip()]
-    except ValueError:
-        raise BundleError(f"--tokens: got {args.tokens!r}; allowed: comma-separated integers") from None
-    if not prompt:
-        raise BundleError(f"--tokens: got {args.tokens!r}; allowed: at least one token id")
-    if args.steps < 0:
-        raise BundleError(f"--steps: got {args.steps}; allowed: an integer >= 0")
+    prompt = args.tokens  # comma-separated ids >= 0, at least one (parsed by cli_args.int_list_of)
     from .generate import check_output_size
 
     try:  # both engines: an output of that many tokens must fit, before any work

@@ -32,10 +32,11 @@ def _one_line(capsys) -> str:
 
 
 @pytest.mark.parametrize("argv, pattern", [
-    (["--steps", "-1"], r"--steps: got -1; allowed: an integer >= 0"),
-    (["--tokens", ""], r"--tokens: got ''; allowed: at least one token id"),
-    (["--tokens", "1,x"], r"--tokens: got '1,x'; allowed: comma-separated integers"),
-], ids=["steps", "empty", "not-int"])
+    (["--steps", "-1"], r"argument --steps: expected an integer >= 0, got -1"),
+    (["--tokens", ""], r"argument --tokens: expected comma-separated integers >= 0 \(token ids\), got ''"),
+    (["--tokens", "1,x"], r"argument --tokens: expected comma-separated integers >= 0 \(token ids\), got '1,x'"),
+    (["--tokens", "1,-2"], r"argument --tokens: expected comma-separated integers >= 0 \(token ids\), got '1,-2'"),
+], ids=["steps", "empty", "not-int", "negative"])
 def test_run_refuses_its_options_before_verifying_the_bundle(argv, pattern, exported, capsys, monkeypatch):
     """Before: the bundle was hashed first (1.35 s for this toy one), then every case read
     "--tokens/--steps: token ids in [0, 11) and steps >= 0 required"."""

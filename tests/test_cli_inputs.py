@@ -439,7 +439,7 @@ def test_run_refuses_an_empty_token_item(tokens, made, capsys, monkeypatch):
     monkeypatch.setattr(export_pkg, "verify_bundle", lambda *a: pytest.fail("verified before the options"))
     assert main(["run", str(made / "b"), "--tokens", tokens, "--steps", "1"]) == 2
     line = _one_line(capsys)
-    assert f"--tokens: empty item in {tokens!r}; allowed: comma-separated integers" in line, line
+    assert f"--tokens: empty item in {tokens!r}; allowed: comma-separated integers >= 0 (token ids)" in line, line
 
 
 def test_parsed_arguments_carry_no_bookkeeping():
