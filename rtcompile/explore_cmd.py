@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from .cli_args import (Once, UsageError, check_out_dir, check_storage, int_list, int_list_of, new_folders, nonempty,
+from .cli_args import (UsageError, check_out_dir, check_storage, int_list, int_list_of, new_folders, nonempty,
                        number_list_of, positive_int)
 
 # SweepOptions / RecallOptions field -> the option that sets it (their errors name the field)
@@ -33,9 +33,9 @@ def add_parser(sub) -> None:
                                        "Pareto front (table, JSON, CSV, plots)")
     p.add_argument("spec", help="base model spec (.toml or .json): heads, value width, layers, features; each point "
                                 "replaces its order and key widths")
-    p.add_argument("--orders", action=Once, type=int_list, required=True, metavar="O,..",
+    p.add_argument("--orders", type=int_list, required=True, metavar="O,..",
                    help="orders to sweep (2-4, the Triton kernels' orders); order o has o - 1 key axes")
-    p.add_argument("--widths", action=Once, type=int_list, required=True, metavar="W,..",
+    p.add_argument("--widths", type=int_list, required=True, metavar="W,..",
                    help="key-axis widths to sweep; a point's axes all have one width")
     p.add_argument("--d-model", type=positive_int, metavar="N",
                    help="model width of the base spec (default: 128 with --recall, else the spec's)")
@@ -63,9 +63,9 @@ def add_parser(sub) -> None:
                         "the measured runs'; Zoology's is 8192)")
     r.add_argument("--steps", type=positive_int, metavar="N", help="training steps per learning rate "
                    "(default 8000; early stop at 0.99 validation accuracy)")
-    r.add_argument("--lrs", action=Once, type=number_list_of(float, None, "numbers"), metavar="LR,..",
+    r.add_argument("--lrs", type=number_list_of(float, None, "numbers"), metavar="LR,..",
                    help="learning rates swept per point, the best kept (default 1e-3,3e-3,1e-2)")
-    r.add_argument("--seeds", action=Once, type=int_list_of(0, "integers >= 0"), metavar="S,..",
+    r.add_argument("--seeds", type=int_list_of(0, "integers >= 0"), metavar="S,..",
                    help="training seeds; the accuracy reported is their mean (default 0)")
     r.add_argument("--batch-size", type=positive_int, metavar="N", help="training batch (default 64)")
     p.set_defaults(func=run)

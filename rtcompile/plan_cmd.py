@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from .cli_args import (Once, UsageError, check_out_file, check_out_not_input, check_storage, int_list, nonempty,
+from .cli_args import (UsageError, check_out_file, check_out_not_input, check_storage, int_list, nonempty,
                        positive_int, tuning_buckets, write_out)
 
 
@@ -18,9 +18,9 @@ def _common(p, target_note: str = "") -> None:
     p.add_argument("--target", default=None, metavar="NAME", type=nonempty(", ".join(["auto", *PROFILES])),
                    help=f"GPU profile (auto, h100-sxm, h200, a100-80gb, l40s, l4, rtx-4090, b200); default: auto "
                         f"on a GPU, {DEFAULT_TARGET} without one{target_note}")
-    p.add_argument("--batch", action=Once, type=int_list, metavar="B,..", help="prefill batches to plan (default 1,8)")
-    p.add_argument("--seq-len", action=Once, type=int_list, metavar="T,..", help="prefill lengths to plan (default 16 to 65536)")
-    p.add_argument("--decode-batch", action=Once, type=int_list, metavar="B,..", help="decode batches (default 1,8,32,128,256)")
+    p.add_argument("--batch", type=int_list, metavar="B,..", help="prefill batches to plan (default 1,8)")
+    p.add_argument("--seq-len", type=int_list, metavar="T,..", help="prefill lengths to plan (default 16 to 65536)")
+    p.add_argument("--decode-batch", type=int_list, metavar="B,..", help="decode batches (default 1,8,32,128,256)")
     p.add_argument("--out", metavar="FILE", type=nonempty("a file path"),
                    help="write the plan as JSON (atomically; its folder made when missing)")
 

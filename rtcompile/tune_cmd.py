@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from .cli_args import (Once, UsageError, check_storage, finite_positive_float, fixed_param, int_list, nonempty, positive_int,
+from .cli_args import (UsageError, check_storage, finite_positive_float, fixed_param, int_list, nonempty, positive_int,
                        tuning_buckets)
 
 # the phase that tunes each kernel (--fix names a kernel's forms)
@@ -49,11 +49,11 @@ def add_parser(sub) -> None:
                    help="tune the chunk (prefill) kernel, the recurrent (decode) kernel, or both (all); train: the "
                         "chunk backward's configs, forward + backward timed together and every gradient checked "
                         "against float64 (not part of all: a trial costs a forward and a backward)")
-    p.add_argument("--batch", action=Once, type=int_list, metavar="B,..",
+    p.add_argument("--batch", type=int_list, metavar="B,..",
                    help="prefill / train batch buckets (GPU default 8; CPU 1)")
-    p.add_argument("--seq-len", action=Once, type=int_list, metavar="T,..",
+    p.add_argument("--seq-len", type=int_list, metavar="T,..",
                    help="prefill / train length buckets (GPU default 4096; CPU 32)")
-    p.add_argument("--decode-batch", action=Once, type=int_list, metavar="B,..", help="decode batch buckets (GPU default 32,256; CPU 2)")
+    p.add_argument("--decode-batch", type=int_list, metavar="B,..", help="decode batch buckets (GPU default 32,256; CPU 2)")
     p.add_argument("--timeout", type=finite_positive_float, default=300.0, metavar="S",
                    help="per-trial limit: compile, check and time (default 300)")
     p.add_argument("--impl", help=argparse.SUPPRESS)  # test hook: "module:function" replacing the kernel call
