@@ -6,7 +6,9 @@ equal) and against float64 autograd through the public API, with every workspace
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
+import weakref
 
 import pytest
 import torch
@@ -151,6 +153,15 @@ def test_a_second_backward_through_a_kept_forward_recomputes(monkeypatch):
     calls = []
     real = chunk_backward.recompute
     monkeypatch.setattr(chunk_backward, "recompute", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    kept_states = []
+    real_kept = chunk_backward_kept.forward_kept
+
+    def forward_kept(*a, **kw):
+        out = real_kept(*a, **kw)
+        kept_states.extend(weakref.ref(t) for t in (out[2].Hc, out[2].Uc))
+        return out
+
+    monkeypatch.setattr(chunk_backward_kept, "forward_kept", forward_kept)
     q, k, v, g, beta, h0, cu = _case("o3-16x16-varlen-h0")
     leaves = [x.requires_grad_() for x in (*q, *k, v, g, beta, h0)]
     o, s = rtcompile.running_tensor(q, k, v, g, beta, initial_state=h0, output_final_state=True, l2norm=True,
@@ -159,6 +170,9 @@ def test_a_second_backward_through_a_kept_forward_recomputes(monkeypatch):
     loss = (o * do).sum() + (s * ds).sum()
     first = torch.autograd.grad(loss, leaves, retain_graph=True)
     assert calls == []  # the first backward starts from the kept forward
+    # the retained graph keeps the spent workspaces' tensors, not their memory (it had held it
+    # until the graph was freed)
+    assert kept_states and all(t().untyped_storage().nbytes() == 0 for t in kept_states)
     second = torch.autograd.grad(loss, leaves)
     assert calls == [1]  # the second recomputes it
     for a, b in zip(first, second):
@@ -190,6 +204,15 @@ def test_non_reentrant_checkpointing_drops_the_kept_workspaces_and_recomputes_th
     forwards = []
     real = chunk_backward_kept.recompute
     monkeypatch.setattr(chunk_backward_kept, "recompute", lambda *a, **kw: forwards.append(1) or real(*a, **kw))
+    states = []  # a weak reference to each kept forward's stored chunk states
+    real_kept = chunk_backward_kept.forward_kept
+
+    def forward_kept(*a, **kw):
+        out = real_kept(*a, **kw)
+        states.append(weakref.ref(out[2].Hc))
+        return out
+
+    monkeypatch.setattr(chunk_backward_kept, "forward_kept", forward_kept)
     q, k, v, g, beta, h0, cu = _case("o3-16x16-varlen-h0")
     leaves = [x.requires_grad_() for x in (*q, *k, v, g, beta, h0)]
     n = len(q)
@@ -212,6 +235,9 @@ def test_non_reentrant_checkpointing_drops_the_kept_workspaces_and_recomputes_th
             o, s = checkpoint(layer, *leaves, use_reentrant=False) if checkpointed else layer(*leaves)
         if do is None:
             do, ds = torch.randn_like(o), torch.randn_like(s)
+        gc.collect()
+        # after the forward: the checkpoint dropped the workspaces; without it they wait for the backward
+        assert (states[-1]() is None) == checkpointed
         forwards.clear()
         grads.append(torch.autograd.grad((o * do).sum() + (s * ds).sum(), leaves))
         if checkpointed:

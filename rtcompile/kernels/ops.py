@@ -282,16 +282,22 @@ class KeptForward(torch.autograd.Function):
         q, k = list(saved[:n]), list(saved[n:2 * n])
         v, g, beta, h0, cu_seqlens = saved[2 * n:2 * n + 5]
         rest = saved[2 * n + 5:]
-        kept = None
+        kept, spent = None, []
         if not ctx.spent:  # a second backward (retain_graph) recomputes: the first wrote over phi's workspaces
             ws = dict(zip(ctx.ws_keys, rest[:len(ctx.ws_keys)]))
             kept = Recomputed(ws, *rest[len(ctx.ws_keys):], n_chunks=ctx.n_chunks)
+            spent = [t for t in (*ws.values(), kept.Hc, kept.Uc, kept.Rc) if t is not None]
             ctx.spent = True
         del rest
         do = torch.zeros_like(v) if do is None else do.contiguous()
         dq, dk, dv, dg, db, dh0 = _backward_module().launch_backward(
             ctx.config, ctx.p, q, k, v, g, beta, h0, cu_seqlens, ctx.l2norm, do,
             None if dht is None else dht.contiguous(), kept=kept)
+        # a retained graph (retain_graph=True) would hold the spent workspaces until it is freed,
+        # though no backward reads them again: their memory goes now (each was made by the
+        # forward; a resize does not count as a write to autograd's version check)
+        for t in spent:
+            t.untyped_storage().resize_(0)
         # launch_backward gives None for an absent beta or initial state
         return (None, None, None, None, None, dv, _floored(dg, g), db, dh0, *dq, *dk)
 
