@@ -51,6 +51,31 @@ def _case(name, seed=None, dtype=torch.float32):
     return [low(x) for x in q], [low(x) for x in k], low(v), f32(g), low(beta), f32(s0), cu
 
 
+def _keep_resident_default(monkeypatch) -> None:
+    """The backward default, at chunks of 16 and 16 value columns, keeping its forward with the
+    resident state loop and phi's gradients stored over the kept phi workspaces."""
+    base = chunk_backward.default_backward
+    monkeypatch.setattr(chunk_backward, "default_backward",
+                        lambda *a, **kw: dataclasses.replace(base(*a, **kw), chunk_size=16, block_v=16,
+                                                             keep_forward=True, state_loop="resident",
+                                                             factor_grads="workspace"))
+
+
+def _watch_kept(monkeypatch, *names) -> list:
+    """Weak references to the named workspaces (``Recomputed`` fields) of every kept forward
+    run from here on, in order."""
+    refs = []
+    real = chunk_backward_kept.forward_kept
+
+    def forward_kept(*a, **kw):
+        out = real(*a, **kw)
+        refs.extend(weakref.ref(getattr(out[2], n)) for n in names)
+        return out
+
+    monkeypatch.setattr(chunk_backward_kept, "forward_kept", forward_kept)
+    return refs
+
+
 CONFIG = BackwardConfig(chunk_size=16, block_v=16, keep_forward=True)
 # the streamed loops (K > 256 by default) keep theirs too: the output comes from the state loop
 # that stores the states, in tiles of 64 rows (four per state at o3 16x16)
@@ -145,23 +170,11 @@ def test_a_second_backward_through_a_kept_forward_recomputes(monkeypatch):
     forward is spent: a second backward (``retain_graph=True``) must recompute it, never read
     the overwritten phi. Both backwards give the same gradients (the same kernels on the same
     inputs), and those match float64 autograd."""
-    base = chunk_backward.default_backward
-    monkeypatch.setattr(chunk_backward, "default_backward",
-                        lambda *a, **kw: dataclasses.replace(base(*a, **kw), chunk_size=16, block_v=16,
-                                                             keep_forward=True, state_loop="resident",
-                                                             factor_grads="workspace"))
+    _keep_resident_default(monkeypatch)
     calls = []
     real = chunk_backward.recompute
     monkeypatch.setattr(chunk_backward, "recompute", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    kept_states = []
-    real_kept = chunk_backward_kept.forward_kept
-
-    def forward_kept(*a, **kw):
-        out = real_kept(*a, **kw)
-        kept_states.extend(weakref.ref(t) for t in (out[2].Hc, out[2].Uc))
-        return out
-
-    monkeypatch.setattr(chunk_backward_kept, "forward_kept", forward_kept)
+    kept_states = _watch_kept(monkeypatch, "Hc", "Uc")
     q, k, v, g, beta, h0, cu = _case("o3-16x16-varlen-h0")
     leaves = [x.requires_grad_() for x in (*q, *k, v, g, beta, h0)]
     o, s = rtcompile.running_tensor(q, k, v, g, beta, initial_state=h0, output_final_state=True, l2norm=True,
@@ -196,23 +209,11 @@ def test_non_reentrant_checkpointing_drops_the_kept_workspaces_and_recomputes_th
     and the gradients equal those of the same call without the checkpoint."""
     from torch.utils.checkpoint import checkpoint
 
-    base = chunk_backward.default_backward
-    monkeypatch.setattr(chunk_backward, "default_backward",
-                        lambda *a, **kw: dataclasses.replace(base(*a, **kw), chunk_size=16, block_v=16,
-                                                             keep_forward=True, state_loop="resident",
-                                                             factor_grads="workspace"))
+    _keep_resident_default(monkeypatch)
     forwards = []
     real = chunk_backward_kept.recompute
     monkeypatch.setattr(chunk_backward_kept, "recompute", lambda *a, **kw: forwards.append(1) or real(*a, **kw))
-    states = []  # a weak reference to each kept forward's stored chunk states
-    real_kept = chunk_backward_kept.forward_kept
-
-    def forward_kept(*a, **kw):
-        out = real_kept(*a, **kw)
-        states.append(weakref.ref(out[2].Hc))
-        return out
-
-    monkeypatch.setattr(chunk_backward_kept, "forward_kept", forward_kept)
+    states = _watch_kept(monkeypatch, "Hc")  # each kept forward's stored chunk states
     q, k, v, g, beta, h0, cu = _case("o3-16x16-varlen-h0")
     leaves = [x.requires_grad_() for x in (*q, *k, v, g, beta, h0)]
     n = len(q)
