@@ -55,11 +55,11 @@ CASES = [
 
 
 # (case, widths, changes to the shape's default): the default is phi_pass since 2026-12-06
-# (measured here at 329e92d as dict(phi_pass=True) beside the stored-phi(K) default); now the
-# stored-phi(K) config is a proposal. Changes to the o3 16x16 default (phi_pass) measured here: at 251da1b (H200, two rounds) each of
-# pipeline=4 (+ num_stages=2), block_v=16, output_warps=8, output_block_v=32, state_stride=1 and
-# num_stages=2 ran 1.04-1.28x the default (0.3293 ms), phi(K) per part 1.008x; at e906e88 (H100)
-# the output kernel over key slices 1.016-1.36x, the tile solve in registers 1.13-1.68x.
+# (measured here at 329e92d beside the stored-phi(K) default, now a proposal). Changes to it
+# measured here: at 251da1b (H200, two rounds) pipeline=4 (+ num_stages=2), block_v=16,
+# output_warps=8, output_block_v=32, state_stride=1 and num_stages=2 ran 1.04-1.28x the default
+# (0.3293 ms), phi(K) per part 1.008x; at e906e88 (H100) the output kernel over key slices
+# 1.016-1.36x, the tile solve in registers 1.13-1.68x.
 PHI_PASS = [
     ("o3 16x16", (16, 16), [dict(phi_pass=False), dict(pipeline=4), dict(num_stages=2)]),
 ]
@@ -193,7 +193,7 @@ def main() -> int:
     import torch
 
     import rtcompile
-    from compare_defaults import _capture, _prefill_inputs, _timed
+    from compare_defaults import _prefill_inputs, _timed
     from rtcompile.kernels import launch
     from rtcompile.kernels.chunk_split import SplitConfig
     from rtcompile.kernels.inputs import check_inputs

@@ -53,7 +53,8 @@ def add_parser(sub) -> None:
                    help="prefill / train batch buckets (GPU default 8; CPU 1)")
     p.add_argument("--seq-len", type=int_list, metavar="T,..",
                    help="prefill / train length buckets (GPU default 4096; CPU 32)")
-    p.add_argument("--decode-batch", type=int_list, metavar="B,..", help="decode batch buckets (GPU default 32,256; CPU 2)")
+    p.add_argument("--decode-batch", type=int_list, metavar="B,..",
+                   help="decode batch buckets (GPU default 32,256; CPU 2)")
     p.add_argument("--timeout", type=finite_positive_float, default=300.0, metavar="S",
                    help="per-trial limit: compile, check and time (default 300)")
     p.add_argument("--impl", help=argparse.SUPPRESS)  # test hook: "module:function" replacing the kernel call

@@ -141,8 +141,11 @@ def test_compare_kron_check_runs_the_pipelined_parts(monkeypatch):
     from rtcompile.kernels import running_tensor_recurrent_ref
 
     with monkeypatch.context() as m:
-        m.setattr(launch, "running_tensor_fwd", lambda q, k, v, g, beta, variant, **kw: tuple(
-            x.to(y.dtype) for x, y in zip(running_tensor_recurrent_ref(q, k, v, g, beta, **kw), (v, kw["initial_state"]))))
+        def reference(q, k, v, g, beta, variant, **kw):
+            o, s = running_tensor_recurrent_ref(q, k, v, g, beta, **kw)
+            return o.to(v.dtype), s.to(kw["initial_state"].dtype)
+
+        m.setattr(launch, "running_tensor_fwd", reference)
         assert compare_kron.check(FusedConfig(16, 256, 16), (16, 16)) is None
     real = chunk_split.run_parts
     monkeypatch.setattr(chunk_split, "run_parts", lambda bounds, *a: real(bounds[:1], *a))

@@ -58,6 +58,19 @@ class Recomputed:
     offsets: torch.Tensor | None
     n_chunks: list[int]
 
+    def tensors(self) -> tuple:
+        """Every tensor field (None where absent), in the order :meth:`from_tensors` reads."""
+        return (*self.ws.values(), self.Hc, self.Uc, self.Rc, self.idx, self.offsets)
+
+    @classmethod
+    def from_tensors(cls, keys: tuple, tensors, n_chunks: list[int]) -> "Recomputed":
+        """The inverse of :meth:`tensors`, given ``ws``'s keys and ``n_chunks``."""
+        return cls(dict(zip(keys, tensors[:len(keys)])), *tensors[len(keys):], n_chunks=n_chunks)
+
+    def workspaces(self) -> list[torch.Tensor]:
+        """The buffers the forward made (not the varlen indices), present ones only."""
+        return [t for t in (*self.ws.values(), self.Hc, self.Uc, self.Rc) if t is not None]
+
 
 def prepare_config(config) -> SplitConfig:
     """The split form's config for the prepare kernel and the state loop of BackwardConfig

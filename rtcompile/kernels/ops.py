@@ -267,10 +267,8 @@ class KeptForward(torch.autograd.Function):
         # them: non-reentrant checkpointing drops them after the forward and recomputes them
         # for the backward (as ctx attributes every checkpointed layer's stayed alive until its
         # backward), and save_on_cpu moves them
-        ctx.ws_keys, ctx.n_chunks = tuple(kept.ws), kept.n_chunks
-        ctx.save_for_backward(*q, *k, v, g, beta, h0, cu_seqlens, *kept.ws.values(), kept.Hc, kept.Uc, kept.Rc,
-                              kept.idx, kept.offsets)
-        ctx.n_factors = len(q)
+        ctx.ws_keys, ctx.n_chunks, ctx.n_factors = tuple(kept.ws), kept.n_chunks, len(q)
+        ctx.save_for_backward(*q, *k, v, g, beta, h0, cu_seqlens, *kept.tensors())
         return o, ht
 
     @staticmethod
@@ -281,14 +279,11 @@ class KeptForward(torch.autograd.Function):
         saved, n = ctx.saved_tensors, ctx.n_factors
         q, k = list(saved[:n]), list(saved[n:2 * n])
         v, g, beta, h0, cu_seqlens = saved[2 * n:2 * n + 5]
-        rest = saved[2 * n + 5:]
         kept, spent = None, []
         if not ctx.spent:  # a second backward (retain_graph) recomputes: the first wrote over phi's workspaces
-            ws = dict(zip(ctx.ws_keys, rest[:len(ctx.ws_keys)]))
-            kept = Recomputed(ws, *rest[len(ctx.ws_keys):], n_chunks=ctx.n_chunks)
-            spent = [t for t in (*ws.values(), kept.Hc, kept.Uc, kept.Rc) if t is not None]
+            kept = Recomputed.from_tensors(ctx.ws_keys, saved[2 * n + 5:], ctx.n_chunks)
+            spent = kept.workspaces()
             ctx.spent = True
-        del rest
         do = torch.zeros_like(v) if do is None else do.contiguous()
         dq, dk, dv, dg, db, dh0 = _backward_module().launch_backward(
             ctx.config, ctx.p, q, k, v, g, beta, h0, cu_seqlens, ctx.l2norm, do,
