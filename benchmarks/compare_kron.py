@@ -1,8 +1,9 @@
-"""Check, then time, the split form's state loop on the Kronecker factors (``loop="kron"``)
-and phi(K) from the token-parallel phi kernel (``phi_pass``) against each shape's default, in
-one process on one GPU.
+"""Check, then time, proposals against each shape's default in one process on one GPU: the split
+form's state loop on the Kronecker factors (``loop="kron"``), changes to o3 16x16's
+``phi_pass`` default (``--phi-pass``) and changes to the streamed defaults above K = 256
+(``--large``).
 
-    python benchmarks/compare_kron.py [--rounds 2] [--out FILE.json] [--only 32x32] [--phi-pass] [--profile]
+    python benchmarks/compare_kron.py [--rounds 2] [--out FILE.json] [--only 32x32] [--phi-pass | --large] [--profile]
 
 First every proposal runs against the float64 reference on the GPU (B1 T 203 and varlen
 sequences of 37 and 166 tokens, H2 d_v 64: partial chunks, an initial state, gate, delta rule,
@@ -63,10 +64,21 @@ CASES = [
 PHI_PASS = [
     ("o3 16x16", (16, 16), [dict(phi_pass=False), dict(pipeline=4), dict(num_stages=2)]),
 ]
+# (case, widths, changes to the streamed default) above K = 256: the tuner's o3 32x32 pick (H100,
+# 4852df4: 1.212 ms against the default's 1.293), merged passes at K 1024, and chunks of 128
+# (half the state traffic and half the chain's steps; the tile solve stops at C 64, so the row
+# solve; 128-row tiles need ~275 KB of shared memory by the estimate, so 64)
+_C128 = dict(chunk_size=128, block_k=64, solve="rows", prefetch_state=False, merge_passes=True)
+LARGE = [
+    ("o3 32x32", (32, 32), [dict(block_k=256, prefetch_state=False), dict(block_k=256),
+                            dict(merge_passes=True, prefetch_state=False), _C128, {**_C128, "block_v": 16}]),
+    ("o3 64x64", (64, 64), [dict(prefetch_state=True), _C128, {**_C128, "block_v": 16}, {**_C128, "num_warps": 16}]),
+    ("o4 16x16x16", (16, 16, 16), [_C128, {**_C128, "block_v": 16}]),
+]
 
 
-def _name(fields: dict) -> str:
-    if "loop" not in fields and "chunk_size" not in fields:  # a change to the default
+def _name(fields: dict, changes: bool) -> str:
+    if changes:
         return "default + " + " ".join(f"{k}={v}" for k, v in fields.items())
     f = {**KRON, **fields}
     return (f"C{f['chunk_size']} bv{f['block_v']} w{f['num_warps']} stride{f['state_stride']} "
@@ -186,7 +198,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", help="write the rows as JSON here")
     ap.add_argument("--only", help="only the cases whose name contains this")
-    ap.add_argument("--phi-pass", action="store_true", help="only the phi_pass proposals")
+    only = ap.add_mutually_exclusive_group()
+    only.add_argument("--phi-pass", action="store_true", help="only the phi_pass proposals")
+    only.add_argument("--large", action="store_true", help="only the proposals above K = 256")
     ap.add_argument("--profile", action="store_true",
                     help="also the per-kernel split (torch.profiler, eager) of the default and the fastest proposal")
     args = ap.parse_args()
@@ -200,7 +214,11 @@ def main() -> int:
 
     dev = torch.device("cuda")
     rows = []
-    for case, widths, proposals in (PHI_PASS if args.phi_pass else CASES + PHI_PASS):
+    # (changes to the default?, case, widths, proposals)
+    lists = {"kron": [(False, *c) for c in CASES], "phi": [(True, *c) for c in PHI_PASS],
+             "large": [(True, *c) for c in LARGE]}
+    chosen = ["phi"] if args.phi_pass else ["large"] if args.large else ["kron", "phi"]
+    for changes, case, widths, proposals in (c for name in chosen for c in lists[name]):
         if args.only and args.only not in case:
             continue
         sets = [_prefill_inputs(widths, seed) for seed in (1, 2)]
@@ -213,18 +231,19 @@ def main() -> int:
             rows.append({"case": case, "config": "default", "failed": failed})
             continue
         for fields in proposals:
-            if "loop" not in fields and "chunk_size" not in fields:
+            if changes:
                 cfg = type(default).from_dict({**default.to_dict(), **fields})
             else:
                 cfg = SplitConfig.from_dict({**SplitConfig(16, 16).to_dict(), **KRON, **fields})
             refusal = cfg.check(launch.kernel_shape(p), launch.smem_limit(dev))
             failed = refusal or check(cfg, widths)
-            print(f"{case} {_name(fields)}: {'refused: ' + refusal if refusal else failed or 'matches float64'}",
+            name = _name(fields, changes)
+            print(f"{case} {name}: {'refused: ' + refusal if refusal else failed or 'matches float64'}",
                   file=sys.stderr, flush=True)
             if failed:
-                rows.append({"case": case, "config": _name(fields), "failed": failed})
+                rows.append({"case": case, "config": name, "failed": failed})
                 continue
-            configs[_name(fields)] = cfg
+            configs[name] = cfg
 
         def call(s, cfg):
             return lambda: rtcompile.running_tensor(*s, l2norm=True, output_final_state=True, mode="chunk",
@@ -267,7 +286,7 @@ def main() -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"split loop on the factors vs the default, B8 T4096 H8 d_v 64 bf16 "
+    table = Table(title=f"proposals vs the default, B8 T4096 H8 d_v 64 bf16 "
                         f"({torch.cuda.get_device_name()}, median of {args.rounds} rounds)")
     for col in ("case", "config", "ms", "x default", "diff"):
         table.add_column(col)

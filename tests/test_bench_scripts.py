@@ -151,3 +151,22 @@ def test_compare_kron_check_runs_the_pipelined_parts(monkeypatch):
     monkeypatch.setattr(chunk_split, "run_parts", lambda bounds, *a: real(bounds[:1], *a))
     failed = compare_kron.check(config, (16, 16))
     assert failed is not None and failed.startswith("torch.bfloat16 T203 parts output"), failed
+
+
+@pytest.mark.parametrize("listed", ["PHI_PASS", "LARGE"])
+def test_compare_kron_changes_to_the_default_pass_their_checks(listed):
+    """Every change compare_kron proposes to a shape's default builds a config that passes its
+    own check with an H200's shared memory (232448 B), and changes what it names (a misspelt
+    field or a no-op would time the default against itself on the GPU)."""
+    import compare_kron
+    from rtcompile.kernels.config import KernelShape
+    from rtcompile.kernels.forms import default_config
+
+    for case, widths, proposals in getattr(compare_kron, listed):
+        shape = KernelShape(widths, 64, 2)
+        default = default_config("chunk", shape, 232448)
+        for fields in proposals:
+            assert set(fields) <= set(default.to_dict()), (case, fields)
+            cfg = type(default).from_dict({**default.to_dict(), **fields})
+            assert cfg != default, (case, fields)
+            assert cfg.check(shape, 232448) is None, (case, fields, cfg.check(shape, 232448))
