@@ -64,15 +64,12 @@ CASES = [
 PHI_PASS = [
     ("o3 16x16", (16, 16), [dict(phi_pass=False), dict(pipeline=4), dict(num_stages=2)]),
 ]
-# (case, widths, changes to the streamed default) above K = 256: the tuner's o3 32x32 pick (H100,
-# 4852df4: 1.212 ms against the default's 1.293) and chunks of 128
-# (half the state traffic and half the chain's steps; the tile solve stops at C 64, so the row
-# solve; 128-row tiles need ~275 KB of shared memory by the estimate, so 64)
-_C128 = dict(chunk_size=128, block_k=64, solve="rows", prefetch_state=False, merge_passes=True)
+# (case, widths, changes to the streamed default) above K = 256. Measured here at 91fb7d6 (H200,
+# two rounds): o3 32x32 with 256-row tiles and no state prefetch (the tuner's pick on an H100)
+# 1.238 ms against 1.319 for the then default (128-row tiles loaded one ahead): the default since;
+# chunks of 128 (row solve, 64-row tiles, passes merged) 61.2 ms, 46x
 LARGE = [
-    ("o3 32x32", (32, 32), [dict(block_k=256, prefetch_state=False), _C128]),
-    ("o3 64x64", (64, 64), [_C128, {**_C128, "block_v": 16}]),
-    ("o4 16x16x16", (16, 16, 16), [_C128]),
+    ("o3 32x32", (32, 32), [dict(block_k=128, prefetch_state=True)]),
 ]
 
 

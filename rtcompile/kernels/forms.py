@@ -236,10 +236,15 @@ CHUNK_DEFAULTS: tuple[DefaultRow, ...] = (
                "K >= 4096: 256-row tiles, 32 columns, passes merged (state read once per chunk), tf32 solve: "
                "o3 64x64 5.26 ms, o4 16^3 5.67 (6.49 / 7.10 unmerged)"),
     DefaultRow(lambda s: 256 < s.key_dim_pow2 < 4096,
-               lambda s: [StreamedConfig(chunk_size=64, block_k=_stream_tile(s), block_v=min(32, s.value_dim_pow2),
+               lambda s: [StreamedConfig(chunk_size=64, block_k=max(_stream_tile(s), 256),
+                                         block_v=min(32, s.value_dim_pow2), num_warps=8, prepare_warps=2,
+                                         dot_precision=_precision(s)),
+                          StreamedConfig(chunk_size=64, block_k=_stream_tile(s), block_v=min(32, s.value_dim_pow2),
                                          num_warps=8, prepare_warps=2, dot_precision=_precision(s),
                                          prefetch_state=True)],
-               "256 < K < 4096: 128-row tiles loaded one ahead, C 64, tf32 solve: o3 32x32 1.32 ms (3.03 at C 32)"),
+               "256 < K < 4096: 256-row tiles, C 64, tf32 solve: o3 32x32 1.238 ms against 1.319 for 128-row tiles "
+               "loaded one ahead (H200, compare_kron --large at 91fb7d6; the tuner's pick on an H100, 1.212 against "
+               "1.293); those where 256 rows do not fit (3.03 ms at C 32)"),
     DefaultRow(lambda s: s.key_dim_pow2 > 256,
                lambda s: [_tiled(s, C, _stream_tile(s), 16, w) for C, w in
                           ([(64, 8)] if s.key_dim_pow2 >= 4096 and _stream_tile(s) <= 128 else []) + [(32, 4), (16, 4)]]
