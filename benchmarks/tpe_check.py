@@ -73,13 +73,13 @@ def _trial_times(storage: str, name: str) -> dict:
 
 
 def _not_ok(storage: str, name: str) -> list[str]:
-    """Each trial of the study ``name`` that ran no timing, as "status: reason" (a study that ran
-    fewer than its budget of variants says why)."""
+    """Each trial of the study ``name`` that ran no timing, a repeat of an earlier one aside, as
+    "status: reason" (a study that ran fewer than its budget of variants says why)."""
     import optuna
 
     study = optuna.load_study(study_name=name, storage=storage)
     return [f"{t.user_attrs.get('status')}: {t.user_attrs.get('reason', '')}" for t in study.get_trials(deepcopy=False)
-            if t.user_attrs.get("status") not in (None, "ok")]
+            if t.user_attrs.get("status") not in (None, "ok", "repeat")]
 
 
 def main(argv=None) -> int:

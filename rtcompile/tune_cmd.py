@@ -300,7 +300,8 @@ def _print_results(results, spec, args, on_gpu: bool) -> None:
         if fixed and v and not in_subspace(FORMS[v["form"]].from_dict(v), fixed):
             vt += " (the default, outside the fixed sub-space: none of it was faster)"
         ran = "0 (already tuned)" if r.already_tuned else str(r.trials_run)
-        table.add_row(escape(r.bucket.label), str(r.trials_total), ran, str(c.get("ok", 0)), str(c.get("pruned", 0)),
+        pruned = str(c.get("pruned", 0)) + (f" (+{c['repeat']} repeats)" if c.get("repeat") else "")
+        table.add_row(escape(r.bucket.label), str(r.trials_total), ran, str(c.get("ok", 0)), pruned,
                       str(c.get("rejected", 0)), failed(c), ms(r.best_seconds),
                       ms(r.default_seconds), f"{r.speedup:.2f}x" if r.speedup else "-", escape(vt))
     Console(width=200).print(table)

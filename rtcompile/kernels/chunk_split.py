@@ -8,6 +8,7 @@ two with ``wy`` (the prepare kernel applies the solve: U = U0 - W S in the loop)
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -103,6 +104,15 @@ class SplitConfig(KernelConfig):
 
     def block_k(self, shape: KernelShape) -> int:
         return shape.key_dim_pow2
+
+    def canonical(self) -> "SplitConfig":
+        inert = {}
+        if self.phi_pass:  # the prepare kernel stores no phi(K) whose column blocks key_group groups
+            inert["key_group"] = 1
+        if self.loop == "gluon":  # the Gluon loop loads through TMA whatever ``tma`` says
+            inert["tma"] = False
+        inert = {k: v for k, v in inert.items() if getattr(self, k) != v}
+        return dataclasses.replace(self, **inert) if inert else self
 
     def resident(self, shape: KernelShape) -> bool:
         return True

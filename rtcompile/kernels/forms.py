@@ -129,7 +129,7 @@ def _split_phi_pass(shape: KernelShape) -> list[KernelConfig]:
     # 0.3508 / 0.3500; kernel time prepare 127.6 -> 84.0 us plus the phi kernel's 37.8; with two
     # prepare warps 0.368, in one part 0.354); the stored-phi(K) proposals after it
     proposals = _split(shape)
-    return [*(dataclasses.replace(c, phi_pass=True) for c in proposals), *proposals]
+    return [*(dataclasses.replace(c, phi_pass=True).canonical() for c in proposals), *proposals]
 
 
 # The split form's loop on the prepare kernel's WY products (U = U0 - W S: two products a chunk

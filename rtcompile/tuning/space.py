@@ -154,8 +154,21 @@ def exhaustive_variants(bucket: Bucket, opts) -> list[KernelConfig]:
     import torch
 
     shape, limit, dev = bucket_shape(bucket), smem_limit(opts.device), torch.device(opts.device)
-    return [cfg for form, space in search_space(bucket, opts).items()
-            for cfg in iter_space(FORMS[form], shape, space, limit) if device_refusal(cfg, dev) is None]
+    found = (cfg for form, space in search_space(bucket, opts).items()
+             for cfg in iter_space(FORMS[form], shape, space, limit) if device_refusal(cfg, dev) is None)
+    return distinct(found)
+
+
+def distinct(configs) -> list[KernelConfig]:
+    """The first of each set of ``configs`` that differ in inert fields only
+    (``KernelConfig.canonical``: at o3 16x16 every phi_pass config came in three key groups), in
+    order; a config keeps its own fields (a fixed inert field keeps its fixed value)."""
+    seen, out = set(), []
+    for cfg in configs:
+        if (key := cfg.canonical()) not in seen:
+            seen.add(key)
+            out.append(cfg)
+    return out
 
 
 def suggest(trial, space: dict[str, dict[str, list]]) -> KernelConfig:
@@ -191,8 +204,9 @@ def warm_starts(bucket: Bucket, opts, budget: int | None) -> list[dict]:
     out: list[dict] = []
     for cfg in candidates(bucket.kernel, shape, limit):
         params = {**config_params(cfg), **{k: v for k, v in opts.fixed.items() if k.startswith(f"{cfg.form}.")}}
-        if (_in_space(params, space) and params_config(params).check(shape, limit) is None
-                and params not in out):
+        chosen = params_config(params)
+        if (_in_space(params, space) and chosen.check(shape, limit) is None
+                and all(params_config(p).canonical() != chosen.canonical() for p in out)):
             out.append(params)
     if budget is None:
         return out
@@ -211,14 +225,15 @@ def neighbours(params: dict, space: dict[str, dict[str, list]], bucket: Bucket, 
 
     shape, limit, dev = bucket_shape(bucket), smem_limit(opts.device), torch.device(opts.device)
     form = params["form"]
-    found = []
+    found, seen = [], {params_config(p).canonical() for p in (params, *exclude)}
     for name, choices in space.get(form, {}).items():
         for value in choices:
             other = {**params, f"{form}.{name}": value}
-            if value == params[f"{form}.{name}"] or other in exclude:
-                continue
             cfg = params_config(other)
+            if cfg.canonical() in seen:  # the same config, or one an inert field alone tells apart
+                continue
             if cfg.check(shape, limit) is None and device_refusal(cfg, dev) is None:
                 found.append(other)
+                seen.add(cfg.canonical())
     random.Random(opts.seed).shuffle(found)
     return found[:count]

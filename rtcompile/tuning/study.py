@@ -13,7 +13,9 @@ budget) first runs the kernel's default candidates, the default first (user attr
 ``warm_start``: 0, 1, ...), at most a quarter of a trial budget.
 
 Trial outcome (user attribute ``status``): ``ok`` (COMPLETE, value = median seconds),
-``pruned`` (the variant's resource estimate refuses it before compiling), ``rejected`` (wrong
+``pruned`` (the variant's resource estimate refuses it before compiling), ``repeat`` (PRUNED:
+the config, up to inert fields, of an earlier ``ok`` or ``rejected`` trial, named in its
+``reason``; not run again, and like a pruned trial it costs no budget), ``rejected`` (wrong
 result), ``failed`` (compile error, launch failure, crash or timeout), ``stale`` (its worker
 died: Optuna's heartbeat lapsed, the trial was failed and retried with the same parameters as a
 new WAITING trial; :func:`stale_numbers` lists them).
@@ -233,6 +235,24 @@ def _pruned(study) -> int:
     return len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.PRUNED,)))
 
 
+def _earlier(study, variant):
+    """A finished trial of ``variant`` up to inert fields (``KernelConfig.canonical``) whose
+    outcome stands, measured (``ok``) or refused by the float64 gate (``rejected``); None when
+    there is none. A failed trial (a timeout, a crash) does not count: its config may run again."""
+    import optuna
+
+    key = variant.canonical()
+    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
+    for t in study.get_trials(deepcopy=False, states=states):
+        if t.user_attrs.get("status") in ("ok", "rejected"):
+            try:
+                if params_config(t.params).canonical() == key:
+                    return t
+            except (KeyError, TypeError, ValueError):  # parameters of a space this version no longer has
+                continue
+    return None
+
+
 def run_worker(storage_url: str | None, name: str, bucket: Bucket, opts: TuneOptions, index: int,
                deadline: float | None) -> int:
     """One worker's loop: claim (or, in seconds mode, ask), evaluate, tell. Returns trials run."""
@@ -255,9 +275,13 @@ def run_worker(storage_url: str | None, name: str, bucket: Bucket, opts: TuneOpt
             beat = Heartbeat(storage, trial_id(storage, study, trial.number)).start()
             variant = suggest(trial, space)
             reason = variant.check(shape, limit) or device_refusal(variant, opts.device)
-            if reason is not None:
-                trial.set_user_attr("status", "pruned")
-                trial.set_user_attr("reason", reason)
+            earlier = _earlier(study, variant) if reason is None else None
+            if reason is not None or earlier is not None:
+                # pruned, not told a value: TPE ranks such trials last, so it leaves a refused
+                # region, and a config it drew again (one config ran ten times in a 67-trial study
+                # at o3 64x64, H200) instead of being drawn to it more by a copy of its time
+                trial.set_user_attr("status", "pruned" if earlier is None else "repeat")
+                trial.set_user_attr("reason", reason or f"the config of trial {earlier.number}")
                 study.tell(trial, state=optuna.trial.TrialState.PRUNED)
                 if deadline is None and opts.trials and _pruned(study) < MAX_PRUNED_PER_TRIAL * opts.trials:
                     study.enqueue_trial({})  # nothing was run: the budget slot goes back to the queue
@@ -349,7 +373,7 @@ def _tune_study(study, storage, exists: bool, bucket: Bucket, machine: Machine, 
     else:
         stale = stale_numbers(study)
         counted = [t for t in study.get_trials(deepcopy=False)
-                   if t.number not in stale and t.user_attrs.get("status") != "pruned"]
+                   if t.number not in stale and t.user_attrs.get("status") not in ("pruned", "repeat")]
         if opts.exhaustive:  # every valid variant once: the ones this study has not enqueued yet
             have = [t.system_attrs.get("fixed_params") for t in counted]
             for v in exhaustive_variants(bucket, opts):
