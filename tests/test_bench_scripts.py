@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import interpreter_only
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -77,6 +78,7 @@ def test_interleaved_medians_rotate_the_order_and_drop_a_failed_config():
     assert med == {"a": 1.0 + 5 / 1000, "b": 2.0 + 3 / 1000}
 
 
+@interpreter_only  # CPU tensors through the interpreter's kernels (on a GPU machine Triton refuses them)
 def test_tpe_check_reports_both_ratios(tmp_path, capsys, tuning_cache):
     """End to end on the interpreter at a two-config sub-space: the sweep, one study, and the
     re-timing of the sweep's best and the study's pick (ratios >= 1 against the fastest)."""
@@ -98,6 +100,7 @@ def test_tpe_check_reports_both_ratios(tmp_path, capsys, tuning_cache):
     assert "re-measured" in capsys.readouterr().out
 
 
+@interpreter_only  # CPU tensors through the interpreter's kernels (on a GPU machine Triton refuses them)
 def test_compare_kron_check_passes_a_right_config_and_names_a_wrong_one(monkeypatch):
     """compare_kron.check (the GPU gate before timing) on the CPU: the interpreter's kernels in
     place of CUDA ones. A config that matches float64 passes; outputs zeroed by a broken launcher
@@ -120,6 +123,7 @@ def test_compare_kron_check_passes_a_right_config_and_names_a_wrong_one(monkeypa
     assert failed is not None and failed.startswith("torch.bfloat16 T203 output"), failed
 
 
+@interpreter_only  # CPU tensors through the interpreter's kernels (on a GPU machine Triton refuses them)
 def test_compare_kron_check_runs_the_pipelined_parts(monkeypatch):
     """The GPU gate also runs the parts a graph capture would (eagerly, parts of any length): a
     launcher that drops every part after the first passes the one-part checks and is named
