@@ -7,7 +7,8 @@
 checkout, the baseline first, so both see the same GPU state in turn; a case's figure is the
 median over rounds of each process's median. Only the public API is called
 (``rtcompile.running_tensor`` in chunk mode, ``rtcompile.running_tensor_decode_``), with no
-config given, so each checkout runs its own default for the shape.
+config given, so each checkout runs its own default for the shape (no tuned table is read:
+``untuned``).
 
 Method: B8 T4096 H8 d_v 64 bf16 prefill (gate, delta rule, l2norm, final state returned), each
 call captured in a CUDA graph per input set (two sets, replayed alternately, so the second
@@ -171,7 +172,20 @@ def compare(args) -> int:
     return 0
 
 
+def untuned() -> None:
+    """Calls without a config run the defaults table's config, never a tuned table's: an empty
+    table of this process's own (and its children's). A tuner step earlier in the same GPU
+    session shares the cache, and its pick then ran as "the default" (compare_kron at 0b9f90f
+    timed o3 16x16's tuned pick against itself)."""
+    import tempfile
+
+    os.environ["RTCOMPILE_TUNED"] = os.path.join(tempfile.mkdtemp(prefix="untuned_"), "tuned.json")
+    if "rtcompile.kernels.tuned" in sys.modules:
+        sys.modules["rtcompile.kernels.tuned"].reload()
+
+
 def main() -> int:
+    untuned()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--baseline", help="a directory holding the baseline checkout's rtcompile package")
     ap.add_argument("--rounds", type=int, default=3)

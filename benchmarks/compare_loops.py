@@ -24,6 +24,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
+    from compare_defaults import untuned
+
+    untuned()  # the defaults table's configs, whatever a tuner step wrote before
     import torch
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 

@@ -63,13 +63,19 @@ def _measure(bucket, base):
 
 def _trial_times(storage: str, name: str) -> dict:
     """config -> seconds of every completed trial of the study ``name`` (its own measurement; a
-    study's recorded best may be the default re-measured, outside a fixed sub-space)."""
+    study's recorded best may be the default re-measured, outside a fixed sub-space), keyed by
+    the canonical config: the sweep holds one of each set of configs that differ in inert
+    fields only, while a TPE study may draw any of them (the fastest time of a config kept)."""
     import optuna
 
     from rtcompile.tuning.space import params_config
 
     study = optuna.load_study(study_name=name, storage=storage)
-    return {params_config(t.params): t.value for t in study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))}
+    times: dict = {}
+    for t in study.get_trials(states=(optuna.trial.TrialState.COMPLETE,)):
+        cfg = params_config(t.params).canonical()
+        times[cfg] = min(t.value, times.get(cfg, t.value))
+    return times
 
 
 def _not_ok(storage: str, name: str) -> list[str]:

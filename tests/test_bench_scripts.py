@@ -174,3 +174,47 @@ def test_compare_kron_changes_to_the_default_pass_their_checks(listed):
             cfg = type(default).from_dict({**default.to_dict(), **fields})
             assert cfg != default, (case, fields)
             assert cfg.check(shape, 232448) is None, (case, fields, cfg.check(shape, 232448))
+
+
+def test_the_comparisons_read_no_tuned_table(tuning_cache, monkeypatch):
+    """compare_defaults / compare_kron / compare_loops time "the default": a tuned table in the
+    cache they share with a tuner step of the same GPU session must not stand in for it (at
+    0b9f90f compare_kron timed o3 16x16's tuned pick against itself as "the default")."""
+    import json
+    import os
+
+    import compare_defaults
+    from rtcompile.kernels import tuned
+    from rtcompile.kernels.chunk_resident import ResidentConfig
+
+    args = ("chunk", (2, 4), 8, 1, "float32", "cpu-interpreter")
+    picked = ResidentConfig(16, 16, num_warps=2)
+    path = tuned.table_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"format": tuned.FORMAT_VERSION, "entries": [
+        {**tuned.match_fields(*args), "batch": 1, "seq_len": 32, "variant": picked.to_dict(), "seconds": 1e-3}]}))
+    tuned.reload()
+    assert tuned.lookup(*args, 1, 32) == picked.to_dict()  # the table serves the call here
+    monkeypatch.setenv("RTCOMPILE_TUNED", os.environ["RTCOMPILE_TUNED"])  # restored after the test
+    compare_defaults.untuned()
+    assert tuned.lookup(*args, 1, 32) is None and tuned.table_path() != path
+
+
+def test_tpe_check_finds_a_pick_that_differs_from_the_swept_config_in_inert_fields_only(tmp_path):
+    """The sweep holds one of each set of configs that differ in inert fields only; a TPE pick
+    with phi_pass and key_group 2 is the swept key_group 1 config (before: no sweep time)."""
+    import optuna
+
+    from rtcompile.kernels.chunk_split import SplitConfig
+    from rtcompile.tuning.space import config_params
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    study = optuna.create_study(study_name="s", storage=url)
+    for group, seconds in ((2, 2e-3), (1, 1e-3)):
+        params = config_params(SplitConfig(64, 32, phi_pass=True, key_group=group, pipeline=2))
+        dists = {k: optuna.distributions.CategoricalDistribution([v]) for k, v in params.items()}
+        dists["split.key_group"] = optuna.distributions.CategoricalDistribution([1, 2])
+        study.add_trial(optuna.trial.create_trial(params=params, distributions=dists, value=seconds))
+    times = tpe_check._trial_times(url, "s")
+    pick = SplitConfig(64, 32, phi_pass=True, key_group=2, pipeline=2)
+    assert times == {pick.canonical(): 1e-3} and pick.canonical() in times

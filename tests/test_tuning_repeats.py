@@ -114,9 +114,11 @@ def _finished(study, space: dict, params: dict, status: str, value: float | None
 
 
 def test_a_worker_does_not_run_a_config_again(tmp_path, monkeypatch):
-    """A trial drawing the config of an earlier measured or rejected trial is pruned as a
-    repeat naming it, without running; a config whose trial failed (a timeout, a crash) runs
-    again. Before: every draw ran (one config ten times in a 67-trial study at o3 64x64)."""
+    """A trial drawing the config of an earlier measured trial is a repeat: not run, told that
+    trial's value (pruned, TPE would count the best config's fields as bad); one of a rejected
+    config is pruned; a config whose trial failed (a timeout, a crash) runs again. Neither
+    repeat counts as a trial run. Before: every draw ran (one config ten times in a 67-trial
+    study at o3 64x64)."""
     import optuna
 
     url = f"sqlite:///{tmp_path / 'repeats.db'}"
@@ -142,7 +144,58 @@ def test_a_worker_does_not_run_a_config_again(tmp_path, monkeypatch):
     from rtcompile.tuning.space import params_config
 
     assert ran == [params_config(failed).to_dict()]
-    trials = optuna.load_study(study_name=name, storage=url).get_trials()
-    repeats = [t for t in trials if t.user_attrs.get("status") == "repeat"]
-    assert [t.state for t in repeats] == [optuna.trial.TrialState.PRUNED] * 2
+    study = optuna.load_study(study_name=name, storage=url)
+    repeats = [t for t in study.get_trials() if t.user_attrs.get("status") == "repeat"]
+    assert [(t.state.name, t.value) for t in repeats] == [("COMPLETE", 1e-3), ("PRUNED", None)]
     assert [t.user_attrs["reason"] for t in repeats] == ["the config of trial 0", "the config of trial 1"]
+    assert study_mod._finished(study) == 4  # the three added and the failed one's rerun
+
+
+def test_a_repeat_is_found_up_to_inert_fields():
+    """phi_pass with key groups 2 and 1 is one config: the second is the first's repeat."""
+    import optuna
+
+    from rtcompile.tuning.space import config_params
+
+    study = optuna.create_study()
+    first = config_params(SplitConfig(64, 32, phi_pass=True, key_group=2, state_stride=2, pipeline=2))
+    dists = {k: optuna.distributions.CategoricalDistribution([v]) for k, v in first.items()}
+    study.add_trial(optuna.trial.create_trial(params=first, distributions=dists, value=1e-3,
+                                              user_attrs={"status": "ok"}))
+    same = SplitConfig(64, 32, phi_pass=True, key_group=1, state_stride=2, pipeline=2)
+    assert study_mod._earlier(study, same).number == 0
+    assert study_mod._earlier(study, dataclasses.replace(same, phi_pass=False)) is None
+
+
+def test_trials_mode_replaces_a_repeat_and_seconds_mode_ends_on_repeats(tmp_path, monkeypatch):
+    """A repeat costs no budget: in trials mode the worker enqueues a trial in its place (up to
+    the pruned trials' cap); in seconds mode a worker whose draws are all repeats (a one-config
+    sub-space measured before) ends after MAX_REPEATS_IN_A_ROW instead of drawing until the
+    deadline (60 repeats in 5 s on a tiny space)."""
+    import time
+
+    import optuna
+
+    from rtcompile.tuning.space import search_space as space_of
+
+    fixed = {"form": "resident", **{f"resident.{n}": c[0] for n, c in space_of(TINY, TuneOptions())["resident"].items()}}
+    url = f"sqlite:///{tmp_path / 'one.db'}"
+    opts = TuneOptions(storage=url, trials=1, repeats=1, fixed=fixed)
+    study, name = _study(url, opts)
+    space = search_space(TINY, opts)
+    [only] = [{"form": "resident", **{f"resident.{n}": c[0] for n, c in space["resident"].items()}}]
+    _finished(study, space, only, "ok", 1e-3)
+    study.enqueue_trial(only)
+    monkeypatch.setattr(study_mod, "run_objective", lambda *a, **k: pytest.fail("a repeat ran"))
+    monkeypatch.setattr(study_mod, "MAX_PRUNED_PER_TRIAL", 3)
+    study_mod.run_worker(url, name, TINY, opts, 0, None)
+    trials = optuna.load_study(study_name=name, storage=url).get_trials()
+    assert [t.user_attrs.get("status") for t in trials] == ["ok", "repeat", "repeat", "repeat"]
+
+    monkeypatch.setattr(study_mod, "MAX_REPEATS_IN_A_ROW", 5)
+    seconds = TuneOptions(storage=url, trials=None, seconds=60, repeats=1, fixed=fixed)
+    start = time.time()
+    study_mod.run_worker(url, name, TINY, seconds, 0, time.time() + 60)
+    assert time.time() - start < 30
+    trials = optuna.load_study(study_name=name, storage=url).get_trials()
+    assert [t.user_attrs.get("status") for t in trials[4:]] == ["repeat"] * 5
