@@ -4,7 +4,8 @@ The Triton loop (``chunk_split.chunk_split_state_kernel``) reads each chunk's ph
 [C, K] tile and multiplies it into the [K, BV] state. At K = 1024 (o3 32x32) that product has a
 16 x 16 output and a 1024-long reduction, which Triton's dot gives to every warp whole (no split
 over K), and the [1024, 16] state spills (probe_offline: 432-1608 B at 4-16 warps); the default
-there streams the state through L2 instead (1.31 ms, DRAM 4%, chain-bound).
+there streams the state through L2 instead (1.31 ms with 128-row tiles, DRAM 4%, chain-bound; 1.24
+with the 256-row tiles of the default since 2026-12-06).
 
 Here the state is held as [D1, D2, BV] (row i D2 + j of the [K, BV] state is [i, j]) and phi(K)'s
 row c as x1[c, i] x2[c, j], so
