@@ -202,11 +202,12 @@ def warm_starts(bucket: Bucket, opts, budget: int | None) -> list[dict]:
     shape, limit = bucket_shape(bucket), smem_limit(opts.device)
     space = search_space(bucket, opts)
     out: list[dict] = []
+    seen = set()  # canonical configs of ``out``
     for cfg in candidates(bucket.kernel, shape, limit):
         params = {**config_params(cfg), **{k: v for k, v in opts.fixed.items() if k.startswith(f"{cfg.form}.")}}
         chosen = params_config(params)
-        if (_in_space(params, space) and chosen.check(shape, limit) is None
-                and all(params_config(p).canonical() != chosen.canonical() for p in out)):
+        if _in_space(params, space) and chosen.check(shape, limit) is None and chosen.canonical() not in seen:
+            seen.add(chosen.canonical())
             out.append(params)
     if budget is None:
         return out

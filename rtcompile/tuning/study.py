@@ -270,7 +270,9 @@ def run_worker(storage_url: str | None, name: str, bucket: Bucket, opts: TuneOpt
     space, limit = search_space(bucket, opts), smem_limit(opts.device)
     with TrialRunner(opts.trial_timeout) as runner:  # one trial process for the worker's trials
         done = in_a_row = 0  # in_a_row: repeats drawn one after another
-        while (deadline is None or time.time() < deadline) and not (deadline and in_a_row >= MAX_REPEATS_IN_A_ROW):
+        while deadline is None or time.time() < deadline:
+            if deadline is not None and in_a_row >= MAX_REPEATS_IN_A_ROW:
+                break
             raise_if_stopped()
             trial = next_trial(study, storage, storage_url, deadline)
             if trial is None:
