@@ -2,15 +2,20 @@
 where the step's time goes against issue 21's targets (B1 <= 80 us, B256 >= 1.2 M tokens/s).
 
     python benchmarks/profile_decode.py [--spec examples/order3_16x16.toml] [--batches 1 256]
-                                        [--steps plain,stacked,compiled,combo] [--out FILE.json]
+                                        [--steps plain,stacked,compiled,combo] [--parts 1,2]
+                                        [--state-dtype float32] [--out FILE.json]
 
 Per batch and step kind (``plain``: generate's StaticStep; ``stacked``: its input maps as one
 product per layer; ``compiled``: stacked and fused by torch.compile with inductor's defaults; ``combo``: with
 inductor's combo kernels too, as ``compile_step`` does; ``autotune``: and GEMM autotuning):
 the step captured as ``rtcompile bench --model`` captures it, 3 warm-up replays, then 20
 profiled replays; prints each kernel's mean time per step (us), largest first, their sum, the
-kernel count per step and the step's wall time between CUDA events, so launch gaps show as the
-difference. Needs a CUDA GPU.
+kernel count per step and the step's wall time between CUDA events (median of 5 x 20 replays),
+so launch gaps show as the difference. ``--parts``: each step also in that many micro-batches
+(``StaticStep(parts=...)``, rtcompile.overlap; the kernel sum then counts overlapped kernels
+apart); each row's first logits against the same kind's whole step (max abs difference: the
+same tokens and cache in, so it shows a wrong split). ``--state-dtype``: the spec's state_dtype
+replaced (bfloat16: issue 21's bf16 state row). Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -31,9 +36,10 @@ STEPS = {"plain": (False, False, None), "stacked": (False, True, None), "compile
          # products are latency-bound, 38 us of the B256 step for ~2 us of bf16 FLOPs (H200)
          "autotune": (True, True, {"combo_kernels": True, "max_autotune_gemm": True})}
 REPLAYS = 20
+ROUNDS = 5
 
 
-def _profile(lm, batch: int, kind: str) -> dict:
+def _profile(lm, batch: int, kind: str, parts: int) -> dict:
     import torch
 
     from rtcompile.generate import StaticStep, bucket_of
@@ -44,19 +50,23 @@ def _profile(lm, batch: int, kind: str) -> dict:
                                generator=torch.Generator(device="cuda").manual_seed(0))
         logits, cache = lm(prompt, backend="triton")
         step = StaticStep(lm, bucket_of(batch), "triton", capture=True, compiled=compiled, fuse_projections=stacked,
-                          inductor_options=options)
+                          inductor_options=options, parts=parts)
         step.load(cache, batch)
     tok = logits[:, -1].argmax(-1)
+    first = step(tok).clone()  # from the prefill's cache: the same for every parts of this batch
     for _ in range(3):
         step(tok)
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        step(tok)
-    end.record()
-    torch.cuda.synchronize()
-    wall_us = start.elapsed_time(end) * 1e3 / REPLAYS
+    walls = []
+    for _ in range(ROUNDS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(REPLAYS):
+            step(tok)
+        end.record()
+        torch.cuda.synchronize()
+        walls.append(start.elapsed_time(end) * 1e3 / REPLAYS)
+    wall_us = sorted(walls)[ROUNDS // 2]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(REPLAYS):
             step(tok)
@@ -68,7 +78,8 @@ def _profile(lm, batch: int, kind: str) -> dict:
             per_kernel[e.name] += e.device_time / REPLAYS  # us
             launches[e.name] += 1
     rows = sorted(per_kernel.items(), key=lambda kv: -kv[1])
-    return {"batch": batch, "step": kind, "wall_us": wall_us, "kernel_us": sum(per_kernel.values()),
+    return {"batch": batch, "step": kind, "parts": parts, "first_logits": first, "wall_us": wall_us,
+            "walls_us": [round(w, 2) for w in walls], "kernel_us": sum(per_kernel.values()),
             "kernels_per_step": sum(launches.values()) / REPLAYS,
             "top": [{"kernel": name[:90], "us": round(us, 2), "per_step": launches[name] / REPLAYS}
                     for name, us in rows[:15]]}
@@ -79,35 +90,60 @@ def main(argv=None) -> int:
     ap.add_argument("--spec", default="examples/order3_16x16.toml")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 256])
     ap.add_argument("--steps", default="plain,stacked,compiled,combo", help=f"comma list of {', '.join(STEPS)}")
+    ap.add_argument("--parts", default="1", help="comma list of micro-batch counts (each a power of two)")
+    ap.add_argument("--state-dtype", choices=("float32", "bfloat16"), help="replace the spec's state_dtype")
     ap.add_argument("--out", help="write the rows as JSON")
     args = ap.parse_args(argv)
     kinds = [k for k in args.steps.split(",") if k]
     unknown = [k for k in kinds if k not in STEPS]
     if unknown:
         ap.error(f"--steps: {', '.join(unknown)}; allowed: {', '.join(STEPS)}")
+    try:
+        parts = [int(p) for p in args.parts.split(",") if p]
+    except ValueError:
+        ap.error(f"--parts: got {args.parts!r}; allowed: a comma list of powers of two")
+    if not parts or any(p < 1 or p & (p - 1) for p in parts):
+        ap.error(f"--parts: got {args.parts!r}; allowed: a comma list of powers of two")
+    import dataclasses
+
     import torch
 
     if not torch.cuda.is_available():
         print("profile_decode.py: needs a CUDA GPU", file=sys.stderr)
         return 2
     from rtcompile.bench.lm import VOCAB
+    from rtcompile.generate import bucket_of
     from rtcompile.model import RunningTensorLM
     from rtcompile.spec import load_spec
 
     spec = load_spec(args.spec)
+    if args.state_dtype:
+        spec = dataclasses.replace(spec, state_dtype=args.state_dtype)
     torch.manual_seed(0)
     lm = RunningTensorLM(spec, vocab_size=VOCAB).to("cuda", getattr(torch, spec.input_dtype)).eval()
     results = []
     for batch in args.batches:
         for kind in kinds:
-            r = _profile(lm, batch, kind)
-            results.append(r)
-            print(f"B{batch} {kind}: wall {r['wall_us']:.1f} us, kernels {r['kernel_us']:.1f} us, "
-                  f"{r['kernels_per_step']:.0f} kernels a step")
-            for t in r["top"]:
-                print(f"    {t['us']:8.2f} us  x{t['per_step']:.0f}  {t['kernel']}")
-            if args.out:
-                Path(args.out).write_text(json.dumps(results, indent=1))
+            whole = None
+            for p in parts:
+                if batch % p or bucket_of(batch) % p:
+                    continue
+                r = _profile(lm, batch, kind, p)
+                first = r.pop("first_logits")
+                whole = first if p == 1 else whole
+                r["max_abs_vs_whole"] = None if whole is None else float((first - whole).abs().max())
+                r["state_dtype"] = spec.state_dtype
+                results.append(r)
+                diff = "" if p == 1 or whole is None else f", first logits vs whole {r['max_abs_vs_whole']:.2e}"
+                print(f"B{batch} {kind} parts {p}: wall {r['wall_us']:.1f} us, kernels {r['kernel_us']:.1f} us, "
+                      f"{r['kernels_per_step']:.0f} kernels a step{diff}")
+                for t in r["top"][:8]:
+                    print(f"    {t['us']:8.2f} us  x{t['per_step']:.0f}  {t['kernel']}")
+                if args.out:
+                    Path(args.out).write_text(json.dumps(results, indent=1))
+    for r in results:
+        print(f"B{r['batch']:<4} {r['step']:<9} parts {r['parts']}  {r['state_dtype']:<9} wall {r['wall_us']:7.1f} us  "
+              f"{r['batch'] / r['wall_us']:.3f} M tok/s")
     return 0
 
 

@@ -123,6 +123,17 @@ def bucket_of(batch: int) -> int:
 # us: its Triton templates lose to cuBLAS at M = 1) and failed to compile some at B256.
 STEP_INDUCTOR_OPTIONS = {"combo_kernels": True}
 
+# Micro-batches of a captured step (rtcompile.overlap) by bucket: the smallest bucket that splits,
+# and into how many parts. (Measured values in the comment of the commit that set them.)
+OVERLAP_FROM_BUCKET = 128
+OVERLAP_PARTS = 2
+
+
+def default_parts(bucket: int, capture: bool) -> int:
+    """Micro-batches of the decode step of a bucket: OVERLAP_PARTS from OVERLAP_FROM_BUCKET when
+    captured (the overlap needs the graph's streams), else 1."""
+    return OVERLAP_PARTS if capture and bucket >= OVERLAP_FROM_BUCKET else 1
+
 
 class StaticStep:
     """The decode step of ``model`` for one bucket of ``bucket`` rows, on static buffers.
@@ -133,10 +144,18 @@ class StaticStep:
     of their weights (:meth:`RunningTensorLM.input_projections`), taken here: a later in-place
     change of those weights needs a new StaticStep (``generate`` makes one: its key holds the
     parameters' versions when this is on). ``inductor_options``: torch.compile's ``options``
-    for a compiled step (None: :data:`STEP_INDUCTOR_OPTIONS`; ``{}``: inductor's defaults)."""
+    for a compiled step (None: :data:`STEP_INDUCTOR_OPTIONS`; ``{}``: inductor's defaults).
+    ``parts``: micro-batches of equal rows whose decode kernels take turns
+    (:class:`rtcompile.overlap.StagedStep`; on their own streams when captured), a divisor of
+    ``bucket``; None: :func:`default_parts`; 1 runs the model's step whole."""
 
     def __init__(self, model, bucket: int, backend: str, capture: bool, compiled: bool = False,
-                 fuse_projections: bool = False, inductor_options: dict | None = None):
+                 fuse_projections: bool = False, inductor_options: dict | None = None, parts: int | None = None):
+        parts = default_parts(bucket, capture) if parts is None else parts
+        if not _is_int(parts):
+            raise TypeError(f"parts: expected an int or None, got {type(parts).__name__}")
+        if parts < 1 or bucket % parts:
+            raise ValueError(f"parts: got {parts}; allowed: None or a divisor of the bucket, {bucket}")
         p = model.embed.weight
         self.model, self.bucket, self.backend = model, bucket, backend
         # in a CUDA graph each launch costs ~1.5 us at B1 (H200): the stacked product launches one
@@ -148,7 +167,9 @@ class StaticStep:
         # mutation is re-inplaced); in a CUDA graph each launch left costs ~1.5 us at B1 (148 us
         # for the ~100 launches of the uncompiled step, H200). Costs one compile per bucket.
         options = STEP_INDUCTOR_OPTIONS if inductor_options is None else inductor_options
-        self._step = torch.compile(model.step, fullgraph=True, options=options or None) if compiled else model.step
+        self.parts = parts
+        if parts == 1:
+            self._step = torch.compile(model.step, fullgraph=True, options=options or None) if compiled else model.step
         self.tokens = torch.zeros(bucket, dtype=torch.int64, device=p.device)
         # the state cache and tails as a step would have them after its first in-place update, in
         # the shapes forward checks a cache against (model.cache_layout; a zero-prompt prefill of
@@ -160,10 +181,20 @@ class StaticStep:
                        if tails else None} for _ in model.mixers]
         self.logits = None
         self.graph = None
+        self._staged = self._streams = None
+        if parts > 1:
+            from .overlap import StagedStep
+
+            self._staged = StagedStep(model, parts, backend, dtype, self.fused, compiled, options)
+            self.logits = torch.empty(bucket, model.head.out_features, dtype=p.dtype, device=p.device)
+            self._streams = [torch.cuda.Stream(p.device) for _ in range(parts)] if capture else None
         if capture:
             self._capture()
 
     def _body(self) -> torch.Tensor:
+        if self._staged is not None:
+            self._staged(self.tokens, self.cache, self.logits, self._streams)
+            return self.logits
         logits, new = self._step(self.tokens, self.cache, backend=self.backend, fused=self.fused)
         for static, c in zip(self.cache, new):
             # the state is updated in place (same tensor); a converted copy would be copied back

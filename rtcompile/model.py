@@ -174,13 +174,35 @@ class RunningTensorLayer(nn.Module):
         same state tensor (converted once when its dtype or layout differs, e.g. after prefill),
         and the convolution tails are shifted in place too (the same tensors come back).
         """
-        spec, f = self.spec, self.spec.features
+        step = update_cache and cache is not None and x.shape[1] == 1
+        (q, k, v, g, beta), gate, tails = self.mixer_inputs(x, None if cache is None else cache.get("conv"), fused,
+                                                            in_place=step and mixer is None)
+        spec = self.spec
+        if mixer is not None:
+            o, state = mixer(spec, q, k, v, g, beta, None if cache is None else cache["state"])
+        elif step:
+            o, state = self.step_in_place(q, k, v, g, beta, cache["state"], plan, backend)
+        else:
+            # a spec's fixed chunk size is the chunk size without a plan too (it was the plan's and
+            # the ONNX graph's only, so a plan-less model ran the tuned table's or the default's C)
+            fixed = None if plan is not None or spec.chunk_size == "auto" else spec.chunk_size
+            o, state = running_tensor(q, k, v, g, beta, scale=spec.scale,
+                                      initial_state=None if cache is None else cache["state"],
+                                      output_final_state=True, l2norm=spec.features.l2norm, plan=plan,
+                                      backend=backend, chunk_size=fixed)
+        return self.mixer_output(o, gate), {"state": state, "conv": tails}
+
+    def mixer_inputs(self, x: torch.Tensor, tails: list | None, fused: InputProjection | None = None,
+                     in_place: bool = False):
+        """x [B, T, D] -> ((q factors, k factors, v, g, beta): the state mixer's inputs, contiguous;
+        the output gate's pre-activation or None; the new convolution tails). ``tails``: the
+        cache's (None: zeros); ``in_place``: shifted in place (the serving step). The first half
+        of :meth:`forward`, apart so that a staged decode step can run the mixer between."""
+        spec = self.spec
         B, T, _ = x.shape
         H, o1 = spec.heads, len(spec.key_widths)
         pre = self._projected(x, fused)
-        step = update_cache and cache is not None and T == 1
-        streams, tails = self._streams(x, None if cache is None else cache.get("conv"), pre.get("proj"),
-                                       in_place=step and mixer is None)
+        streams, tails = self._streams(x, tails, pre.get("proj"), in_place=in_place)
         heads = lambda t, w: t.reshape(B, T, H, w)
         q = [heads(s, w) for s, w in zip(streams[:o1], spec.key_widths)]
         k = [heads(s, w) for s, w in zip(streams[o1:2 * o1], spec.key_widths)]
@@ -192,23 +214,17 @@ class RunningTensorLayer(nn.Module):
         beta = torch.sigmoid(pre["beta"]) if self.beta is not None else None
         q, k, v = [qi.contiguous() for qi in q], [ki.contiguous() for ki in k], v.contiguous()
         beta = None if beta is None else beta.contiguous()
-        if mixer is not None:
-            o, state = mixer(spec, q, k, v, g, beta, None if cache is None else cache["state"])
-        elif step:
-            o, state = self._step_in_place(q, k, v, g, beta, cache["state"], plan, backend)
-        else:
-            # a spec's fixed chunk size is the chunk size without a plan too (it was the plan's and
-            # the ONNX graph's only, so a plan-less model ran the tuned table's or the default's C)
-            fixed = None if plan is not None or spec.chunk_size == "auto" else spec.chunk_size
-            o, state = running_tensor(q, k, v, g, beta, scale=spec.scale,
-                                      initial_state=None if cache is None else cache["state"],
-                                      output_final_state=True, l2norm=f.l2norm, plan=plan, backend=backend,
-                                      chunk_size=fixed)
-        if f.output_gate:
+        return (q, k, v, g, beta), pre.get("gate"), tails
+
+    def mixer_output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """The mixer's output o [B, T, H, d_v] -> y [B, T, D]: RMS norm and the output gate (its
+        pre-activation ``gate`` from :meth:`mixer_inputs`) where the spec has one, then the
+        output map. The second half of :meth:`forward`."""
+        B, T, H, V = o.shape
+        if self.spec.features.output_gate:
             o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm_weight
-            o = o * F.silu(heads(pre["gate"], spec.value_width))
-        y = self.out(o.reshape(B, T, H * spec.value_width))
-        return y, {"state": state, "conv": tails}
+            o = o * F.silu(gate.reshape(B, T, H, V))
+        return self.out(o.reshape(B, T, H * V))
 
     def _slots(self, batch: int, device: torch.device) -> torch.Tensor:
         """Slot i for sequence i, made once per (batch, device): an arange per layer and step
@@ -223,10 +239,14 @@ class RunningTensorLayer(nn.Module):
             cache[key] = torch.arange(batch, dtype=torch.int32, device=device)
         return cache[key]
 
-    def _step_in_place(self, q, k, v, g, beta, state: torch.Tensor, plan, backend: str):
+    def step_in_place(self, q, k, v, g, beta, state: torch.Tensor, plan, backend: str,
+                      dtype: torch.dtype | None = None):
+        """The mixer at T = 1 on a cache's ``state``, updated in place (in ``dtype``, default the
+        step's state dtype for this batch, :func:`step_state_dtype`; converted once, and the
+        converted tensor returned, where it differs): (o, state)."""
         spec = self.spec
         B = v.shape[0]
-        dtype = step_state_dtype(spec, plan, B, v.dtype)
+        dtype = step_state_dtype(spec, plan, B, v.dtype) if dtype is None else dtype
         if state.dtype != dtype or not state.is_contiguous():
             state = state.to(dtype).contiguous()
         grad = needs_grad(*q, *k, v, g, beta, state)

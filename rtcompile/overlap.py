@@ -1,0 +1,118 @@
+"""The decode step in micro-batches whose state updates take turns (two-batch overlap).
+
+At a large batch the CUDA-graph decode step is two kinds of work in turn: each layer's decode
+kernel, bound by the bandwidth that reads and writes its state (o3 16x16 B256, fp32 state: 148 us
+of the step's ~237 for 537 MB, H200), and everything else (matrix products at M = B, norms,
+gates: ~89 us, bound by launch and latency, not by the GPU's throughput). One batch runs them
+one after the other, so the memory system idles during the products and the SMs during the
+kernel. Split into ``parts`` micro-batches on their own streams, the steps overlap: while one
+micro-batch's decode kernel streams its state, the next one's products and pointwise work run
+beside it, as serving engines overlap two micro-batches (SGLang's two-batch overlap).
+
+The schedule: every micro-batch runs the layers in order on its own stream; the decode kernels
+take turns (layer 0 of each micro-batch in order, then layer 1, ...), each waiting for the one
+before, so two bandwidth-bound kernels never share the memory system and each runs at the rate
+it runs alone, while the stream that just finished its kernel computes its next layer's inputs.
+Rows never mix, so a micro-batch's rows equal those of the whole batch's step up to the
+rounding of products at another M.
+
+:class:`StagedStep` holds the stages (the work between two decode kernels; each one torch.compile
+unit when compiled); :class:`rtcompile.generate.StaticStep` drives it per call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def _enter(embed, norm, layer, fused, tokens, tails):
+    """tokens [b] -> (x [b, 1, D], layer 0's mixer inputs, its output-gate pre-activation)."""
+    x = embed(tokens[:, None])
+    inputs, gate, _ = layer.mixer_inputs(norm(x), tails, fused, in_place=True)
+    return x, inputs, gate
+
+
+def _block_output(layer, mlp, x, o, gate):
+    x = x + layer.mixer_output(o, gate)
+    return x if mlp is None else x + mlp(x)
+
+
+def _between(layer, mlp, norm, nxt, fused, x, o, gate, tails):
+    """Layer l's output, residual and MLP; then layer l + 1's mixer inputs (tails shifted in place)."""
+    x = _block_output(layer, mlp, x, o, gate)
+    inputs, gate, _ = nxt.mixer_inputs(norm(x), tails, fused, in_place=True)
+    return x, inputs, gate
+
+
+def _leave(layer, mlp, final, head, x, o, gate, logits):
+    """The last layer's output, residual and MLP, the final norm and head, written into ``logits``."""
+    logits.copy_(head(final(_block_output(layer, mlp, x, o, gate)))[:, 0])
+
+
+class StagedStep:
+    """``model``'s decode step as stages between its decode kernels, run on ``parts`` equal
+    micro-batches of a bucket (``parts`` divides the bucket; 1 is the whole batch, staged).
+
+    Invariants: the cache's states and convolution tails are updated in place (views of the
+    caller's buffers, one row range per micro-batch), in ``state_dtype``; ``logits`` [bucket,
+    vocab] is written in place; with ``streams`` (one per part, CUDA) the micro-batches run on
+    them, forked from and joined back into the current stream, and the decode kernels run one at
+    a time in the order (layer, part). ``compiled``: each stage through torch.compile with
+    ``options`` (one compile per stage kind and layer shape)."""
+
+    def __init__(self, model, parts: int, backend: str, state_dtype: torch.dtype, fused: list | None,
+                 compiled: bool, options: dict | None):
+        self.model, self.parts, self.backend, self.state_dtype, self.fused = model, parts, backend, state_dtype, fused
+        compile_ = (lambda f: torch.compile(f, fullgraph=True, options=options or None)) if compiled else (lambda f: f)
+        self._enter, self._between, self._leave = compile_(_enter), compile_(_between), compile_(_leave)
+
+    def _kernel(self, i: int, inputs, state: torch.Tensor) -> torch.Tensor:
+        q, k, v, g, beta = inputs
+        o, new = self.model.mixers[i].step_in_place(q, k, v, g, beta, state, self.model.plan, self.backend,
+                                                    dtype=self.state_dtype)
+        if new is not state:  # the static state is allocated in state_dtype, rows of a contiguous tensor
+            raise RuntimeError(f"StagedStep: layer {i}'s state was converted, not updated in place")
+        return o
+
+    def __call__(self, tokens: torch.Tensor, cache: list, logits: torch.Tensor, streams: list | None) -> None:
+        m = self.model
+        rows = tokens.shape[0] // self.parts
+        parts = [slice(j * rows, (j + 1) * rows) for j in range(self.parts)]
+        fused = self.fused or [None] * len(m.mixers)
+        mlps = list(m.mlps) if m.mlps is not None else [None] * len(m.mixers)
+        tails = lambda i, p: None if cache[i]["conv"] is None else [t[p] for t in cache[i]["conv"]]
+        here = torch.cuda.current_stream() if streams else None
+        for s in streams or []:
+            s.wait_stream(here)
+        ctx = (lambda j: torch.cuda.stream(streams[j])) if streams else (lambda j: contextlib.nullcontext())
+        held = [None] * self.parts  # per part: (x, mixer inputs, gate pre-activation)
+        done = None  # the event after the decode kernel launched last
+        outs = [None] * self.parts
+        for i, layer in enumerate(m.mixers):
+            for j, p in enumerate(parts):
+                with ctx(j):
+                    if i == 0:
+                        held[j] = self._enter(m.embed, m.norms[0], layer, fused[0], tokens[p], tails(0, p))
+                    else:
+                        x, o, gate = outs[j]
+                        held[j] = self._between(m.mixers[i - 1], mlps[i - 1], m.norms[i], layer, fused[i], x, o,
+                                                gate, tails(i, p))
+            for j, p in enumerate(parts):
+                with ctx(j):
+                    if done is not None:
+                        torch.cuda.current_stream().wait_event(done)
+                    x, inputs, gate = held[j]
+                    outs[j] = (x, self._kernel(i, inputs, cache[i]["state"][p]), gate)
+                    if streams:
+                        done = torch.cuda.Event()
+                        done.record()
+        last = len(m.mixers) - 1
+        for j, p in enumerate(parts):
+            with ctx(j):
+                x, o, gate = outs[j]
+                self._leave(m.mixers[last], mlps[last], m.final, m.head, x, o, gate, logits[p])
+        for s in streams or []:
+            here.wait_stream(s)
+
