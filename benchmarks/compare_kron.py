@@ -63,9 +63,11 @@ CASES = [
 # 1.016-1.36x, the tile solve in registers 1.13-1.68x. tf32 products: the pick of a 40-trial
 # tuner study of the phi_pass sub-space (H100, 5b49d2e: 0.3597 ms against 0.3688, both re-measured
 # by the tuner); this script's run at 0b9f90f read that study's tuned table (its "default" was the
-# pick) and is void: untuned() since.
+# pick) and is void: untuned() since. At 0bdb947 (H200, two rounds) tf32 ran 0.3186 ms against
+# 0.3320 (the default since) and stored phi(K) with key_group 2 0.3478. Proposed against tf32 now:
+# the old ieee products (the baseline), a state of every 4th chunk, 8 warps in the state loop.
 PHI_PASS = [
-    ("o3 16x16", (16, 16), [dict(dot_precision="tf32"), dict(phi_pass=False, key_group=2)]),
+    ("o3 16x16", (16, 16), [dict(dot_precision="ieee"), dict(state_stride=4), dict(num_warps=8)]),
 ]
 # (case, widths, changes to the streamed default) above K = 256. Measured here at 91fb7d6 (H200,
 # two rounds): o3 32x32 with 256-row tiles and no state prefetch (the tuner's pick on an H100)

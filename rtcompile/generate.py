@@ -183,11 +183,11 @@ class StaticStep:
         self.graph = None
         self._staged = self._streams = None
         if parts > 1:
-            from .overlap import StagedStep
+            from .overlap import StagedStep, Streams
 
             self._staged = StagedStep(model, parts, backend, dtype, self.fused, compiled, options)
             self.logits = torch.empty(bucket, model.head.out_features, dtype=p.dtype, device=p.device)
-            self._streams = [torch.cuda.Stream(p.device) for _ in range(parts)] if capture else None
+            self._streams = Streams.make(parts, p.device) if capture else None
         if capture:
             self._capture()
 

@@ -23,6 +23,7 @@ unit when compiled); :class:`rtcompile.generate.StaticStep` drives it per call.
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 
@@ -76,43 +77,72 @@ class StagedStep:
             raise RuntimeError(f"StagedStep: layer {i}'s state was converted, not updated in place")
         return o
 
-    def __call__(self, tokens: torch.Tensor, cache: list, logits: torch.Tensor, streams: list | None) -> None:
+    def __call__(self, tokens: torch.Tensor, cache: list, logits: torch.Tensor, streams: Streams | None) -> None:
         m = self.model
         rows = tokens.shape[0] // self.parts
         parts = [slice(j * rows, (j + 1) * rows) for j in range(self.parts)]
         fused = self.fused or [None] * len(m.mixers)
         mlps = list(m.mlps) if m.mlps is not None else [None] * len(m.mixers)
         tails = lambda i, p: None if cache[i]["conv"] is None else [t[p] for t in cache[i]["conv"]]
-        here = torch.cuda.current_stream() if streams else None
-        for s in streams or []:
-            s.wait_stream(here)
-        ctx = (lambda j: torch.cuda.stream(streams[j])) if streams else (lambda j: contextlib.nullcontext())
+        if streams is not None:
+            here = torch.cuda.current_stream()
+            for s in (*streams.parts, streams.kernels):
+                s.wait_stream(here)
+        on = (lambda s: torch.cuda.stream(s)) if streams is not None else (lambda s: contextlib.nullcontext())
+        part_stream = (lambda j: streams.parts[j]) if streams is not None else (lambda j: None)
+        kernels = streams.kernels if streams is not None else None
         held = [None] * self.parts  # per part: (x, mixer inputs, gate pre-activation)
-        done = None  # the event after the decode kernel launched last
-        outs = [None] * self.parts
+        outs = [None] * self.parts  # per part: (x, mixer output, gate pre-activation)
         for i, layer in enumerate(m.mixers):
             for j, p in enumerate(parts):
-                with ctx(j):
+                with on(part_stream(j)):
                     if i == 0:
                         held[j] = self._enter(m.embed, m.norms[0], layer, fused[0], tokens[p], tails(0, p))
                     else:
                         x, o, gate = outs[j]
                         held[j] = self._between(m.mixers[i - 1], mlps[i - 1], m.norms[i], layer, fused[i], x, o,
                                                 gate, tails(i, p))
-            for j, p in enumerate(parts):
-                with ctx(j):
-                    if done is not None:
-                        torch.cuda.current_stream().wait_event(done)
-                    x, inputs, gate = held[j]
-                    outs[j] = (x, self._kernel(i, inputs, cache[i]["state"][p]), gate)
-                    if streams:
-                        done = torch.cuda.Event()
-                        done.record()
+                x, inputs, gate = held[j]
+                if kernels is not None:  # the kernel stream takes the inputs once they are written
+                    kernels.wait_stream(part_stream(j))
+                    _used_on(inputs, kernels)
+                with on(kernels):
+                    o = self._kernel(i, inputs, cache[i]["state"][p])
+                if kernels is not None:  # and the part's next stage waits for its kernel
+                    part_stream(j).wait_stream(kernels)
+                    o.record_stream(part_stream(j))
+                outs[j] = (x, o, gate)
         last = len(m.mixers) - 1
         for j, p in enumerate(parts):
-            with ctx(j):
+            with on(part_stream(j)):
                 x, o, gate = outs[j]
                 self._leave(m.mixers[last], mlps[last], m.final, m.head, x, o, gate, logits[p])
-        for s in streams or []:
-            here.wait_stream(s)
+        if streams is not None:
+            for s in (*streams.parts, streams.kernels):
+                here.wait_stream(s)
 
+
+def _used_on(tensors, stream) -> None:
+    """Mark every tensor in a nested tuple / list as used on ``stream`` (the allocator then keeps
+    its memory until that stream's work is done, not only its own stream's)."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            t.record_stream(stream)
+        elif isinstance(t, (list, tuple)):
+            _used_on(t, stream)
+
+
+class Streams(NamedTuple):
+    """The streams of a captured staged step: one per part (high priority: the latency-bound
+    stages on the step's critical path dispatch first) and one for every decode kernel (low
+    priority, so the kernels run one at a time in the order launched, (layer, part))."""
+
+    parts: list
+    kernels: object
+
+    @classmethod
+    def make(cls, parts: int, device) -> "Streams":
+        # lower numbers are higher priorities; torch clamps to the device's range. PyTorch
+        # instantiates graphs with cudaGraphInstantiateFlagUseNodePriority, so the captured
+        # kernels keep their stream's priority on replay
+        return cls([torch.cuda.Stream(device, priority=-1) for _ in range(parts)], torch.cuda.Stream(device, priority=0))

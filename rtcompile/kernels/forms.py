@@ -127,9 +127,13 @@ def _split_phi_pass(shape: KernelShape) -> list[KernelConfig]:
     # phi(K) written token-major by the token-parallel phi kernel, the prepare kernel storing
     # none (o3 16x16, H200, compare_kron.py at 329e92d, two rounds: 0.3335 / 0.3324 ms against
     # 0.3508 / 0.3500; kernel time prepare 127.6 -> 84.0 us plus the phi kernel's 37.8; with two
-    # prepare warps 0.368, in one part 0.354); the stored-phi(K) proposals after it
+    # prepare warps 0.368, in one part 0.354); the stored-phi(K) proposals after it. The solve's
+    # fp32 products in tf32 with 16-bit inputs (_precision): 0.3186 / 0.3187 ms against 0.3319 /
+    # 0.3321 with ieee (H200, compare_kron.py --phi-pass at 0bdb947, two rounds; outputs 5.7e-3 of
+    # the largest from ieee's, both within bf16's tolerance of float64; the H100 tuner's pick first)
     proposals = _split(shape)
-    return [*(dataclasses.replace(c, phi_pass=True).canonical() for c in proposals), *proposals]
+    return [*(dataclasses.replace(c, phi_pass=True, dot_precision=_precision(shape)).canonical() for c in proposals),
+            *proposals]
 
 
 # The split form's loop on the prepare kernel's WY products (U = U0 - W S: two products a chunk
