@@ -123,18 +123,6 @@ def bucket_of(batch: int) -> int:
 # us: its Triton templates lose to cuBLAS at M = 1) and failed to compile some at B256.
 STEP_INDUCTOR_OPTIONS = {"combo_kernels": True}
 
-# Micro-batches of a captured step (rtcompile.overlap) by bucket: the smallest bucket that splits,
-# and into how many parts. (Measured values in the comment of the commit that set them.)
-OVERLAP_FROM_BUCKET = 128
-OVERLAP_PARTS = 2
-
-
-def default_parts(bucket: int, capture: bool) -> int:
-    """Micro-batches of the decode step of a bucket: OVERLAP_PARTS from OVERLAP_FROM_BUCKET when
-    captured (the overlap needs the graph's streams), else 1."""
-    return OVERLAP_PARTS if capture and bucket >= OVERLAP_FROM_BUCKET else 1
-
-
 class StaticStep:
     """The decode step of ``model`` for one bucket of ``bucket`` rows, on static buffers.
 
@@ -145,17 +133,16 @@ class StaticStep:
     change of those weights needs a new StaticStep (``generate`` makes one: its key holds the
     parameters' versions when this is on). ``inductor_options``: torch.compile's ``options``
     for a compiled step (None: :data:`STEP_INDUCTOR_OPTIONS`; ``{}``: inductor's defaults).
-    ``parts``: micro-batches of equal rows whose decode kernels take turns
-    (:class:`rtcompile.overlap.StagedStep`; on their own streams when captured), a divisor of
-    ``bucket``; None: :func:`default_parts`; 1 runs the model's step whole."""
+    ``parts``: micro-batches of equal rows, a divisor of ``bucket``, whose stages overlap the
+    others' decode kernels when captured (:class:`rtcompile.overlap.StagedStep`, an experiment:
+    it measured no faster than the whole step, see there); 1 runs the model's step whole."""
 
     def __init__(self, model, bucket: int, backend: str, capture: bool, compiled: bool = False,
-                 fuse_projections: bool = False, inductor_options: dict | None = None, parts: int | None = None):
-        parts = default_parts(bucket, capture) if parts is None else parts
+                 fuse_projections: bool = False, inductor_options: dict | None = None, parts: int = 1):
         if not _is_int(parts):
-            raise TypeError(f"parts: expected an int or None, got {type(parts).__name__}")
+            raise TypeError(f"parts: expected an int, got {type(parts).__name__}")
         if parts < 1 or bucket % parts:
-            raise ValueError(f"parts: got {parts}; allowed: None or a divisor of the bucket, {bucket}")
+            raise ValueError(f"parts: got {parts}; allowed: a divisor of the bucket, {bucket}")
         p = model.embed.weight
         self.model, self.bucket, self.backend = model, bucket, backend
         # in a CUDA graph each launch costs ~1.5 us at B1 (H200): the stacked product launches one

@@ -1,20 +1,30 @@
-"""The decode step in micro-batches whose state updates take turns (two-batch overlap).
+"""The decode step in micro-batches whose stages overlap each other's decode kernels (an
+experiment: ``StaticStep(parts=...)``, off by default).
 
 At a large batch the CUDA-graph decode step is two kinds of work in turn: each layer's decode
 kernel, bound by the bandwidth that reads and writes its state (o3 16x16 B256, fp32 state: 148 us
 of the step's ~237 for 537 MB, H200), and everything else (matrix products at M = B, norms,
-gates: ~89 us, bound by launch and latency, not by the GPU's throughput). One batch runs them
-one after the other, so the memory system idles during the products and the SMs during the
-kernel. Split into ``parts`` micro-batches on their own streams, the steps overlap: while one
-micro-batch's decode kernel streams its state, the next one's products and pointwise work run
-beside it, as serving engines overlap two micro-batches (SGLang's two-batch overlap).
+gates: ~89 us, bound by launch and latency). Split into ``parts`` micro-batches, one part's
+products and pointwise work can run beside another part's decode kernel, as serving engines
+overlap two micro-batches (SGLang's two-batch overlap).
 
-The schedule: every micro-batch runs the layers in order on its own stream; the decode kernels
-take turns (layer 0 of each micro-batch in order, then layer 1, ...), each waiting for the one
-before, so two bandwidth-bound kernels never share the memory system and each runs at the rate
-it runs alone, while the stream that just finished its kernel computes its next layer's inputs.
-Rows never mix, so a micro-batch's rows equal those of the whole batch's step up to the
-rounding of products at another M.
+The schedule: each part runs the layers in order on a high-priority stream of its own; every
+decode kernel runs on one low-priority stream, so the kernels run one at a time in the order
+(layer, part) and the latency-bound stages on the critical path dispatch first. Rows never mix,
+so a part's rows equal the whole step's up to the rounding of products at another M.
+
+**Measured, and why it is off** (example model ``order3_16x16.toml``, compiled step with combo
+kernels, ``benchmarks/profile_decode.py --parts``, wall time per replay, median of 5 x 20):
+
+* H200 at 0bdb947 (each part's kernels on its own stream, taking turns by events): B256 fp32
+  state 255.7 us in two parts, 274.5 in four, against 237.4 whole; B128 173.0 against 159.9.
+* H100 at 13d22f1 (this schedule): B256 fp32 288.0 against 288.2 whole; B128 192.4 against
+  180.5; B256 bf16 state 209.6 against 190.6.
+
+The kernels beside a decode kernel slow down more than the overlap hides: in two parts at B256
+(H100) the decode kernels took 206 us against 196, and the step's other kernels 230 us of
+kernel time against 79, as their blocks wait for SMs the decode kernel's blocks hold (one
+register-heavy block streams each state tile; the products' blocks only start where one ends).
 
 :class:`StagedStep` holds the stages (the work between two decode kernels; each one torch.compile
 unit when compiled); :class:`rtcompile.generate.StaticStep` drives it per call.

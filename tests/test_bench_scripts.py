@@ -152,7 +152,7 @@ def test_compare_kron_check_runs_the_pipelined_parts(monkeypatch):
         m.setattr(launch, "running_tensor_fwd", reference)
         assert compare_kron.check(FusedConfig(16, 256, 16), (16, 16)) is None
     real = chunk_split.run_parts
-    monkeypatch.setattr(chunk_split, "run_parts", lambda bounds, *a: real(bounds[:1], *a))
+    monkeypatch.setattr(chunk_split, "run_parts", lambda bounds, *a, **kw: real(bounds[:1], *a, **kw))
     failed = compare_kron.check(config, (16, 16))
     assert failed is not None and failed.startswith("torch.bfloat16 T203 parts output"), failed
 
@@ -161,18 +161,23 @@ def test_compare_kron_check_runs_the_pipelined_parts(monkeypatch):
 def test_compare_kron_changes_to_the_default_pass_their_checks(listed):
     """Every change compare_kron proposes to a shape's default builds a config that passes its
     own check with an H200's shared memory (232448 B), and changes what it names (a misspelt
-    field or a no-op would time the default against itself on the GPU)."""
+    field or a no-op would time the default against itself on the GPU): a config field to
+    another value, or a chunk_split constant (UPPER case) that exists to another value."""
     import compare_kron
+    from rtcompile.kernels import chunk_split
     from rtcompile.kernels.config import KernelShape
     from rtcompile.kernels.forms import default_config
 
     for case, widths, proposals in getattr(compare_kron, listed):
         shape = KernelShape(widths, 64, 2)
         default = default_config("chunk", shape, 232448)
-        for fields in proposals:
+        for proposal in proposals:
+            fields, constants = compare_kron.split_fields(proposal)
             assert set(fields) <= set(default.to_dict()), (case, fields)
+            assert all(hasattr(chunk_split, k) and getattr(chunk_split, k) != v for k, v in constants.items()), \
+                (case, constants)
             cfg = type(default).from_dict({**default.to_dict(), **fields})
-            assert cfg != default, (case, fields)
+            assert cfg != default or constants, (case, proposal)
             assert cfg.check(shape, 232448) is None, (case, fields, cfg.check(shape, 232448))
 
 

@@ -195,6 +195,35 @@ def test_part_bounds(monkeypatch, n_chunks, parts, unit, minimum, expected):
     assert pipeline.part_bounds(n_chunks, parts, unit) == expected
 
 
+@pytest.mark.parametrize("with_inputs", [True, False], ids=["loop-inputs", "none"])
+def test_run_parts_order_without_side_streams(with_inputs):
+    """Off CUDA every launch runs in order on one stream: the loops' inputs once, first, then
+    each part's prepare, loop and outputs."""
+    calls = []
+    pipeline.run_parts([(0, 2), (2, 5)], lambda c0, c1: calls.append(("prepare", c0, c1)),
+                       lambda j, c0, c1: calls.append(("loop", j, c0, c1)),
+                       lambda c0, c1: calls.append(("outputs", c0, c1)), torch.device("cpu"),
+                       loop_inputs=(lambda: calls.append(("loop inputs",))) if with_inputs else None)
+    parts = [("prepare", 0, 2), ("loop", 0, 0, 2), ("outputs", 0, 2), ("prepare", 2, 5), ("loop", 1, 2, 5),
+             ("outputs", 2, 5)]
+    assert calls == ([("loop inputs",)] if with_inputs else []) + parts
+
+
+def test_phi_kernel_beside_or_before_the_first_prepare_gives_the_same_outputs(monkeypatch):
+    """phi_pass in pipelined parts: phi(K) launched as the loops' input (beside the first prepare
+    on a GPU) or before the first prepare kernel (the schedule before): the same outputs and
+    final state, bit for bit (the same kernels on the same inputs)."""
+    monkeypatch.setattr(pipeline, "MIN_PART_CHUNKS", 1)
+    config = SplitConfig(16, 16, state_stride=2, pipeline=2, phi_pass=True)
+    got = {}
+    dev, _, _ = case(1, 45, 2, (16, 16), 8)
+    for beside in (True, False):
+        monkeypatch.setattr(chunk_split, "PHI_BESIDE_PREPARE", beside)
+        got[beside] = run_form(config, *dev, l2norm=True)
+    for a, b in zip(got[True], got[False]):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
 @pytest.mark.parametrize("feat", FEATURES.keys())
 @pytest.mark.parametrize("form", FORMS.keys())
 def test_form_matches_float64(form, feat):
@@ -253,7 +282,8 @@ def test_varlen_uneven_lengths(form, monkeypatch):
     offsets = [0, 5, 6, 60, 97] if lengths == "long" else [0, 5, 6, 23, 30]
     parts = []
     run_parts = chunk_split.run_parts
-    monkeypatch.setattr(chunk_split, "run_parts", lambda bounds, *a: (parts.append(len(bounds)), run_parts(bounds, *a)))
+    monkeypatch.setattr(chunk_split, "run_parts",
+                        lambda bounds, *a, **kw: (parts.append(len(bounds)), run_parts(bounds, *a, **kw)))
     check_against_reference(config, 1, offsets[-1], 2, widths, 8, offsets=offsets)
     assert parts == ([1] if isinstance(config, SplitConfig) else []), parts  # varlen: one part, whatever pipeline asks
 
@@ -285,7 +315,8 @@ def test_parts_in_a_graph_equal_the_eager_call_in_one_part(monkeypatch):
     config = SplitConfig(16, 16, tma=True, key_group=2, state_stride=2, pipeline=2)
     parts = []
     run_parts = chunk_split.run_parts
-    monkeypatch.setattr(chunk_split, "run_parts", lambda bounds, *a: (parts.append(len(bounds)), run_parts(bounds, *a)))
+    monkeypatch.setattr(chunk_split, "run_parts",
+                        lambda bounds, *a, **kw: (parts.append(len(bounds)), run_parts(bounds, *a, **kw)))
     dev, _, s0 = case(2, 77, 2, (16, 16), 8, torch.bfloat16, state=True)
     h0 = s0.to(DEVICE)  # outside the capture: a copy from host memory cannot be captured
     call = lambda: run_form(config, *dev, h0=h0, l2norm=True)  # noqa: E731

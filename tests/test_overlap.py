@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from rtcompile.generate import OVERLAP_FROM_BUCKET, OVERLAP_PARTS, StaticStep, default_parts
+from rtcompile.generate import StaticStep
 from rtcompile.model import RunningTensorLM
 from rtcompile.spec import Features, ModelSpec
 
@@ -84,23 +84,17 @@ def test_micro_batches_through_the_decode_kernel_with_stacked_maps():
 
 
 @pytest.mark.parametrize("parts,error,match", [
-    (3, ValueError, r"parts: got 3; allowed: None or a divisor of the bucket, 8"),
+    (3, ValueError, r"parts: got 3; allowed: a divisor of the bucket, 8"),
     (0, ValueError, r"parts: got 0"),
     (16, ValueError, r"parts: got 16"),
-    (2.0, TypeError, r"parts: expected an int or None, got float"),
-    (True, TypeError, r"parts: expected an int or None, got bool"),
+    (2.0, TypeError, r"parts: expected an int, got float"),
+    (True, TypeError, r"parts: expected an int, got bool"),
 ], ids=["not-a-divisor", "zero", "more-than-rows", "float", "bool"])
 def test_bad_parts_are_refused_before_any_allocation(parts, error, match, monkeypatch):
     lm = _lm(FEATURES["all"], layers=1)
     monkeypatch.setattr(torch, "zeros", lambda *a, **k: pytest.fail("allocated before the check"))
     with pytest.raises(error, match=match):
         StaticStep(lm, 8, "reference", capture=False, parts=parts)
-
-
-def test_default_parts_split_only_large_captured_buckets():
-    assert default_parts(OVERLAP_FROM_BUCKET, capture=True) == OVERLAP_PARTS > 1
-    assert default_parts(OVERLAP_FROM_BUCKET // 2, capture=True) == 1
-    assert default_parts(OVERLAP_FROM_BUCKET, capture=False) == 1  # no graph, no streams: nothing overlaps
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs and streams")

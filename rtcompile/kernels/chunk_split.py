@@ -519,6 +519,13 @@ def triton_state_loop(config: SplitConfig, p: Problem, v, beta, ws: dict, Hc, Uc
     return walk
 
 
+# phi_pass: the phi kernel writes all of phi(K) beside the first prepare kernel (pipeline.run_parts'
+# loop_inputs, on the output stream) rather than before it on the prepare stream. (Measured in
+# the commit that set it; False is the schedule before, kept for compare_kron.py to time.) All of
+# phi(K) with the first part, not each part's before its prepare kernel: 0.3293 ms against 0.3320
+# (o3 16x16, H200, compare_kron.py at 251da1b, two rounds)
+PHI_BESIDE_PREPARE = True
+
 # SplitConfig.loop -> the builder of that loop for one call (same signature, same walk)
 STATE_LOOPS = {"triton": triton_state_loop, "gluon": chunk_split_gluon.state_loop, "kron": chunk_split_kron.state_loop}
 
@@ -558,11 +565,12 @@ def launch(config: SplitConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seql
     ws = keys_workspace(config, p, v, g, beta)
     lowp, prec = lowp_dots(v.dtype), config.dot_precision
 
+    def phi_keys() -> None:  # phi(K) of the whole sequence: only the state loop reads it
+        fill_phi([k], [ws["Kw"]], l2norm)
+
     def prepare(c0: int, c1: int) -> None:
-        # all of phi(K) with the first part: each part's own before its prepare kernel ran 0.3320 ms
-        # against 0.3293 (o3 16x16, H200, compare_kron.py at 251da1b, two rounds)
-        if config.phi_pass and c0 == bounds[0][0]:
-            fill_phi([k], [ws["Kw"]], l2norm)
+        if config.phi_pass and not PHI_BESIDE_PREPARE and c0 == bounds[0][0]:
+            phi_keys()
         prepare_keys(config, p, q, k, v, g, beta, cu_seqlens=cu_seqlens, idx=idx, l2norm=l2norm,
                      out={**ws, "Kw": None} if config.phi_pass else ws, chunks=(c0, c1))
 
@@ -580,5 +588,6 @@ def launch(config: SplitConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seql
             num_warps=config.output_warps, num_stages=config.num_stages,
         )
 
-    run_parts(bounds, prepare, loop, outputs, v.device)
+    run_parts(bounds, prepare, loop, outputs, v.device,
+              loop_inputs=phi_keys if config.phi_pass and PHI_BESIDE_PREPARE else None)
     return o

@@ -71,14 +71,19 @@ def side_streams(device: torch.device) -> tuple | None:
 
 def run_parts(bounds: list[tuple[int, int]], prepare: Callable[[int, int], None],
               loop: Callable[[int, int, int], None], outputs: Callable[[int, int], None],
-              device: torch.device) -> None:
+              device: torch.device, loop_inputs: Callable[[], None] | None = None) -> None:
     """Run ``prepare(c0, c1)``, ``loop(j, c0, c1)`` and ``outputs(c0, c1)`` for each part j of
-    ``bounds``. Invariant: loop j starts after prepare j and loop j - 1 have finished, outputs
-    j after loop j, and the caller's stream continues only after every launch here (so the
-    tensors the launches use, allocated on it before the call, are not reused early). One
-    part, or no side streams: every launch in order on the current stream."""
+    ``bounds``, after ``loop_inputs()`` (work that only the loops read, for the whole sequence).
+    Invariant: loop j starts after prepare j, loop j - 1 and ``loop_inputs`` have finished,
+    outputs j after loop j, and the caller's stream continues only after every launch here (so
+    the tensors the launches use, allocated on it before the call, are not reused early). With
+    side streams ``loop_inputs`` runs on the output stream, idle until the first loop ends,
+    beside the first prepare kernel. One part, or no side streams: every launch in order on the
+    current stream, ``loop_inputs`` first."""
     streams = side_streams(device) if len(bounds) > 1 else None
     if streams is None:
+        if loop_inputs is not None:
+            loop_inputs()
         for j, (c0, c1) in enumerate(bounds):
             prepare(c0, c1)
             loop(j, c0, c1)
@@ -91,11 +96,15 @@ def run_parts(bounds: list[tuple[int, int]], prepare: Callable[[int, int], None]
     # against the record before it, so reuse cannot reorder a later call.
     main = torch.cuda.current_stream(device)
     s_prep, s_loop, s_out = streams
-    events = _events(main.device_index, 2 * len(bounds) + 2)
+    events = _events(main.device_index, 2 * len(bounds) + 3)
     events[0].record(main)
     for s in streams:
         s.wait_event(events[0])
     try:
+        if loop_inputs is not None:
+            torch.cuda.set_stream(s_out)
+            loop_inputs()
+            _order(events[-2], s_out, s_loop)
         for j, (c0, c1) in enumerate(bounds):
             torch.cuda.set_stream(s_prep)
             prepare(c0, c1)
