@@ -519,12 +519,13 @@ def triton_state_loop(config: SplitConfig, p: Problem, v, beta, ws: dict, Hc, Uc
     return walk
 
 
-# phi_pass: the phi kernel writes all of phi(K) beside the first prepare kernel (pipeline.run_parts'
-# loop_inputs, on the output stream) rather than before it on the prepare stream. (Measured in
-# the commit that set it; False is the schedule before, kept for compare_kron.py to time.) All of
-# phi(K) with the first part, not each part's before its prepare kernel: 0.3293 ms against 0.3320
-# (o3 16x16, H200, compare_kron.py at 251da1b, two rounds)
-PHI_BESIDE_PREPARE = True
+# phi_pass: True launches the phi kernel (all of phi(K)) beside the first prepare kernel
+# (pipeline.run_parts' loop_inputs, on the idle output stream) rather than before it on the
+# prepare stream. It lost: o3 16x16 0.3623 ms against 0.3602 (H100, compare_kron.py --phi-pass at
+# eedfbe8, two rounds; the kernels' own times unchanged: the two share the memory system); not
+# timed on the H200. All of phi(K) with the first part, not each part's before its prepare
+# kernel: 0.3293 ms against 0.3320 (o3 16x16, H200, compare_kron.py at 251da1b, two rounds)
+PHI_BESIDE_PREPARE = False
 
 # SplitConfig.loop -> the builder of that loop for one call (same signature, same walk)
 STATE_LOOPS = {"triton": triton_state_loop, "gluon": chunk_split_gluon.state_loop, "kron": chunk_split_kron.state_loop}
