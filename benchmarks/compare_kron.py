@@ -72,6 +72,12 @@ CASES = [
 PHI_PASS = [
     ("o3 16x16", (16, 16), [dict(PHI_BESIDE_PREPARE=True), dict(dot_precision="ieee")]),
 ]
+# (case, widths, changes to the default) at K <= 256 where the default is the split form with the
+# Gluon loop (sm_90): the prepare kernel's solve products in tf32 with 16-bit inputs, as o3 16x16's
+# default took them (0.960x there, H200 0bdb947)
+SMALL_K = [(case, widths, [dict(dot_precision="tf32")])
+           for case, widths in (("o2 64", (64,)), ("o3 8x8", (8, 8)), ("o2 128", (128,)), ("o3 16x8", (16, 8)),
+                                ("o2 256", (256,)))]
 # (case, widths, changes to the streamed default) above K = 256. Measured here at 91fb7d6 (H200,
 # two rounds): o3 32x32 with 256-row tiles and no state prefetch (the tuner's pick on an H100)
 # 1.238 ms against 1.319 for the then default (128-row tiles loaded one ahead): the default since;
@@ -230,6 +236,7 @@ def main() -> int:
     only = ap.add_mutually_exclusive_group()
     only.add_argument("--phi-pass", action="store_true", help="only the phi_pass proposals")
     only.add_argument("--large", action="store_true", help="only the proposals above K = 256")
+    only.add_argument("--small-k", action="store_true", help="only the proposals for the Gluon-loop rows, K <= 256")
     ap.add_argument("--profile", action="store_true",
                     help="also the per-kernel split (torch.profiler, eager) of the default and the fastest proposal")
     args = ap.parse_args()
@@ -247,8 +254,9 @@ def main() -> int:
     rows = []
     # (changes to the default?, case, widths, proposals)
     lists = {"kron": [(False, *c) for c in CASES], "phi": [(True, *c) for c in PHI_PASS],
-             "large": [(True, *c) for c in LARGE]}
-    chosen = ["phi"] if args.phi_pass else ["large"] if args.large else ["kron", "phi"]
+             "large": [(True, *c) for c in LARGE], "small": [(True, *c) for c in SMALL_K]}
+    chosen = (["phi"] if args.phi_pass else ["large"] if args.large else ["small"] if args.small_k
+              else ["kron", "phi"])
     for changes, case, widths, proposals in (c for name in chosen for c in lists[name]):
         if args.only and args.only not in case:
             continue

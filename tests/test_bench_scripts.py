@@ -157,7 +157,7 @@ def test_compare_kron_check_runs_the_pipelined_parts(monkeypatch):
     assert failed is not None and failed.startswith("torch.bfloat16 T203 parts output"), failed
 
 
-@pytest.mark.parametrize("listed", ["PHI_PASS", "LARGE"])
+@pytest.mark.parametrize("listed", ["PHI_PASS", "LARGE", "SMALL_K"])
 def test_compare_kron_changes_to_the_default_pass_their_checks(listed):
     """Every change compare_kron proposes to a shape's default builds a config that passes its
     own check with an H200's shared memory (232448 B), and changes what it names (a misspelt
@@ -170,7 +170,7 @@ def test_compare_kron_changes_to_the_default_pass_their_checks(listed):
 
     for case, widths, proposals in getattr(compare_kron, listed):
         shape = KernelShape(widths, 64, 2)
-        default = default_config("chunk", shape, 232448)
+        default = default_config("chunk", shape, 232448, gluon=True)  # an H200's (sm_90) default
         for proposal in proposals:
             fields, constants = compare_kron.split_fields(proposal)
             assert set(fields) <= set(default.to_dict()), (case, fields)
