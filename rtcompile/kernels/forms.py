@@ -151,6 +151,10 @@ _SPLIT_WY = {"wy": True, "prepare_warps": 2}
 # default / fla beside): o2 64 0.260 ms (0.272 / 0.293), o2 128 0.310 (0.381 / 0.395), o2 256
 # 0.532 (0.657 / 0.619), o3 8x8 0.279 (0.304 / 0.292), o3 16x8 0.401 (0.442 / 0.397); wy lost
 # everywhere with it (o2 256 0.591). o3 16x16 keeps the Triton loop (0.378 at C 32 against 0.347).
+# The solve's fp32 products in tf32 with 16-bit inputs (_precision), H100, compare_kron.py
+# --small-k at c61325e, two rounds, every round faster: o2 64 0.2824 ms against 0.2858, o3 8x8
+# 0.2851 / 0.2869, o2 128 0.3340 / 0.3380, o3 16x8 0.3637 / 0.3669, o2 256 0.6098 / 0.6190
+# (outputs 2.9e-3 to 8.6e-3 of the largest from ieee's, all within bf16's tolerance of float64)
 _GLUON_SPLIT = {  # (materialised, K): pipeline, state_stride, prepare_warps, num_stages
     (False, 64): (2, 1, 2, 3), (False, 128): (4, 2, 2, 2), (False, 256): (2, 1, 2, 3),
     (True, 64): (4, 1, 1, 3), (True, 128): (4, 4, 1, 3),
@@ -165,8 +169,9 @@ def _gluon_split(shape: KernelShape) -> list[KernelConfig]:
         return []
     parts, stride, pw, stages = fields
     return [SplitConfig(chunk_size=32, block_v=64, num_warps=4, num_stages=stages, prepare_warps=pw,
-                        output_block_v=min(64, shape.value_dim_pow2), output_warps=4, tma=True, key_group=1,
-                        state_stride=stride, pipeline=parts, materialise=mat, loop="gluon")]
+                        dot_precision=_precision(shape), output_block_v=min(64, shape.value_dim_pow2),
+                        output_warps=4, tma=True, key_group=1, state_stride=stride, pipeline=parts, materialise=mat,
+                        loop="gluon")]
 
 
 def _split_small_k(shape: KernelShape, **fields) -> list[KernelConfig]:
