@@ -1,9 +1,13 @@
 """Check, then time, proposals against each shape's default in one process on one GPU: the split
 form's state loop on the Kronecker factors (``loop="kron"``), changes to o3 16x16's
-``phi_pass`` default (``--phi-pass``) and changes to the streamed defaults above K = 256
-(``--large``).
+``phi_pass`` default (``--phi-pass``), to the streamed defaults above K = 256 (``--large``) and
+to the Gluon-loop split defaults at K <= 256 (``--small-k``, sm_90). A change is config fields,
+or an UPPER-case name: a ``chunk_split`` module constant set while that row is checked and
+captured (a launch schedule, not a config field). A change that leaves the default as it is
+(e.g. a Gluon row's on a GPU whose default is not the Gluon loop) is skipped, not timed.
 
-    python benchmarks/compare_kron.py [--rounds 2] [--out FILE.json] [--only 32x32] [--phi-pass | --large] [--profile]
+    python benchmarks/compare_kron.py [--rounds 2] [--out FILE.json] [--only 32x32]
+                                      [--phi-pass | --large | --small-k] [--profile]
 
 First every proposal runs against the float64 reference on the GPU (B1 T 203 and varlen
 sequences of 37 and 166 tokens, H2 d_v 64: partial chunks, an initial state, gate, delta rule,
@@ -276,6 +280,9 @@ def main() -> int:
                 cfg = type(default).from_dict({**default.to_dict(), **fields})
             else:
                 cfg = SplitConfig.from_dict({**SplitConfig(16, 16).to_dict(), **KRON, **fields})
+            if cfg == default and not patch:  # nothing to compare: the default timed against itself
+                print(f"{case} {_name(fields, changes)}: the default itself here, skipped", file=sys.stderr, flush=True)
+                continue
             refusal = cfg.check(launch.kernel_shape(p), launch.smem_limit(dev))
             with _patched(patch):
                 failed = refusal or check(cfg, widths)
@@ -308,7 +315,8 @@ def main() -> int:
         for n in configs:
             t = statistics.median(times[n])
             diff = float((outs[n] - ref).abs().max() / ref.abs().max())
-            rows.append({"case": case, "config": n, "fields": configs[n].to_dict(), "ms": t * 1e3,
+            rows.append({"case": case, "config": n, "fields": configs[n].to_dict(), "constants": constants.get(n, {}),
+                         "ms": t * 1e3,
                          "rounds_ms": [x * 1e3 for x in times[n]], "vs_default": t / base, "diff": diff})
             print(f"{case} {n}: {t * 1e3:.4f} ms ({t / base:.3f} of the default), diff {diff:.2e}", file=sys.stderr,
                   flush=True)

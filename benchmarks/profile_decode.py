@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"--steps: {', '.join(unknown)}; allowed: {', '.join(STEPS)}")
     try:
-        parts = [int(p) for p in args.parts.split(",") if p]
+        parts = sorted({int(p) for p in args.parts.split(",") if p})  # 1 first: the others compare with it
     except ValueError:
         ap.error(f"--parts: got {args.parts!r}; allowed: a comma list of powers of two")
     if not parts or any(p < 1 or p & (p - 1) for p in parts):

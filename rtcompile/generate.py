@@ -20,7 +20,7 @@ import math
 import torch
 
 from .functional import BACKENDS
-from .model import device_memory_bytes, step_state_dtype
+from .model import RunningTensorLM, device_memory_bytes, step_state_dtype
 
 MODES = ("eager", "static", "graph")
 WARMUP_STEPS = 3  # PyTorch's CUDA-graph notes warm up a few iterations on a side stream (Triton JIT, cuBLAS handles)
@@ -123,6 +123,7 @@ def bucket_of(batch: int) -> int:
 # us: its Triton templates lose to cuBLAS at M = 1) and failed to compile some at B256.
 STEP_INDUCTOR_OPTIONS = {"combo_kernels": True}
 
+
 class StaticStep:
     """The decode step of ``model`` for one bucket of ``bucket`` rows, on static buffers.
 
@@ -143,6 +144,11 @@ class StaticStep:
             raise TypeError(f"parts: expected an int, got {type(parts).__name__}")
         if parts < 1 or bucket % parts:
             raise ValueError(f"parts: got {parts}; allowed: a divisor of the bucket, {bucket}")
+        if parts > 1 and type(model).forward is not RunningTensorLM.forward:
+            # the stages call the layers' halves directly: a subclass's forward (the bench's fla
+            # mixer) would be skipped without a word
+            raise ValueError(f"parts: got {parts} for a {type(model).__name__}, whose forward is its own; allowed: 1 "
+                             "(micro-batches run RunningTensorLM's layers directly)")
         p = model.embed.weight
         self.model, self.bucket, self.backend = model, bucket, backend
         # in a CUDA graph each launch costs ~1.5 us at B1 (H200): the stacked product launches one
@@ -154,7 +160,6 @@ class StaticStep:
         # mutation is re-inplaced); in a CUDA graph each launch left costs ~1.5 us at B1 (148 us
         # for the ~100 launches of the uncompiled step, H200). Costs one compile per bucket.
         options = STEP_INDUCTOR_OPTIONS if inductor_options is None else inductor_options
-        self.parts = parts
         if parts == 1:
             self._step = torch.compile(model.step, fullgraph=True, options=options or None) if compiled else model.step
         self.tokens = torch.zeros(bucket, dtype=torch.int64, device=p.device)

@@ -34,7 +34,8 @@ from .spec import ModelSpec, SpecError
 
 # A replacement state mixer: ``mixer(spec, q, k, v, g, beta, state) -> (o, new_state)`` with q, k
 # the factor lists [B, T, H, d_i], v [B, T, H, d_v], g (log decay, fp32) and beta [B, T, H] or
-# None, and ``state`` the cache's [B, H, d_1, ..., d_v] or None (no cache: a zero state).
+# None, and ``state`` the cache's [B, H, d_1, ..., d_v] or None (no cache: a zero state); ``o`` is
+# [B, T, H, d_v] (RunningTensorLayer.mixer_output reads B, T, H, d_v from it).
 Mixer = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 

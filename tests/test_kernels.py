@@ -210,9 +210,10 @@ def test_run_parts_order_without_side_streams(with_inputs):
 
 
 def test_phi_kernel_beside_or_before_the_first_prepare_gives_the_same_outputs(monkeypatch):
-    """phi_pass in pipelined parts: phi(K) launched as the loops' input (beside the first prepare
-    on a GPU) or before the first prepare kernel (the schedule before): the same outputs and
-    final state, bit for bit (the same kernels on the same inputs)."""
+    """phi_pass in pipelined parts, one stream (the interpreter): phi(K) launched as the loops'
+    input or before the first prepare kernel runs the phi kernel once either way, so the outputs
+    and final state are the same bit for bit (the side streams' ordering is the GPU graph test's,
+    test_parts_in_a_graph_equal_the_eager_call_in_one_part)."""
     monkeypatch.setattr(pipeline, "MIN_PART_CHUNKS", 1)
     config = SplitConfig(16, 16, state_stride=2, pipeline=2, phi_pass=True)
     got = {}
@@ -307,12 +308,23 @@ def test_parts_run_in_graph_captures_only(monkeypatch, capturing, expected):
     assert pipeline.parts_pay(torch.device("cpu"))
 
 
+GRAPH_PARTS = {
+    "stored-phi": (SplitConfig(16, 16, tma=True, key_group=2, state_stride=2, pipeline=2), False),
+    # phi(K) from the phi kernel before the first prepare, or beside it on the output stream (the
+    # first loop waits for it by an event: the one test of that ordering on side streams)
+    "phi-pass-before": (SplitConfig(16, 16, tma=True, state_stride=2, pipeline=2, phi_pass=True), False),
+    "phi-pass-beside": (SplitConfig(16, 16, tma=True, state_stride=2, pipeline=2, phi_pass=True), True),
+}
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
-def test_parts_in_a_graph_equal_the_eager_call_in_one_part(monkeypatch):
+@pytest.mark.parametrize("name", GRAPH_PARTS.keys())
+def test_parts_in_a_graph_equal_the_eager_call_in_one_part(monkeypatch, name):
     """The same pipelined config eager (one part) and as a CUDA-graph replay computes it (two
     parts on the side streams; what the tuner checks and times): outputs and final state
     bit-equal, and each ran the parts the rule gives."""
-    config = SplitConfig(16, 16, tma=True, key_group=2, state_stride=2, pipeline=2)
+    config, beside = GRAPH_PARTS[name]
+    monkeypatch.setattr(chunk_split, "PHI_BESIDE_PREPARE", beside)
     parts = []
     run_parts = chunk_split.run_parts
     monkeypatch.setattr(chunk_split, "run_parts",

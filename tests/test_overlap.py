@@ -34,7 +34,8 @@ def _run(lm, parts, prompt, steps, backend, bucket, **kw):
     """Logits of ``steps`` static steps (greedy) and the final static cache, from one prefill."""
     with torch.no_grad():
         logits, cache = lm(prompt, backend=backend)
-        step = StaticStep(lm, bucket, backend, capture=CUDA and kw.pop("capture", False), parts=parts, **kw)
+        capture = kw.pop("capture", False)
+        step = StaticStep(lm, bucket, backend, capture=CUDA and capture, parts=parts, **kw)
         step.load(cache, prompt.shape[0])
         states = [c["state"] for c in step.cache]
         tails = [list(c["conv"] or []) for c in step.cache]
@@ -97,11 +98,25 @@ def test_bad_parts_are_refused_before_any_allocation(parts, error, match, monkey
         StaticStep(lm, 8, "reference", capture=False, parts=parts)
 
 
+def test_parts_refuse_a_model_whose_forward_is_its_own():
+    """The stages call the layers' halves directly: a subclass's own forward (the bench's fla
+    mixer) would be skipped, so more than one part is refused for it; one part runs its step."""
+    from rtcompile.bench.lm import MixerLM
+
+    torch.manual_seed(0)
+    spec = ModelSpec(order=3, key_widths=(3, 4), value_width=5, heads=2, model_width=12, layers=1)
+    lm = MixerLM(spec, vocab_size=VOCAB).double().eval()
+    with pytest.raises(ValueError, match=r"parts: got 2 for a MixerLM, whose forward is its own; allowed: 1"):
+        StaticStep(lm, 4, "reference", capture=False, parts=2)
+    assert StaticStep(lm, 4, "reference", capture=False, parts=1)._staged is None
+
+
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs and streams")
 @pytest.mark.parametrize("compiled", [False, True], ids=["plain", "compiled"])
 def test_gpu_captured_micro_batches_on_streams_follow_the_whole_step(compiled, monkeypatch):
-    """Captured with two parts on two streams (the kernels' turns as events), fp32, B13 in bucket
-    16: 12 steps' logits, the states and tails as the captured whole step's."""
+    """Captured with two parts (each part's stages on a stream of its own, every decode kernel on
+    one more, ordered by stream waits), fp32, B13 in bucket 16: 12 steps' logits, the states and
+    tails as the captured whole step's."""
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     lm = _lm(FEATURES["all"], layers=2, dtype=torch.float32, device="cuda", seed=9)
     prompt = torch.randint(0, VOCAB, (13, 8), generator=torch.Generator().manual_seed(9)).cuda()

@@ -36,6 +36,10 @@ GLUON = {
     "o3-8x8-materialised-c32-wy": (SplitConfig(32, 64, loop="gluon", wy=True, materialise=True), (8, 8), 100),
     "o3-16x8-materialised-c32-stride4": (SplitConfig(32, 64, loop="gluon", materialise=True, state_stride=4),
                                          (16, 8), 130),
+    # tf32 solve products, as the Gluon rows' defaults take them with 16-bit inputs (fp32 inputs: ieee)
+    "o2-64-c32-tf32-parts2": (SplitConfig(32, 64, loop="gluon", dot_precision="tf32", pipeline=2), (64,), 100),
+    "o3-8x8-materialised-c32-tf32": (SplitConfig(32, 64, loop="gluon", dot_precision="tf32", materialise=True),
+                                     (8, 8), 77),
 }
 
 
@@ -83,6 +87,8 @@ def test_defaults_propose_the_gluon_loop_only_where_it_runs(monkeypatch):
     first = candidates("chunk", shape, SMEM)[0]
     assert (first.loop, first.block_v, first.num_warps) == (("gluon", 64, 4) if chunk_split_gluon.gluon else
                                                             ("triton", 32, 4))
+    if chunk_split_gluon.gluon:  # the solve's products in tf32 with 16-bit inputs (0.985-0.994x, H100)
+        assert first.dot_precision == "tf32"
     assert candidates("chunk", KernelShape((64,), 64, 4), SMEM)[0].loop == "triton"
     assert candidates("chunk", KernelShape((16, 16), 64, 2), SMEM)[0].loop == "triton"  # measured slower there
 

@@ -196,7 +196,8 @@ CHUNK_DEFAULTS: tuple[DefaultRow, ...] = (
     DefaultRow(lambda s: len(s.key_widths) >= 2 and s.key_dim_pow2 <= 128,
                lambda s: [*_gluon_split(s), *_materialised_proposals(s)],
                "order >= 3, K <= 128: on sm_90 the materialised split form with the Gluon loop (o3 8x8 0.262 ms, "
-               "16x8 0.333; fla 0.292 / 0.396; H200, 2026-12-04); else phi(q), phi(k) materialised (one kernel) and "
+               "16x8 0.333; fla 0.292 / 0.396; H200, 2026-12-04; tf32 solve products since: 0.994 / 0.991x, "
+               "H100); else phi(q), phi(k) materialised (one kernel) and "
                "order 2's defaults for that "
                "K on them: o3 8x8 0.316 ms against 0.500 factored, o3 16x8 0.476 against 0.593 (fla 0.285 / "
                "0.388; H200, bench --phase prefill, one run, 2026-12-02, 95f8c83); the split form in four "
@@ -204,13 +205,15 @@ CHUNK_DEFAULTS: tuple[DefaultRow, ...] = (
     DefaultRow(lambda s: s.key_dim_pow2 == 256 and len(s.key_widths) == 1,
                lambda s: [*_gluon_split(s), *(dataclasses.replace(c, **_SPLIT_WY) for c in _split_any(s)),
                           *_split_any(s)],
-               "o2 256: on sm_90 the split form with the Gluon loop, 0.535 ms (fla 0.619; H200, 2026-12-04); else "
+               "o2 256: on sm_90 the split form with the Gluon loop, 0.535 ms (fla 0.619; H200, 2026-12-04; tf32 "
+               "solve products since: 0.985x, H100); else "
                "the split form (chunks of 32, two pipelined parts), 0.676 ms against 0.788 in one part "
                "and 0.906 for the resident C 16 below, fla 0.611 (H200, 2026-12-04); with the solve in the "
                "prepare kernel (wy, two prepare warps) 0.659 against 0.680, fla 0.619 (two rounds, 2026-12-04)"),
     DefaultRow(lambda s: s.key_dim_pow2 == 64 and len(s.key_widths) == 1,
                lambda s: [*_gluon_split(s), *_split_small_k(s, **_SPLIT_WY), *_split_small_k(s)],
-               "o2 64: on sm_90 the split form with the Gluon loop, 0.263 ms (fla 0.293; H200, 2026-12-04); else "
+               "o2 64: on sm_90 the split form with the Gluon loop, 0.263 ms (fla 0.293; H200, 2026-12-04; tf32 "
+               "solve products since: 0.988x, H100); else "
                "the split form (key groups of 1, C 32 in four pipelined parts), 0.280 ms against 0.296 "
                "in one part at C 64 and 0.343 for the resident C 32 + wy below, fla 0.285 (H200, 2026-12-04; "
                "o2 128: 0.606 at best in parts against 0.392 for the resident C 16); with the solve in the "
@@ -230,7 +233,8 @@ CHUNK_DEFAULTS: tuple[DefaultRow, ...] = (
                lambda s: [*_gluon_split(s), _tiled(s, 16, s.key_dim_pow2, 32, 4, prefetch_inputs=True),
                           _tiled(s, 32, s.key_dim_pow2, 16, 4, prepare_warps=4, prefetch_inputs=True, wy=True),
                           _tiled(s, 16, s.key_dim_pow2, 16, 4, prefetch_inputs=True)],
-               "64 < K <= 256 (o2 128 on sm_90: the split form with the Gluon loop, 0.311 ms against 0.383 for the "
+               "64 < K <= 256 (o2 128 on sm_90: the split form with the Gluon loop, 0.311 ms (tf32 solve products "
+               "since: 0.988x, H100) against 0.383 for the "
                "resident C 16 below, fla 0.396; H200, 2026-12-04), state in registers with the next chunk's inputs "
                "ahead: o3 16x16 C 16 0.77 ms "
                "against 1.19 without; C 32 + wy leads with few programs (B1: 0.312 against 0.429 ms)"),
