@@ -223,3 +223,16 @@ def test_tpe_check_finds_a_pick_that_differs_from_the_swept_config_in_inert_fiel
     times = tpe_check._trial_times(url, "s")
     pick = SplitConfig(64, 32, phi_pass=True, key_group=2, pipeline=2)
     assert times == {pick.canonical(): 1e-3} and pick.canonical() in times
+
+
+@pytest.mark.parametrize("parts, match", [("3", "allowed: a comma list of powers of two"),
+                                          ("x", "allowed: a comma list of powers of two"),
+                                          ("0,2", "allowed: a comma list of powers of two")],
+                         ids=["not-a-power", "not-a-number", "zero"])
+def test_profile_decode_refuses_bad_parts(parts, match, capsys):
+    """--parts is checked before torch is imported or a GPU asked for: one usage line, exit 2."""
+    import profile_decode
+
+    with pytest.raises(SystemExit) as exc:
+        profile_decode.main(["--parts", parts])
+    assert exc.value.code == 2 and match in capsys.readouterr().err
