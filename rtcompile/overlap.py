@@ -68,10 +68,12 @@ class StagedStep:
 
     Invariants: the cache's states and convolution tails are updated in place (views of the
     caller's buffers, one row range per micro-batch), in ``state_dtype``; ``logits`` [bucket,
-    vocab] is written in place; with ``streams`` (one per part, CUDA) the micro-batches run on
-    them, forked from and joined back into the current stream, and the decode kernels run one at
-    a time in the order (layer, part). ``compiled``: each stage through torch.compile with
-    ``options`` (one compile per stage kind and layer shape)."""
+    vocab] is written in place; with ``streams`` (:class:`Streams`, CUDA) each micro-batch's
+    stages run on its part stream and every decode kernel on the kernel stream, one at a time in
+    the order (layer, part), all forked from and joined back into the current stream. Without,
+    everything runs in order on the current stream. ``compiled``: each stage through
+    torch.compile with ``options`` (one graph per stage kind: the layers are arguments, not
+    constants; 3 graphs for 12 layers on the CPU)."""
 
     def __init__(self, model, parts: int, backend: str, state_dtype: torch.dtype, fused: list | None,
                  compiled: bool, options: dict | None):
