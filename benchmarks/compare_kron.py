@@ -100,19 +100,13 @@ def split_fields(fields: dict) -> tuple[dict, dict]:
     return ({k: v for k, v in fields.items() if not k.isupper()}, {k: v for k, v in fields.items() if k.isupper()})
 
 
-@contextlib.contextmanager
 def _patched(constants: dict):
     """chunk_split's module ``constants`` set for the block (a schedule the launcher reads per call)."""
+    from unittest import mock
+
     from rtcompile.kernels import chunk_split
 
-    saved = {k: getattr(chunk_split, k) for k in constants}
-    for k, v in constants.items():
-        setattr(chunk_split, k, v)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(chunk_split, k, v)
+    return mock.patch.multiple(chunk_split, **constants) if constants else contextlib.nullcontext()
 
 
 def _name(fields: dict, changes: bool) -> str:

@@ -32,7 +32,6 @@ unit when compiled); :class:`rtcompile.generate.StaticStep` drives it per call.
 
 from __future__ import annotations
 
-import contextlib
 from typing import NamedTuple
 
 import torch
@@ -100,14 +99,14 @@ class StagedStep:
             here = torch.cuda.current_stream()
             for s in (*streams.parts, streams.kernels):
                 s.wait_stream(here)
-        on = (lambda s: torch.cuda.stream(s)) if streams is not None else (lambda s: contextlib.nullcontext())
+        # torch.cuda.stream(None) changes nothing (also without CUDA): no streams, one stream
         part_stream = (lambda j: streams.parts[j]) if streams is not None else (lambda j: None)
         kernels = streams.kernels if streams is not None else None
         held = [None] * self.parts  # per part: (x, mixer inputs, gate pre-activation)
         outs = [None] * self.parts  # per part: (x, mixer output, gate pre-activation)
         for i, layer in enumerate(m.mixers):
             for j, p in enumerate(parts):
-                with on(part_stream(j)):
+                with torch.cuda.stream(part_stream(j)):
                     if i == 0:
                         held[j] = self._enter(m.embed, m.norms[0], layer, fused[0], tokens[p], tails(0, p))
                     else:
@@ -118,7 +117,7 @@ class StagedStep:
                 if kernels is not None:  # the kernel stream takes the inputs once they are written
                     kernels.wait_stream(part_stream(j))
                     _used_on(inputs, kernels)
-                with on(kernels):
+                with torch.cuda.stream(kernels):
                     o = self._kernel(i, inputs, cache[i]["state"][p])
                 if kernels is not None:  # and the part's next stage waits for its kernel
                     part_stream(j).wait_stream(kernels)
@@ -126,7 +125,7 @@ class StagedStep:
                 outs[j] = (x, o, gate)
         last = len(m.mixers) - 1
         for j, p in enumerate(parts):
-            with on(part_stream(j)):
+            with torch.cuda.stream(part_stream(j)):
                 x, o, gate = outs[j]
                 self._leave(m.mixers[last], mlps[last], m.final, m.head, x, o, gate, logits[p])
         if streams is not None:
