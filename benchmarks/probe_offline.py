@@ -23,7 +23,7 @@ the device and shared-memory checks are bypassed here (the compiler's answer is 
 Each launch is specialised by Triton's own binder, as on the GPU (CPU tensors are allocated
 64-byte aligned, as CUDA ones are 256-byte aligned): "aligned args" counts the arguments that
 carry that specialisation. ``PROBE_TOP=N`` in the environment lists the loop's N most frequent
-instructions (default 8).
+instructions (default 8); ``PROBE_DUMP=DIR`` writes each kernel's TTGIR, PTX and SASS there.
 """
 from __future__ import annotations
 
@@ -141,7 +141,9 @@ def main(argv=None) -> int:
         elif args.config is not None:  # any form, also outside its space (what would this compile to?)
             base = config_from_dict(json.loads(args.config), "recurrent" if args.decode else "chunk")
         else:
-            base = default_config("recurrent" if args.decode else "chunk", shape, H200_SMEM)
+            # the decode step's default depends on its batch (H8 here), as the launcher's does
+            base = default_config("recurrent" if args.decode else "chunk", shape, H200_SMEM,
+                                  decode_rows=args.decode * 8 if args.decode else None)
         # through from_dict: a value of the wrong type (--set tma=False is the string "False",
         # which replace() took as a true flag) is refused, naming the field
         variant = type(base).from_dict({**base.to_dict(), **changes})
@@ -179,6 +181,11 @@ def main(argv=None) -> int:
         top = " ".join(f"{op}:{c}" for op, c in mix.most_common(int(os.environ.get("PROBE_TOP", 8))))
         spill_ops = sum(1 for _, op, _ in _instructions(use["sass"]) if op.startswith(("LDL", "STL")))
         aligned = ck.asm.get("ttir", ck.asm.get("ttgir", "")).count("tt.divisibility = 16")  # Gluon starts at ttgir
+        if dump := os.environ.get("PROBE_DUMP"):  # each kernel's TTGIR, PTX and SASS, to read the loop's layouts
+            os.makedirs(dump, exist_ok=True)
+            for ext, text in (("ttgir", ck.asm.get("ttgir", "")), ("ptx", ck.asm.get("ptx", "")), ("sass", use["sass"])):
+                with open(os.path.join(dump, f"{fn.__name__}.{ext}"), "w") as f:
+                    f.write(text)
         print(f"{fn.__name__:40} regs {use['regs']:3}  spill stack {use['stack']:5} B  shared {ck.metadata.shared:6} B"
               f"  aligned args {aligned:2}  total {len(_instructions(use['sass'])):5} (spill ld/st {spill_ops})  loop {n:5}"
               f" instructions (spill ld/st {mix['LDL'] + mix['STL']})  {top}")

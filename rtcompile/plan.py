@@ -356,7 +356,7 @@ def _decode(spec: ModelSpec, target: Target, B: int, cal: Calibration, measured)
     decision is its config and, under ``state_dtype = "auto"``, the cache's dtype. The chunk
     form's cost stays among the alternatives, marked as not run."""
     shape = shape_of(spec)
-    rec = default_config("recurrent", shape, target.smem_per_sm)
+    rec = default_config("recurrent", shape, target.smem_per_sm, decode_rows=B * spec.heads)
     hit = tuned_hit(measured, "recurrent", B, 1)
     if hit is not None:
         rec = hit[1]

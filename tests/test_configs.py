@@ -16,8 +16,8 @@ from rtcompile.kernels.chunk_split import SplitConfig
 from rtcompile.kernels.chunk_streamed import StreamedConfig
 from rtcompile.kernels.config import DEFAULT_SMEM_BYTES, KernelShape, Workload
 from rtcompile.kernels.forms import (
-    CHUNK_DEFAULTS, FORMS, KERNELS, RECURRENT_DEFAULTS, candidates, check_config, config_from_dict, default_config,
-    iter_space, low_memory, two_kernel,
+    CHUNK_DEFAULTS, FORMS, KERNELS, RECURRENT_DEFAULTS, candidates, check_config, config_from_dict, decode_tile,
+    default_config, iter_space, low_memory, two_kernel,
 )
 from rtcompile.kernels.recurrent import RecurrentConfig
 
@@ -379,6 +379,45 @@ def test_recurrent_candidates_try_both_hints():
     assert first.with_other_hints(shape) == second
     streamed = SHAPES["o3-64x64"]  # no hints on a streamed slab: nothing to flip to
     assert candidates("recurrent", streamed) == [default_config("recurrent", streamed)]
+
+
+@pytest.mark.parametrize("widths, d_v, rows, tile", [
+    ((16, 16), 64, 64 * 8, (32, 4)),  # 512 programs with 64 columns: the [K, 32] default
+    ((16, 16), 64, 128 * 8, (64, 8)),  # 1024: doubled
+    ((16, 16), 64, 256 * 8, (64, 8)),
+    ((32, 32), 64, 32 * 8, (16, 8)),
+    ((32, 32), 64, 128 * 8, (32, 16)),
+    ((32, 16), 64, 256 * 8, (32, 8)),  # K 512: [512, 16] with 4 warps, doubled
+    ((16, 16), 32, 4096 * 8, (32, 4)),  # the default's tile already covers d_v
+    ((64, 64), 64, 4096 * 8, (16, 8)),  # a streamed slab (K 4096): not measured, not doubled
+    ((8, 8), 64, 4096 * 8, (32, 4)),  # K 64: not measured, not doubled
+], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
+def test_decode_tile_doubles_where_it_still_fills_the_gpu(widths, d_v, rows, tile):
+    shape = KernelShape(widths, d_v)
+    base = default_config("recurrent", shape)
+    cfg = default_config("recurrent", shape, decode_rows=rows)
+    assert (cfg.block_v, cfg.num_warps) == tile
+    assert cfg.check(shape) is None and cfg.block_k == base.block_k and cfg.stream_hints == base.stream_hints
+    assert decode_tile(base, shape, rows) == cfg
+    # the flipped-hints proposal follows the batch's tile, not the batch-free default's
+    assert candidates("recurrent", shape, decode_rows=rows)[1:] in ([], [cfg.with_other_hints(shape)])
+
+
+def test_decode_rows_reach_the_launcher_default_at_one_token_only():
+    import torch
+
+    from rtcompile.kernels import launch
+    from rtcompile.kernels.inputs import check_inputs
+
+    def problem(B, T):
+        q = [torch.randn(B, T, 8, 16) for _ in range(2)]
+        k = [torch.randn(B, T, 8, 16) for _ in range(2)]
+        return check_inputs(q, k, torch.randn(B, T, 8, 64), None, None, None, None, None)
+
+    cpu = torch.device("cpu")
+    assert launch.resolve_config("recurrent", None, problem(128, 1), cpu).block_v == 64
+    assert launch.resolve_config("recurrent", None, problem(64, 1), cpu).block_v == 32
+    assert launch.resolve_config("recurrent", None, problem(128, 3), cpu).block_v == 32  # a scan, not a step
 
 
 # ----- cost figures ----------------------------------------------------------------------------

@@ -73,6 +73,21 @@ def test_decode_kernel_compiles_for_sm90_offline():
     assert bad.returncode == 2 and "--decode" in bad.stderr
 
 
+def test_probe_dump_writes_each_kernels_code(tmp_path):
+    """PROBE_DUMP=DIR: each compiled kernel's TTGIR, PTX and SASS, to read the loop's layouts;
+    --decode 256 compiles the batch's tile (64 value columns, 8 warps at H8)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_offline.py"), "--decode", "256"],
+                         env={**env, "PROBE_DUMP": str(tmp_path)}, capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "block_v=64, num_warps=8" in out.stdout
+    name = "fused_recurrent_running_tensor_fwd_kernel"
+    assert sorted(f.name for f in tmp_path.iterdir()) == [f"{name}.{ext}" for ext in ("ptx", "sass", "ttgir")]
+    assert "tt.func" in (tmp_path / f"{name}.ttgir").read_text()
+    assert ".entry" in (tmp_path / f"{name}.ptx").read_text()
+
+
 def test_config_replaces_the_default_form():
     """--config: a whole config of another form (here the streamed one) is what compiles;
     malformed JSON and a form of the other kernel are usage errors."""

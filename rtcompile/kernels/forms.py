@@ -292,29 +292,60 @@ RECURRENT_DEFAULTS: tuple[DefaultRow, ...] = (
                lambda s: [_recurrent_default(s)],
                "the whole [K, 32] slab in registers up to K = 256 (86% of copy bandwidth at o3 16x16 B256), "
                "[K, 16] with 8 warps to K = 1024 (74% at B32), 1024-row tiles beyond; stream hints on a "
-               "resident slab (92% of a same-size copy at B32 against 85%)"),
+               "resident slab (92% of a same-size copy at B32 against 85%); at T = 1 twice the value "
+               "columns and warps where that still makes 1024 programs (decode_tile)"),
 )
+
+
+# A one-token call (the decode step) whose doubled tile still makes this many programs runs the
+# doubled tile: [K, 2 BV] with twice the warps (64 state elements a thread either way); resident
+# slabs of 256 <= K <= 1024 only (not measured below or beyond). H100, `rtcompile bench --phase
+# decode` with tiles beside the default at dd0bc1b, fraction of a same-size copy, default ->
+# doubled (the doubled tile's programs): K 256 B256 0.90 -> 0.94 (2048), B128 0.89 -> 0.92
+# (1024), B64 0.90 -> 0.88 (512), B32 1.00 -> 0.94 (256); K 1024 B128 0.82 -> 0.92 (2048), B32
+# 0.84 -> 0.84 (512), B8 0.99 -> 0.83 (128). The tuner's K 256 B256 pick is the doubled tile (H100
+# and H200); at K 1024 B32 its pick (also doubled, H100) timed equal to the default here.
+WIDE_DECODE_PROGRAMS = 1024
 
 
 def _recurrent_default(shape: KernelShape) -> RecurrentConfig:
     kp = next_pow2(shape.key_dim)
     bv = min(32 if kp <= 256 else 16, next_pow2(shape.value_width))
     bk = min(kp, 1024)
-    return RecurrentConfig(block_k=bk, block_v=bv, num_warps=4 if bk * bv <= 8192 else 8, num_stages=1,
+    return RecurrentConfig(block_k=bk, block_v=bv, num_warps=_recurrent_warps(bk, bv), num_stages=1,
                            stream_hints=bk >= kp)
+
+
+def _recurrent_warps(block_k: int, block_v: int) -> int:
+    """64 state elements a thread, 4 to 16 warps ([256, 32]: 4; [1024, 16]: 8; [1024, 32]: 16)."""
+    return min(16, max(4, block_k * block_v // 2048))
+
+
+def decode_tile(config: RecurrentConfig, shape: KernelShape, decode_rows: int) -> RecurrentConfig:
+    """``config`` with its value tile and warps doubled when a one-token call over ``decode_rows``
+    (sequences x heads) still gets :data:`WIDE_DECODE_PROGRAMS` programs from the doubled tile
+    and its slab is resident, 256 <= K <= 1024; else ``config``. Invariant: the result passes its
+    check whenever ``config`` does (a doubled tile that would not is not taken)."""
+    bv, kp = 2 * config.block_v, next_pow2(shape.key_dim)
+    if (not 256 <= kp <= 1024 or config.block_k < kp or bv > next_pow2(shape.value_width)
+            or decode_rows * -(-shape.value_width // bv) < WIDE_DECODE_PROGRAMS):
+        return config
+    wide = dataclasses.replace(config, block_v=bv, num_warps=_recurrent_warps(config.block_k, bv))
+    return wide if wide.check(shape) is None else config
 
 
 _TABLES = {"chunk": CHUNK_DEFAULTS, "recurrent": RECURRENT_DEFAULTS}
 
 
 def candidates(kernel: str, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
-               gluon: bool | None = None) -> list[KernelConfig]:
+               gluon: bool | None = None, decode_rows: int | None = None) -> list[KernelConfig]:
     """Every proposal of the defaults table for ``shape`` that passes its check, best first, without
     repeats (a TPE study starts from them); the Gluon-loop proposals only where ``gluon`` says the
     GPU runs them (None: this process's GPU, ``chunk_split_gluon.runs_here``; the planner passes
     its target's). For the recurrent kernel the default is followed by
-    itself with stream hints flipped (they split by batch on the H200). The backward has one
-    proposal, :func:`~.chunk_backward.default_backward`."""
+    itself with stream hints flipped (they split by batch on the H200); with ``decode_rows`` (the
+    sequences x heads of a one-token call) its tile is :func:`decode_tile`'s for that many. The
+    backward has one proposal, :func:`~.chunk_backward.default_backward`."""
     if kernel == "chunk_bwd":
         cfg = default_backward(shape, smem_limit)
         return [cfg] if cfg.check(shape, smem_limit) is None else []
@@ -328,16 +359,19 @@ def candidates(kernel: str, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_B
                         continue
                 if cfg not in out and cfg.check(shape, smem_limit) is None:
                     out.append(cfg)
+    if kernel == "recurrent" and out and decode_rows is not None:
+        out = list(dict.fromkeys(decode_tile(cfg, shape, decode_rows) for cfg in out))
     if kernel == "recurrent" and out and (other := out[0].with_other_hints(shape)) is not None:
         out.append(other)
     return out
 
 
 def default_config(kernel: str, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
-                   gluon: bool | None = None) -> KernelConfig:
+                   gluon: bool | None = None, decode_rows: int | None = None) -> KernelConfig:
     """The first of :func:`candidates`; the smallest resident or streamed tiles where nothing
-    passes (the launcher then reports why they cannot run)."""
-    found = candidates(kernel, shape, smem_limit, gluon)
+    passes (the launcher then reports why they cannot run). ``decode_rows``: as
+    :func:`candidates` (the recurrent kernel at T = 1)."""
+    found = candidates(kernel, shape, smem_limit, gluon, decode_rows)
     if found:
         return found[0]
     if kernel == "chunk_bwd":

@@ -57,10 +57,18 @@ def device_name(device: torch.device) -> str:
 
 
 @functools.lru_cache(maxsize=1024)
-def _default(kernel: str, shape: KernelShape, limit: int | None, device: torch.device) -> KernelConfig:
-    """The defaults table's first proposal that runs on ``device`` (the Gluon loop only on sm_90)."""
+def _default(kernel: str, shape: KernelShape, limit: int | None, device: torch.device,
+             decode_rows: int | None = None) -> KernelConfig:
+    """The defaults table's first proposal that runs on ``device`` (the Gluon loop only on sm_90;
+    ``decode_rows``: :func:`~.forms.candidates`')."""
     return default_config(kernel, shape, DEFAULT_SMEM_BYTES if limit is None else limit,
-                          gluon=chunk_split_gluon.runs_on(device))
+                          gluon=chunk_split_gluon.runs_on(device), decode_rows=decode_rows)
+
+
+def decode_rows(kernel: str, p: Problem) -> int | None:
+    """Sequences x heads of a one-token recurrent call (the decode step), whose default tile
+    depends on them (:func:`~.forms.decode_tile`); None for any other call."""
+    return p.num_seqs * p.heads if kernel == "recurrent" and p.seq_len == 1 else None
 
 
 def device_refusal(config: KernelConfig, device: torch.device) -> str | None:
@@ -107,7 +115,7 @@ def resolve_config(kernel: str, variant: KernelConfig | None, p: Problem, device
         if variant is not None and (checked(variant, shape, limit) or device_refusal(variant, device)):
             variant = None
     if variant is None:
-        variant = _default(kernel, shape, limit, device)
+        variant = _default(kernel, shape, limit, device, decode_rows(kernel, p))
         if chunk_size is not None:
             variant = dataclasses.replace(variant, chunk_size=chunk_size)
     reason = checked(variant, shape, limit)

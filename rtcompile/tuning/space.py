@@ -26,6 +26,12 @@ def bucket_shape(bucket: Bucket) -> KernelShape:
     return KernelShape(bucket.key_widths, bucket.value_width, INPUT_BYTES[bucket.dtype])
 
 
+def bucket_decode_rows(bucket: Bucket) -> int | None:
+    """Sequences x heads of a decode bucket, on which its default tile depends
+    (:func:`~rtcompile.kernels.forms.decode_tile`); None for the other kernels."""
+    return bucket.batch * bucket.heads if bucket.kernel == "recurrent" else None
+
+
 def smem_limit(device: str) -> int:
     if device.startswith("cuda"):
         import torch
@@ -203,7 +209,7 @@ def warm_starts(bucket: Bucket, opts, budget: int | None) -> list[dict]:
     space = search_space(bucket, opts)
     out: list[dict] = []
     seen = set()  # canonical configs of ``out``
-    for cfg in candidates(bucket.kernel, shape, limit):
+    for cfg in candidates(bucket.kernel, shape, limit, decode_rows=bucket_decode_rows(bucket)):
         params = {**config_params(cfg), **{k: v for k, v in opts.fixed.items() if k.startswith(f"{cfg.form}.")}}
         chosen = params_config(params)
         if _in_space(params, space) and chosen.check(shape, limit) is None and chosen.canonical() not in seen:

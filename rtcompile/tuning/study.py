@@ -56,8 +56,8 @@ from .keys import Bucket, Machine, key_attrs, study_name
 from .options import TuneOptions
 from .processes import STOP_POLL_S, raise_if_stopped, spawn_workers, stop_workers
 from .space import (
-    bucket_shape, config_params, device_refusal, exhaustive_variants, params_config, search_space, smem_limit, suggest,
-    warm_starts,
+    bucket_decode_rows, bucket_shape, config_params, device_refusal, exhaustive_variants, params_config, search_space,
+    smem_limit, suggest, warm_starts,
 )
 from .store import (
     StoreError, default_url, has_entry, heartbeat_interval, open_storage, retried_numbers, store_file, study_entry,
@@ -527,7 +527,8 @@ def _finish(study, storage, bucket: Bucket, machine: Machine, source: str, opts:
     done = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
             if _runs(t.params, bucket, opts.device)]
     done.sort(key=lambda t: t.value)
-    default = default_config(bucket.kernel, bucket_shape(bucket), smem_limit(opts.device))
+    default = default_config(bucket.kernel, bucket_shape(bucket), smem_limit(opts.device),
+                             decode_rows=bucket_decode_rows(bucket))
     timed = []
     if remeasure:
         # distinct configs (a repeat holds the value of the trial it repeats); the default as itself
