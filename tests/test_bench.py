@@ -518,6 +518,20 @@ def test_named_variants_follow_the_input_width(monkeypatch, dtype, itemsize):
     assert seen and set(seen) == {itemsize}
 
 
+def test_batch_free_decode_variant_is_the_tile_before_the_batch_rule(monkeypatch):
+    from rtcompile.bench.core import DECODE_VARIANTS
+    from rtcompile.kernels import forms
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: H200_SMEM)
+    big = Case("o3_16x16_B256", "decode", (16, 16), 256, 1)
+    cfg = DECODE_VARIANTS["batch-free"](big)["variant"]
+    shape = forms.KernelShape((16, 16), 64, 2)
+    assert cfg == forms.default_config("recurrent", shape) and cfg.block_v == 32
+    assert forms.default_config("recurrent", shape, decode_rows=256 * 8).block_v == 64
+    with pytest.raises(NotImplementedError, match="no doubled tile"):  # B32: nothing to compare
+        DECODE_VARIANTS["batch-free"](Case("o3_16x16_B32", "decode", (16, 16), 32, 1))
+
+
 # ----- the train phase ---------------------------------------------------------------------------
 def test_dry_run_lists_the_train_cases(no_cuda, capsys):
     assert main(["bench", "--dry-run", "--phase", "train"]) == 0

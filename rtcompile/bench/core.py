@@ -314,10 +314,23 @@ DEFAULT_VARIANTS: dict[str, Any] = {
     "split": _split_form,
     "materialise": _materialise,
 }
+def _batch_free(case: "Case") -> dict[str, Any]:
+    """The decode default of the shape alone (no :func:`~rtcompile.kernels.forms.decode_tile`:
+    the tile before the batch rule), refused where the batch's default is that tile."""
+    from ..kernels import forms
+
+    shape, limit = _case_shape(case)
+    tile = forms.default_config("recurrent", shape, limit)
+    if tile == forms.default_config("recurrent", shape, limit, decode_rows=case.B * case.H):
+        raise NotImplementedError("the default at this batch (no doubled tile)")
+    return _checked(tile, shape, limit)
+
+
 # Decode beside its default (phi gathered per element): the slab held factored, phi broadcast
-# from the factors (outer_phi; power-of-two widths).
+# from the factors (outer_phi; power-of-two widths); the tile the batch rule doubled.
 DECODE_VARIANTS: dict[str, Any] = {
     "outer-phi": _default_with("recurrent", outer_phi=True),
+    "batch-free": _batch_free,
 }
 
 
