@@ -163,8 +163,38 @@ def test_a_repeat_is_found_up_to_inert_fields():
     study.add_trial(optuna.trial.create_trial(params=first, distributions=dists, value=1e-3,
                                               user_attrs={"status": "ok"}))
     same = SplitConfig(64, 32, phi_pass=True, key_group=1, state_stride=2, pipeline=2)
-    assert study_mod._earlier(study, same).number == 0
-    assert study_mod._earlier(study, dataclasses.replace(same, phi_pass=False)) is None
+    finished = study_mod.FinishedConfigs()
+    assert finished.earlier(study, same).number == 0
+    assert finished.earlier(study, dataclasses.replace(same, phi_pass=False)) is None
+
+
+def test_finished_configs_read_each_trial_once(monkeypatch):
+    """Each draw reads only the trials finished since the last: the params of a study's trials
+    are turned into configs once each, not once per draw; a trial added later is found."""
+    import optuna
+
+    from rtcompile.tuning.space import config_params
+
+    study = optuna.create_study()
+
+    def add(cfg, status="ok"):
+        params = config_params(cfg)
+        dists = {k: optuna.distributions.CategoricalDistribution([v]) for k, v in params.items()}
+        study.add_trial(optuna.trial.create_trial(params=params, distributions=dists, value=1e-3,
+                                                  user_attrs={"status": status}))
+
+    a, b, c = (SplitConfig(64, 32, state_stride=s) for s in (1, 2, 4))
+    add(a)
+    add(b, status="failed")  # a failed trial's config may run again: never an earlier one
+    reads = []
+    real = study_mod.params_config
+    monkeypatch.setattr(study_mod, "params_config", lambda p: reads.append(p) or real(p))
+    finished = study_mod.FinishedConfigs()
+    for _ in range(5):
+        assert finished.earlier(study, a).number == 0 and finished.earlier(study, b) is None
+    assert len(reads) == 1  # trial 0's config, once; the failed one is never read
+    add(c)
+    assert finished.earlier(study, c).number == 2 and len(reads) == 2
 
 
 def test_trials_mode_replaces_a_repeat_and_seconds_mode_ends_on_repeats(tmp_path, monkeypatch):

@@ -239,22 +239,32 @@ def _skipped(study) -> int:
     return sum(1 for t in study.get_trials(deepcopy=False) if t.user_attrs.get("status") in ("pruned", "repeat"))
 
 
-def _earlier(study, variant):
-    """A finished trial of ``variant`` up to inert fields (``KernelConfig.canonical``) whose
-    outcome stands, measured (``ok``) or refused by the float64 gate (``rejected``); None when
-    there is none. A failed trial (a timeout, a crash) does not count: its config may run again."""
-    import optuna
+class FinishedConfigs:
+    """The finished trials whose outcome stands, measured (``ok``) or refused by the float64 gate
+    (``rejected``), by config up to inert fields (``KernelConfig.canonical``). A failed trial (a
+    timeout, a crash) does not count: its config may run again. Each :meth:`earlier` reads only
+    the trials finished since the last (a scan of all per draw was quadratic in the study's
+    length). Invariant: the trial found for a config stays the one found."""
 
-    key = variant.canonical()
-    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
-    for t in study.get_trials(deepcopy=False, states=states):
-        if t.user_attrs.get("status") in ("ok", "rejected"):
-            try:
-                if params_config(t.params).canonical() == key:
-                    return t
-            except (KeyError, TypeError, ValueError):  # parameters of a space this version no longer has
+    def __init__(self) -> None:
+        self._by_config: dict = {}
+        self._read: set[int] = set()  # trial numbers already read (finished: their outcome stands)
+
+    def earlier(self, study, variant):
+        """A finished trial of ``variant`` (see the class), or None."""
+        import optuna
+
+        states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
+        for t in study.get_trials(deepcopy=False, states=states):
+            if t.number in self._read:
                 continue
-    return None
+            self._read.add(t.number)
+            if t.user_attrs.get("status") in ("ok", "rejected"):
+                try:
+                    self._by_config.setdefault(params_config(t.params).canonical(), t)
+                except (KeyError, TypeError, ValueError):  # parameters of a space this version no longer has
+                    continue
+        return self._by_config.get(variant.canonical())
 
 
 def run_worker(storage_url: str | None, name: str, bucket: Bucket, opts: TuneOptions, index: int,
@@ -268,6 +278,7 @@ def run_worker(storage_url: str | None, name: str, bucket: Bucket, opts: TuneOpt
     study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
     shape = bucket_shape(bucket)
     space, limit = search_space(bucket, opts), smem_limit(opts.device)
+    finished = FinishedConfigs()
     with TrialRunner(opts.trial_timeout) as runner:  # one trial process for the worker's trials
         done = in_a_row = 0  # in_a_row: repeats drawn one after another
         while deadline is None or time.time() < deadline:
@@ -281,7 +292,7 @@ def run_worker(storage_url: str | None, name: str, bucket: Bucket, opts: TuneOpt
             beat = Heartbeat(storage, trial_id(storage, study, trial.number)).start()
             variant = suggest(trial, space)
             reason = variant.check(shape, limit) or device_refusal(variant, opts.device)
-            earlier = _earlier(study, variant) if reason is None else None
+            earlier = finished.earlier(study, variant) if reason is None else None
             if reason is not None:
                 trial.set_user_attr("status", "pruned")
                 trial.set_user_attr("reason", reason)
