@@ -223,6 +223,32 @@ def _check_config(where: str, value: Any, kernel: str, shape: KernelShape, smem:
                         f"{smem} bytes of shared memory)")
 
 
+def _check_cost(where: str, cost: Any) -> None:
+    """The cost figures a decision or an alternative shows (``rtcompile plan`` prints their
+    seconds, bound and source: a plan file's ``"seconds": "fast"`` was a traceback there)."""
+    check_type(where, cost, dict, "an object (the cost model's figures)")
+    seconds = cost.get("seconds")
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds < 0:
+        raise PlanError(f"{where}.seconds: got {_got(seconds, False)}; allowed: a finite number >= 0 (seconds)")
+    for key in ("bound", "source"):
+        check_type(f"{where}.{key}", cost.get(key), str, "a string")
+
+
+def _check_alternative(where: str, a: Any) -> None:
+    """An alternative a decision lists (never run: its config's types, not its fit)."""
+    check_type(where, a, dict, "an object (mode, variant, cost)")
+    _check_choice(f"{where}.mode", a.get("mode"), DECISION_MODES)
+    try:
+        config_from_dict(a.get("variant"), a["mode"])
+    except (TypeError, ValueError) as exc:
+        raise PlanError(f"{where}.variant: {_short_numbers(str(exc).splitlines()[0])}") from None
+    _check_cost(f"{where}.cost", a.get("cost"))
+    if "state_dtype" in a:
+        _check_choice(f"{where}.state_dtype", a["state_dtype"], DECISION_STATE_DTYPES)
+    if "note" in a:
+        check_type(f"{where}.note", a["note"], str, "a string")
+
+
 def _short_numbers(text: str) -> str:
     """``text`` with every run of more than 24 digits cut to its first six and its length: a
     401-digit chunk_size made a 450-character line."""
@@ -248,10 +274,10 @@ def _check_decision(where: str, d: Any, shape: KernelShape, smem: int) -> Decisi
     check_int(f"{where}.seq_len", d["seq_len"], 1)
     _check_choice(f"{where}.mode", d["mode"], DECISION_MODES)
     _check_config(f"{where}.variant", d["variant"], d["mode"], shape, smem)
-    check_type(f"{where}.cost", d["cost"], dict, "an object (the cost model's figures)")
+    _check_cost(f"{where}.cost", d["cost"])
     check_type(f"{where}.alternatives", d["alternatives"], list, "a list of objects")
     for i, a in enumerate(d["alternatives"]):
-        check_type(f"{where}.alternatives[{i}]", a, dict, "an object (mode, variant, cost)")
+        _check_alternative(f"{where}.alternatives[{i}]", a)
     check_type(f"{where}.reason", d["reason"], str, "a string")
     _check_choice(f"{where}.state_dtype", d.get("state_dtype", "float32"), DECISION_STATE_DTYPES)
     if d.get("backward") is not None:
@@ -300,6 +326,8 @@ def _check_plan(data: Any) -> Plan:
                             "runs (rtcompile plan writes them)")
     check_type("plan.crossover", data["crossover"], dict, "an object (batch bucket -> length or null)")
     for key, value in data["crossover"].items():
+        if not re.fullmatch(r"B[1-9][0-9]{0,8}", key):
+            raise PlanError(f"plan.crossover: key {_got(key)}; allowed: a batch bucket as B<batch> (B8)")
         if value is not None:
             check_int(f"plan.crossover[{key!r}]", value, 1)
     for key in ("memory", "calibration"):

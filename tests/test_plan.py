@@ -107,6 +107,33 @@ def test_plan_file_round_trip_and_newer_format_refused(tmp_path):
         Plan.load(path)
 
 
+@pytest.mark.parametrize("edit, needle", [
+    (lambda d: d["decisions"][0]["cost"].update(seconds="fast"),
+     "plan.decisions[0].cost.seconds: got str 'fast'; allowed: a finite number >= 0"),
+    (lambda d: d["decisions"][0]["cost"].pop("bound"), "plan.decisions[0].cost.bound"),
+    (lambda d: d["decisions"][0]["alternatives"][0].update(mode="scan"),
+     "plan.decisions[0].alternatives[0].mode: got 'scan'; allowed: chunk, recurrent"),
+    (lambda d: d["decisions"][0]["alternatives"][0].update(variant={"form": "split", "chunk_size": "64"}),
+     "plan.decisions[0].alternatives[0].variant:"),
+    (lambda d: d["decisions"][0]["alternatives"][0]["cost"].update(seconds=float("nan")),
+     "plan.decisions[0].alternatives[0].cost.seconds"),
+    (lambda d: d["decisions"][0]["alternatives"][0].update(state_dtype="int8"),
+     "plan.decisions[0].alternatives[0].state_dtype: got 'int8'"),
+    (lambda d: d["crossover"].update({"batch 8": 64}), "plan.crossover: key 'batch 8'; allowed: a batch bucket"),
+], ids=["cost-seconds", "cost-bound", "alt-mode", "alt-variant", "alt-nan", "alt-dtype", "crossover-key"])
+def test_plan_alternatives_costs_and_crossover_are_checked_on_load(edit, needle):
+    """What `rtcompile plan` prints of a loaded plan (every alternative's mode, form, state type
+    and seconds; each cost's bound and source; the crossover's buckets) is checked when it is
+    read: a bad value was a KeyError or a format error in the table, after the load succeeded."""
+    data = json.loads(json.dumps(make_plan(_spec(), get_target("h200"), batches=(1,), seq_lens=(64,),
+                                           decode_batches=(32,)).to_dict()))
+    Plan.from_dict(json.loads(json.dumps(data)))  # as made: read back
+    edit(data)
+    with pytest.raises(PlanError) as err:
+        Plan.from_dict(data)
+    assert needle in str(err.value)
+
+
 def _old_format(plan_dict: dict) -> dict:
     """``plan_dict`` as rtcompile 0.1 wrote it: format 1, variants without a "form" tag."""
     old = json.loads(json.dumps(plan_dict))
