@@ -24,7 +24,6 @@ import math
 import os
 import sys
 import tempfile
-import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,7 +110,7 @@ def main(argv=None) -> int:
 
     from rtcompile.kernels.forms import config_from_dict
     from rtcompile.spec import load_spec
-    from rtcompile.tune_cmd import buckets_of
+    from rtcompile.cli_args import tuning_buckets
     from rtcompile.tuning import TuneOptions, search_space, tune_bucket
     from rtcompile.tuning.space import exhaustive_variants, params_config
     from rtcompile.tuning.options import DEFAULT_SEED
@@ -120,15 +119,13 @@ def main(argv=None) -> int:
     if not on_gpu:
         os.environ["TRITON_INTERPRET"] = "1"
     spec = load_spec(a.spec)
-    args = types.SimpleNamespace(phase="prefill", batch=a.batch,
-                                 seq_len=a.seq_len, decode_batch=None)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     table = os.path.join(tempfile.mkdtemp(prefix="tpe_check_"), "tuned.json")
     base = TuneOptions(trials=a.trials, workers=a.workers, device="cuda" if on_gpu else "cpu",
                        repeats=20 if on_gpu else 3, fixed=dict(a.fix), table=table)
     rows = []
-    for bucket in buckets_of(spec, args, on_gpu):
+    for bucket in tuning_buckets(spec, "prefill", a.batch, a.seq_len, None, on_gpu):
         search_space(bucket, base)  # a bad --fix: a ValueError naming what is allowed, before any trial
         size = len(exhaustive_variants(bucket, base))
         ex_url = f"sqlite:///{out}/exhaustive.db"

@@ -61,13 +61,6 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def buckets_of(spec, args, on_gpu: bool):
-    """The tuning buckets of ``spec`` for ``args.phase`` at ``args``' batches and lengths (the
-    GPU's or the CPU's defaults), without repeats (``cli_args.tuning_buckets``, which build
-    tunes too)."""
-    return tuning_buckets(spec, args.phase, args.batch, args.seq_len, args.decode_batch, on_gpu)
-
-
 def _list(args) -> int:
     from rich.console import Console
     from rich.markup import escape
@@ -129,7 +122,7 @@ def _run(args) -> int:
                        seconds=args.seconds, workers=workers, resume=args.resume, retune=args.retune,
                        device="cuda" if on_gpu else "cpu", trial_timeout=args.timeout, impl=args.impl,
                        repeats=20 if on_gpu else 3, fixed=dict(args.fix), exhaustive=args.exhaustive)
-    buckets = buckets_of(spec, args, on_gpu)
+    buckets = tuning_buckets(spec, args.phase, args.batch, args.seq_len, args.decode_batch, on_gpu)
     _check_sizes(spec, buckets, on_gpu)
     for bucket in buckets:  # a shape the kernel cannot run, or a bad --fix: usage errors before any study starts
         if (reason := refusal(bucket)) is not None:

@@ -146,14 +146,11 @@ def test_cli_phase_train_errors(tmp_path, capsys):
 def test_train_buckets_take_the_rewritten_widths(widths, tuned):
     """The train bucket of widths the kernels do not tile is the shape the backward runs them as
     (materialised keys padded, or padded factors): where a training call looks its config up."""
-    import argparse
-
+    from rtcompile.cli_args import tuning_buckets
     from rtcompile.spec import ModelSpec
-    from rtcompile.tune_cmd import buckets_of
 
     spec = ModelSpec(order=len(widths) + 1, key_widths=widths, value_width=16, heads=1, model_width=16, layers=1)
-    args = argparse.Namespace(batch=None, seq_len=None, decode_batch=None, phase="train")
-    (bucket,) = buckets_of(spec, args, on_gpu=False)
+    (bucket,) = tuning_buckets(spec, "train", None, None, None, on_gpu=False)
     assert bucket.kernel == "chunk_bwd" and bucket.key_widths == tuned and refusal(bucket) is None
 
 
