@@ -72,7 +72,7 @@ def test_default_gradients_where_the_check_refused_it(widths, padded):
     check_gradients(widths, 17, V, chunk_size=config.chunk_size, config=config, H=1)
 
 
-def test_supports_refuses_where_the_default_cannot_run(monkeypatch):
+def test_supports_refuses_where_the_default_cannot_run(monkeypatch, request):
     """Where no default passes its check, supports() says why, so the training call is refused
     before its forward runs: backend='auto' takes the reference, backend='triton' raises naming
     the reason (not an error from the backward after the forward ran)."""
@@ -82,6 +82,9 @@ def test_supports_refuses_where_the_default_cannot_run(monkeypatch):
 
     refused = BackwardConfig(chunk_size=16, block_v=16, block_k=256)  # 'registers' refuses block_k 256
     monkeypatch.setattr(chunk_backward, "default_backward", lambda *a, **kw: refused)
+    # supports() keeps each shape's answer: none from before the patch, none of it after the test
+    chunk_backward._default_refusal.cache_clear()
+    request.addfinalizer(chunk_backward._default_refusal.cache_clear)
     reason = supports(_problem((16, 16), 8, torch.float32), None)
     assert reason is not None and "no backward config" in reason and "block_k=256" in reason, reason
     q, k = [torch.randn(1, 5, 1, 16, requires_grad=True) for _ in range(2)], [torch.randn(1, 5, 1, 16) for _ in range(2)]

@@ -427,9 +427,11 @@ def default_backward(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
     return BackwardConfig(chunk_size=chunk_size or 16, block_v=16, block_k=bk, workspace_dtype=ws, **{**loop, "state_block_k": 16})
 
 
+@functools.lru_cache(maxsize=None)
 def smem_limits(device: torch.device) -> tuple[int, int]:
     """(the shared memory the default is sized for, the limit its check applies) on ``device``:
-    the GPU's opt-in limit twice; elsewhere (the interpreter) a 99 KiB device's default, unchecked."""
+    the GPU's opt-in limit twice; elsewhere (the interpreter) a 99 KiB device's default, unchecked.
+    Read once per device (every training call asks, through :func:`supports`)."""
     if device.type == "cuda":
         limit = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
         return limit, limit
@@ -445,10 +447,15 @@ def supports(p: Problem, cu_seqlens) -> str | None:
     if p.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {p.dtype}: the Triton backward takes float16, bfloat16 and float32 inputs"
     # any widths: tiled, materialised or zero-padded (chunk_backward_widths.py), under the rewritten shape's config
-    shape = KernelShape(rewritten_widths(p.key_widths), p.value_width, p.dtype.itemsize)
-    limit, check_limit = smem_limits(p.device)
+    return _default_refusal(KernelShape(rewritten_widths(p.key_widths), p.value_width, p.dtype.itemsize), p.device)
+
+
+@functools.lru_cache(maxsize=256)
+def _default_refusal(shape: KernelShape, device: torch.device) -> str | None:
+    """Why ``shape``'s default backward cannot run on ``device`` (None: it can); found once."""
+    limit, check_limit = smem_limits(device)
     if (reason := checked(default_backward(shape, limit), shape, check_limit)) is not None:
-        return f"no backward config runs key widths {shape.key_widths} with d_v {p.value_width} here: {reason}"
+        return f"no backward config runs key widths {shape.key_widths} with d_v {shape.value_width} here: {reason}"
     return None
 
 
