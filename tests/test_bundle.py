@@ -269,6 +269,25 @@ def test_run_uses_the_graphs_it_verified_not_files_swapped_in_after(tmp_path, mo
     assert code == 0 and out.out == want, out.err
 
 
+def test_loading_reads_the_weights_header_verify_checked(bundle, monkeypatch):
+    """The weights' header is parsed once, by verify: the model is built from that header (a
+    second parse in the load read the same bytes again)."""
+    import rtcompile.export.bundle as bundle_module
+    from rtcompile.export.verify import verify_bundle
+
+    model, path, _ = bundle
+    v = verify_bundle(path)
+    assert set(v.weights_header) == set(model.state_dict())
+
+    def parsed_again(data):
+        raise AssertionError("the weights' header was parsed again after verify")
+
+    monkeypatch.setattr(bundle_module, "safetensors_header", parsed_again)
+    loaded = bundle_module.model_of(v)
+    for name, t in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], t), name
+
+
 @pytest.mark.parametrize("pad", [0, 1, 2, 3], ids=lambda p: f"header+{p}")
 def test_safetensors_views_are_the_tensors_and_aligned(pad):
     """The loaded parameters are views of the verified bytes; a tensor whose data a hand-made

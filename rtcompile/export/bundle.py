@@ -237,11 +237,12 @@ def check_replaceable(path: str | os.PathLike) -> None:
             raise refuse(f"holds {name!r}, which its {MANIFEST} does not list")
 
 
-def safetensors_views(data: bytearray) -> dict:
+def safetensors_views(data: bytearray, header: dict | None = None) -> dict:
     """The tensors of the safetensors file ``data`` (checked by :func:`safetensors_header`) as
     views of its bytes: no copy, so a loaded model holds its weights once (``bundle.model_of``).
     A tensor whose data is not aligned to its element size (safetensors' own writer aligns
-    them) is copied, so no kernel reads misaligned elements."""
+    them) is copied, so no kernel reads misaligned elements. ``header``: ``data``'s, parsed and
+    checked already (``VerifiedBundle.weights_header``); None: parsed here."""
     import sys
 
     import torch
@@ -251,7 +252,7 @@ def safetensors_views(data: bytearray) -> dict:
 
         return load(bytes(data))
     out = {}
-    for name, (shape, dtype, offset) in safetensors_header(data).items():
+    for name, (shape, dtype, offset) in (header or safetensors_header(data)).items():
         torch_dtype = getattr(torch, ST_TORCH_DTYPES[dtype])
         count = math.prod(shape)
         if count == 0:
@@ -290,7 +291,7 @@ def model_of(v: VerifiedBundle):
     with torch.device("meta"), skipping_init():
         model = RunningTensorLM(v.spec, vocab_size=v.vocab_size, mlp=v.mlp)
     try:
-        state = safetensors_views(v.data[WEIGHTS])  # its header checked by verify as safetensors checks it
+        state = safetensors_views(v.data[WEIGHTS], v.weights_header)  # the header verify checked
     except (SafetensorError, ValueError) as exc:
         raise BundleError(f"bundle {str(v.root)!r}: {WEIGHTS}: not a safetensors file ({exc})") from None
     built = model.state_dict()

@@ -75,6 +75,7 @@ class VerifiedBundle:
     mlp: bool
     data: dict[str, bytes] = field(default_factory=dict, repr=False)
     graphs: dict[str, bytes] = field(default_factory=dict, repr=False)
+    weights_header: dict = field(default_factory=dict, repr=False)  # the checked header of data[WEIGHTS]
 
 
 def refuse(root: Path, where: str, problem: str) -> BundleError:
@@ -369,6 +370,12 @@ def safetensors_problem(data: bytes, need: dict[str, tuple[list[int], bool]], wh
         got = safetensors_header(data)
     except ValueError as exc:
         return f"not a safetensors file ({exc})"
+    return header_problem(got, need, what)
+
+
+def header_problem(got: dict[str, tuple[list[int], str, int]], need: dict[str, tuple[list[int], bool]],
+                   what: str) -> str | None:
+    """:func:`safetensors_problem` of a header parsed already (:func:`safetensors_header`)."""
     missing, extra = sorted(set(need) - set(got)), sorted(set(got) - set(need))
     if missing:
         return f"lacks {len(missing)} tensors {missing[:3]} that {what} need"
@@ -382,13 +389,18 @@ def safetensors_problem(data: bytes, need: dict[str, tuple[list[int], bool]], wh
     return None
 
 
-def check_weights(root: Path, data: bytes, spec, vocab_size: int, mlp: bool) -> None:
+def check_weights(root: Path, data: bytes, spec, vocab_size: int, mlp: bool) -> dict:
     """weights.safetensors (``data``, its verified bytes) holds exactly the model's tensors, each
-    of its shape (header only)."""
+    of its shape (header only); returns the header (:func:`safetensors_header`), which loading
+    the bundle reads its tensors by instead of parsing it again."""
     what = f"the manifest's spec and model (vocab_size {vocab_size}, mlp {str(mlp).lower()})"
-    problem = safetensors_problem(data, expected_tensors(spec, vocab_size, mlp), what)
-    if problem is not None:
+    try:
+        header = safetensors_header(data)
+    except ValueError as exc:
+        raise refuse(root, WEIGHTS, f"not a safetensors file ({exc})") from None
+    if (problem := header_problem(header, expected_tensors(spec, vocab_size, mlp), what)) is not None:
         raise refuse(root, WEIGHTS, problem)
+    return header
 
 
 def graph_tensors(model):
@@ -565,8 +577,8 @@ def verify_bundle(path: str | os.PathLike) -> VerifiedBundle:
     root = Path(path)
     manifest, data = _read_manifest(root)
     spec, plan, vocab, mlp = check_contents(root, manifest)
-    check_weights(root, data[WEIGHTS], spec, vocab, mlp)
+    header = check_weights(root, data[WEIGHTS], spec, vocab, mlp)
     if (why := check_groups(manifest["files"], data)) is not None:
         raise refuse(root, *why)
     graphs = {} if manifest["onnx"] is None else check_graphs(root, manifest, data)
-    return VerifiedBundle(root, manifest, spec, plan, vocab, mlp, data, graphs)
+    return VerifiedBundle(root, manifest, spec, plan, vocab, mlp, data, graphs, header)
