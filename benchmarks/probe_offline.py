@@ -14,9 +14,9 @@ install that wheel into a folder of its own and put it first, e.g.
     python3 benchmarks/probe_offline.py --widths 32 32 --config '{"form": "split", "chunk_size": 32, "block_v": 16}'
                                               (a config outside its form's space: the split form's
                                                Triton loop at K 1024 spills in every variant tried)
-    python3 benchmarks/probe_offline.py --decode 256 --set block_v=64 --set num_warps=8
-                                              (the decode step's kernel at B256; its registers bound
-                                               its occupancy: 123 with the default, 25% on the H200)
+    python3 benchmarks/probe_offline.py --decode 32 --set block_v=64 --set num_warps=8
+                                              (the decode step's kernel at B32 with B256's default
+                                               tile; its registers bound its occupancy)
 
 Nothing is launched: the launcher runs on CPU tensors with the kernels' launch intercepted, so
 the device and shared-memory checks are bypassed here (the compiler's answer is the point).

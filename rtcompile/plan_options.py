@@ -146,7 +146,9 @@ def prefill_options(spec: ModelSpec, target: Target, B: int, T: int, cal: Calibr
         cost = chunk_cost(spec, target, B, T, config, cal)
         ratio = None if (mB, mT) == (B, T) else cost.kernel_s / chunk_cost(spec, target, mB, mT, config, cal).kernel_s
         options.append(("chunk", config, measured_cost(cost, secs, ratio, f"(tuned B{mB} T{mT}) by the model")))
-    rec = default_config("recurrent", shape_of(spec), target.smem_per_sm)
+    # at T = 1 the launcher runs the decode step's tile for B x heads (forms.decode_tile)
+    rec = default_config("recurrent", shape_of(spec), target.smem_per_sm,
+                         decode_rows=B * spec.heads if T == 1 else None)
     options.append(("recurrent", rec, recurrent_cost(spec, target, B, T, rec, cal)))
     return options
 

@@ -530,6 +530,10 @@ def test_batch_free_decode_variant_is_the_tile_before_the_batch_rule(monkeypatch
     assert forms.default_config("recurrent", shape, decode_rows=256 * 8).block_v == 64
     with pytest.raises(NotImplementedError, match="no doubled tile"):  # B32: nothing to compare
         DECODE_VARIANTS["batch-free"](Case("o3_16x16_B32", "decode", (16, 16), 32, 1))
+    # the outer-phi row is the batch's default with outer_phi alone changed
+    outer = DECODE_VARIANTS["outer-phi"](big)["variant"]
+    wide = forms.default_config("recurrent", shape, H200_SMEM.shared_memory_per_block_optin, decode_rows=256 * 8)
+    assert outer == replace(wide, outer_phi=True)
 
 
 # ----- the train phase ---------------------------------------------------------------------------

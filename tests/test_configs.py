@@ -418,6 +418,33 @@ def test_decode_rows_reach_the_launcher_default_at_one_token_only():
     assert launch.resolve_config("recurrent", None, problem(128, 1), cpu).block_v == 64
     assert launch.resolve_config("recurrent", None, problem(64, 1), cpu).block_v == 32
     assert launch.resolve_config("recurrent", None, problem(128, 3), cpu).block_v == 32  # a scan, not a step
+    # the rule reads no more than its threshold: the cached defaults stay one per batch below it
+    assert launch.decode_rows("recurrent", problem(4096, 1)) == 1024
+    assert launch.decode_rows("chunk", problem(4096, 1)) is None
+
+
+def test_every_decode_tile_chooser_agrees_at_one_token():
+    """The launcher, the planner (its decode decision and its prefill option at T = 1) and the
+    tuner's decode bucket pick one tile for the same call: B256 H8 at o3 16x16."""
+    from rtcompile.costmodel import Calibration
+    from rtcompile.plan import make_plan
+    from rtcompile.plan_options import prefill_options
+    from rtcompile.spec import ModelSpec
+    from rtcompile.target import get_target
+    from rtcompile.tuning.keys import Bucket
+    from rtcompile.tuning.space import bucket_decode_rows
+
+    spec = ModelSpec(order=3, key_widths=(16, 16), value_width=64, heads=8, model_width=512, layers=1)
+    want = default_config("recurrent", SHAPES["o3-16x16"], H200_SMEM, decode_rows=256 * 8)
+    assert want.block_v == 64
+    h200 = get_target("h200")
+    (rec,) = [c for mode, c, _ in prefill_options(spec, h200, 256, 1, Calibration(), {}) if mode == "recurrent"]
+    assert rec == want
+    plan = make_plan(spec, h200, batches=(1,), seq_lens=(64,), decode_batches=(256,), use_measurements=False)
+    (decode,) = [d for d in plan.decisions if d.phase == "decode"]
+    assert config_from_dict(decode.variant, "recurrent") == want
+    bucket = Bucket("recurrent", (16, 16), 64, 8, 256, 1, "bfloat16")
+    assert default_config("recurrent", SHAPES["o3-16x16"], H200_SMEM, decode_rows=bucket_decode_rows(bucket)) == want
 
 
 # ----- cost figures ----------------------------------------------------------------------------

@@ -32,14 +32,18 @@ def _checked(config: Any, shape: Any, limit: int) -> dict[str, Any]:
 
 def _default_with(kernel: str = "chunk", **changes: Any) -> Callable[["Case"], dict[str, Any]]:
     """A function of the case: its default config of ``kernel`` ("chunk" or "recurrent") with
-    ``changes``; refused where the result cannot run the shape."""
+    ``changes``; refused where the result cannot run the shape. The recurrent default is the
+    case's batch's (:func:`~rtcompile.kernels.forms.decode_tile` at T = 1), so the row differs
+    from the default row in ``changes`` alone."""
     def variant(case: "Case") -> dict[str, Any]:
         import dataclasses
 
         from ..kernels import forms
 
         shape, limit = _case_shape(case)
-        return _checked(dataclasses.replace(forms.default_config(kernel, shape, limit), **changes), shape, limit)
+        rows = case.B * case.H if kernel == "recurrent" and case.T == 1 else None
+        base = forms.default_config(kernel, shape, limit, None, rows)
+        return _checked(dataclasses.replace(base, **changes), shape, limit)
 
     return variant
 

@@ -28,7 +28,7 @@ from .chunk_resident import ResidentConfig
 from .chunk_split import SplitConfig
 from .chunk_streamed import StreamedConfig
 from .config import CHUNK_SIZES, DEFAULT_SMEM_BYTES, KernelConfig, KernelShape, checked
-from .forms import check_config, config_from_dict, default_config
+from .forms import WIDE_DECODE_PROGRAMS, check_config, config_from_dict, default_config
 from .inputs import Problem, check_inputs
 from .decode_plan import DECODE_PLANS, DecodePlan, PlanCache, check_indices, signature_key
 from .recurrent import RecurrentConfig
@@ -67,8 +67,13 @@ def _default(kernel: str, shape: KernelShape, limit: int | None, device: torch.d
 
 def decode_rows(kernel: str, p: Problem) -> int | None:
     """Sequences x heads of a one-token recurrent call (the decode step), whose default tile
-    depends on them (:func:`~.forms.decode_tile`); None for any other call."""
-    return p.num_seqs * p.heads if kernel == "recurrent" and p.seq_len == 1 else None
+    depends on them (:func:`~.forms.decode_tile`), capped at the rule's threshold (the rule
+    reads no more, and the cached defaults stay one per batch below it); None for any other
+    call. A varlen call of one token a sequence (T = N, B = 1) is not recognised: it keeps the
+    batch-free tile."""
+    if kernel != "recurrent" or p.seq_len != 1:
+        return None
+    return min(p.num_seqs * p.heads, WIDE_DECODE_PROGRAMS)
 
 
 def device_refusal(config: KernelConfig, device: torch.device) -> str | None:

@@ -28,7 +28,9 @@ def bucket_shape(bucket: Bucket) -> KernelShape:
 
 def bucket_decode_rows(bucket: Bucket) -> int | None:
     """Sequences x heads of a decode bucket, on which its default tile depends
-    (:func:`~rtcompile.kernels.forms.decode_tile`); None for the other kernels."""
+    (:func:`~rtcompile.kernels.forms.decode_tile`); None for the other kernels. The bucket's
+    batch (a power of two) is what its trials run, so its default is that batch's: a call of a
+    batch between buckets may default to the other tile (B96 at K 256 H8: 768 rows, narrow)."""
     return bucket.batch * bucket.heads if bucket.kernel == "recurrent" else None
 
 

@@ -242,9 +242,9 @@ def _skipped(study) -> int:
 class FinishedConfigs:
     """The finished trials whose outcome stands, measured (``ok``) or refused by the float64 gate
     (``rejected``), by config up to inert fields (``KernelConfig.canonical``). A failed trial (a
-    timeout, a crash) does not count: its config may run again. Each :meth:`earlier` reads only
-    the trials finished since the last (a scan of all per draw was quadratic in the study's
-    length). Invariant: the trial found for a config stays the one found."""
+    timeout, a crash) does not count: its config may run again. Each :meth:`earlier` builds the
+    configs of the trials finished since the last only (it still lists every trial; rebuilding
+    every config per draw was quadratic). Invariant: a config's trial, once found, stays found."""
 
     def __init__(self) -> None:
         self._by_config: dict = {}
