@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -66,7 +67,7 @@ def _profile(lm, batch: int, kind: str, parts: int) -> dict:
         end.record()
         torch.cuda.synchronize()
         walls.append(start.elapsed_time(end) * 1e3 / REPLAYS)
-    wall_us = sorted(walls)[ROUNDS // 2]
+    wall_us = statistics.median(walls)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(REPLAYS):
             step(tok)

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ._version import __version__
-from .fields import FieldError, check_int, check_ints, check_type
+from .fields import FieldError, check_float, check_int, check_ints, check_type
 from .fileio import ReadError, atomic_write, parse_problem, read_whole
 from .costmodel import Calibration, chunk_cost, recurrent_cost, shape_of, workload
 from .functional import MAX_TRITON_ORDER
@@ -227,9 +227,7 @@ def _check_cost(where: str, cost: Any) -> None:
     """The cost figures a decision or an alternative shows (``rtcompile plan`` prints their
     seconds, bound and source: a plan file's ``"seconds": "fast"`` was a traceback there)."""
     check_type(where, cost, dict, "an object (the cost model's figures)")
-    seconds = cost.get("seconds")
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds < 0:
-        raise PlanError(f"{where}.seconds: got {_got(seconds, False)}; allowed: a finite number >= 0 (seconds)")
+    check_float(f"{where}.seconds", cost.get("seconds"), lambda s: s >= 0, "a finite number >= 0 (seconds)")
     for key in ("bound", "source"):
         check_type(f"{where}.{key}", cost.get(key), str, "a string")
 

@@ -510,8 +510,8 @@ def test_named_variants_follow_the_input_width(monkeypatch, dtype, itemsize):
     seen = []
     for name in ("low_memory", "two_kernel", "default_config"):
         real = getattr(forms, name)
-        monkeypatch.setattr(forms, name, lambda *a, _real=real: seen.append(
-            next(x for x in a if hasattr(x, "input_bytes")).input_bytes) or _real(*a))
+        monkeypatch.setattr(forms, name, lambda *a, _real=real, **kw: seen.append(
+            next(x for x in a if hasattr(x, "input_bytes")).input_bytes) or _real(*a, **kw))
     case = Case("o3_16x16", "prefill", (16, 16), 2, 256, dtype=dtype)
     for call in (DEFAULT_VARIANTS["fused"], DEFAULT_VARIANTS["two-kernel"], DECODE_VARIANTS["outer-phi"]):
         call(case)

@@ -42,7 +42,7 @@ def _default_with(kernel: str = "chunk", **changes: Any) -> Callable[["Case"], d
 
         shape, limit = _case_shape(case)
         rows = case.B * case.H if kernel == "recurrent" and case.T == 1 else None
-        base = forms.default_config(kernel, shape, limit, None, rows)
+        base = forms.default_config(kernel, shape, limit, decode_rows=rows)
         return _checked(dataclasses.replace(base, **changes), shape, limit)
 
     return variant
