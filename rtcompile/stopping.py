@@ -7,11 +7,16 @@ and the parent folders it had made, and a killed ``tune`` its worker processes. 
 clean-up runs as for a Ctrl-C. ``rtcompile.cli.main`` holds it around every command; the tune
 coordinator and its workers (``tuning/processes.py``, ``tuning/worker.py``) hold it too.
 
+A stop that lands while a module is being imported is held until that import is done (looked at
+again every :data:`DEFER_POLL_S`): a KeyboardInterrupt raised inside an extension module's
+initialisation aborted or crashed the process instead of stopping it.
+
 This module imports nothing of rtcompile, so the CLI holds it before any command module loads.
 """
 
 from __future__ import annotations
 
+import _thread
 import logging
 import signal
 import sys
@@ -23,6 +28,13 @@ __all__ = ["raise_if_stopped", "stop_on_signal"]
 
 _STOPS = (signal.SIGINT, signal.SIGTERM)
 
+# How soon a stop held back by an import looks again (s). Raised inside the import, it ended
+# `rtcompile export` 0-50 ms after its temporary folder appeared (while `import onnx` ran) in
+# SIGABRT ("terminate called after throwing an instance of 'nanobind::python_error'") or SIGSEGV
+# (onnx's module dealloc): 3 of about 170 SIGTERMs, CPU, 2026-12-06. 20 ms is short beside a
+# person's reaction and long beside the bytecodes an import runs between two looks.
+DEFER_POLL_S = 0.02
+
 # The stop being handled (the signal's name) while stop_on_signal is held, else None: the
 # KeyboardInterrupt that _interrupt raises can be swallowed (below), and the polling loops
 # re-raise it from this (raise_if_stopped)
@@ -30,6 +42,11 @@ _stopping: str | None = None
 # Is a stop_on_signal block held (by this process's main thread)? An inner block leaves the
 # handlers and the state to it
 _held = False
+# The timer that looks again at a stop held back by an import (None: none pending), and the lock
+# under which it fires or is cancelled: it never trips a handler stop_on_signal has restored.
+# Re-entrant: the handler it trips may run in the main thread while the main thread holds it
+_look_again_timer: threading.Timer | None = None
+_timer_lock = threading.RLock()
 
 
 def raise_if_stopped() -> None:
@@ -57,9 +74,54 @@ def _quiet_unraisable(unraisable) -> None:
     _outer_hook(unraisable)
 
 
+def _importing(frame) -> bool:
+    """Is ``frame``, or a frame that called it, running an import (importlib's machinery: a
+    module's body, an extension module's initialisation calling back into Python)?"""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _look_again(signum: int) -> None:
+    global _look_again_timer
+    with _timer_lock:
+        if _look_again_timer is None:
+            _look_again_timer = threading.Timer(DEFER_POLL_S, _trip, (signum,))
+            _look_again_timer.daemon = True
+            _look_again_timer.start()
+
+
+def _trip(signum: int) -> None:
+    # in the timer's thread: run the stop's handler again in the main thread, unless the block
+    # ended meanwhile (_cancel_look_again)
+    global _look_again_timer
+    with _timer_lock:
+        if _look_again_timer is threading.current_thread():
+            _look_again_timer = None
+            _thread.interrupt_main(signum)
+
+
+def _cancel_look_again() -> None:
+    global _look_again_timer
+    with _timer_lock:
+        if _look_again_timer is not None:
+            _look_again_timer.cancel()
+            _look_again_timer = None
+
+
 def _interrupt(signum, frame) -> None:
     global _stopping
-    _stopping = signal.Signals(signum).name
+    if _stopping is None:
+        _stopping = signal.Signals(signum).name
+    # the interrupt may land in SQLAlchemy's connection-pool finalizer, which logs it with a
+    # traceback ("Exception during reset or similar") and swallows it (CI on 2026-12-05, once, under
+    # the full suite's load): once stopping, that log is noise (STOP_GRACE_S ends such a worker)
+    logging.getLogger("sqlalchemy.pool").setLevel(logging.CRITICAL + 1)  # the pools log through children
+    if _importing(frame):  # held until the import is done (DEFER_POLL_S); a later stop meanwhile joins it
+        _look_again(signum)
+        return
     # the first stop only: the clean-up it starts must not be interrupted in turn (a Ctrl-C to
     # the process group, then the coordinator's SIGTERM, landed both in a worker's queue wait,
     # and the second broke its lock: "RuntimeError: release unlocked lock", a traceback)
@@ -67,10 +129,6 @@ def _interrupt(signum, frame) -> None:
     # is reported as "Signal 15 ignored due to race condition", with a traceback header)
     for sig in _STOPS:
         signal.signal(sig, _ignore)
-    # the interrupt may land in SQLAlchemy's connection-pool finalizer, which logs it with a
-    # traceback ("Exception during reset or similar") and swallows it (CI on 2026-12-05, once, under
-    # the full suite's load): once stopping, that log is noise (STOP_GRACE_S ends such a worker)
-    logging.getLogger("sqlalchemy.pool").setLevel(logging.CRITICAL + 1)  # the pools log through children
     raise KeyboardInterrupt(_stopping)
 
 
@@ -80,8 +138,8 @@ def _ignore(signum, frame) -> None:
 
 @contextmanager
 def stop_on_signal() -> Iterator[None]:
-    """While held, the first SIGINT or SIGTERM raises KeyboardInterrupt in the main thread and
-    later ones are ignored, so ``finally`` blocks and context managers clean up, once: a
+    """While held, the first SIGINT or SIGTERM raises KeyboardInterrupt in the main thread (once
+    an import in progress is done) and later ones are ignored, so ``finally`` blocks and context managers clean up, once: a
     command's temporary files and folders, the tune's workers and trial processes (Python's
     default for SIGTERM ends the process at once, leaving them). The previous handlers are
     restored after (``rtcompile.cli.main`` may run in a process that lives on), and off the
@@ -124,7 +182,14 @@ def _restore(previous: dict, pool_level: int, mask) -> None:
     delivered after, to the handler restored."""
     global _stopping, _outer_hook
     try:
+        _cancel_look_again()
         signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
+        if _stopping is not None:
+            # CPython (3.11, 3.12) remembers a KeyboardInterrupt that left code run by exec() of
+            # a string (a dataclass's generated methods: the stop landed there) and, run as
+            # `python -m`, ends the process by SIGINT at exit although the stop was handled: exit
+            # -2, not 130 (`rtcompile export`, CI 2026-12-06). An exec of a string clears it.
+            exec("")
     finally:
         try:
             for sig, handler in previous.items():
