@@ -7,15 +7,17 @@ and the parent folders it had made, and a killed ``tune`` its worker processes. 
 clean-up runs as for a Ctrl-C. ``rtcompile.cli.main`` holds it around every command; the tune
 coordinator and its workers (``tuning/processes.py``, ``tuning/worker.py``) hold it too.
 
-A stop that lands while a module is being imported is held until that import is done (looked at
-again every :data:`DEFER_POLL_S`): a KeyboardInterrupt raised inside an extension module's
-initialisation aborted or crashed the process instead of stopping it.
+A stop that lands while an extension module loads (its initialisation, and any Python code that
+calls) is held until the load is done, looked at again every :data:`DEFER_POLL_S`: a
+KeyboardInterrupt raised there aborted or crashed the process instead of stopping it. A Python
+module's body is interrupted as any other code (a hung import still stops).
 
 This module imports nothing of rtcompile, so the CLI holds it before any command module loads.
 """
 
 from __future__ import annotations
 
+import _imp
 import _thread
 import logging
 import signal
@@ -28,12 +30,17 @@ __all__ = ["raise_if_stopped", "stop_on_signal"]
 
 _STOPS = (signal.SIGINT, signal.SIGTERM)
 
-# How soon a stop held back by an import looks again (s). Raised inside the import, it ended
-# `rtcompile export` 0-50 ms after its temporary folder appeared (while `import onnx` ran) in
-# SIGABRT ("terminate called after throwing an instance of 'nanobind::python_error'") or SIGSEGV
-# (onnx's module dealloc): 3 of about 170 SIGTERMs, CPU, 2026-12-06. 20 ms is short beside a
-# person's reaction and long beside the bytecodes an import runs between two looks.
+# How soon a stop held back by an extension module's load looks again (s); each look that finds
+# the load still running starts one more timer thread. Raised inside the load, the stop ended
+# `rtcompile export` 0-50 ms after its temporary folder appeared (in `import onnx`, whose
+# nanobind module calls back into Python) in SIGABRT ("terminate called after throwing an
+# instance of 'nanobind::python_error'") or SIGSEGV (in the module's dealloc): 3 of about 170
+# SIGTERMs, CPU, 2026-12-06. 20 ms keeps a stop prompt (a person notices ~100 ms) at 50 looks a
+# second at most; all of `import onnx` took 0.85 s on the CPU machine (-X importtime).
 DEFER_POLL_S = 0.02
+# the loaders' calls that run an extension module's initialisation (importlib's
+# ExtensionFileLoader, through _call_with_frames_removed)
+_EXTENSION_LOADS = (_imp.create_dynamic, _imp.exec_dynamic)
 
 # The stop being handled (the signal's name) while stop_on_signal is held, else None: the
 # KeyboardInterrupt that _interrupt raises can be swallowed (below), and the polling loops
@@ -47,6 +54,9 @@ _held = False
 # Re-entrant: the handler it trips may run in the main thread while the main thread holds it
 _look_again_timer: threading.Timer | None = None
 _timer_lock = threading.RLock()
+# Is stop_on_signal's clean-up restoring the handlers? A held stop's look tripped just before it
+# was cancelled then does nothing (raised there, it left the handlers half restored)
+_restoring = False
 
 
 def raise_if_stopped() -> None:
@@ -59,7 +69,21 @@ def raise_if_stopped() -> None:
     STALE_POLL_S in the wait for other hosts' trials), and again before it judges how its
     workers ended, so a stop ends the tune as a stop however the first raise fared."""
     if _stopping is not None:
-        raise KeyboardInterrupt(_stopping)
+        _raise_stop()
+
+
+def _raise_stop() -> None:
+    """Raise the stop, the first time or again: a held stop's look is cancelled and later stops
+    are ignored from here on, so the clean-up this raise starts is not interrupted in turn (a
+    Ctrl-C to the process group, then the coordinator's SIGTERM, landed both in a worker's queue
+    wait, and the second broke its lock: "RuntimeError: release unlocked lock", a traceback)."""
+    _cancel_look_again()
+    if _held and threading.current_thread() is threading.main_thread():
+        # a Python no-op, not SIG_IGN: a signal already pending when the handler became SIG_IGN
+        # is reported as "Signal 15 ignored due to race condition", with a traceback header
+        for sig in _STOPS:
+            signal.signal(sig, _ignore)
+    raise KeyboardInterrupt(_stopping)
 
 
 # the unraisable hook stop_on_signal replaced, which gets every other unraisable exception
@@ -74,12 +98,15 @@ def _quiet_unraisable(unraisable) -> None:
     _outer_hook(unraisable)
 
 
-def _importing(frame) -> bool:
-    """Is ``frame``, or a frame that called it, running an import (importlib's machinery: a
-    module's body, an extension module's initialisation calling back into Python)?"""
+def _loading_extension(frame) -> bool:
+    """Is ``frame``, or a frame that called it, inside an extension module's load (importlib
+    calling ``_imp.create_dynamic`` or ``_imp.exec_dynamic``: the module's initialisation, and any
+    Python it calls back, a nested import's module body too)?"""
     while frame is not None:
-        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
-            return True
+        code = frame.f_code
+        if code.co_name == "_call_with_frames_removed" and code.co_filename.startswith("<frozen importlib._bootstrap"):
+            if any(frame.f_locals.get("f") is load for load in _EXTENSION_LOADS):
+                return True
         frame = frame.f_back
     return False
 
@@ -113,23 +140,18 @@ def _cancel_look_again() -> None:
 
 def _interrupt(signum, frame) -> None:
     global _stopping
+    if _restoring:  # only a held stop's look gets here (the stops are blocked): the block has ended
+        return
     if _stopping is None:
         _stopping = signal.Signals(signum).name
     # the interrupt may land in SQLAlchemy's connection-pool finalizer, which logs it with a
     # traceback ("Exception during reset or similar") and swallows it (CI on 2026-12-05, once, under
     # the full suite's load): once stopping, that log is noise (STOP_GRACE_S ends such a worker)
     logging.getLogger("sqlalchemy.pool").setLevel(logging.CRITICAL + 1)  # the pools log through children
-    if _importing(frame):  # held until the import is done (DEFER_POLL_S); a later stop meanwhile joins it
+    if _loading_extension(frame):  # held until the load is done; a later stop meanwhile joins it
         _look_again(signum)
         return
-    # the first stop only: the clean-up it starts must not be interrupted in turn (a Ctrl-C to
-    # the process group, then the coordinator's SIGTERM, landed both in a worker's queue wait,
-    # and the second broke its lock: "RuntimeError: release unlocked lock", a traceback)
-    # (a Python no-op, not SIG_IGN: a signal already pending when the handler became SIG_IGN
-    # is reported as "Signal 15 ignored due to race condition", with a traceback header)
-    for sig in _STOPS:
-        signal.signal(sig, _ignore)
-    raise KeyboardInterrupt(_stopping)
+    _raise_stop()
 
 
 def _ignore(signum, frame) -> None:
@@ -139,9 +161,10 @@ def _ignore(signum, frame) -> None:
 @contextmanager
 def stop_on_signal() -> Iterator[None]:
     """While held, the first SIGINT or SIGTERM raises KeyboardInterrupt in the main thread (once
-    an import in progress is done) and later ones are ignored, so ``finally`` blocks and context managers clean up, once: a
-    command's temporary files and folders, the tune's workers and trial processes (Python's
-    default for SIGTERM ends the process at once, leaving them). The previous handlers are
+    an extension module's load in progress is done) and later ones are ignored, so ``finally``
+    blocks and context managers clean up, once: a command's temporary files and folders, the
+    tune's workers and trial processes (Python's default for SIGTERM ends the process at once,
+    leaving them). The previous handlers are
     restored after (``rtcompile.cli.main`` may run in a process that lives on), and off the
     main thread, where no handler can be set, it does nothing. A stop whose raise a finalizer
     swallowed is raised again by the next :func:`raise_if_stopped`, or on leaving the block.
@@ -180,22 +203,24 @@ def _restore(previous: dict, pool_level: int, mask) -> None:
     on: ``rtcompile.cli.main``); a stop whose handler raises from the blocking call itself
     still gets everything restored, the mask as it was on entry, and one that came meanwhile is
     delivered after, to the handler restored."""
-    global _stopping, _outer_hook
+    global _stopping, _outer_hook, _restoring
     try:
-        _cancel_look_again()
+        _restoring = True
         signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
-        if _stopping is not None:
-            # CPython (3.11, 3.12) remembers a KeyboardInterrupt that left code run by exec() of
-            # a string (a dataclass's generated methods: the stop landed there) and, run as
-            # `python -m`, ends the process by SIGINT at exit although the stop was handled: exit
-            # -2, not 130 (`rtcompile export`, CI 2026-12-06). An exec of a string clears it.
-            exec("")
     finally:
         try:
+            _cancel_look_again()  # before the handlers: a look never trips one restored
+            if _stopping is not None:
+                # CPython (3.11-3.13) remembers a KeyboardInterrupt that left code run by exec()
+                # of a string (a dataclass's generated methods: the stop landed there) and, run as
+                # `python -m`, ends the process by SIGINT at exit although the stop was handled:
+                # exit -2, not 130 (`rtcompile export`, CI 2026-12-06). An exec of a string clears it.
+                exec("")
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             sys.unraisablehook, _outer_hook = _outer_hook, sys.__unraisablehook__
             _stopping = None
             logging.getLogger("sqlalchemy.pool").setLevel(pool_level)
         finally:
+            _restoring = False
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
