@@ -409,15 +409,23 @@ def test_decode_rows_reach_the_launcher_default_at_one_token_only():
     from rtcompile.kernels import launch
     from rtcompile.kernels.inputs import check_inputs
 
-    def problem(B, T):
+    def problem(B, T, cu_seqlens=None):
         q = [torch.randn(B, T, 8, 16) for _ in range(2)]
         k = [torch.randn(B, T, 8, 16) for _ in range(2)]
-        return check_inputs(q, k, torch.randn(B, T, 8, 64), None, None, None, None, None)
+        return check_inputs(q, k, torch.randn(B, T, 8, 64), None, None, None, None, cu_seqlens)
 
     cpu = torch.device("cpu")
     assert launch.resolve_config("recurrent", None, problem(128, 1), cpu).block_v == 64
     assert launch.resolve_config("recurrent", None, problem(64, 1), cpu).block_v == 32
     assert launch.resolve_config("recurrent", None, problem(128, 3), cpu).block_v == 32  # a scan, not a step
+    # varlen, one token a sequence (as serving engines pack a decode step): the [128, 1] call's tile
+    packed = problem(1, 128, torch.arange(129, dtype=torch.int32))
+    assert launch.decode_rows("recurrent", packed) == 128 * 8
+    assert launch.resolve_config("recurrent", None, packed, cpu).block_v == 64
+    # one sequence of two tokens among one-token ones: a scan (T = 129 > N = 128)
+    longer = problem(1, 129, torch.tensor([0, 2, *range(3, 130)], dtype=torch.int32))
+    assert launch.decode_rows("recurrent", longer) is None
+    assert launch.resolve_config("recurrent", None, longer, cpu).block_v == 32
     # the rule reads no more than its threshold: the cached defaults stay one per batch below it
     assert launch.decode_rows("recurrent", problem(4096, 1)) == 1024
     assert launch.decode_rows("chunk", problem(4096, 1)) is None

@@ -158,6 +158,22 @@ def test_varlen_uneven_lengths(widths, tiles):
           variant=None if tiles == "resident" else STREAMED)
 
 
+def test_packed_one_token_sequences_with_the_wide_decode_tile():
+    """Varlen with one token a sequence (a serving engine's packed decode step) takes the decode
+    step's default tile, the doubled [K, 2 BV] at >= 1024 programs (``launch.decode_rows``;
+    test_configs checks the choice): that tile on such a call against float64, d_v 48 in one
+    64-column tile (16 columns masked)."""
+    from rtcompile.kernels.forms import decode_tile, default_config
+    from rtcompile.kernels.launch import kernel_shape
+
+    n = 3
+    dev, ref, s0 = _case(1, n, 2, (16, 16), 48, state=True, num_seqs=n)
+    shape = kernel_shape(check_inputs(*dev, None, None, None))
+    wide = decode_tile(default_config("recurrent", shape), shape, 1024)
+    assert wide.block_v == 2 * default_config("recurrent", shape).block_v == 64
+    _scan(dev, ref, s0, cu=torch.arange(n + 1, dtype=torch.int32), variant=wide)
+
+
 def test_single_token_and_default_config():
     dev, ref, s0 = _case(3, 1, 2, (3, 4), 5, state=True)
     _scan(dev, ref, s0)

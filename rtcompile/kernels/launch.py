@@ -69,9 +69,11 @@ def decode_rows(kernel: str, p: Problem) -> int | None:
     """Sequences x heads of a one-token recurrent call (the decode step), whose default tile
     depends on them (:func:`~.forms.decode_tile`), capped at the rule's threshold (the rule
     reads no more, and the cached defaults stay one per batch below it); None for any other
-    call. A varlen call of one token a sequence (T = N, B = 1) is not recognised: it keeps the
-    batch-free tile."""
-    if kernel != "recurrent" or p.seq_len != 1:
+    call. A varlen call of one token a sequence (B = 1, T = N: every sequence has at least one
+    token, so T = N means exactly one each; serving engines pack their decode steps so) is one:
+    the kernel runs the same N x H programs as at [N, 1]."""
+    one_token = p.seq_len == 1 or (p.seq_bounds is not None and p.seq_len == p.num_seqs)
+    if kernel != "recurrent" or not one_token:
         return None
     return min(p.num_seqs * p.heads, WIDE_DECODE_PROGRAMS)
 
