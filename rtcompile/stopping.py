@@ -55,8 +55,11 @@ _held = False
 _look_again_timer: threading.Timer | None = None
 _timer_lock = threading.RLock()
 # Is stop_on_signal's clean-up restoring the handlers? A held stop's look tripped just before it
-# was cancelled then does nothing (raised there, it left the handlers half restored)
+# was cancelled then does nothing (raised there, it left the handlers, hook and flag behind), and
+# a first stop then (a thread the stops are not blocked in took the signal) is sent again once
+# the handlers are restored (_late_stop), to the handler restored
 _restoring = False
+_late_stop: int | None = None
 
 
 def raise_if_stopped() -> None:
@@ -77,8 +80,10 @@ def _raise_stop() -> None:
     are ignored from here on, so the clean-up this raise starts is not interrupted in turn (a
     Ctrl-C to the process group, then the coordinator's SIGTERM, landed both in a worker's queue
     wait, and the second broke its lock: "RuntimeError: release unlocked lock", a traceback)."""
+    if threading.current_thread() is not threading.main_thread():
+        raise KeyboardInterrupt(_stopping)  # the main thread's look and handlers are its own
     _cancel_look_again()
-    if _held and threading.current_thread() is threading.main_thread():
+    if _held:
         # a Python no-op, not SIG_IGN: a signal already pending when the handler became SIG_IGN
         # is reported as "Signal 15 ignored due to race condition", with a traceback header
         for sig in _STOPS:
@@ -139,8 +144,10 @@ def _cancel_look_again() -> None:
 
 
 def _interrupt(signum, frame) -> None:
-    global _stopping
-    if _restoring:  # only a held stop's look gets here (the stops are blocked): the block has ended
+    global _stopping, _late_stop
+    if _restoring:  # the block has ended: a look, or a signal another thread took (see _restoring)
+        if _stopping is None:
+            _late_stop = signum
         return
     if _stopping is None:
         _stopping = signal.Signals(signum).name
@@ -160,18 +167,18 @@ def _ignore(signum, frame) -> None:
 
 @contextmanager
 def stop_on_signal() -> Iterator[None]:
-    """While held, the first SIGINT or SIGTERM raises KeyboardInterrupt in the main thread (once
-    an extension module's load in progress is done) and later ones are ignored, so ``finally``
-    blocks and context managers clean up, once: a command's temporary files and folders, the
-    tune's workers and trial processes (Python's default for SIGTERM ends the process at once,
-    leaving them). The previous handlers are
-    restored after (``rtcompile.cli.main`` may run in a process that lives on), and off the
-    main thread, where no handler can be set, it does nothing. A stop whose raise a finalizer
+    """While held, the first SIGINT or SIGTERM raises KeyboardInterrupt in the main thread and
+    later ones are ignored, so ``finally`` blocks and context managers clean up, once: a
+    command's temporary files and folders, the tune's workers and trial processes (Python's
+    default for SIGTERM ends the process at once, leaving them). A stop during an extension
+    module's load is raised once the load is done (one that hangs holds it). The previous
+    handlers are restored after (``rtcompile.cli.main`` may run in a process that lives on),
+    and off the main thread, where no handler can be set, it does nothing. A stop whose raise a finalizer
     swallowed is raised again by the next :func:`raise_if_stopped`, or on leaving the block.
     A block inside another (``cli.main`` holds one around ``tune``, which holds its own) only
     raises a swallowed stop on leaving: the outer one keeps the handlers and the stop's state
     (cleared by the inner one, a stop landing between the two was lost)."""
-    global _stopping, _outer_hook, _held
+    global _stopping, _outer_hook, _held, _restoring
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -191,6 +198,8 @@ def stop_on_signal() -> Iterator[None]:
         yield
         raise_if_stopped()  # a stop swallowed after the last poll still ends the caller as stopped
     finally:
+        # before the call: its first bytecode may run a tripped look, which must not raise there
+        _restoring = True
         try:
             _restore(previous, pool_level, mask)
         finally:
@@ -203,9 +212,8 @@ def _restore(previous: dict, pool_level: int, mask) -> None:
     on: ``rtcompile.cli.main``); a stop whose handler raises from the blocking call itself
     still gets everything restored, the mask as it was on entry, and one that came meanwhile is
     delivered after, to the handler restored."""
-    global _stopping, _outer_hook, _restoring
+    global _stopping, _outer_hook, _restoring, _late_stop
     try:
-        _restoring = True
         signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
     finally:
         try:
@@ -224,3 +232,6 @@ def _restore(previous: dict, pool_level: int, mask) -> None:
         finally:
             _restoring = False
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            late, _late_stop = _late_stop, None
+            if late is not None:
+                signal.raise_signal(late)

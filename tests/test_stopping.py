@@ -92,31 +92,81 @@ def test_a_held_stop_raised_by_a_poll_does_not_interrupt_the_clean_up():
     assert steps == ["clean-up started", "clean-up done"]
 
 
-@pytest.mark.parametrize("second_stop", [False, True], ids=["block-ends", "stop-in-restore"])
-def test_a_held_stop_never_fires_after_its_block(monkeypatch, second_stop):
+def test_a_held_stop_never_fires_after_its_block(monkeypatch):
     """The block ends (a stop) before the held stop's next look: the look is cancelled, so the
     handler restored after the block (SIGINT's: raise KeyboardInterrupt) is never tripped later,
-    in a process that lives on. With ``stop-in-restore`` a second stop lands as the clean-up
-    that restores the handlers cancels the look (the window the review found: raised there, it
-    left the look armed)."""
+    in a process that lives on."""
     monkeypatch.setattr(stopping, "DEFER_POLL_S", 0.3)
-    if second_stop:
-        import _thread
-
-        real = stopping._cancel_look_again
-
-        def stopped_first():
-            if sys._getframe(1).f_code.co_name == "_restore":
-                _thread.interrupt_main(signal.SIGINT)  # runs the handler at the next bytecodes
-            real()
-
-        monkeypatch.setattr(stopping, "_cancel_look_again", stopped_first)
     with pytest.raises(KeyboardInterrupt, match="SIGINT"), stop_on_signal():
         assert _extension_load_that_stops(signal.SIGINT)  # the block ends here: raise_if_stopped on leaving
-    monkeypatch.undo()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     assert stopping._look_again_timer is None
     _run_for(0.9)  # three times the look's delay: a stray look would raise KeyboardInterrupt here
+
+
+def _trip_at_restore(monkeypatch, signum: int) -> None:
+    """Run the stop's handler (as a look's timer or a signal taken by another thread does) as
+    stop_on_signal's clean-up starts: the first bytecodes of ``_restore``."""
+    import _thread
+
+    real = stopping._restore
+
+    def tripped(*args):
+        _thread.interrupt_main(signum)
+        real(*args)
+
+    monkeypatch.setattr(stopping, "_restore", tripped)
+
+
+def test_a_look_at_the_clean_up_start_leaves_everything_restored(monkeypatch):
+    """A block ended by another error while a stop is held, its look tripped as the clean-up
+    starts: the error goes on, and the handlers, the unraisable hook and the stop's state are
+    as before. Before: the look raised before the clean-up's first line, leaving SIGINT and
+    SIGTERM ignored for good in a process that lives on."""
+    before = {sig: signal.getsignal(sig) for sig in stopping._STOPS}
+    hook = sys.unraisablehook
+    _trip_at_restore(monkeypatch, signal.SIGTERM)
+    with pytest.raises(ValueError, match="the block's own error"), stop_on_signal():
+        assert _extension_load_that_stops()
+        raise ValueError("the block's own error")
+    monkeypatch.undo()
+    assert {sig: signal.getsignal(sig) for sig in stopping._STOPS} == before
+    assert sys.unraisablehook is hook and stopping._stopping is None and stopping._look_again_timer is None
+
+
+def test_a_first_stop_during_the_clean_up_reaches_the_restored_handler(monkeypatch):
+    """A block that ends normally, and a stop whose handler runs as the clean-up starts (in a
+    process with other threads one of them may take the signal, where the clean-up's block of
+    the stops does not reach): it is sent again once the handlers are restored, here SIGINT's
+    (KeyboardInterrupt). Before: the clean-up dropped it."""
+    _trip_at_restore(monkeypatch, signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt), stop_on_signal():
+        pass
+    monkeypatch.undo()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler and stopping._late_stop is None
+
+
+def test_a_poll_off_the_main_thread_leaves_the_held_stop_to_it():
+    """``raise_if_stopped`` in another thread raises there and leaves the main thread's held stop
+    and its look alone: the main thread is stopped soon after the load, not at the block's end."""
+    import threading
+
+    seen = []
+
+    def poll():
+        try:
+            raise_if_stopped()
+        except KeyboardInterrupt as exc:
+            seen.append(str(exc))
+
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt, match="SIGTERM"), stop_on_signal():
+        assert _extension_load_that_stops()
+        t = threading.Thread(target=poll)
+        t.start()
+        t.join()
+        _run_for(5)
+    assert seen == ["SIGTERM"] and time.monotonic() - start < 2.5
 
 
 PROGRAM = """\
