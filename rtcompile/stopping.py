@@ -49,7 +49,7 @@ _stopping: str | None = None
 # Is a stop_on_signal block held (by this process's main thread)? An inner block leaves the
 # handlers and the state to it
 _held = False
-# The timer that looks again at a stop held back by an import (None: none pending), and the lock
+# The timer that looks again at a stop held back by an extension load (None: none pending), and the lock
 # under which it fires or is cancelled: it never trips a handler stop_on_signal has restored.
 # Re-entrant: the handler it trips may run in the main thread while the main thread holds it
 _look_again_timer: threading.Timer | None = None
