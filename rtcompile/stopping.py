@@ -49,8 +49,8 @@ _stopping: str | None = None
 # Is a stop_on_signal block held (by this process's main thread)? An inner block leaves the
 # handlers and the state to it
 _held = False
-# The timer that looks again at a stop held back by an extension load (None: none pending), and the lock
-# under which it fires or is cancelled: it never trips a handler stop_on_signal has restored.
+# The timer that looks again at a stop held back by an extension load (None: none pending),
+# and the lock under which it fires or is cancelled: it never trips a handler stop_on_signal has restored.
 # Re-entrant: the handler it trips may run in the main thread while the main thread holds it
 _look_again_timer: threading.Timer | None = None
 _timer_lock = threading.RLock()
@@ -173,11 +173,11 @@ def stop_on_signal() -> Iterator[None]:
     default for SIGTERM ends the process at once, leaving them). A stop during an extension
     module's load is raised once the load is done (one that hangs holds it). The previous
     handlers are restored after (``rtcompile.cli.main`` may run in a process that lives on),
-    and off the main thread, where no handler can be set, it does nothing. A stop whose raise a finalizer
-    swallowed is raised again by the next :func:`raise_if_stopped`, or on leaving the block.
-    A block inside another (``cli.main`` holds one around ``tune``, which holds its own) only
-    raises a swallowed stop on leaving: the outer one keeps the handlers and the stop's state
-    (cleared by the inner one, a stop landing between the two was lost)."""
+    and off the main thread, where no handler can be set, it does nothing. A stop whose raise
+    a finalizer swallowed is raised again by the next :func:`raise_if_stopped`, or on leaving
+    the block. A block inside another (``cli.main`` holds one around ``tune``, which holds its
+    own) only raises a swallowed stop on leaving: the outer one keeps the handlers and the
+    stop's state (cleared by the inner one, a stop landing between the two was lost)."""
     global _stopping, _outer_hook, _held, _restoring
     if threading.current_thread() is not threading.main_thread():
         yield
