@@ -227,9 +227,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (*INPUT_ERRORS, *_lazy_errors()) as exc:
         print(f"rtcompile: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM, after the commands' own clean-up
-        print("rtcompile: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM, after the commands' own clean-up
+        print(f"rtcompile: interrupted{_then(exc.__cause__)}", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _then(error: BaseException | None) -> str:
+    """The error a stop ended in, for the stop's line (rtcompile.stopping ends a stopped command
+    that failed as the stop, from that error): a clean-up that failed after a stop (a temporary
+    folder not removed) says so there, where a traceback said it before."""
+    if error is None:
+        return ""
+    text = str(error).splitlines()
+    return f"; then {type(error).__name__}" + (f": {text[0]}" if text else "")
 
 
 if __name__ == "__main__":  # pragma: no cover

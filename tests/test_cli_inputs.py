@@ -84,6 +84,29 @@ def test_sigterm_handler_is_held_by_main_for_every_command(tmp_path, monkeypatch
     assert _one_line(capsys) == "rtcompile: interrupted"
 
 
+def test_a_stopped_command_whose_clean_up_fails_names_the_error_on_its_one_line(tmp_path, monkeypatch, capsys):
+    """A stop whose clean-up then fails (here an OSError, as a temporary folder that cannot be
+    removed raises) exits 130 as a stop, and its one line names that error: what was left
+    behind is not hidden behind "interrupted"."""
+    import rtcompile.cli as cli
+
+    spec = tmp_path / "s.toml"
+    spec.write_text(TINY)
+
+    def stopped(args):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):  # the handler runs between bytecodes of the main thread
+                pass
+        finally:
+            raise OSError("[Errno 39] Directory not empty: '.b.1.tmp'")
+
+    parser = cli.build_parser
+    monkeypatch.setattr(cli, "build_parser", lambda: _with_func(parser(), "info", stopped))
+    assert main(["info", str(spec)]) == EXIT_INTERRUPTED
+    assert _one_line(capsys) == "rtcompile: interrupted; then OSError: [Errno 39] Directory not empty: '.b.1.tmp'"
+
+
 def _with_func(parser, command: str, func):
     """``parser`` with ``command``'s function replaced by ``func``."""
     sub = next(a for a in parser._actions if a.dest == "command")
