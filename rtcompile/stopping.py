@@ -60,8 +60,9 @@ _stopping: str | None = None
 # Is a stop_on_signal block held (by this process's main thread)? An inner block leaves the
 # handlers and the state to it
 _held = False
-# How many importlib frames were on the main thread's stack as the block was entered: a command
-# run from a module's body (its import never ends inside the block) is stopped as any other
+# How many importing frames (_imports_under) were on the main thread's stack as the block was
+# entered: a command run from a module's body (its import never ends inside the block) is
+# stopped as any other
 _entry_imports = 0
 # The timer that looks again at a stop held back by an import (None: none pending),
 # and the lock under which it fires or is cancelled: it never trips a handler stop_on_signal has restored.
