@@ -7,7 +7,8 @@ where the step's time goes against issue 21's targets (B1 <= 80 us, B256 >= 1.2 
 
 Per batch and step kind (``plain``: generate's StaticStep; ``stacked``: its input maps as one
 product per layer; ``compiled``: stacked and fused by torch.compile with inductor's defaults; ``combo``: with
-inductor's combo kernels too, as ``compile_step`` does; ``autotune``: and GEMM autotuning):
+inductor's combo kernels too; ``layers``: and each eligible layer's step one kernel, as
+``compile_step`` does; ``autotune``: combo and GEMM autotuning):
 the step captured as ``rtcompile bench --model`` captures it, 3 warm-up replays, then 20
 profiled replays; prints each kernel's mean time per step (us), largest first, their sum, the
 kernel count per step and the step's wall time between CUDA events (median of 5 x 20 replays),
@@ -35,7 +36,11 @@ STEPS = {"plain": (False, False, None), "stacked": (False, True, None), "compile
          "combo": (True, True, {"combo_kernels": True}),  # the compiled step's default since 2026-12-02
          # and inductor's GEMM autotuning (its Triton templates against cuBLAS): the step's small-M
          # products are latency-bound, 38 us of the B256 step for ~2 us of bf16 FLOPs (H200)
-         "autotune": (True, True, {"combo_kernels": True, "max_autotune_gemm": True})}
+         "autotune": (True, True, {"combo_kernels": True, "max_autotune_gemm": True}),
+         # combo, and each layer whose decode tile covers a head's values in one kernel from the stacked
+         # product to the gated output (StaticStep(fuse_layers=True), kernels/layer_step.py)
+         "layers": (True, True, {"combo_kernels": True})}
+FUSED_LAYERS = ("layers",)
 REPLAYS = 20
 ROUNDS = 5
 
@@ -51,7 +56,8 @@ def _profile(lm, batch: int, kind: str, parts: int) -> dict:
                                generator=torch.Generator(device="cuda").manual_seed(0))
         logits, cache = lm(prompt, backend="triton")
         step = StaticStep(lm, bucket_of(batch), "triton", capture=True, compiled=compiled, fuse_projections=stacked,
-                          inductor_options=options, parts=parts)
+                          inductor_options=options, parts=parts, fuse_layers=kind in FUSED_LAYERS)
+        fused_layers = sum(f.step is not None for f in step.fused or [])
         step.load(cache, batch)
     tok = logits[:, -1].argmax(-1)
     first = step(tok).clone()  # from the prefill's cache: the same for every parts of this batch
@@ -79,7 +85,8 @@ def _profile(lm, batch: int, kind: str, parts: int) -> dict:
             per_kernel[e.name] += e.device_time / REPLAYS  # us
             launches[e.name] += 1
     rows = sorted(per_kernel.items(), key=lambda kv: -kv[1])
-    return {"batch": batch, "step": kind, "parts": parts, "first_logits": first, "wall_us": wall_us,
+    return {"batch": batch, "step": kind, "parts": parts, "first_logits": first, "fused_layers": fused_layers,
+            "wall_us": wall_us,
             "walls_us": [round(w, 2) for w in walls], "kernel_us": sum(per_kernel.values()),
             "kernels_per_step": sum(launches.values()) / REPLAYS,
             "top": [{"kernel": name[:90], "us": round(us, 2), "per_step": launches[name] / REPLAYS}
@@ -124,6 +131,7 @@ def main(argv=None) -> int:
     lm = RunningTensorLM(spec, vocab_size=VOCAB).to("cuda", getattr(torch, spec.input_dtype)).eval()
     results = []
     for batch in args.batches:
+        firsts = {}  # the whole step's first logits by kind: "layers" against "combo"
         for kind in kinds:
             whole = None
             for p in parts:
@@ -133,9 +141,15 @@ def main(argv=None) -> int:
                 first = r.pop("first_logits")
                 whole = first if p == 1 else whole
                 r["max_abs_vs_whole"] = None if whole is None else float((first - whole).abs().max())
+                if p == 1:
+                    firsts[kind] = first
+                    if kind in FUSED_LAYERS and "combo" in firsts:
+                        r["max_abs_vs_combo"] = float((first - firsts["combo"]).float().abs().max())
                 r["state_dtype"] = spec.state_dtype
                 results.append(r)
                 diff = "" if p == 1 or whole is None else f", first logits vs whole {r['max_abs_vs_whole']:.2e}"
+                if "max_abs_vs_combo" in r:
+                    diff += f", {r['fused_layers']} layers fused, first logits vs combo {r['max_abs_vs_combo']:.2e}"
                 print(f"B{batch} {kind} parts {p}: wall {r['wall_us']:.1f} us, kernels {r['kernel_us']:.1f} us, "
                       f"{r['kernels_per_step']:.0f} kernels a step{diff}")
                 for t in r["top"][:8]:

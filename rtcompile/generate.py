@@ -134,12 +134,16 @@ class StaticStep:
     change of those weights needs a new StaticStep (``generate`` makes one: its key holds the
     parameters' versions when this is on). ``inductor_options``: torch.compile's ``options``
     for a compiled step (None: :data:`STEP_INDUCTOR_OPTIONS`; ``{}``: inductor's defaults).
+    ``fuse_layers`` (with ``fuse_projections``): each dense layer whose decode config for this
+    bucket can (``serving_step.fused_step_plan``) runs its step between the matrix products as
+    one kernel (``kernels/layer_step.py``); the others run unfused.
     ``parts``: micro-batches of equal rows, a divisor of ``bucket``, whose stages overlap the
     others' decode kernels when captured (:class:`rtcompile.overlap.StagedStep`, an experiment:
     it measured no faster than the whole step, see there); 1 runs the model's step whole."""
 
     def __init__(self, model, bucket: int, backend: str, capture: bool, compiled: bool = False,
-                 fuse_projections: bool = False, inductor_options: dict | None = None, parts: int = 1):
+                 fuse_projections: bool = False, inductor_options: dict | None = None, parts: int = 1,
+                 fuse_layers: bool = False):
         if not _is_int(parts):
             raise TypeError(f"parts: expected an int, got {type(parts).__name__}")
         if parts < 1 or bucket % parts:
@@ -154,6 +158,12 @@ class StaticStep:
         # in a CUDA graph each launch costs ~1.5 us at B1 (H200): the stacked product launches one
         # matrix product per layer where the maps launch five
         self.fused = model.input_projections() if fuse_projections else None
+        dtype = step_state_dtype(model.spec, model.plan, bucket, p.dtype)
+        if self.fused is not None and fuse_layers and parts == 1:
+            from .serving_step import fused_step_plan
+
+            self.fused = [f._replace(step=fused_step_plan(layer, bucket, backend, dtype))
+                          for f, layer in zip(self.fused, model.mixers)]
         # compiled: the step's ~100 small ops (per layer: norms, gates, convolution tail, skip
         # mixing) fused by torch.compile (inductor) into fewer kernels, the decode kernel called
         # in place as the custom op rtcompile::running_tensor_decode_ (no copy of the state: the
@@ -167,7 +177,6 @@ class StaticStep:
         # the shapes forward checks a cache against (model.cache_layout; a zero-prompt prefill of
         # the bucket made them before)
         rest, tail_len, tails = model.cache_layout
-        dtype = step_state_dtype(model.spec, model.plan, bucket, p.dtype)
         self.cache = [{"state": torch.zeros(bucket, *rest, dtype=dtype, device=p.device),
                        "conv": [torch.zeros(bucket, tail_len, ch, dtype=p.dtype, device=p.device) for ch in tails]
                        if tails else None} for _ in model.mixers]
@@ -282,7 +291,7 @@ def run_generate(model, tokens: torch.Tensor, max_new_tokens: int, *, temperatur
             bucket = bucket_of(B)
             if bucket not in steppers:
                 steppers[bucket] = StaticStep(model, bucket, backend, capture=mode == "graph", compiled=compile_step,
-                                              fuse_projections=compile_step)
+                                              fuse_projections=compile_step, fuse_layers=compile_step)
             step = steppers[bucket]
             step.load(cache, B)
         for i in range(1, max_new_tokens):

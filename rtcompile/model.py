@@ -41,11 +41,14 @@ Mixer = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 class InputProjection(NamedTuple):
     """A layer's input maps stacked (:meth:`RunningTensorLayer.input_projection`): ``weight``
-    [sum(sizes), D], ``bias`` [sum(sizes)] or None, ``sizes`` the maps' output widths in row order."""
+    [sum(sizes), D], ``bias`` [sum(sizes)] or None, ``sizes`` the maps' output widths in row order;
+    ``step``: the fused layer step of one batch bucket (``serving_step.FusedStep``), which a
+    serving step then takes, or None (the step runs unfused)."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
     sizes: tuple[int, ...]
+    step: object = None
 
 
 class _CausalDepthwise(nn.Module):
@@ -167,7 +170,8 @@ class RunningTensorLayer(nn.Module):
 
         ``fused`` (this layer's :meth:`input_projection`) computes the input maps as one matrix
         product (same values up to the product's rounding; no gradient reaches the layer's own
-        parameters through it).
+        parameters through it). With its ``step`` set, the serving step (below) runs the layer's
+        whole decode step but the products as one kernel (``serving_step.fused_step``).
 
         ``update_cache`` (T = 1 with a cache: the serving step) updates the cache's state in
         place, kept in the decode decision's state dtype (:func:`decode_state_dtype`), through
@@ -176,6 +180,10 @@ class RunningTensorLayer(nn.Module):
         and the convolution tails are shifted in place too (the same tensors come back).
         """
         step = update_cache and cache is not None and x.shape[1] == 1
+        if step and mixer is None and fused is not None and fused.step is not None:
+            from .serving_step import fused_step
+
+            return fused_step(self, x, cache, fused)
         (q, k, v, g, beta), gate, tails = self.mixer_inputs(x, None if cache is None else cache.get("conv"), fused,
                                                             in_place=step and mixer is None)
         spec = self.spec

@@ -56,7 +56,7 @@ def test_dry_run_lists_prefill_and_decode_with_fla_where_k_is_at_most_256(no_cud
     assert main(["bench", "--model", O3_16, "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert _case_lines(out) == [(name, "rtcompile, fla") for name in ("prefill_B1_T4096", "prefill_B8_T4096")] + \
-        [(name, "rtcompile, rtcompile+stacked, rtcompile+compile, fla") for name in ("decode_B1", "decode_B32", "decode_B256")]
+        [(name, "rtcompile, rtcompile+stacked, rtcompile+compile, rtcompile+layers, fla") for name in ("decode_B1", "decode_B32", "decode_B256")]
     assert "K 256" in out and "2 layers" in out and "bfloat16 weights" in out and "not run" not in out
 
 
@@ -64,7 +64,7 @@ def test_dry_run_without_fla_above_k_256_and_quick(no_cuda, capsys):
     assert main(["bench", "--model", O3_32, "--dry-run", "--quick"]) == 0
     out = capsys.readouterr().out
     assert _case_lines(out) == [(name, "rtcompile") for name in ("prefill_B1_T1024", "prefill_B8_T1024")] + \
-        [(name, "rtcompile, rtcompile+stacked, rtcompile+compile") for name in ("decode_B1", "decode_B32")]
+        [(name, "rtcompile, rtcompile+stacked, rtcompile+compile, rtcompile+layers") for name in ("decode_B1", "decode_B32")]
     assert "fla      not run: K=1024 > 256" in out
 
 
@@ -225,9 +225,10 @@ def test_cpu_run_measures_prefill_and_decode_of_both(fake_fla, monkeypatch, tmp_
     rows = model_bench.run_model_bench(opts, device="cpu", file=table, log=log)
     assert [(r.case, r.impl) for r in rows] == [("prefill_B2_T16", IMPL_RT), ("prefill_B2_T16", IMPL_FLA),
                                                 ("decode_B2", IMPL_RT), ("decode_B2", model_bench.IMPL_RT_FUSED),
-                                                ("decode_B2", model_bench.IMPL_RT_COMPILED), ("decode_B2", IMPL_FLA)]
-    compiled = rows.pop(4)  # the compiled step is measured on CUDA only: a row that says so
-    assert compiled.ms is None and "CUDA only" in compiled.note
+                                                ("decode_B2", model_bench.IMPL_RT_COMPILED),
+                                                ("decode_B2", model_bench.IMPL_RT_LAYERS), ("decode_B2", IMPL_FLA)]
+    for compiled in (rows.pop(5), rows.pop(4)):  # the compiled steps are measured on CUDA only: rows that say so
+        assert compiled.ms is None and "CUDA only" in compiled.note
     for r in rows:
         assert r.ms and r.ms > 0, r
         assert r.tokens_per_s == pytest.approx((32 if r.phase == "prefill" else 2) / (r.ms / 1e3))
@@ -236,6 +237,6 @@ def test_cpu_run_measures_prefill_and_decode_of_both(fake_fla, monkeypatch, tmp_
     assert ("fused_recurrent", 1) in fake_fla and ("chunk", 16) in fake_fla
     doc = json.loads((tmp_path / "o" / "model.json").read_text())
     assert doc["header"]["method"] == model_bench.MODEL_METHOD and doc["header"]["spec"]["key_widths"] == [4, 4]
-    assert doc["header"]["gpu"] == "none (cpu)" and doc["header"]["commit"] and len(doc["rows"]) == 6
-    assert len(list(csv.DictReader(io.StringIO((tmp_path / "o" / "model.csv").read_text())))) == 6
-    assert "prefill_B2_T16" in table.getvalue() and len(log.getvalue().splitlines()) == 6
+    assert doc["header"]["gpu"] == "none (cpu)" and doc["header"]["commit"] and len(doc["rows"]) == 7
+    assert len(list(csv.DictReader(io.StringIO((tmp_path / "o" / "model.csv").read_text())))) == 7
+    assert "prefill_B2_T16" in table.getvalue() and len(log.getvalue().splitlines()) == 7

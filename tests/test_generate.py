@@ -69,12 +69,14 @@ def test_greedy_on_the_triton_decode_kernel():
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not CUDA,
                     reason="needs TRITON_INTERPRET=1 (CPU) or a CUDA GPU")
-def test_the_compiled_static_step_updates_the_state_in_place_and_matches_the_eager_step(monkeypatch):
+@pytest.mark.parametrize("fuse_layers", [False, True], ids=["decode-op", "layer-step-op"])
+def test_the_compiled_static_step_updates_the_state_in_place_and_matches_the_eager_step(monkeypatch, fuse_layers):
     """compile_step: the input maps stacked, then torch.compile (inductor) of the whole step
-    with the Triton decode kernel as the in-place custom op: B3 in bucket 4 (a padding row),
-    three steps, logits and states as
-    the eager step's; the static state tensors are the ones the compiled step wrote (no copy
-    left behind by functionalization). On the CPU inductor compiles C++ (~40 s here)."""
+    with the Triton decode kernel as the in-place custom op (``fuse_layers``: each layer's step
+    as the fused layer-step op, which shifts the convolution tails in place too): B3 in bucket
+    4 (a padding row), three steps, logits, states and tails as the eager step's; the static
+    state and tail tensors are the ones the compiled step wrote (no copy left behind by
+    functionalization). On the CPU inductor compiles C++ (~40 s here)."""
     device = "cuda" if CUDA else "cpu"
     # on the GPU the bucket's 4-row matmuls and inductor's fused reductions may round unlike the
     # eager 3-row step: the uncompiled bucket test's bound there. (Its H200 failures on 2026-12-02
@@ -86,9 +88,12 @@ def test_the_compiled_static_step_updates_the_state_in_place_and_matches_the_eag
     prompt = torch.randint(0, VOCAB, (3, 4), generator=torch.Generator().manual_seed(5)).to(device)
     with torch.no_grad():
         logits, cache = lm(prompt, backend="triton")
-        step = StaticStep(lm, 4, "triton", capture=CUDA, compiled=True, fuse_projections=True)  # as generate
+        step = StaticStep(lm, 4, "triton", capture=CUDA, compiled=True, fuse_projections=True,
+                          fuse_layers=fuse_layers)  # as generate
+        assert sum(f.step is not None for f in step.fused) == (2 if fuse_layers else 0)
         step.load(cache, 3)
         states = [c["state"] for c in step.cache]
+        tails = [c["conv"][0] for c in step.cache]
         tok = logits[:, -1].argmax(-1)
         for i in range(3):
             want, cache = lm.step(tok, cache, backend="triton")
@@ -96,8 +101,10 @@ def test_the_compiled_static_step_updates_the_state_in_place_and_matches_the_eag
             assert torch.allclose(got, want, rtol=tol, atol=tol), (i, float((got - want).abs().max()))
             for static, c in zip(step.cache, cache):
                 assert torch.allclose(static["state"][:3], c["state"], rtol=tol, atol=tol / 10), i
+                assert torch.allclose(static["conv"][0][:3], c["conv"][0], rtol=tol, atol=tol), i
             tok = want.argmax(-1)
     assert all(c["state"] is s for c, s in zip(step.cache, states))
+    assert all(c["conv"][0] is t for c, t in zip(step.cache, tails))
 
 
 FEATURE_SETS = {

@@ -73,6 +73,7 @@ SEED = 0
 RT_BACKEND = "triton"  # ours, never a silent fall back to the reference
 IMPL_RT_FUSED = "rtcompile+stacked"  # decode: each layer's input maps as one product (StaticStep(fuse_projections))
 IMPL_RT_COMPILED = "rtcompile+compile"  # decode: maps stacked, then the step fused by torch.compile before capture
+IMPL_RT_LAYERS = "rtcompile+layers"  # decode: compiled, each eligible layer's step one kernel (StaticStep(fuse_layers))
 
 MODEL_METHOD = (
     "Model: RunningTensorLM(spec, vocab {vocab}, MLP on), weights initialised after "
@@ -99,7 +100,10 @@ MODEL_METHOD = (
     "same with each layer's five input maps computed as one matrix product on their stacked weights. "
     "rtcompile+compile (decode, CUDA only): stacked, and the step fused by torch.compile(fullgraph=True) with "
     "generate.STEP_INDUCTOR_OPTIONS (inductor's combo kernels) before capture (generate(compile_step=True)); "
-    "its compile is part of the warm-up, never timed."
+    "its compile is part of the warm-up, never timed. rtcompile+layers (decode, CUDA only): compiled as "
+    "rtcompile+compile, with each layer whose decode config covers a head's value row running its step "
+    "between the matrix products as one kernel (StaticStep(fuse_layers=True), kernels/layer_step.py; "
+    "the other layers as rtcompile+compile)."
 ).format(vocab=VOCAB, seed=SEED, backend=RT_BACKEND, fla_k=FLA_MAX_K, warmup=WARMUP_PASSES,
          graph_ms=GRAPH_BELOW_S * 1e3, prompt=DECODE_PROMPT_T)
 
@@ -126,7 +130,7 @@ def model_cases(spec: ModelSpec, quick: bool = False, only: Sequence[str] = ()) 
     shape = {"key_widths": tuple(spec.key_widths), "H": spec.heads, "V": spec.value_width,
              "dtype": spec.input_dtype, "impls": impls}
     cases = [Case(f"prefill_B{B}_T{T}", "prefill", B=B, T=T, **shape) for B in PREFILL_BATCHES]
-    decode_impls = (IMPL_RT, IMPL_RT_FUSED, IMPL_RT_COMPILED, *impls[1:])
+    decode_impls = (IMPL_RT, IMPL_RT_FUSED, IMPL_RT_COMPILED, IMPL_RT_LAYERS, *impls[1:])
     cases += [Case(f"decode_B{B}", "decode", B=B, T=1, **{**shape, "impls": decode_impls})
               for B in (QUICK_DECODE_BATCHES if quick else DECODE_BATCHES)]
     return [c for c in cases if not only or any(s in c.name for s in only)]
@@ -220,7 +224,7 @@ def measure_model_decode(lm: MixerLM, case: Case, impl: str, ctx: BenchContext) 
     prefilled prompt's cache: warm-up steps, then CUDA events around each step."""
     if impl == IMPL_FLA and (why := fla_refusal(case)):
         return Outcome(note=why)
-    compiled = impl == IMPL_RT_COMPILED
+    compiled = impl in (IMPL_RT_COMPILED, IMPL_RT_LAYERS)
     if compiled and not ctx.is_cuda:
         return Outcome(note="compiled step: measured on CUDA only (an inductor compile per bucket)")
     _use(lm, impl)
@@ -228,7 +232,8 @@ def measure_model_decode(lm: MixerLM, case: Case, impl: str, ctx: BenchContext) 
         logits, cache = lm(_prompt(lm, case, DECODE_PROMPT_T, ctx.device), backend=RT_BACKEND)
         bucket = bucket_of(case.B)
         step = StaticStep(lm, bucket, RT_BACKEND, capture=ctx.is_cuda, compiled=compiled,
-                          fuse_projections=impl in (IMPL_RT_FUSED, IMPL_RT_COMPILED))
+                          fuse_projections=impl in (IMPL_RT_FUSED, IMPL_RT_COMPILED, IMPL_RT_LAYERS),
+                          fuse_layers=impl == IMPL_RT_LAYERS)
         step.load(cache, case.B)
         del cache
         tok = logits[:, -1].argmax(-1)

@@ -7,6 +7,8 @@ runs), returns (o, final_state); the final state is a 0-element tensor when not 
 (custom ops cannot return None). The fake implementation and the autograd registration do not
 depend on the mode (both forms compute the same function).
 ``rtcompile::running_tensor_decode_``: one decode step, mutates ``state_cache`` in place.
+``rtcompile::running_tensor_layer_step_``: a dense layer's decode step around it in one kernel
+(``layer_step.py``), mutates the convolution tail and ``state_cache`` in place.
 The kernel config travels as its JSON text (an op argument must be a plain type).
 
 Autograd: ``rtcompile::running_tensor_fwd``'s backward is a second custom op,
@@ -146,6 +148,33 @@ def running_tensor_decode_op(
 @running_tensor_decode_op.register_fake
 def _(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, variant):
     return v.new_empty(v.shape)  # contiguous, as the real op's (see the forward's fake)
+
+
+@torch.library.custom_op("rtcompile::running_tensor_layer_step_", mutates_args=("tail", "state_cache"))
+def running_tensor_layer_step_op(
+    pre: torch.Tensor,
+    tail: torch.Tensor | None,
+    conv_weight: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    state_cache: torch.Tensor,
+    state_indices: torch.Tensor,
+    layout: list[int],
+    scale: float,
+    l2norm: bool,
+    variant: str,
+) -> torch.Tensor:
+    """A dense layer's fused decode step (``layer_step.launch``): ``tail`` and ``state_cache``
+    updated in place, the normed and gated mixer output [N, H d_v] returned. ``layout``:
+    ``StepLayout.to_list``; ``variant``: an eligible decode config's JSON (the caller decides)."""
+    from . import layer_step
+
+    return layer_step.launch(variant_from_json(variant), layer_step.StepLayout.from_list(layout), pre, tail,
+                             conv_weight, norm_weight, state_cache, state_indices, scale=scale, l2norm=l2norm)
+
+
+@running_tensor_layer_step_op.register_fake
+def _(pre, tail, conv_weight, norm_weight, state_cache, state_indices, layout, scale, l2norm, variant):
+    return pre.new_empty((pre.shape[0], layout[0] * layout[6]))
 
 
 def _placeholder(x: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

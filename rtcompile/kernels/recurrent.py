@@ -212,7 +212,7 @@ def _sequence(i_n, cu_seqlens, state_indices, T):
 
 
 @triton.jit
-def _slab(slot, i_h, o_v, m_sv, H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
+def state_slab(slot, i_h, o_v, m_sv, H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
           D3: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, OUTER: tl.constexpr):
     """Offsets and mask of a resident state slab ([K, BV], or [D1, (D2, (D3,)) BV] with OUTER)."""
     K: tl.constexpr = D1 * D2 * D3
@@ -228,7 +228,7 @@ def _slab(slot, i_h, o_v, m_sv, H: tl.constexpr, NF: tl.constexpr, D1: tl.conste
 
 
 @triton.jit
-def _slot_mask(slot, m_v, num_slots, BV: tl.constexpr):
+def slot_mask(slot, m_v, num_slots, BV: tl.constexpr):
     """Value columns of a slot that are read and written: not padding (< 0), not past the
     cache's rows (unchecked indices, validate=False). A vector compare: the interpreter rejects
     masks built from scalar compares."""
@@ -255,15 +255,17 @@ def _token_inputs(q1, q2, q3, k1, k2, k3, v, g, r, o_v, m_v, NF: tl.constexpr, D
 
 
 @triton.jit
-def _resident_tokens(b_s, q1, q2, q3, k1, k2, k3, v, g, beta, o, r0, T_n, o_v, m_v, scale,
+def resident_tokens(b_s, q1, q2, q3, k1, k2, k3, v, g, beta, o, r0, T_n, o_v, m_v, scale,
                      H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
                      BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, V: tl.constexpr,
-                     BK: tl.constexpr, L2NORM: tl.constexpr, OUTER: tl.constexpr):
-    """One sequence-head's tokens (row ``r0`` on) on its resident slab: each output stored, the
-    slab after the last token returned."""
+                     BK: tl.constexpr, L2NORM: tl.constexpr, OUTER: tl.constexpr, STORE_O: tl.constexpr = True):
+    """One sequence-head's tokens (row ``r0`` on) on its resident slab: each output stored (unless
+    not STORE_O: the fused layer step normalises the last one first), the slab after the last
+    token and the last token's output (fp32) returned."""
     K: tl.constexpr = D1 * D2 * D3
     o_k = tl.arange(0, BK)
     m_k = o_k < K
+    b_o = o_v * 0.0
     for t in range(0, T_n):
         r = r0 + t * H
         b_v, b_a, r_q, r_k = _token_inputs(q1, q2, q3, k1, k2, k3, v, g, r, o_v, m_v, NF, D1, D2, D3, BD1, BD2, BD3,
@@ -288,8 +290,9 @@ def _resident_tokens(b_s, q1, q2, q3, k1, k2, k3, v, g, beta, o, r0, T_n, o_v, m
                 b_u = b_v
             b_s += b_k[:, None] * b_u[None, :]
             b_o = tl.sum(b_s * b_q[:, None], axis=0) * scale
-        tl.store(o + r * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-    return b_s
+        if STORE_O:
+            tl.store(o + r * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+    return b_s, b_o
 
 
 @triton.jit
@@ -313,12 +316,12 @@ def fused_recurrent_running_tensor_fwd_kernel(
     bos, T_n, i_b, slot = _sequence(i_n, cu_seqlens, state_indices, T)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    m_sv = _slot_mask(slot, m_v, num_slots, BV)
+    m_sv = slot_mask(slot, m_v, num_slots, BV)
     if NK == 1:
-        off_s, m_s = _slab(slot, i_h, o_v, m_sv, H, NF, D1, D2, D3, V, BK, OUTER)
+        off_s, m_s = state_slab(slot, i_h, o_v, m_sv, H, NF, D1, D2, D3, V, BK, OUTER)
         b_s = load_state_tile(h0, ht, off_s, m_s, True, USE_H0, STREAM_HINTS)
-        b_s = _resident_tokens(b_s, q1, q2, q3, k1, k2, k3, v, g, beta, o, (i_b * T + bos) * H + i_h, T_n,
-                               o_v, m_v, scale, H, NF, D1, D2, D3, BD1, BD2, BD3, V, BK, L2NORM, OUTER)
+        b_s, _ = resident_tokens(b_s, q1, q2, q3, k1, k2, k3, v, g, beta, o, (i_b * T + bos) * H + i_h, T_n,
+                                  o_v, m_v, scale, H, NF, D1, D2, D3, BD1, BD2, BD3, V, BK, L2NORM, OUTER)
         if ht is not None:
             if STREAM_HINTS:
                 tl.store(ht + off_s, b_s.to(ht.dtype.element_ty), mask=m_s, cache_modifier=".cs")

@@ -1,0 +1,225 @@
+"""A dense layer's whole decode step around the state update, in one kernel.
+
+The serving step of a layer with the dense projection (``RunningTensorLayer``) launches, besides
+its matrix products, the decode kernel and the pointwise work on either side of it: the short
+convolution's weighted sum over the carried tail and the tail's shift, SiLU, the query-skip
+blend, log-sigmoid of the forget gate, sigmoid of beta (inductor fuses those into two or three
+kernels), and after it the RMS norm and the SiLU output gate (one more). At B256 on the H200
+those took 16.6 of the compiled example model's 237 us step (``profile_decode.py``, 0bdb947),
+each a latency-bound launch on ~1 MB. Here one program per (sequence, head) does all of it:
+
+1. the state slab's load is issued first (it is what the step waits on: 64 KiB at K 256);
+2. the head's channels of the stacked projection ``pre`` (q factors, k factors, v) are read with
+   their tail window, convolved, passed through SiLU and the skip blend, and written, with the
+   gates, to a small fp32 workspace laid out as the decode kernel's inputs ([N H, d_i] per factor,
+   [N H, d_v], g and beta [N H]);
+3. a barrier (the same CTA reads what its other threads wrote), then the tail is shifted in place
+   and the decode kernel's own token body (``recurrent.resident_tokens``) runs on the workspace;
+4. the output is normalised and gated before it is stored, when the layer has the output gate.
+
+So the slab must be resident and one program must hold a head's whole value row (the norm is over
+d_v, and the tail's q / k channels are shared by the head's value tiles): :func:`eligible`. A
+config that is not runs the unfused step. The decode config is the decode kernel's own
+(``launch.resolve_config`` of the same problem: the tuned table, else the default with its batch
+rule), so a tuned decode table serves both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from . import args
+from .args import width_args
+from .blocks import load_state_tile
+from .config import KernelShape, next_pow2
+from .inputs import Problem
+from .launch_cache import cached
+from .recurrent import RecurrentConfig, resident_tokens, state_slab, slot_mask
+
+ABSENT = -1  # a layout column of a map the layer does not have
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLayout:
+    """Where a dense layer's inputs sit in its stacked projection ``pre`` [N, columns]: the
+    projection's channels first (q factors, k factors, v: each H x width, heads outermost, as
+    ``RunningTensorLayer.widths``), then the forget, beta, skip and gate columns where the layer
+    has them (``ABSENT`` where not). ``conv_width`` 0: no short convolution (and no SiLU)."""
+
+    heads: int
+    key_widths: tuple[int, ...]
+    value_width: int
+    conv_width: int
+    forget_col: int
+    beta_col: int
+    skip_col: int
+    gate_col: int
+
+    @property
+    def channels(self) -> int:
+        """The projection's channels (the convolution tail's last dimension)."""
+        return self.heads * (2 * sum(self.key_widths) + self.value_width)
+
+    def to_list(self) -> list[int]:
+        """As a custom op's int list: heads, conv width, the four columns, d_v, then the widths."""
+        return [self.heads, self.conv_width, self.forget_col, self.beta_col, self.skip_col, self.gate_col,
+                self.value_width, *self.key_widths]
+
+    @classmethod
+    def from_list(cls, xs: list[int]) -> "StepLayout":
+        return cls(xs[0], tuple(xs[7:]), xs[6], xs[1], xs[2], xs[3], xs[4], xs[5])
+
+    def kernel_shape(self) -> KernelShape:
+        return KernelShape(self.key_widths, self.value_width)
+
+
+def eligible(config: RecurrentConfig, layout: StepLayout) -> bool:
+    """Can ``config`` run the fused step? Its slab resident (block_k covers K) and its value tile
+    covering d_v (one program a head: the norm and the shared tail channels need that)."""
+    return (config.block_k >= math.prod(layout.key_widths) and config.block_v >= layout.value_width
+            and config.check(layout.kernel_shape()) is None)
+
+
+def problem(layout: StepLayout, batch: int, scale: float | None, dtype: torch.dtype, device) -> Problem:
+    """The decode kernel's problem for ``batch`` sequences of this layout (T = 1)."""
+    scale = math.prod(layout.key_widths) ** -0.5 if scale is None else scale
+    return Problem(batch, 1, layout.heads, tuple(layout.key_widths), layout.value_width, batch, None, scale, dtype,
+                   torch.device(device))
+
+
+@triton.jit
+def _stream_columns(o_j, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+                    SQ: tl.constexpr, V: tl.constexpr):
+    """For a head's channel ``o_j`` (its q factors, k factors, then v, back to back; ``SQ`` the
+    q factors' total width): the start of its stream within the head's channels and the stream's
+    width. The channel's column in the projection is then H start + i_h width + (o_j - start)."""
+    in_k = o_j >= SQ
+    jj = tl.where(in_k, o_j - SQ, o_j)
+    b_start = tl.zeros_like(o_j)
+    b_width = tl.zeros_like(o_j) + D1
+    if NF > 1:
+        b_start = tl.where(jj >= D1, D1, b_start)
+        b_width = tl.where(jj >= D1, D2, b_width)
+    if NF > 2:
+        b_start = tl.where(jj >= D1 + D2, D1 + D2, b_start)
+        b_width = tl.where(jj >= D1 + D2, D3, b_width)
+    b_start = tl.where(in_k, b_start + SQ, b_start)
+    in_v = o_j >= 2 * SQ
+    b_start = tl.where(in_v, 2 * SQ, b_start)
+    b_width = tl.where(in_v, V, b_width)
+    return b_start, b_width
+
+
+@triton.jit
+def fused_layer_decode_step_kernel(
+    pre, tail, conv_w, norm_w, work, g, beta, y, state, state_indices,
+    scale, num_slots, stride_pre, N,
+    H: tl.constexpr, NF: tl.constexpr,
+    D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+    BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr,
+    SQ: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr,
+    CW: tl.constexpr, BW: tl.constexpr,
+    FORGET_COL: tl.constexpr, BETA_COL: tl.constexpr, SKIP_COL: tl.constexpr, GATE_COL: tl.constexpr,
+    L2NORM: tl.constexpr, OUTER: tl.constexpr, STREAM_HINTS: tl.constexpr,
+):
+    # None inputs are constexpr flags: no conv_w (no convolution, no SiLU, no tail), no g (no
+    # forget gate), no beta (no delta rule), no norm_w (no output norm and gate).
+    i_nh = tl.program_id(0)
+    i_n, i_h = i_nh // H, i_nh % H
+    r = i_nh.to(tl.int64)  # the token-head row of the workspace (T = 1)
+    slot = tl.load(state_indices + i_n).to(tl.int64)
+    o_v = tl.arange(0, BV)
+    m_v = o_v < V
+    m_sv = slot_mask(slot, m_v, num_slots, BV)
+    # 1. the slab first: the rest of the step hides under its load
+    off_s, m_s = state_slab(slot, i_h, o_v, m_sv, H, NF, D1, D2, D3, V, BK, OUTER)
+    b_s = load_state_tile(state, state, off_s, m_s, True, True, STREAM_HINTS)
+
+    # 2. the head's channels: window [BW taps, BJ channels], the last tap this token's input
+    p_pre = pre + i_n.to(tl.int64) * stride_pre
+    o_j = tl.arange(0, BJ)
+    b_start, b_width = _stream_columns(o_j, NF, D1, D2, D3, SQ, V)
+    m_j = o_j < 2 * SQ + V
+    col = H * b_start + i_h * b_width + (o_j - b_start)
+    b_x = tl.load(p_pre + col, mask=m_j, other=0.0).to(tl.float32)
+    CH: tl.constexpr = H * (2 * SQ + V)
+    if conv_w is not None:
+        o_t = tl.arange(0, BW)
+        p_tail = tail + i_n.to(tl.int64) * ((CW - 1) * CH) + o_t[:, None] * CH + col[None, :]
+        m_tail = (o_t < CW - 1)[:, None] & m_j[None, :]
+        b_win = tl.load(p_tail, mask=m_tail, other=0.0)
+        b_win = tl.where((o_t == CW - 1)[:, None], b_x[None, :].to(b_win.dtype), b_win)
+        b_cw = tl.load(conv_w + col[None, :] * CW + o_t[:, None], mask=(o_t < CW)[:, None] & m_j[None, :], other=0.0)
+        b_x = tl.sum(b_win.to(tl.float32) * b_cw.to(tl.float32), axis=0)
+        b_x = b_x * tl.sigmoid(b_x)
+    if SKIP_COL >= 0:  # q_i <- s_i q_i + (1 - s_i), s_i = sigmoid(skip) of the channel's factor
+        in_q = o_j < SQ
+        factor = (b_start >= D1).to(tl.int32) + (b_start >= D1 + D2).to(tl.int32)
+        b_sk = tl.sigmoid(tl.load(p_pre + SKIP_COL + i_h * NF + factor, mask=in_q & m_j, other=0.0).to(tl.float32))
+        b_x = tl.where(in_q, b_sk * b_x + (1.0 - b_sk), b_x)
+    # the workspace: stream s of width d at N H start + r d (fp32: no rounding before the update)
+    tl.store(work + N * H * b_start + r * b_width + (o_j - b_start), b_x, mask=m_j)
+    if g is not None:  # log-sigmoid, as min(x, 0) - log(1 + exp(-|x|)): no overflow either side
+        b_f = tl.load(p_pre + FORGET_COL + i_h + tl.arange(0, 1)).to(tl.float32)
+        tl.store(g + r + tl.arange(0, 1), tl.minimum(b_f, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(b_f))))
+    if beta is not None:
+        b_b = tl.load(p_pre + BETA_COL + i_h + tl.arange(0, 1)).to(tl.float32)
+        tl.store(beta + r + tl.arange(0, 1), tl.sigmoid(b_b))
+    # 3. every thread's workspace and window reads done before the tail moves or the body reads
+    tl.debug_barrier()
+    if conv_w is not None:  # tap t <- tap t + 1, the last tap <- this token's input
+        tl.store(p_tail - CH, b_win, mask=(o_t >= 1)[:, None] & (o_t < CW)[:, None] & m_j[None, :])
+    p_q1 = work
+    p_q2 = work + N * H * D1
+    p_q3 = work + N * H * (D1 + D2)
+    p_k1 = work + N * H * SQ
+    p_k2 = work + N * H * (SQ + D1)
+    p_k3 = work + N * H * (SQ + D1 + D2)
+    p_v = work + N * H * 2 * SQ
+    b_s, b_o = resident_tokens(b_s, p_q1, p_q2, p_q3, p_k1, p_k2, p_k3, p_v, g, beta, y, r, 1, o_v, m_v, scale,
+                                H, NF, D1, D2, D3, BD1, BD2, BD3, V, BK, L2NORM, OUTER, norm_w is None)
+    if STREAM_HINTS:
+        tl.store(state + off_s, b_s.to(state.dtype.element_ty), mask=m_s, cache_modifier=".cs")
+    else:
+        tl.store(state + off_s, b_s.to(state.dtype.element_ty), mask=m_s)
+    # 4. RMS norm over d_v, its weight, then the SiLU gate (RunningTensorLayer.mixer_output)
+    if norm_w is not None:
+        b_ms = tl.sum(tl.where(m_v, b_o * b_o, 0.0), axis=0) / V
+        b_y = b_o * tl.rsqrt(b_ms + 1e-6) * tl.load(norm_w + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_gt = tl.load(p_pre + GATE_COL + i_h * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_y = b_y * (b_gt * tl.sigmoid(b_gt))
+        tl.store(y + r * V + o_v, b_y.to(y.dtype.element_ty), mask=m_v)
+
+
+def launch(config: RecurrentConfig, layout: StepLayout, pre: torch.Tensor, tail: torch.Tensor | None,
+           conv_weight: torch.Tensor | None, norm_weight: torch.Tensor | None, state: torch.Tensor,
+           state_indices: torch.Tensor, *, scale: float, l2norm: bool) -> torch.Tensor:
+    """One decode step of a dense layer: ``pre`` [N, columns] (the stacked projection's output,
+    its rows contiguous), ``tail`` [N, w - 1, channels] and ``state`` [slots, H, d_1, ..., d_v]
+    updated in place; returns the mixer's output after the norm and gate, [N, H d_v] in
+    ``pre``'s dtype. Inputs are as ``ops.running_tensor_layer_step_`` checks them; ``config``
+    passes :func:`eligible`."""
+    N, H = pre.shape[0], layout.heads
+    widths = layout.key_widths
+    per_head = 2 * sum(widths) + layout.value_width
+    work = args.empty(N * H * per_head, dtype=torch.float32, device=pre.device)
+    g = args.empty(N * H, dtype=torch.float32, device=pre.device) if layout.forget_col != ABSENT else None
+    beta = args.empty(N * H, dtype=torch.float32, device=pre.device) if layout.beta_col != ABSENT else None
+    y = args.empty(N, H * layout.value_width, dtype=pre.dtype, device=pre.device)
+    conv = layout.conv_width > 0
+    cached(fused_layer_decode_step_kernel)[(N * H,)](
+        pre, tail if conv else None, conv_weight if conv else None,
+        norm_weight if layout.gate_col != ABSENT else None, work, g, beta, y, state, state_indices,
+        scale, state.shape[0], pre.stride(0), N,
+        H=H, NF=len(widths), **width_args(widths, 1), SQ=sum(widths), V=layout.value_width, BK=config.block_k,
+        BV=config.block_v, BJ=next_pow2(per_head), CW=max(layout.conv_width, 1),
+        BW=next_pow2(max(layout.conv_width, 1)), FORGET_COL=layout.forget_col, BETA_COL=layout.beta_col,
+        SKIP_COL=layout.skip_col, GATE_COL=layout.gate_col, L2NORM=bool(l2norm), OUTER=config.outer_phi,
+        STREAM_HINTS=config.stream_hints, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return y

@@ -1,0 +1,138 @@
+"""The fused layer step (kernels/layer_step.py): a dense layer's decode step from its stacked
+projection to the gated mixer output in one kernel, against the same layer's unfused step in
+float64 on the reference; slots, padding and the configs that may not run it."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from rtcompile.kernels import args
+from rtcompile.kernels.layer_step import StepLayout, eligible
+from rtcompile.kernels.ops import running_tensor_layer_step_op, variant_to_json
+from rtcompile.kernels.recurrent import RecurrentConfig
+from rtcompile.model import RunningTensorLayer
+from rtcompile.serving_step import fused_step_plan, step_layout
+from rtcompile.spec import Features, ModelSpec
+
+CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+DEVICE = "cuda" if CUDA else "cpu"
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not CUDA,
+                                reason="needs TRITON_INTERPRET=1 (CPU) or a CUDA GPU")
+
+FEATURES = {
+    "all": Features(query_skip=True),
+    "conv2-no-l2norm": Features(short_conv=2, l2norm=False, query_skip=True),
+    "no-gates": Features(forget_gate=False, delta_rule=False, output_gate=False),
+    "no-conv": Features(short_conv=0, query_skip=True),
+}
+WIDTHS = {"o2-5": (5,), "o3-3x4": (3, 4), "o4-2x3x2": (2, 3, 2)}
+TOL = {torch.float32: 2e-4, torch.bfloat16: 3e-2}
+
+
+def _layer(widths, features, dtype, value_width=6, heads=2, seed=0):
+    torch.manual_seed(seed)
+    spec = ModelSpec(order=len(widths) + 1, key_widths=widths, value_width=value_width, heads=heads, model_width=12,
+                     layers=1, features=features)
+    layer = RunningTensorLayer(spec).to(DEVICE).eval()
+    with torch.no_grad():  # a norm weight and biases away from their initial values: a wrong one shows
+        if hasattr(layer, "norm_weight"):
+            layer.norm_weight.uniform_(0.5, 1.5)
+    return layer.to(dtype)
+
+
+def _cache(layer, B, dtype, state_dtype=torch.float32, slots=None, seed=1):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    spec = layer.spec
+    state = 0.3 * torch.randn(slots or B, spec.heads, *spec.key_widths, spec.value_width, generator=g, device=DEVICE)
+    w = spec.features.short_conv
+    tails = [torch.randn(B, w - 1, sum(layer.widths), generator=g, device=DEVICE).to(dtype)] if w else None
+    return {"state": state.to(state_dtype), "conv": tails}
+
+
+def _reference(layer, x, cache):
+    """The unfused step on the reference backend in float64: (y, state, tails)."""
+    ref = copy.deepcopy(layer).double()
+    c = {"state": cache["state"].double().clone(), "conv": [t.double().clone() for t in cache["conv"] or []] or None}
+    with torch.no_grad():
+        y, c = ref(x.double(), c, backend="reference", update_cache=True)
+    return y, c["state"], c["conv"]
+
+
+def _close(got, want, tol, what):
+    err = float((got.double() - want).abs().max().detach())
+    scale = float(want.abs().max().detach()) or 1.0
+    assert err <= tol * max(scale, 1.0), f"{what}: max error {err:.3g} (largest {scale:.3g}, tol {tol})"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("widths", list(WIDTHS.values()), ids=list(WIDTHS))
+@pytest.mark.parametrize("features", list(FEATURES.values()), ids=list(FEATURES))
+def test_the_fused_step_matches_the_unfused_step_in_float64(features, widths, dtype):
+    B = 3
+    layer = _layer(widths, features, dtype)
+    cache = _cache(layer, B, dtype)
+    x = torch.randn(B, 1, 12, device=DEVICE).to(dtype)
+    want_y, want_state, want_tails = _reference(layer, x, cache)
+    plan = fused_step_plan(layer, B, "triton", torch.float32)
+    assert plan is not None, "the default decode config of these shapes covers a head's values"
+    fused = layer.input_projection()._replace(step=plan)
+    state, tails = cache["state"], cache["conv"]
+    tails_before = [t.clone() for t in tails or []]
+    with torch.no_grad(), args.poisoned():  # NaN-filled outputs and workspaces: every element is written
+        y, new = layer(x, cache, backend="triton", update_cache=True, fused=fused)
+    assert new["state"] is state and (tails is None or new["conv"][0] is tails[0]), "updated in place"
+    tol = TOL[dtype]
+    _close(y, want_y, tol, "y")
+    _close(state, want_state, tol, "state")  # (bf16: the stacked product is rounded to bf16)
+    for got, old, want in zip(tails or [], tails_before, want_tails or []):
+        assert torch.equal(got[:, :-1], old[:, 1:]), "the kept taps move exactly"
+        _close(got[:, -1], want[:, -1], tol, "the tail's new tap")  # the projection, rounded to dtype
+
+
+def test_slots_follow_the_indices_and_padding_is_left_alone():
+    """state_indices [3, -1, 0] into a 5-slot cache: rows 0 and 2 update slots 3 and 0 as the
+    unfused step would; the padding row's slot and the unused slots keep their bits; every
+    row's tail shifts (a tail belongs to the batch row, not the slot)."""
+    layer = _layer((3, 4), FEATURES["all"], torch.float32)
+    B = 3
+    cache = _cache(layer, B, torch.float32, slots=5)
+    state, tail = cache["state"], cache["conv"][0]
+    before, tail_before = state.clone(), tail.clone()
+    x = torch.randn(B, 1, 12, device=DEVICE)
+    index = torch.tensor([3, -1, 0], dtype=torch.int64, device=DEVICE)
+    plan = fused_step_plan(layer, B, "triton", torch.float32)
+    stacked = layer.input_projection()
+    pre = torch.nn.functional.linear(x[:, 0], stacked.weight, stacked.bias)
+    with torch.no_grad(), args.poisoned():
+        o = running_tensor_layer_step_op(pre, tail, layer.conv.weight, layer.norm_weight, state, index,
+                                         list(plan.layout), layer.spec.effective_scale, True, plan.variant)
+    rows = [0, 2]
+    want_y, want_state, _ = _reference(layer, x[rows], {"state": before[[3, 0]], "conv": [tail_before[rows]]})
+    got_y = torch.nn.functional.linear(o[rows].double(), layer.out.weight.double())
+    _close(got_y, want_y[:, 0], TOL[torch.float32], "y")
+    _close(state[[3, 0]], want_state, TOL[torch.float32], "state")
+    for s in (1, 2, 4):
+        assert torch.equal(state[s], before[s]), f"slot {s} was written"
+    assert torch.equal(tail[:, :-1], tail_before[:, 1:])
+    assert torch.equal(tail[:, -1], pre[:, :sum(layer.widths)])
+
+
+def test_configs_and_layers_that_cannot_run_fused():
+    layout = StepLayout(2, (3, 4), 6, 4, 38, 40, 42, 46)
+    assert eligible(RecurrentConfig(block_k=16, block_v=8), layout)
+    assert not eligible(RecurrentConfig(block_k=16, block_v=4), layout), "a tile narrower than d_v"
+    assert not eligible(RecurrentConfig(block_k=8, block_v=8), layout), "a streamed slab"
+    assert StepLayout.from_list(layout.to_list()) == layout
+    dense = _layer((3, 4), FEATURES["all"], torch.float32)
+    assert fused_step_plan(dense, 3, "reference", torch.float32) is None
+    assert fused_step_plan(dense, 3, "triton", torch.float64) is None
+    assert fused_step_plan(copy.deepcopy(dense).double(), 3, "auto", torch.float64) is None
+    conconlyc = _layer((3, 4), Features(projection="conconlyc", short_conv=3), torch.float32)
+    assert step_layout(conconlyc) is None and fused_step_plan(conconlyc, 3, "triton", torch.float32) is None
+    # the layout names the stacked product's columns: proj (2 x 2 x 7 + 2 x 6 = 40), forget, beta, skip, gate
+    assert step_layout(dense) == StepLayout(2, (3, 4), 6, 4, 40, 42, 44, 48)
+    assert variant_to_json(RecurrentConfig(block_k=16, block_v=8)).startswith('{"form": "recurrent"')
