@@ -43,10 +43,12 @@ class FusedStep(NamedTuple):
 
 def fused_step_plan(layer, batch: int, backend: str, state_dtype: torch.dtype) -> FusedStep | None:
     """``layer``'s step over ``batch`` sequences through the fused kernel when its decode config
-    can run it (:func:`~rtcompile.kernels.layer_step.eligible`; the config the unfused step's
-    decode kernel would take: the tuned table's, else the default with its batch rule), else
-    None: no dense projection, the reference backend, float64, or a tile that does not cover
-    the head."""
+    can run it (:func:`~rtcompile.kernels.layer_step.eligible`): the config the unfused step's
+    decode kernel would take (the tuned table's, else the default with its batch rule), its
+    value tile widened to d_v where narrower (``forms.covering_tile``). None: no dense
+    projection, the reference backend, float64, or no such tile passes its check (a streamed
+    slab, K > 1024 at d_v 64)."""
+    from .kernels.forms import covering_tile
     from .kernels.launch import resolve_config
     from .kernels.ops import variant_to_json
 
@@ -58,6 +60,10 @@ def fused_step_plan(layer, batch: int, backend: str, state_dtype: torch.dtype) -
     if resolve_backend(backend, probe, layer.spec.order, False, state_dtype=state_dtype) != "triton":
         return None
     config = resolve_config("recurrent", None, problem(layout, batch, layer.spec.scale, p.dtype, p.device), p.device)
+    # a tile narrower than d_v widened: at B32 and B1 (K 256: [256, 32] tiles) the wide tile's
+    # decode kernel is slower alone (H100: 0.94 of a copy against 1.00 at B32), but the fused
+    # step saves the three pointwise kernels around it
+    config = covering_tile(config, layout.kernel_shape())
     if not eligible(config, layout):
         return None
     return FusedStep(config, variant_to_json(config), tuple(layout.to_list()))

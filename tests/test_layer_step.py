@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from rtcompile.kernels import args
+from rtcompile.kernels.config import KernelShape
+from rtcompile.kernels.forms import covering_tile
 from rtcompile.kernels.layer_step import StepLayout, eligible
 from rtcompile.kernels.ops import running_tensor_layer_step_op, variant_to_json
 from rtcompile.kernels.recurrent import RecurrentConfig
@@ -119,6 +121,28 @@ def test_slots_follow_the_indices_and_padding_is_left_alone():
         assert torch.equal(state[s], before[s]), f"slot {s} was written"
     assert torch.equal(tail[:, :-1], tail_before[:, 1:])
     assert torch.equal(tail[:, -1], pre[:, :sum(layer.widths)])
+
+
+def test_a_tile_narrower_than_the_head_is_widened_and_runs():
+    """K 256 d_v 64 at B2: the decode default's [256, 32] tile becomes [256, 64] for the fused
+    step (one program a head), with the warps the defaults give that tile; it matches float64."""
+    shape = KernelShape((16, 16), 64)
+    narrow = RecurrentConfig(block_k=256, block_v=32, num_warps=4, stream_hints=True)
+    assert covering_tile(narrow, shape) == RecurrentConfig(block_k=256, block_v=64, num_warps=8, stream_hints=True)
+    streamed = RecurrentConfig(block_k=128, block_v=32)
+    assert covering_tile(streamed, shape) is streamed, "a streamed slab is not widened"
+    assert covering_tile(covering_tile(narrow, shape), shape) == covering_tile(narrow, shape)
+    layer = _layer((16, 16), FEATURES["all"], torch.float32, value_width=64, heads=1)
+    B = 2
+    plan = fused_step_plan(layer, B, "triton", torch.float32)
+    assert plan is not None and plan.config.block_v == 64
+    cache = _cache(layer, B, torch.float32)
+    x = torch.randn(B, 1, 12, device=DEVICE)
+    want_y, want_state, _ = _reference(layer, x, cache)
+    with torch.no_grad(), args.poisoned():
+        y, _ = layer(x, cache, backend="triton", update_cache=True, fused=layer.input_projection()._replace(step=plan))
+    _close(y, want_y, TOL[torch.float32], "y")
+    _close(cache["state"], want_state, TOL[torch.float32], "state")
 
 
 def test_configs_and_layers_that_cannot_run_fused():

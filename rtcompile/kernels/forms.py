@@ -334,6 +334,18 @@ def decode_tile(config: RecurrentConfig, shape: KernelShape, decode_rows: int) -
     return wide if wide.check(shape) is None else config
 
 
+def covering_tile(config: RecurrentConfig, shape: KernelShape) -> RecurrentConfig:
+    """``config`` with its value tile widened to cover d_v (warps as the defaults give that tile),
+    for a kernel that needs a head's whole value row in one program (the fused layer step's
+    norm); ``config`` itself where it covers d_v already, its slab is not resident, or the wide
+    tile fails its check. Invariant: the result passes its check whenever ``config`` does."""
+    bv = next_pow2(shape.value_width)
+    if config.block_v >= bv or config.block_k < next_pow2(shape.key_dim):
+        return config
+    wide = dataclasses.replace(config, block_v=bv, num_warps=_recurrent_warps(config.block_k, bv))
+    return wide if wide.check(shape) is None else config
+
+
 _TABLES = {"chunk": CHUNK_DEFAULTS, "recurrent": RECURRENT_DEFAULTS}
 
 
