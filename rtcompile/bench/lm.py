@@ -99,11 +99,12 @@ MODEL_METHOD = (
     "sampling not included), median of --repeats; tokens/s = B / step time. rtcompile+stacked (decode): the "
     "same with each layer's five input maps computed as one matrix product on their stacked weights. "
     "rtcompile+compile (decode, CUDA only): stacked, and the step fused by torch.compile(fullgraph=True) with "
-    "generate.STEP_INDUCTOR_OPTIONS (inductor's combo kernels) before capture (generate(compile_step=True)); "
+    "generate.STEP_INDUCTOR_OPTIONS (inductor's combo kernels) before capture (generate(compile_step=True) "
+    "without the fused layer step); "
     "its compile is part of the warm-up, never timed. rtcompile+layers (decode, CUDA only): compiled as "
     "rtcompile+compile, with each layer whose decode config covers a head's value row running its step "
     "between the matrix products as one kernel (StaticStep(fuse_layers=True), kernels/layer_step.py; "
-    "the other layers as rtcompile+compile)."
+    "the other layers as rtcompile+compile): what generate(compile_step=True) replays."
 ).format(vocab=VOCAB, seed=SEED, backend=RT_BACKEND, fla_k=FLA_MAX_K, warmup=WARMUP_PASSES,
          graph_ms=GRAPH_BELOW_S * 1e3, prompt=DECODE_PROMPT_T)
 

@@ -34,14 +34,18 @@ import triton
 import triton.language as tl
 
 from . import args
-from .args import width_args
 from .blocks import load_state_tile
 from .config import KernelShape, next_pow2
 from .inputs import Problem
 from .launch_cache import cached
-from .recurrent import RecurrentConfig, resident_tokens, state_slab, slot_mask
+from .recurrent import RecurrentConfig, slot_mask, state_slab, token_update
 
 ABSENT = -1  # a layout column of a map the layer does not have
+# Registers a thread may take (Triton's maxnreg) by warps, so that two programs share an SM's
+# 65536: at 8 warps ([256, 64] tiles) the gathered channels took the kernel to 139 registers, one
+# program an SM; capped at 128 it compiles without spills (probe, Triton 3.6, sm_90). At 16 warps
+# the cap (64) spills 88 bytes: not applied; at 4 warps two programs fit uncapped.
+TWO_PROGRAM_REGISTERS = {8: 128}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,10 +83,11 @@ class StepLayout:
 
 
 def eligible(config: RecurrentConfig, layout: StepLayout) -> bool:
-    """Can ``config`` run the fused step? Its slab resident (block_k covers K) and its value tile
-    covering d_v (one program a head: the norm and the shared tail channels need that)."""
+    """Can ``config`` run the fused step? Its slab resident (block_k covers K), as [K, block_v]
+    (not ``outer_phi``'s factored slab), and its value tile covering d_v (one program a head:
+    the norm and the shared tail channels need that)."""
     return (config.block_k >= math.prod(layout.key_widths) and config.block_v >= layout.value_width
-            and config.check(layout.kernel_shape()) is None)
+            and not config.outer_phi and config.check(layout.kernel_shape()) is None)
 
 
 def problem(layout: StepLayout, batch: int, scale: float | None, dtype: torch.dtype, device) -> Problem:
@@ -116,28 +121,52 @@ def _stream_columns(o_j, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D
 
 
 @triton.jit
+def _factor_gather(b_x, o_k, m_k, S: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
+                   D3: tl.constexpr):
+    """Raw phi over the key rows ``o_k`` from the factors held in the channel vector ``b_x`` at
+    channels S, S + D1, S + D1 + D2 (register gathers: phi is never stored)."""
+    b_phi = tl.gather(b_x, tl.where(m_k, S + o_k // (D2 * D3), 0), axis=0)
+    if NF > 1:
+        b_phi *= tl.gather(b_x, tl.where(m_k, S + D1 + (o_k // D3) % D2, 0), axis=0)
+    if NF > 2:
+        b_phi *= tl.gather(b_x, tl.where(m_k, S + D1 + D2 + o_k % D3, 0), axis=0)
+    return tl.where(m_k, b_phi, 0.0)
+
+
+@triton.jit
+def _inv_norm(b_x, b_start, S: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr):
+    """1 / ||phi|| of the factors at channels S, S + D1, S + D1 + D2 of ``b_x``: the product of the
+    factors' 1 / ||x_i|| (blocks.phi_inv_norm's, over channel segments)."""
+    b_sq = b_x * b_x
+    b_r = tl.rsqrt(tl.sum(tl.where(b_start == S, b_sq, 0.0), axis=0) + 1e-6)
+    if NF > 1:
+        b_r *= tl.rsqrt(tl.sum(tl.where(b_start == S + D1, b_sq, 0.0), axis=0) + 1e-6)
+    if NF > 2:
+        b_r *= tl.rsqrt(tl.sum(tl.where(b_start == S + D1 + D2, b_sq, 0.0), axis=0) + 1e-6)
+    return b_r
+
+
+@triton.jit
 def fused_layer_decode_step_kernel(
-    pre, tail, conv_w, norm_w, work, g, beta, y, state, state_indices,
-    scale, num_slots, stride_pre, N,
-    H: tl.constexpr, NF: tl.constexpr,
-    D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
-    BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr,
+    pre, tail, conv_w, norm_w, y, state, state_indices,
+    scale, num_slots, stride_pre,
+    H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
     SQ: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr,
     CW: tl.constexpr, BW: tl.constexpr,
     FORGET_COL: tl.constexpr, BETA_COL: tl.constexpr, SKIP_COL: tl.constexpr, GATE_COL: tl.constexpr,
-    L2NORM: tl.constexpr, OUTER: tl.constexpr, STREAM_HINTS: tl.constexpr,
+    L2NORM: tl.constexpr, STREAM_HINTS: tl.constexpr,
 ):
-    # None inputs are constexpr flags: no conv_w (no convolution, no SiLU, no tail), no g (no
-    # forget gate), no beta (no delta rule), no norm_w (no output norm and gate).
+    # None inputs are constexpr flags: no conv_w (no convolution, no SiLU, no tail), no norm_w (no
+    # output norm and gate); a column < 0 is a map the layer does not have (no forget gate, no
+    # delta rule, no query skip).
+    K: tl.constexpr = D1 * D2 * D3
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
-    r = i_nh.to(tl.int64)  # the token-head row of the workspace (T = 1)
     slot = tl.load(state_indices + i_n).to(tl.int64)
     o_v = tl.arange(0, BV)
     m_v = o_v < V
-    m_sv = slot_mask(slot, m_v, num_slots, BV)
     # 1. the slab first: the rest of the step hides under its load
-    off_s, m_s = state_slab(slot, i_h, o_v, m_sv, H, NF, D1, D2, D3, V, BK, OUTER)
+    off_s, m_s = state_slab(slot, i_h, o_v, slot_mask(slot, m_v, num_slots, BV), H, NF, D1, D2, D3, V, BK, False)
     b_s = load_state_tile(state, state, off_s, m_s, True, True, STREAM_HINTS)
 
     # 2. the head's channels: window [BW taps, BJ channels], the last tap this token's input
@@ -151,38 +180,36 @@ def fused_layer_decode_step_kernel(
     if conv_w is not None:
         o_t = tl.arange(0, BW)
         p_tail = tail + i_n.to(tl.int64) * ((CW - 1) * CH) + o_t[:, None] * CH + col[None, :]
-        m_tail = (o_t < CW - 1)[:, None] & m_j[None, :]
-        b_win = tl.load(p_tail, mask=m_tail, other=0.0)
+        b_win = tl.load(p_tail, mask=(o_t < CW - 1)[:, None] & m_j[None, :], other=0.0)
         b_win = tl.where((o_t == CW - 1)[:, None], b_x[None, :].to(b_win.dtype), b_win)
         b_cw = tl.load(conv_w + col[None, :] * CW + o_t[:, None], mask=(o_t < CW)[:, None] & m_j[None, :], other=0.0)
         b_x = tl.sum(b_win.to(tl.float32) * b_cw.to(tl.float32), axis=0)
         b_x = b_x * tl.sigmoid(b_x)
+        # every thread's window read before any tap moves: tap t <- tap t + 1, the last <- the input
+        tl.debug_barrier()
+        tl.store(p_tail - CH, b_win, mask=(o_t >= 1)[:, None] & (o_t < CW)[:, None] & m_j[None, :])
     if SKIP_COL >= 0:  # q_i <- s_i q_i + (1 - s_i), s_i = sigmoid(skip) of the channel's factor
         in_q = o_j < SQ
         factor = (b_start >= D1).to(tl.int32) + (b_start >= D1 + D2).to(tl.int32)
         b_sk = tl.sigmoid(tl.load(p_pre + SKIP_COL + i_h * NF + factor, mask=in_q & m_j, other=0.0).to(tl.float32))
         b_x = tl.where(in_q, b_sk * b_x + (1.0 - b_sk), b_x)
-    # the workspace: stream s of width d at N H start + r d (fp32: no rounding before the update)
-    tl.store(work + N * H * b_start + r * b_width + (o_j - b_start), b_x, mask=m_j)
-    if g is not None:  # log-sigmoid, as min(x, 0) - log(1 + exp(-|x|)): no overflow either side
-        b_f = tl.load(p_pre + FORGET_COL + i_h + tl.arange(0, 1)).to(tl.float32)
-        tl.store(g + r + tl.arange(0, 1), tl.minimum(b_f, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(b_f))))
-    if beta is not None:
-        b_b = tl.load(p_pre + BETA_COL + i_h + tl.arange(0, 1)).to(tl.float32)
-        tl.store(beta + r + tl.arange(0, 1), tl.sigmoid(b_b))
-    # 3. every thread's workspace and window reads done before the tail moves or the body reads
-    tl.debug_barrier()
-    if conv_w is not None:  # tap t <- tap t + 1, the last tap <- this token's input
-        tl.store(p_tail - CH, b_win, mask=(o_t >= 1)[:, None] & (o_t < CW)[:, None] & m_j[None, :])
-    p_q1 = work
-    p_q2 = work + N * H * D1
-    p_q3 = work + N * H * (D1 + D2)
-    p_k1 = work + N * H * SQ
-    p_k2 = work + N * H * (SQ + D1)
-    p_k3 = work + N * H * (SQ + D1 + D2)
-    p_v = work + N * H * 2 * SQ
-    b_s, b_o = resident_tokens(b_s, p_q1, p_q2, p_q3, p_k1, p_k2, p_k3, p_v, g, beta, y, r, 1, o_v, m_v, scale,
-                                H, NF, D1, D2, D3, BD1, BD2, BD3, V, BK, L2NORM, OUTER, norm_w is None)
+    b_a = 1.0  # exp(log-sigmoid(f)) = sigmoid(f)
+    if FORGET_COL >= 0:
+        b_a = tl.sum(tl.sigmoid(tl.load(p_pre + FORGET_COL + i_h + tl.arange(0, 1)).to(tl.float32)), axis=0)
+    b_beta = 1.0
+    if BETA_COL >= 0:
+        b_beta = tl.sum(tl.sigmoid(tl.load(p_pre + BETA_COL + i_h + tl.arange(0, 1)).to(tl.float32)), axis=0)
+
+    # 3. phi(k), phi(q) and v gathered from the channels in registers; the decode kernel's update
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    b_k = _factor_gather(b_x, o_k, m_k, SQ, NF, D1, D2, D3)
+    b_q = _factor_gather(b_x, o_k, m_k, 0, NF, D1, D2, D3)
+    if L2NORM:
+        b_k = b_k * _inv_norm(b_x, b_start, SQ, NF, D1, D2)
+        b_q = b_q * _inv_norm(b_x, b_start, 0, NF, D1, D2)
+    b_v = tl.gather(b_x, tl.where(m_v, 2 * SQ + o_v, 0), axis=0)
+    b_s, b_o = token_update(b_s, b_k, b_q, b_v, b_a, b_beta, scale, BETA_COL >= 0)
     if STREAM_HINTS:
         tl.store(state + off_s, b_s.to(state.dtype.element_ty), mask=m_s, cache_modifier=".cs")
     else:
@@ -190,10 +217,10 @@ def fused_layer_decode_step_kernel(
     # 4. RMS norm over d_v, its weight, then the SiLU gate (RunningTensorLayer.mixer_output)
     if norm_w is not None:
         b_ms = tl.sum(tl.where(m_v, b_o * b_o, 0.0), axis=0) / V
-        b_y = b_o * tl.rsqrt(b_ms + 1e-6) * tl.load(norm_w + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_o = b_o * tl.rsqrt(b_ms + 1e-6) * tl.load(norm_w + o_v, mask=m_v, other=0.0).to(tl.float32)
         b_gt = tl.load(p_pre + GATE_COL + i_h * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_y = b_y * (b_gt * tl.sigmoid(b_gt))
-        tl.store(y + r * V + o_v, b_y.to(y.dtype.element_ty), mask=m_v)
+        b_o = b_o * (b_gt * tl.sigmoid(b_gt))
+    tl.store(y + i_nh.to(tl.int64) * V + o_v, b_o.to(y.dtype.element_ty), mask=m_v)
 
 
 def launch(config: RecurrentConfig, layout: StepLayout, pre: torch.Tensor, tail: torch.Tensor | None,
@@ -207,19 +234,17 @@ def launch(config: RecurrentConfig, layout: StepLayout, pre: torch.Tensor, tail:
     N, H = pre.shape[0], layout.heads
     widths = layout.key_widths
     per_head = 2 * sum(widths) + layout.value_width
-    work = args.empty(N * H * per_head, dtype=torch.float32, device=pre.device)
-    g = args.empty(N * H, dtype=torch.float32, device=pre.device) if layout.forget_col != ABSENT else None
-    beta = args.empty(N * H, dtype=torch.float32, device=pre.device) if layout.beta_col != ABSENT else None
     y = args.empty(N, H * layout.value_width, dtype=pre.dtype, device=pre.device)
     conv = layout.conv_width > 0
     cached(fused_layer_decode_step_kernel)[(N * H,)](
         pre, tail if conv else None, conv_weight if conv else None,
-        norm_weight if layout.gate_col != ABSENT else None, work, g, beta, y, state, state_indices,
-        scale, state.shape[0], pre.stride(0), N,
-        H=H, NF=len(widths), **width_args(widths, 1), SQ=sum(widths), V=layout.value_width, BK=config.block_k,
-        BV=config.block_v, BJ=next_pow2(per_head), CW=max(layout.conv_width, 1),
-        BW=next_pow2(max(layout.conv_width, 1)), FORGET_COL=layout.forget_col, BETA_COL=layout.beta_col,
-        SKIP_COL=layout.skip_col, GATE_COL=layout.gate_col, L2NORM=bool(l2norm), OUTER=config.outer_phi,
+        norm_weight if layout.gate_col != ABSENT else None, y, state, state_indices,
+        scale, state.shape[0], pre.stride(0),
+        H=H, NF=len(widths), D1=widths[0], D2=(*widths, 1, 1)[1], D3=(*widths, 1, 1)[2], SQ=sum(widths),
+        V=layout.value_width, BK=config.block_k, BV=config.block_v, BJ=next_pow2(per_head),
+        CW=max(layout.conv_width, 1), BW=next_pow2(max(layout.conv_width, 1)), FORGET_COL=layout.forget_col,
+        BETA_COL=layout.beta_col, SKIP_COL=layout.skip_col, GATE_COL=layout.gate_col, L2NORM=bool(l2norm),
         STREAM_HINTS=config.stream_hints, num_warps=config.num_warps, num_stages=config.num_stages,
+        **({"maxnreg": TWO_PROGRAM_REGISTERS[w]} if (w := config.num_warps) in TWO_PROGRAM_REGISTERS else {}),
     )
     return y

@@ -255,6 +255,20 @@ def _token_inputs(q1, q2, q3, k1, k2, k3, v, g, r, o_v, m_v, NF: tl.constexpr, D
 
 
 @triton.jit
+def token_update(b_s, b_k, b_q, b_v, b_a, b_beta, scale, DELTA: tl.constexpr):
+    """One token on a resident [BK, BV] slab ``b_s`` from phi(k), phi(q) ([BK], normalised), v
+    ([BV]), the decay ``b_a`` and ``b_beta`` (DELTA: the delta rule): the new slab and the output."""
+    b_s = b_s * b_a
+    if DELTA:
+        b_u = b_beta * (b_v - tl.sum(b_s * b_k[:, None], axis=0))
+    else:
+        b_u = b_v
+    b_s += b_k[:, None] * b_u[None, :]
+    b_o = tl.sum(b_s * b_q[:, None], axis=0) * scale
+    return b_s, b_o
+
+
+@triton.jit
 def resident_tokens(b_s, q1, q2, q3, k1, k2, k3, v, g, beta, o, r0, T_n, o_v, m_v, scale,
                      H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
                      BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, V: tl.constexpr,
@@ -283,13 +297,10 @@ def resident_tokens(b_s, q1, q2, q3, k1, k2, k3, v, g, beta, o, r0, T_n, o_v, m_
         else:
             b_k = phi_gather(k1, k2, k3, r, o_k, m_k, D1, D2, D3, NF) * r_k
             b_q = phi_gather(q1, q2, q3, r, o_k, m_k, D1, D2, D3, NF) * r_q
-            b_s = b_s * b_a
+            b_beta = 1.0
             if beta is not None:
-                b_u = tl.load(beta + r).to(tl.float32) * (b_v - tl.sum(b_s * b_k[:, None], axis=0))
-            else:
-                b_u = b_v
-            b_s += b_k[:, None] * b_u[None, :]
-            b_o = tl.sum(b_s * b_q[:, None], axis=0) * scale
+                b_beta = tl.load(beta + r).to(tl.float32)
+            b_s, b_o = token_update(b_s, b_k, b_q, b_v, b_a, b_beta, scale, beta is not None)
         if STORE_O:
             tl.store(o + r * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
     return b_s, b_o
