@@ -264,7 +264,8 @@ def run_generate(model, tokens: torch.Tensor, max_new_tokens: int, *, temperatur
     """The loop behind :func:`generate`, on checked arguments. ``mode``: "eager" (the model's
     ``step``), "static" (the graph's static buffers and padding, run eagerly: testable on the
     CPU) or "graph" (captured and replayed; CUDA). ``compile_step``: the static or graph step
-    with its input maps stacked and through torch.compile (:class:`StaticStep`)."""
+    with its input maps stacked, each dense layer's step between its products one kernel where
+    its decode tile can (``fuse_layers``), and through torch.compile (:class:`StaticStep`)."""
     if mode not in MODES:
         raise ValueError(f"mode: got {mode!r}; allowed: {', '.join(MODES)}")
     B = tokens.shape[0]
@@ -317,8 +318,9 @@ def generate(model, tokens: torch.Tensor, max_new_tokens: int, *, temperature: f
     its tokens. ``cuda_graph``: None is on when the model is on CUDA; True off CUDA is refused.
     ``backend``: as :meth:`RunningTensorLM.forward`. The model's :attr:`plan` applies.
     ``compile_step``: with CUDA graphs, the captured step is first fused: each layer's input maps
-    stacked into one product, then torch.compile (fewer launches per replay; one compile per
-    batch bucket, ~10 s on the H200); off CUDA graphs it is
+    stacked into one product, each dense layer's step from that product to its gated output one
+    kernel (``kernels/layer_step.py``), then torch.compile (fewer launches per replay; one
+    compile per batch bucket, ~10 s on the H200); off CUDA graphs it is
     refused (the eager loop has nothing to gain from it that its host time does not swallow).
     """
     graph = check_generate_args(model, tokens, max_new_tokens, temperature, top_k, seed, cuda_graph, backend)
