@@ -146,6 +146,13 @@ class StaticStep:
                  fuse_layers: bool = False):
         if not _is_int(parts):
             raise TypeError(f"parts: expected an int, got {type(parts).__name__}")
+        if not isinstance(fuse_layers, bool):
+            raise TypeError(f"fuse_layers: expected a bool, got {type(fuse_layers).__name__}")
+        if fuse_layers and (not fuse_projections or parts != 1):
+            # the layer kernel starts from the stacked product, and the micro-batches call the
+            # layers' halves, around it: either would drop it without a word
+            raise ValueError(f"fuse_layers: True with {'parts=' + str(parts) if parts != 1 else 'fuse_projections=False'}; "
+                             "allowed: with fuse_projections=True and parts=1")
         if parts < 1 or bucket % parts:
             raise ValueError(f"parts: got {parts}; allowed: a divisor of the bucket, {bucket}")
         if parts > 1 and type(model).forward is not RunningTensorLM.forward:
@@ -159,7 +166,7 @@ class StaticStep:
         # matrix product per layer where the maps launch five
         self.fused = model.input_projections() if fuse_projections else None
         dtype = step_state_dtype(model.spec, model.plan, bucket, p.dtype)
-        if self.fused is not None and fuse_layers and parts == 1:
+        if fuse_layers:
             from .serving_step import fused_step_plan
 
             self.fused = [f._replace(step=fused_step_plan(layer, bucket, backend, dtype))

@@ -113,7 +113,7 @@ class RunningTensorLayer(nn.Module):
             self.norm_weight = nn.Parameter(torch.ones(V))
         self.out = nn.Linear(H * V, D, bias=False)
 
-    def _input_maps(self) -> list[str]:
+    def input_map_names(self) -> list[str]:
         """The names of the layer's linear maps of its input, in the stacked product's row order."""
         return [n for n in ("proj", "forget", "beta", "skip", "gate") if getattr(self, n, None) is not None]
 
@@ -122,7 +122,7 @@ class RunningTensorLayer(nn.Module):
         beta, query skip, output gate), stacked into one weight [sum of outputs, D] and bias: a
         snapshot (no grad), for a decode step that launches one matrix product per layer for
         five. Rows in that order; the maps' biases where they have one, zeros elsewhere."""
-        maps = [getattr(self, n) for n in self._input_maps()]
+        maps = [getattr(self, n) for n in self.input_map_names()]
         ref = self.out.weight  # every layer has its output map: the dtype and device
         with torch.no_grad():  # torch.cat copies: a snapshot
             weight = torch.cat([m.weight for m in maps]) if maps else ref.new_empty(0, self.spec.model_width)
@@ -135,7 +135,7 @@ class RunningTensorLayer(nn.Module):
     def _projected(self, x: torch.Tensor, fused: InputProjection | None) -> dict:
         """Each input map's output by name ("proj", "forget", "beta", "skip", "gate"; absent maps
         left out): from the maps in turn, or sliced from one product with ``fused``."""
-        names = self._input_maps()
+        names = self.input_map_names()
         if fused is None or not names:
             return {n: getattr(self, n)(x) for n in names}
         return dict(zip(names, F.linear(x, fused.weight, fused.bias).split(fused.sizes, dim=-1)))
@@ -180,10 +180,11 @@ class RunningTensorLayer(nn.Module):
         and the convolution tails are shifted in place too (the same tensors come back).
         """
         step = update_cache and cache is not None and x.shape[1] == 1
-        if step and mixer is None and fused is not None and fused.step is not None:
-            from .serving_step import fused_step
+        if step and mixer is None and fused is not None and fused.step is not None and backend != "reference" \
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.out.weight.requires_grad)):
+            from .serving_step import fused_step  # (no backward: with grad the step runs unfused)
 
-            return fused_step(self, x, cache, fused)
+            return fused_step(self, x, cache, fused, plan)
         (q, k, v, g, beta), gate, tails = self.mixer_inputs(x, None if cache is None else cache.get("conv"), fused,
                                                             in_place=step and mixer is None)
         spec = self.spec
@@ -235,7 +236,7 @@ class RunningTensorLayer(nn.Module):
             o = o * F.silu(gate.reshape(B, T, H, V))
         return self.out(o.reshape(B, T, H * V))
 
-    def _slots(self, batch: int, device: torch.device) -> torch.Tensor:
+    def slot_indices(self, batch: int, device: torch.device) -> torch.Tensor:
         """Slot i for sequence i, made once per (batch, device): an arange per layer and step
         would be one more launch on the decode hot path. Under torch.compile a plain arange (the
         compiled step captures it once): torch 2.11's dynamo cannot trace the cache's
@@ -260,7 +261,7 @@ class RunningTensorLayer(nn.Module):
             state = state.to(dtype).contiguous()
         grad = needs_grad(*q, *k, v, g, beta, state)
         if resolve_backend(backend, v, spec.order, grad) == "triton":
-            o = running_tensor_decode_(q, k, v, g, beta, state_cache=state, state_indices=self._slots(B, v.device),
+            o = running_tensor_decode_(q, k, v, g, beta, state_cache=state, state_indices=self.slot_indices(B, v.device),
                                        scale=spec.scale, l2norm=spec.features.l2norm, validate=False)
         else:  # the same semantics on the reference: fp32 step, state rounded to its dtype in place
             wide = torch.float64 if v.dtype == torch.float64 else torch.float32

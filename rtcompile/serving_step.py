@@ -24,7 +24,7 @@ def step_layout(layer) -> StepLayout | None:
         return None
     spec = layer.spec
     cols, at = {}, 0
-    for name in layer._input_maps():
+    for name in layer.input_map_names():
         cols[name] = at
         at += getattr(layer, name).out_features
     return StepLayout(spec.heads, tuple(spec.key_widths), spec.value_width,
@@ -69,18 +69,24 @@ def fused_step_plan(layer, batch: int, backend: str, state_dtype: torch.dtype) -
     return FusedStep(config, variant_to_json(config), tuple(layout.to_list()))
 
 
-def fused_step(layer, x: torch.Tensor, cache: dict, fused) -> tuple[torch.Tensor, dict]:
+def fused_step(layer, x: torch.Tensor, cache: dict, fused, plan=None) -> tuple[torch.Tensor, dict]:
     """``layer``'s serving step (x [B, 1, D]) through the fused kernel, with ``fused`` its
     stacked input maps carrying its :class:`FusedStep` (``fused.step``): (y [B, 1, D], the cache
-    with its state and tails updated in place). Invariant: the cache's state is in the step's
-    dtype and contiguous (the static step allocates it so)."""
+    with its state and tails updated in place). A state in another dtype than the step's
+    (``model.step_state_dtype``) or not contiguous is converted once and the converted tensor
+    returned, as the unfused step does (the static step allocates it as the step keeps it)."""
     from .kernels.ops import running_tensor_layer_step_op
+    from .model import step_state_dtype
 
     B = x.shape[0]
+    state = cache["state"]
+    dtype = step_state_dtype(layer.spec, plan, B, x.dtype)
+    if state.dtype != dtype or not state.is_contiguous():
+        state = state.to(dtype).contiguous()
     pre = F.linear(x[:, 0], fused.weight, fused.bias)
     tails = cache["conv"]
     o = running_tensor_layer_step_op(
         pre, None if not tails else tails[0], None if layer.conv is None else layer.conv.weight,
-        getattr(layer, "norm_weight", None), cache["state"], layer._slots(B, x.device), list(fused.step.layout),
+        getattr(layer, "norm_weight", None), state, layer.slot_indices(B, x.device), list(fused.step.layout),
         layer.spec.effective_scale, layer.spec.features.l2norm, fused.step.variant)
-    return layer.out(o)[:, None], {"state": cache["state"], "conv": tails}
+    return layer.out(o)[:, None], {"state": state, "conv": tails}

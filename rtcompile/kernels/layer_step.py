@@ -10,18 +10,19 @@ each a latency-bound launch on ~1 MB. Here one program per (sequence, head) does
 
 1. the state slab's load is issued first (it is what the step waits on: 64 KiB at K 256);
 2. the head's channels of the stacked projection ``pre`` (q factors, k factors, v) are read with
-   their tail window, convolved, passed through SiLU and the skip blend, and written, with the
-   gates, to a small fp32 workspace laid out as the decode kernel's inputs ([N H, d_i] per factor,
-   [N H, d_v], g and beta [N H]);
-3. a barrier (the same CTA reads what its other threads wrote), then the tail is shifted in place
-   and the decode kernel's own token body (``recurrent.resident_tokens``) runs on the workspace;
+   their tail window, convolved, passed through SiLU and the skip blend; the tail is shifted in
+   place after a barrier (every thread's window read first); the decay is sigmoid(forget) (=
+   exp(log-sigmoid)), beta sigmoid(beta);
+3. phi(k), phi(q) and v are gathered from those channels in registers (``tl.gather``; an earlier
+   version passed them through a global workspace: 1% slower at B256, see TWO_PROGRAM_REGISTERS)
+   and the decode kernel's token update (``recurrent.token_update``) runs on the slab;
 4. the output is normalised and gated before it is stored, when the layer has the output gate.
 
 So the slab must be resident and one program must hold a head's whole value row (the norm is over
 d_v, and the tail's q / k channels are shared by the head's value tiles): :func:`eligible`. A
 config that is not runs the unfused step. The decode config is the decode kernel's own
 (``launch.resolve_config`` of the same problem: the tuned table, else the default with its batch
-rule), so a tuned decode table serves both.
+rule), its value tile widened to d_v where narrower (``forms.covering_tile``).
 """
 
 from __future__ import annotations
@@ -41,11 +42,12 @@ from .launch_cache import cached
 from .recurrent import RecurrentConfig, slot_mask, state_slab, token_update
 
 ABSENT = -1  # a layout column of a map the layer does not have
-# Registers a thread may take (Triton's maxnreg) by warps, so that two programs share an SM's
-# 65536: at 8 warps ([256, 64] tiles) the gathered channels took the kernel to 139 registers, one
-# program an SM; capped at 128 it compiles without spills (probe, Triton 3.6, sm_90). At 16 warps
-# the cap (64) spills 88 bytes: not applied; at 4 warps two programs fit uncapped.
-TWO_PROGRAM_REGISTERS = {8: 128}
+# Registers a thread may take (Triton's maxnreg) by (block_k, block_v, warps), so that two
+# programs share an SM's 65536: the [256, 64] tile at 8 warps took 139 registers uncapped, one
+# program an SM (H100 B256: 113.6 us a layer against 97.9 capped, same process); capped at 128 it
+# compiles without spills (offline probe, Triton 3.6, sm_90). Only where measured: at 8 warps the
+# cap spills 120 / 136 bytes for [512, 32] / [1024, 16] tiles, and at 16 warps ([256, 64]: 64) 88.
+TWO_PROGRAM_REGISTERS = {(256, 64, 8): 128}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +78,11 @@ class StepLayout:
 
     @classmethod
     def from_list(cls, xs: list[int]) -> "StepLayout":
+        """:meth:`to_list`'s inverse; ValueError naming ``layout`` for a list it cannot have made."""
+        if (len(xs) not in (8, 9, 10) or not all(isinstance(x, int) for x in xs) or min(xs[0], xs[6], *xs[7:]) < 1
+                or xs[1] < 0 or min(xs[2:6]) < ABSENT):
+            raise ValueError(f"layout: got {xs}; allowed: StepLayout.to_list()'s [heads, conv width, forget, beta, "
+                             "skip, gate columns (-1: absent), d_v, 1 to 3 key widths]")
         return cls(xs[0], tuple(xs[7:]), xs[6], xs[1], xs[2], xs[3], xs[4], xs[5])
 
     def kernel_shape(self) -> KernelShape:
@@ -223,19 +230,63 @@ def fused_layer_decode_step_kernel(
     tl.store(y + i_nh.to(tl.int64) * V + o_v, b_o.to(y.dtype.element_ty), mask=m_v)
 
 
+def _tensor(name: str, x, shape: tuple | None, dtypes: tuple, device) -> None:
+    """TypeError / ValueError naming ``name`` unless ``x`` is a contiguous tensor of ``shape``
+    (None: any) in one of ``dtypes`` on ``device``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in dtypes:
+        raise TypeError(f"{name}: dtype {x.dtype}; allowed: {', '.join(map(str, dtypes))}")
+    if shape is not None and tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name}: shape {list(x.shape)}; allowed: {list(shape)} (the layer's layout)")
+    if not x.is_contiguous():
+        raise ValueError(f"{name}: strides {x.stride()} are not contiguous; allowed: a contiguous tensor")
+    if x.device != device:
+        raise ValueError(f"{name}: on {x.device}, pre on {device}; allowed: one device")
+
+
+def check_step_inputs(layout: StepLayout, pre, tail, conv_weight, norm_weight, state, state_indices) -> None:
+    """The fused step's arguments against ``layout``, on the host only (no sync: the indices'
+    values are not read; a negative or past-the-cache index is skipped by the kernel): TypeError
+    or ValueError naming the argument, before anything is launched."""
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    if not isinstance(pre, torch.Tensor) or pre.dim() != 2:
+        got = list(pre.shape) if isinstance(pre, torch.Tensor) else type(pre).__name__
+        raise ValueError(f"pre: got {got}; allowed: the stacked projection [N, columns], a torch.Tensor")
+    N, H, V, widths = pre.shape[0], layout.heads, layout.value_width, layout.key_widths
+    ends = [layout.channels] + [c + n for c, n in ((layout.forget_col, H), (layout.beta_col, H),
+                                                    (layout.skip_col, H * len(widths)), (layout.gate_col, H * V))
+                                if c != ABSENT]
+    if pre.shape[1] < max(ends) or pre.stride(1) != 1 or pre.dtype not in floats:
+        raise ValueError(f"pre: shape {list(pre.shape)}, strides {pre.stride()}, {pre.dtype}; allowed: at least "
+                         f"{max(ends)} columns (the layout's), contiguous rows, float32 / bfloat16 / float16")
+    device = pre.device
+    if layout.conv_width:
+        _tensor("tail", tail, (N, layout.conv_width - 1, layout.channels), floats, device)
+        _tensor("conv_weight", conv_weight, (layout.channels, layout.conv_width), floats, device)
+    if layout.gate_col != ABSENT:
+        _tensor("norm_weight", norm_weight, (V,), floats, device)
+    _tensor("state_cache", state, None, floats, device)
+    if tuple(state.shape[1:]) != (H, *widths, V):
+        raise ValueError(f"state_cache: shape {list(state.shape)}; allowed: [slots, {H}, "
+                         f"{', '.join(map(str, widths))}, {V}]")
+    _tensor("state_indices", state_indices, (N,), (torch.int32, torch.int64), device)
+
+
 def launch(config: RecurrentConfig, layout: StepLayout, pre: torch.Tensor, tail: torch.Tensor | None,
            conv_weight: torch.Tensor | None, norm_weight: torch.Tensor | None, state: torch.Tensor,
            state_indices: torch.Tensor, *, scale: float, l2norm: bool) -> torch.Tensor:
     """One decode step of a dense layer: ``pre`` [N, columns] (the stacked projection's output,
     its rows contiguous), ``tail`` [N, w - 1, channels] and ``state`` [slots, H, d_1, ..., d_v]
     updated in place; returns the mixer's output after the norm and gate, [N, H d_v] in
-    ``pre``'s dtype. Inputs are as ``ops.running_tensor_layer_step_`` checks them; ``config``
+    ``pre``'s dtype. Inputs pass :func:`check_step_inputs` (the op calls it); ``config``
     passes :func:`eligible`."""
     N, H = pre.shape[0], layout.heads
     widths = layout.key_widths
     per_head = 2 * sum(widths) + layout.value_width
     y = args.empty(N, H * layout.value_width, dtype=pre.dtype, device=pre.device)
     conv = layout.conv_width > 0
+    tile = (config.block_k, config.block_v, config.num_warps)
     cached(fused_layer_decode_step_kernel)[(N * H,)](
         pre, tail if conv else None, conv_weight if conv else None,
         norm_weight if layout.gate_col != ABSENT else None, y, state, state_indices,
@@ -245,6 +296,6 @@ def launch(config: RecurrentConfig, layout: StepLayout, pre: torch.Tensor, tail:
         CW=max(layout.conv_width, 1), BW=next_pow2(max(layout.conv_width, 1)), FORGET_COL=layout.forget_col,
         BETA_COL=layout.beta_col, SKIP_COL=layout.skip_col, GATE_COL=layout.gate_col, L2NORM=bool(l2norm),
         STREAM_HINTS=config.stream_hints, num_warps=config.num_warps, num_stages=config.num_stages,
-        **({"maxnreg": TWO_PROGRAM_REGISTERS[w]} if (w := config.num_warps) in TWO_PROGRAM_REGISTERS else {}),
+        **({"maxnreg": TWO_PROGRAM_REGISTERS[tile]} if tile in TWO_PROGRAM_REGISTERS else {}),
     )
     return y

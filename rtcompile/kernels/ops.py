@@ -168,8 +168,13 @@ def running_tensor_layer_step_op(
     ``StepLayout.to_list``; ``variant``: an eligible decode config's JSON (the caller decides)."""
     from . import layer_step
 
-    return layer_step.launch(variant_from_json(variant), layer_step.StepLayout.from_list(layout), pre, tail,
-                             conv_weight, norm_weight, state_cache, state_indices, scale=scale, l2norm=l2norm)
+    config, shape = variant_from_json(variant), layer_step.StepLayout.from_list(layout)
+    layer_step.check_step_inputs(shape, pre, tail, conv_weight, norm_weight, state_cache, state_indices)
+    if config is None or not layer_step.eligible(config, shape):
+        raise ValueError(f"variant: {config}; allowed: a recurrent config whose slab is resident and whose value "
+                         f"tile covers d_v = {shape.value_width} (serving_step.fused_step_plan picks one)")
+    return layer_step.launch(config, shape, pre, tail, conv_weight, norm_weight, state_cache, state_indices,
+                             scale=scale, l2norm=l2norm)
 
 
 @running_tensor_layer_step_op.register_fake

@@ -213,7 +213,7 @@ def _sequence(i_n, cu_seqlens, state_indices, T):
 
 @triton.jit
 def state_slab(slot, i_h, o_v, m_sv, H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
-          D3: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, OUTER: tl.constexpr):
+               D3: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, OUTER: tl.constexpr):
     """Offsets and mask of a resident state slab ([K, BV], or [D1, (D2, (D3,)) BV] with OUTER)."""
     K: tl.constexpr = D1 * D2 * D3
     p_state = (slot * H + i_h) * K * V
@@ -269,17 +269,15 @@ def token_update(b_s, b_k, b_q, b_v, b_a, b_beta, scale, DELTA: tl.constexpr):
 
 
 @triton.jit
-def resident_tokens(b_s, q1, q2, q3, k1, k2, k3, v, g, beta, o, r0, T_n, o_v, m_v, scale,
+def _resident_tokens(b_s, q1, q2, q3, k1, k2, k3, v, g, beta, o, r0, T_n, o_v, m_v, scale,
                      H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
                      BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, V: tl.constexpr,
-                     BK: tl.constexpr, L2NORM: tl.constexpr, OUTER: tl.constexpr, STORE_O: tl.constexpr = True):
-    """One sequence-head's tokens (row ``r0`` on) on its resident slab: each output stored (unless
-    not STORE_O: the fused layer step normalises the last one first), the slab after the last
-    token and the last token's output (fp32) returned."""
+                     BK: tl.constexpr, L2NORM: tl.constexpr, OUTER: tl.constexpr):
+    """One sequence-head's tokens (row ``r0`` on) on its resident slab: each output stored, the
+    slab after the last token returned."""
     K: tl.constexpr = D1 * D2 * D3
     o_k = tl.arange(0, BK)
     m_k = o_k < K
-    b_o = o_v * 0.0
     for t in range(0, T_n):
         r = r0 + t * H
         b_v, b_a, r_q, r_k = _token_inputs(q1, q2, q3, k1, k2, k3, v, g, r, o_v, m_v, NF, D1, D2, D3, BD1, BD2, BD3,
@@ -301,9 +299,8 @@ def resident_tokens(b_s, q1, q2, q3, k1, k2, k3, v, g, beta, o, r0, T_n, o_v, m_
             if beta is not None:
                 b_beta = tl.load(beta + r).to(tl.float32)
             b_s, b_o = token_update(b_s, b_k, b_q, b_v, b_a, b_beta, scale, beta is not None)
-        if STORE_O:
-            tl.store(o + r * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-    return b_s, b_o
+        tl.store(o + r * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+    return b_s
 
 
 @triton.jit
@@ -331,8 +328,8 @@ def fused_recurrent_running_tensor_fwd_kernel(
     if NK == 1:
         off_s, m_s = state_slab(slot, i_h, o_v, m_sv, H, NF, D1, D2, D3, V, BK, OUTER)
         b_s = load_state_tile(h0, ht, off_s, m_s, True, USE_H0, STREAM_HINTS)
-        b_s, _ = resident_tokens(b_s, q1, q2, q3, k1, k2, k3, v, g, beta, o, (i_b * T + bos) * H + i_h, T_n,
-                                  o_v, m_v, scale, H, NF, D1, D2, D3, BD1, BD2, BD3, V, BK, L2NORM, OUTER)
+        b_s = _resident_tokens(b_s, q1, q2, q3, k1, k2, k3, v, g, beta, o, (i_b * T + bos) * H + i_h, T_n,
+                               o_v, m_v, scale, H, NF, D1, D2, D3, BD1, BD2, BD3, V, BK, L2NORM, OUTER)
         if ht is not None:
             if STREAM_HINTS:
                 tl.store(ht + off_s, b_s.to(ht.dtype.element_ty), mask=m_s, cache_modifier=".cs")
