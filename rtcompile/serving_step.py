@@ -62,7 +62,8 @@ def fused_step_plan(layer, batch: int, backend: str, state_dtype: torch.dtype) -
     config = resolve_config("recurrent", None, problem(layout, batch, layer.spec.scale, p.dtype, p.device), p.device)
     # a tile narrower than d_v widened: at B32 and B1 (K 256: [256, 32] tiles) the wide tile's
     # decode kernel is slower alone (H100: 0.94 of a copy against 1.00 at B32), but the fused
-    # step saves the three pointwise kernels around it
+    # step saves the three pointwise kernels around it: the example model's compiled step took
+    # 90.0 -> 80.8 us at B32 and 62.2 -> 59.0 at B1 (H100, 6394276, same run)
     config = covering_tile(config, layout.kernel_shape())
     if not eligible(config, layout):
         return None
