@@ -59,7 +59,7 @@ def fused_step_plan(layer, batch: int, backend: str, state_dtype: torch.dtype) -
     probe = p.new_empty(0)
     if resolve_backend(backend, probe, layer.spec.order, False, state_dtype=state_dtype) != "triton":
         return None
-    config = resolve_config("recurrent", None, problem(layout, batch, layer.spec.scale, p.dtype, p.device), p.device)
+    config = resolve_config("recurrent", None, problem(layout, batch, layer.spec.effective_scale, p.dtype, p.device), p.device)
     # a tile narrower than d_v widened: at B32 and B1 (K 256: [256, 32] tiles) the wide tile's
     # decode kernel is slower alone (H100: 0.94 of a copy against 1.00 at B32), but the fused
     # step saves the three pointwise kernels around it: the example model's compiled step took

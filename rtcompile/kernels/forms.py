@@ -330,8 +330,7 @@ def decode_tile(config: RecurrentConfig, shape: KernelShape, decode_rows: int) -
     if (not 256 <= kp <= 1024 or config.block_k < kp or bv > next_pow2(shape.value_width)
             or decode_rows * -(-shape.value_width // bv) < WIDE_DECODE_PROGRAMS):
         return config
-    wide = dataclasses.replace(config, block_v=bv, num_warps=_recurrent_warps(config.block_k, bv))
-    return wide if wide.check(shape) is None else config
+    return _with_value_tile(config, shape, bv)
 
 
 def covering_tile(config: RecurrentConfig, shape: KernelShape) -> RecurrentConfig:
@@ -342,7 +341,13 @@ def covering_tile(config: RecurrentConfig, shape: KernelShape) -> RecurrentConfi
     bv = next_pow2(shape.value_width)
     if config.block_v >= bv or config.block_k < next_pow2(shape.key_dim):
         return config
-    wide = dataclasses.replace(config, block_v=bv, num_warps=_recurrent_warps(config.block_k, bv))
+    return _with_value_tile(config, shape, bv)
+
+
+def _with_value_tile(config: RecurrentConfig, shape: KernelShape, block_v: int) -> RecurrentConfig:
+    """``config`` with value tile ``block_v`` and the warps the defaults give that tile, where
+    that passes its check; else ``config``."""
+    wide = dataclasses.replace(config, block_v=block_v, num_warps=_recurrent_warps(config.block_k, block_v))
     return wide if wide.check(shape) is None else config
 
 

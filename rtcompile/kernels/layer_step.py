@@ -97,9 +97,8 @@ def eligible(config: RecurrentConfig, layout: StepLayout) -> bool:
             and not config.outer_phi and config.check(layout.kernel_shape()) is None)
 
 
-def problem(layout: StepLayout, batch: int, scale: float | None, dtype: torch.dtype, device) -> Problem:
+def problem(layout: StepLayout, batch: int, scale: float, dtype: torch.dtype, device) -> Problem:
     """The decode kernel's problem for ``batch`` sequences of this layout (T = 1)."""
-    scale = math.prod(layout.key_widths) ** -0.5 if scale is None else scale
     return Problem(batch, 1, layout.heads, tuple(layout.key_widths), layout.value_width, batch, None, scale, dtype,
                    torch.device(device))
 
