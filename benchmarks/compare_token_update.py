@@ -50,6 +50,7 @@ def rebound(kernel, **names):
     scope = dict(fn.__globals__, **names)
     copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
     copy.__module__, copy.__qualname__ = fn.__module__, fn.__qualname__
+    copy.__annotations__, copy.__kwdefaults__ = dict(fn.__annotations__), fn.__kwdefaults__  # the constexprs
     return triton.jit(copy)
 
 
