@@ -257,19 +257,14 @@ def _token_inputs(q1, q2, q3, k1, k2, k3, v, g, r, o_v, m_v, NF: tl.constexpr, D
 @triton.jit
 def token_update(b_s, b_k, b_q, b_v, b_a, b_beta, scale, DELTA: tl.constexpr):
     """One token on a resident [BK, BV] slab ``b_s`` from phi(k), phi(q) ([BK], normalised), v
-    ([BV]), the decay ``b_a`` and ``b_beta`` (DELTA: the delta rule): the new slab and the output.
-
-    Both products over the keys are taken from the slab as loaded, side by side: with
-    S' = a S + k u^T, o = scale S'^T q = scale (a S^T q + (k . q) u), so the new slab (and its
-    store) waits on one cross-warp reduction, not two in a row, and k . q is ready before the
-    slab arrives."""
-    b_sq = tl.sum(b_s * b_q[:, None], axis=0)
+    ([BV]), the decay ``b_a`` and ``b_beta`` (DELTA: the delta rule): the new slab and the output."""
+    b_s = b_s * b_a
     if DELTA:
-        b_u = b_beta * (b_v - b_a * tl.sum(b_s * b_k[:, None], axis=0))
+        b_u = b_beta * (b_v - tl.sum(b_s * b_k[:, None], axis=0))
     else:
         b_u = b_v
-    b_s = b_s * b_a + b_k[:, None] * b_u[None, :]
-    b_o = (b_a * b_sq + tl.sum(b_k * b_q, axis=0) * b_u) * scale
+    b_s += b_k[:, None] * b_u[None, :]
+    b_o = tl.sum(b_s * b_q[:, None], axis=0) * scale
     return b_s, b_o
 
 
