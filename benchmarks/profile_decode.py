@@ -8,7 +8,8 @@ where the step's time goes against issue 21's targets (B1 <= 80 us, B256 >= 1.2 
 Per batch and step kind (``plain``: generate's StaticStep; ``stacked``: its input maps as one
 product per layer; ``compiled``: stacked and fused by torch.compile with inductor's defaults; ``combo``: with
 inductor's combo kernels too; ``layers``: and each eligible layer's step one kernel, as
-``compile_step`` does; ``autotune``: combo and GEMM autotuning):
+``compile_step`` does; ``autotune``: combo and GEMM autotuning; ``layers_autotune`` / ``layers_triton_gemm``: layers
+and GEMM autotuning, or inductor's Triton GEMM templates alone):
 the step captured as ``rtcompile bench --model`` captures it, 3 warm-up replays, then 20
 profiled replays; prints each kernel's mean time per step (us), largest first, their sum, the
 kernel count per step and the step's wall time between CUDA events (median of 5 x 20 replays),
@@ -39,8 +40,13 @@ STEPS = {"plain": (False, False, None), "stacked": (False, True, None), "compile
          "autotune": (True, True, {"combo_kernels": True, "max_autotune_gemm": True}),
          # combo, and each layer whose decode tile covers a head's values in one kernel from the stacked
          # product to the gated output (StaticStep(fuse_layers=True), kernels/layer_step.py)
-         "layers": (True, True, {"combo_kernels": True})}
-FUSED_LAYERS = ("layers",)
+         "layers": (True, True, {"combo_kernels": True}),
+         # layers, and inductor's GEMM autotuning: cuBLAS against its Triton templates, or the
+         # templates alone (which take the bias, GELU and residual adds as epilogues)
+         "layers_autotune": (True, True, {"combo_kernels": True, "max_autotune_gemm": True}),
+         "layers_triton_gemm": (True, True, {"combo_kernels": True, "max_autotune_gemm": True,
+                                             "max_autotune_gemm_backends": "TRITON"})}
+FUSED_LAYERS = ("layers", "layers_autotune", "layers_triton_gemm")
 REPLAYS = 20
 ROUNDS = 5
 
