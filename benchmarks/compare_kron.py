@@ -72,15 +72,12 @@ CASES = [
 # 1.028x the tf32 default, a state of every 4th chunk 1.007x, 8 loop warps 1.182x. An UPPER-case
 # name is a chunk_split module constant set while that row is checked and captured; at eedfbe8
 # (H100, two rounds) the phi kernel beside the first prepare kernel (PHI_BESIDE_PREPARE) ran
-# 0.3623 ms against 0.3602 before it, the default.
-# Proposed now: phi(K) formed in the state loop from the key factors' tiles (factor_keys: no phi
-# kernel, nothing stored); probe_offline (sm_90, Triton 3.6): 4 warps spill 520 B (C 64 bv 32), 8
-# warps compile to 255 registers with 80 B (bv 32), none at bv 16 or C 32
+# 0.3623 ms against 0.3602 before it, the default. At 660c974 (H100, two rounds) phi(K) formed in
+# the state loop from the key factors' tiles (no phi kernel, nothing stored) ran 1.23x at 8 warps
+# (loop 274 us against 155: the outer product and its layout change sit on the chain), 1.49-1.64x
+# at bv 16, C 32 or 4 warps; reverted.
 PHI_PASS = [
-    ("o3 16x16", (16, 16), [dict(phi_pass=False, factor_keys=True, num_warps=8),
-                            dict(phi_pass=False, factor_keys=True, num_warps=8, block_v=16),
-                            dict(phi_pass=False, factor_keys=True, num_warps=8, chunk_size=32),
-                            dict(phi_pass=False, factor_keys=True)]),
+    ("o3 16x16", (16, 16), [dict(PHI_BESIDE_PREPARE=True), dict(dot_precision="ieee")]),
 ]
 # (case, widths, changes to the default) at K <= 256 where the default is the split form with the
 # Gluon loop (sm_90). The prepare kernel's solve products in tf32 with 16-bit inputs, as o3 16x16's

@@ -168,11 +168,6 @@ FORMS = {
     "split-o3-16x16-c16-phipass-tma-kg2-stride2-pipeline2": (SplitConfig(16, 16, tma=True, key_group=2, state_stride=2,
                                                                          pipeline=2, phi_pass=True), (16, 16), 77, 8),
     "split-o2-16-c16-phipass": (SplitConfig(16, 16, phi_pass=True), (16,), 37, 6),
-    # phi(K) formed in the loop from the key factors' tiles (factor_keys): nothing stored
-    "split-o3-16x16-c32-factorkeys": (SplitConfig(32, 16, factor_keys=True), (16, 16), 45, 6),
-    "split-o3-16x16-c16-factorkeys-tma-stride2-pipeline2": (SplitConfig(16, 16, tma=True, state_stride=2, pipeline=2,
-                                                                        factor_keys=True), (16, 16), 77, 8),
-    "split-o2-16-c16-factorkeys": (SplitConfig(16, 16, factor_keys=True), (16,), 37, 6),
     "split-o3-32x32-kron-c16-w8-stride4": (SplitConfig(16, 16, num_warps=8, loop="kron", state_stride=4), (32, 32),
                                            37, 6),
 }

@@ -241,14 +241,13 @@ def prepare_scores(config, p: Problem, q, k, v, g, beta, *, cu_seqlens, l2norm: 
 
 def keys_workspace(config, p: Problem, v, g, beta) -> dict:
     """The split form's prepare outputs, allocated: Kw (the normalised phi(K), [B, H, T, K] in
-    the products' type; [B, T, H, K] with ``config.phi_pass``; None for ``config.loop`` "kron" and
-    ``config.factor_keys``),
+    the products' type; [B, T, H, K] with ``config.phi_pass``; None for ``config.loop`` "kron"),
     Ai ([B, H, T, C] fp32, delta rule: the loop's, or with ``config.wy`` the tile solve's scratch),
     W ([B, H, T, K] in the products' type) and U0 ([B, H, T, V] fp32) with ``config.wy`` and the
     delta rule, and Gc (the cumulative log decay within each
     chunk, [B, H, T] fp32, gates); None for what is not made."""
     B, T, H, V = v.shape
-    if config.loop == "kron" or config.factor_keys:  # the loop forms phi(K) from the factors
+    if config.loop == "kron":  # the loop forms phi(K) from the factors
         kw = None
     elif config.phi_pass:  # token-major, filled by chunk_resident.fill_phi
         kw = args.empty(B, T, H, p.key_dim, dtype=dot_dtype(v), device=v.device)

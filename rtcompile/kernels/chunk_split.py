@@ -80,9 +80,6 @@ class SplitConfig(KernelConfig):
     ``phi_pass`` (the Triton loop; not with ``wy``): phi(K) is written token-major by the
     token-parallel ``chunk_resident.fill_phi`` before the first part, and the prepare kernel
     stores none (its column-block stores were ~100 of its 135 us at o3 16x16 C 64 on an H100).
-    ``factor_keys`` (the Triton loop; not with ``wy``, ``materialise`` or ``phi_pass``): the loop
-    forms each chunk's phi(K) from the key factors' [C, d_i] tiles in registers, so no phi(K) is
-    stored at all (the phi kernel wrote and the loop read 134 MB at o3 16x16 B8 T4096 H8).
     """
 
     kernel: ClassVar[str] = "chunk"
@@ -104,14 +101,13 @@ class SplitConfig(KernelConfig):
     wy: bool = False
     loop: str = "triton"
     phi_pass: bool = False
-    factor_keys: bool = False
 
     def block_k(self, shape: KernelShape) -> int:
         return shape.key_dim_pow2
 
     def canonical(self) -> "SplitConfig":
         inert = {}
-        if self.phi_pass or self.factor_keys:  # no stored phi(K) whose column blocks key_group groups
+        if self.phi_pass:  # the prepare kernel stores no phi(K) whose column blocks key_group groups
             inert["key_group"] = 1
         if self.loop == "gluon":  # the Gluon loop loads through TMA whatever ``tma`` says
             inert["tma"] = False
@@ -155,10 +151,6 @@ class SplitConfig(KernelConfig):
             return (f"phi_pass=True is the Triton loop's on the factors' phi(K) (got loop={self.loop!r}, "
                     f"wy={self.wy}, materialise={self.materialise}); allowed: loop='triton', wy=False, "
                     "materialise=False, or phi_pass=False")
-        if self.factor_keys and (self.loop != "triton" or self.wy or self.materialise or self.phi_pass):
-            return (f"factor_keys=True is the Triton loop's, on the factors (got loop={self.loop!r}, wy={self.wy}, "
-                    f"materialise={self.materialise}, phi_pass={self.phi_pass}); allowed: loop='triton', wy=False, "
-                    "materialise=False, phi_pass=False, or factor_keys=False")
         dot = dot_operand_bytes(shape.input_bytes)
         if self.tma and (shape.key_dim * dot % 16 or shape.value_width * dot % 16):
             return (f"tma=True needs rows of 16-byte multiples (K = {shape.key_dim}, d_v = {shape.value_width} at "
@@ -232,7 +224,7 @@ class SplitConfig(KernelConfig):
         K, V = w.shape.key_dim, w.shape.value_width
         states = w.batch * w.heads * math.ceil(chunk_count(w, self.chunk_size) / self.state_stride)
         work = states * K * V * dot + w.rows * V * dot
-        if self.loop != "kron" and not self.factor_keys:  # the stored phi(K); these loops form it from the factors
+        if self.loop != "kron":  # the stored phi(K); the "kron" loop forms it from the factors
             work += w.rows * K * dot
         if w.delta_rule and self.wy:
             work += wy_workspace(w)
@@ -293,8 +285,7 @@ def chunk_split_state_kernel(
     v, beta, h0, ht, Ai, W, U0, Kw, Gc, Hc, Uc, Rc, cu_seqlens, chunk_offsets, T, c0, c_end,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
     LOWP: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr, STRIDE: tl.constexpr,
-    TOKEN_KEYS: tl.constexpr = False, k1=None, k2=None, k3=None, NF: tl.constexpr = 1, D1: tl.constexpr = 1,
-    D2: tl.constexpr = 1, D3: tl.constexpr = 1, L2NORM: tl.constexpr = False,
+    TOKEN_KEYS: tl.constexpr = False,
 ):
     """The sequential loop of the split form: the state only. Per chunk of one (sequence, head,
     value block) it stores the incoming state S into ``Hc`` ([stored states, H, K, V], in the
@@ -321,9 +312,7 @@ def chunk_split_state_kernel(
     Ai is applied here): U = U0 - W S, one product on the chain where Ai's takes two (phi(K) S,
     then Ai); ``Ai`` and ``v`` are not read then, and ``Rc`` must be None. TOKEN_KEYS: ``Kw`` is
     token-major ([B, T, H, K], ``SplitConfig.phi_pass``; its descriptor [B T, H K] in [C, K]
-    blocks). ``k1``..``k3`` (``SplitConfig.factor_keys``; None: phi(K) is read from ``Kw``): the
-    key factors [B, T, H, D_i] (NF of them, power-of-two widths), from whose [C, D_i] tiles each
-    chunk's phi(K) is formed in registers (normalised with L2NORM); ``Kw`` is not read."""
+    blocks)."""
     WY: tl.constexpr = W is not None
     tl.static_assert(not (WY and Rc is not None), "the backward's recompute (Rc) reads R, which WY never forms")
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -343,10 +332,7 @@ def chunk_split_state_kernel(
         # one load, transposed in place for the update (o3 16x16 C 64 on the H200: the loop took
         # 0.211 ms against 0.223 with a second, transposed load, and with half the shared memory
         # per stage a third stage fits: 0.172 ms)
-        if k1 is not None:  # phi(K) from the factor rows: nothing stored, 2 x 32 B a row read
-            b_x1, b_x2, b_x3 = one_side_tiles(k1, k2, k3, r, m_t, NF, D1, D2, D3, D1, D2, D3, L2NORM)
-            b_k = phi_from_tiles(b_x1, b_x2, b_x3, NF, C, D1, D2, D3).to(DT)
-        elif TMA and TOKEN_KEYS:  # one descriptor load: no per-element addresses or masks (see the docstring)
+        if TMA and TOKEN_KEYS:  # one descriptor load: no per-element addresses or masks (see the docstring)
             b_k = Kw.load([(i_b * T + bos + i_c * C).to(tl.int32), i_h * K])
         elif TMA:
             b_k = Kw.load([((i_b * H + i_h) * T + bos + i_c * C).to(tl.int32), 0])
@@ -505,17 +491,14 @@ def triton_state_loop(config: SplitConfig, p: Problem, v, beta, ws: dict, Hc, Uc
     ``walk(h_in, h_out, c0, c1)``: chunks [c0, c1) of every (sequence, head, value block), the
     state in from ``h_in`` (None: zeros) and out to ``h_out``. With ``tma`` the loop reads phi(K)
     and the inverse (or W) and stores the states through tensor descriptors made once here.
-    ``keys`` / ``l2norm``: the key factors, read with ``factor_keys`` (the loop forms phi(K));
-    otherwise the loop reads the stored phi(K)."""
+    ``keys`` / ``l2norm`` (the key factors) are not read: the loop reads the stored phi(K)."""
     B, T, H, V = v.shape
     C, K = config.chunk_size, p.key_dim
     wy = ws["W"] is not None
     Kd, Hd, Ad, Wd = ws["Kw"], Hc, ws["Ai"], ws["W"]
     if config.tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
-        if config.factor_keys:
-            Kd = None
-        elif config.phi_pass:  # token-major: a head's rows are every H-th K-wide slice of a [B T, H K] row
+        if config.phi_pass:  # token-major: a head's rows are every H-th K-wide slice of a [B T, H K] row
             Kd = TensorDescriptor(ws["Kw"].view(B * T, H * K), [B * T, H * K], [H * K, 1], [C, K])
         else:
             Kd = TensorDescriptor(ws["Kw"].view(B * H * T, K), [B * H * T, K], [K, 1], [C, K])
@@ -526,17 +509,12 @@ def triton_state_loop(config: SplitConfig, p: Problem, v, beta, ws: dict, Hc, Uc
             Ad = TensorDescriptor(ws["Ai"].view(B * H * T, C), [B * H * T, C], [C, 1], [C, C])
     lowp, prec = lowp_dots(v.dtype), config.dot_precision
     kernel_call = cached(chunk_split_state_kernel)[(triton.cdiv(V, config.block_v), p.num_seqs * H)]
-    factors = {}
-    if config.factor_keys:
-        widths = width_args(p.key_widths, 1)
-        factors = dict(zip(("k1", "k2", "k3"), factor_args(keys)), NF=len(keys), L2NORM=l2norm,
-                       **{n: w for n, w in widths.items() if not n.startswith("BD")})
 
     def walk(h_in, h_out, c0: int, c1: int) -> None:
         kernel_call(v, beta, h_in, h_out, None if wy else Ad, Wd, ws["U0"], Kd, ws["Gc"], Hd, Uc, None, cu_seqlens,
                     offsets, T, c0, c1, H=H, K=K, V=V, C=C, BV=config.block_v, LOWP=lowp, PREC=prec, TMA=config.tma,
                     STRIDE=config.state_stride, TOKEN_KEYS=config.phi_pass, num_warps=config.num_warps,
-                    num_stages=config.num_stages, **factors)
+                    num_stages=config.num_stages)
 
     return walk
 
@@ -595,7 +573,7 @@ def launch(config: SplitConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seql
         if config.phi_pass and not PHI_BESIDE_PREPARE and c0 == bounds[0][0]:
             phi_keys()
         prepare_keys(config, p, q, k, v, g, beta, cu_seqlens=cu_seqlens, idx=idx, l2norm=l2norm,
-                     out={**ws, "Kw": None} if config.phi_pass or config.factor_keys else ws, chunks=(c0, c1))
+                     out={**ws, "Kw": None} if config.phi_pass else ws, chunks=(c0, c1))
 
     walk = STATE_LOOPS[config.loop](config, p, v, beta, ws, Hc, Uc, cu_seqlens, offsets, keys=k, l2norm=l2norm)
 
