@@ -1,0 +1,98 @@
+"""The decode kernel's access-pattern ceiling (GPU only): at K 256 H8 d_v 64 fp32, B256 and B32,
+one process, beside torch's copy of the same bytes:
+
+- the decode step itself (``running_tensor_decode_``, gate + delta rule + l2norm), without beta,
+  and without gate and beta;
+- a copy-shaped Triton kernel on the decode grid's tiles: each program loads a [BK, BV] tile of
+  one sequence-head's slab (evict-first), scales it and stores it in place (streaming), with the
+  slot read from state_indices first (as the decode kernel reads it) or the sequence's own row.
+
+So the decode kernel's distance to a copy splits into what its grid's access pattern costs and
+what its arithmetic costs. Each call is timed as graph replays over slot groups that rotate past
+the L2 (``rtcompile.timing.graph_replay_seconds``: 20 calls a graph, median of 7 replays), two
+rounds, median.
+
+    python benchmarks/decode_ceiling.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+TILES = ((256, 64, 8), (256, 32, 4), (256, 16, 2), (128, 64, 4), (64, 64, 2), (256, 64, 4))  # BK, BV, warps
+
+
+@triton.jit
+def slab_tile_copy_kernel(state, state_indices, K: tl.constexpr, V: tl.constexpr, H: tl.constexpr,
+                          BK: tl.constexpr, BV: tl.constexpr):
+    """Tile program_id(0) of sequence-head program_id(1)'s [K, V] slab, scaled in place; the slot
+    from ``state_indices`` (None: the sequence's own row)."""
+    i_t, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    NV: tl.constexpr = V // BV
+    i_k, i_v = i_t // NV, i_t % NV
+    if state_indices is not None:
+        slot = tl.load(state_indices + i_n).to(tl.int64)
+    else:
+        slot = i_n.to(tl.int64)
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    off = (slot * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+    b_s = tl.load(state + off, eviction_policy="evict_first")
+    tl.store(state + off, b_s * 0.999, cache_modifier=".cs")
+
+
+def main() -> None:
+    import torch
+
+    from rtcompile import running_tensor_decode_
+    from rtcompile.timing import graph_replay_seconds
+
+    dev = "cuda"
+    H, W, V = 8, (16, 16), 64
+    K = W[0] * W[1]
+    print(torch.cuda.get_device_name())
+    for B in (256, 32):
+        groups = 2 if B >= 256 else 6  # slot groups: 134 / 17 MB each, rotated past the 50 MB L2
+        gen = torch.Generator(device=dev).manual_seed(0)
+        cache = torch.randn(groups * B, H, *W, V, device=dev, generator=gen) * 0.1
+        idx = [torch.arange(i * B, (i + 1) * B, device=dev, dtype=torch.int32)[torch.randperm(B, device=dev)]
+               for i in range(groups)]
+        own = [cache[i * B:(i + 1) * B] for i in range(groups)]
+        q = [torch.randn(B, 1, H, w, device=dev, dtype=torch.bfloat16) for w in W]
+        k = [torch.randn(B, 1, H, w, device=dev, dtype=torch.bfloat16) for w in W]
+        v = torch.randn(B, 1, H, V, device=dev, dtype=torch.bfloat16)
+        g = -torch.rand(B, 1, H, device=dev) * 0.1
+        beta = torch.rand(B, 1, H, device=dev)
+        src = [torch.empty(B * H * K * V * 4, dtype=torch.uint8, device=dev).fill_(1) for _ in range(groups)]
+        dst = [torch.empty_like(s) for s in src]
+
+        def decode(gate, b):
+            return [lambda i=i: running_tensor_decode_(q, k, v, gate, b, state_cache=cache, state_indices=i,
+                                                       l2norm=True, validate=False) for i in idx]
+
+        variants = {"copy_": [lambda s=s, d=d: d.copy_(s) for s, d in zip(src, dst)],
+                    "decode": decode(g, beta), "decode, no beta": decode(g, None),
+                    "decode, no gate or beta": decode(None, None)}
+        for bk, bv, warps in TILES:
+            grid = ((K // bk) * (V // bv), B * H)
+            for name, args in ((f"tile copy [{bk},{bv}] w{warps}, slot loaded", [(cache, i) for i in idx]),
+                               (f"tile copy [{bk},{bv}] w{warps}, own row", [(c, None) for c in own])):
+                variants[name] = [lambda a=a, grid=grid, bk=bk, bv=bv, w=warps: slab_tile_copy_kernel[grid](
+                    *a, K=K, V=V, H=H, BK=bk, BV=bv, num_warps=w) for a in args]
+        rows = [(name, graph_replay_seconds(calls, 20, 7) * 1e6) for _ in range(2) for name, calls in variants.items()]
+        copy = statistics.median(us for name, us in rows if name == "copy_")
+        for name in variants:
+            us = statistics.median(u for n, u in rows if n == name)
+            print(f"B{B} {name:40s} {us:8.2f} us  fraction of the copy {copy / us:.3f}")
+
+
+if __name__ == "__main__":
+    main()
