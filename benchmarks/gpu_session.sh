@@ -1,6 +1,6 @@
 # The measurements of one GPU session, in steps that each fit one 10-minute device call.
 #
-#   bash benchmarks/gpu_session.sh STEP...      STEP: tests | train (= traintests traintime) | recalltests | recallcompile | tunetrain | trainfla | trainexp | sweep | bench | tunedecode | tunelarge | model | modelbf16 | serving | tpe | splitoutput | rowgate | onnxcpu | profiletrain | profileprefill | profiledecode | checks | recall
+#   bash benchmarks/gpu_session.sh STEP...      STEP: owed | tests | train (= traintests traintime) | recalltests | recallcompile | tunetrain | trainfla | trainexp | sweep | bench | tunedecode | tunelarge | model | modelbf16 | serving | tpe | splitoutput | rowgate | onnxcpu | profiletrain | profileprefill | profiledecode | checks | recall
 #
 # Run from the project root on the device machine after installing the carried wheels (see
 # benchmarks/README.md). Everything lands under $OUT. Each step writes as it goes, so a call cut
@@ -167,6 +167,20 @@ step_bench() {  # decode first (~60 s), so the prefill phase cannot starve it of
   python3 -m rtcompile.cli bench --out "$OUT/bench_prefill" --phase prefill --budget-s 460
 }
 
+step_owed() {  # what the H200 is still owed, in one call (~6 min): issue 21's decode rows with the
+  # fused layer step (B256 fp32 >= 1.2 M tokens/s, last timed on an H100 only), issue 22's decode
+  # fractions under the batch rule (H100 only so far), and the decode kernel's access-pattern
+  # ceiling (decode_ceiling.py; H100: 0.945-0.958 of a copy, the kernel 0.929)
+  timeout 240 python3 -m rtcompile.cli bench --model examples/order3_16x16.toml --only decode \
+    --out "$OUT/bench_model_decode" > "$OUT/model_decode.txt" 2>&1 || true
+  tail -n 12 "$OUT/model_decode.txt"
+  timeout 150 python3 -m rtcompile.cli bench --out "$OUT/bench_decode" --phase decode --budget-s 60 \
+    > "$OUT/decode.txt" 2>&1 || true
+  tail -n 12 "$OUT/decode.txt"
+  timeout 120 python3 benchmarks/decode_ceiling.py > "$OUT/decode_ceiling.txt" 2>&1 || true
+  cat "$OUT/decode_ceiling.txt"
+}
+
 step_model() {  # the whole model (issue 21): prefill tokens/s at B1, B8 T4096 and CUDA-graph decode
   # tokens/s at B1, B32, B256, ours (plain and torch.compile-fused step) and fla's mixer (K = 256)
   # in the same run; then the eager T = 1 paths' time per call (public API, decode_, fla)
@@ -246,6 +260,6 @@ step_recalltests() {  # one call's worth: the recall comparison (its trainings l
 }
 
 for s in "$@"; do
-  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (tests, train, traintests, traintime, recalltests, recallcompile, tunetrain, trainfla, trainexp, sweep, bench, tunedecode, tunelarge, model, modelbf16, serving, tpe, splitoutput, rowgate, onnxcpu, profiletrain, profileprefill, profiledecode, checks, recall)" >&2; exit 2; }
+  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (owed, tests, train, traintests, traintime, recalltests, recallcompile, tunetrain, trainfla, trainexp, sweep, bench, tunedecode, tunelarge, model, modelbf16, serving, tpe, splitoutput, rowgate, onnxcpu, profiletrain, profileprefill, profiledecode, checks, recall)" >&2; exit 2; }
   "step_$s"
 done
