@@ -257,8 +257,7 @@ class RunningTensorLayer(nn.Module):
         spec = self.spec
         B = v.shape[0]
         dtype = step_state_dtype(spec, plan, B, v.dtype) if dtype is None else dtype
-        if state.dtype != dtype or not state.is_contiguous():
-            state = state.to(dtype).contiguous()
+        state = as_step_state(state, dtype)
         grad = needs_grad(*q, *k, v, g, beta, state)
         if resolve_backend(backend, v, spec.order, grad) == "triton":
             o = running_tensor_decode_(q, k, v, g, beta, state_cache=state, state_indices=self.slot_indices(B, v.device),
@@ -293,6 +292,12 @@ def step_state_dtype(spec: ModelSpec, plan, batch: int, activations: torch.dtype
     else :func:`decode_state_dtype`. The CUDA-graph decoder allocates its static state in it, so
     the captured step converts nothing."""
     return torch.float64 if activations == torch.float64 else decode_state_dtype(spec, plan, batch)
+
+
+def as_step_state(state: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``state`` as the in-place step updates it: itself when already contiguous in ``dtype``,
+    else a converted copy made once (the step returns it for the caller's cache)."""
+    return state if state.dtype == dtype and state.is_contiguous() else state.to(dtype).contiguous()
 
 
 @functools.lru_cache(maxsize=None)

@@ -77,13 +77,10 @@ def fused_step(layer, x: torch.Tensor, cache: dict, fused, plan=None) -> tuple[t
     (``model.step_state_dtype``) or not contiguous is converted once and the converted tensor
     returned, as the unfused step does (the static step allocates it as the step keeps it)."""
     from .kernels.ops import running_tensor_layer_step_op
-    from .model import step_state_dtype
+    from .model import as_step_state, step_state_dtype
 
     B = x.shape[0]
-    state = cache["state"]
-    dtype = step_state_dtype(layer.spec, plan, B, x.dtype)
-    if state.dtype != dtype or not state.is_contiguous():
-        state = state.to(dtype).contiguous()
+    state = as_step_state(cache["state"], step_state_dtype(layer.spec, plan, B, x.dtype))
     pre = F.linear(x[:, 0], fused.weight, fused.bias)
     tails = cache["conv"]
     o = running_tensor_layer_step_op(
