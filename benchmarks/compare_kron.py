@@ -7,7 +7,7 @@ captured (a launch schedule, not a config field). A change that leaves the defau
 (e.g. a Gluon row's on a GPU whose default is not the Gluon loop) is skipped, not timed.
 
     python benchmarks/compare_kron.py [--rounds 2] [--out FILE.json] [--only 32x32]
-                                      [--phi-pass | --large | --small-k] [--profile]
+                                      [--phi-pass | --large | --small-k] [--profile] [--timeline]
 
 First every proposal runs against the float64 reference on the GPU (B1 T 203 and varlen
 sequences of 37 and 166 tokens, H2 d_v 64: partial chunks, an initial state, gate, delta rule,
@@ -16,7 +16,8 @@ proposals that pass are timed. Timing as ``compare_defaults.py``: B8 T4096 H8 d_
 each call captured in a CUDA graph per input set (two sets, replayed alternately), median of
 7 x 20 replays; the default and the proposals alternate within each round. The last columns:
 the largest difference between a proposal's output and the default's over the largest output,
-and the time over the default's. Prints a table last.
+and the time over the default's. Prints a table last. ``--timeline``: each kernel's stream, start
+and end in one captured replay (whether the pipelined parts run beside one another).
 """
 
 from __future__ import annotations
@@ -76,6 +77,12 @@ CASES = [
 # the state loop from the key factors' tiles (no phi kernel, nothing stored) ran 1.23x at 8 warps
 # (loop 274 us against 155: the outer product and its layout change sit on the chain), 1.49-1.64x
 # at bv 16, C 32 or 4 warps; reverted.
+# At a0c414e (H100, two rounds, each float64-checked first) one prepare launch for every part, so
+# only the output kernels run beside the loops: 1.014x (2 parts), 1.023x (4), 1.065x (8); 4 parts
+# as they are 1.040x. The replay's timeline (--timeline) says why: a kernel beside the loop slows
+# it (a half-sequence loop 80 us alone, 101-107 beside the next prepare or the last outputs) and
+# is slowed more (the half prepare 36 -> 106 us, the half outputs 50 -> 117), so the two parts
+# hide only ~10 us a pair: 360 us a replay against 367 of kernel time run one after another.
 PHI_PASS = [
     ("o3 16x16", (16, 16), [dict(PHI_BESIDE_PREPARE=True), dict(dot_precision="ieee")]),
 ]
@@ -221,6 +228,32 @@ def kernel_split(call, n: int = 5) -> dict[str, float]:
     return dict(total.most_common(6))
 
 
+def graph_timeline(graph) -> list[dict]:
+    """The kernels of one replay of ``graph`` in start order: name, stream, start and end (us from
+    the replay's first kernel), registers and shared memory (torch.profiler's CUPTI trace). It
+    shows whether the pipelined parts' kernels run beside one another and what that costs each:
+    a kernel beside others lasts longer than alone (the eager split)."""
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        with open(f"{tmp}/trace.json") as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
+    events.sort(key=lambda e: e["ts"])
+    t0 = events[0]["ts"] if events else 0.0
+    return [{"kernel": e["name"], "stream": e.get("args", {}).get("stream"), "start_us": e["ts"] - t0,
+             "end_us": e["ts"] + e["dur"] - t0, "registers": e.get("args", {}).get("registers per thread"),
+             "smem": e.get("args", {}).get("shared memory")} for e in events]
+
+
 def _capture_output(fn):
     """(the CUDA graph of ``fn``, the outputs its replays write)."""
     from compare_defaults import _capture
@@ -239,6 +272,8 @@ def main() -> int:
     only.add_argument("--phi-pass", action="store_true", help="only the phi_pass proposals")
     only.add_argument("--large", action="store_true", help="only the proposals above K = 256")
     only.add_argument("--small-k", action="store_true", help="only the proposals for the Gluon-loop rows, K <= 256")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also the kernel timeline of one captured replay of the default and the fastest proposal")
     ap.add_argument("--profile", action="store_true",
                     help="also the per-kernel split (torch.profiler, eager) of the default and the fastest proposal")
     args = ap.parse_args()
@@ -326,6 +361,16 @@ def main() -> int:
                 rows.append({"case": case, "profile": n, "kernels_us": split})
                 print(f"{case} {n} kernels (us per eager call): "
                       + "; ".join(f"{k[:40]} {v:.1f}" for k, v in split.items()), flush=True)
+        if args.timeline:
+            fastest = min((n for n in configs if n != "default"), key=lambda n: statistics.median(times[n]),
+                          default=None)
+            for n in ("default", fastest) if fastest else ("default",):
+                lines = graph_timeline(graphs[n][0])
+                rows.append({"case": case, "profile": n, "timeline": lines})
+                print(f"{case} {n}: kernel timeline of one replay (us; stream, start, end, duration)", flush=True)
+                for e in lines:
+                    print(f"  {e['kernel'][:40]:40s} {e['stream']!s:>4} {e['start_us']:7.1f} {e['end_us']:7.1f} "
+                          f"{e['end_us'] - e['start_us']:6.1f}", flush=True)
         del sets, graphs, outs
         torch.cuda.empty_cache()
     if args.out:
