@@ -84,7 +84,10 @@ CASES = [
 # is slowed more (the half prepare 36 -> 106 us, the half outputs 50 -> 117), so the two parts
 # hide only ~10 us a pair: 360 us a replay against 367 of kernel time run one after another.
 PHI_PASS = [
-    ("o3 16x16", (16, 16), [dict(PHI_BESIDE_PREPARE=True), dict(dot_precision="ieee")]),
+    # next to time (not yet measured): the loop on 64 programs of [256, 64] at 8 warps, which fill an
+    # SM's registers (255 a thread offline, sm_90, no spill; 214 KB shared), so no prepare or output
+    # block shares a loop's SM and the other 68 SMs run them beside the loops
+    ("o3 16x16", (16, 16), [dict(block_v=64, num_warps=8), dict(block_v=64, num_warps=8, pipeline=4)]),
 ]
 # (case, widths, changes to the default) at K <= 256 where the default is the split form with the
 # Gluon loop (sm_90). The prepare kernel's solve products in tf32 with 16-bit inputs, as o3 16x16's
