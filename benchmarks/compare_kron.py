@@ -355,9 +355,9 @@ def main() -> int:
                          "rounds_ms": [x * 1e3 for x in times[n]], "vs_default": t / base, "diff": diff})
             print(f"{case} {n}: {t * 1e3:.4f} ms ({t / base:.3f} of the default), diff {diff:.2e}", file=sys.stderr,
                   flush=True)
+        fastest = min((n for n in configs if n != "default"), key=lambda n: statistics.median(times[n]),
+                      default=None)
         if args.profile:
-            fastest = min((n for n in configs if n != "default"), key=lambda n: statistics.median(times[n]),
-                          default=None)
             for n in ("default", fastest) if fastest else ("default",):
                 with _patched(constants.get(n, {})):
                     split = kernel_split(call(sets[0], configs[n]))
@@ -365,8 +365,6 @@ def main() -> int:
                 print(f"{case} {n} kernels (us per eager call): "
                       + "; ".join(f"{k[:40]} {v:.1f}" for k, v in split.items()), flush=True)
         if args.timeline:
-            fastest = min((n for n in configs if n != "default"), key=lambda n: statistics.median(times[n]),
-                          default=None)
             for n in ("default", fastest) if fastest else ("default",):
                 lines = graph_timeline(graphs[n][0])
                 rows.append({"case": case, "profile": n, "timeline": lines})
