@@ -83,12 +83,10 @@ CASES = [
 # it (a half-sequence loop 80 us alone, 101-107 beside the next prepare or the last outputs) and
 # is slowed more (the half prepare 36 -> 106 us, the half outputs 50 -> 117), so the two parts
 # hide only ~10 us a pair: 360 us a replay against 367 of kernel time run one after another.
-PHI_PASS = [
-    # next to time (not yet measured): the loop on 64 programs of [256, 64] at 8 warps, which fill an
-    # SM's registers (255 a thread offline, sm_90, no spill; 214 KB shared), so no prepare or output
-    # block shares a loop's SM and the other 68 SMs run them beside the loops
-    ("o3 16x16", (16, 16), [dict(block_v=64, num_warps=8), dict(block_v=64, num_warps=8, pipeline=4)]),
-]
+# At ed1c78c (H100, two rounds) a loop that fills its SM's registers (64 programs of [256, 64] at 8
+# warps) ran 1.119x (2 parts) and 1.108x (4): its quarter-sequence loop took 69-83 us (4.3-5.2 us a
+# chunk against 2.5), and the outputs beside it still 55-67 us against 28 alone.
+PHI_PASS: list = []
 # (case, widths, changes to the default) at K <= 256 where the default is the split form with the
 # Gluon loop (sm_90). The prepare kernel's solve products in tf32 with 16-bit inputs, as o3 16x16's
 # default took them (0.960x there, H200 0bdb947), ran 0.985-0.994x the ieee defaults at c61325e (H100,
@@ -100,10 +98,10 @@ SMALL_K = [(case, widths, [dict(dot_precision="ieee")])
 # two rounds): o3 32x32 with 256-row tiles and no state prefetch (the tuner's pick on an H100)
 # 1.238 ms against 1.319 for the then default (128-row tiles loaded one ahead): the default since;
 # chunks of 128 (row solve, 64-row tiles, passes merged) 61.2 ms, 46x
+# At ed1c78c (H100, two rounds) the passes merged at o3 32x32 (a third less streamed state traffic
+# a chunk; 250 registers at 8 warps offline, no spill) ran 1.3257 ms against 1.2218, 1.085x.
 LARGE = [
-    # next to time: the passes merged (one pass over the state tile a chunk: a third less of the
-    # streamed state's L2 traffic); offline (Triton 3.6, sm_90) 250 registers at 8 warps, no spill
-    ("o3 32x32", (32, 32), [dict(merge_passes=True)]),
+    ("o3 32x32", (32, 32), [dict(block_k=128, prefetch_state=True)]),
     # the same row's other sizes, where the change was not timed before
     ("o3 32x16", (32, 16), [dict(block_k=128, prefetch_state=True)]),
     ("o3 64x32", (64, 32), [dict(block_k=128, prefetch_state=True)]),

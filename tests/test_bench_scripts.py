@@ -157,8 +157,7 @@ def test_compare_kron_check_runs_the_pipelined_parts(monkeypatch):
     assert failed is not None and failed.startswith("torch.bfloat16 T203 parts output"), failed
 
 
-@pytest.mark.parametrize("listed", ["PHI_PASS", "LARGE", "SMALL_K"])
-def test_compare_kron_changes_to_the_default_pass_their_checks(listed):
+def test_compare_kron_changes_to_the_default_pass_their_checks():
     """Every change compare_kron proposes to a shape's default builds a config that passes its
     own check with an H200's shared memory (232448 B), and changes what it names (a misspelt
     field or a no-op would time the default against itself on the GPU): a config field to
@@ -168,7 +167,8 @@ def test_compare_kron_changes_to_the_default_pass_their_checks(listed):
     from rtcompile.kernels.config import KernelShape
     from rtcompile.kernels.forms import default_config
 
-    for case, widths, proposals in getattr(compare_kron, listed):
+    checked = 0
+    for case, widths, proposals in compare_kron.PHI_PASS + compare_kron.LARGE + compare_kron.SMALL_K:
         shape = KernelShape(widths, 64, 2)
         default = default_config("chunk", shape, 232448, gluon=True)  # an H200's (sm_90) default
         for proposal in proposals:
@@ -179,6 +179,8 @@ def test_compare_kron_changes_to_the_default_pass_their_checks(listed):
             cfg = type(default).from_dict({**default.to_dict(), **fields})
             assert cfg != default or constants, (case, proposal)
             assert cfg.check(shape, 232448) is None, (case, fields, cfg.check(shape, 232448))
+            checked += 1
+    assert checked > 0  # a list may be empty between trials (PHI_PASS now), not all of them
 
 
 def test_the_comparisons_read_no_tuned_table(tuning_cache, monkeypatch):
