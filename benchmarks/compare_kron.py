@@ -297,6 +297,11 @@ def main() -> int:
              "large": [(True, *c) for c in LARGE], "small": [(True, *c) for c in SMALL_K]}
     chosen = (["phi"] if args.phi_pass else ["large"] if args.large else ["small"] if args.small_k
               else ["kron", "phi"])
+    if not any(lists[name] for name in chosen):  # an empty list between trials: nothing to time
+        names = {"kron": "CASES", "phi": "PHI_PASS", "large": "LARGE", "small": "SMALL_K"}
+        print(f"compare_kron: {' and '.join(names[n] for n in chosen)} list no proposals; add (case, widths, "
+              "[changes to the default]) to time one", file=sys.stderr)
+        return 2
     for changes, case, widths, proposals in (c for name in chosen for c in lists[name]):
         if args.only and args.only not in case:
             continue

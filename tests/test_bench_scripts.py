@@ -183,6 +183,21 @@ def test_compare_kron_changes_to_the_default_pass_their_checks():
     assert checked > 0  # a list may be empty between trials (PHI_PASS now), not all of them
 
 
+def test_compare_kron_says_so_when_a_list_is_empty(tuning_cache, monkeypatch, capsys):
+    """--phi-pass with PHI_PASS empty (between trials) exits 2 with one line naming the list,
+    before any GPU work, rather than printing an empty table."""
+    import os
+
+    import compare_kron
+
+    monkeypatch.setenv("RTCOMPILE_TUNED", os.environ["RTCOMPILE_TUNED"])  # untuned() changes it
+    monkeypatch.setattr(compare_kron, "PHI_PASS", [])
+    monkeypatch.setattr(sys, "argv", ["compare_kron.py", "--phi-pass"])
+    assert compare_kron.main() == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("compare_kron: PHI_PASS list no proposals"), line
+
+
 def test_the_comparisons_read_no_tuned_table(tuning_cache, monkeypatch):
     """compare_defaults / compare_kron / compare_loops time "the default": a tuned table in the
     cache they share with a tuner step of the same GPU session must not stand in for it (at
