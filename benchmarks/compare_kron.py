@@ -281,6 +281,15 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true",
                     help="also the per-kernel split (torch.profiler, eager) of the default and the fastest proposal")
     args = ap.parse_args()
+    # (changes to the default?, case, widths, proposals), by the list's name
+    lists = {"CASES": [(False, *c) for c in CASES], "PHI_PASS": [(True, *c) for c in PHI_PASS],
+             "LARGE": [(True, *c) for c in LARGE], "SMALL_K": [(True, *c) for c in SMALL_K]}
+    chosen = (["PHI_PASS"] if args.phi_pass else ["LARGE"] if args.large else ["SMALL_K"] if args.small_k
+              else ["CASES", "PHI_PASS"])
+    if not any(lists[name] for name in chosen):  # an empty list between trials: nothing to time
+        print(f"compare_kron: {' and '.join(chosen)} list no proposals; add (case, widths, "
+              "[changes to the default]) to time one", file=sys.stderr)
+        return 2
     from compare_defaults import _prefill_inputs, _timed, untuned
 
     untuned()  # "default": the defaults table's config, whatever a tuner step wrote before
@@ -293,16 +302,6 @@ def main() -> int:
 
     dev = torch.device("cuda")
     rows = []
-    # (changes to the default?, case, widths, proposals)
-    lists = {"kron": [(False, *c) for c in CASES], "phi": [(True, *c) for c in PHI_PASS],
-             "large": [(True, *c) for c in LARGE], "small": [(True, *c) for c in SMALL_K]}
-    chosen = (["phi"] if args.phi_pass else ["large"] if args.large else ["small"] if args.small_k
-              else ["kron", "phi"])
-    if not any(lists[name] for name in chosen):  # an empty list between trials: nothing to time
-        names = {"kron": "CASES", "phi": "PHI_PASS", "large": "LARGE", "small": "SMALL_K"}
-        print(f"compare_kron: {' and '.join(names[n] for n in chosen)} list no proposals; add (case, widths, "
-              "[changes to the default]) to time one", file=sys.stderr)
-        return 2
     for changes, case, widths, proposals in (c for name in chosen for c in lists[name]):
         if args.only and args.only not in case:
             continue
