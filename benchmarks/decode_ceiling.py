@@ -1,5 +1,6 @@
-"""The decode kernel's access-pattern ceiling (GPU only): at K 256 H8 d_v 64 fp32, B256 and B32,
-one process, beside torch's copy of the same bytes:
+"""The decode kernel's access-pattern ceiling (GPU only): at H8 d_v 64 fp32, K 256 (``--widths 16
+16``, the default) or any other widths, B256 and B32 (``--batches``), one process, beside torch's
+copy of the same bytes:
 
 - the decode step itself (``running_tensor_decode_``, gate + delta rule + l2norm), without beta,
   and without gate and beta;
@@ -12,11 +13,13 @@ what its arithmetic costs. Each call is timed as graph replays over slot groups 
 the L2 (``rtcompile.timing.graph_replay_seconds``: 20 calls a graph, median of 7 replays), two
 rounds, median.
 
-    python benchmarks/decode_ceiling.py
+    python benchmarks/decode_ceiling.py [--widths 32 32] [--batches 32]
 """
 
 from __future__ import annotations
 
+import argparse
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -26,7 +29,11 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-TILES = ((256, 64, 8), (256, 32, 4), (256, 16, 2), (128, 64, 4), (64, 64, 2), (256, 64, 4))  # BK, BV, warps
+# BK, BV, warps by K. K 1024: the default's [1024, 16] tile reads 64-byte row pieces (at K 256 the
+# [256, 16] pattern lost 37% of the copy on the H100); [256, 64] / [512, 32] read whole rows but
+# split the key axis, which the decode kernel's reductions over K would have to join across programs
+TILES = {256: ((256, 64, 8), (256, 32, 4), (256, 16, 2), (128, 64, 4), (64, 64, 2), (256, 64, 4)),
+         1024: ((1024, 16, 8), (1024, 32, 16), (512, 32, 8), (256, 64, 8), (128, 64, 4))}
 
 
 @triton.jit
@@ -50,17 +57,24 @@ def slab_tile_copy_kernel(state, state_indices, K: tl.constexpr, V: tl.constexpr
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--widths", type=int, nargs="+", default=[16, 16], help="key widths (K = their product)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[256, 32])
+    opts = ap.parse_args()
+    K = math.prod(opts.widths)
+    if K not in TILES:
+        ap.error(f"--widths: K = {K}; allowed: key widths whose product is one of {sorted(TILES)}")
     import torch
 
     from rtcompile import running_tensor_decode_
     from rtcompile.timing import graph_replay_seconds
 
     dev = "cuda"
-    H, W, V = 8, (16, 16), 64
-    K = W[0] * W[1]
-    print(torch.cuda.get_device_name())
-    for B in (256, 32):
-        groups = 2 if B >= 256 else 6  # slot groups: 134 / 17 MB each, rotated past the 50 MB L2
+    H, W, V = 8, tuple(opts.widths), 64
+    print(torch.cuda.get_device_name(), f"K {K}")
+    for B in opts.batches:
+        # slot groups rotated past the 50 MB L2 (K 256: 134 MB a group at B256, 17 MB at B32)
+        groups = max(2, math.ceil(120e6 / (B * H * K * V * 4)))
         gen = torch.Generator(device=dev).manual_seed(0)
         cache = torch.randn(groups * B, H, *W, V, device=dev, generator=gen) * 0.1
         idx = [torch.arange(i * B, (i + 1) * B, device=dev, dtype=torch.int32)[torch.randperm(B, device=dev)]
@@ -81,7 +95,7 @@ def main() -> None:
         variants = {"copy_": [lambda s=s, d=d: d.copy_(s) for s, d in zip(src, dst)],
                     "decode": decode(g, beta), "decode, no beta": decode(g, None),
                     "decode, no gate or beta": decode(None, None)}
-        for bk, bv, warps in TILES:
+        for bk, bv, warps in TILES[K]:
             grid = ((K // bk) * (V // bv), B * H)
             for name, args in ((f"tile copy [{bk},{bv}] w{warps}, slot loaded", [(cache, i) for i in idx]),
                                (f"tile copy [{bk},{bv}] w{warps}, own row", [(c, None) for c in own])):
