@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import interpreter_only
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -253,3 +254,33 @@ def test_profile_decode_refuses_bad_parts(parts, match, capsys):
     with pytest.raises(SystemExit) as exc:
         profile_decode.main(["--parts", parts])
     assert exc.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_decode_key_split_matches_float64_and_its_check_can_fail(monkeypatch, capsys):
+    """The key-split decode experiment's own check (interpreter: the 'last' join, orders 2-4,
+    padding, two calls in a row) passes, and refuses a step whose state is off by 1e-4."""
+    import decode_key_split as dks
+
+    monkeypatch.setattr(dks, "check_cases", lambda dev: [((8, 8), 16, 4, 3), ((4, 4, 4), 32, 4, 2)])
+    assert dks.main(["--check-only"]) == 0
+    assert capsys.readouterr().out.count("check ") == 4
+    right = dks.step64
+
+    def off(*a):
+        o, new = right(*a)
+        return o, new * (1 + 1e-4)
+
+    monkeypatch.setattr(dks, "step64", off)
+    with pytest.raises(SystemExit, match="is wrong"):
+        dks.main(["--check-only"])
+
+
+def test_decode_key_split_refuses_bad_arguments(capsys):
+    import decode_key_split as dks
+
+    with pytest.raises(SystemExit) as e:
+        dks.main(["--rounds", "0"])
+    assert e.value.code == 2 and "--rounds: 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="join: 'both'; allowed: last, wait"):
+        dks.decode_key_split(None, None, torch.zeros(1, 1, 1, 4), None, None, None, None, scale=1.0, l2norm=False,
+                             block_k=4, num_warps=1, join="both")
