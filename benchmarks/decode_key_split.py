@@ -14,6 +14,10 @@ finished by either join:
   (one read, one write). It relies on siblings (adjacent program ids) being resident together,
   as GPUs dispatch blocks in order; the interpreter, which runs programs one by one, cannot.
 
+H100 at ``fde6556`` (RESULTS.md): the wait join at block_k 128 ran K 1024 B32 in 0.819 of a copy
+against the library's 0.776, but lost at B64 and B128 (0.852 / 0.856 against 0.877 / 0.892) and
+at K 256; the last join lost everywhere (0.64-0.77). Not in the library.
+
 Each variant is checked against the float64 step (bf16 inputs, padding slots, two calls in a row,
 NaN-poisoned outputs), then timed beside the library's decode step and torch's copy of the same
 bytes: CUDA-graph replays over slot groups rotated past the L2, median of 7 replays of 20 calls,
