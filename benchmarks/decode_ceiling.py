@@ -29,9 +29,10 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# BK, BV, warps by K. K 1024: the default's [1024, 16] tile reads 64-byte row pieces (at K 256 the
-# [256, 16] pattern lost 37% of the copy on the H100); [256, 64] / [512, 32] read whole rows but
-# split the key axis, which the decode kernel's reductions over K would have to join across programs
+# BK, BV, warps by K. K 1024: the default's [1024, 16] tile reads 64-byte pieces of each 256-byte
+# state row (at K 256 the [256, 16] pattern lost 37% of the copy on the H100); [512, 32] reads
+# 128-byte pieces, [256, 64] and [128, 64] whole rows, but these split the key axis, which the
+# decode kernel's reductions over K would have to join across programs
 TILES = {256: ((256, 64, 8), (256, 32, 4), (256, 16, 2), (128, 64, 4), (64, 64, 2), (256, 64, 4)),
          1024: ((1024, 16, 8), (1024, 32, 16), (512, 32, 8), (256, 64, 8), (128, 64, 4))}
 
@@ -56,14 +57,16 @@ def slab_tile_copy_kernel(state, state_indices, K: tl.constexpr, V: tl.constexpr
     tl.store(state + off, b_s * 0.999, cache_modifier=".cs")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--widths", type=int, nargs="+", default=[16, 16], help="key widths (K = their product)")
     ap.add_argument("--batches", type=int, nargs="+", default=[256, 32])
-    opts = ap.parse_args()
+    opts = ap.parse_args(argv)
     K = math.prod(opts.widths)
     if K not in TILES:
         ap.error(f"--widths: K = {K}; allowed: key widths whose product is one of {sorted(TILES)}")
+    if min(opts.batches) < 1:
+        ap.error(f"--batches: {min(opts.batches)}; allowed: integers >= 1")
     import torch
 
     from rtcompile import running_tensor_decode_

@@ -18,8 +18,8 @@ H100 at ``fde6556`` (RESULTS.md): the wait join at block_k 128 ran K 1024 B32 in
 against the library's 0.776, but lost at B64 and B128 (0.852 / 0.856 against 0.877 / 0.892) and
 at K 256; the last join lost everywhere (0.64-0.77). Not in the library.
 
-Each variant is checked against the float64 step (bf16 inputs, padding slots, two calls in a row,
-NaN-poisoned outputs), then timed beside the library's decode step and torch's copy of the same
+Each variant is checked against the float64 step (bf16 factors, fp32 values so that o is compared
+unrounded, padding slots, two calls in a row, NaN-poisoned outputs), then timed beside the library's decode step and torch's copy of the same
 bytes: CUDA-graph replays over slot groups rotated past the L2, median of 7 replays of 20 calls,
 two rounds.
 
@@ -52,6 +52,10 @@ def decode_key_split_kernel(q1, q2, q3, k1, k2, k3, v, g, beta, o, state, state_
                             D3: tl.constexpr, BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr,
                             V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NKS: tl.constexpr,
                             L2NORM: tl.constexpr, EVICT: tl.constexpr, WAIT: tl.constexpr):
+    """Sibling program_id(0) of slab program_id(1) (sequence x head): its [BK, BV] tile of the
+    slot's state, its partials into ``part`` ([slabs, NKS, 3, BV] fp32), its count into ``count``
+    ([slabs] int64); WAIT: the join (module docstring). EVICT: the tile loaded evict-last, for the
+    last sibling's re-read from L2."""
     K: tl.constexpr = D1 * D2 * D3
     i_k, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H

@@ -284,3 +284,14 @@ def test_decode_key_split_refuses_bad_arguments(capsys):
     with pytest.raises(ValueError, match="join: 'both'; allowed: last, wait"):
         dks.decode_key_split(None, None, torch.zeros(1, 1, 1, 4), None, None, None, None, scale=1.0, l2norm=False,
                              block_k=4, num_warps=1, join="both")
+
+
+@pytest.mark.parametrize("argv, match", [(["--widths", "3", "5"], "--widths: K = 15; allowed"),
+                                         (["--batches", "0", "32"], "--batches: 0; allowed: integers >= 1")],
+                         ids=["K-15", "batch-0"])
+def test_decode_ceiling_refuses_bad_arguments(argv, match, capsys):
+    import decode_ceiling
+
+    with pytest.raises(SystemExit) as e:
+        decode_ceiling.main(argv)
+    assert e.value.code == 2 and match in capsys.readouterr().err
