@@ -29,6 +29,7 @@ two rounds.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -42,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rtcompile.kernels.args import factor_args, width_args  # noqa: E402
 from rtcompile.kernels.blocks import phi_gather, phi_inv_norm  # noqa: E402
 from rtcompile.kernels.recurrent import slot_mask  # noqa: E402
+from rtcompile.kernels.reference import running_tensor_recurrent_ref  # noqa: E402
 
 JOINS = ("last", "wait")
 
@@ -137,9 +139,7 @@ def decode_key_split(q, k, v, g, beta, state, state_indices, *, scale: float, l2
         raise ValueError(f"join: {join!r}; allowed: {', '.join(JOINS)}")
     N, _, H, V = v.shape
     widths = [x.shape[-1] for x in k]
-    K = 1
-    for w in widths:
-        K *= w
+    K = math.prod(widths)
     nks, bv = triton.cdiv(K, block_k), triton.next_power_of_2(V)
     key = (v.device, N * H, nks, bv)
     if key not in _WORK:
@@ -167,31 +167,18 @@ def inputs(B: int, H: int, W: tuple, V: int, dev, slots: int, seed: int, values=
     return q, k, v, g, beta, cache
 
 
-def _phi64(xs):
-    """Normalised phi of one token's factors [N, H, d_i] as [N, H, K] float64 (the kernels' 1e-6
-    under each factor's norm)."""
-    out = None
-    for x in xs:
-        x = x.double()
-        x = x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
-        out = x if out is None else (out[..., :, None] * x[..., None, :]).flatten(-2)
-    return out
-
-
 def step64(q, k, v, g, beta, cache, idx, scale):
-    """The float64 decode step: o [N, H, V] and the cache after it (padding rows untouched)."""
-    N, _, H, V = v.shape
+    """The float64 decode step by the library's token-loop oracle: o [N, H, V] and the cache
+    after it (padding rows untouched)."""
     new = cache.double().clone()
     live = idx >= 0
-    S = new[idx.clamp(min=0).long()].reshape(N, H, -1, V)
-    kk, qq = _phi64([x[:, 0] for x in k]), _phi64([x[:, 0] for x in q])
-    a = g[:, 0].double().exp()[..., None, None]
-    S = a * S
-    u = beta[:, 0].double()[..., None] * (v[:, 0].double() - (kk[..., None] * S).sum(-2))
-    S = S + kk[..., None] * u[..., None, :]
-    o = scale * (qq[..., None] * S).sum(-2)
-    new[idx[live].long()] = S[live].reshape(new[idx[live].long()].shape)
-    return o, new
+    rows = idx.clamp(min=0).long()
+    d = [x.double() for x in (*q, *k, v, g, beta)]
+    n = len(q)
+    o, S = running_tensor_recurrent_ref(d[:n], d[n:2 * n], *d[2 * n:], scale=scale, initial_state=new[rows],
+                                        output_final_state=True, l2norm=True)
+    new[rows[live]] = S[live]
+    return o[:, 0], new
 
 
 def check(B: int, W: tuple, dev, block_k: int, num_warps: int, join: str, pad: bool, H: int = 3, V: int = 64):
