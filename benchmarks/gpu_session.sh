@@ -1,6 +1,6 @@
 # The measurements of one GPU session, in steps that each fit one 10-minute device call.
 #
-#   bash benchmarks/gpu_session.sh STEP...      STEP: owed | tests | train (= traintests traintime) | recalltests | recallcompile | tunetrain | trainfla | trainexp | sweep | bench | tunedecode | tunelarge | model | modelbf16 | serving | tpe | splitoutput | rowgate | onnxcpu | profiletrain | profileprefill | profiledecode | checks | recall
+#   bash benchmarks/gpu_session.sh STEP...      STEP: owed | retime | tests | train (= traintests traintime) | recalltests | recallcompile | tunetrain | trainfla | trainexp | sweep | bench | tunedecode | tunelarge | model | modelbf16 | serving | tpe | splitoutput | rowgate | onnxcpu | profiletrain | profileprefill | profiledecode | checks | recall
 #
 # Run from the project root on the device machine after installing the carried wheels (see
 # benchmarks/README.md). Everything lands under $OUT. Each step writes as it goes, so a call cut
@@ -181,6 +181,17 @@ step_owed() {  # what the H200 is still owed, in one call (~6 min): issue 21's d
   cat "$OUT/decode_ceiling.txt"
 }
 
+step_retime() {  # the H200's K <= 256 table re-run (~6 min): the defaults beside fla with the tf32
+  # solve products they have had since 2026-12-06 (the H200 table is f79a8bd's, ieee products;
+  # H100: 0.985-0.994x). compare_loops.py compares configs with each other only, so the Gluon
+  # loop's float64 tests (their tf32 rows among them) run first on the same GPU.
+  timeout -s INT -k 20 200 python3 -m pytest -q -p no:cacheprovider tests/test_split_gluon.py \
+    > "$OUT/retime_tests.txt" 2>&1 || true
+  tail -n 3 "$OUT/retime_tests.txt"
+  timeout 330 python3 benchmarks/compare_loops.py > "$OUT/compare_loops.txt" 2>&1 || true
+  tail -n 14 "$OUT/compare_loops.txt"
+}
+
 step_model() {  # the whole model (issue 21): prefill tokens/s at B1, B8 T4096 and CUDA-graph decode
   # tokens/s at B1, B32, B256, ours (plain and torch.compile-fused step) and fla's mixer (K = 256)
   # in the same run; then the eager T = 1 paths' time per call (public API, decode_, fla)
@@ -260,6 +271,6 @@ step_recalltests() {  # one call's worth: the recall comparison (its trainings l
 }
 
 for s in "$@"; do
-  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (owed, tests, train, traintests, traintime, recalltests, recallcompile, tunetrain, trainfla, trainexp, sweep, bench, tunedecode, tunelarge, model, modelbf16, serving, tpe, splitoutput, rowgate, onnxcpu, profiletrain, profileprefill, profiledecode, checks, recall)" >&2; exit 2; }
+  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (owed, retime, tests, train, traintests, traintime, recalltests, recallcompile, tunetrain, trainfla, trainexp, sweep, bench, tunedecode, tunelarge, model, modelbf16, serving, tpe, splitoutput, rowgate, onnxcpu, profiletrain, profileprefill, profiledecode, checks, recall)" >&2; exit 2; }
   "step_$s"
 done
