@@ -1,13 +1,15 @@
 """Check, then time, proposals against each shape's default in one process on one GPU: the split
 form's state loop on the Kronecker factors (``loop="kron"``), changes to o3 16x16's
 ``phi_pass`` default (``--phi-pass``), to the streamed defaults above K = 256 (``--large``) and
-to the Gluon-loop split defaults at K <= 256 (``--small-k``, sm_90). A change is config fields,
+to the Gluon-loop split defaults at K <= 256 (``--small-k``, sm_90), and the split form's Triton
+loop above K = 256 (``--split-large``, outside its space). A change is config fields,
 or an UPPER-case name: a ``chunk_split`` module constant set while that row is checked and
 captured (a launch schedule, not a config field). A change that leaves the default as it is
 (e.g. a Gluon row's on a GPU whose default is not the Gluon loop) is skipped, not timed.
 
     python benchmarks/compare_kron.py [--rounds 2] [--out FILE.json] [--only 32x32]
-                                      [--phi-pass | --large | --small-k] [--profile] [--timeline]
+                                      [--phi-pass | --large | --small-k | --split-large]
+                                      [--profile] [--timeline]
 
 First every proposal runs against the float64 reference on the GPU (B1 T 203 and varlen
 sequences of 37 and 166 tokens, H2 d_v 64: partial chunks, an initial state, gate, delta rule,
@@ -100,6 +102,19 @@ SMALL_K = [(case, widths, [dict(dot_precision="ieee")])
 # chunks of 128 (row solve, 64-row tiles, passes merged) 61.2 ms, 46x
 # At ed1c78c (H100, two rounds) the passes merged at o3 32x32 (a third less streamed state traffic
 # a chunk; 250 registers at 8 warps offline, no spill) ran 1.3257 ms against 1.2218, 1.085x.
+# (case, widths, SplitConfig fields over SPLIT_TRITON) above K = 256 (``--split-large``): the split
+# form's Triton loop there, outside its space since its offline spills (probe_offline, Triton 3.6,
+# sm_90, phi_pass + tf32: 696 B / 250 spill loads and stores in a 1276-instruction loop at C 32 bv16
+# w8, 696 B at C 16, 1016 B at 16 warps; C 64, which compiles to wgmma with 128 B, needs one stage,
+# refused since one failed on the H200) but never timed: whether the spills cost more than the
+# streamed loop's state round trips through L2 (16.6 us a chunk at o3 32x32)
+SPLIT_TRITON = {"loop": "triton", "phi_pass": True, "state_stride": 2, "pipeline": 2, "num_stages": 2,
+                "prepare_warps": 1, "dot_precision": "tf32", "output_warps": 4, "output_block_v": 16}
+SPLIT_LARGE = [("o3 32x32", (32, 32), [
+    dict(chunk_size=32, block_v=16, num_warps=8),
+    dict(chunk_size=16, block_v=16, num_warps=8),
+    dict(chunk_size=32, block_v=16, num_warps=8, state_stride=4),
+])]
 LARGE = [
     ("o3 32x32", (32, 32), [dict(block_k=128, prefetch_state=True)]),
     # the same row's other sizes: on an H100 at 1e7dd49 the default ran 0.850 ms against this change's
@@ -123,11 +138,12 @@ def _patched(constants: dict):
     return mock.patch.multiple(chunk_split, **constants) if constants else contextlib.nullcontext()
 
 
-def _name(fields: dict, changes: bool) -> str:
-    if changes:
+def _name(fields: dict, base: dict | None) -> str:
+    """A row's name: the changes to the default (``base`` None), or a split config's main fields."""
+    if base is None:
         return "default + " + " ".join(f"{k}={v}" for k, v in fields.items())
-    f = {**KRON, **fields}
-    return (f"C{f['chunk_size']} bv{f['block_v']} w{f['num_warps']} stride{f['state_stride']} "
+    f = {**base, **fields}
+    return (f"{f['loop']} C{f['chunk_size']} bv{f['block_v']} w{f['num_warps']} stride{f['state_stride']} "
             f"parts{f['pipeline']} out{f['output_block_v']}")
 
 
@@ -276,16 +292,20 @@ def main() -> int:
     only.add_argument("--phi-pass", action="store_true", help="only the phi_pass proposals")
     only.add_argument("--large", action="store_true", help="only the proposals above K = 256")
     only.add_argument("--small-k", action="store_true", help="only the proposals for the Gluon-loop rows, K <= 256")
+    only.add_argument("--split-large", action="store_true",
+                      help="only the split form's Triton-loop configs above K = 256")
     ap.add_argument("--timeline", action="store_true",
                     help="also the kernel timeline of one captured replay of the default and the fastest proposal")
     ap.add_argument("--profile", action="store_true",
                     help="also the per-kernel split (torch.profiler, eager) of the default and the fastest proposal")
     args = ap.parse_args()
-    # (changes to the default?, case, widths, proposals), by the list's name
-    lists = {"CASES": [(False, *c) for c in CASES], "PHI_PASS": [(True, *c) for c in PHI_PASS],
-             "LARGE": [(True, *c) for c in LARGE], "SMALL_K": [(True, *c) for c in SMALL_K]}
+    # (split fields the proposals go over, or None for changes to the default; case, widths,
+    # proposals), by the list's name
+    lists = {"CASES": [(KRON, *c) for c in CASES], "PHI_PASS": [(None, *c) for c in PHI_PASS],
+             "LARGE": [(None, *c) for c in LARGE], "SMALL_K": [(None, *c) for c in SMALL_K],
+             "SPLIT_LARGE": [(SPLIT_TRITON, *c) for c in SPLIT_LARGE]}
     chosen = (["PHI_PASS"] if args.phi_pass else ["LARGE"] if args.large else ["SMALL_K"] if args.small_k
-              else ["CASES", "PHI_PASS"])
+              else ["SPLIT_LARGE"] if args.split_large else ["CASES", "PHI_PASS"])
     if not any(lists[name] for name in chosen):  # an empty list between trials: nothing to time
         print(f"compare_kron: {' and '.join(chosen)} list no proposals; add (case, widths, "
               "[changes to the default]) to time one", file=sys.stderr)
@@ -302,7 +322,7 @@ def main() -> int:
 
     dev = torch.device("cuda")
     rows = []
-    for changes, case, widths, proposals in (c for name in chosen for c in lists[name]):
+    for base, case, widths, proposals in (c for name in chosen for c in lists[name]):
         if args.only and args.only not in case:
             continue
         sets = [_prefill_inputs(widths, seed) for seed in (1, 2)]
@@ -316,17 +336,17 @@ def main() -> int:
             continue
         for fields in proposals:
             fields, patch = split_fields(fields)
-            if changes:
+            if base is None:
                 cfg = type(default).from_dict({**default.to_dict(), **fields})
             else:
-                cfg = SplitConfig.from_dict({**SplitConfig(16, 16).to_dict(), **KRON, **fields})
+                cfg = SplitConfig.from_dict({**SplitConfig(16, 16).to_dict(), **base, **fields})
             if cfg == default and not patch:  # nothing to compare: the default timed against itself
-                print(f"{case} {_name(fields, changes)}: the default itself here, skipped", file=sys.stderr, flush=True)
+                print(f"{case} {_name(fields, base)}: the default itself here, skipped", file=sys.stderr, flush=True)
                 continue
             refusal = cfg.check(launch.kernel_shape(p), launch.smem_limit(dev))
             with _patched(patch):
                 failed = refusal or check(cfg, widths)
-            name = _name({**fields, **patch}, changes)
+            name = _name({**fields, **patch}, base)
             constants[name] = patch
             print(f"{case} {name}: {'refused: ' + refusal if refusal else failed or 'matches float64'}",
                   file=sys.stderr, flush=True)

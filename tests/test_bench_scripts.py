@@ -184,6 +184,26 @@ def test_compare_kron_changes_to_the_default_pass_their_checks():
     assert checked > 0  # a list may be empty between trials (PHI_PASS now), not all of them
 
 
+def test_compare_kron_split_configs_pass_their_checks():
+    """Every split config compare_kron builds over a base (CASES over KRON, SPLIT_LARGE over
+    SPLIT_TRITON) names only SplitConfig fields and passes its own check for 16-bit inputs with an
+    H200's shared memory: a refused row would only say so on the GPU, after its device time."""
+    import compare_kron
+    from rtcompile.kernels.chunk_split import SplitConfig
+    from rtcompile.kernels.config import KernelShape
+
+    fields_allowed = set(SplitConfig(16, 16).to_dict())
+    for base, rows in ((compare_kron.KRON, compare_kron.CASES), (compare_kron.SPLIT_TRITON, compare_kron.SPLIT_LARGE)):
+        assert rows, base
+        for case, widths, proposals in rows:
+            for fields in proposals:
+                assert set(base) | set(fields) <= fields_allowed, (case, fields)
+                cfg = SplitConfig.from_dict({**SplitConfig(16, 16).to_dict(), **base, **fields})
+                assert cfg.check(KernelShape(widths, 64, 2), 232448) is None, (case, fields)
+            names = [compare_kron._name(f, base) for f in proposals]
+            assert len(set(names)) == len(names), names  # each row's name tells it apart
+
+
 def test_compare_kron_says_so_when_a_list_is_empty(tuning_cache, monkeypatch, capsys):
     """--phi-pass with PHI_PASS empty (between trials) exits 2 with one line naming the list,
     before any GPU work, rather than printing an empty table."""
