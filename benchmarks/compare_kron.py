@@ -138,6 +138,14 @@ def _patched(constants: dict):
     return mock.patch.multiple(chunk_split, **constants) if constants else contextlib.nullcontext()
 
 
+def split_config(base: dict, fields: dict):
+    """The SplitConfig of a row over ``base`` (KRON, SPLIT_TRITON): SplitConfig's defaults, then
+    the base's fields, then the row's."""
+    from rtcompile.kernels.chunk_split import SplitConfig
+
+    return SplitConfig.from_dict({**SplitConfig(16, 16).to_dict(), **base, **fields})
+
+
 def _name(fields: dict, base: dict | None) -> str:
     """A row's name: the changes to the default (``base`` None), or a split config's main fields."""
     if base is None:
@@ -304,8 +312,8 @@ def main() -> int:
     lists = {"CASES": [(KRON, *c) for c in CASES], "PHI_PASS": [(None, *c) for c in PHI_PASS],
              "LARGE": [(None, *c) for c in LARGE], "SMALL_K": [(None, *c) for c in SMALL_K],
              "SPLIT_LARGE": [(SPLIT_TRITON, *c) for c in SPLIT_LARGE]}
-    chosen = (["PHI_PASS"] if args.phi_pass else ["LARGE"] if args.large else ["SMALL_K"] if args.small_k
-              else ["SPLIT_LARGE"] if args.split_large else ["CASES", "PHI_PASS"])
+    chosen = [name for name in ("PHI_PASS", "LARGE", "SMALL_K", "SPLIT_LARGE") if getattr(args, name.lower())] \
+        or ["CASES", "PHI_PASS"]
     if not any(lists[name] for name in chosen):  # an empty list between trials: nothing to time
         print(f"compare_kron: {' and '.join(chosen)} list no proposals; add (case, widths, "
               "[changes to the default]) to time one", file=sys.stderr)
@@ -317,7 +325,6 @@ def main() -> int:
 
     import rtcompile
     from rtcompile.kernels import launch
-    from rtcompile.kernels.chunk_split import SplitConfig
     from rtcompile.kernels.inputs import check_inputs
 
     dev = torch.device("cuda")
@@ -339,7 +346,7 @@ def main() -> int:
             if base is None:
                 cfg = type(default).from_dict({**default.to_dict(), **fields})
             else:
-                cfg = SplitConfig.from_dict({**SplitConfig(16, 16).to_dict(), **base, **fields})
+                cfg = split_config(base, fields)
             if cfg == default and not patch:  # nothing to compare: the default timed against itself
                 print(f"{case} {_name(fields, base)}: the default itself here, skipped", file=sys.stderr, flush=True)
                 continue
