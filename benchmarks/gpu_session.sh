@@ -271,6 +271,9 @@ step_recalltests() {  # one call's worth: the recall comparison (its trainings l
 }
 
 for s in "$@"; do
-  declare -F "step_$s" > /dev/null || { echo "gpu_session.sh: unknown step '$s' (owed, retime, tests, train, traintests, traintime, recalltests, recallcompile, tunetrain, trainfla, trainexp, sweep, bench, tunedecode, tunelarge, model, modelbf16, serving, tpe, splitoutput, rowgate, onnxcpu, profiletrain, profileprefill, profiledecode, checks, recall)" >&2; exit 2; }
+  declare -F "step_$s" > /dev/null || {  # the steps listed from the functions, so none is missing
+    echo "gpu_session.sh: unknown step '$s' ($(declare -F | sed -n 's/^declare -f step_//p' | paste -sd, | sed 's/,/, /g'))" >&2
+    exit 2
+  }
   "step_$s"
 done

@@ -3,6 +3,7 @@ shapes on the CPU (their numbers are for the machines their headers name)."""
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -198,7 +199,7 @@ def test_compare_kron_split_configs_pass_their_checks():
         for case, widths, proposals in rows:
             for fields in proposals:
                 assert set(base) | set(fields) <= fields_allowed, (case, fields)
-                cfg = SplitConfig.from_dict({**SplitConfig(16, 16).to_dict(), **base, **fields})
+                cfg = compare_kron.split_config(base, fields)
                 assert cfg.check(KernelShape(widths, 64, 2), 232448) is None, (case, fields)
             names = [compare_kron._name(f, base) for f in proposals]
             assert len(set(names)) == len(names), names  # each row's name tells it apart
@@ -315,3 +316,20 @@ def test_decode_ceiling_refuses_bad_arguments(argv, match, capsys):
     with pytest.raises(SystemExit) as e:
         decode_ceiling.main(argv)
     assert e.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_gpu_session_refuses_an_unknown_step_with_every_step_listed(tmp_path):
+    """gpu_session.sh answers an unknown step with one line naming it and the steps it has (listed
+    from its step functions), exit 2, before any step runs."""
+    import subprocess
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_session.sh"
+    run = subprocess.run(["bash", str(script), "owed_typo"], capture_output=True, text=True,
+                         env={**os.environ, "OUT": str(tmp_path), "XDG_CACHE_HOME_RUN": str(tmp_path / "cache")})
+    assert run.returncode == 2, run
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu_session.sh: unknown step 'owed_typo' ("), run.stderr
+    listed = lines[0].split("(", 1)[1].rstrip(")").split(", ")
+    defined = re.findall(r"^step_(\w+)\(\)", script.read_text(), flags=re.M)
+    assert sorted(listed) == sorted(defined) and {"owed", "retime", "serving"} <= set(listed), listed
+    assert {p.name for p in tmp_path.iterdir()} <= {"cache"}  # no step's output (the run's cache folder only)
