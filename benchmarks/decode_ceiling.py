@@ -3,7 +3,8 @@
 copy of the same bytes:
 
 - the decode step itself (``running_tensor_decode_``, gate + delta rule + l2norm), without beta,
-  and without gate and beta;
+  and without gate and beta; then at each of the tiles below that cover K (the default's other
+  fields kept), so the copy pattern of a tile and the decode kernel on it sit side by side;
 - a copy-shaped Triton kernel on the decode grid's tiles: each program loads a [BK, BV] tile of
   one sequence-head's slab (evict-first), scales it and stores it in place (streaming), with the
   slot read from state_indices first (as the decode kernel reads it) or the sequence's own row.
@@ -67,9 +68,12 @@ def main(argv=None) -> None:
         ap.error(f"--widths: K = {K}; allowed: key widths whose product is one of {sorted(TILES)}")
     if min(opts.batches) < 1:
         ap.error(f"--batches: {min(opts.batches)}; allowed: integers >= 1")
+    import dataclasses
+
     import torch
 
     from rtcompile import running_tensor_decode_
+    from rtcompile.kernels import check_inputs, launch
     from rtcompile.timing import graph_replay_seconds
 
     dev = "cuda"
@@ -91,13 +95,20 @@ def main(argv=None) -> None:
         src = [torch.empty(B * H * K * V * 4, dtype=torch.uint8, device=dev).fill_(1) for _ in range(groups)]
         dst = [torch.empty_like(s) for s in src]
 
-        def decode(gate, b):
+        def decode(gate, b, variant=None):
             return [lambda i=i: running_tensor_decode_(q, k, v, gate, b, state_cache=cache, state_indices=i,
-                                                       l2norm=True, validate=False) for i in idx]
+                                                       l2norm=True, validate=False, variant=variant) for i in idx]
 
+        problem = check_inputs(q, k, v, g, beta, None, None, None)
+        default = launch.resolve_config("recurrent", None, problem, torch.device(dev))
+        print(f"B{B} default decode config: {default}")
         variants = {"copy_": [lambda s=s, d=d: d.copy_(s) for s, d in zip(src, dst)],
                     "decode": decode(g, beta), "decode, no beta": decode(g, None),
                     "decode, no gate or beta": decode(None, None)}
+        for bk, bv, warps in TILES[K]:  # the decode kernel on each tile that covers K
+            tile = dataclasses.replace(default, block_v=bv, num_warps=warps)
+            if bk == K and tile.check(launch.kernel_shape(problem)) is None:
+                variants[f"decode [{bk},{bv}] w{warps}"] = decode(g, beta, tile)
         for bk, bv, warps in TILES[K]:
             grid = ((K // bk) * (V // bv), B * H)
             for name, args in ((f"tile copy [{bk},{bv}] w{warps}, slot loaded", [(cache, i) for i in idx]),
