@@ -92,7 +92,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     ]
     for r in rows:
         table.add_row(*r)
-    Console().print(table)
+    Console(markup=False).print(table)  # a spec's name or path is text, never markup
     return 0
 
 

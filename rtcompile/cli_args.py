@@ -207,23 +207,70 @@ def _why(exc: OSError) -> str:
     return exc.strerror or str(exc) or type(exc).__name__
 
 
-def _usable_folder(prog: str, text: str, folder: str) -> None:
-    """``folder`` (absolute) can hold ``--out text``: its nearest existing part is a folder in
-    which this process can create a file (created and removed here), so the rest can be made."""
-    base = folder
-    while not os.path.lexists(base):
-        base = os.path.dirname(base)
-    if not os.path.isdir(base):
-        raise UsageError(f"{prog}: --out {text!r}: {base!r} is {_kind(os.lstat(base).st_mode)}, not a folder; "
-                         "allowed: a path whose existing parents are folders")
+def _existing_part(folder: str) -> str:
+    """The nearest existing part of ``folder`` (absolute): what a later ``makedirs`` starts from."""
+    while not os.path.lexists(folder):
+        folder = os.path.dirname(folder)
+    return folder
+
+
+def _cannot_create_in(base: str) -> str | None:
+    """Why this process cannot create a file in the existing folder ``base`` (None: it can; a file
+    is created and removed to find out)."""
     probe = os.path.join(base, f".rtcompile-probe.{os.getpid()}.{secrets.token_hex(8)}")
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError as exc:
-        raise UsageError(f"{prog}: --out {text!r}: cannot write in {base!r} ({_why(exc)}); allowed: a path in "
-                         "a folder this user can write") from None
+        return _why(exc)
     os.close(fd)
     os.unlink(probe)
+    return None
+
+
+def _usable_folder(prog: str, text: str, folder: str) -> None:
+    """``folder`` (absolute) can hold ``--out text``: its nearest existing part is a folder in
+    which this process can create a file (created and removed here), so the rest can be made."""
+    base = _existing_part(folder)
+    if not os.path.isdir(base):
+        raise UsageError(f"{prog}: --out {text!r}: {base!r} is {_kind(os.lstat(base).st_mode)}, not a folder; "
+                         "allowed: a path whose existing parents are folders")
+    if (why := _cannot_create_in(base)) is not None:
+        raise UsageError(f"{prog}: --out {text!r}: cannot write in {base!r} ({why}); allowed: a path in "
+                         "a folder this user can write")
+
+
+def cannot_write(path: str | os.PathLike) -> str | None:
+    """Why this process could not write the file ``path`` as rtcompile writes its own files (a
+    lock or temporary beside it, then the file itself or a rename over it), or make the folders
+    it needs; None when it can. Tried, not asked (``os.access`` says yes to root on a read-only
+    mount); nothing is left behind."""
+    path = os.path.abspath(os.fspath(path))
+    base = _existing_part(os.path.dirname(path))
+    if not os.path.isdir(base):
+        return f"{base!r} is {_kind(os.lstat(base).st_mode)}, not a folder"
+    if (why := _cannot_create_in(base)) is not None:
+        return f"cannot write in {base!r} ({why})"
+    if os.path.isfile(path):
+        try:
+            os.close(os.open(path, os.O_RDWR))  # an immutable file in a writable folder
+        except OSError as exc:
+            return f"cannot open {path!r} for writing ({_why(exc)})"
+    return None
+
+
+def check_cache_writable(prog: str) -> None:
+    """The files a tuning run writes besides its store, before any trial: the rtcompile cache
+    folder (device locks, cached references) and the tuned-config table ($RTCOMPILE_TUNED or
+    the cache's tuned.json; a failure there came after every trial had run). A
+    :class:`UsageError` naming the file and the environment variable that moves it."""
+    from .fileio import cache_dir
+    from .kernels.tuned import table_path
+
+    for what, path, moved_by in (("the cache folder", os.path.join(cache_dir(), ".probe"), "XDG_CACHE_HOME"),
+                                 ("the tuned-config table", table_path(), "RTCOMPILE_TUNED")):
+        if (why := cannot_write(path)) is not None:
+            shown = os.path.dirname(path) if what == "the cache folder" else os.fspath(path)
+            raise UsageError(f"{prog}: {what} {shown!r}: {why}; allowed: a writable path (set ${moved_by})")
 
 
 def _out_text(prog: str, out: str | os.PathLike, allowed: str) -> str:
@@ -319,13 +366,18 @@ def write_out(prog: str, out: str | os.PathLike, write: Callable[[], object]) ->
 def check_storage(url: str | None, create: bool) -> None:
     """``--storage URL`` before any work or notice: the file behind a SQLite or journal URL
     (``tuning.store.check_store_file``: its folder, and for SQLite that it is a database), and
-    for a server database the URL's form and its SQLAlchemy dialect, without connecting. Raises
-    the store's StoreError (one line naming the storage)."""
+    for a server database the URL's form and its SQLAlchemy dialect, without connecting; with
+    ``create``, that this process can write the file (:func:`cannot_write`). Raises the store's
+    StoreError (one line naming the storage)."""
     from .tuning.options import memory_store_refusal
     from .tuning.store import StoreError, check_store_file, store_file
 
     check_store_file(url, create)
-    if url is None or store_file(url) is not None:
+    if (path := store_file(url)) is not None:  # None: the cache's file
+        if create and (why := cannot_write(path)) is not None:
+            from .tuning.store import default_url
+
+            raise StoreError(f"storage {url or default_url()!r}: {why}; allowed: a store this user can write")
         return
     if (why := memory_store_refusal(url)) is not None:  # sqlite[+driver]://: gone at exit
         raise StoreError(why)

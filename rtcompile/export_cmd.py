@@ -180,7 +180,7 @@ def run_inspect(args) -> int:
     t.add_row("versions", ", ".join(f"{k} {v}" for k, v in m["versions"].items()))
     for name, meta in m["files"].items():
         t.add_row(name, f"{meta['bytes']} bytes, sha256 {meta['sha256'][:16]}... (verified)")
-    Console(width=160).print(t)
+    Console(width=160, markup=False).print(t)  # names and paths are text, never markup
     return 0
 
 

@@ -7,8 +7,8 @@ import json
 import os
 import sys
 
-from .cli_args import (UsageError, check_out_file, check_out_not_input, check_storage, int_list, nonempty,
-                       positive_int, tuning_buckets, write_out)
+from .cli_args import (UsageError, check_cache_writable, check_out_file, check_out_not_input, check_storage, int_list,
+                       nonempty, positive_int, tuning_buckets, write_out)
 
 
 def _common(p, target_note: str = "") -> None:
@@ -93,7 +93,7 @@ def _print(plan, spec, target) -> None:
                          for a in d.alternatives)
         t.add_row(d.phase, str(d.batch), str(d.seq_len), d.mode, str(d.chunk_size or "-"), vt, short[d.state_dtype],
                   ms(d.cost["seconds"]), d.cost["bound"], d.cost["source"], alts)
-    con = Console(width=220)
+    con = Console(width=220, markup=False)  # a spec's name is text, never markup
     con.print(t)
     cross = ", ".join(f"{k}: {v if v is not None else 'never'}" for k, v in plan.crossover.items())
     con.print(f"chunk-parallel prefill is no slower than the recurrent scan from T = {cross} tokens")
@@ -193,10 +193,11 @@ def run_build(args) -> int:
     # the tuning progress) say how the plan is made: they are the start of the report the table
     # continues, so they go to stdout with it. stderr then holds a failure alone, as one line (a
     # late write failure, a failed kernel check), never after a notice that is not an error.
-    report = Console()
+    report = Console(markup=False)
     target_name = _target_name(args)
     spec, target, plan = _make(args, target_name)
     if on_gpu and _tunes_here(target_name):
+        check_cache_writable("rtcompile build")  # the tuned table is written after the trials: tried before them
         from .target import measure
         from .tuning import TuneOptions, refusal, tune_bucket
         from .tuning.processes import stop_on_signal

@@ -8,8 +8,8 @@ import os
 import sys
 import time
 
-from .cli_args import (UsageError, check_storage, finite_positive_float, fixed_param, int_list, nonempty, positive_int,
-                       tuning_buckets)
+from .cli_args import (UsageError, check_cache_writable, check_storage, finite_positive_float, fixed_param, int_list,
+                       nonempty, positive_int, tuning_buckets)
 
 # the phase that tunes each kernel (--fix names a kernel's forms)
 PHASE_OF = {"chunk": "prefill", "recurrent": "decode", "chunk_bwd": "train"}
@@ -63,7 +63,6 @@ def add_parser(sub) -> None:
 
 def _list(args) -> int:
     from rich.console import Console
-    from rich.markup import escape
     from rich.table import Table
 
     from .tuning import list_studies
@@ -80,8 +79,8 @@ def _list(args) -> int:
         ms = lambda s: f"{s * 1e3:.4g}" if s else "-"
         v = r["best_variant"]
         vt = " ".join(f"{k}={x}" for k, x in v.items() if k != "kernel") if v else "(not finished)"
-        table.add_row(escape(r["study"]), str(r["trials"]), ms(r["best_seconds"]), ms(r["default_seconds"]), escape(vt))
-    Console(width=200).print(table)
+        table.add_row(r["study"], str(r["trials"]), ms(r["best_seconds"]), ms(r["default_seconds"]), vt)
+    Console(width=200, markup=False).print(table)  # store paths, names and configs are text, never markup
     if not rows:
         print("the store holds no rtcompile studies", file=sys.stderr)
     return 0
@@ -109,6 +108,7 @@ def _run(args) -> int:
 
     spec = load_spec(args.spec)
     check_storage(args.storage, create=True)  # a typo'd folder or URL: refused before any notice or trial
+    check_cache_writable("rtcompile tune")  # the tuned table is written after the trials: tried before them
     on_gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
     err = Console(stderr=True)
     if not on_gpu:
@@ -268,7 +268,6 @@ def _tune_all(buckets, opts, err, start: float) -> list:
 
 def _print_results(results, spec, args, on_gpu: bool) -> None:
     from rich.console import Console
-    from rich.markup import escape
     from rich.table import Table
 
     from .kernels.forms import FORMS
@@ -294,7 +293,7 @@ def _print_results(results, spec, args, on_gpu: bool) -> None:
             vt += " (the default, outside the fixed sub-space: none of it was faster)"
         ran = "0 (already tuned)" if r.already_tuned else str(r.trials_run)
         pruned = str(c.get("pruned", 0)) + (f" (+{c['repeat']} repeats)" if c.get("repeat") else "")
-        table.add_row(escape(r.bucket.label), str(r.trials_total), ran, str(c.get("ok", 0)), pruned,
+        table.add_row(r.bucket.label, str(r.trials_total), ran, str(c.get("ok", 0)), pruned,
                       str(c.get("rejected", 0)), failed(c), ms(r.best_seconds),
-                      ms(r.default_seconds), f"{r.speedup:.2f}x" if r.speedup else "-", escape(vt))
-    Console(width=200).print(table)
+                      ms(r.default_seconds), f"{r.speedup:.2f}x" if r.speedup else "-", vt)
+    Console(width=200, markup=False).print(table)  # a spec's name or path is text, never markup

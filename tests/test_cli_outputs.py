@@ -363,3 +363,88 @@ def test_export_a_weights_or_graph_write_that_fails_is_one_line_and_leaves_nothi
         monkeypatch.setattr(onnx, "save", save)
         argv = ["export", "tiny.toml", "--no-kernels", "--out", "new/bundle"]
     _refused(argv, capsys, work, "--out 'new/bundle'", part, full)
+
+
+def _no_trial(monkeypatch):
+    """Tuning raises if a study starts (beside ``_no_work``'s planning, checks and sweep)."""
+    import rtcompile.tuning as tuning
+
+    def started(*a, **k):
+        raise AssertionError("a trial started before the store was checked")
+
+    monkeypatch.setattr(tuning, "tune_bucket", started)
+
+
+STORE_COMMANDS = {  # command -> argv before --storage (relative to the work folder)
+    "tune": ["tune", "tiny.toml", "--trials", "1", "--phase", "decode"],
+    "explore": ["explore", "tiny.toml", "--orders", "2", "--widths", "4", "--target", "h200", "--out", "ex"],
+    "build": ["build", "tiny.toml", "--out", "p.json"],
+}
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "journal"])
+@pytest.mark.parametrize("cmd", sorted(STORE_COMMANDS))
+def test_an_unwritable_store_is_refused_before_any_work(work, capsys, monkeypatch, cmd, kind):
+    ro = work / "ro"
+    ro.mkdir()
+    url = f"sqlite:///{ro / 's.db'}" if kind == "sqlite" else f"journal:{ro / 'j.log'}"
+    _no_work(monkeypatch)
+    _no_trial(monkeypatch)
+    _unwritable(monkeypatch, ro, errno.EROFS)
+    try:
+        line = _refused([*STORE_COMMANDS[cmd], "--storage", url], capsys, work, f"storage {url!r}", "cannot write in",
+                        str(ro))
+    finally:
+        os.chmod(ro, 0o755)
+    assert os.strerror(errno.EROFS) in line
+
+
+@pytest.mark.parametrize("moved", ["XDG_CACHE_HOME", "RTCOMPILE_TUNED"])
+def test_tune_refuses_an_unwritable_cache_or_tuned_table_before_any_trial(work, capsys, monkeypatch, moved):
+    ro = work / "ro"
+    ro.mkdir()
+    monkeypatch.setenv(moved, str(ro / ("cache" if moved == "XDG_CACHE_HOME" else "tuned.json")))
+    _no_trial(monkeypatch)
+    _unwritable(monkeypatch, ro, errno.EACCES)
+    try:  # a store of its own, so the cache's (the default store) is not what is refused first
+        line = _refused([*STORE_COMMANDS["tune"], "--storage", f"sqlite:///{work / 's.db'}"], capsys, work,
+                        "cannot write in", str(ro))
+    finally:
+        os.chmod(ro, 0o755)
+    assert f"${moved}" in line and os.strerror(errno.EACCES) in line
+
+
+@pytest.mark.parametrize("content", [b"garbage\n", b"\x93\xff\x00 not text", b'{"op_code": 0}\n[1, 2]\n{"op'],
+                         ids=["text-line", "binary-no-newline", "a-bad-second-line"])
+@pytest.mark.parametrize("argv", [["tune", "--list"], STORE_COMMANDS["tune"]], ids=["list", "tune"])
+def test_a_file_that_is_not_a_journal_is_refused_untouched(work, capsys, monkeypatch, content, argv):
+    log = work / "j.log"
+    log.write_bytes(content)
+    _no_trial(monkeypatch)
+    _refused([*argv, "--storage", f"journal:{log}"], capsys, work, f"journal:{log}", "is not an Optuna journal")
+    assert log.read_bytes() == content
+
+
+def test_an_optuna_journal_is_listed(work, capsys):
+    import optuna
+    from optuna.storages.journal import JournalFileBackend
+
+    log = work / "j.log"
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # its notice would go to an earlier test's stderr
+    try:
+        optuna.create_study(study_name="rtcompile:some-bucket",
+                            storage=optuna.storages.JournalStorage(JournalFileBackend(str(log))))
+    finally:
+        optuna.logging.set_verbosity(verbosity)
+    capsys.readouterr()
+    assert main(["tune", "--list", "--storage", f"journal:{log}"]) == 0
+    cap = capsys.readouterr()
+    assert "rtcompile:some-bucket" in "".join(cap.out.split()) and "Traceback" not in cap.err
+
+
+@pytest.mark.parametrize("url", ["sqlite:///{}?mode=ro", "journal:{}?x=1"], ids=["sqlite", "journal"])
+def test_a_file_store_url_with_a_query_is_refused(work, capsys, url):
+    url = url.format(work / "s")
+    _refused(["tune", "--list", "--storage", url], capsys, work, f"storage {url!r}", "takes no query")
+    _refused([*STORE_COMMANDS["tune"], "--storage", url], capsys, work, "takes no query")

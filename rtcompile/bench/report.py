@@ -194,7 +194,6 @@ def error_table_rows(rows: Sequence[Row]) -> list[tuple[str, ...]]:
 def _print_table(title: str, columns: Sequence[str], cells: Sequence[Sequence[str]], file: Any) -> None:
     try:
         from rich.console import Console
-        from rich.markup import escape
         from rich.table import Table
     except ImportError:  # rich missing on an offline GPU box: plain text, same content
         widths = [max(len(c), *(len(r[i]) for r in cells)) if cells else len(c) for i, c in enumerate(columns)]
@@ -206,8 +205,8 @@ def _print_table(title: str, columns: Sequence[str], cells: Sequence[Sequence[st
     for i, c in enumerate(columns):
         table.add_column(c, justify="left" if i < 3 or c == "note" else "right")
     for cell in cells:
-        table.add_row(*(escape(c) for c in cell))  # "rtcompile[fused]" is not a markup tag
-    Console(file=file, width=220).print(table)
+        table.add_row(*cell)
+    Console(file=file, width=220, markup=False).print(table)  # "rtcompile[fused]" is not a markup tag
 
 
 def print_tables(rows: Sequence[Row], header: Mapping[str, Any], file: Any = None) -> None:

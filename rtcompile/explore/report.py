@@ -196,13 +196,12 @@ def print_table(recs: Sequence[Mapping[str, Any]], head: Mapping[str, Any], file
     """The rich table: one row per point; speed cells read "latency, throughput"; the source
     column says whether a row's speed figures were measured or modelled (on which target)."""
     from rich.console import Console
-    from rich.markup import escape
     from rich.table import Table
 
     shapes = [("prefill", b, t) for b, t in PREFILL_SHAPES] + [("decode", b, 1) for b in DECODE_BATCHES]
     src = "measured on " + head["target"] if head["speed_source"] == "measured" else f"model: {head['target']}"
     match = f", matched by {head['match']}" if head["match"] else ""
-    table = Table(title=f"explore {escape(head['base_spec'].get('name') or '')} ({escape(src)}{match}; "
+    table = Table(title=f"explore {head['base_spec'].get('name') or ''} ({src}{match}; "
                   "mixer latency, all layers)", header_style="bold")
     cols = ["point", "key axes", "H x d_v", "D", "state/seq", "state/layer", "params"]
     cols += [f"{ph} B{b}" + (f" T{t}" if ph == "prefill" else "") for ph, b, t in shapes]
@@ -212,7 +211,7 @@ def print_table(recs: Sequence[Mapping[str, Any]], head: Mapping[str, Any], file
     for r in recs:
         axes = "x".join(map(str, r["key_widths"]))
         if r["status"] == "refused":
-            table.add_row(r["id"], axes, *["-"] * (len(cols) - 4), "", escape(_clip(r["note"])))
+            table.add_row(r["id"], axes, *["-"] * (len(cols) - 4), "", _clip(r["note"]))
             continue
         figs = {(f["phase"], f["batch"], f["seq_len"]): f for f in r["speed"]}
         sources = sorted({f["source"] for f in r["speed"] if f["seconds"] is not None})
@@ -223,9 +222,9 @@ def print_table(recs: Sequence[Mapping[str, Any]], head: Mapping[str, Any], file
         row.append("+".join(sources) or "-")
         if head["recall"]:
             row.append("-" if r["recall_accuracy"] is None else f"{r['recall_accuracy']:.3f}")
-        row += ["*" if r["pareto"] else "", escape(_clip(r["note"]))]
+        row += ["*" if r["pareto"] else "", _clip(r["note"])]
         table.add_row(*row)
-    Console(file=file or sys.stdout, width=220).print(table)
+    Console(file=file or sys.stdout, width=220, markup=False).print(table)  # names and notes are text, never markup
 
 
 def _plot(path: Path, recs: Sequence[Mapping[str, Any]], y_key: str, y_label: str, title: str, log_y: bool) -> Path:

@@ -230,17 +230,61 @@ def _check_sqlite_file(url: str, path: Path, create: bool) -> None:
                          "header); allowed: an SQLite database file, a new path, or journal:PATH")
 
 
+def _check_journal_file(url: str, path: Path) -> None:
+    """StoreError when an existing ``path`` is not an Optuna journal: a folder or other
+    non-regular file, bytes that are not UTF-8, or a complete line that is not one JSON record
+    of Optuna's (a dict with an ``op_code``). Optuna reads such a file as an empty store and
+    fails only after a study has appended to it. A last line without its newline may be another
+    process's write in progress: only its first character is checked."""
+    import json
+    import stat
+
+    try:
+        st = path.stat()
+    except OSError:
+        return  # absent: created (or, listing, refused) by the caller
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        raise StoreError(f"storage {url!r}: {str(path)!r} is {kind}; allowed: an Optuna journal file or a new path")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise StoreError(f"storage {url!r}: cannot read {str(path)!r} ({exc.strerror or exc})") from None
+    *lines, tail = data.split(b"\n")
+    bad = None
+    for number, line in enumerate(lines, start=1):
+        try:
+            record = json.loads(line)
+        except ValueError:  # JSONDecodeError and UnicodeDecodeError alike
+            record = None
+        if not (isinstance(record, dict) and "op_code" in record):
+            bad = number
+            break
+    if bad is None and tail.strip() and not tail.lstrip().startswith(b"{"):
+        bad = len(lines) + 1
+    if bad is not None:
+        raise StoreError(f"storage {url!r}: {str(path)!r} is not an Optuna journal (line {bad} is not a journal "
+                         "record); allowed: a journal file, a new path, or sqlite:///FILE")
+
+
 def check_store_file(url: str | None, create: bool) -> None:
     """StoreError, before anything is created, when the file behind ``url`` cannot be (or, with
-    ``create`` False, is not) there, or is there and is not an SQLite database (for a SQLite URL,
-    :func:`_check_sqlite_file`). Only the default store's folder (the cache) is created: a
+    ``create`` False, is not) there, or is there and is not an SQLite database or an Optuna
+    journal (:func:`_check_sqlite_file`, :func:`_check_journal_file`), or the URL has a query
+    (which SQLAlchemy would drop). Only the default store's folder (the cache) is created: a
     folder a user named that does not exist is a typo far more often than a wish for a new tree."""
     url = url or default_url()
     path = store_file(url)
     if path is None:
         return
+    if "?" in url:
+        # SQLAlchemy drops a query it does not know (?mode=ro: the file still opened read-write)
+        raise StoreError(f"storage {url!r}: a file store takes no query ({url[url.index('?'):]!r}); allowed: "
+                         "sqlite:///FILE or journal:PATH")
     if url.startswith("sqlite:///"):
         _check_sqlite_file(url, path, create)
+    else:
+        _check_journal_file(url, path)
     if url == default_url():
         return
     if not create and not path.exists():
@@ -265,15 +309,15 @@ def open_storage(url: str | None = None, *, create: bool = True):
     if url.startswith("journal:"):
         from optuna.storages.journal import JournalFileBackend
 
-        path = Path(url[len("journal:"):])
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path = store_file(url)
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
         except Exception as exc:  # noqa: BLE001 -- any failure to read the log is a store error
             raise StoreError(f"storage {url!r}: cannot open the journal ({str(exc).splitlines()[0]})") from None
     try:
         if url.startswith("sqlite:///"):
-            db = Path(url[len("sqlite:///"):])
+            db = store_file(url)
             if db.exists() and not os.access(db, os.R_OK | os.W_OK):
                 raise StoreError(f"storage {url!r}: the file is not readable and writable")
             with file_lock(db.with_name(db.name + ".lock")):
@@ -292,7 +336,7 @@ def open_storage(url: str | None = None, *, create: bool = True):
     except StoreError:
         raise
     except (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError, RuntimeError, ValueError,
-            ImportError) as exc:
+            ImportError, OSError) as exc:  # OSError: the lock file beside it cannot be made
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise StoreError(f"storage {url!r}: cannot open ({first}); check the URL, or move a corrupted file away") from None
 
