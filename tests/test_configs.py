@@ -382,10 +382,12 @@ def test_recurrent_candidates_try_both_hints():
 
 
 @pytest.mark.parametrize("widths, d_v, rows, tile", [
-    ((16, 16), 64, 64 * 8, (32, 4)),  # 512 programs with 64 columns: the [K, 32] default
-    ((16, 16), 64, 128 * 8, (64, 8)),  # 1024: doubled
+    ((16, 16), 64, 64 * 8, (32, 4)),  # 32 MiB of fp32 slabs: the [K, 32] default
+    ((16, 16), 64, 96 * 8 - 1, (32, 4)),  # one row short of 48 MiB
+    ((16, 16), 64, 96 * 8, (64, 8)),  # 48 MiB: doubled
     ((16, 16), 64, 256 * 8, (64, 8)),
-    ((32, 32), 64, 32 * 8, (16, 8)),
+    ((32, 32), 64, 16 * 8, (16, 8)),  # K 1024 B16 (32 MiB): [1024, 16]
+    ((32, 32), 64, 24 * 8, (32, 16)),  # B24 (48 MiB): doubled, as at K 256 B96
     ((32, 32), 64, 128 * 8, (32, 16)),
     ((32, 16), 64, 256 * 8, (32, 8)),  # K 512: [512, 16] with 4 warps, doubled
     ((16, 16), 32, 4096 * 8, (32, 4)),  # the default's tile already covers d_v
@@ -418,16 +420,20 @@ def test_decode_rows_reach_the_launcher_default_at_one_token_only():
     assert launch.resolve_config("recurrent", None, problem(128, 1), cpu).block_v == 64
     assert launch.resolve_config("recurrent", None, problem(64, 1), cpu).block_v == 32
     assert launch.resolve_config("recurrent", None, problem(128, 3), cpu).block_v == 32  # a scan, not a step
-    # varlen, one token a sequence (as serving engines pack a decode step): the [128, 1] call's tile
-    packed = problem(1, 128, torch.arange(129, dtype=torch.int32))
-    assert launch.decode_rows("recurrent", packed) == 128 * 8
-    assert launch.resolve_config("recurrent", None, packed, cpu).block_v == 64
+    # varlen, one token a sequence (as serving engines pack a decode step): the [N, 1] call's tile
+    for n, block_v in ((128, 64), (95, 32)):
+        packed = problem(1, n, torch.arange(n + 1, dtype=torch.int32))
+        assert launch.decode_rows("recurrent", packed) == min(n * 8, 768)
+        assert launch.resolve_config("recurrent", None, packed, cpu).block_v == block_v
+        assert launch.resolve_config("recurrent", None, problem(n, 1), cpu).block_v == block_v
     # one sequence of two tokens among one-token ones: a scan (T = 129 > N = 128)
     longer = problem(1, 129, torch.tensor([0, 2, *range(3, 130)], dtype=torch.int32))
     assert launch.decode_rows("recurrent", longer) is None
     assert launch.resolve_config("recurrent", None, longer, cpu).block_v == 32
-    # the rule reads no more than its threshold: the cached defaults stay one per batch below it
-    assert launch.decode_rows("recurrent", problem(4096, 1)) == 1024
+    # the rule reads no more than its threshold (48 MiB of slabs: 768 rows of [256, 64]): the
+    # cached defaults stay one per batch below it
+    assert launch.decode_rows("recurrent", problem(4096, 1)) == 768
+    assert launch.decode_rows("recurrent", problem(95, 1)) == 760
     assert launch.decode_rows("chunk", problem(4096, 1)) is None
 
 

@@ -160,7 +160,7 @@ def test_varlen_uneven_lengths(widths, tiles):
 
 def test_packed_one_token_sequences_with_the_wide_decode_tile():
     """Varlen with one token a sequence (a serving engine's packed decode step) takes the decode
-    step's default tile, the doubled [K, 2 BV] at >= 1024 programs (``launch.decode_rows``;
+    step's default tile, the doubled [K, 2 BV] from 48 MiB of slabs (``launch.decode_rows``;
     test_configs checks the choice): that tile on such a call against float64, d_v 48 in one
     64-column tile (16 columns masked)."""
     from rtcompile.kernels.forms import decode_tile, default_config

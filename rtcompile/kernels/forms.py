@@ -293,19 +293,31 @@ RECURRENT_DEFAULTS: tuple[DefaultRow, ...] = (
                "the whole [K, 32] slab in registers up to K = 256 (86% of copy bandwidth at o3 16x16 B256), "
                "[K, 16] with 8 warps to K = 1024 (74% at B32), 1024-row tiles beyond; stream hints on a "
                "resident slab (92% of a same-size copy at B32 against 85%); at T = 1 twice the value "
-               "columns and warps where that still makes 1024 programs (decode_tile)"),
+               "columns and warps from 48 MiB of fp32 slabs (decode_tile)"),
 )
 
 
-# A one-token call (the decode step) whose doubled tile still makes this many programs runs the
-# doubled tile: [K, 2 BV] with twice the warps (64 state elements a thread either way); resident
-# slabs of 256 <= K <= 1024 only (not measured below or beyond). H100, `rtcompile bench --phase
-# decode` with tiles beside the default at dd0bc1b, fraction of a same-size copy, default ->
-# doubled (the doubled tile's programs): K 256 B256 0.90 -> 0.94 (2048), B128 0.89 -> 0.92
-# (1024), B64 0.90 -> 0.88 (512), B32 1.00 -> 0.94 (256); K 1024 B128 0.82 -> 0.92 (2048), B32
-# 0.84 -> 0.84 (512), B8 0.99 -> 0.83 (128). The tuner's K 256 B256 pick is the doubled tile (H100
-# and H200); at K 1024 B32 its pick (also doubled, H100) timed equal to the default here.
-WIDE_DECODE_PROGRAMS = 1024
+# A one-token call (the decode step) whose state slabs hold this many elements (sequences x
+# heads x K x d_v, both rounded up to powers of two; 48 MiB in fp32) runs the doubled tile: [K,
+# 2 BV] with twice the warps (64 state elements a thread either way); resident slabs of 256 <= K
+# <= 1024 only (not measured below or beyond). One size for every K: the doubled tile lost below
+# it at K 256 and K 1024 alike, while a count of programs (1024, the former rule) kept K 1024
+# from doubling at B32, where it gains. H100 80GB HBM3, fraction of a same-size copy, default ->
+# doubled (the call's slabs):
+# - `decode_ceiling.py` (slot groups rotated past the L2; code of 0f4ab50, two rounds at K 1024
+#   B32): K 1024 B16 0.851 -> 0.830 (34 MB), B24 0.816 -> 0.826 (50 MB), B32 0.805 -> 0.845 (67
+#   MB), B48 0.808 -> 0.870 (101 MB); K 256 B64 0.909 -> 0.876 (34 MB), B96 0.892 -> 0.895 (50 MB),
+#   B128 0.894 -> 0.912 (67 MB), B256 0.930 with the doubled tile against 0.885.
+# - `rtcompile bench --phase decode` at dd0bc1b: K 256 B256 0.90 -> 0.94, B128 0.89 -> 0.92, B64
+#   0.90 -> 0.88, B32 1.00 -> 0.94; K 1024 B128 0.82 -> 0.92, B32 0.84 -> 0.84, B8 0.99 -> 0.83.
+# The tuner's K 256 B256 pick is the doubled tile (H100 and H200), and so is its K 1024 B32 pick
+# (H100). Not yet measured on the H200.
+WIDE_DECODE_ELEMENTS = 12 * 2**20
+
+
+def wide_decode_rows(shape: KernelShape) -> int:
+    """The sequences x heads from which a one-token call's slabs reach :data:`WIDE_DECODE_ELEMENTS`."""
+    return -(-WIDE_DECODE_ELEMENTS // (next_pow2(shape.key_dim) * next_pow2(shape.value_width)))
 
 
 def _recurrent_default(shape: KernelShape) -> RecurrentConfig:
@@ -323,12 +335,12 @@ def _recurrent_warps(block_k: int, block_v: int) -> int:
 
 def decode_tile(config: RecurrentConfig, shape: KernelShape, decode_rows: int) -> RecurrentConfig:
     """``config`` with its value tile and warps doubled when a one-token call over ``decode_rows``
-    (sequences x heads) still gets :data:`WIDE_DECODE_PROGRAMS` programs from the doubled tile
-    and its slab is resident, 256 <= K <= 1024; else ``config``. Invariant: the result passes its
-    check whenever ``config`` does (a doubled tile that would not is not taken)."""
+    (sequences x heads) reaches :func:`wide_decode_rows` and its slab is resident, 256 <= K <=
+    1024; else ``config``. Invariant: the result passes its check whenever ``config`` does (a
+    doubled tile that would not is not taken)."""
     bv, kp = 2 * config.block_v, next_pow2(shape.key_dim)
     if (not 256 <= kp <= 1024 or config.block_k < kp or bv > next_pow2(shape.value_width)
-            or decode_rows * -(-shape.value_width // bv) < WIDE_DECODE_PROGRAMS):
+            or decode_rows < wide_decode_rows(shape)):
         return config
     return _with_value_tile(config, shape, bv)
 

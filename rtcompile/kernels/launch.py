@@ -28,7 +28,7 @@ from .chunk_resident import ResidentConfig
 from .chunk_split import SplitConfig
 from .chunk_streamed import StreamedConfig
 from .config import CHUNK_SIZES, DEFAULT_SMEM_BYTES, KernelConfig, KernelShape, checked
-from .forms import WIDE_DECODE_PROGRAMS, check_config, config_from_dict, default_config
+from .forms import check_config, config_from_dict, default_config, wide_decode_rows
 from .inputs import Problem, check_inputs
 from .decode_plan import DECODE_PLANS, DecodePlan, PlanCache, check_indices, signature_key
 from .recurrent import RecurrentConfig
@@ -75,7 +75,7 @@ def decode_rows(kernel: str, p: Problem) -> int | None:
     one_token = p.seq_len == 1 or (p.seq_bounds is not None and p.seq_len == p.num_seqs)
     if kernel != "recurrent" or not one_token:
         return None
-    return min(p.num_seqs * p.heads, WIDE_DECODE_PROGRAMS)
+    return min(p.num_seqs * p.heads, wide_decode_rows(KernelShape(p.key_widths, p.value_width)))
 
 
 def device_refusal(config: KernelConfig, device: torch.device) -> str | None:
