@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from typing import Sequence
 
 from ._version import __version__
@@ -207,12 +208,25 @@ def _stdout_gone() -> int:
     return EXIT_BROKEN_PIPE
 
 
+def _warning_line(shown: set[str]):
+    """A ``warnings.showwarning`` for a command: each warning as one ``rtcompile: warning:`` line
+    on stderr, once per text (Python's form, "<file>:<line>: RuntimeWarning: ..." and the source
+    line, named our module to a user; an unreadable tuned table warned twice in `build`)."""
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        text = str(message).splitlines()[0] if str(message) else category.__name__
+        if text not in shown:
+            shown.add(text)
+            print(f"rtcompile: warning: {text}", file=sys.stderr)
+    return show
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         # every command: a SIGTERM stops it as a Ctrl-C does, through its clean-up (Python's default
         # ended `export` at once, leaving its temporary bundle folder and the folders it had made)
-        with stop_on_signal():
+        with stop_on_signal(), warnings.catch_warnings():
+            warnings.showwarning = _warning_line(set())
             args = parser.parse_args(argv)
             if args.command is None:
                 raise UsageError("rtcompile: missing COMMAND; run 'rtcompile --help' for the list")

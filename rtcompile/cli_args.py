@@ -299,6 +299,9 @@ def check_out_file(prog: str, out: str | os.PathLike) -> None:
     never a folder, FIFO or device node; its folder existing or makeable, and writable (tried).
     Nothing is created."""
     text = _out_text(prog, out, "a regular file path or a new one")
+    if text.endswith((os.sep, "/")):  # abspath drops the slash: "out/" would become a file named out
+        raise UsageError(f"{prog}: --out {text!r}: ends with a slash, which names a folder; allowed: a file path "
+                         f"({text.rstrip(os.sep + '/') or '.'}/plan.json)")
     path = os.path.abspath(text)
     if os.path.lexists(path):
         try:

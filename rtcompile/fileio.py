@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 __all__ = ["ReadError", "WriteError", "atomic_directory", "atomic_write", "cache_dir", "file_sha256", "honour_umask",
-           "parse_problem", "read_whole", "writing"]
+           "parse_problem", "read_whole", "unique_keys", "writing"]
 
 # A clash of two 64-bit random names is improbable; the retries only bound a pathological loop.
 _NAME_TRIES = 16
@@ -67,6 +67,18 @@ def read_whole(path: str | os.PathLike) -> bytes:
         raise ReadError(p, "no such file") from None
     except OSError as exc:
         raise ReadError(p, f"cannot be read ({_why(exc)})") from None
+
+
+def unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """``json.loads``' ``object_pairs_hook`` for the files rtcompile reads (plans, manifests):
+    the object as a dict, or ValueError naming a repeated key (json keeps the last value silently,
+    so a hand-edited file's first value would be ignored unseen)."""
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} appears more than once")
+        out[key] = value
+    return out
 
 
 def parse_problem(exc: BaseException) -> str:

@@ -38,7 +38,7 @@ from typing import Any, Iterator
 
 from ._version import __version__
 from .fields import FieldError, check_float, check_int, check_ints, check_type
-from .fileio import ReadError, atomic_write, parse_problem, read_whole
+from .fileio import ReadError, atomic_write, parse_problem, read_whole, unique_keys
 from .costmodel import Calibration, chunk_cost, recurrent_cost, shape_of, workload
 from .functional import MAX_TRITON_ORDER
 from .kernels.chunk_backward import default_backward
@@ -120,8 +120,8 @@ class Plan:
         except ReadError as exc:
             raise PlanError(f"plan file {str(path)!r}: {exc.why}; allowed: a plan file (rtcompile plan / build)") from None
         try:
-            data = json.loads(raw.decode("utf-8"))
-        except ValueError as exc:  # not UTF-8 or JSON, or a number past Python's 4300 digits
+            data = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_keys)
+        except ValueError as exc:  # not UTF-8 or JSON, a repeated key, or a number past Python's 4300 digits
             raise PlanError(f"plan file {str(path)!r}: unreadable ({parse_problem(exc)})") from None
         except RecursionError:  # ~1000 nested brackets exhaust the parser; a plan nests a few levels
             raise PlanError(f"plan file {str(path)!r}: nested too deeply to parse") from None
@@ -353,7 +353,10 @@ def check_memory(spec: ModelSpec, target: Target, batch: int, seq_len: int) -> d
 
 
 def _gb(n: float) -> str:
-    return f"{n / 1e9:.3g} GB"
+    try:
+        return f"{n / 1e9:.3g} GB"
+    except OverflowError:  # an int past float's range (--batch 10**310): its power of ten
+        return f"~1e{len(str(int(n))) - 10} GB"
 
 
 def _alternative(mode: str, config: KernelConfig, cost, **extra) -> dict[str, Any]:

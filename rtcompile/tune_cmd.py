@@ -10,6 +10,11 @@ import time
 
 from .cli_args import (UsageError, check_cache_writable, check_storage, finite_positive_float, fixed_param, int_list,
                        nonempty, positive_int, tuning_buckets)
+from .fields import FieldError
+
+# TuneOptions field -> the option that sets it (its errors name the field)
+OPTION_OF = {"trials": "--trials", "seconds": "--seconds", "workers": "--workers", "trial_timeout": "--timeout",
+             "impl": "--impl", "fixed": "--fix", "storage": "--storage"}
 
 # the phase that tunes each kernel (--fix names a kernel's forms)
 PHASE_OF = {"chunk": "prefill", "recurrent": "decode", "chunk_bwd": "train"}
@@ -118,10 +123,13 @@ def _run(args) -> int:
     if spec.order > MAX_TRITON_ORDER:
         raise UsageError(f"rtcompile tune: order {spec.order}; the Triton kernels take orders 2-{MAX_TRITON_ORDER}")
     workers = args.workers or (max(1, torch.cuda.device_count()) if on_gpu else 1)
-    opts = TuneOptions(storage=args.storage, trials=None if args.seconds else (args.trials or 20),
-                       seconds=args.seconds, workers=workers, resume=args.resume, retune=args.retune,
-                       device="cuda" if on_gpu else "cpu", trial_timeout=args.timeout, impl=args.impl,
-                       repeats=20 if on_gpu else 3, fixed=dict(args.fix), exhaustive=args.exhaustive)
+    try:
+        opts = TuneOptions(storage=args.storage, trials=None if args.seconds else (args.trials or 20),
+                           seconds=args.seconds, workers=workers, resume=args.resume, retune=args.retune,
+                           device="cuda" if on_gpu else "cpu", trial_timeout=args.timeout, impl=args.impl,
+                           repeats=20 if on_gpu else 3, fixed=dict(args.fix), exhaustive=args.exhaustive)
+    except FieldError as exc:  # a bound the parser does not hold (--workers <= MAX_WORKERS): named as the option
+        raise UsageError(f"rtcompile tune: {OPTION_OF.get(exc.name, exc.name)}: {str(exc).partition(': ')[2]}") from None
     buckets = tuning_buckets(spec, args.phase, args.batch, args.seq_len, args.decode_batch, on_gpu)
     _check_sizes(spec, buckets, on_gpu)
     for bucket in buckets:  # a shape the kernel cannot run, or a bad --fix: usage errors before any study starts

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
-from ..fileio import ReadError, parse_problem, read_whole
+from ..fileio import ReadError, parse_problem, read_whole, unique_keys
 from .compiled import check_entry, check_groups
 
 # 2: the manifest records a digest of the ONNX graphs' weights (onnx.weights_sha256), and
@@ -84,15 +84,6 @@ def refuse(root: Path, where: str, problem: str) -> BundleError:
 
 def _type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:  # json keeps the last value silently; a manifest says each thing once
-            raise ValueError(f"key {key!r} appears more than once")
-        out[key] = value
-    return out
 
 
 def _is_int(value: Any) -> bool:
@@ -185,7 +176,7 @@ def _read_manifest(root: Path) -> tuple[dict[str, Any], dict[str, bytes]]:
             raise BundleError(f"bundle {str(root)!r}: no {MANIFEST}") from None
         raise refuse(root, MANIFEST, f"{exc.why}; allowed: a regular file") from None
     try:
-        manifest = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+        manifest = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_keys)
     except ValueError as exc:  # not UTF-8 or JSON, repeated keys, a number past Python's 4300 digits
         raise refuse(root, MANIFEST, f"unreadable ({parse_problem(exc)})") from None
     except RecursionError:  # ~1000 nested brackets exhaust the parser's recursion; a manifest nests 4 levels
@@ -326,7 +317,7 @@ def safetensors_header(data: bytes) -> dict[str, tuple[list[int], str, int]]:
     if n > min(len(data) - 8, _ST_MAX_HEADER):
         raise ValueError(f"header length {n} beyond the file's {len(data)} bytes")
     try:
-        header = json.loads(data[8:8 + n].decode("utf-8"), object_pairs_hook=_unique_keys)
+        header = json.loads(data[8:8 + n].decode("utf-8"), object_pairs_hook=unique_keys)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ValueError(f"header is not JSON ({_one_line(exc)})") from None
     if not isinstance(header, dict):

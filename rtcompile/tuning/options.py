@@ -13,6 +13,7 @@ DEFAULT_SEED = 20261129  # recorded in every study; TPE's choices are reproducib
 # numpy's RandomState (Optuna's TPE) takes seeds below 2**32; a study adds its worker index and
 # trial numbers (and 10_000 for the final re-measurements) to the seed, so half that range is kept
 MAX_SEED = 2**31 - 1
+MAX_WORKERS = 1024  # one process each, whatever the trial count (explore's bound too)
 DEVICES = ("cpu", "cuda")
 
 
@@ -77,7 +78,7 @@ class TuneOptions:
             raise FieldValueError("retune", self.retune, "not with resume",
                                   "resume, retune: both True; allowed: one of them (retune deletes the study that "
                                   "resume continues)")
-        check_int("workers", self.workers, 1)
+        check_int("workers", self.workers, 1, MAX_WORKERS)
         check_int("seed", self.seed, 0, MAX_SEED)
         check_type("device", self.device, str, f"one of {', '.join(DEVICES)}")
         if self.device not in DEVICES:

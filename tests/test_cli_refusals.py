@@ -1,0 +1,105 @@
+"""Mistakes that got past the CLI's checks: an unbounded ``tune --workers``, an integer past
+float's range, ``--out DIR/`` for a file, a plan file with a repeated key; and Python's own
+warning format on stderr. Each refusal is one stderr line and exit 2 before any work; a warning
+is one ``rtcompile: warning:`` line, once."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rtcompile.cli import main
+
+TINY = """order = 3
+key_widths = [4, 4]
+value_width = 8
+heads = 2
+model_width = 32
+layers = 1
+input_dtype = "float32"
+"""
+
+
+@pytest.fixture
+def work(tmp_path, monkeypatch):
+    """A folder holding a tiny spec (the current folder), a private cache, no work started."""
+    import rtcompile.tuning as tuning
+
+    (tmp_path / "tiny.toml").write_text(TINY)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("RTCOMPILE_TUNED", str(tmp_path / "cache" / "tuned.json"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.chdir(tmp_path)
+
+    def started(*a, **k):
+        raise AssertionError("a study started before the input was checked")
+
+    monkeypatch.setattr(tuning, "tune_bucket", started)
+    return tmp_path
+
+
+def _refused(argv, capsys, *needles: str) -> str:
+    code = main([str(a) for a in argv])
+    cap = capsys.readouterr()
+    lines = cap.err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in cap.err, (code, cap.err)
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+@pytest.mark.parametrize("workers", [1025, 10**6])
+def test_tune_bounds_its_workers_as_explore_does(work, capsys, workers):
+    _refused(["tune", "tiny.toml", "--workers", workers, "--trials", "1", "--phase", "decode"], capsys,
+             "--workers", str(workers), "allowed: an integer in [1, 1024]")
+    assert not (work / "cache" / "rtcompile" / "tuning.db").exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["plan", "tiny.toml", "--seq-len", 10**310],
+    ["plan", "tiny.toml", "--batch", 10**310],
+    ["plan", "tiny.toml", "--decode-batch", 10**310],
+], ids=["seq-len", "batch", "decode-batch"])
+def test_an_integer_past_floats_range_is_one_line(work, capsys, argv):
+    _refused(argv, capsys, "does not fit")
+
+
+def test_make_plan_refuses_an_integer_past_floats_range_with_value_error():
+    from rtcompile.plan import make_plan
+    from rtcompile.spec import ModelSpec
+    from rtcompile.target import get_target
+
+    spec = ModelSpec(order=3, key_widths=(4, 4), value_width=8, heads=2, model_width=32, layers=1)
+    with pytest.raises(ValueError, match="does not fit"):
+        make_plan(spec, get_target("h200"), batches=(10**310,), seq_lens=(64,), decode_batches=(1,),
+                  use_measurements=False)
+
+
+@pytest.mark.parametrize("command", ["plan", "build"])
+def test_out_ending_in_a_slash_is_refused_not_written_as_a_file(work, capsys, command):
+    _refused([command, "tiny.toml", "--out", "outdir/"], capsys, "--out 'outdir/'", "ends with a slash",
+             "outdir/plan.json")
+    assert not (work / "outdir").exists()
+
+
+def test_a_warning_is_one_line_once(work, capsys, monkeypatch):
+    bad = work / "bad.json"
+    bad.write_text("{not json")
+    monkeypatch.setenv("RTCOMPILE_TUNED", str(bad))
+    assert main(["plan", "tiny.toml", "--out", "p.json"]) == 0
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rtcompile: warning: tuned-config table"), lines
+    assert "unreadable" in lines[0] and "RuntimeWarning" not in lines[0]
+
+
+def test_a_plan_file_with_a_repeated_key_is_refused(work, capsys):
+    assert main(["plan", "tiny.toml", "--out", "p.json"]) == 0
+    capsys.readouterr()
+    text = (work / "p.json").read_text()
+    data = json.loads(text)
+    repeated = text.replace('"format":', f'"format": {json.dumps(data["format"])}, "format":', 1)
+    (work / "p2.json").write_text(repeated)
+    _refused(["export", "tiny.toml", "--out", "b", "--plan", "p2.json", "--no-onnx", "--no-kernels"], capsys,
+             "p2.json", "key 'format' appears more than once")
+    assert not (work / "b").exists()
