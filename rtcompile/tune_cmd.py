@@ -98,7 +98,27 @@ def run(args) -> int:
         return _run(args)
 
 
+def _unused_options(args) -> None:
+    """A UsageError for options this command would ignore: with --list, anything but --storage;
+    the prefill / train buckets (--batch, --seq-len) under --phase decode; the decode buckets
+    (--decode-batch) under --phase prefill or train (each was accepted and ignored)."""
+    given = {"SPEC": args.spec is not None, "--trials": args.trials is not None, "--seconds": args.seconds is not None,
+             "--exhaustive": args.exhaustive, "--fix": bool(args.fix), "--workers": args.workers is not None,
+             "--resume": args.resume, "--retune": args.retune, "--phase": args.phase != "all",
+             "--batch": args.batch is not None, "--seq-len": args.seq_len is not None,
+             "--decode-batch": args.decode_batch is not None}
+    if args.list and (extra := [k for k, v in given.items() if v]):
+        raise UsageError(f"rtcompile tune: --list lists the store and takes only --storage, got {', '.join(extra)}")
+    if args.phase == "decode" and (extra := [k for k in ("--batch", "--seq-len") if given[k]]):
+        raise UsageError(f"rtcompile tune: {', '.join(extra)}: prefill and train buckets, unused by --phase decode; "
+                         "allowed: --decode-batch")
+    if args.phase in ("prefill", "train") and given["--decode-batch"]:
+        raise UsageError(f"rtcompile tune: --decode-batch: decode buckets, unused by --phase {args.phase}; "
+                         "allowed: --batch, --seq-len")
+
+
 def _run(args) -> int:
+    _unused_options(args)
     if args.list:
         return _list(args)
     if not args.spec:

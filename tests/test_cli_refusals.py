@@ -103,3 +103,15 @@ def test_a_plan_file_with_a_repeated_key_is_refused(work, capsys):
     _refused(["export", "tiny.toml", "--out", "b", "--plan", "p2.json", "--no-onnx", "--no-kernels"], capsys,
              "p2.json", "key 'format' appears more than once")
     assert not (work / "b").exists()
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["tune", "--list", "tiny.toml"], ["--list", "takes only --storage", "SPEC"]),
+    (["tune", "--list", "--trials", "3", "--phase", "decode"], ["--trials, --phase"]),
+    (["tune", "tiny.toml", "--phase", "decode", "--batch", "4", "--seq-len", "64"], ["--batch, --seq-len", "--phase decode"]),
+    (["tune", "tiny.toml", "--phase", "prefill", "--decode-batch", "4"], ["--decode-batch", "--phase prefill"]),
+    (["tune", "tiny.toml", "--phase", "train", "--decode-batch", "4"], ["--decode-batch", "--phase train"]),
+], ids=["list-spec", "list-trials", "decode-batch-seq", "prefill-decode-batch", "train-decode-batch"])
+def test_tune_refuses_options_it_would_ignore(work, capsys, argv, needles):
+    _refused(argv, capsys, *needles)
+    assert not (work / "cache" / "rtcompile" / "tuning.db").exists()
