@@ -292,6 +292,8 @@ def load_spec(path: str | os.PathLike) -> ModelSpec:
     """Read a spec from ``.toml`` or ``.json`` (no code is ever executed)."""
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path: expected a str or os.PathLike spec file, got {type(path).__name__}")
+    if not os.fspath(path).strip():  # Path("") is ".", which the message would name instead
+        raise SpecFileError(f"spec file {os.fspath(path)!r}: empty path; allowed: a .toml or .json spec file")
     p = Path(path)
     suffix = p.suffix.lower()
     if suffix not in (".toml", ".json"):

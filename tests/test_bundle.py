@@ -107,6 +107,11 @@ def test_refusals(bundle, tmp_path):
     (path / "weights.safetensors").unlink()
     with pytest.raises(BundleError, match="weights.safetensors is missing"):
         load_bundle(path)
+    # a folder in its place: named as one, not as missing
+    (path / "weights.safetensors").mkdir()
+    with pytest.raises(BundleError, match="weights.safetensors is a folder"):
+        load_bundle(path)
+    (path / "weights.safetensors").rmdir()
     # newer format
     _edit_manifest(path, lambda m: m.update(format=BUNDLE_FORMAT + 1))
     with pytest.raises(BundleError, match="newer than this rtcompile reads"):

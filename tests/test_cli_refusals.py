@@ -115,3 +115,15 @@ def test_a_plan_file_with_a_repeated_key_is_refused(work, capsys):
 def test_tune_refuses_options_it_would_ignore(work, capsys, argv, needles):
     _refused(argv, capsys, *needles)
     assert not (work / "cache" / "rtcompile" / "tuning.db").exists()
+
+
+@pytest.mark.parametrize("command", ["info", "plan"])
+def test_an_empty_spec_path_is_named_as_given(work, capsys, command):
+    _refused([command, ""], capsys, "spec file ''", "empty path", "allowed: a .toml or .json spec file")
+
+
+def test_load_spec_refuses_an_empty_path_with_value_error():
+    from rtcompile.spec import load_spec
+
+    with pytest.raises(ValueError, match="spec file '   ': empty path"):
+        load_spec("   ")

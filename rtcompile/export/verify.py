@@ -130,7 +130,8 @@ def _check_files(root: Path, files: Any) -> dict[str, bytes]:
     for name, meta in files.items():
         target = (root / name).resolve()
         if not target.is_file():
-            raise BundleError(f"bundle {str(root)!r}: {name} is missing")
+            what = "missing" if not target.exists() else "a folder" if target.is_dir() else "not a regular file"
+            raise BundleError(f"bundle {str(root)!r}: {name} is {what}")
         # the size first: hashing reads the whole file (a sparse 64 GiB one took 110 s to be refused)
         size = target.stat().st_size
         if size != meta["bytes"]:
