@@ -127,3 +127,9 @@ def test_load_spec_refuses_an_empty_path_with_value_error():
 
     with pytest.raises(ValueError, match="spec file '   ': empty path"):
         load_spec("   ")
+
+
+def test_explore_blames_the_pair_count_past_the_length_not_the_vocabulary(work, capsys):
+    _refused(["explore", "tiny.toml", "--orders", "3", "--widths", "4", "--recall", "--kv-pairs", "1000",
+              "--seq-len", "8", "--out", "ex"], capsys, "--kv-pairs: got 1000 for --seq-len 8", "at most --seq-len / 4 = 2")
+    assert not (work / "ex").exists()

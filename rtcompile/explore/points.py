@@ -62,13 +62,14 @@ class RecallOptions:
             check_ints(name, [getattr(self, name)], 1, 1 << 24, "an integer in [1, 2^24]")
         # MQARTask's own bounds: 2^24 passed here, and every point then failed when it built its task
         check_ints("seq_len", [self.seq_len], 4, MAX_SEQ_LEN, f"an integer in [4, {MAX_SEQ_LEN}] (MQAR's lengths)")
-        # distinct keys and values per sequence, and the filler token
-        check_ints("vocab_size", [self.vocab_size], 2 * self.kv_pairs + 1, 1 << 24,
-                   f"an integer in [2 * kv_pairs + 1 = {2 * self.kv_pairs + 1}, 2^24]")
+        # (first: a pair count past the length is the mistake, not the vocabulary it would need)
         # MQAR lays out the pairs and their queries in the sequence: 4 tokens per pair at least
         if 4 * self.kv_pairs > self.seq_len:
             raise _fail("kv_pairs", f"got {self.kv_pairs} for seq_len {self.seq_len}; allowed: at most seq_len / 4 "
                         f"= {self.seq_len // 4} (each pair and its query take 4 positions)")
+        # distinct keys and values per sequence, and the filler token
+        check_ints("vocab_size", [self.vocab_size], 2 * self.kv_pairs + 1, 1 << 24,
+                   f"an integer in [2 * kv_pairs + 1 = {2 * self.kv_pairs + 1}, 2^24]")
         lrs = self.learning_rates
         if isinstance(lrs, (str, bytes)) or not isinstance(lrs, (list, tuple)) or not lrs:
             raise TypeError(f"learning_rates: expected a non-empty list of numbers, got {lrs!r}")
