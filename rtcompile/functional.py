@@ -131,6 +131,9 @@ def running_tensor(
         raise ValueError(f"chunk_size: got {chunk_size}; allowed: an integer >= 1, or None")
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend: got {backend!r}; allowed: {', '.join(BACKENDS)}")
+    if backend == "reference" and variant is not None:  # it was dropped unseen
+        raise ValueError(f"variant: a Triton kernel config ({type(variant).__name__}), which backend='reference' does "
+                         "not run; allowed: variant=None with backend='reference', or backend='triton' / 'auto'")
     if torch.compiler.is_compiling():
         # Traced by dynamo: shapes only (the op validates when it runs, its fake checks shapes).
         order, seq_len = len(q) + 1, v.shape[1]

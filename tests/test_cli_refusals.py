@@ -133,3 +133,19 @@ def test_explore_blames_the_pair_count_past_the_length_not_the_vocabulary(work, 
     _refused(["explore", "tiny.toml", "--orders", "3", "--widths", "4", "--recall", "--kv-pairs", "1000",
               "--seq-len", "8", "--out", "ex"], capsys, "--kv-pairs: got 1000 for --seq-len 8", "at most --seq-len / 4 = 2")
     assert not (work / "ex").exists()
+
+
+def test_a_variant_with_the_reference_backend_is_refused_not_dropped():
+    import torch
+
+    import rtcompile
+    from rtcompile.kernels.forms import default_config
+    from rtcompile.kernels.launch import kernel_shape
+    from rtcompile.kernels.inputs import check_inputs
+
+    q = [torch.randn(1, 5, 2, 4) for _ in range(2)]
+    k = [torch.randn(1, 5, 2, 4) for _ in range(2)]
+    v = torch.randn(1, 5, 2, 8)
+    cfg = default_config("recurrent", kernel_shape(check_inputs(q, k, v, None, None, None, None, None)))
+    with pytest.raises(ValueError, match="variant: a Triton kernel config .*backend='reference'"):
+        rtcompile.running_tensor(q, k, v, backend="reference", variant=cfg, mode="recurrent")
