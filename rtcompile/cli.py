@@ -9,6 +9,7 @@ with exit code 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -208,16 +209,27 @@ def _stdout_gone() -> int:
     return EXIT_BROKEN_PIPE
 
 
-def _warning_line(shown: set[str]):
-    """A ``warnings.showwarning`` for a command: each warning as one ``rtcompile: warning:`` line
-    on stderr, once per text (Python's form, "<file>:<line>: RuntimeWarning: ..." and the source
-    line, named our module to a user; an unreadable tuned table warned twice in `build`)."""
-    def show(message, category, filename, lineno, file=None, line=None) -> None:
+@contextlib.contextmanager
+def _one_line_warnings():
+    """Each warning a command raises as one ``rtcompile: warning:`` line on stderr, once per text
+    (Python's form, "<file>:<line>: RuntimeWarning: ..." and the source line, named our module to
+    a user; an unreadable tuned table warned twice in `build`). Only the format changes, so a
+    caller recording warnings (``pytest.warns``) still receives them."""
+    shown: set[str] = set()
+
+    def line(message, category, filename, lineno, line=None) -> str:
         text = str(message).splitlines()[0] if str(message) else category.__name__
-        if text not in shown:
-            shown.add(text)
-            print(f"rtcompile: warning: {text}", file=sys.stderr)
-    return show
+        if text in shown:
+            return ""
+        shown.add(text)
+        return f"rtcompile: warning: {text}\n"
+
+    before = warnings.formatwarning
+    warnings.formatwarning = line
+    try:
+        yield
+    finally:
+        warnings.formatwarning = before
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -225,8 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # every command: a SIGTERM stops it as a Ctrl-C does, through its clean-up (Python's default
         # ended `export` at once, leaving its temporary bundle folder and the folders it had made)
-        with stop_on_signal(), warnings.catch_warnings():
-            warnings.showwarning = _warning_line(set())
+        with stop_on_signal(), _one_line_warnings():
             args = parser.parse_args(argv)
             if args.command is None:
                 raise UsageError("rtcompile: missing COMMAND; run 'rtcompile --help' for the list")
