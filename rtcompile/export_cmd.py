@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 from .cli_args import check_out_parent, int_at_least, int_list_of, nonempty, write_out
+
+
+def _vocab_text(text: str) -> int:
+    """``--vocab``'s integer (its range is checked with the spec, before anything is built);
+    text that is not one names the range, as that check does (2**24: ``verify.MAX_VOCAB``)."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer in [2, {2**24}], got {text!r}") from None
 
 
 def add_parsers(sub) -> None:
@@ -16,7 +26,7 @@ def add_parsers(sub) -> None:
                    help="safetensors state dict of a RunningTensorLM (default: seeded init)")
     e.add_argument("--plan", metavar="FILE", type=nonempty("a plan file"),
                    help="plan file to pin into the bundle (rtcompile plan/build)")
-    e.add_argument("--vocab", type=int, default=256, metavar="N",
+    e.add_argument("--vocab", type=_vocab_text, default=256, metavar="N",
                    help="vocabulary size (default 256; at most 2**24, what a bundle holds)")
     e.add_argument("--force", action="store_true", help="replace an existing bundle")
     e.add_argument("--opset27", action="store_true",

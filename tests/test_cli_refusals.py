@@ -168,3 +168,11 @@ def test_a_variant_with_the_reference_backend_is_refused_not_dropped():
     cfg = default_config("recurrent", kernel_shape(check_inputs(q, k, v, None, None, None, None, None)))
     with pytest.raises(ValueError, match="variant: a Triton kernel config .*backend='reference'"):
         rtcompile.running_tensor(q, k, v, backend="reference", variant=cfg, mode="recurrent")
+
+
+@pytest.mark.parametrize("text", ["abc", "1.5", ""], ids=["word", "float", "empty"])
+def test_export_vocab_text_names_the_range(work, capsys, text):
+    from rtcompile.export.verify import MAX_VOCAB
+
+    _refused(["export", "tiny.toml", "--out", "b", "--vocab", text], capsys, "--vocab", f"[2, {MAX_VOCAB}]")
+    assert not (work / "b").exists()
