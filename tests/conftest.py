@@ -12,6 +12,16 @@ _CACHE = tempfile.mkdtemp(prefix="rtcompile-tests-")
 os.environ["XDG_CACHE_HOME"] = _CACHE
 os.environ["RTCOMPILE_TUNED"] = os.path.join(_CACHE, "rtcompile", "tuned.json")
 
+# A spec small enough for every command under the interpreter (the CLI tests' "tiny.toml").
+TINY_SPEC = """order = 3
+key_widths = [4, 4]
+value_width = 8
+heads = 2
+model_width = 32
+layers = 1
+input_dtype = "float32"
+"""
+
 # Where the Triton kernels run: the GPU when there is one (and no interpreter), else the CPU
 # under TRITON_INTERPRET=1. Tests that run kernels put their tensors here.
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"

@@ -16,16 +16,9 @@ import pytest
 
 from rtcompile import fileio
 from rtcompile.cli import main
+from conftest import TINY_SPEC
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = """order = 3
-key_widths = [4, 4]
-value_width = 8
-heads = 2
-model_width = 32
-layers = 1
-input_dtype = "float32"
-"""
 
 
 @pytest.fixture
@@ -33,8 +26,8 @@ def work(tmp_path, monkeypatch):
     """A folder holding a tiny spec, a private cache outside it, and the current folder."""
     root = tmp_path / "w"
     root.mkdir()
-    (root / "tiny.toml").write_text(TINY)
-    (root / "order0.toml").write_text(TINY.replace("order = 3", "order = 0"))
+    (root / "tiny.toml").write_text(TINY_SPEC)
+    (root / "order0.toml").write_text(TINY_SPEC.replace("order = 3", "order = 0"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv("RTCOMPILE_TUNED", str(tmp_path / "cache" / "tuned.json"))
     monkeypatch.setenv("TRITON_INTERPRET", "1")

@@ -10,15 +10,8 @@ import json
 import pytest
 
 from rtcompile.cli import main
+from conftest import TINY_SPEC
 
-TINY = """order = 3
-key_widths = [4, 4]
-value_width = 8
-heads = 2
-model_width = 32
-layers = 1
-input_dtype = "float32"
-"""
 
 
 @pytest.fixture
@@ -26,7 +19,7 @@ def work(tmp_path, monkeypatch):
     """A folder holding a tiny spec (the current folder), a private cache, no work started."""
     import rtcompile.tuning as tuning
 
-    (tmp_path / "tiny.toml").write_text(TINY)
+    (tmp_path / "tiny.toml").write_text(TINY_SPEC)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv("RTCOMPILE_TUNED", str(tmp_path / "cache" / "tuned.json"))
     monkeypatch.setenv("TRITON_INTERPRET", "1")

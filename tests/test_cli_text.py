@@ -10,17 +10,10 @@ import io
 import pytest
 
 from rtcompile.cli import main
+from conftest import TINY_SPEC
 
 MARKUP = "x[/bold]y [red]z [v2]"
-SPEC = f"""name = "{MARKUP}"
-order = 3
-key_widths = [4, 4]
-value_width = 8
-heads = 2
-model_width = 32
-layers = 1
-input_dtype = "float32"
-"""
+SPEC = f'name = "{MARKUP}"\n' + TINY_SPEC
 
 
 @pytest.fixture

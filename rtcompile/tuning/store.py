@@ -201,20 +201,28 @@ def store_file(url: str | None = None) -> Path | None:
 SQLITE_HEADER = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite 3 database file
 
 
-def _check_sqlite_file(url: str, path: Path, create: bool) -> None:
-    """StoreError when an existing ``path`` is not an SQLite database: a folder or other
-    non-regular file, a non-empty file without SQLite's header, or (``create`` False: listing)
-    an empty file, which opening would turn into a new database. Checked before the lock file
-    beside it is made, so a refused file leaves none."""
+def _existing_file(url: str, path: Path, allowed: str) -> os.stat_result | None:
+    """``path``'s stat when it exists (None when not); StoreError when it is a folder or another
+    non-regular file (``allowed``: the kind of file the URL takes)."""
     import stat
 
     try:
         st = path.stat()
     except OSError:
-        return  # absent: created (or, listing, refused) by the caller
+        return None
     if not stat.S_ISREG(st.st_mode):
         kind = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file"
-        raise StoreError(f"storage {url!r}: {str(path)!r} is {kind}; allowed: an SQLite database file or a new path")
+        raise StoreError(f"storage {url!r}: {str(path)!r} is {kind}; allowed: {allowed} or a new path")
+    return st
+
+
+def _check_sqlite_file(url: str, path: Path, create: bool) -> None:
+    """StoreError when an existing ``path`` is not an SQLite database: a folder or other
+    non-regular file, a non-empty file without SQLite's header, or (``create`` False: listing)
+    an empty file, which opening would turn into a new database. Checked before the lock file
+    beside it is made, so a refused file leaves none."""
+    if (st := _existing_file(url, path, "an SQLite database file")) is None:
+        return  # absent: created (or, listing, refused) by the caller
     if st.st_size == 0:
         if not create:
             raise StoreError(f"storage {url!r}: {str(path)!r} is an empty file, not a tuning store (listing never "
@@ -237,15 +245,9 @@ def _check_journal_file(url: str, path: Path) -> None:
     fails only after a study has appended to it. A last line without its newline may be another
     process's write in progress: only its first character is checked."""
     import json
-    import stat
 
-    try:
-        st = path.stat()
-    except OSError:
+    if _existing_file(url, path, "an Optuna journal file") is None:
         return  # absent: created (or, listing, refused) by the caller
-    if not stat.S_ISREG(st.st_mode):
-        kind = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file"
-        raise StoreError(f"storage {url!r}: {str(path)!r} is {kind}; allowed: an Optuna journal file or a new path")
     try:
         data = path.read_bytes()
     except OSError as exc:
