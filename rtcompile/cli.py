@@ -217,7 +217,7 @@ def _one_line_warnings():
     caller recording warnings (``pytest.warns``) still receives them."""
     shown: set[str] = set()
 
-    def line(message, category, filename, lineno, line=None) -> str:
+    def one_line(message, category, filename, lineno, line=None) -> str:
         text = str(message).splitlines()[0] if str(message) else category.__name__
         if text in shown:
             return ""
@@ -225,7 +225,7 @@ def _one_line_warnings():
         return f"rtcompile: warning: {text}\n"
 
     before = warnings.formatwarning
-    warnings.formatwarning = line
+    warnings.formatwarning = one_line
     try:
         yield
     finally:
