@@ -131,9 +131,16 @@ def running_tensor(
         raise ValueError(f"chunk_size: got {chunk_size}; allowed: an integer >= 1, or None")
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend: got {backend!r}; allowed: {', '.join(BACKENDS)}")
-    if backend == "reference" and variant is not None:  # it was dropped unseen
-        raise ValueError(f"variant: a Triton kernel config ({type(variant).__name__}), which backend='reference' does "
-                         "not run; allowed: variant=None with backend='reference', or backend='triton' / 'auto'")
+    if variant is not None:
+        from .kernels.forms import KERNELS
+
+        forward = KERNELS["chunk"] + KERNELS["recurrent"]
+        if not isinstance(variant, forward):  # whatever backend runs: a fallback dropped it unseen
+            raise TypeError(f"variant: expected one of {', '.join(c.__name__ for c in forward)} or None, got "
+                            f"{type(variant).__name__}")
+        if backend == "reference":  # it was dropped unseen
+            raise ValueError(f"variant: a Triton kernel config ({type(variant).__name__}), which backend='reference' "
+                             "does not run; allowed: variant=None with backend='reference', or backend='triton' / 'auto'")
     if torch.compiler.is_compiling():
         # Traced by dynamo: shapes only (the op validates when it runs, its fake checks shapes).
         order, seq_len = len(q) + 1, v.shape[1]
@@ -169,6 +176,11 @@ def running_tensor(
     if defer_plan and backend != "triton":  # no op to defer to: the plan's mode, as eagerly
         mode = plan.decision_for("prefill", v.shape[0], seq_len).mode
     if backend != "triton":
+        if variant is not None and not plan_variant:  # the caller's: refused, not dropped unseen
+            raise ValueError(f"variant: a Triton kernel config ({type(variant).__name__}), but backend='auto' runs this "
+                             "call on the reference (float64 inputs, order > 4, a backward the Triton kernels do not "
+                             "run, or no GPU and no TRITON_INTERPRET=1); allowed: variant=None, or inputs the Triton "
+                             "backend runs")
         variant = None  # a plan's kernel variant means nothing to the reference
     elif plan_variant and not torch.compiler.is_compiling():
         from .kernels.launch import runnable

@@ -102,8 +102,9 @@ def pick_next(logits: torch.Tensor, temperature: float, top_k: int | None, gener
     if temperature == 0:
         return logits.argmax(-1)
     # shifted so each row's largest is 0 before the division: a tiny temperature (1e-45) sends the
-    # others to -inf, not every logit to +-inf (softmax of inf is NaN; multinomial then raised)
-    x = logits.float()
+    # others to -inf, not every logit to +-inf (softmax of inf is NaN; multinomial then raised).
+    # In float64: a temperature below float32's range (1e-300) became 0 there, and 0 / 0 is NaN
+    x = logits.double()
     x = (x - x.amax(-1, keepdim=True)) / temperature
     if top_k is not None and top_k < x.shape[-1]:
         kth = x.topk(top_k, dim=-1).values[:, -1:]

@@ -169,3 +169,34 @@ def test_export_vocab_text_names_the_range(work, capsys, text):
 
     _refused(["export", "tiny.toml", "--out", "b", "--vocab", text], capsys, "--vocab", f"[2, {MAX_VOCAB}]")
     assert not (work / "b").exists()
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference", "triton"])
+def test_a_variant_that_is_no_config_is_a_type_error_on_every_backend(backend):
+    import torch
+
+    import rtcompile
+
+    q = [torch.randn(1, 5, 2, 4, dtype=torch.float64) for _ in range(2)]
+    k = [torch.randn(1, 5, 2, 4, dtype=torch.float64) for _ in range(2)]
+    v = torch.randn(1, 5, 2, 8, dtype=torch.float64)
+    with pytest.raises(TypeError, match="variant: expected one of .*RecurrentConfig or None, got str"):
+        rtcompile.running_tensor(q, k, v, backend=backend, variant="nonsense")
+
+
+def test_a_variant_is_refused_where_auto_falls_back_to_the_reference():
+    import torch
+
+    import rtcompile
+    from rtcompile.kernels.forms import default_config
+    from rtcompile.kernels.inputs import check_inputs
+    from rtcompile.kernels.launch import kernel_shape
+
+    q = [torch.randn(1, 5, 2, 4, dtype=torch.float64) for _ in range(2)]  # float64: the reference's
+    k = [torch.randn(1, 5, 2, 4, dtype=torch.float64) for _ in range(2)]
+    v = torch.randn(1, 5, 2, 8, dtype=torch.float64)
+    cfg = default_config("recurrent", kernel_shape(check_inputs(q, k, v, None, None, None, None, None)))
+    with pytest.raises(ValueError, match="variant: a Triton kernel config .*runs this call on the reference"):
+        rtcompile.running_tensor(q, k, v, variant=cfg, mode="recurrent")
+    o, _ = rtcompile.running_tensor(q, k, v, mode="recurrent")  # without it, the fallback runs
+    assert o.dtype == torch.float64

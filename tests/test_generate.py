@@ -242,14 +242,15 @@ def test_top_k_draws_only_among_the_k_largest():
         assert (first[:, None] == top2).any(-1).all(), (seed, first, top2)
 
 
-def test_a_tiny_temperature_samples_the_argmax():
-    """At temperature 1e-45 every logit but the largest is -inf once divided: the draw is the
+@pytest.mark.parametrize("temperature", [1e-45, 1e-300], ids=["1e-45", "below-float32"])
+def test_a_tiny_temperature_samples_the_argmax(temperature):
+    """At a tiny temperature every logit but the largest is -inf once divided: the draw is the
     argmax. Before: the logits were divided unshifted, went to +-inf, softmax gave NaN and
-    torch.multinomial raised after the prefill."""
+    torch.multinomial raised after the prefill; then 1e-300 became 0 in float32 (0 / 0)."""
     lm = _lm()
     prompt = torch.randint(0, VOCAB, (3, 4), generator=torch.Generator().manual_seed(3))
     greedy = lm.generate(prompt, 5, backend="reference")
-    assert torch.equal(lm.generate(prompt, 5, temperature=1e-45, seed=1, backend="reference"), greedy)
+    assert torch.equal(lm.generate(prompt, 5, temperature=temperature, seed=1, backend="reference"), greedy)
 
 
 def test_zero_and_one_new_tokens():
