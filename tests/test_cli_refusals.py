@@ -200,3 +200,29 @@ def test_a_variant_is_refused_where_auto_falls_back_to_the_reference():
         rtcompile.running_tensor(q, k, v, variant=cfg, mode="recurrent")
     o, _ = rtcompile.running_tensor(q, k, v, mode="recurrent")  # without it, the fallback runs
     assert o.dtype == torch.float64
+
+
+def test_a_decode_call_on_another_device_kind_is_checked_not_served_from_the_plan_cache():
+    """The plan cache keyed devices by get_device(), -1 for CPU and meta alike: a meta index
+    tensor after a valid CPU call took its plan and failed in the copy (NotImplementedError)."""
+    import torch
+
+    import rtcompile
+
+    B, H, w, d_v = 2, 2, 4, 8
+    q = [torch.randn(B, 1, H, w) for _ in range(2)]
+    k = [torch.randn(B, 1, H, w) for _ in range(2)]
+    v = torch.randn(B, 1, H, d_v)
+    cache = torch.zeros(B, H, w, w, d_v)
+    idx = torch.arange(B, dtype=torch.int32)
+    rtcompile.running_tensor_decode_(q, k, v, state_cache=cache, state_indices=idx, validate=False)
+    with pytest.raises(ValueError, match="state_indices: expected shape .* on cpu, got .* on meta"):
+        rtcompile.running_tensor_decode_(q, k, v, state_cache=cache, state_indices=idx.to("meta"), validate=False)
+
+
+@pytest.mark.parametrize("storage", ["", "  "], ids=["empty", "blank"])
+def test_tune_options_refuse_an_empty_storage_as_sweep_options_do(storage):
+    from rtcompile.tuning import TuneOptions
+
+    with pytest.raises(ValueError, match="storage: got .*allowed: None"):
+        TuneOptions(storage=storage)

@@ -147,7 +147,8 @@ def signature_key(head, tensors, *, exact: bool = False) -> tuple | None:
             if x is not None:
                 if exact and type(x) is not torch.Tensor:
                     return None
-                out += (x.shape, x.dtype, x.get_device(), x.is_contiguous())
+                # get_device() is -1 for every device but CUDA's: a meta tensor took a CPU call's plan
+                out += (x.shape, x.dtype, x.get_device() if x.is_cuda else x.device.type, x.is_contiguous())
         key = tuple(out)
         hash(key)
         return key

@@ -60,6 +60,9 @@ class TuneOptions:
     def __post_init__(self) -> None:
         positive = lambda name, v: check_float(name, v, lambda x: x > 0, "a finite number > 0")  # noqa: E731
         _optional("storage", self.storage, lambda n, v: check_type(n, v, str, "None or a storage URL (str)"))
+        if self.storage is not None and not self.storage.strip():  # it fell back to the default store unseen
+            raise FieldValueError("storage", self.storage, "None or a storage URL",
+                                  f"storage: got {self.storage!r}; allowed: None (the cache's store) or a storage URL")
         if self.storage is not None and (why := memory_store_refusal(self.storage)) is not None:
             raise FieldValueError("storage", self.storage, "a storage workers share", f"storage: {why}")
         _optional("trials", self.trials, lambda n, v: check_int(n, v, 1))
