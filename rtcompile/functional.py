@@ -58,6 +58,8 @@ def running_tensor(
         v: values ``[B, T, H, d_v]``, same dtype as the factors.
         g: log decay ``[B, T, H]`` (a_t = exp(g_t), so g <= 0); ``None`` for no forget gate.
         beta: delta-rule strength ``[B, T, H]`` in (0, 1); ``None`` for the plain (additive) update.
+            The values of g and beta are not checked (a check reads them back: a device sync on
+            every call, as in fla); g > 0 grows the state without bound, NaN propagates.
         scale: output scale, default ``prod(d_i) ** -0.5``.
         initial_state: ``[N, H, d_1, ..., d_{o-1}, d_v]``, N = B (or the number of sequences
             with ``cu_seqlens``).
@@ -83,7 +85,7 @@ def running_tensor(
             prefill decision for the nearest (B, T) bucket (mode and, on Triton, the variant).
         variant: a kernel config (:mod:`rtcompile.kernels.forms`: ResidentConfig, StreamedConfig,
             FusedConfig or SplitConfig for mode="chunk", RecurrentConfig for "recurrent") for the Triton backend
-            (default: the variant chosen from the shapes).
+            (default: the variant chosen from the shapes); refused where the call runs on the reference.
 
     Returns:
         ``(o, final_state)``: o ``[B, T, H, d_v]`` in v's dtype; final_state or ``None``.
