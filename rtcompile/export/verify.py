@@ -18,6 +18,12 @@ so nothing in a bundle is ever executed):
 4. the ONNX graphs: parseable, external data only in files the manifest lists (never a path
    leaving the bundle), valid for ``onnx.checker`` (known standard ops, no dangling input, no
    malformed tensor), and the digest of their weights equal to the one recorded at export.
+
+The manifest is not signed: every check is against what it records. A rewrite that keeps it
+consistent (new weights and their sha256) passes, and the graphs, whose weights are checked
+against the manifest's record of them, not against ``weights.safetensors``, then hold the old
+model's weights: the torch and onnxruntime engines decode different models. Tying the two
+(the graphs' initializers to the safetensors tensors they were exported from) is not done.
 """
 
 from __future__ import annotations
@@ -556,7 +562,7 @@ def check_graphs(root: Path, manifest: dict[str, Any], data: dict[str, bytes]) -
             raise refuse(root, name, _one_line(exc)) from None
         if digest != manifest["onnx"]["weights_sha256"][name]:
             raise refuse(root, name, f"its weights differ from those recorded at export (onnx.weights_sha256 in "
-                                     f"{MANIFEST}): the graph is not the one exported with {WEIGHTS}")
+                                     f"{MANIFEST}): the graph was changed since export")
         graphs[name] = model.SerializeToString() if external else data[name]
     return graphs
 
