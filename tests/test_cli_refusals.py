@@ -226,3 +226,18 @@ def test_tune_options_refuse_an_empty_storage_as_sweep_options_do(storage):
 
     with pytest.raises(ValueError, match="storage: got .*allowed: None"):
         TuneOptions(storage=storage)
+
+
+@pytest.mark.parametrize("command", ["run", "inspect"])
+@pytest.mark.parametrize("what, needle", [("tiny.toml", "not a folder"), ("nowhere", "no such folder")],
+                         ids=["a-file", "absent"])
+def test_a_bundle_path_that_is_no_folder_says_so(work, capsys, command, what, needle):
+    _refused([command, what], capsys, f"bundle '{what}'", needle)
+
+
+def test_load_names_a_file_given_as_the_bundle():
+    import rtcompile
+    from rtcompile.export import BundleError
+
+    with pytest.raises(BundleError, match="not a folder"):
+        rtcompile.load(__file__)

@@ -176,6 +176,12 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
 
 def _read_manifest(root: Path) -> tuple[dict[str, Any], dict[str, bytes]]:
     """:func:`read_manifest`'s checks; the manifest and every listed file's verified bytes."""
+    try:  # the folder itself first: a spec file given as the bundle read "manifest.json: Not a directory"
+        if not root.is_dir():
+            raise BundleError(f"bundle {str(root)!r}: " + ("no such folder" if not root.exists() else
+                                                           "not a folder; allowed: a bundle folder (rtcompile export)"))
+    except OSError as exc:  # a folder above it that cannot be searched
+        raise BundleError(f"bundle {str(root)!r}: cannot be read ({exc.strerror or exc})") from None
     try:  # read_whole: a FIFO is refused, not waited on for ever
         raw = read_whole(root / MANIFEST)
     except ReadError as exc:
