@@ -100,6 +100,7 @@ def main(argv=None) -> None:
                                                        l2norm=True, validate=False, variant=variant) for i in idx]
 
         problem = check_inputs(q, k, v, g, beta, None, None, None)
+        shape = launch.kernel_shape(problem)
         default = launch.resolve_config("recurrent", None, problem, torch.device(dev))
         print(f"B{B} default decode config: {default}")
         variants = {"copy_": [lambda s=s, d=d: d.copy_(s) for s, d in zip(src, dst)],
@@ -107,7 +108,7 @@ def main(argv=None) -> None:
                     "decode, no gate or beta": decode(None, None)}
         for bk, bv, warps in TILES[K]:  # the decode kernel on each tile that covers K
             tile = dataclasses.replace(default, block_v=bv, num_warps=warps)
-            if bk == K and tile.check(launch.kernel_shape(problem)) is None:
+            if bk == K and tile.check(shape) is None:
                 variants[f"decode [{bk},{bv}] w{warps}"] = decode(g, beta, tile)
         for bk, bv, warps in TILES[K]:
             grid = ((K // bk) * (V // bv), B * H)

@@ -179,9 +179,8 @@ step_owed() {  # what the H200 is still owed, in one call (~6 min): issue 21's d
   tail -n 12 "$OUT/decode.txt"
   timeout 120 python3 benchmarks/decode_ceiling.py > "$OUT/decode_ceiling.txt" 2>&1 || true
   cat "$OUT/decode_ceiling.txt"
-  # K 1024 B32 (0.72 of a copy on the H200, target 0.85): the [1024, 32] tile at 16 warps, whose copy
-  # pattern read 0.913 on the H100 against 0.741 for the default [1024, 16], but which the batch
-  # rule leaves out at 512 programs
+  # K 1024 B32 (0.72 of a copy on the H200, target 0.85): the [1024, 32] tile at 16 warps, the
+  # default there since the slab-size rule (H100: 0.845 against 0.805 for [1024, 16]), beside it
   timeout 100 python3 benchmarks/decode_ceiling.py --widths 32 32 --batches 32 > "$OUT/decode_ceiling_1024.txt" 2>&1 || true
   cat "$OUT/decode_ceiling_1024.txt"
 }

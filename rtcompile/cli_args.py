@@ -239,17 +239,25 @@ def _usable_folder(prog: str, text: str, folder: str) -> None:
                          "a folder this user can write")
 
 
-def cannot_write(path: str | os.PathLike) -> str | None:
-    """Why this process could not write the file ``path`` as rtcompile writes its own files (a
-    lock or temporary beside it, then the file itself or a rename over it), or make the folders
-    it needs; None when it can. Tried, not asked (``os.access`` says yes to root on a read-only
-    mount); nothing is left behind."""
-    path = os.path.abspath(os.fspath(path))
-    base = _existing_part(os.path.dirname(path))
+def cannot_write_in(folder: str | os.PathLike) -> str | None:
+    """Why this process could not create files in ``folder``, making it (and its parents) first
+    where missing; None when it can. Tried, not asked (``os.access`` says yes to root on a
+    read-only mount); nothing is left behind."""
+    base = _existing_part(os.path.abspath(os.fspath(folder)))
     if not os.path.isdir(base):
         return f"{base!r} is {_kind(os.lstat(base).st_mode)}, not a folder"
     if (why := _cannot_create_in(base)) is not None:
         return f"cannot write in {base!r} ({why})"
+    return None
+
+
+def cannot_write(path: str | os.PathLike) -> str | None:
+    """Why this process could not write the file ``path`` as rtcompile writes its own files (a
+    lock or temporary beside it, then the file itself or a rename over it), or make the folders
+    it needs; None when it can (:func:`cannot_write_in`, then the file itself)."""
+    path = os.path.abspath(os.fspath(path))
+    if (why := cannot_write_in(os.path.dirname(path))) is not None:
+        return why
     if os.path.isfile(path):
         try:
             os.close(os.open(path, os.O_RDWR))  # an immutable file in a writable folder
@@ -266,11 +274,10 @@ def check_cache_writable(prog: str) -> None:
     from .fileio import cache_dir
     from .kernels.tuned import table_path
 
-    for what, path, moved_by in (("the cache folder", os.path.join(cache_dir(), ".probe"), "XDG_CACHE_HOME"),
-                                 ("the tuned-config table", table_path(), "RTCOMPILE_TUNED")):
-        if (why := cannot_write(path)) is not None:
-            shown = os.path.dirname(path) if what == "the cache folder" else os.fspath(path)
-            raise UsageError(f"{prog}: {what} {shown!r}: {why}; allowed: a writable path (set ${moved_by})")
+    for what, path, problem, moved_by in (("the cache folder", cache_dir(), cannot_write_in, "XDG_CACHE_HOME"),
+                                          ("the tuned-config table", table_path(), cannot_write, "RTCOMPILE_TUNED")):
+        if (why := problem(path)) is not None:
+            raise UsageError(f"{prog}: {what} {os.fspath(path)!r}: {why}; allowed: a writable path (set ${moved_by})")
 
 
 def _out_text(prog: str, out: str | os.PathLike, allowed: str) -> str:

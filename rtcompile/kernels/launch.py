@@ -75,7 +75,7 @@ def decode_rows(kernel: str, p: Problem) -> int | None:
     one_token = p.seq_len == 1 or (p.seq_bounds is not None and p.seq_len == p.num_seqs)
     if kernel != "recurrent" or not one_token:
         return None
-    return min(p.num_seqs * p.heads, wide_decode_rows(KernelShape(p.key_widths, p.value_width)))
+    return min(p.num_seqs * p.heads, wide_decode_rows(kernel_shape(p)))
 
 
 def device_refusal(config: KernelConfig, device: torch.device) -> str | None:
