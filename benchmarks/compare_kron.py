@@ -1,14 +1,15 @@
 """Check, then time, proposals against each shape's default in one process on one GPU: the split
 form's state loop on the Kronecker factors (``loop="kron"``), changes to o3 16x16's
 ``phi_pass`` default (``--phi-pass``), to the streamed defaults above K = 256 (``--large``) and
-to the Gluon-loop split defaults at K <= 256 (``--small-k``, sm_90), and the split form's Triton
-loop above K = 256 (``--split-large``, outside its space). A change is config fields,
+to the Gluon-loop split defaults at K <= 256 (``--small-k``, sm_90), the split form's Triton
+loop above K = 256 (``--split-large``, outside its space) and the streamed form's Gluon kernel
+there (``--gluon-large``, sm_90). A change is config fields,
 or an UPPER-case name: a ``chunk_split`` module constant set while that row is checked and
 captured (a launch schedule, not a config field). A change that leaves the default as it is
 (e.g. a Gluon row's on a GPU whose default is not the Gluon loop) is skipped, not timed.
 
     python benchmarks/compare_kron.py [--rounds 2] [--out FILE.json] [--only 32x32]
-                                      [--phi-pass | --large | --small-k | --split-large]
+                                      [--phi-pass | --large | --small-k | --split-large | --gluon-large]
                                       [--profile] [--timeline]
 
 First every proposal runs against the float64 reference on the GPU (B1 T 203 and varlen
@@ -122,6 +123,14 @@ LARGE = [
     # 0.873 at 32x16, and 2.692 against 3.231 at 64x32
     ("o3 32x16", (32, 16), [dict(block_k=128, prefetch_state=True)]),
     ("o3 64x32", (64, 32), [dict(block_k=128, prefetch_state=True)]),
+]
+# (case, widths, changes to the streamed default) for its Gluon sequential kernel
+# (``--gluon-large``, chunk_streamed_gluon.py: the state on chip, phi formed once a chunk); offline
+# (probe_offline, Triton 3.6, sm_90) at o3 32x32: 255 registers, 168 B of spills at 4 warps block_v
+# 16, 624 B at 8 warps
+GLUON_LARGE = [
+    ("o3 32x32", (32, 32), [dict(loop="gluon", block_v=16, num_warps=4), dict(loop="gluon", block_v=32, num_warps=8)]),
+    ("o3 32x16", (32, 16), [dict(loop="gluon", block_v=16, num_warps=4), dict(loop="gluon", block_v=32, num_warps=4)]),
 ]
 
 
@@ -303,6 +312,8 @@ def main() -> int:
     only.add_argument("--small-k", action="store_true", help="only the proposals for the Gluon-loop rows, K <= 256")
     only.add_argument("--split-large", action="store_true",
                       help="only the split form's Triton-loop configs above K = 256")
+    only.add_argument("--gluon-large", action="store_true",
+                      help="only the streamed form's Gluon sequential kernel above K = 256 (sm_90)")
     ap.add_argument("--timeline", action="store_true",
                     help="also the kernel timeline of one captured replay of the default and the fastest proposal")
     ap.add_argument("--profile", action="store_true",
@@ -312,8 +323,9 @@ def main() -> int:
     # proposals), by the list's name
     lists = {"CASES": [(KRON, *c) for c in CASES], "PHI_PASS": [(None, *c) for c in PHI_PASS],
              "LARGE": [(None, *c) for c in LARGE], "SMALL_K": [(None, *c) for c in SMALL_K],
-             "SPLIT_LARGE": [(SPLIT_TRITON, *c) for c in SPLIT_LARGE]}
-    chosen = [name for name in ("PHI_PASS", "LARGE", "SMALL_K", "SPLIT_LARGE") if getattr(args, name.lower())] \
+             "SPLIT_LARGE": [(SPLIT_TRITON, *c) for c in SPLIT_LARGE],
+             "GLUON_LARGE": [(None, *c) for c in GLUON_LARGE]}
+    chosen = [name for name in ("PHI_PASS", "LARGE", "SMALL_K", "SPLIT_LARGE", "GLUON_LARGE") if getattr(args, name.lower())] \
         or ["CASES", "PHI_PASS"]
     if not any(lists[name] for name in chosen):  # an empty list between trials: nothing to time
         print(f"compare_kron: {' and '.join(chosen)} list no proposals; add (case, widths, "

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import args
+from . import args, chunk_streamed_gluon
 from .args import factor_args, lowp_dots, width_args
 from .blocks import (
     chunk_inputs, dot, first_stored_state, load_state_tile, phi_block, sequence_of_program, state_tile,
@@ -31,6 +31,9 @@ from .config import (
 )
 from .inputs import Problem
 from .launch_cache import cached
+
+
+LOOPS = ("triton", "gluon")  # the sequential kernel's implementation (chunk_streamed_gluon.py)
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class StreamedConfig(KernelConfig):
     dot_precision: str = "ieee"
     prefetch_state: bool = False
     merge_passes: bool = False
+    loop: str = "triton"
 
     def resident(self, shape: KernelShape) -> bool:
         return False
@@ -69,12 +73,20 @@ class StreamedConfig(KernelConfig):
         if not 16 <= self.block_k < shape.key_dim:
             return (f"block_k={self.block_k}; allowed: 16 <= block_k < K = {shape.key_dim} (a state that fits "
                     "one tile is ResidentConfig's)")
+        if (reason := self._check_choice("loop", LOOPS)) is not None:
+            return reason
+        if self.loop == "gluon" and (reason := chunk_streamed_gluon.config_refusal(self, shape)) is not None:
+            return reason
         return resource_refusal(self, shape, smem_limit)
 
     def estimate_registers(self, shape: KernelShape) -> int:
+        if self.loop == "gluon":  # S, then the [C, BV] products and the phi tile being formed
+            return shape.key_dim * self.block_v // (32 * self.num_warps) + 64
         return estimate_registers(streamed_live_elements(shape, self), self.num_warps)
 
     def estimate_smem(self, shape: KernelShape) -> int:
+        if self.loop == "gluon":
+            return chunk_streamed_gluon.smem_bytes(self.chunk_size, shape.key_dim, self.block_v)
         return chunk_smem_estimate(self.chunk_size, self.block_k, self.block_v, self.num_stages)
 
     @classmethod
@@ -286,6 +298,9 @@ def launch(config: StreamedConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_s
     bk = config.block_k
     ws = prepare_scores(config, p, q, k, v, g, beta, cu_seqlens=cu_seqlens, l2norm=l2norm, block_k=bk,
                         outer=KernelShape(p.key_widths, p.value_width).outer_phi_ok(bk), wy=False)
+    if config.loop == "gluon":
+        return chunk_streamed_gluon.run(config, p, q, k, v, g, beta, h0=h0, ht=ht, cu_seqlens=cu_seqlens,
+                                        l2norm=l2norm, ws=ws)
     return run_streamed(p, q, k, v, g, beta, h0=h0, ht=ht, cu_seqlens=cu_seqlens, l2norm=l2norm,
                         chunk_size=config.chunk_size, block_k=bk, block_v=config.block_v, num_warps=config.num_warps,
                         num_stages=config.num_stages, precision=config.dot_precision, scores="workspace",

@@ -1,0 +1,262 @@
+"""The streamed form's sequential kernel in Gluon for Hopper (``StreamedConfig.loop = "gluon"``).
+
+The Triton kernel (``chunk_streamed.chunk_streamed_kernel``) keeps the state in the final-state
+buffer and visits it in [block_k, block_v] tiles each chunk, forming phi(K) twice and phi(Q)
+once per tile from the factors: at o3 32x32 one program an SM, stalled on its L2 round trips
+(Nsight at da74c34: 4% DRAM, 10% tensor). This kernel keeps S [K, BV] on chip for the whole
+sequence, as the wgmma accumulator of the update (K 1024, BV 16, one warpgroup: 128 fp32
+registers a thread), and forms each chunk's phi(K) and phi(Q) once, from the factors, into
+shared memory as [C, K] bf16 / fp16 tiles:
+
+    S16 = S in the inputs' type, in shared memory (the products' right operand)
+    R   = phi(K) S16                                      (wgmma, M = C)
+    X   = diag(beta) (V - diag(Gamma r_k) R),   U = Ai X   (16-bit products, as the Triton kernel's)
+    O   = scale (diag(Gamma r_q) phi(Q) S16 + P U)
+    S  <- Gamma_C S + phi(K)^T diag(r_k Gamma_C / Gamma) U (wgmma, M = K, S the accumulator)
+
+phi is the raw outer product of the factors (exact in fp32, then rounded once, as
+``blocks.phi_tile_outer`` rounds it) and r_q, r_k are 1 / ||phi|| with l2norm, as in the Triton
+kernel. P and Ai come from the same prepare kernel. Needs sm_90 (wgmma), 16-bit inputs, order
+3 with power-of-two widths, chunks of 64 (wgmma's M for R and O) and a state tile that
+fits the registers; Gluon kernels do not run under the interpreter (``StreamedConfig.check``
+refuses the loop where Gluon is missing, the launcher anywhere but sm_90).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from . import args
+from .inputs import LOG_DECAY_FLOOR
+from .launch_cache import cached
+
+try:  # Gluon's Hopper API as Triton 3.6 - 3.9 spell it
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+except ImportError:  # an older Triton: the config's check says so
+    gluon = None
+
+CHUNK = 64  # wgmma's M for R = phi(K) S16 and phi(Q) S16: the chunk's rows
+MAX_STATE_REGISTERS = 128  # S's fp32 registers a thread (K BV / threads); more left no room for the rest
+
+
+def config_refusal(cfg, shape) -> str | None:
+    """Why ``cfg`` (a StreamedConfig with loop="gluon") cannot run ``shape``'s problem; None when
+    it can. The device is the launcher's to check (sm_90: ``launch.device_refusal``)."""
+    if gluon is None:
+        return f"loop='gluon' needs Triton's Gluon with Hopper ops (Triton >= 3.6; this is {triton.__version__})"
+    if shape.input_bytes != 2:
+        return "loop='gluon' needs 16-bit inputs (its products are bf16 / fp16 wgmma); allowed: loop='triton'"
+    widths = shape.key_widths
+    if len(widths) != 2 or any(w & (w - 1) for w in widths) or not 8 <= widths[1] <= 64 or widths[0] * widths[1] < 64:
+        return (f"loop='gluon' takes order 3 with power-of-two key widths, the second 8 to 64 and K >= 64, got "
+                f"{list(widths)}; allowed: loop='triton'")
+    K = shape.key_dim
+    if cfg.chunk_size != CHUNK:
+        return f"loop='gluon' takes chunk_size={CHUNK} (wgmma's M), got {cfg.chunk_size}"
+    if cfg.num_warps not in (4, 8) or cfg.block_v not in (16, 32) or cfg.block_v // (cfg.num_warps // 4) < 8:
+        return (f"loop='gluon' takes num_warps 4 or 8 and block_v 16 or 32 (at least 8 columns a warpgroup), "
+                f"got num_warps={cfg.num_warps}, block_v={cfg.block_v}")
+    if K * cfg.block_v // (32 * cfg.num_warps) > MAX_STATE_REGISTERS:
+        return (f"loop='gluon' holds S [{K}, {cfg.block_v}] in {K * cfg.block_v // (32 * cfg.num_warps)} fp32 registers "
+                f"a thread; allowed: at most {MAX_STATE_REGISTERS} (narrower block_v or more warps)")
+    return None
+
+
+def smem_bytes(C: int, K: int, BV: int) -> int:
+    """phi [C, K], S16 [K, BV] and three [C, BV] products' operands, 16-bit."""
+    return 2 * (C * K + K * BV + 3 * C * BV)
+
+
+if gluon is not None:
+
+    @gluon.constexpr_function
+    def _mma(warps, N):
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=warps, instr_shape=[16, N, 16])
+
+    @gluon.constexpr_function
+    def _shared(shape, dtype):
+        return gl.NVMMASharedLayout.get_default_for(shape, dtype)
+
+    @gluon.jit
+    def _add(a, b):
+        return a + b
+
+    @gluon.jit
+    def _rows(bos, eos, i_c, i_b, T, H, i_h, C: gl.constexpr, layout: gl.constexpr):
+        """The chunk's token numbers' mask and token-head rows ([C], in ``layout``)."""
+        tok = bos + i_c * C + gl.arange(0, C, layout=layout)
+        return tok < eos, (i_b * T + tok) * H + i_h
+
+    @gluon.jit
+    def _factor_tile(p, r, m_t, D: gl.constexpr, layout: gl.constexpr):
+        """[C, D] tile of one factor at the rows ``r`` (in SliceLayout(1, ``layout``)), as stored."""
+        o_d = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+        return gl.load(p + gl.expand_dims(r, 1) * D + gl.expand_dims(o_d, 0), mask=gl.expand_dims(m_t, 1), other=0.0)
+
+    @gluon.jit
+    def _inv_norm(b_x):
+        """1 / ||x|| of each row of a factor tile."""
+        b_x = b_x.to(gl.float32)
+        return gl.rsqrt(gl.sum(b_x * b_x, axis=1) + 1e-6)
+
+    @gluon.jit
+    def _store_phi(phi_s, f1_s, b_2, D1: gl.constexpr, D2: gl.constexpr, C: gl.constexpr, NW: gl.constexpr):
+        """The chunk's raw phi [C, K] (K = D1 D2) into ``phi_s``, 64 columns at a time: each a
+        [C, 64 / D2, D2] outer product of a slice of factor 1 (``f1_s``, in shared memory) and
+        factor 2 (``b_2``, registers), in fp32 and rounded once, as the Triton kernel rounds it."""
+        DT: gl.constexpr = phi_s.dtype
+        M: gl.constexpr = 64 // D2
+        l3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [4, M, D2 // 8], [NW, 1, 1], [2, 1, 0])
+        b_2 = gl.convert_layout(b_2, gl.SliceLayout(1, l3)).to(gl.float32)
+        for j in gl.static_range(D1 // M):
+            b_1 = f1_s.slice(j * M, M, dim=1).load(gl.SliceLayout(2, l3)).to(gl.float32)
+            b_phi = gl.expand_dims(b_1, 2) * gl.expand_dims(b_2, 1)
+            phi_s.slice(j * 64, 64, dim=1).store(gl.reshape(b_phi.to(DT), [C, 64]))
+
+    @gluon.jit
+    def chunk_streamed_gluon_kernel(
+        q1, q2, k1, k2, v, g, beta, o, h0, ht, P, Ai, cu_seqlens, scale, T,
+        H: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr, V: gl.constexpr,
+        C: gl.constexpr, BV: gl.constexpr, L2NORM: gl.constexpr, DECAY_FLOOR: gl.constexpr,
+    ):
+        """One program per (sequence, head, value block of BV) walks the chunks in order with S
+        [K, BV] in registers (module docstring). Arguments as ``chunk_streamed_kernel``'s: the
+        factors [B, T, H, D_i], ``P`` / ``Ai`` the prepare
+        kernel's [B, H, T, C] fp32 scores and inverse (``Ai`` None without the delta rule),
+        ``g`` / ``beta`` / ``h0`` / ``cu_seqlens`` None: no gates / no delta rule / zero initial
+        state / not varlen; ``ht`` [N, H, K, V] fp32 receives the final state."""
+        K: gl.constexpr = D1 * D2
+        NW: gl.constexpr = gl.num_warps()
+        DT: gl.constexpr = v.dtype.element_ty
+        i_v, i_nh = gl.program_id(0), gl.program_id(1)
+        i_n, i_h = i_nh // H, i_nh % H
+        if cu_seqlens is not None:
+            bos = gl.load(cu_seqlens + i_n).to(gl.int64)
+            eos = gl.load(cu_seqlens + i_n + 1).to(gl.int64)
+            i_b = 0
+        else:
+            bos = 0
+            eos = T
+            i_b = i_n.to(gl.int64)
+
+        # S [K, BV]: the update's accumulator over every warp (M = K); R, O [C, BV]: M = C over
+        # four warps a column block (more warps split the columns)
+        s_layout: gl.constexpr = _mma([NW, 1], BV)
+        r_layout: gl.constexpr = _mma([4, NW // 4], BV // (NW // 4))
+        a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=r_layout, k_width=2)
+        row_r: gl.constexpr = gl.SliceLayout(1, r_layout)
+        col_r: gl.constexpr = gl.SliceLayout(0, r_layout)
+        l_cc: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])  # P, Ai as loaded
+        l_g: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])  # the gates' scan
+        l_f: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [NW, 1], [1, 0])  # factor tiles as loaded
+
+        o_ks = gl.arange(0, K, layout=gl.SliceLayout(1, s_layout))
+        o_vs = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, s_layout))
+        off_s = (i_n.to(gl.int64) * H + i_h) * K * V + gl.expand_dims(o_ks, 1) * V + gl.expand_dims(o_vs, 0)
+        m_s = gl.expand_dims(o_ks < K, 1) & gl.expand_dims(o_vs < V, 0)
+        if h0 is not None:
+            b_s = gl.load(h0 + off_s, mask=m_s, other=0.0).to(gl.float32)
+        else:
+            b_s = gl.zeros([K, BV], gl.float32, layout=s_layout)
+
+        phi_s = gl.allocate_shared_memory(DT, [C, K], _shared([C, K], DT))
+        s16_s = gl.allocate_shared_memory(DT, [K, BV], _shared([K, BV], DT))
+        x_s = gl.allocate_shared_memory(DT, [C, BV], _shared([C, BV], DT))
+        u_s = gl.allocate_shared_memory(DT, [C, BV], _shared([C, BV], DT))
+        us_s = gl.allocate_shared_memory(DT, [C, BV], _shared([C, BV], DT))
+        l_fs: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        fk_s = gl.allocate_shared_memory(DT, [C, D1], l_fs)  # factor 1 of the keys and the queries
+        fq_s = gl.allocate_shared_memory(DT, [C, D1], l_fs)
+
+        o_c = gl.arange(0, C, layout=row_r)
+        o_v = i_v * BV + gl.arange(0, BV, layout=col_r)
+        m_v = o_v < V
+        o_cc = gl.arange(0, C, layout=gl.SliceLayout(0, l_cc))
+        for i_c in range(0, gl.cdiv(eos - bos, C)):
+            # every global load of the chunk first, so that their latencies overlap (one load
+            # after another, each phi slice's factor load from L2, the loop ran 1.31 ms at o3
+            # 32x32 on an H100)
+            m_f, r_f = _rows(bos, eos, i_c, i_b, T, H, i_h, C, gl.SliceLayout(1, l_f))
+            b_k1 = _factor_tile(k1, r_f, m_f, D1, l_f)
+            b_k2 = _factor_tile(k2, r_f, m_f, D2, l_f)
+            b_q1 = _factor_tile(q1, r_f, m_f, D1, l_f)
+            b_q2 = _factor_tile(q2, r_f, m_f, D2, l_f)
+            m_t, r = _rows(bos, eos, i_c, i_b, T, H, i_h, C, row_r)
+            m_o = gl.expand_dims(m_t, 1) & gl.expand_dims(m_v, 0)
+            b_v = gl.load(v + gl.expand_dims(r, 1) * V + gl.expand_dims(o_v, 0), mask=m_o, other=0.0).to(gl.float32)
+            m_cc, _ = _rows(bos, eos, i_c, i_b, T, H, i_h, C, gl.SliceLayout(1, l_cc))
+            p_cc = ((i_b * H + i_h) * T + bos + i_c * C + gl.arange(0, C, layout=gl.SliceLayout(1, l_cc))) * C
+            off_cc = gl.expand_dims(p_cc, 1) + gl.expand_dims(o_cc, 0)
+            # P and Ai rounded as loaded, as the products take them (fp32, both held 64 registers a
+            # thread at 4 warps)
+            b_P = gl.load(P + off_cc, mask=gl.expand_dims(m_cc, 1), other=0.0).to(DT)
+            if beta is not None:
+                b_b = gl.load(beta + r, mask=m_t, other=0.0).to(gl.float32)
+                b_Ai = gl.load(Ai + off_cc, mask=gl.expand_dims(m_cc, 1), other=0.0).to(DT)
+            # the chunk's log decays, scanned (padded rows add 0, so the last row is c_C)
+            b_gam = gl.zeros([C], gl.float32, layout=row_r)
+            b_last = 0.0
+            b_decay = 1.0  # Gamma_C
+            if g is not None:
+                m_g, r_g = _rows(bos, eos, i_c, i_b, T, H, i_h, C, l_g)
+                b_g = gl.maximum(gl.load(g + r_g, mask=m_g, other=0.0).to(gl.float32), DECAY_FLOOR)
+                b_cs = gl.associative_scan(b_g, 0, _add)
+                b_last = gl.sum(gl.where(gl.arange(0, C, layout=l_g) == C - 1, b_cs, 0.0), axis=0)
+                b_gam = gl.convert_layout(b_cs, row_r)
+                b_decay = gl.exp(b_last)
+            b_ratio = gl.exp(b_last - b_gam)  # Gamma_C / Gamma_i <= 1
+            b_gam = gl.exp(b_gam)
+            r_q = gl.full([C], 1.0, gl.float32, layout=row_r)
+            r_k = gl.full([C], 1.0, gl.float32, layout=row_r)
+            if L2NORM:  # ||phi|| = prod ||x_i||
+                r_q = gl.convert_layout(_inv_norm(b_q1) * _inv_norm(b_q2), row_r)
+                r_k = gl.convert_layout(_inv_norm(b_k1) * _inv_norm(b_k2), row_r)
+            fk_s.store(b_k1)
+            fq_s.store(b_q1)
+
+            # R = phi(K) S16
+            s16_s.store(b_s.to(DT))
+            _store_phi(phi_s, fk_s, b_k2, D1, D2, C, NW)
+            fence_async_shared()
+            b_R = warpgroup_mma(phi_s, s16_s, gl.zeros([C, BV], gl.float32, layout=r_layout))
+            b_ks = b_R * gl.expand_dims(r_k, 1)
+            if beta is not None:  # U = Ai diag(beta) (V - diag(Gamma) R)
+                b_x = gl.expand_dims(b_b, 1) * (b_v - gl.expand_dims(b_gam, 1) * b_ks)
+                x_s.store(b_x.to(DT))
+                fence_async_shared()
+                b_u = warpgroup_mma(gl.convert_layout(b_Ai, a_op), x_s,
+                                    gl.zeros([C, BV], gl.float32, layout=r_layout))
+            else:
+                b_u = b_v
+            b_u = gl.where(m_o, b_u, 0.0)
+            u_s.store(b_u.to(DT))
+            us_s.store((b_u * gl.expand_dims(r_k * b_ratio, 1)).to(DT))
+            fence_async_shared()
+            # S <- Gamma_C S + phi(K)^T U diag(r_k Gamma_C / Gamma)
+            b_s = warpgroup_mma(phi_s.permute((1, 0)), us_s, b_s * b_decay)
+            # O = scale (diag(Gamma r_q) phi(Q) S16 + P U), phi(Q) where phi(K) was
+            _store_phi(phi_s, fq_s, b_q2, D1, D2, C, NW)
+            fence_async_shared()
+            b_qs = warpgroup_mma(phi_s, s16_s, gl.zeros([C, BV], gl.float32, layout=r_layout))
+            b_o = warpgroup_mma(gl.convert_layout(b_P, a_op), u_s, b_qs * gl.expand_dims(b_gam * r_q, 1))
+            gl.store(o + gl.expand_dims(r, 1) * V + gl.expand_dims(o_v, 0), (scale * b_o).to(o.dtype.element_ty),
+                     mask=m_o)
+        gl.store(ht + off_s, b_s, mask=m_s)
+
+
+def run(config, p, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm: bool, ws: dict) -> torch.Tensor:
+    """Allocate o and run :func:`chunk_streamed_gluon_kernel` on the prepare kernel's ``ws`` (P,
+    Ai); ``ht`` receives the final state."""
+    B, T, H, V = v.shape
+    o = args.empty(B, T, H, V, dtype=v.dtype, device=v.device)
+    (q1, q2), (k1, k2) = q, k
+    grid = (triton.cdiv(V, config.block_v), p.num_seqs * H)
+    cached(chunk_streamed_gluon_kernel)[grid](
+        q1, q2, k1, k2, v, g, beta, o, h0, ht, ws["P"], ws.get("Ai"), cu_seqlens, p.scale, T,
+        H=H, D1=p.key_widths[0], D2=p.key_widths[1], V=V, C=config.chunk_size,
+        BV=config.block_v, L2NORM=l2norm, DECAY_FLOOR=LOG_DECAY_FLOOR, num_warps=config.num_warps,
+    )
+    return o

@@ -1,0 +1,105 @@
+"""The streamed form's Gluon sequential kernel (``StreamedConfig(loop="gluon")``): against the
+float64 reference on an sm_90 GPU (outputs and workspaces poisoned with NaN first), its refusals
+everywhere, and its compile for sm_90 without a GPU (a subprocess without the interpreter)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rtcompile.kernels import chunk_streamed_gluon, launch
+from rtcompile.kernels.chunk_streamed import StreamedConfig
+from rtcompile.kernels.config import KernelShape
+
+from test_kernels import DEVICE, FEATURES, check_against_reference
+
+ROOT = Path(__file__).resolve().parents[1]
+HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9
+on_hopper = pytest.mark.skipif(not HOPPER, reason="the Gluon kernel runs on sm_90 GPUs only (no interpreter)")
+SMEM = 232448  # an H200's opt-in shared memory per block
+
+
+def gluon(block_v: int = 16, num_warps: int = 4, block_k: int = 64) -> StreamedConfig:
+    return StreamedConfig(chunk_size=64, block_k=block_k, block_v=block_v, num_warps=num_warps, prepare_warps=2,
+                          loop="gluon")
+
+
+# (config, key widths, T): T never a multiple of 64; second widths 8, 16, 32 (one to four factor-1
+# columns a 64-column phi slice)
+GLUON = {
+    "o3-16x8-bv16-w4": (gluon(), (16, 8), 150),
+    "o3-16x16-bv32-w4": (gluon(32), (16, 16), 100),
+    "o3-32x16-bv32-w8": (gluon(32, 8, 256), (32, 16), 77),
+    "o3-32x32-bv16-w4": (gluon(16, 4, 256), (32, 32), 130),
+}
+
+
+@on_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("feat", FEATURES.keys())
+@pytest.mark.parametrize("form", GLUON.keys())
+def test_streamed_gluon_matches_reference(form, feat, dtype, poison):
+    config, widths, T = GLUON[form]
+    check_against_reference(config, 2, T, 3, widths, 64, dtype, **FEATURES[feat])
+
+
+@on_hopper
+@pytest.mark.parametrize("form", ["o3-16x8-bv16-w4", "o3-32x32-bv16-w4"])
+def test_streamed_gluon_varlen_and_d_v(form, poison):
+    config, widths, _ = GLUON[form]
+    offsets = [0, 5, 6, 130, 197]  # 1 to 3 chunks, partial ones
+    check_against_reference(config, 1, offsets[-1], 2, widths, 64, torch.bfloat16, offsets=offsets)
+    check_against_reference(config, 2, 70, 2, widths, 40, torch.bfloat16)  # a partial value block
+    check_against_reference(config, 2, 70, 2, widths, 64, torch.bfloat16, final_state=False)
+
+
+def test_streamed_gluon_refusals_name_the_field():
+    shape = KernelShape((32, 32), 64, 2)
+    ok = gluon(block_k=256)
+    if chunk_streamed_gluon.gluon is None:
+        assert "Gluon" in ok.check(shape, SMEM)
+        return
+    assert ok.check(shape, SMEM) is None
+    assert "16-bit inputs" in ok.check(KernelShape((32, 32), 64, 4), SMEM)
+    assert "order 3" in ok.check(KernelShape((1024,), 64, 2), SMEM)
+    assert "order 3" in ok.check(KernelShape((16, 8, 8), 64, 2), SMEM)
+    assert "order 3" in ok.check(KernelShape((24, 16), 64, 2), SMEM)
+    assert "chunk_size=64" in dataclasses.replace(ok, chunk_size=32).check(shape, SMEM)
+    assert "block_v 16 or 32" in dataclasses.replace(ok, block_v=64).check(shape, SMEM)
+    assert "at most 128" in dataclasses.replace(ok, block_v=32).check(shape, SMEM)
+    assert dataclasses.replace(ok, block_v=32, num_warps=8).check(shape, SMEM) is None
+    wide = dataclasses.replace(ok, num_warps=8)  # S [2048, 16] in 128 registers, but phi [64, 2048] is 256 KiB
+    assert "shared memory" in wide.check(KernelShape((64, 32), 64, 2), SMEM)
+    assert "loop='cuda'; allowed: 'triton', 'gluon'" in dataclasses.replace(ok, loop="cuda").check(shape, SMEM)
+
+
+@pytest.mark.skipif(HOPPER, reason="off sm_90 only")
+def test_streamed_gluon_is_refused_off_hopper():
+    """A caller's Gluon config is refused with the reason before any work where it cannot run."""
+    from rtcompile.kernels.inputs import check_inputs
+
+    dev = torch.device(DEVICE)
+    q = [torch.randn(1, 8, 1, w, device=dev, dtype=torch.bfloat16) for w in (16, 16)]
+    v = torch.randn(1, 8, 1, 64, device=dev, dtype=torch.bfloat16)
+    p = check_inputs(q, q, v, None, None, None, None, None)
+    with pytest.raises(ValueError, match="loop='gluon' needs an sm_90 GPU"):
+        launch.resolve_config("chunk", gluon(), p, dev)
+    assert launch.runnable(gluon(), p, dev) is None
+
+
+@pytest.mark.skipif(chunk_streamed_gluon.gluon is None, reason="this Triton has no Gluon")
+def test_streamed_gluon_compiles_for_sm90_offline():
+    """The kernel compiles for sm_90 with the installed Triton (no GPU: ptxas only); the
+    compiler's report is the probe's."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    config = '{"form": "streamed", "chunk_size": 64, "block_k": 64, "block_v": 16, "num_warps": 4, "loop": "gluon"}'
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_offline.py"), "--widths", "16", "8",
+                          "--config", config], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert any(x.startswith("chunk_streamed_gluon_kernel") for x in out.stdout.splitlines()), out.stdout
