@@ -126,8 +126,10 @@ LARGE = [
 ]
 # (case, widths, changes to the streamed default) for its Gluon sequential kernel
 # (``--gluon-large``, chunk_streamed_gluon.py: the state on chip, phi formed once a chunk); offline
-# (probe_offline, Triton 3.6, sm_90) at o3 32x32: 255 registers, 168 B of spills at 4 warps block_v
-# 16, 624 B at 8 warps
+# (probe_offline, Triton 3.6, sm_90) at o3 32x32: 255 registers, 1464 B of spills at 4 warps block_v
+# 16, 896 B at 8 warps block_v 32. H100, 09967cf, two rounds: o3 32x32 1.2595 ms (bv 32, 8 warps) and
+# 2.0816 (bv 16, 4 warps) against the default's 1.2247; o3 32x16 0.7345 (bv 16, 4 warps, the sm_90
+# default since) and 0.7993 (bv 32) against 0.8535
 GLUON_LARGE = [
     ("o3 32x32", (32, 32), [dict(loop="gluon", block_v=16, num_warps=4), dict(loop="gluon", block_v=32, num_warps=8)]),
     ("o3 32x16", (32, 16), [dict(loop="gluon", block_v=16, num_warps=4), dict(loop="gluon", block_v=32, num_warps=4)]),

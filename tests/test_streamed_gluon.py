@@ -103,3 +103,22 @@ def test_streamed_gluon_compiles_for_sm90_offline():
                           "--config", config], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert any(x.startswith("chunk_streamed_gluon_kernel") for x in out.stdout.splitlines()), out.stdout
+
+
+def test_default_at_o3_k512_is_the_gluon_kernel_only_where_it_runs(monkeypatch):
+    """o3 K 512 with 16-bit inputs takes the Gluon kernel first on sm_90 (0.861x the Triton
+    kernel, H100); elsewhere, with fp32 inputs and at K 1024 (1.028x) the Triton kernel leads, and
+    the fused low-memory sibling keeps the Triton kernel's tiles."""
+    from rtcompile.kernels.forms import candidates, low_memory
+
+    shape = KernelShape((32, 16), 64, 2)
+    first = candidates("chunk", shape, SMEM, gluon=True)[0]
+    if chunk_streamed_gluon.gluon is not None:
+        assert (first.form, first.loop, first.block_v, first.num_warps) == ("streamed", "gluon", 16, 4)
+    assert candidates("chunk", shape, SMEM, gluon=False)[0].loop == "triton"
+    assert candidates("chunk", KernelShape((32, 16), 64, 4), SMEM, gluon=True)[0].loop == "triton"
+    assert candidates("chunk", KernelShape((32, 32), 64, 2), SMEM, gluon=True)[0].loop == "triton"
+    from rtcompile.kernels import chunk_split_gluon
+
+    monkeypatch.setattr(chunk_split_gluon, "runs_here", lambda: True)  # as on sm_90
+    assert low_memory(shape, SMEM).block_v == candidates("chunk", shape, SMEM, gluon=False)[0].block_v

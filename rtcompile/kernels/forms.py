@@ -174,6 +174,19 @@ def _gluon_split(shape: KernelShape) -> list[KernelConfig]:
                         loop="gluon")]
 
 
+def _gluon_streamed(shape: KernelShape) -> list[KernelConfig]:
+    """The streamed form's Gluon kernel (state on chip, chunk_streamed_gluon.py) where it was
+    measured faster: order 3 at K = 512 (o3 32x16, **H100**, compare_kron --gluon-large at
+    09967cf, float64-checked on the GPU first: 0.7345 ms against 0.8535 for the Triton kernel,
+    0.861x; block_v 32 0.7993). At K = 1024 it ran 1.028x the Triton kernel (block_v 32, 8 warps;
+    block_v 16, 4 warps 1.70x: 1464 B of spills), so it is not proposed there. Its check refuses
+    what it cannot run (32-bit inputs, other orders): the next proposals serve."""
+    if shape.key_dim != 512 or len(shape.key_widths) != 2:
+        return []
+    return [StreamedConfig(chunk_size=64, block_k=256, block_v=16, num_warps=4, prepare_warps=2,
+                           dot_precision=_precision(shape), loop="gluon")]
+
+
 def _split_small_k(shape: KernelShape, **fields) -> list[KernelConfig]:
     """The split form at K <= 128 (key groups of 1): chunks of 32 in four parts first, then the
     C 64 proposals. H200, B8 T4096 (2026-12-04): o2 64 0.280 / 0.281 ms (two runs) against 0.291
@@ -250,7 +263,7 @@ CHUNK_DEFAULTS: tuple[DefaultRow, ...] = (
                "K >= 4096: 256-row tiles, 32 columns, passes merged (state read once per chunk), tf32 solve: "
                "o3 64x64 5.26 ms, o4 16^3 5.67 (6.49 / 7.10 unmerged)"),
     DefaultRow(lambda s: 256 < s.key_dim_pow2 < 4096,
-               lambda s: [StreamedConfig(chunk_size=64, block_k=max(_stream_tile(s), 256),
+               lambda s: [*_gluon_streamed(s), StreamedConfig(chunk_size=64, block_k=max(_stream_tile(s), 256),
                                          block_v=min(32, s.value_dim_pow2), num_warps=8, prepare_warps=2,
                                          dot_precision=_precision(s)),
                           StreamedConfig(chunk_size=64, block_k=_stream_tile(s), block_v=min(32, s.value_dim_pow2),
@@ -436,6 +449,8 @@ def low_memory(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> Fuse
     fused, was estimated at ~464 registers at o3 16x16); a resident state drops the input
     prefetch (fused at o2 64: 3.09 ms with it, 3.00 without)."""
     base = default_config("chunk", shape, smem_limit)
+    if isinstance(base, StreamedConfig) and base.loop == "gluon":  # the Triton kernel's tiles, which fused runs
+        base = default_config("chunk", shape, smem_limit, gluon=False)
     C, stages = base.chunk_size, base.num_stages
     if isinstance(base, SplitConfig):
         C, stages = 16, 1
