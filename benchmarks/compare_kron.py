@@ -124,15 +124,16 @@ LARGE = [
     ("o3 32x16", (32, 16), [dict(block_k=128, prefetch_state=True)]),
     ("o3 64x32", (64, 32), [dict(block_k=128, prefetch_state=True)]),
 ]
-# (case, widths, changes to the streamed default) for its Gluon sequential kernel
-# (``--gluon-large``, chunk_streamed_gluon.py: the state on chip, phi formed once a chunk); offline
-# (probe_offline, Triton 3.6, sm_90) at o3 32x32: 255 registers, 1464 B of spills at 4 warps block_v
-# 16, 896 B at 8 warps block_v 32. H100, 09967cf, two rounds: o3 32x32 1.2595 ms (bv 32, 8 warps) and
-# 2.0816 (bv 16, 4 warps) against the default's 1.2247; o3 32x16 0.7345 (bv 16, 4 warps, the sm_90
-# default since) and 0.7993 (bv 32) against 0.8535
+# (case, widths, changes to the default) of the streamed form's Gluon sequential kernel
+# (``--gluon-large``, chunk_streamed_gluon.py: the state on chip, phi formed once a chunk), the
+# default on sm_90 at o3 K 512 and 1024 since 2026-12-07, against the Triton kernel (the default
+# before). H100, working tree of 33b8ee8 (products over key blocks in a runtime loop, phi stored
+# 256 columns at a time), two rounds: o3 32x32 block_v 32 at 8 warps 0.8156 ms against the Triton
+# kernel's 1.2185, block_v 16 at 8 warps 1.3558; o3 32x16 block_v 32 / 8 warps 0.6837, block_v 16 /
+# 8 warps 1.1228, block_v 16 / 4 warps (280 B of spills) 0.8619
 GLUON_LARGE = [
-    ("o3 32x32", (32, 32), [dict(loop="gluon", block_v=16, num_warps=4), dict(loop="gluon", block_v=32, num_warps=8)]),
-    ("o3 32x16", (32, 16), [dict(loop="gluon", block_v=16, num_warps=4), dict(loop="gluon", block_v=32, num_warps=4)]),
+    ("o3 32x32", (32, 32), [dict(loop="triton")]),
+    ("o3 32x16", (32, 16), [dict(loop="triton")]),
 ]
 
 
@@ -327,7 +328,8 @@ def main() -> int:
              "LARGE": [(None, *c) for c in LARGE], "SMALL_K": [(None, *c) for c in SMALL_K],
              "SPLIT_LARGE": [(SPLIT_TRITON, *c) for c in SPLIT_LARGE],
              "GLUON_LARGE": [(None, *c) for c in GLUON_LARGE]}
-    chosen = [name for name in ("PHI_PASS", "LARGE", "SMALL_K", "SPLIT_LARGE", "GLUON_LARGE") if getattr(args, name.lower())] \
+    chosen = [name for name in ("PHI_PASS", "LARGE", "SMALL_K", "SPLIT_LARGE", "GLUON_LARGE")
+              if getattr(args, name.lower())] \
         or ["CASES", "PHI_PASS"]
     if not any(lists[name] for name in chosen):  # an empty list between trials: nothing to time
         print(f"compare_kron: {' and '.join(chosen)} list no proposals; add (case, widths, "

@@ -37,6 +37,7 @@ GLUON = {
     "o3-16x16-bv32-w4": (gluon(32), (16, 16), 100),
     "o3-32x16-bv32-w8": (gluon(32, 8, 256), (32, 16), 77),
     "o3-32x32-bv16-w4": (gluon(16, 4, 256), (32, 32), 130),
+    "o3-32x32-bv32-w8": (gluon(32, 8, 256), (32, 32), 100),
 }
 
 
@@ -106,19 +107,38 @@ def test_streamed_gluon_compiles_for_sm90_offline():
 
 
 def test_default_at_o3_k512_is_the_gluon_kernel_only_where_it_runs(monkeypatch):
-    """o3 K 512 with 16-bit inputs takes the Gluon kernel first on sm_90 (0.861x the Triton
-    kernel, H100); elsewhere, with fp32 inputs and at K 1024 (1.028x) the Triton kernel leads, and
-    the fused low-memory sibling keeps the Triton kernel's tiles."""
+    """o3 at K 512 and 1024 with 16-bit inputs takes the Gluon kernel first on sm_90 (0.67-0.80x
+    the Triton kernel, H100); elsewhere, with fp32 inputs and at K 2048 the Triton kernel leads,
+    and the fused low-memory sibling keeps the Triton kernel's tiles."""
     from rtcompile.kernels.forms import candidates, low_memory
 
     shape = KernelShape((32, 16), 64, 2)
     first = candidates("chunk", shape, SMEM, gluon=True)[0]
     if chunk_streamed_gluon.gluon is not None:
-        assert (first.form, first.loop, first.block_v, first.num_warps) == ("streamed", "gluon", 16, 4)
+        assert (first.form, first.loop, first.block_v, first.num_warps) == ("streamed", "gluon", 32, 8)
+        assert candidates("chunk", KernelShape((32, 32), 64, 2), SMEM, gluon=True)[0].loop == "gluon"
     assert candidates("chunk", shape, SMEM, gluon=False)[0].loop == "triton"
     assert candidates("chunk", KernelShape((32, 16), 64, 4), SMEM, gluon=True)[0].loop == "triton"
-    assert candidates("chunk", KernelShape((32, 32), 64, 2), SMEM, gluon=True)[0].loop == "triton"
+    assert candidates("chunk", KernelShape((64, 32), 64, 2), SMEM, gluon=True)[0].loop == "triton"
     from rtcompile.kernels import chunk_split_gluon
 
     monkeypatch.setattr(chunk_split_gluon, "runs_here", lambda: True)  # as on sm_90
     assert low_memory(shape, SMEM).block_v == candidates("chunk", shape, SMEM, gluon=False)[0].block_v
+
+
+def test_a_callers_chunk_size_falls_back_from_the_gluon_default(monkeypatch):
+    """Where the default is a Gluon kernel with a fixed chunk (sm_90, o3 K 1024: 64), a caller's
+    chunk_size runs the Triton proposals at that size instead of being refused."""
+    from rtcompile.kernels import chunk_split_gluon
+    from rtcompile.kernels.inputs import check_inputs
+
+    q = [torch.randn(1, 8, 1, 32, dtype=torch.bfloat16) for _ in range(2)]
+    v = torch.randn(1, 8, 1, 64, dtype=torch.bfloat16)
+    p = check_inputs(q, q, v, None, None, None, None, None)
+    monkeypatch.setattr(chunk_split_gluon, "runs_on", lambda device: True)  # as on sm_90
+    monkeypatch.setattr(launch, "smem_limit", lambda device: SMEM)
+    cpu = torch.device("cpu")
+    if chunk_streamed_gluon.gluon is not None:
+        assert launch.resolve_config("chunk", None, p, cpu).loop == "gluon"
+    sized = launch.resolve_config("chunk", None, p, cpu, chunk_size=32)
+    assert (sized.form, sized.loop, sized.chunk_size) == ("streamed", "triton", 32)

@@ -34,11 +34,14 @@ from .launch_cache import cached
 try:  # Gluon's Hopper API as Triton 3.6 - 3.9 spell it
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, warpgroup_mma, warpgroup_mma_wait,
+    )
 except ImportError:  # an older Triton: the config's check says so
     gluon = None
 
 CHUNK = 64  # wgmma's M for R = phi(K) S16 and phi(Q) S16: the chunk's rows
+PHI_STORE_COLUMNS = 256  # phi's columns a store (4 stores at K 1024, so 4 barriers a phi)
 MAX_STATE_REGISTERS = 128  # S's fp32 registers a thread (K BV / threads); more left no room for the rest
 
 
@@ -60,8 +63,9 @@ def config_refusal(cfg, shape) -> str | None:
         return (f"loop='gluon' takes num_warps 4 or 8 and block_v 16 or 32 (at least 8 columns a warpgroup), "
                 f"got num_warps={cfg.num_warps}, block_v={cfg.block_v}")
     if K * cfg.block_v // (32 * cfg.num_warps) > MAX_STATE_REGISTERS:
-        return (f"loop='gluon' holds S [{K}, {cfg.block_v}] in {K * cfg.block_v // (32 * cfg.num_warps)} fp32 registers "
-                f"a thread; allowed: at most {MAX_STATE_REGISTERS} (narrower block_v or more warps)")
+        regs = K * cfg.block_v // (32 * cfg.num_warps)
+        return (f"loop='gluon' holds S [{K}, {cfg.block_v}] in {regs} fp32 registers a thread; allowed: at most "
+                f"{MAX_STATE_REGISTERS} (narrower block_v or more warps)")
     return None
 
 
@@ -80,9 +84,37 @@ if gluon is not None:
     def _shared(shape, dtype):
         return gl.NVMMASharedLayout.get_default_for(shape, dtype)
 
+    @gluon.constexpr_function
+    def _blocks_layout(swizzle):
+        return gl.NVMMASharedLayout(swizzle, 16)  # rank 2: the leading axis indexes blocks
+
     @gluon.jit
     def _add(a, b):
         return a + b
+
+    # The [K / 64, rows, cols] block view of a 16-bit NVMMA tile whose 64-row (or 64-column, for
+    # phi) blocks are contiguous (phi [C, K]: block j at j C 128 bytes, as the slice stores of
+    # the first version addressed them), for products over key blocks in a runtime loop: one
+    # descriptor a step instead of 64 hoisted out of the chunk loop (their spills were most of the
+    # 616-1464 B). Triton 3.6 spells the view _reinterpret, 3.9 reinterpret.
+    @gluon.jit
+    def _view_36(smem, shape: gl.constexpr, layout: gl.constexpr):
+        return smem._reinterpret(smem.dtype, shape, layout)
+
+    @gluon.jit
+    def _view_39(smem, shape: gl.constexpr, layout: gl.constexpr):
+        return smem.reinterpret(smem.dtype, shape, layout)
+
+    _view = _view_36 if hasattr(gl.shared_memory_descriptor, "_reinterpret") else _view_39
+
+    @gluon.jit
+    def _blocked_product(phi3, s3, acc, NB: gl.constexpr):
+        """acc + phi S16 over NB key blocks of 64 (phi3 [NB, C, 64], s3 [NB, 64, BV]), async wgmma
+        with one in flight."""
+        for kb in range(NB):
+            acc = warpgroup_mma(phi3.index(kb), s3.index(kb), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
     @gluon.jit
     def _rows(bos, eos, i_c, i_b, T, H, i_h, C: gl.constexpr, layout: gl.constexpr):
@@ -102,32 +134,46 @@ if gluon is not None:
         b_x = b_x.to(gl.float32)
         return gl.rsqrt(gl.sum(b_x * b_x, axis=1) + 1e-6)
 
+    @gluon.constexpr_function
+    def _phi_layout(W, D2, NW):
+        """[C, W / D2, D2]: 8 factor-2 columns a thread (16-byte stores), four rows a warp."""
+        t2 = D2 // 8
+        t1 = min(W // D2, 8 // t2)
+        return gl.BlockedLayout([1, W // D2 // t1, 8], [4, t1, t2], [NW, 1, 1], [2, 1, 0])
+
     @gluon.jit
-    def _store_phi(phi_s, f1_s, b_2, D1: gl.constexpr, D2: gl.constexpr, C: gl.constexpr, NW: gl.constexpr):
-        """The chunk's raw phi [C, K] (K = D1 D2) into ``phi_s``, 64 columns at a time: each a
-        [C, 64 / D2, D2] outer product of a slice of factor 1 (``f1_s``, in shared memory) and
-        factor 2 (``b_2``, registers), in fp32 and rounded once, as the Triton kernel rounds it."""
+    def _store_phi(phi_s, p1, bos, eos, i_c, i_b, T, H, i_h, b_2, D1: gl.constexpr, D2: gl.constexpr,
+                   C: gl.constexpr, W: gl.constexpr, NW: gl.constexpr):
+        """The chunk's raw phi [C, K] (K = D1 D2) into ``phi_s``, W columns a store: each a [C,
+        W / D2, D2] outer product of a slice of factor 1 (loaded again: the chunk's tile was just
+        loaded, so from L1) and factor 2 (``b_2``, registers), in fp32 and rounded once, as the
+        Triton kernel rounds it. Few wide stores: the barrier pass orders every store into a slice
+        of phi_s after the one before (64-column slices: 32 barriers a chunk)."""
         DT: gl.constexpr = phi_s.dtype
-        M: gl.constexpr = 64 // D2
-        l3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [4, M, D2 // 8], [NW, 1, 1], [2, 1, 0])
+        M: gl.constexpr = W // D2
+        l3: gl.constexpr = _phi_layout(W, D2, NW)
+        l_1: gl.constexpr = gl.SliceLayout(2, l3)
         b_2 = gl.convert_layout(b_2, gl.SliceLayout(1, l3)).to(gl.float32)
+        m_1, r_1 = _rows(bos, eos, i_c, i_b, T, H, i_h, C, gl.SliceLayout(1, l_1))
+        p_1 = p1 + gl.expand_dims(r_1, 1) * D1 + gl.expand_dims(gl.arange(0, M, layout=gl.SliceLayout(0, l_1)), 0)
         for j in gl.static_range(D1 // M):
-            b_1 = f1_s.slice(j * M, M, dim=1).load(gl.SliceLayout(2, l3)).to(gl.float32)
+            b_1 = gl.load(p_1 + j * M, mask=gl.expand_dims(m_1, 1), other=0.0).to(gl.float32)
             b_phi = gl.expand_dims(b_1, 2) * gl.expand_dims(b_2, 1)
-            phi_s.slice(j * 64, 64, dim=1).store(gl.reshape(b_phi.to(DT), [C, 64]))
+            phi_s.slice(j * W, W, dim=1).store(gl.reshape(b_phi.to(DT), [C, W]))
 
     @gluon.jit
     def chunk_streamed_gluon_kernel(
         q1, q2, k1, k2, v, g, beta, o, h0, ht, P, Ai, cu_seqlens, scale, T,
         H: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr, V: gl.constexpr,
-        C: gl.constexpr, BV: gl.constexpr, L2NORM: gl.constexpr, DECAY_FLOOR: gl.constexpr,
+        C: gl.constexpr, BV: gl.constexpr, W: gl.constexpr, L2NORM: gl.constexpr, DECAY_FLOOR: gl.constexpr,
     ):
         """One program per (sequence, head, value block of BV) walks the chunks in order with S
         [K, BV] in registers (module docstring). Arguments as ``chunk_streamed_kernel``'s: the
         factors [B, T, H, D_i], ``P`` / ``Ai`` the prepare
         kernel's [B, H, T, C] fp32 scores and inverse (``Ai`` None without the delta rule),
         ``g`` / ``beta`` / ``h0`` / ``cu_seqlens`` None: no gates / no delta rule / zero initial
-        state / not varlen; ``ht`` [N, H, K, V] fp32 receives the final state."""
+        state / not varlen; ``ht`` [N, H, K, V] fp32 receives the final state; ``W``: phi's
+        columns a store (``PHI_STORE_COLUMNS``, at most K)."""
         K: gl.constexpr = D1 * D2
         NW: gl.constexpr = gl.num_warps()
         DT: gl.constexpr = v.dtype.element_ty
@@ -167,9 +213,8 @@ if gluon is not None:
         x_s = gl.allocate_shared_memory(DT, [C, BV], _shared([C, BV], DT))
         u_s = gl.allocate_shared_memory(DT, [C, BV], _shared([C, BV], DT))
         us_s = gl.allocate_shared_memory(DT, [C, BV], _shared([C, BV], DT))
-        l_fs: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        fk_s = gl.allocate_shared_memory(DT, [C, D1], l_fs)  # factor 1 of the keys and the queries
-        fq_s = gl.allocate_shared_memory(DT, [C, D1], l_fs)
+        phi3 = _view(phi_s, [K // 64, C, 64], _blocks_layout(128))
+        s3 = _view(s16_s, [K // 64, 64, BV], _blocks_layout(BV * 2))
 
         o_c = gl.arange(0, C, layout=row_r)
         o_v = i_v * BV + gl.arange(0, BV, layout=col_r)
@@ -214,14 +259,12 @@ if gluon is not None:
             if L2NORM:  # ||phi|| = prod ||x_i||
                 r_q = gl.convert_layout(_inv_norm(b_q1) * _inv_norm(b_q2), row_r)
                 r_k = gl.convert_layout(_inv_norm(b_k1) * _inv_norm(b_k2), row_r)
-            fk_s.store(b_k1)
-            fq_s.store(b_q1)
 
             # R = phi(K) S16
             s16_s.store(b_s.to(DT))
-            _store_phi(phi_s, fk_s, b_k2, D1, D2, C, NW)
+            _store_phi(phi_s, k1, bos, eos, i_c, i_b, T, H, i_h, b_k2, D1, D2, C, W, NW)
             fence_async_shared()
-            b_R = warpgroup_mma(phi_s, s16_s, gl.zeros([C, BV], gl.float32, layout=r_layout))
+            b_R = _blocked_product(phi3, s3, gl.zeros([C, BV], gl.float32, layout=r_layout), K // 64)
             b_ks = b_R * gl.expand_dims(r_k, 1)
             if beta is not None:  # U = Ai diag(beta) (V - diag(Gamma) R)
                 b_x = gl.expand_dims(b_b, 1) * (b_v - gl.expand_dims(b_gam, 1) * b_ks)
@@ -238,9 +281,9 @@ if gluon is not None:
             # S <- Gamma_C S + phi(K)^T U diag(r_k Gamma_C / Gamma)
             b_s = warpgroup_mma(phi_s.permute((1, 0)), us_s, b_s * b_decay)
             # O = scale (diag(Gamma r_q) phi(Q) S16 + P U), phi(Q) where phi(K) was
-            _store_phi(phi_s, fq_s, b_q2, D1, D2, C, NW)
+            _store_phi(phi_s, q1, bos, eos, i_c, i_b, T, H, i_h, b_q2, D1, D2, C, W, NW)
             fence_async_shared()
-            b_qs = warpgroup_mma(phi_s, s16_s, gl.zeros([C, BV], gl.float32, layout=r_layout))
+            b_qs = _blocked_product(phi3, s3, gl.zeros([C, BV], gl.float32, layout=r_layout), K // 64)
             b_o = warpgroup_mma(gl.convert_layout(b_P, a_op), u_s, b_qs * gl.expand_dims(b_gam * r_q, 1))
             gl.store(o + gl.expand_dims(r, 1) * V + gl.expand_dims(o_v, 0), (scale * b_o).to(o.dtype.element_ty),
                      mask=m_o)
@@ -256,7 +299,7 @@ def run(config, p, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm: bool, ws: di
     grid = (triton.cdiv(V, config.block_v), p.num_seqs * H)
     cached(chunk_streamed_gluon_kernel)[grid](
         q1, q2, k1, k2, v, g, beta, o, h0, ht, ws["P"], ws.get("Ai"), cu_seqlens, p.scale, T,
-        H=H, D1=p.key_widths[0], D2=p.key_widths[1], V=V, C=config.chunk_size,
-        BV=config.block_v, L2NORM=l2norm, DECAY_FLOOR=LOG_DECAY_FLOOR, num_warps=config.num_warps,
+        H=H, D1=p.key_widths[0], D2=p.key_widths[1], V=V, C=config.chunk_size, BV=config.block_v,
+        W=min(PHI_STORE_COLUMNS, p.key_dim), L2NORM=l2norm, DECAY_FLOOR=LOG_DECAY_FLOOR, num_warps=config.num_warps,
     )
     return o

@@ -176,14 +176,15 @@ def _gluon_split(shape: KernelShape) -> list[KernelConfig]:
 
 def _gluon_streamed(shape: KernelShape) -> list[KernelConfig]:
     """The streamed form's Gluon kernel (state on chip, chunk_streamed_gluon.py) where it was
-    measured faster: order 3 at K = 512 (o3 32x16, **H100**, compare_kron --gluon-large at
-    09967cf, float64-checked on the GPU first: 0.7345 ms against 0.8535 for the Triton kernel,
-    0.861x; block_v 32 0.7993). At K = 1024 it ran 1.028x the Triton kernel (block_v 32, 8 warps;
-    block_v 16, 4 warps 1.70x: 1464 B of spills), so it is not proposed there. Its check refuses
-    what it cannot run (32-bit inputs, other orders): the next proposals serve."""
-    if shape.key_dim != 512 or len(shape.key_widths) != 2:
+    measured faster: order 3 at K 512 and 1024, block_v 32 at 8 warps (**H100**, compare_kron
+    --gluon-large, float64-checked on the GPU first, two rounds, the Triton kernel in the same
+    process): o3 32x32 0.8156 ms against 1.2185 (kernel 693 against 1099 us), o3 32x16 0.6837
+    against the Triton kernel's 0.85; block_v 16 at 8 warps 1.11-1.30x the Triton kernel, at 4
+    warps (spills) 0.86-1.70x. Its check refuses what it cannot run (32-bit inputs, other orders,
+    phi [64, K] past shared memory at K 2048): the next proposals serve."""
+    if shape.key_dim not in (512, 1024) or len(shape.key_widths) != 2:
         return []
-    return [StreamedConfig(chunk_size=64, block_k=256, block_v=16, num_warps=4, prepare_warps=2,
+    return [StreamedConfig(chunk_size=64, block_k=256, block_v=32, num_warps=8, prepare_warps=2,
                            dot_precision=_precision(shape), loop="gluon")]
 
 
@@ -269,7 +270,8 @@ CHUNK_DEFAULTS: tuple[DefaultRow, ...] = (
                           StreamedConfig(chunk_size=64, block_k=_stream_tile(s), block_v=min(32, s.value_dim_pow2),
                                          num_warps=8, prepare_warps=2, dot_precision=_precision(s),
                                          prefetch_state=True)],
-               "256 < K < 4096: 256-row tiles, C 64, tf32 solve: o3 32x32 1.238 ms against 1.319 for 128-row tiles "
+               "256 < K < 4096 (order 3 at K 512 and 1024 on sm_90: the Gluon kernel first, _gluon_streamed): "
+               "256-row tiles, C 64, tf32 solve: o3 32x32 1.238 ms against 1.319 for 128-row tiles "
                "loaded one ahead (H200, compare_kron --large at 91fb7d6; the tuner's pick on an H100, 1.212 against "
                "1.293); those where 256 rows do not fit (3.03 ms at C 32)"),
     DefaultRow(lambda s: s.key_dim_pow2 > 256,

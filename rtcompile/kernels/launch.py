@@ -58,11 +58,11 @@ def device_name(device: torch.device) -> str:
 
 @functools.lru_cache(maxsize=1024)
 def _default(kernel: str, shape: KernelShape, limit: int | None, device: torch.device,
-             decode_rows: int | None = None) -> KernelConfig:
-    """The defaults table's first proposal that runs on ``device`` (the Gluon loop only on sm_90;
-    ``decode_rows``: :func:`~.forms.candidates`')."""
+             decode_rows: int | None = None, gluon: bool = True) -> KernelConfig:
+    """The defaults table's first proposal that runs on ``device`` (the Gluon kernels only on
+    sm_90, and not at all without ``gluon``; ``decode_rows``: :func:`~.forms.candidates`')."""
     return default_config(kernel, shape, DEFAULT_SMEM_BYTES if limit is None else limit,
-                          gluon=chunk_split_gluon.runs_on(device), decode_rows=decode_rows)
+                          gluon=gluon and chunk_split_gluon.runs_on(device), decode_rows=decode_rows)
 
 
 def decode_rows(kernel: str, p: Problem) -> int | None:
@@ -124,7 +124,12 @@ def resolve_config(kernel: str, variant: KernelConfig | None, p: Problem, device
     if variant is None:
         variant = _default(kernel, shape, limit, device, decode_rows(kernel, p))
         if chunk_size is not None:
-            variant = dataclasses.replace(variant, chunk_size=chunk_size)
+            sized = dataclasses.replace(variant, chunk_size=chunk_size)
+            if getattr(variant, "loop", "triton") == "gluon" and checked(sized, shape, limit) is not None:
+                # a Gluon kernel's chunk is fixed (the streamed one's 64, the split loop's 16 or
+                # 32): the Triton proposals take the caller's size
+                sized = dataclasses.replace(_default(kernel, shape, limit, device, gluon=False), chunk_size=chunk_size)
+            variant = sized
     reason = checked(variant, shape, limit)
     if reason is None and (reason := device_refusal(variant, device)) is not None and chosen \
             and getattr(variant, "tma", False):  # a chosen config runs without TMA on an older GPU
