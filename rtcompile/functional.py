@@ -131,6 +131,9 @@ def running_tensor(
         raise TypeError(f"chunk_size: expected an int or None, got {type(chunk_size).__name__}")
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size: got {chunk_size}; allowed: an integer >= 1, or None")
+    if chunk_size is not None and mode == "recurrent":  # the scan has no chunks: it was dropped unseen
+        raise ValueError(f"chunk_size: got {chunk_size} with mode='recurrent', which has no chunks; allowed: None, "
+                         "or mode='chunk' / 'auto'")
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend: got {backend!r}; allowed: {', '.join(BACKENDS)}")
     if variant is not None:

@@ -95,3 +95,14 @@ def test_the_decode_step_names_q_that_is_not_a_list():
     with pytest.raises(TypeError, match=r"^q: expected a list or tuple"):
         rtcompile.running_tensor_decode_(None, [torch.randn(1, 1, 1, 2)], v, state_cache=torch.zeros(2, 1, 2, 3),
                                          state_indices=torch.tensor([0]))
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference", "auto"])
+def test_chunk_size_with_the_recurrent_mode_is_refused(backend):
+    """The scan has no chunks: a chunk_size beside mode="recurrent" was dropped unseen on every
+    backend; it is refused, naming the field and what is allowed."""
+    q, k, v, g, beta = _inputs(5)
+    with pytest.raises(ValueError, match=r"chunk_size: got 16 with mode='recurrent'.*allowed: None"):
+        rtcompile.running_tensor(q, k, v, g, beta, mode="recurrent", chunk_size=16, backend=backend)
+    o, _ = rtcompile.running_tensor(q, k, v, g, beta, mode="recurrent", backend=backend)  # without it: runs
+    assert o.shape == v.shape

@@ -71,9 +71,10 @@ def test_cpu_without_interpreter(monkeypatch):
          r"block_k=64; allowed: at most K rounded up \(16\)"),
         (dict(variant=StreamedConfig(chunk_size=16, block_k=16, block_v=16)), ValueError,
          "block_k=16; allowed: 16 <= block_k < K = 12"),
+        (dict(mode="recurrent", chunk_size=32), ValueError, "chunk_size: got 32 with mode='recurrent'"),
     ],
     ids=["mode", "chunk-24", "recurrent-config-for-chunk", "chunk-config-for-recurrent", "chunk-conflict",
-         "chunk-float", "block-k-too-big", "streamed-covers-k"],
+         "chunk-float", "block-k-too-big", "streamed-covers-k", "chunk-size-for-recurrent"],
 )
 def test_bad_options(kwargs, exc, needle):
     with pytest.raises(exc, match=needle):

@@ -142,3 +142,14 @@ def test_a_callers_chunk_size_falls_back_from_the_gluon_default(monkeypatch):
         assert launch.resolve_config("chunk", None, p, cpu).loop == "gluon"
     sized = launch.resolve_config("chunk", None, p, cpu, chunk_size=32)
     assert (sized.form, sized.loop, sized.chunk_size) == ("streamed", "triton", 32)
+
+
+def test_gluon_figures_keep_the_state_on_chip():
+    """The cost model's figures: the Gluon kernel's state crosses HBM once each way a call, the
+    Triton kernel's three times a chunk (twice with merged passes)."""
+    from rtcompile.kernels.config import Workload
+
+    w = Workload(KernelShape((32, 32), 64, 2), batch=8, heads=8, seq_len=4096)
+    triton_kernel = dataclasses.replace(gluon(32, 8, 256), loop="triton")
+    assert gluon(32, 8, 256).figures(w).state_passes == 2
+    assert triton_kernel.figures(w).state_passes == 3 * 64

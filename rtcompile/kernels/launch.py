@@ -207,6 +207,9 @@ def running_tensor_fwd(
         raise ValueError(f"mode: got {mode!r}; allowed: {', '.join(MODES)}")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)):
         raise TypeError(f"chunk_size: expected an int or None, got {type(chunk_size).__name__}")
+    if chunk_size is not None and mode == "recurrent":
+        raise ValueError(f"chunk_size: got {chunk_size} with mode='recurrent', which has no chunks; allowed: None, "
+                         "or mode='chunk'")
     p = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     return fwd_checked(p, q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
                        l2norm=l2norm, cu_seqlens=cu_seqlens, mode=mode, chunk_size=chunk_size, variant=variant)
