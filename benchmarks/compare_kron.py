@@ -127,13 +127,14 @@ LARGE = [
 # (case, widths, changes to the default) of the streamed form's Gluon sequential kernel
 # (``--gluon-large``, chunk_streamed_gluon.py: the state on chip, phi formed once a chunk), the
 # default on sm_90 at o3 K 512 and 1024 since 2026-12-07, against the Triton kernel (the default
-# before). H100, working tree of 33b8ee8 (products over key blocks in a runtime loop, phi stored
-# 256 columns at a time), two rounds: o3 32x32 block_v 32 at 8 warps 0.8156 ms against the Triton
-# kernel's 1.2185, block_v 16 at 8 warps 1.3558; o3 32x16 block_v 32 / 8 warps 0.6837, block_v 16 /
-# 8 warps 1.1228, block_v 16 / 4 warps (280 B of spills) 0.8619
+# before) and without the factor tiles loaded ahead. H100, two rounds, one process (code of
+# 8b97d0b + the loads ahead): o3 32x32 0.8016 ms without them, 1.2140 the Triton kernel, 0.7747
+# with them (the default since); o3 32x16 0.6637 / 0.8445 / 0.6368. Before, the steps to the kernel:
+# products as one wgmma each 1.2595 (descriptors hoisted and spilled), block_v 16 at 8 warps 1.3558,
+# at 4 warps 2.0816 (o3 32x32)
 GLUON_LARGE = [
-    ("o3 32x32", (32, 32), [dict(loop="triton")]),
-    ("o3 32x16", (32, 16), [dict(loop="triton")]),
+    ("o3 32x32", (32, 32), [dict(loop="triton", prefetch_inputs=False), dict(prefetch_inputs=False)]),
+    ("o3 32x16", (32, 16), [dict(loop="triton", prefetch_inputs=False), dict(prefetch_inputs=False)]),
 ]
 
 

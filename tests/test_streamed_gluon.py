@@ -38,6 +38,7 @@ GLUON = {
     "o3-32x16-bv32-w8": (gluon(32, 8, 256), (32, 16), 77),
     "o3-32x32-bv16-w4": (gluon(16, 4, 256), (32, 32), 130),
     "o3-32x32-bv32-w8": (gluon(32, 8, 256), (32, 32), 100),
+    "o3-32x16-bv32-w8-prefetch": (dataclasses.replace(gluon(32, 8, 256), prefetch_inputs=True), (32, 16), 150),
 }
 
 
@@ -51,7 +52,7 @@ def test_streamed_gluon_matches_reference(form, feat, dtype, poison):
 
 
 @on_hopper
-@pytest.mark.parametrize("form", ["o3-16x8-bv16-w4", "o3-32x32-bv16-w4"])
+@pytest.mark.parametrize("form", ["o3-16x8-bv16-w4", "o3-32x32-bv16-w4", "o3-32x16-bv32-w8-prefetch"])
 def test_streamed_gluon_varlen_and_d_v(form, poison):
     config, widths, _ = GLUON[form]
     offsets = [0, 5, 6, 130, 197]  # 1 to 3 chunks, partial ones
@@ -78,6 +79,8 @@ def test_streamed_gluon_refusals_name_the_field():
     wide = dataclasses.replace(ok, num_warps=8)  # S [2048, 16] in 128 registers, but phi [64, 2048] is 256 KiB
     assert "shared memory" in wide.check(KernelShape((64, 32), 64, 2), SMEM)
     assert "loop='cuda'; allowed: 'triton', 'gluon'" in dataclasses.replace(ok, loop="cuda").check(shape, SMEM)
+    triton_prefetch = dataclasses.replace(ok, loop="triton", prefetch_inputs=True)
+    assert "prefetch_inputs=True is the Gluon kernel's" in triton_prefetch.check(shape, SMEM)
 
 
 @pytest.mark.skipif(HOPPER, reason="off sm_90 only")
@@ -107,7 +110,7 @@ def test_streamed_gluon_compiles_for_sm90_offline():
 
 
 def test_default_at_o3_k512_is_the_gluon_kernel_only_where_it_runs(monkeypatch):
-    """o3 at K 512 and 1024 with 16-bit inputs takes the Gluon kernel first on sm_90 (0.67-0.80x
+    """o3 at K 512 and 1024 with 16-bit inputs takes the Gluon kernel first on sm_90 (0.64-0.75x
     the Triton kernel, H100); elsewhere, with fp32 inputs and at K 2048 the Triton kernel leads,
     and the fused low-memory sibling keeps the Triton kernel's tiles."""
     from rtcompile.kernels.forms import candidates, low_memory
@@ -115,7 +118,8 @@ def test_default_at_o3_k512_is_the_gluon_kernel_only_where_it_runs(monkeypatch):
     shape = KernelShape((32, 16), 64, 2)
     first = candidates("chunk", shape, SMEM, gluon=True)[0]
     if chunk_streamed_gluon.gluon is not None:
-        assert (first.form, first.loop, first.block_v, first.num_warps) == ("streamed", "gluon", 32, 8)
+        assert (first.form, first.loop, first.block_v, first.num_warps, first.prefetch_inputs) == \
+            ("streamed", "gluon", 32, 8, True)
         assert candidates("chunk", KernelShape((32, 32), 64, 2), SMEM, gluon=True)[0].loop == "gluon"
     assert candidates("chunk", shape, SMEM, gluon=False)[0].loop == "triton"
     assert candidates("chunk", KernelShape((32, 16), 64, 4), SMEM, gluon=True)[0].loop == "triton"

@@ -61,6 +61,7 @@ class StreamedConfig(KernelConfig):
     prefetch_state: bool = False
     merge_passes: bool = False
     loop: str = "triton"
+    prefetch_inputs: bool = False
 
     def resident(self, shape: KernelShape) -> bool:
         return False
@@ -77,6 +78,8 @@ class StreamedConfig(KernelConfig):
             return reason
         if self.loop == "gluon" and (reason := chunk_streamed_gluon.config_refusal(self, shape)) is not None:
             return reason
+        if self.prefetch_inputs and self.loop != "gluon":
+            return "prefetch_inputs=True is the Gluon kernel's; allowed: False with loop='triton'"
         return resource_refusal(self, shape, smem_limit)
 
     def estimate_registers(self, shape: KernelShape) -> int:
@@ -107,6 +110,7 @@ class StreamedConfig(KernelConfig):
             "merge_passes": [False, True],
             # the Gluon kernel where the shape allows it (order 3, 16-bit inputs; sm_90 is the launcher's)
             "loop": ["triton", "gluon"] if shape.input_bytes == 2 and len(shape.key_widths) == 2 else ["triton"],
+            "prefetch_inputs": [False, True],
         }
 
     def workspace_bytes(self, w: Workload) -> int:

@@ -166,6 +166,7 @@ if gluon is not None:
         q1, q2, k1, k2, v, g, beta, o, h0, ht, P, Ai, cu_seqlens, scale, T,
         H: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr, V: gl.constexpr,
         C: gl.constexpr, BV: gl.constexpr, W: gl.constexpr, L2NORM: gl.constexpr, DECAY_FLOOR: gl.constexpr,
+        PREFETCH: gl.constexpr,
     ):
         """One program per (sequence, head, value block of BV) walks the chunks in order with S
         [K, BV] in registers (module docstring). Arguments as ``chunk_streamed_kernel``'s: the
@@ -173,7 +174,8 @@ if gluon is not None:
         kernel's [B, H, T, C] fp32 scores and inverse (``Ai`` None without the delta rule),
         ``g`` / ``beta`` / ``h0`` / ``cu_seqlens`` None: no gates / no delta rule / zero initial
         state / not varlen; ``ht`` [N, H, K, V] fp32 receives the final state; ``W``: phi's
-        columns a store (``PHI_STORE_COLUMNS``, at most K)."""
+        columns a store (``PHI_STORE_COLUMNS``, at most K); PREFETCH: the next chunk's factor tiles
+        load while this chunk's products run."""
         K: gl.constexpr = D1 * D2
         NW: gl.constexpr = gl.num_warps()
         DT: gl.constexpr = v.dtype.element_ty
@@ -220,15 +222,24 @@ if gluon is not None:
         o_v = i_v * BV + gl.arange(0, BV, layout=col_r)
         m_v = o_v < V
         o_cc = gl.arange(0, C, layout=gl.SliceLayout(0, l_cc))
+        if PREFETCH:  # chunk 0's factor tiles; each later chunk's load during the one before
+            m_f, r_f = _rows(bos, eos, 0, i_b, T, H, i_h, C, gl.SliceLayout(1, l_f))
+            b_k1n = _factor_tile(k1, r_f, m_f, D1, l_f)
+            b_k2n = _factor_tile(k2, r_f, m_f, D2, l_f)
+            b_q1n = _factor_tile(q1, r_f, m_f, D1, l_f)
+            b_q2n = _factor_tile(q2, r_f, m_f, D2, l_f)
         for i_c in range(0, gl.cdiv(eos - bos, C)):
             # every global load of the chunk first, so that their latencies overlap (one load
             # after another, each phi slice's factor load from L2, the loop ran 1.31 ms at o3
             # 32x32 on an H100)
-            m_f, r_f = _rows(bos, eos, i_c, i_b, T, H, i_h, C, gl.SliceLayout(1, l_f))
-            b_k1 = _factor_tile(k1, r_f, m_f, D1, l_f)
-            b_k2 = _factor_tile(k2, r_f, m_f, D2, l_f)
-            b_q1 = _factor_tile(q1, r_f, m_f, D1, l_f)
-            b_q2 = _factor_tile(q2, r_f, m_f, D2, l_f)
+            if PREFETCH:
+                b_k1, b_k2, b_q1, b_q2 = b_k1n, b_k2n, b_q1n, b_q2n
+            else:
+                m_f, r_f = _rows(bos, eos, i_c, i_b, T, H, i_h, C, gl.SliceLayout(1, l_f))
+                b_k1 = _factor_tile(k1, r_f, m_f, D1, l_f)
+                b_k2 = _factor_tile(k2, r_f, m_f, D2, l_f)
+                b_q1 = _factor_tile(q1, r_f, m_f, D1, l_f)
+                b_q2 = _factor_tile(q2, r_f, m_f, D2, l_f)
             m_t, r = _rows(bos, eos, i_c, i_b, T, H, i_h, C, row_r)
             m_o = gl.expand_dims(m_t, 1) & gl.expand_dims(m_v, 0)
             b_v = gl.load(v + gl.expand_dims(r, 1) * V + gl.expand_dims(o_v, 0), mask=m_o, other=0.0).to(gl.float32)
@@ -241,30 +252,36 @@ if gluon is not None:
             if beta is not None:
                 b_b = gl.load(beta + r, mask=m_t, other=0.0).to(gl.float32)
                 b_Ai = gl.load(Ai + off_cc, mask=gl.expand_dims(m_cc, 1), other=0.0).to(DT)
-            # the chunk's log decays, scanned (padded rows add 0, so the last row is c_C)
+            if g is not None:
+                m_g, r_g = _rows(bos, eos, i_c, i_b, T, H, i_h, C, l_g)
+                b_g = gl.maximum(gl.load(g + r_g, mask=m_g, other=0.0).to(gl.float32), DECAY_FLOOR)
+            r_q = gl.full([C], 1.0, gl.float32, layout=row_r)
+            r_k = gl.full([C], 1.0, gl.float32, layout=row_r)
+            if L2NORM:  # ||phi|| = prod ||x_i||
+                r_q = gl.convert_layout(_inv_norm(b_q1) * _inv_norm(b_q2), row_r)
+                r_k = gl.convert_layout(_inv_norm(b_k1) * _inv_norm(b_k2), row_r)
+            # R = phi(K) S16
+            s16_s.store(b_s.to(DT))
+            _store_phi(phi_s, k1, bos, eos, i_c, i_b, T, H, i_h, b_k2, D1, D2, C, W, NW)
+            fence_async_shared()
+            b_R = _blocked_product(phi3, s3, gl.zeros([C, BV], gl.float32, layout=r_layout), K // 64)
+            if PREFETCH:  # the next chunk's factor tiles (all masked off after the last chunk)
+                m_f, r_f = _rows(bos, eos, i_c + 1, i_b, T, H, i_h, C, gl.SliceLayout(1, l_f))
+                b_k1n = _factor_tile(k1, r_f, m_f, D1, l_f)
+                b_k2n = _factor_tile(k2, r_f, m_f, D2, l_f)
+                b_q1n = _factor_tile(q1, r_f, m_f, D1, l_f)
+                b_q2n = _factor_tile(q2, r_f, m_f, D2, l_f)
+            # the gates' scan while R's products run (padded rows add 0, so its last row is c_C)
             b_gam = gl.zeros([C], gl.float32, layout=row_r)
             b_last = 0.0
             b_decay = 1.0  # Gamma_C
             if g is not None:
-                m_g, r_g = _rows(bos, eos, i_c, i_b, T, H, i_h, C, l_g)
-                b_g = gl.maximum(gl.load(g + r_g, mask=m_g, other=0.0).to(gl.float32), DECAY_FLOOR)
                 b_cs = gl.associative_scan(b_g, 0, _add)
                 b_last = gl.sum(gl.where(gl.arange(0, C, layout=l_g) == C - 1, b_cs, 0.0), axis=0)
                 b_gam = gl.convert_layout(b_cs, row_r)
                 b_decay = gl.exp(b_last)
             b_ratio = gl.exp(b_last - b_gam)  # Gamma_C / Gamma_i <= 1
             b_gam = gl.exp(b_gam)
-            r_q = gl.full([C], 1.0, gl.float32, layout=row_r)
-            r_k = gl.full([C], 1.0, gl.float32, layout=row_r)
-            if L2NORM:  # ||phi|| = prod ||x_i||
-                r_q = gl.convert_layout(_inv_norm(b_q1) * _inv_norm(b_q2), row_r)
-                r_k = gl.convert_layout(_inv_norm(b_k1) * _inv_norm(b_k2), row_r)
-
-            # R = phi(K) S16
-            s16_s.store(b_s.to(DT))
-            _store_phi(phi_s, k1, bos, eos, i_c, i_b, T, H, i_h, b_k2, D1, D2, C, W, NW)
-            fence_async_shared()
-            b_R = _blocked_product(phi3, s3, gl.zeros([C, BV], gl.float32, layout=r_layout), K // 64)
             b_ks = b_R * gl.expand_dims(r_k, 1)
             if beta is not None:  # U = Ai diag(beta) (V - diag(Gamma) R)
                 b_x = gl.expand_dims(b_b, 1) * (b_v - gl.expand_dims(b_gam, 1) * b_ks)
@@ -300,6 +317,7 @@ def run(config, p, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm: bool, ws: di
     cached(chunk_streamed_gluon_kernel)[grid](
         q1, q2, k1, k2, v, g, beta, o, h0, ht, ws["P"], ws.get("Ai"), cu_seqlens, p.scale, T,
         H=H, D1=p.key_widths[0], D2=p.key_widths[1], V=V, C=config.chunk_size, BV=config.block_v,
-        W=min(PHI_STORE_COLUMNS, p.key_dim), L2NORM=l2norm, DECAY_FLOOR=LOG_DECAY_FLOOR, num_warps=config.num_warps,
+        W=min(PHI_STORE_COLUMNS, p.key_dim), PREFETCH=config.prefetch_inputs, L2NORM=l2norm,
+        DECAY_FLOOR=LOG_DECAY_FLOOR, num_warps=config.num_warps,
     )
     return o

@@ -176,16 +176,17 @@ def _gluon_split(shape: KernelShape) -> list[KernelConfig]:
 
 def _gluon_streamed(shape: KernelShape) -> list[KernelConfig]:
     """The streamed form's Gluon kernel (state on chip, chunk_streamed_gluon.py) where it was
-    measured faster: order 3 at K 512 and 1024, block_v 32 at 8 warps (**H100**, compare_kron
-    --gluon-large, float64-checked on the GPU first, two rounds, the Triton kernel in the same
-    process): o3 32x32 0.8156 ms against 1.2185 (kernel 693 against 1099 us), o3 32x16 0.6837
-    against the Triton kernel's 0.85; block_v 16 at 8 warps 1.11-1.30x the Triton kernel, at 4
-    warps (spills) 0.86-1.70x. Its check refuses what it cannot run (32-bit inputs, other orders,
-    phi [64, K] past shared memory at K 2048): the next proposals serve."""
+    measured faster: order 3 at K 512 and 1024, block_v 32 at 8 warps, the next chunk's factor
+    tiles loaded ahead (**H100**, compare_kron --gluon-large, float64-checked on the GPU first, two
+    rounds, the Triton kernel in the same process): o3 32x32 0.7747 ms against 1.2140 (0.8016
+    without the loads ahead), o3 32x16 0.6368 against 0.8445 (0.6637); block_v 16 at 8 warps
+    1.11-1.30x the Triton kernel, at 4 warps (spills) 0.86-1.70x. Its check refuses what it cannot
+    run (32-bit inputs, other orders, phi [64, K] past shared memory at K 2048): the next proposals
+    serve."""
     if shape.key_dim not in (512, 1024) or len(shape.key_widths) != 2:
         return []
     return [StreamedConfig(chunk_size=64, block_k=256, block_v=32, num_warps=8, prepare_warps=2,
-                           dot_precision=_precision(shape), loop="gluon")]
+                           dot_precision=_precision(shape), loop="gluon", prefetch_inputs=True)]
 
 
 def _split_small_k(shape: KernelShape, **fields) -> list[KernelConfig]:
