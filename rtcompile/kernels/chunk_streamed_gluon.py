@@ -28,6 +28,7 @@ import torch
 import triton
 
 from . import args
+from .blocks import sequence_of_program
 from .inputs import LOG_DECAY_FLOOR
 from .launch_cache import cached
 
@@ -181,14 +182,7 @@ if gluon is not None:
         DT: gl.constexpr = v.dtype.element_ty
         i_v, i_nh = gl.program_id(0), gl.program_id(1)
         i_n, i_h = i_nh // H, i_nh % H
-        if cu_seqlens is not None:
-            bos = gl.load(cu_seqlens + i_n).to(gl.int64)
-            eos = gl.load(cu_seqlens + i_n + 1).to(gl.int64)
-            i_b = 0
-        else:
-            bos = 0
-            eos = T
-            i_b = i_n.to(gl.int64)
+        bos, eos, i_b = sequence_of_program(i_n, T, cu_seqlens)
 
         # S [K, BV]: the update's accumulator over every warp (M = K); R, O [C, BV]: M = C over
         # four warps a column block (more warps split the columns)
