@@ -97,6 +97,7 @@ class StreamedConfig(KernelConfig):
         tiles = [b for b in (16, 32, 64, 128, 256, 512, 1024) if b < shape.key_dim]
         if not tiles:
             return {}  # K <= 16: one tile holds the state
+        gluon = shape.input_bytes == 2 and len(shape.key_widths) == 2
         return {
             "chunk_size": [16, 32, 64, 128],
             "block_k": tiles,
@@ -108,9 +109,10 @@ class StreamedConfig(KernelConfig):
             "dot_precision": list(DOT_PRECISIONS),
             "prefetch_state": [False, True],
             "merge_passes": [False, True],
-            # the Gluon kernel where the shape allows it (order 3, 16-bit inputs; sm_90 is the launcher's)
-            "loop": ["triton", "gluon"] if shape.input_bytes == 2 and len(shape.key_widths) == 2 else ["triton"],
-            "prefetch_inputs": [False, True],
+            # the Gluon kernel (and its loads ahead) where the shape allows it (order 3, 16-bit
+            # inputs; sm_90 is the launcher's)
+            "loop": ["triton", "gluon"] if gluon else ["triton"],
+            "prefetch_inputs": [False, True] if gluon else [False],
         }
 
     def workspace_bytes(self, w: Workload) -> int:
