@@ -106,3 +106,15 @@ def test_chunk_size_with_the_recurrent_mode_is_refused(backend):
         rtcompile.running_tensor(q, k, v, g, beta, mode="recurrent", chunk_size=16, backend=backend)
     o, _ = rtcompile.running_tensor(q, k, v, g, beta, mode="recurrent", backend=backend)  # without it: runs
     assert o.shape == v.shape
+
+
+def test_auto_choosing_the_scan_drops_the_chunk_size_in_the_op():
+    """mode="auto" with a chunk size (a model's fixed one) and a sequence shorter than a chunk
+    picks the scan inside the custom op (here: with grad); the scan has no chunks, so the size is
+    dropped there, not refused (running_tensor_fwd refuses it beside an explicit recurrent mode)."""
+    q, k, v, g, beta = _inputs(5)
+    v = v.clone().requires_grad_(True)
+    o, s = rtcompile.running_tensor(q, k, v, g, beta, chunk_size=64, backend="triton", output_final_state=True)
+    o.sum().backward()
+    ref, _ = rtcompile.running_tensor(q, k, v.detach(), g, beta, mode="recurrent", backend="reference")
+    assert torch.allclose(o.detach(), ref, atol=1e-4) and v.grad is not None and s.shape[0] == v.shape[0]

@@ -107,12 +107,15 @@ def test_a_planned_signature_still_refuses_arguments_of_the_wrong_type(bad, fres
     (q, k, v, g, beta), *_ = _steps(T=1)[0]
     field, value = next(iter(bad.items()))
     # a plan for the value the bad one equals: l2norm True for 1 and "false", False for 0, ...
-    planned = dict(l2norm=False, output_final_state=False, chunk_size=64, scale=1)
+    planned = dict(l2norm=False, output_final_state=False, scale=1)
+    mode = "recurrent"
+    if field == "chunk_size":  # a chunk call's (the scan refuses any chunk size)
+        planned, mode = planned | dict(chunk_size=64), "chunk"
     planned[field] = bool(value) if field in ("l2norm", "output_final_state") else planned[field]
-    running_tensor(q, k, v, g, beta, mode="recurrent", backend="triton", **planned)
+    running_tensor(q, k, v, g, beta, mode=mode, backend="triton", **planned)
     assert len(CALL_PLANS) == 1
     with pytest.raises(TypeError, match=f"^{field}: expected"):
-        running_tensor(q, k, v, g, beta, mode="recurrent", backend="triton", **(planned | bad))
+        running_tensor(q, k, v, g, beta, mode=mode, backend="triton", **(planned | bad))
 
 
 @pytest.mark.parametrize("bad", ["false", 0, 1], ids=repr)

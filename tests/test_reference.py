@@ -159,8 +159,9 @@ def test_low_precision_inputs_follow_float64(dtype):
 @pytest.mark.parametrize("mode", ["auto", "recurrent", "chunk"])
 def test_public_api_modes_agree(mode):
     q, k, v, g, beta, s0 = make_inputs(2, 30, 2, (3, 2), 4, state=True)
+    chunk = {} if mode == "recurrent" else dict(chunk_size=8)  # the scan refuses a chunk size
     o, s = rtcompile.running_tensor(
-        q, k, v, g, beta, initial_state=s0, output_final_state=True, l2norm=True, mode=mode, chunk_size=8
+        q, k, v, g, beta, initial_state=s0, output_final_state=True, l2norm=True, mode=mode, **chunk
     )
     o_ref, s_ref = running_tensor_recurrent_ref(q, k, v, g, beta, initial_state=s0, output_final_state=True, l2norm=True)
     assert rel_err(o, o_ref) < TOL and rel_err(s, s_ref) < TOL

@@ -97,10 +97,12 @@ def running_tensor_fwd_op(
                                    chunk_size, config)
     elif mode == "auto":  # as the eager call decides (a variant of the other form is refused alike)
         mode = auto_mode(v.shape[1], chunk_size or None)
+    # the scan has no chunks (running_tensor_fwd refuses a size beside it): an auto or planned
+    # choice of the recurrent form drops the caller's chunk size
     o, ht = launch.running_tensor_fwd(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, l2norm=l2norm, cu_seqlens=cu_seqlens,
-        mode=mode, chunk_size=chunk_size or None, variant=config,
+        mode=mode, chunk_size=(chunk_size or None) if mode == "chunk" else None, variant=config,
     )
     return o, (ht if ht is not None else v.new_empty((0,), dtype=torch.float32))
 
