@@ -1,6 +1,6 @@
 # The measurements of one GPU session, in steps that each fit one 10-minute device call.
 #
-#   bash benchmarks/gpu_session.sh STEP...      STEP: owed | retime | tests | train (= traintests traintime) | recalltests | recallcompile | tunetrain | trainfla | trainexp | sweep | bench | tunedecode | tunelarge | model | modelbf16 | serving | tpe | splitoutput | rowgate | onnxcpu | profiletrain | profileprefill | profiledecode | checks | recall
+#   bash benchmarks/gpu_session.sh STEP...      STEP: owed | large | retime | tests | train (= traintests traintime) | recalltests | recallcompile | tunetrain | trainfla | trainexp | sweep | bench | tunedecode | tunelarge | model | modelbf16 | serving | tpe | splitoutput | rowgate | onnxcpu | profiletrain | profileprefill | profiledecode | checks | recall
 #
 # Run from the project root on the device machine after installing the carried wheels (see
 # benchmarks/README.md). Everything lands under $OUT. Each step writes as it goes, so a call cut
@@ -183,6 +183,17 @@ step_owed() {  # what the H200 is still owed, in one call (~6 min): issue 21's d
   # default there since the slab-size rule (H100: 0.845 against 0.805 for [1024, 16]), beside it
   timeout 100 python3 benchmarks/decode_ceiling.py --widths 32 32 --batches 32 > "$OUT/decode_ceiling_1024.txt" 2>&1 || true
   cat "$OUT/decode_ceiling_1024.txt"
+}
+
+step_large() {  # issue 22's K > 256 rows on sm_90 (~3 min on an H100): the streamed Gluon kernel's
+  # float64 tests on the GPU (56 passed on an H100, 2026-12-07), then its default at o3 32x32 / 32x16
+  # beside the Triton kernel and itself without the loads ahead (H100: 0.7747 / 1.2140 / 0.8016 ms)
+  timeout -s INT -k 20 150 python3 -m pytest -q -p no:cacheprovider tests/test_streamed_gluon.py \
+    > "$OUT/large_tests.txt" 2>&1 || true
+  tail -n 3 "$OUT/large_tests.txt"
+  (cd benchmarks && timeout 240 python3 compare_kron.py --gluon-large --rounds 2 --out "$OUT/gluon_large.json" \
+    > "$OUT/gluon_large.txt" 2>&1) || true
+  grep "^o3" "$OUT/gluon_large.txt" || tail -n 5 "$OUT/gluon_large.txt"
 }
 
 step_retime() {  # the H200's K <= 256 table re-run (~6 min): the defaults beside fla with the tf32
