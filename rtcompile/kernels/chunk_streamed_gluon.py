@@ -133,6 +133,15 @@ if gluon is not None:
         return gl.load(p + gl.expand_dims(r, 1) * D + gl.expand_dims(o_d, 0), mask=gl.expand_dims(m_t, 1), other=0.0)
 
     @gluon.jit
+    def _factor_tiles(k1, k2, q1, q2, bos, eos, i_c, i_b, T, H, i_h, D1: gl.constexpr, D2: gl.constexpr,
+                      C: gl.constexpr, layout: gl.constexpr):
+        """Chunk ``i_c``'s four factor tiles (k1, k2, q1, q2), as stored; rows past the sequence
+        (all of them past its last chunk) masked off."""
+        m_f, r_f = _rows(bos, eos, i_c, i_b, T, H, i_h, C, gl.SliceLayout(1, layout))
+        return (_factor_tile(k1, r_f, m_f, D1, layout), _factor_tile(k2, r_f, m_f, D2, layout),
+                _factor_tile(q1, r_f, m_f, D1, layout), _factor_tile(q2, r_f, m_f, D2, layout))
+
+    @gluon.jit
     def _inv_norm(b_x):
         """1 / ||x|| of each row of a factor tile."""
         b_x = b_x.to(gl.float32)
@@ -215,28 +224,19 @@ if gluon is not None:
         phi3 = _view(phi_s, [K // 64, C, 64], _blocks_layout(128))
         s3 = _view(s16_s, [K // 64, 64, BV], _blocks_layout(BV * 2))
 
-        o_c = gl.arange(0, C, layout=row_r)
         o_v = i_v * BV + gl.arange(0, BV, layout=col_r)
         m_v = o_v < V
         o_cc = gl.arange(0, C, layout=gl.SliceLayout(0, l_cc))
         if PREFETCH:  # chunk 0's factor tiles; each later chunk's load during the one before
-            m_f, r_f = _rows(bos, eos, 0, i_b, T, H, i_h, C, gl.SliceLayout(1, l_f))
-            b_k1n = _factor_tile(k1, r_f, m_f, D1, l_f)
-            b_k2n = _factor_tile(k2, r_f, m_f, D2, l_f)
-            b_q1n = _factor_tile(q1, r_f, m_f, D1, l_f)
-            b_q2n = _factor_tile(q2, r_f, m_f, D2, l_f)
+            b_k1n, b_k2n, b_q1n, b_q2n = _factor_tiles(k1, k2, q1, q2, bos, eos, 0, i_b, T, H, i_h, D1, D2, C, l_f)
         for i_c in range(0, gl.cdiv(eos - bos, C)):
-            # every global load of the chunk first, so that their latencies overlap (one load
-            # after another, each phi slice's factor load from L2, the loop ran 1.31 ms at o3
-            # 32x32 on an H100)
+            # the chunk's global loads first, so that their latencies overlap (one load after
+            # another, each phi slice's factor load from L2, the loop ran 1.31 ms at o3 32x32 on an
+            # H100); with PREFETCH its factor tiles were loaded during the chunk before
             if PREFETCH:
                 b_k1, b_k2, b_q1, b_q2 = b_k1n, b_k2n, b_q1n, b_q2n
             else:
-                m_f, r_f = _rows(bos, eos, i_c, i_b, T, H, i_h, C, gl.SliceLayout(1, l_f))
-                b_k1 = _factor_tile(k1, r_f, m_f, D1, l_f)
-                b_k2 = _factor_tile(k2, r_f, m_f, D2, l_f)
-                b_q1 = _factor_tile(q1, r_f, m_f, D1, l_f)
-                b_q2 = _factor_tile(q2, r_f, m_f, D2, l_f)
+                b_k1, b_k2, b_q1, b_q2 = _factor_tiles(k1, k2, q1, q2, bos, eos, i_c, i_b, T, H, i_h, D1, D2, C, l_f)
             m_t, r = _rows(bos, eos, i_c, i_b, T, H, i_h, C, row_r)
             m_o = gl.expand_dims(m_t, 1) & gl.expand_dims(m_v, 0)
             b_v = gl.load(v + gl.expand_dims(r, 1) * V + gl.expand_dims(o_v, 0), mask=m_o, other=0.0).to(gl.float32)
@@ -262,12 +262,9 @@ if gluon is not None:
             _store_phi(phi_s, k1, bos, eos, i_c, i_b, T, H, i_h, b_k2, D1, D2, C, W, NW)
             fence_async_shared()
             b_R = _blocked_product(phi3, s3, gl.zeros([C, BV], gl.float32, layout=r_layout), K // 64)
-            if PREFETCH:  # the next chunk's factor tiles (all masked off after the last chunk)
-                m_f, r_f = _rows(bos, eos, i_c + 1, i_b, T, H, i_h, C, gl.SliceLayout(1, l_f))
-                b_k1n = _factor_tile(k1, r_f, m_f, D1, l_f)
-                b_k2n = _factor_tile(k2, r_f, m_f, D2, l_f)
-                b_q1n = _factor_tile(q1, r_f, m_f, D1, l_f)
-                b_q2n = _factor_tile(q2, r_f, m_f, D2, l_f)
+            if PREFETCH:  # the next chunk's factor tiles
+                b_k1n, b_k2n, b_q1n, b_q2n = _factor_tiles(k1, k2, q1, q2, bos, eos, i_c + 1, i_b, T, H, i_h, D1, D2,
+                                                           C, l_f)
             # the gates' scan while R's products run (padded rows add 0, so its last row is c_C)
             b_gam = gl.zeros([C], gl.float32, layout=row_r)
             b_last = 0.0
