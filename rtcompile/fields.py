@@ -28,6 +28,17 @@ class FieldValueError(FieldError, ValueError):
     """A field's value out of range: ``<name>: got <value>; allowed: <allowed>``."""
 
 
+class TensorDtypeError(FieldError, TypeError, ValueError):
+    """A tensor argument of the wrong dtype: ``<name>: dtype <dtype>; allowed: <allowed>``. Both a
+    TypeError (its element type is wrong) and a ValueError (what the kernels' float checks raised
+    before every dtype check went through :func:`dtype_error`), so either ``except`` catches it."""
+
+
+def dtype_error(name: str, dtype: Any, allowed: str) -> TensorDtypeError:
+    """The error for tensor ``name`` of ``dtype`` where ``allowed`` (text) dtypes are taken."""
+    return TensorDtypeError(name, dtype, allowed, f"{name}: dtype {dtype}; allowed: {allowed}")
+
+
 def _wrong_type(name: str, value: Any, allowed: str) -> FieldTypeError:
     return FieldTypeError(name, value, allowed, f"{name}: expected {allowed}, got {type(value).__name__} {value!r}")
 

@@ -20,6 +20,7 @@ import math
 import torch
 
 from .functional import BACKENDS
+from .fields import dtype_error
 from .model import RunningTensorLM, device_memory_bytes, step_state_dtype
 
 MODES = ("eager", "static", "graph")
@@ -51,7 +52,7 @@ def check_generate_args(model, tokens, max_new_tokens, temperature, top_k, seed,
     if not isinstance(tokens, torch.Tensor):
         raise TypeError(f"tokens: expected a torch.Tensor, got {type(tokens).__name__}")
     if tokens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"tokens: dtype {tokens.dtype}; allowed: torch.int64, torch.int32")
+        raise dtype_error("tokens", tokens.dtype, "torch.int64, torch.int32")
     if tokens.dim() != 2 or tokens.shape[0] < 1 or tokens.shape[1] < 1:
         raise ValueError(f"tokens: shape {list(tokens.shape)}; allowed: [B, T] with B >= 1 and T >= 1 (a prompt per row)")
     device = model.embed.weight.device

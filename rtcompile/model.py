@@ -31,6 +31,7 @@ from torch import nn
 
 from .functional import BACKENDS, needs_grad, resolve_backend, running_tensor, running_tensor_decode_
 from .spec import ModelSpec, SpecError
+from .fields import dtype_error
 
 # A replacement state mixer: ``mixer(spec, q, k, v, g, beta, state) -> (o, new_state)`` with q, k
 # the factor lists [B, T, H, d_i], v [B, T, H, d_v], g (log decay, fp32) and beta [B, T, H] or
@@ -426,8 +427,7 @@ def _check_cache(model, cache, B: int, device) -> None:
         if state.device != device:
             raise ValueError(f"cache[{i}]['state']: on {state.device}, tokens on {device}; allowed: the same device")
         if state.dtype not in CACHE_STATE_DTYPES:  # an int64 state was cast to fp32 by step, named initial_state by forward
-            raise TypeError(f"cache[{i}]['state']: dtype {state.dtype}; allowed: "
-                            f"{', '.join(str(d) for d in CACHE_STATE_DTYPES)}")
+            raise dtype_error(f"cache[{i}]['state']", state.dtype, ', '.join(str(d) for d in CACHE_STATE_DTYPES))
         if not tails:
             continue
         conv = c.get("conv")
@@ -452,7 +452,7 @@ def check_call(model, tokens, cache, plan, backend: str = "auto", update_cache: 
     if not isinstance(tokens, torch.Tensor):
         raise TypeError(f"tokens: expected a torch.Tensor of token ids [B, T], got {type(tokens).__name__}")
     if tokens.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"tokens: dtype {tokens.dtype}; allowed: torch.int64, torch.int32 (token ids)")
+        raise dtype_error("tokens", tokens.dtype, "torch.int64, torch.int32 (token ids)")
     if _tracing(tokens):
         return
     if tokens.dim() != 2 or tokens.shape[0] < 1 or tokens.shape[1] < 1:

@@ -12,6 +12,8 @@ import re
 import pytest
 import torch
 
+import rtcompile
+import rtcompile.fields
 import rtcompile.generate
 import rtcompile.model
 import rtcompile.plan
@@ -497,3 +499,38 @@ def test_the_decode_step_refuses_inputs_that_require_grad():
                                          r"step has no backward; allowed: .*torch\.no_grad"):
         running_tensor_decode_(q, k, v, state_cache=cache, state_indices=torch.tensor([0, 1]))
     assert torch.equal(cache, torch.zeros(4, 1, 2, 4, 3))  # refused before the launch
+
+
+def _kernel_args(**over):
+    """Order-3 inputs of the functional API ([1, 5, 2, (2, 4)], d_v 5), with ``over`` replacing some."""
+    g = torch.Generator().manual_seed(3)
+    xs = dict(q=[torch.randn(1, 5, 2, d, generator=g) for d in (2, 4)],
+              k=[torch.randn(1, 5, 2, d, generator=g) for d in (2, 4)], v=torch.randn(1, 5, 2, 5, generator=g))
+    xs.update(over)
+    return xs
+
+
+# (call, the field its message names): every tensor of the wrong dtype, whichever API takes it
+DTYPE_CASES = [
+    pytest.param(lambda lm, c: lm(torch.tensor([[1.0, 2.0]])), "tokens", id="forward-tokens"),
+    pytest.param(lambda lm, c: lm.step(torch.tensor([1.0]), c), "tokens", id="step-tokens"),
+    pytest.param(lambda lm, c: lm.step(torch.tensor([1]), [{**x, "state": x["state"].long()} for x in c]),
+                 r"cache\[0\]\['state'\]", id="step-state"),
+    pytest.param(lambda lm, c: rtcompile.generate.generate(lm, torch.ones(1, 2), 1), "tokens", id="generate-tokens"),
+    pytest.param(lambda lm, c: rtcompile.running_tensor(**_kernel_args(v=torch.ones(1, 5, 2, 5, dtype=torch.int32)),
+                                                        backend="reference"), "v", id="functional-int-v"),
+    pytest.param(lambda lm, c: rtcompile.running_tensor(**_kernel_args(v=torch.randn(1, 5, 2, 5).double()),
+                                                        backend="reference"), r"q\[0\]", id="functional-mixed"),
+    pytest.param(lambda lm, c: rtcompile.running_tensor(**_kernel_args(), cu_seqlens=torch.tensor([0, 5], dtype=torch.int16),
+                                                        backend="reference"), "cu_seqlens", id="functional-cu-seqlens"),
+]
+
+
+@pytest.mark.parametrize("call, field", DTYPE_CASES)
+def test_a_wrong_dtype_is_both_a_type_and_a_value_error(lm, call, field):
+    """A wrong dtype was a TypeError for token ids and indices but a ValueError for floats; one
+    error type now serves every tensor, an instance of both, naming the field and the allowed dtypes."""
+    cache = _cache(lm)
+    with torch.no_grad(), pytest.raises(rtcompile.fields.TensorDtypeError, match=rf"^{field}: dtype torch\.\w+; allowed: ") as info:
+        call(lm, cache)
+    assert isinstance(info.value, TypeError) and isinstance(info.value, ValueError)

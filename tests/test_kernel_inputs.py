@@ -122,7 +122,7 @@ def test_decode_plan_cache_never_skips_validation():
     strided_v = torch.randn(2, 1, 4, 2).transpose(2, 3)  # same shape [2, 1, 2, 4], not contiguous
     with pytest.raises(AssertionError, match="allocated"):
         call(v=strided_v)
-    with pytest.raises(ValueError, match="differs from v.s torch.float64"):
+    with pytest.raises(ValueError, match=r"dtype torch.float32; allowed: torch.float64, v.s"):
         call(v=v.double())
     with pytest.raises(ValueError, match="state_cache: dtype"):
         call(cache=cache.to(torch.int32))

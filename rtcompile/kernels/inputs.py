@@ -13,6 +13,8 @@ from typing import Sequence
 
 import torch
 
+from ..fields import dtype_error
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # The chunk forms take each log decay g_t as max(g_t, LOG_DECAY_FLOOR) before the within-chunk
 # cumulative sum c, so a closed gate (g = -inf: forget everything before this token) or a huge
@@ -65,7 +67,7 @@ def _tensor(name: str, x: object) -> torch.Tensor:
 
 def _float(name: str, x: torch.Tensor) -> None:
     if x.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{name}: dtype {x.dtype} not supported; allowed: float16, bfloat16, float32, float64")
+        raise dtype_error(name, x.dtype, "float16, bfloat16, float32, float64")
 
 
 def _factors(name: str, xs: object) -> list[torch.Tensor]:
@@ -111,7 +113,7 @@ def check_inputs(
                     f"{name}: expected shape [B, T, H, d_{i + 1}] = [{B}, {T}, {H}, d] (B, T, H of v), got {tuple(shape)}"
                 )
             if x.dtype != dtype:
-                raise ValueError(f"{name}: dtype {x.dtype} differs from v's {dtype}; allowed: the same dtype as v")
+                raise dtype_error(name, x.dtype, f"{dtype}, v's (all inputs one dtype)")
             if x.device != device:
                 raise ValueError(f"{name}: on {x.device}, v on {device}; allowed: all inputs on one device")
         if qi.shape[3] != ki.shape[3]:
@@ -137,7 +139,7 @@ def check_inputs(
     if cu_seqlens is not None:
         _tensor("cu_seqlens", cu_seqlens)
         if cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"cu_seqlens: dtype {cu_seqlens.dtype}; allowed: torch.int32 (or int64)")
+            raise dtype_error("cu_seqlens", cu_seqlens.dtype, "torch.int32 (or int64)")
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
             raise ValueError(f"cu_seqlens: expected a 1-D tensor of N+1 >= 2 offsets, got shape {tuple(cu_seqlens.shape)}")
         if B != 1:

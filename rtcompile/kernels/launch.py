@@ -29,6 +29,7 @@ from .chunk_split import SplitConfig
 from .chunk_streamed import StreamedConfig
 from .config import CHUNK_SIZES, DEFAULT_SMEM_BYTES, KernelConfig, KernelShape, checked
 from .forms import check_config, config_from_dict, default_config, wide_decode_rows
+from ..fields import dtype_error
 from .inputs import Problem, check_inputs
 from .decode_plan import DECODE_PLANS, DecodePlan, PlanCache, check_indices, signature_key
 from .recurrent import RecurrentConfig
@@ -170,9 +171,9 @@ def check_layout(p: Problem, q, k, v, g, beta, initial_state, cu_seqlens) -> Non
             "(1-3 factors); use the reference (backend='reference') for higher orders"
         )
     if v.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"v: dtype {v.dtype}; allowed for the Triton kernels: float16, bfloat16, float32")
+        raise dtype_error("v", v.dtype, "float16, bfloat16, float32 (the Triton kernels)")
     if initial_state is not None and initial_state.dtype not in STATE_DTYPES:
-        raise ValueError(f"initial_state: dtype {initial_state.dtype}; allowed: float32, bfloat16, float16")
+        raise dtype_error("initial_state", initial_state.dtype, "float32, bfloat16, float16")
     if cu_seqlens is not None and cu_seqlens.device != v.device:
         raise ValueError(f"cu_seqlens: on {cu_seqlens.device}, v on {v.device}; allowed: the same device")
     if v.device.type != "cuda" and not interpreting():
@@ -420,7 +421,7 @@ def _plan_decode(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, va
     if state_cache.dim() != len(want) + 1 or tuple(state_cache.shape[1:]) != want:
         raise ValueError(f"state_cache: expected shape [slots, {', '.join(map(str, want))}], got {list(state_cache.shape)}")
     if state_cache.dtype not in STATE_DTYPES:
-        raise ValueError(f"state_cache: dtype {state_cache.dtype}; allowed: float32, bfloat16, float16")
+        raise dtype_error("state_cache", state_cache.dtype, "float32, bfloat16, float16")
     if not state_cache.is_contiguous():
         raise ValueError(f"state_cache: strides {state_cache.stride()} are not contiguous; allowed: a contiguous cache "
                          "(the step updates it in place, so it cannot work on a copy)")
@@ -428,7 +429,7 @@ def _plan_decode(q, k, v, g, beta, state_cache, state_indices, scale, l2norm, va
         raise ValueError(f"state_cache: on {state_cache.device}, v on {v.device}; allowed: the same device")
     # the kernel widens each index to int64 as it loads it, so either width addresses the cache
     if state_indices.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"state_indices: dtype {state_indices.dtype}; allowed: torch.int32, torch.int64")
+        raise dtype_error("state_indices", state_indices.dtype, "torch.int32, torch.int64")
     if tuple(state_indices.shape) != (p.batch,) or state_indices.device != v.device:
         raise ValueError(f"state_indices: expected shape [{p.batch}] on {v.device}, got {list(state_indices.shape)} "
                          f"on {state_indices.device}")

@@ -37,6 +37,7 @@ import triton.language as tl
 from . import args
 from .blocks import load_state_tile
 from .config import KernelShape, next_pow2
+from ..fields import dtype_error
 from .inputs import Problem
 from .launch_cache import cached
 from .recurrent import RecurrentConfig, slot_mask, state_slab, token_update
@@ -235,7 +236,7 @@ def _tensor(name: str, x, shape: tuple | None, dtypes: tuple, device) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in dtypes:
-        raise TypeError(f"{name}: dtype {x.dtype}; allowed: {', '.join(map(str, dtypes))}")
+        raise dtype_error(name, x.dtype, ', '.join(map(str, dtypes)))
     if shape is not None and tuple(x.shape) != tuple(shape):
         raise ValueError(f"{name}: shape {list(x.shape)}; allowed: {list(shape)} (the layer's layout)")
     if not x.is_contiguous():
