@@ -232,8 +232,14 @@ def _one_line_warnings():
         warnings.formatwarning = before
 
 
+def _error_line(prog: str, message: str) -> str:
+    """argparse's form for every refusal, usage or input: ``<prog>: error: <first line>``."""
+    return f"{prog}: error: {message.splitlines()[0] if message else 'refused'}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    prog = "rtcompile"  # "rtcompile <command>" once the command is known
     try:
         # every command: a SIGTERM stops it as a Ctrl-C does, through its clean-up (Python's default
         # ended `export` at once, leaving its temporary bundle folder and the folders it had made)
@@ -241,16 +247,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             args = parser.parse_args(argv)
             if args.command is None:
                 raise UsageError("rtcompile: missing COMMAND; run 'rtcompile --help' for the list")
+            prog = f"rtcompile {args.command}"
             code = args.func(args)
             sys.stdout.flush()  # a closed pipe is found here, where it is handled, not at exit
         return code
     except BrokenPipeError:
         return _stdout_gone()
-    except UsageError as exc:
-        print(str(exc), file=sys.stderr)
+    except UsageError as exc:  # its text starts with the parser's prog ("rtcompile tune: ...")
+        head, sep, rest = str(exc).partition(": ")
+        print(_error_line(head, rest) if sep and head.startswith("rtcompile") else _error_line(prog, str(exc)),
+              file=sys.stderr)
         return EXIT_USAGE
     except (*INPUT_ERRORS, *_lazy_errors()) as exc:
-        print(f"rtcompile: error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        print(_error_line(prog, str(exc)), file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM, after the commands' own clean-up
         print(f"rtcompile: interrupted{_then(exc.__cause__)}", file=sys.stderr)

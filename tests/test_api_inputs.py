@@ -390,7 +390,7 @@ def test_export_of_a_vocabulary_that_does_not_fit_names_vocab_size(tmp_path, cap
     assert main(["export", str(tmp_path / "s.toml"), "--out", str(tmp_path / "b"), "--no-onnx",
                  "--vocab", "16777216"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("rtcompile: error: vocab_size: RunningTensorLM"), err
+    assert len(err) == 1 and err[0].startswith("rtcompile export: error: vocab_size: RunningTensorLM"), err
     assert "vocab_size 16,777,216" in err[0] and "reduce vocab_size" in err[0], err
     assert not (tmp_path / "b").exists()
 
@@ -403,7 +403,7 @@ def test_export_refuses_a_vocabulary_a_bundle_cannot_hold_before_building_the_mo
     (tmp_path / "s.toml").write_text(SPEC_TOML)
     assert main(["export", str(tmp_path / "s.toml"), "--out", str(tmp_path / "b"), "--no-onnx", "--vocab", vocab]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("rtcompile: error: vocab_size: --vocab "), err
+    assert len(err) == 1 and err[0].startswith("rtcompile export: error: vocab_size: --vocab "), err
     assert f"vocab_size {int(vocab):,}" in err[0] and "allowed: an integer in [2, 16777216]" in err[0], err
     assert not (tmp_path / "b").exists()
 

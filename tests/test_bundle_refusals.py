@@ -346,7 +346,7 @@ def test_export_refuses_graphs_that_do_not_carry_the_model(tmp_path, monkeypatch
     (tmp_path / "s.toml").write_text(SPEC_TOML)
     assert main(["export", str(tmp_path / "s.toml"), "--out", str(tmp_path / "b")]) == 2
     stderr = capsys.readouterr().err  # the exporter's own warnings may come before the error
-    err = [line for line in stderr.splitlines() if line.startswith("rtcompile: error")]
+    err = [line for line in stderr.splitlines() if line.startswith("rtcompile export: error")]
     assert len(err) == 1 and "Traceback" not in stderr, stderr
     assert re.search(r"prefill\.onnx: onnxruntime's logits differ from the torch model's", err[0]), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.toml"]

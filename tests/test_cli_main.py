@@ -46,3 +46,20 @@ def test_tune_fix_refuses_a_field_given_twice(tmp_path, capsys, monkeypatch, fix
     field = fixes[0].partition("=")[0]
     assert len(err) == 1 and f"--fix {field}: given twice" in err[0], err
     assert not (tmp_path / "s.db").exists()
+
+
+@pytest.mark.parametrize("argv, line", [
+    ([], "rtcompile: error: missing COMMAND"),
+    (["bogus"], "rtcompile: error: argument COMMAND: invalid choice: 'bogus'"),
+    (["tune", SPEC, "--phase", "x"], "rtcompile tune: error: argument --phase: invalid choice: 'x'"),
+    (["run"], "rtcompile run: error: the following arguments are required: DIR"),
+    (["plan", "no-such-spec.toml"], "rtcompile plan: error: spec file 'no-such-spec.toml': no such file"),
+], ids=["no-command", "bad-command", "usage", "missing-argument", "input"])
+def test_every_refusal_is_one_line_in_one_form(tmp_path, capsys, monkeypatch, argv, line):
+    """Usage errors printed ``rtcompile tune: <message>``, input errors ``rtcompile: error:
+    <message>`` without the command; both are argparse's ``<prog>: error: <message>`` now."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(line), err

@@ -154,7 +154,7 @@ def test_an_error_after_the_cpu_notice_is_exactly_one_stderr_line(tmp_path, monk
     spec.write_text(SPEC)
     assert main(["tune", str(spec), "--phase", "prefill", "--storage", f"sqlite:///{tmp_path / 'n.db'}"]) == 2
     out, err = capsys.readouterr()
-    assert err.strip().splitlines() == ["rtcompile: error: storage 'x': refused mid-run"], err
+    assert err.strip().splitlines() == ["rtcompile tune: error: storage 'x': refused mid-run"], err
     assert "no CUDA GPU" in out
 
 
