@@ -34,6 +34,9 @@ from .launch_cache import cached
 
 
 LOOPS = ("triton", "gluon")  # the sequential kernel's implementation (chunk_streamed_gluon.py)
+# where the Gluon kernel forms phi(Q) for phi(Q) S: a [C, K] tile in shared memory after the update,
+# or one factor-1 column's [C, D2] block at a time in registers, as wgmma's A operand, before it
+QUERY_PHIS = ("shared", "registers")
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class StreamedConfig(KernelConfig):
     merge_passes: bool = False
     loop: str = "triton"
     prefetch_inputs: bool = False
+    query_phi: str = "shared"
 
     def resident(self, shape: KernelShape) -> bool:
         return False
@@ -80,6 +84,10 @@ class StreamedConfig(KernelConfig):
             return reason
         if self.prefetch_inputs and self.loop != "gluon":
             return "prefetch_inputs=True is the Gluon kernel's; allowed: False with loop='triton'"
+        if (reason := self._check_choice("query_phi", QUERY_PHIS)) is not None:
+            return reason
+        if self.query_phi == "registers" and self.loop != "gluon":
+            return "query_phi='registers' is the Gluon kernel's; allowed: 'shared' with loop='triton'"
         return resource_refusal(self, shape, smem_limit)
 
     def estimate_registers(self, shape: KernelShape) -> int:
@@ -89,7 +97,7 @@ class StreamedConfig(KernelConfig):
 
     def estimate_smem(self, shape: KernelShape) -> int:
         if self.loop == "gluon":
-            return chunk_streamed_gluon.smem_bytes(self.chunk_size, shape.key_dim, self.block_v)
+            return chunk_streamed_gluon.smem_bytes(self.chunk_size, shape.key_widths, self.block_v, self.query_phi)
         return chunk_smem_estimate(self.chunk_size, self.block_k, self.block_v, self.num_stages)
 
     @classmethod
@@ -113,6 +121,7 @@ class StreamedConfig(KernelConfig):
             # inputs; sm_90 is the launcher's)
             "loop": ["triton", "gluon"] if gluon else ["triton"],
             "prefetch_inputs": [False, True] if gluon else [False],
+            "query_phi": ["shared"],
         }
 
     def workspace_bytes(self, w: Workload) -> int:

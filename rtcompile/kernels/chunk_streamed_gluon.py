@@ -64,6 +64,9 @@ def config_refusal(cfg, shape) -> str | None:
     if cfg.num_warps not in (4, 8) or cfg.block_v not in (16, 32) or cfg.block_v // (cfg.num_warps // 4) < 8:
         return (f"loop='gluon' takes num_warps 4 or 8 and block_v 16 or 32 (at least 8 columns a warpgroup), "
                 f"got num_warps={cfg.num_warps}, block_v={cfg.block_v}")
+    if cfg.query_phi == "registers" and widths[1] < 16:
+        return (f"query_phi='registers' takes a second key width >= 16 (wgmma's K for a [C, d_2] block), got "
+                f"{widths[1]}; allowed: query_phi='shared'")
     if K * cfg.block_v // (32 * cfg.num_warps) > MAX_STATE_REGISTERS:
         regs = K * cfg.block_v // (32 * cfg.num_warps)
         return (f"loop='gluon' holds S [{K}, {cfg.block_v}] in {regs} fp32 registers a thread; allowed: at most "
@@ -71,11 +74,14 @@ def config_refusal(cfg, shape) -> str | None:
     return None
 
 
-def smem_bytes(C: int, K: int, BV: int) -> int:
-    """phi [C, K], S16 [K, BV] and three [C, BV] products' operands, 16-bit, and the compiler's
-    scratch for the reductions and layout changes (8 KiB: 217088 bytes compiled at o3 32x32 block_v
-    32, 8 warps, against 208896 counted here without it; Triton 3.6, sm_90)."""
-    return 2 * (C * K + K * BV + 3 * C * BV) + 8192
+def smem_bytes(C: int, widths, BV: int, query_phi: str = "shared") -> int:
+    """phi [C, K], S16 [K, BV] and three [C, BV] products' operands, 16-bit (with query_phi
+    "registers" also phi(Q)'s first factor, [d_1, C]), and the compiler's scratch for the
+    reductions and layout changes (8 KiB: 217088 bytes compiled at o3 32x32 block_v 32, 8 warps,
+    against 208896 counted here without it; 221184 with the factor; Triton 3.6, sm_90)."""
+    K = widths[0] * widths[1]
+    factor = widths[0] * C if query_phi == "registers" else 0
+    return 2 * (C * K + K * BV + 3 * C * BV + factor) + 8192
 
 
 if gluon is not None:
@@ -119,6 +125,28 @@ if gluon is not None:
             acc = warpgroup_mma(phi3.index(kb), s3.index(kb), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+
+    @gluon.jit
+    def _factored_product(x1t_s, b_2a, s3, acc, D1: gl.constexpr, row_a: gl.constexpr):
+        """acc + phi(X) S16 with phi(X) never stored: its columns i D2 .. (i + 1) D2 are factor 1's
+        column i (row i of ``x1t_s`` [D1, C], loaded one step ahead) times factor 2's tile ``b_2a``
+        (registers, in wgmma's A layout), exact in fp32 and rounded once as ``_store_phi`` rounds
+        them, times S16's rows of the same block (s3 [D1, D2, BV]); async wgmma, one in flight.
+        A wgmma still reads its A registers until a wait retires it, so each step's A tile stays
+        live until the next step's wait (``deps``): without that the compiler formed the next
+        tile in the registers of the one in flight (offline sm_90 SASS, Triton 3.6)."""
+        DT: gl.constexpr = b_2a.dtype
+        b_2 = b_2a.to(gl.float32)
+        b_1 = x1t_s.index(0).load(row_a)
+        b_prev = b_2a
+        for i in range(D1):
+            b_a = (gl.expand_dims(b_1.to(gl.float32), 1) * b_2).to(DT)
+            b_1 = x1t_s.index((i + 1) % D1).load(row_a)
+            acc = warpgroup_mma(b_a, s3.index(i), acc, is_async=True)
+            acc, b_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, b_prev))
+            b_prev = b_a
+        acc, b_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, b_prev))
+        return acc
 
     @gluon.jit
     def _rows(bos, eos, i_c, i_b, T, H, i_h, C: gl.constexpr, layout: gl.constexpr):
@@ -179,7 +207,7 @@ if gluon is not None:
         q1, q2, k1, k2, v, g, beta, o, h0, ht, P, Ai, cu_seqlens, scale, T,
         H: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr, V: gl.constexpr,
         C: gl.constexpr, BV: gl.constexpr, W: gl.constexpr, L2NORM: gl.constexpr, DECAY_FLOOR: gl.constexpr,
-        PREFETCH: gl.constexpr,
+        PREFETCH: gl.constexpr, QUERY_REGS: gl.constexpr,
     ):
         """One program per (sequence, head, value block of BV) walks the chunks in order with S
         [K, BV] in registers (module docstring). Arguments as ``chunk_streamed_kernel``'s: the
@@ -188,7 +216,8 @@ if gluon is not None:
         ``g`` / ``beta`` / ``h0`` / ``cu_seqlens`` None: no gates / no delta rule / zero initial
         state / not varlen; ``ht`` [N, H, K, V] fp32 receives the final state; ``W``: phi's
         columns a store (``PHI_STORE_COLUMNS``, at most K); PREFETCH: the next chunk's factor tiles
-        load while this chunk's products run."""
+        load while this chunk's products run; QUERY_REGS: phi(Q) S16 takes phi(Q) from registers
+        (``_factored_product``), before the update, instead of from shared memory after it."""
         K: gl.constexpr = D1 * D2
         NW: gl.constexpr = gl.num_warps()
         DT: gl.constexpr = v.dtype.element_ty
@@ -201,6 +230,7 @@ if gluon is not None:
         s_layout: gl.constexpr = _mma([NW, 1], BV)
         r_layout: gl.constexpr = _mma([4, NW // 4], BV // (NW // 4))
         a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=r_layout, k_width=2)
+        row_a: gl.constexpr = gl.SliceLayout(1, a_op)
         row_r: gl.constexpr = gl.SliceLayout(1, r_layout)
         col_r: gl.constexpr = gl.SliceLayout(0, r_layout)
         l_cc: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])  # P, Ai as loaded
@@ -223,6 +253,10 @@ if gluon is not None:
         us_s = gl.allocate_shared_memory(DT, [C, BV], _shared([C, BV], DT))
         phi3 = _view(phi_s, [K // 64, C, 64], _blocks_layout(128))
         s3 = _view(s16_s, [K // 64, 64, BV], _blocks_layout(BV * 2))
+        if QUERY_REGS:
+            s3_q = _view(s16_s, [D1, D2, BV], _blocks_layout(BV * 2))  # S16's rows by factor-1 index
+            q1t_s = gl.allocate_shared_memory(DT, [D1, C], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+            q1t_rows = _view(q1t_s, [D1, C], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # rank 1: row i a load
 
         o_v = i_v * BV + gl.arange(0, BV, layout=col_r)
         m_v = o_v < V
@@ -262,6 +296,10 @@ if gluon is not None:
             _store_phi(phi_s, k1, bos, eos, i_c, i_b, T, H, i_h, b_k2, D1, D2, C, W, NW)
             fence_async_shared()
             b_R = _blocked_product(phi3, s3, gl.zeros([C, BV], gl.float32, layout=r_layout), K // 64)
+            if QUERY_REGS:  # phi(Q) S16 on the state before the update, as the shared-memory path takes it
+                q1t_s.store(gl.permute(b_q1, (1, 0)))
+                b_qs = _factored_product(q1t_rows, gl.convert_layout(b_q2, a_op), s3_q,
+                                         gl.zeros([C, BV], gl.float32, layout=r_layout), D1, row_a)
             if PREFETCH:  # the next chunk's factor tiles
                 b_k1n, b_k2n, b_q1n, b_q2n = _factor_tiles(k1, k2, q1, q2, bos, eos, i_c + 1, i_b, T, H, i_h, D1, D2,
                                                            C, l_f)
@@ -292,9 +330,10 @@ if gluon is not None:
             # S <- Gamma_C S + phi(K)^T U diag(r_k Gamma_C / Gamma)
             b_s = warpgroup_mma(phi_s.permute((1, 0)), us_s, b_s * b_decay)
             # O = scale (diag(Gamma r_q) phi(Q) S16 + P U), phi(Q) where phi(K) was
-            _store_phi(phi_s, q1, bos, eos, i_c, i_b, T, H, i_h, b_q2, D1, D2, C, W, NW)
-            fence_async_shared()
-            b_qs = _blocked_product(phi3, s3, gl.zeros([C, BV], gl.float32, layout=r_layout), K // 64)
+            if not QUERY_REGS:
+                _store_phi(phi_s, q1, bos, eos, i_c, i_b, T, H, i_h, b_q2, D1, D2, C, W, NW)
+                fence_async_shared()
+                b_qs = _blocked_product(phi3, s3, gl.zeros([C, BV], gl.float32, layout=r_layout), K // 64)
             b_o = warpgroup_mma(gl.convert_layout(b_P, a_op), u_s, b_qs * gl.expand_dims(b_gam * r_q, 1))
             gl.store(o + gl.expand_dims(r, 1) * V + gl.expand_dims(o_v, 0), (scale * b_o).to(o.dtype.element_ty),
                      mask=m_o)
@@ -311,7 +350,8 @@ def run(config, p, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm: bool, ws: di
     cached(chunk_streamed_gluon_kernel)[grid](
         q1, q2, k1, k2, v, g, beta, o, h0, ht, ws["P"], ws.get("Ai"), cu_seqlens, p.scale, T,
         H=H, D1=p.key_widths[0], D2=p.key_widths[1], V=V, C=config.chunk_size, BV=config.block_v,
-        W=min(PHI_STORE_COLUMNS, p.key_dim), PREFETCH=config.prefetch_inputs, L2NORM=l2norm,
+        W=min(PHI_STORE_COLUMNS, p.key_dim), PREFETCH=config.prefetch_inputs, QUERY_REGS=config.query_phi == "registers",
+        L2NORM=l2norm,
         DECAY_FLOOR=LOG_DECAY_FLOOR, num_warps=config.num_warps,
     )
     return o
