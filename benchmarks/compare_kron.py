@@ -137,9 +137,9 @@ LARGE = [
 # against 9)
 GLUON_LARGE = [
     ("o3 32x32", (32, 32), [dict(loop="triton", prefetch_inputs=False), dict(prefetch_inputs=False),
-                            dict(query_phi="registers")]),
+                            dict(query_phi="registers"), dict(query_phi="registers", key_phi="registers")]),
     ("o3 32x16", (32, 16), [dict(loop="triton", prefetch_inputs=False), dict(prefetch_inputs=False),
-                            dict(query_phi="registers")]),
+                            dict(query_phi="registers"), dict(query_phi="registers", key_phi="registers")]),
 ]
 
 

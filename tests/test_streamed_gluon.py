@@ -43,6 +43,8 @@ GLUON = {
     "o3-16x16-bv32-w4-qregs": (dataclasses.replace(gluon(32), query_phi="registers"), (16, 16), 100),
     "o3-32x32-bv32-w8-qregs": (dataclasses.replace(gluon(32, 8, 256), prefetch_inputs=True, query_phi="registers"),
                                (32, 32), 150),
+    "o3-32x16-bv32-w8-kqregs": (dataclasses.replace(gluon(32, 8, 256), prefetch_inputs=True, query_phi="registers",
+                                                    key_phi="registers"), (32, 16), 130),
 }
 
 
@@ -57,7 +59,7 @@ def test_streamed_gluon_matches_reference(form, feat, dtype, poison):
 
 @on_hopper
 @pytest.mark.parametrize("form", ["o3-16x8-bv16-w4", "o3-32x32-bv16-w4", "o3-32x16-bv32-w8-prefetch",
-                                  "o3-32x32-bv32-w8-qregs"])
+                                  "o3-32x32-bv32-w8-qregs", "o3-32x16-bv32-w8-kqregs"])
 def test_streamed_gluon_varlen_and_d_v(form, poison):
     config, widths, _ = GLUON[form]
     offsets = [0, 5, 6, 130, 197]  # 1 to 3 chunks, partial ones
@@ -90,6 +92,8 @@ def test_streamed_gluon_refusals_name_the_field():
     assert regs.check(shape, SMEM) is None
     assert "second key width >= 16" in dataclasses.replace(regs, block_k=64).check(KernelShape((16, 8), 64, 2), SMEM)
     assert "query_phi='registers' is the Gluon kernel's" in dataclasses.replace(regs, loop="triton").check(shape, SMEM)
+    assert "key_phi='registers' is the Gluon" in dataclasses.replace(ok, loop="triton", key_phi="registers").check(
+        shape, SMEM)
     assert "query_phi='global'; allowed: 'shared', 'registers'" in \
         dataclasses.replace(ok, query_phi="global").check(shape, SMEM)
 

@@ -66,6 +66,7 @@ class StreamedConfig(KernelConfig):
     loop: str = "triton"
     prefetch_inputs: bool = False
     query_phi: str = "shared"
+    key_phi: str = "shared"
 
     def resident(self, shape: KernelShape) -> bool:
         return False
@@ -84,10 +85,11 @@ class StreamedConfig(KernelConfig):
             return reason
         if self.prefetch_inputs and self.loop != "gluon":
             return "prefetch_inputs=True is the Gluon kernel's; allowed: False with loop='triton'"
-        if (reason := self._check_choice("query_phi", QUERY_PHIS)) is not None:
-            return reason
-        if self.query_phi == "registers" and self.loop != "gluon":
-            return "query_phi='registers' is the Gluon kernel's; allowed: 'shared' with loop='triton'"
+        for name in ("query_phi", "key_phi"):
+            if (reason := self._check_choice(name, QUERY_PHIS)) is not None:
+                return reason
+            if getattr(self, name) == "registers" and self.loop != "gluon":
+                return f"{name}='registers' is the Gluon kernel's; allowed: 'shared' with loop='triton'"
         return resource_refusal(self, shape, smem_limit)
 
     def estimate_registers(self, shape: KernelShape) -> int:
@@ -97,7 +99,8 @@ class StreamedConfig(KernelConfig):
 
     def estimate_smem(self, shape: KernelShape) -> int:
         if self.loop == "gluon":
-            return chunk_streamed_gluon.smem_bytes(self.chunk_size, shape.key_widths, self.block_v, self.query_phi)
+            return chunk_streamed_gluon.smem_bytes(self.chunk_size, shape.key_widths, self.block_v, self.query_phi,
+                                                   self.key_phi)
         return chunk_smem_estimate(self.chunk_size, self.block_k, self.block_v, self.num_stages)
 
     @classmethod
@@ -122,6 +125,7 @@ class StreamedConfig(KernelConfig):
             "loop": ["triton", "gluon"] if gluon else ["triton"],
             "prefetch_inputs": [False, True] if gluon else [False],
             "query_phi": ["shared"],
+            "key_phi": ["shared"],
         }
 
     def workspace_bytes(self, w: Workload) -> int:

@@ -64,9 +64,10 @@ def config_refusal(cfg, shape) -> str | None:
     if cfg.num_warps not in (4, 8) or cfg.block_v not in (16, 32) or cfg.block_v // (cfg.num_warps // 4) < 8:
         return (f"loop='gluon' takes num_warps 4 or 8 and block_v 16 or 32 (at least 8 columns a warpgroup), "
                 f"got num_warps={cfg.num_warps}, block_v={cfg.block_v}")
-    if cfg.query_phi == "registers" and widths[1] < 16:
-        return (f"query_phi='registers' takes a second key width >= 16 (wgmma's K for a [C, d_2] block), got "
-                f"{widths[1]}; allowed: query_phi='shared'")
+    for name in ("query_phi", "key_phi"):
+        if getattr(cfg, name) == "registers" and widths[1] < 16:
+            return (f"{name}='registers' takes a second key width >= 16 (wgmma's K for a [C, d_2] block), got "
+                    f"{widths[1]}; allowed: {name}='shared'")
     if K * cfg.block_v // (32 * cfg.num_warps) > MAX_STATE_REGISTERS:
         regs = K * cfg.block_v // (32 * cfg.num_warps)
         return (f"loop='gluon' holds S [{K}, {cfg.block_v}] in {regs} fp32 registers a thread; allowed: at most "
@@ -74,13 +75,13 @@ def config_refusal(cfg, shape) -> str | None:
     return None
 
 
-def smem_bytes(C: int, widths, BV: int, query_phi: str = "shared") -> int:
+def smem_bytes(C: int, widths, BV: int, query_phi: str = "shared", key_phi: str = "shared") -> int:
     """phi [C, K], S16 [K, BV] and three [C, BV] products' operands, 16-bit (with query_phi
     "registers" also phi(Q)'s first factor, [d_1, C]), and the compiler's scratch for the
     reductions and layout changes (8 KiB: 217088 bytes compiled at o3 32x32 block_v 32, 8 warps,
     against 208896 counted here without it; 221184 with the factor; Triton 3.6, sm_90)."""
     K = widths[0] * widths[1]
-    factor = widths[0] * C if query_phi == "registers" else 0
+    factor = widths[0] * C * [query_phi, key_phi].count("registers")
     return 2 * (C * K + K * BV + 3 * C * BV + factor) + 8192
 
 
@@ -207,7 +208,7 @@ if gluon is not None:
         q1, q2, k1, k2, v, g, beta, o, h0, ht, P, Ai, cu_seqlens, scale, T,
         H: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr, V: gl.constexpr,
         C: gl.constexpr, BV: gl.constexpr, W: gl.constexpr, L2NORM: gl.constexpr, DECAY_FLOOR: gl.constexpr,
-        PREFETCH: gl.constexpr, QUERY_REGS: gl.constexpr,
+        PREFETCH: gl.constexpr, QUERY_REGS: gl.constexpr, KEY_REGS: gl.constexpr,
     ):
         """One program per (sequence, head, value block of BV) walks the chunks in order with S
         [K, BV] in registers (module docstring). Arguments as ``chunk_streamed_kernel``'s: the
@@ -217,7 +218,8 @@ if gluon is not None:
         state / not varlen; ``ht`` [N, H, K, V] fp32 receives the final state; ``W``: phi's
         columns a store (``PHI_STORE_COLUMNS``, at most K); PREFETCH: the next chunk's factor tiles
         load while this chunk's products run; QUERY_REGS: phi(Q) S16 takes phi(Q) from registers
-        (``_factored_product``), before the update, instead of from shared memory after it."""
+        (``_factored_product``), before the update, instead of from shared memory after it; KEY_REGS:
+        R the same way (phi(K) then formed in shared memory for the update only)."""
         K: gl.constexpr = D1 * D2
         NW: gl.constexpr = gl.num_warps()
         DT: gl.constexpr = v.dtype.element_ty
@@ -253,10 +255,14 @@ if gluon is not None:
         us_s = gl.allocate_shared_memory(DT, [C, BV], _shared([C, BV], DT))
         phi3 = _view(phi_s, [K // 64, C, 64], _blocks_layout(128))
         s3 = _view(s16_s, [K // 64, 64, BV], _blocks_layout(BV * 2))
-        if QUERY_REGS:
+        if QUERY_REGS or KEY_REGS:
             s3_q = _view(s16_s, [D1, D2, BV], _blocks_layout(BV * 2))  # S16's rows by factor-1 index
+        if QUERY_REGS:
             q1t_s = gl.allocate_shared_memory(DT, [D1, C], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
             q1t_rows = _view(q1t_s, [D1, C], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # rank 1: row i a load
+        if KEY_REGS:
+            k1t_s = gl.allocate_shared_memory(DT, [D1, C], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+            k1t_rows = _view(k1t_s, [D1, C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
         o_v = i_v * BV + gl.arange(0, BV, layout=col_r)
         m_v = o_v < V
@@ -293,9 +299,15 @@ if gluon is not None:
                 r_k = gl.convert_layout(_inv_norm(b_k1) * _inv_norm(b_k2), row_r)
             # R = phi(K) S16
             s16_s.store(b_s.to(DT))
-            _store_phi(phi_s, k1, bos, eos, i_c, i_b, T, H, i_h, b_k2, D1, D2, C, W, NW)
-            fence_async_shared()
-            b_R = _blocked_product(phi3, s3, gl.zeros([C, BV], gl.float32, layout=r_layout), K // 64)
+            if KEY_REGS:
+                k1t_s.store(gl.permute(b_k1, (1, 0)))
+                fence_async_shared()
+                b_R = _factored_product(k1t_rows, gl.convert_layout(b_k2, a_op), s3_q,
+                                        gl.zeros([C, BV], gl.float32, layout=r_layout), D1, row_a)
+            else:
+                _store_phi(phi_s, k1, bos, eos, i_c, i_b, T, H, i_h, b_k2, D1, D2, C, W, NW)
+                fence_async_shared()
+                b_R = _blocked_product(phi3, s3, gl.zeros([C, BV], gl.float32, layout=r_layout), K // 64)
             if QUERY_REGS:  # phi(Q) S16 on the state before the update, as the shared-memory path takes it
                 q1t_s.store(gl.permute(b_q1, (1, 0)))
                 b_qs = _factored_product(q1t_rows, gl.convert_layout(b_q2, a_op), s3_q,
@@ -326,6 +338,8 @@ if gluon is not None:
             b_u = gl.where(m_o, b_u, 0.0)
             u_s.store(b_u.to(DT))
             us_s.store((b_u * gl.expand_dims(r_k * b_ratio, 1)).to(DT))
+            if KEY_REGS:  # phi(K) for the update only
+                _store_phi(phi_s, k1, bos, eos, i_c, i_b, T, H, i_h, b_k2, D1, D2, C, W, NW)
             fence_async_shared()
             # S <- Gamma_C S + phi(K)^T U diag(r_k Gamma_C / Gamma)
             b_s = warpgroup_mma(phi_s.permute((1, 0)), us_s, b_s * b_decay)
@@ -351,6 +365,7 @@ def run(config, p, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm: bool, ws: di
         q1, q2, k1, k2, v, g, beta, o, h0, ht, ws["P"], ws.get("Ai"), cu_seqlens, p.scale, T,
         H=H, D1=p.key_widths[0], D2=p.key_widths[1], V=V, C=config.chunk_size, BV=config.block_v,
         W=min(PHI_STORE_COLUMNS, p.key_dim), PREFETCH=config.prefetch_inputs, QUERY_REGS=config.query_phi == "registers",
+        KEY_REGS=config.key_phi == "registers",
         L2NORM=l2norm,
         DECAY_FLOOR=LOG_DECAY_FLOOR, num_warps=config.num_warps,
     )
