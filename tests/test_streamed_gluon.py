@@ -147,7 +147,8 @@ def test_default_at_o3_k512_is_the_gluon_kernel_only_where_it_runs(monkeypatch):
 
 def test_a_callers_chunk_size_falls_back_from_the_gluon_default(monkeypatch):
     """Where the default is a Gluon kernel with a fixed chunk (sm_90, o3 K 1024: 64), a caller's
-    chunk_size runs the Triton proposals at that size instead of being refused."""
+    chunk_size runs the first proposal that takes that size (the defaults table filtered by it,
+    ``forms.candidates(chunk_size=...)``) instead of being refused."""
     from rtcompile.kernels import chunk_split_gluon
     from rtcompile.kernels.inputs import check_inputs
 

@@ -383,13 +383,16 @@ _TABLES = {"chunk": CHUNK_DEFAULTS, "recurrent": RECURRENT_DEFAULTS}
 
 
 def candidates(kernel: str, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
-               gluon: bool | None = None, decode_rows: int | None = None) -> list[KernelConfig]:
+               gluon: bool | None = None, decode_rows: int | None = None,
+               chunk_size: int | None = None) -> list[KernelConfig]:
     """Every proposal of the defaults table for ``shape`` that passes its check, best first, without
     repeats (a TPE study starts from them); the Gluon-loop proposals only where ``gluon`` says the
     GPU runs them (None: this process's GPU, ``chunk_split_gluon.runs_here``; the planner passes
     its target's). For the recurrent kernel the default is followed by
     itself with stream hints flipped (they split by batch on the H200); with ``decode_rows`` (the
-    sequences x heads of a one-token call) its tile is :func:`decode_tile`'s for that many. The
+    sequences x heads of a one-token call) its tile is :func:`decode_tile`'s for that many. With
+    ``chunk_size`` (a chunk kernel's caller's size) every proposal takes it, and those that cannot
+    run it drop out (a Gluon kernel's fixed chunk: the Triton proposals after it serve). The
     backward has one proposal, :func:`~.chunk_backward.default_backward`."""
     if kernel == "chunk_bwd":
         cfg = default_backward(shape, smem_limit)
@@ -398,6 +401,8 @@ def candidates(kernel: str, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_B
     for row in _TABLES[kernel]:
         if row.when(shape):
             for cfg in row.propose(shape):
+                if chunk_size is not None and hasattr(cfg, "chunk_size"):
+                    cfg = dataclasses.replace(cfg, chunk_size=chunk_size)
                 if getattr(cfg, "loop", "triton") == "gluon":
                     gluon = chunk_split_gluon.runs_here() if gluon is None else gluon
                     if not gluon:  # not on this machine's GPU (or none): the next proposals serve
@@ -412,16 +417,20 @@ def candidates(kernel: str, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_B
 
 
 def default_config(kernel: str, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES,
-                   gluon: bool | None = None, decode_rows: int | None = None) -> KernelConfig:
+                   gluon: bool | None = None, decode_rows: int | None = None,
+                   chunk_size: int | None = None) -> KernelConfig:
     """The first of :func:`candidates`; the smallest resident or streamed tiles where nothing
-    passes (the launcher then reports why they cannot run). ``decode_rows``: as
-    :func:`candidates` (the recurrent kernel at T = 1)."""
-    found = candidates(kernel, shape, smem_limit, gluon, decode_rows)
+    passes (at ``chunk_size`` when given: the launcher then reports why they cannot run).
+    ``decode_rows``, ``chunk_size``: as :func:`candidates`."""
+    found = candidates(kernel, shape, smem_limit, gluon, decode_rows, chunk_size)
     if found:
         return found[0]
     if kernel == "chunk_bwd":
         return default_backward(shape, smem_limit)
-    return _tiled(shape, 16, 16, 16, 4) if kernel == "chunk" else _recurrent_default(shape)
+    if kernel == "chunk":
+        return _tiled(shape, 16, 16, 16, 4) if chunk_size is None else \
+            dataclasses.replace(_tiled(shape, 16, 16, 16, 4), chunk_size=chunk_size)
+    return _recurrent_default(shape)
 
 
 def split_form(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> SplitConfig | None:

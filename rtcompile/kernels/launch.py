@@ -59,11 +59,11 @@ def device_name(device: torch.device) -> str:
 
 @functools.lru_cache(maxsize=1024)
 def _default(kernel: str, shape: KernelShape, limit: int | None, device: torch.device,
-             decode_rows: int | None = None, gluon: bool = True) -> KernelConfig:
+             decode_rows: int | None = None, chunk_size: int | None = None) -> KernelConfig:
     """The defaults table's first proposal that runs on ``device`` (the Gluon kernels only on
-    sm_90, and not at all without ``gluon``; ``decode_rows``: :func:`~.forms.candidates`')."""
+    sm_90; ``decode_rows``, ``chunk_size``: :func:`~.forms.candidates`')."""
     return default_config(kernel, shape, DEFAULT_SMEM_BYTES if limit is None else limit,
-                          gluon=gluon and chunk_split_gluon.runs_on(device), decode_rows=decode_rows)
+                          gluon=chunk_split_gluon.runs_on(device), decode_rows=decode_rows, chunk_size=chunk_size)
 
 
 def decode_rows(kernel: str, p: Problem) -> int | None:
@@ -122,23 +122,15 @@ def resolve_config(kernel: str, variant: KernelConfig | None, p: Problem, device
         variant = _tuned_config(kernel, p, device)
         if variant is not None and (checked(variant, shape, limit) or device_refusal(variant, device)):
             variant = None
-    if variant is None:
-        variant = _default(kernel, shape, limit, device, decode_rows(kernel, p))
-        if chunk_size is not None:
-            sized = dataclasses.replace(variant, chunk_size=chunk_size)
-            if getattr(variant, "loop", "triton") == "gluon" and checked(sized, shape, limit) is not None:
-                # a Gluon kernel's chunk is fixed (the streamed one's 64, the split loop's 16 or
-                # 32): the Triton proposals take the caller's size
-                sized = dataclasses.replace(_default(kernel, shape, limit, device, gluon=False), chunk_size=chunk_size)
-            variant = sized
+    if variant is None:  # with a caller's chunk size, the first proposal that runs it
+        variant = _default(kernel, shape, limit, device, decode_rows(kernel, p), chunk_size)
     reason = checked(variant, shape, limit)
     if reason is None and (reason := device_refusal(variant, device)) is not None and chosen \
             and getattr(variant, "tma", False):  # a chosen config runs without TMA on an older GPU
         variant = dataclasses.replace(variant, tma=False)
         reason = checked(variant, shape, limit) or device_refusal(variant, device)
     if reason is not None and chosen and chunk_size is not None:  # the caller named a chunk size, not a variant
-        base = _default(kernel, shape, limit, device)
-        sized = [dataclasses.replace(base, chunk_size=c) for c in CHUNK_SIZES]
+        sized = [_default(kernel, shape, limit, device, chunk_size=c) for c in CHUNK_SIZES]
         ok = [str(c.chunk_size) for c in sized if checked(c, shape, limit) is None and device_refusal(c, device) is None]
         why = f" ({reason})" if chunk_size in CHUNK_SIZES else ""  # else the size rule, restated by allowed
         raise ValueError(f"chunk_size: {chunk_size} cannot run K={shape.key_dim}, d_v={shape.value_width} on the Triton "
