@@ -47,7 +47,11 @@ class StreamedConfig(KernelConfig):
     tile ahead (without it every tile waited for its own load: ~1.2 TB/s of state traffic at o3
     64x64 on the H200). ``merge_passes``: the update pass of chunk c also forms chunk c+1's
     products from each updated tile while it is in registers, so the state is read once per
-    chunk instead of twice (o3 64x64 on the H200: 6.49 ms against 7.20). The other fields as in
+    chunk instead of twice (o3 64x64 on the H200: 6.49 ms against 7.20). ``loop="gluon"``: the
+    sequential kernel of ``chunk_streamed_gluon.py`` (the state on chip; sm_90), with
+    ``prefetch_inputs`` (the next chunk's factor tiles loaded ahead) and ``query_phi`` /
+    ``key_phi`` (``QUERY_PHIS``: phi(Q) S and R = phi(K) S from a phi tile in shared memory, or
+    from one factor-1 column's block at a time in registers). The other fields as in
     :class:`~rtcompile.kernels.chunk_resident.ResidentConfig`.
     """
 
