@@ -29,7 +29,7 @@ import torch
 import triton
 
 from . import args
-from .blocks import sequence_of_program
+from .blocks import floored_cumsum, sequence_of_program
 from .inputs import LOG_DECAY_FLOOR
 from .launch_cache import cached
 
@@ -291,7 +291,7 @@ if gluon is not None:
                 b_Ai = gl.load(Ai + off_cc, mask=gl.expand_dims(m_cc, 1), other=0.0).to(DT)
             if g is not None:
                 m_g, r_g = _rows(bos, eos, i_c, i_b, T, H, i_h, C, l_g)
-                b_g = gl.maximum(gl.load(g + r_g, mask=m_g, other=0.0).to(gl.float32), DECAY_FLOOR)
+                b_g = gl.load(g + r_g, mask=m_g, other=0.0).to(gl.float32)
             r_q = gl.full([C], 1.0, gl.float32, layout=row_r)
             r_k = gl.full([C], 1.0, gl.float32, layout=row_r)
             if L2NORM:  # ||phi|| = prod ||x_i||
@@ -320,7 +320,7 @@ if gluon is not None:
             b_last = 0.0
             b_decay = 1.0  # Gamma_C
             if g is not None:
-                b_cs = gl.associative_scan(b_g, 0, _add)
+                b_cs = floored_cumsum(b_g)
                 b_last = gl.sum(gl.where(gl.arange(0, C, layout=l_g) == C - 1, b_cs, 0.0), axis=0)
                 b_gam = gl.convert_layout(b_cs, row_r)
                 b_decay = gl.exp(b_last)
