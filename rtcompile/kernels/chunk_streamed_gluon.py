@@ -99,10 +99,6 @@ if gluon is not None:
     def _blocks_layout(swizzle):
         return gl.NVMMASharedLayout(swizzle, 16)  # rank 2: the leading axis indexes blocks
 
-    @gluon.jit
-    def _add(a, b):
-        return a + b
-
     # The [K / 64, rows, cols] block view of a 16-bit NVMMA tile whose 64-row (or 64-column, for
     # phi) blocks are contiguous (phi [C, K]: block j at j C 128 bytes, as the slice stores of
     # the first version addressed them), for products over key blocks in a runtime loop: one
