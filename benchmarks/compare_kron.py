@@ -135,11 +135,17 @@ LARGE = [
 # phi(Q) S from registers (query_phi="registers": no phi(Q) tile, its store and two reads of 128
 # KiB a chunk at o3 32x32; offline 1373 loop instructions against 1412, 27 spill loads and stores
 # against 9)
+GLUON_K256 = dict(form="streamed", chunk_size=64, block_k=64, block_v=32, num_warps=8, prepare_warps=2,
+                  dot_precision="tf32", loop="gluon", prefetch_inputs=True)
 GLUON_LARGE = [
     ("o3 32x32", (32, 32), [dict(loop="triton", prefetch_inputs=False), dict(prefetch_inputs=False),
                             dict(query_phi="registers"), dict(query_phi="registers", key_phi="registers")]),
     ("o3 32x16", (32, 16), [dict(loop="triton", prefetch_inputs=False), dict(prefetch_inputs=False),
                             dict(query_phi="registers"), dict(query_phi="registers", key_phi="registers")]),
+    # at K 256 beside the split form's default: the state on chip in one kernel with the outputs
+    # (the split form's loop, outputs and phi kernels were 155 + 95 + 50 us of 367 on an H100);
+    # offline (sm_90, Triton 3.6) block_v 32 at 8 warps 193 registers, 69632 B, no spills
+    ("o3 16x16", (16, 16), [dict(GLUON_K256), dict(GLUON_K256, query_phi="registers", key_phi="registers")]),
 ]
 
 
@@ -167,6 +173,8 @@ def split_config(base: dict, fields: dict):
 
 def _name(fields: dict, base: dict | None) -> str:
     """A row's name: the changes to the default (``base`` None), or a split config's main fields."""
+    if "form" in fields:
+        return " ".join(f"{k}={v}" for k, v in fields.items() if k not in ("chunk_size", "prepare_warps"))
     if base is None:
         return "default + " + " ".join(f"{k}={v}" for k, v in fields.items())
     f = {**base, **fields}
@@ -366,7 +374,11 @@ def main() -> int:
             continue
         for fields in proposals:
             fields, patch = split_fields(fields)
-            if base is None:
+            if "form" in fields:  # a whole config, of any form
+                from rtcompile.kernels.forms import config_from_dict
+
+                cfg = config_from_dict(fields)
+            elif base is None:
                 cfg = type(default).from_dict({**default.to_dict(), **fields})
             else:
                 cfg = split_config(base, fields)

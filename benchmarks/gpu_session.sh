@@ -191,7 +191,7 @@ step_large() {  # issue 22's K > 256 rows on sm_90 (~3 min on an H100): the stre
   timeout -s INT -k 20 200 python3 -m pytest -q -p no:cacheprovider tests/test_streamed_gluon.py \
     > "$OUT/large_tests.txt" 2>&1 || true
   tail -n 3 "$OUT/large_tests.txt"
-  (cd benchmarks && timeout 300 python3 compare_kron.py --gluon-large --rounds 2 --profile --out "$OUT/gluon_large.json" \
+  (cd benchmarks && timeout 330 python3 compare_kron.py --gluon-large --rounds 2 --profile --out "$OUT/gluon_large.json" \
     > "$OUT/gluon_large.txt" 2>&1) || true
   grep "^o3" "$OUT/gluon_large.txt" || tail -n 5 "$OUT/gluon_large.txt"
 }
