@@ -132,20 +132,15 @@ LARGE = [
 # with them (the default since); o3 32x16 0.6637 / 0.8445 / 0.6368. Before, the steps to the kernel:
 # products as one wgmma each 1.2595 (descriptors hoisted and spilled), block_v 16 at 8 warps 1.3558,
 # at 4 warps 2.0816 (o3 32x32)
-# phi(Q) S from registers (query_phi="registers": no phi(Q) tile, its store and two reads of 128
-# KiB a chunk at o3 32x32; offline 1373 loop instructions against 1412, 27 spill loads and stores
-# against 9)
-GLUON_K256 = dict(form="streamed", chunk_size=64, block_k=64, block_v=32, num_warps=8, prepare_warps=2,
-                  dot_precision="tf32", loop="gluon", prefetch_inputs=True)
+# phi(Q) S from registers (chunk_streamed_gluon.query_in_registers, since 1f66982; H100, two
+# runs): o3 32x32 0.7576 / 0.7569 ms against 0.7873 / 0.7841 from a phi(Q) tile (the kernel 618
+# against 640 us, the prepare kernel 147 of the rest), o3 32x16 0.5714 / 0.5749 against 0.6456 /
+# 0.6410; slower: R from registers too (0.7747, 0.6189), prepare_warps 1 or 4 with it (0.8154 /
+# 0.8401 at o3 32x32, 0.6102 / 0.6270 at 32x16), and the kernel at o3 16x16 beside the split
+# form's default (0.4767-0.4885 against 0.3619 ms)
 GLUON_LARGE = [
-    ("o3 32x32", (32, 32), [dict(loop="triton", prefetch_inputs=False), dict(prefetch_inputs=False),
-                            dict(query_phi="registers"), dict(query_phi="registers", key_phi="registers")]),
-    ("o3 32x16", (32, 16), [dict(loop="triton", prefetch_inputs=False), dict(prefetch_inputs=False),
-                            dict(query_phi="registers"), dict(query_phi="registers", key_phi="registers")]),
-    # at K 256 beside the split form's default: the state on chip in one kernel with the outputs
-    # (the split form's loop, outputs and phi kernels were 155 + 95 + 50 us of 367 on an H100);
-    # offline (sm_90, Triton 3.6) block_v 32 at 8 warps 193 registers, 69632 B, no spills
-    ("o3 16x16", (16, 16), [dict(GLUON_K256), dict(GLUON_K256, query_phi="registers", key_phi="registers")]),
+    ("o3 32x32", (32, 32), [dict(loop="triton", prefetch_inputs=False), dict(prefetch_inputs=False)]),
+    ("o3 32x16", (32, 16), [dict(loop="triton", prefetch_inputs=False), dict(prefetch_inputs=False)]),
 ]
 
 

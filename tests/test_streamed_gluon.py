@@ -31,7 +31,7 @@ def gluon(block_v: int = 16, num_warps: int = 4, block_k: int = 64) -> StreamedC
 
 
 # (config, key widths, T): T never a multiple of 64; second widths 8, 16, 32 (one to four factor-1
-# columns a 64-column phi slice)
+# columns a 64-column phi slice; phi(Q) S from registers at 16 and 32, from a phi(Q) tile at 8)
 GLUON = {
     "o3-16x8-bv16-w4": (gluon(), (16, 8), 150),
     "o3-16x16-bv32-w4": (gluon(32), (16, 16), 100),
@@ -39,12 +39,7 @@ GLUON = {
     "o3-32x32-bv16-w4": (gluon(16, 4, 256), (32, 32), 130),
     "o3-32x32-bv32-w8": (gluon(32, 8, 256), (32, 32), 100),
     "o3-32x16-bv32-w8-prefetch": (dataclasses.replace(gluon(32, 8, 256), prefetch_inputs=True), (32, 16), 150),
-    # phi(Q) S from registers (query_phi): second widths 16 and 32, a block of one factor-1 column a step
-    "o3-16x16-bv32-w4-qregs": (dataclasses.replace(gluon(32), query_phi="registers"), (16, 16), 100),
-    "o3-32x32-bv32-w8-qregs": (dataclasses.replace(gluon(32, 8, 256), prefetch_inputs=True, query_phi="registers"),
-                               (32, 32), 150),
-    "o3-32x16-bv32-w8-kqregs": (dataclasses.replace(gluon(32, 8, 256), prefetch_inputs=True, query_phi="registers",
-                                                    key_phi="registers"), (32, 16), 130),
+    "o3-32x32-bv32-w8-prefetch": (dataclasses.replace(gluon(32, 8, 256), prefetch_inputs=True), (32, 32), 150),
 }
 
 
@@ -59,7 +54,7 @@ def test_streamed_gluon_matches_reference(form, feat, dtype, poison):
 
 @on_hopper
 @pytest.mark.parametrize("form", ["o3-16x8-bv16-w4", "o3-32x32-bv16-w4", "o3-32x16-bv32-w8-prefetch",
-                                  "o3-32x32-bv32-w8-qregs", "o3-32x16-bv32-w8-kqregs"])
+                                  "o3-32x32-bv32-w8-prefetch"])
 def test_streamed_gluon_varlen_and_d_v(form, poison):
     config, widths, _ = GLUON[form]
     offsets = [0, 5, 6, 130, 197]  # 1 to 3 chunks, partial ones
@@ -88,14 +83,6 @@ def test_streamed_gluon_refusals_name_the_field():
     assert "loop='cuda'; allowed: 'triton', 'gluon'" in dataclasses.replace(ok, loop="cuda").check(shape, SMEM)
     triton_prefetch = dataclasses.replace(ok, loop="triton", prefetch_inputs=True)
     assert "prefetch_inputs=True is the Gluon kernel's" in triton_prefetch.check(shape, SMEM)
-    regs = dataclasses.replace(ok, query_phi="registers")
-    assert regs.check(shape, SMEM) is None
-    assert "second key width >= 16" in dataclasses.replace(regs, block_k=64).check(KernelShape((16, 8), 64, 2), SMEM)
-    assert "query_phi='registers' is the Gluon kernel's" in dataclasses.replace(regs, loop="triton").check(shape, SMEM)
-    assert "key_phi='registers' is the Gluon" in dataclasses.replace(ok, loop="triton", key_phi="registers").check(
-        shape, SMEM)
-    assert "query_phi='global'; allowed: 'shared', 'registers'" in \
-        dataclasses.replace(ok, query_phi="global").check(shape, SMEM)
 
 
 @pytest.mark.skipif(HOPPER, reason="off sm_90 only")

@@ -34,9 +34,6 @@ from .launch_cache import cached
 
 
 LOOPS = ("triton", "gluon")  # the sequential kernel's implementation (chunk_streamed_gluon.py)
-# where the Gluon kernel forms phi(Q) for phi(Q) S: a [C, K] tile in shared memory after the update,
-# or one factor-1 column's [C, D2] block at a time in registers, as wgmma's A operand, before it
-QUERY_PHIS = ("shared", "registers")
 
 
 @dataclass(frozen=True)
@@ -49,9 +46,7 @@ class StreamedConfig(KernelConfig):
     products from each updated tile while it is in registers, so the state is read once per
     chunk instead of twice (o3 64x64 on the H200: 6.49 ms against 7.20). ``loop="gluon"``: the
     sequential kernel of ``chunk_streamed_gluon.py`` (the state on chip; sm_90), with
-    ``prefetch_inputs`` (the next chunk's factor tiles loaded ahead) and ``query_phi`` /
-    ``key_phi`` (``QUERY_PHIS``: phi(Q) S and R = phi(K) S from a phi tile in shared memory, or
-    from one factor-1 column's block at a time in registers). The other fields as in
+    ``prefetch_inputs`` (the next chunk's factor tiles loaded ahead). The other fields as in
     :class:`~rtcompile.kernels.chunk_resident.ResidentConfig`.
     """
 
@@ -69,8 +64,6 @@ class StreamedConfig(KernelConfig):
     merge_passes: bool = False
     loop: str = "triton"
     prefetch_inputs: bool = False
-    query_phi: str = "shared"
-    key_phi: str = "shared"
 
     def resident(self, shape: KernelShape) -> bool:
         return False
@@ -89,11 +82,6 @@ class StreamedConfig(KernelConfig):
             return reason
         if self.prefetch_inputs and self.loop != "gluon":
             return "prefetch_inputs=True is the Gluon kernel's; allowed: False with loop='triton'"
-        for name in ("query_phi", "key_phi"):
-            if (reason := self._check_choice(name, QUERY_PHIS)) is not None:
-                return reason
-            if getattr(self, name) == "registers" and self.loop != "gluon":
-                return f"{name}='registers' is the Gluon kernel's; allowed: 'shared' with loop='triton'"
         return resource_refusal(self, shape, smem_limit)
 
     def estimate_registers(self, shape: KernelShape) -> int:
@@ -103,8 +91,7 @@ class StreamedConfig(KernelConfig):
 
     def estimate_smem(self, shape: KernelShape) -> int:
         if self.loop == "gluon":
-            return chunk_streamed_gluon.smem_bytes(self.chunk_size, shape.key_widths, self.block_v, self.query_phi,
-                                                   self.key_phi)
+            return chunk_streamed_gluon.smem_bytes(self.chunk_size, shape.key_widths, self.block_v)
         return chunk_smem_estimate(self.chunk_size, self.block_k, self.block_v, self.num_stages)
 
     @classmethod
@@ -128,8 +115,6 @@ class StreamedConfig(KernelConfig):
             # inputs; sm_90 is the launcher's)
             "loop": ["triton", "gluon"] if gluon else ["triton"],
             "prefetch_inputs": [False, True] if gluon else [False],
-            "query_phi": ["shared"],
-            "key_phi": ["shared"],
         }
 
     def workspace_bytes(self, w: Workload) -> int:

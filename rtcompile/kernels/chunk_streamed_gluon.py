@@ -5,9 +5,11 @@ buffer and visits it in [block_k, block_v] tiles each chunk, forming phi(K) twic
 once per tile from the factors: at o3 32x32 one program an SM, stalled on its L2 round trips
 (Nsight at da74c34: 4% DRAM, 10% tensor). This kernel keeps S [K, BV] on chip for the whole
 sequence, as the wgmma accumulator of the update (K 1024, BV 32, two warpgroups: 128 fp32
-registers a thread), and forms each chunk's phi(K) and phi(Q) once, from the factors, into
-shared memory as [C, K] bf16 / fp16 tiles; R and phi(Q) S16 run over 64-key blocks in a runtime
-loop, and the next chunk's factor tiles load while this chunk's products run (PREFETCH):
+registers a thread), and forms each chunk's phi(K) once, from the factors, into shared memory
+as a [C, K] bf16 / fp16 tile, R = phi(K) S16 over 64-key blocks in a runtime loop; phi(Q) S16
+takes phi(Q) one factor-1 column's [C, d_2] block at a time from registers as wgmma's A operand
+(``query_in_registers``; a [C, K] tile like phi(K)'s where d_2 < 16), and the next chunk's
+factor tiles load while this chunk's products run (PREFETCH):
 
     S16 = S in the inputs' type, in shared memory (the products' right operand)
     R   = phi(K) S16                                      (wgmma, M = C)
@@ -64,10 +66,6 @@ def config_refusal(cfg, shape) -> str | None:
     if cfg.num_warps not in (4, 8) or cfg.block_v not in (16, 32) or cfg.block_v // (cfg.num_warps // 4) < 8:
         return (f"loop='gluon' takes num_warps 4 or 8 and block_v 16 or 32 (at least 8 columns a warpgroup), "
                 f"got num_warps={cfg.num_warps}, block_v={cfg.block_v}")
-    for name in ("query_phi", "key_phi"):
-        if getattr(cfg, name) == "registers" and widths[1] < 16:
-            return (f"{name}='registers' takes a second key width >= 16 (wgmma's K for a [C, d_2] block), got "
-                    f"{widths[1]}; allowed: {name}='shared'")
     if K * cfg.block_v // (32 * cfg.num_warps) > MAX_STATE_REGISTERS:
         regs = K * cfg.block_v // (32 * cfg.num_warps)
         return (f"loop='gluon' holds S [{K}, {cfg.block_v}] in {regs} fp32 registers a thread; allowed: at most "
@@ -75,13 +73,22 @@ def config_refusal(cfg, shape) -> str | None:
     return None
 
 
-def smem_bytes(C: int, widths, BV: int, query_phi: str = "shared", key_phi: str = "shared") -> int:
-    """phi [C, K], S16 [K, BV] and three [C, BV] products' operands, 16-bit (with query_phi
-    "registers" also phi(Q)'s first factor, [d_1, C]), and the compiler's scratch for the
-    reductions and layout changes (8 KiB: 217088 bytes compiled at o3 32x32 block_v 32, 8 warps,
-    against 208896 counted here without it; 221184 with the factor; Triton 3.6, sm_90)."""
+def query_in_registers(widths) -> bool:
+    """phi(Q) S16 from registers (:func:`_factored_product`): where the second key width is a
+    wgmma K (>= 16). It replaced phi(Q)'s [C, K] tile in shared memory (its store and its two
+    reads, 128 KiB each a chunk at o3 32x32): 0.962x the kernel's time at o3 32x32, 0.885-0.897x
+    at o3 32x16 (H100, compare_kron --gluon-large, 1f66982, two runs). R = phi(K) S16 the same
+    way (phi(K)'s tile then formed for the update only) was slower: 0.984x / 0.959x."""
+    return widths[1] >= 16
+
+
+def smem_bytes(C: int, widths, BV: int) -> int:
+    """phi [C, K], S16 [K, BV] and three [C, BV] products' operands, 16-bit (with phi(Q) from
+    registers also its first factor, [d_1, C]), and the compiler's scratch for the reductions and
+    layout changes (8 KiB: 217088 bytes compiled at o3 32x32 block_v 32, 8 warps, against 208896
+    counted here without it; 221184 with the factor; Triton 3.6, sm_90)."""
     K = widths[0] * widths[1]
-    factor = widths[0] * C * [query_phi, key_phi].count("registers")
+    factor = widths[0] * C if query_in_registers(widths) else 0
     return 2 * (C * K + K * BV + 3 * C * BV + factor) + 8192
 
 
@@ -204,7 +211,7 @@ if gluon is not None:
         q1, q2, k1, k2, v, g, beta, o, h0, ht, P, Ai, cu_seqlens, scale, T,
         H: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr, V: gl.constexpr,
         C: gl.constexpr, BV: gl.constexpr, W: gl.constexpr, L2NORM: gl.constexpr, DECAY_FLOOR: gl.constexpr,
-        PREFETCH: gl.constexpr, QUERY_REGS: gl.constexpr, KEY_REGS: gl.constexpr,
+        PREFETCH: gl.constexpr, QUERY_REGS: gl.constexpr,
     ):
         """One program per (sequence, head, value block of BV) walks the chunks in order with S
         [K, BV] in registers (module docstring). Arguments as ``chunk_streamed_kernel``'s: the
@@ -213,9 +220,9 @@ if gluon is not None:
         ``g`` / ``beta`` / ``h0`` / ``cu_seqlens`` None: no gates / no delta rule / zero initial
         state / not varlen; ``ht`` [N, H, K, V] fp32 receives the final state; ``W``: phi's
         columns a store (``PHI_STORE_COLUMNS``, at most K); PREFETCH: the next chunk's factor tiles
-        load while this chunk's products run; QUERY_REGS: phi(Q) S16 takes phi(Q) from registers
-        (``_factored_product``), before the update, instead of from shared memory after it; KEY_REGS:
-        R the same way (phi(K) then formed in shared memory for the update only)."""
+        load while this chunk's products run; QUERY_REGS (``query_in_registers``): phi(Q) S16 takes
+        phi(Q) from registers (``_factored_product``), before the update, instead of from shared
+        memory after it."""
         K: gl.constexpr = D1 * D2
         NW: gl.constexpr = gl.num_warps()
         DT: gl.constexpr = v.dtype.element_ty
@@ -251,14 +258,10 @@ if gluon is not None:
         us_s = gl.allocate_shared_memory(DT, [C, BV], _shared([C, BV], DT))
         phi3 = _view(phi_s, [K // 64, C, 64], _blocks_layout(128))
         s3 = _view(s16_s, [K // 64, 64, BV], _blocks_layout(BV * 2))
-        if QUERY_REGS or KEY_REGS:
-            s3_q = _view(s16_s, [D1, D2, BV], _blocks_layout(BV * 2))  # S16's rows by factor-1 index
         if QUERY_REGS:
+            s3_q = _view(s16_s, [D1, D2, BV], _blocks_layout(BV * 2))  # S16's rows by factor-1 index
             q1t_s = gl.allocate_shared_memory(DT, [D1, C], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
             q1t_rows = _view(q1t_s, [D1, C], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # rank 1: row i a load
-        if KEY_REGS:
-            k1t_s = gl.allocate_shared_memory(DT, [D1, C], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-            k1t_rows = _view(k1t_s, [D1, C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
         o_v = i_v * BV + gl.arange(0, BV, layout=col_r)
         m_v = o_v < V
@@ -295,15 +298,9 @@ if gluon is not None:
                 r_k = gl.convert_layout(_inv_norm(b_k1) * _inv_norm(b_k2), row_r)
             # R = phi(K) S16
             s16_s.store(b_s.to(DT))
-            if KEY_REGS:
-                k1t_s.store(gl.permute(b_k1, (1, 0)))
-                fence_async_shared()
-                b_R = _factored_product(k1t_rows, gl.convert_layout(b_k2, a_op), s3_q,
-                                        gl.zeros([C, BV], gl.float32, layout=r_layout), D1, row_a)
-            else:
-                _store_phi(phi_s, k1, bos, eos, i_c, i_b, T, H, i_h, b_k2, D1, D2, C, W, NW)
-                fence_async_shared()
-                b_R = _blocked_product(phi3, s3, gl.zeros([C, BV], gl.float32, layout=r_layout), K // 64)
+            _store_phi(phi_s, k1, bos, eos, i_c, i_b, T, H, i_h, b_k2, D1, D2, C, W, NW)
+            fence_async_shared()
+            b_R = _blocked_product(phi3, s3, gl.zeros([C, BV], gl.float32, layout=r_layout), K // 64)
             if QUERY_REGS:  # phi(Q) S16 on the state before the update, as the shared-memory path takes it
                 q1t_s.store(gl.permute(b_q1, (1, 0)))
                 b_qs = _factored_product(q1t_rows, gl.convert_layout(b_q2, a_op), s3_q,
@@ -334,8 +331,6 @@ if gluon is not None:
             b_u = gl.where(m_o, b_u, 0.0)
             u_s.store(b_u.to(DT))
             us_s.store((b_u * gl.expand_dims(r_k * b_ratio, 1)).to(DT))
-            if KEY_REGS:  # phi(K) for the update only
-                _store_phi(phi_s, k1, bos, eos, i_c, i_b, T, H, i_h, b_k2, D1, D2, C, W, NW)
             fence_async_shared()
             # S <- Gamma_C S + phi(K)^T U diag(r_k Gamma_C / Gamma)
             b_s = warpgroup_mma(phi_s.permute((1, 0)), us_s, b_s * b_decay)
@@ -360,9 +355,8 @@ def run(config, p, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm: bool, ws: di
     cached(chunk_streamed_gluon_kernel)[grid](
         q1, q2, k1, k2, v, g, beta, o, h0, ht, ws["P"], ws.get("Ai"), cu_seqlens, p.scale, T,
         H=H, D1=p.key_widths[0], D2=p.key_widths[1], V=V, C=config.chunk_size, BV=config.block_v,
-        W=min(PHI_STORE_COLUMNS, p.key_dim), PREFETCH=config.prefetch_inputs, QUERY_REGS=config.query_phi == "registers",
-        KEY_REGS=config.key_phi == "registers",
-        L2NORM=l2norm,
-        DECAY_FLOOR=LOG_DECAY_FLOOR, num_warps=config.num_warps,
+        W=min(PHI_STORE_COLUMNS, p.key_dim), PREFETCH=config.prefetch_inputs,
+        QUERY_REGS=query_in_registers(p.key_widths), L2NORM=l2norm, DECAY_FLOOR=LOG_DECAY_FLOOR,
+        num_warps=config.num_warps,
     )
     return o
