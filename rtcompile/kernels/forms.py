@@ -179,7 +179,8 @@ def _gluon_streamed(shape: KernelShape) -> list[KernelConfig]:
     measured faster: order 3 at K 512 and 1024, block_v 32 at 8 warps, the next chunk's factor
     tiles loaded ahead (**H100**, compare_kron --gluon-large, float64-checked on the GPU first, two
     rounds, the Triton kernel in the same process): o3 32x32 0.7747 ms against 1.2140 (0.8016
-    without the loads ahead), o3 32x16 0.6368 against 0.8445 (0.6637); block_v 16 at 8 warps
+    without the loads ahead), o3 32x16 0.6368 against 0.8445 (0.6637); with phi(Q) S from
+    registers since (1f66982) 0.7576 / 0.5714 against 1.2215 / 0.8494; block_v 16 at 8 warps
     1.11-1.30x the Triton kernel, at 4 warps (spills) 0.86-1.70x. Its check refuses what it cannot
     run (32-bit inputs, other orders, phi [64, K] past shared memory at K 2048): the next proposals
     serve."""
