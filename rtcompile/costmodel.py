@@ -80,6 +80,16 @@ SPLIT_BW_SHARE = 0.65
 # o3 16x16). Below C x K = 2048 it is extrapolated (o2 widths 8-32 are not measured).
 RESIDENT_STEP_S = 0.55e-6
 RESIDENT_ELEMENT_S = 2.7e-10
+# The streamed form's Gluon kernel (the state on chip, phi(K) formed per chunk; one program an
+# SM: its shared memory), one chunk's step: CHIP_STEP_S + CHIP_ELEMENT_S x C x K; the prepare
+# kernel before it moves the call's bytes, so the two add. Fitted on two H100 points (eager
+# kernel split at 1f66982, B8 T4096 H8 d_v 64 bf16, 128 programs: 618 us over 64 chunks at o3
+# 32x32, 430 at 32x16; the prepare kernel 147 / 142 us against the bytes' 131 / 121 at the
+# datasheet's rate); whole calls then 0.755 / 0.555 ms predicted against 0.7576 / 0.5714
+# measured in CUDA graphs. No point held out: two kernels, two constants. The tile-visit step
+# above put both at the Triton kernel's 1.76 / 1.15 ms (measured 1.22 / 0.85).
+CHIP_STEP_S = 3.78e-6
+CHIP_ELEMENT_S = 8.97e-11
 PROGRAMS_PER_SM = 2  # resident programs per SM these kernels reach (registers: ~200 per thread)
 DECODE_BW_EFFICIENCY = 0.8  # decode reached 70-87% of copy bandwidth on the H200
 
@@ -221,6 +231,12 @@ def chunk_cost(spec: ModelSpec, target: Target, batch: int, seq_len: int, config
         seconds, bound = _split_seconds(fig, target, nbytes, flops, spec)
         return _finish(seconds + fig.launches * target.launch_s, nbytes, flops, fig.programs, bound, "chunk", cal,
                        fig.launches)
+    if fig.chip_elements:  # the Gluon kernel after its prepare kernel, one program an SM
+        loop = math.ceil(fig.programs / target.sms) * fig.serial_steps * (
+            CHIP_STEP_S + CHIP_ELEMENT_S * fig.chip_elements)
+        memory = nbytes / target.hbm_bytes_per_s
+        return _finish(loop + memory + fig.launches * target.launch_s, nbytes, flops, fig.programs,
+                       "latency" if loop > memory else "memory", "chunk", cal, fig.launches)
     if fig.tile_visits == 0 and fig.solve_rows == 0:  # the resident form's loop (its own fit, above)
         latency = _resident_loop(fig, config.chunk_size, fill, spec, target)
     else:

@@ -122,10 +122,11 @@ class StreamedConfig(KernelConfig):
 
     def figures(self, w: Workload) -> CostFigures:
         n = chunk_count(w, self.chunk_size)
-        # the Gluon kernel's state never leaves the chip (read and written once a call); its
-        # step latency is the tile visits' below, not fitted to it yet (693 us against 1099
-        # measured at o3 32x32 on an H100: the model overestimates it ~1.6x)
-        passes = 2 if self.loop == "gluon" else (2 if self.merge_passes else 3) * n
+        if self.loop == "gluon":  # the state never leaves the chip: read and written once a call
+            return CostFigures(programs=chunk_programs(w, self.block_v), serial_steps=n, state_passes=2,
+                               workspace_bytes=self.workspace_bytes(w), launches=2,
+                               chip_elements=self.chunk_size * w.shape.key_dim)
+        passes = (2 if self.merge_passes else 3) * n
         return CostFigures(programs=chunk_programs(w, self.block_v), serial_steps=n,
                            state_passes=passes, workspace_bytes=self.workspace_bytes(w),
                            tile_visits=2 * math.ceil(w.shape.key_dim / self.block_k),

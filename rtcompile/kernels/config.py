@@ -127,7 +127,9 @@ class CostFigures:
     ``loop_elements``: > 0 for a sequential kernel that carries only the state, apart from
     chunk-parallel kernels that move the call's bytes (the split form): the C x K elements its
     step multiplies, which its step latency grows with; the cost model then adds the loop's
-    time to the bytes' instead of taking the larger.
+    time to the bytes' instead of taking the larger. ``chip_elements``: > 0 for a sequential
+    kernel that keeps the state on chip and forms phi itself each step, one program an SM (the
+    streamed form's Gluon kernel): the C x K elements of its step; its time is added to the bytes'.
     """
 
     programs: int
@@ -139,6 +141,7 @@ class CostFigures:
     solve_rows: float = 0.0
     launches: int = 1
     loop_elements: int = 0
+    chip_elements: int = 0
 
 
 # The config fields' annotated types (strings: postponed annotations) and their JSON checks
