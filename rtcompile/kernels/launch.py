@@ -21,6 +21,7 @@ from typing import Sequence
 
 import torch
 
+from ..fields import dtype_error
 from . import args, chunk_fused, chunk_resident, chunk_split, chunk_split_gluon, chunk_streamed, recurrent, tuned
 from .args import MAX_FACTORS, STATE_DTYPES, factor_args, interpreting
 from .chunk_fused import FusedConfig
@@ -29,7 +30,6 @@ from .chunk_split import SplitConfig
 from .chunk_streamed import StreamedConfig
 from .config import CHUNK_SIZES, DEFAULT_SMEM_BYTES, KernelConfig, KernelShape, checked
 from .forms import check_config, config_from_dict, default_config, wide_decode_rows
-from ..fields import dtype_error
 from .inputs import Problem, check_inputs
 from .decode_plan import DECODE_PLANS, DecodePlan, PlanCache, check_indices, signature_key
 from .recurrent import RecurrentConfig

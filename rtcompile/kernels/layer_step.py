@@ -34,10 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..fields import dtype_error
 from . import args
 from .blocks import load_state_tile
 from .config import KernelShape, next_pow2
-from ..fields import dtype_error
 from .inputs import Problem
 from .launch_cache import cached
 from .recurrent import RecurrentConfig, slot_mask, state_slab, token_update
