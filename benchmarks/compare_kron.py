@@ -150,12 +150,17 @@ def split_fields(fields: dict) -> tuple[dict, dict]:
 
 
 def _patched(constants: dict):
-    """chunk_split's module ``constants`` set for the block (a schedule the launcher reads per call)."""
+    """Module ``constants`` set for the block (a schedule the launcher reads per call): each in
+    chunk_split, or else in chunk_streamed_gluon, whichever has it."""
     from unittest import mock
 
-    from rtcompile.kernels import chunk_split
+    from rtcompile.kernels import chunk_split, chunk_streamed_gluon
 
-    return mock.patch.multiple(chunk_split, **constants) if constants else contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for name, value in constants.items():
+        module = chunk_split if hasattr(chunk_split, name) else chunk_streamed_gluon
+        stack.enter_context(mock.patch.object(module, name, value))
+    return stack
 
 
 def split_config(base: dict, fields: dict):

@@ -46,6 +46,7 @@ except ImportError:  # an older Triton: the config's check says so
 
 CHUNK = 64  # wgmma's M for R = phi(K) S16 and phi(Q) S16: the chunk's rows
 PHI_STORE_COLUMNS = 256  # phi's columns a store (4 stores at K 1024, so 4 barriers a phi)
+INTERLEAVE_PRODUCTS = False  # experiment: R's and phi(Q)'s products in one loop (_both_products)
 MAX_STATE_REGISTERS = 128  # S's fp32 registers a thread (K BV / threads); more left no room for the rest
 
 
@@ -153,6 +154,30 @@ if gluon is not None:
         return acc
 
     @gluon.jit
+    def _both_products(phi3, s3, x1t_s, b_2a, s3_q, acc_r, acc_q, NB: gl.constexpr, D1: gl.constexpr,
+                       row_a: gl.constexpr):
+        """(acc_r + phi(K) S16, acc_q + phi(Q) S16) in one loop: each 64-key block's wgmma for R
+        (``_blocked_product``'s) is issued before the query's steps of the same keys
+        (``_factored_product``'s, 64 / d_2 of them), so R's shared-memory product runs while the
+        query's A tiles are formed."""
+        PER: gl.constexpr = D1 // NB
+        DT: gl.constexpr = b_2a.dtype
+        b_2 = b_2a.to(gl.float32)
+        b_1 = x1t_s.index(0).load(row_a)
+        b_prev = b_2a
+        for kb in range(NB):
+            acc_r = warpgroup_mma(phi3.index(kb), s3.index(kb), acc_r, is_async=True)
+            for j in gl.static_range(PER):
+                i = kb * PER + j
+                b_a = (gl.expand_dims(b_1.to(gl.float32), 1) * b_2).to(DT)
+                b_1 = x1t_s.index((i + 1) % D1).load(row_a)
+                acc_q = warpgroup_mma(b_a, s3_q.index(i), acc_q, is_async=True)
+                acc_r, acc_q, b_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc_r, acc_q, b_prev))
+                b_prev = b_a
+        acc_r, acc_q, b_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc_r, acc_q, b_prev))
+        return acc_r, acc_q
+
+    @gluon.jit
     def _rows(bos, eos, i_c, i_b, T, H, i_h, C: gl.constexpr, layout: gl.constexpr):
         """The chunk's token numbers' mask and token-head rows ([C], in ``layout``)."""
         tok = bos + i_c * C + gl.arange(0, C, layout=layout)
@@ -211,7 +236,7 @@ if gluon is not None:
         q1, q2, k1, k2, v, g, beta, o, h0, ht, P, Ai, cu_seqlens, scale, T,
         H: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr, V: gl.constexpr,
         C: gl.constexpr, BV: gl.constexpr, W: gl.constexpr, L2NORM: gl.constexpr, DECAY_FLOOR: gl.constexpr,
-        PREFETCH: gl.constexpr, QUERY_REGS: gl.constexpr,
+        PREFETCH: gl.constexpr, QUERY_REGS: gl.constexpr, INTERLEAVE: gl.constexpr,
     ):
         """One program per (sequence, head, value block of BV) walks the chunks in order with S
         [K, BV] in registers (module docstring). Arguments as ``chunk_streamed_kernel``'s: the
@@ -299,9 +324,16 @@ if gluon is not None:
             # R = phi(K) S16
             s16_s.store(b_s.to(DT))
             _store_phi(phi_s, k1, bos, eos, i_c, i_b, T, H, i_h, b_k2, D1, D2, C, W, NW)
-            fence_async_shared()
-            b_R = _blocked_product(phi3, s3, gl.zeros([C, BV], gl.float32, layout=r_layout), K // 64)
-            if QUERY_REGS:  # phi(Q) S16 on the state before the update, as the shared-memory path takes it
+            if QUERY_REGS and INTERLEAVE:
+                q1t_s.store(gl.permute(b_q1, (1, 0)))
+                fence_async_shared()
+                b_R, b_qs = _both_products(phi3, s3, q1t_rows, gl.convert_layout(b_q2, a_op), s3_q,
+                                           gl.zeros([C, BV], gl.float32, layout=r_layout),
+                                           gl.zeros([C, BV], gl.float32, layout=r_layout), K // 64, D1, row_a)
+            else:
+                fence_async_shared()
+                b_R = _blocked_product(phi3, s3, gl.zeros([C, BV], gl.float32, layout=r_layout), K // 64)
+            if QUERY_REGS and not INTERLEAVE:  # phi(Q) S16 on the state before the update, as the tile path takes it
                 q1t_s.store(gl.permute(b_q1, (1, 0)))
                 b_qs = _factored_product(q1t_rows, gl.convert_layout(b_q2, a_op), s3_q,
                                          gl.zeros([C, BV], gl.float32, layout=r_layout), D1, row_a)
@@ -356,7 +388,8 @@ def run(config, p, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm: bool, ws: di
         q1, q2, k1, k2, v, g, beta, o, h0, ht, ws["P"], ws.get("Ai"), cu_seqlens, p.scale, T,
         H=H, D1=p.key_widths[0], D2=p.key_widths[1], V=V, C=config.chunk_size, BV=config.block_v,
         W=min(PHI_STORE_COLUMNS, p.key_dim), PREFETCH=config.prefetch_inputs,
-        QUERY_REGS=query_in_registers(p.key_widths), L2NORM=l2norm, DECAY_FLOOR=LOG_DECAY_FLOOR,
+        QUERY_REGS=query_in_registers(p.key_widths), INTERLEAVE=INTERLEAVE_PRODUCTS, L2NORM=l2norm,
+        DECAY_FLOOR=LOG_DECAY_FLOOR,
         num_warps=config.num_warps,
     )
     return o
