@@ -3,8 +3,8 @@ form's state loop on the Kronecker factors (``loop="kron"``), changes to o3 16x1
 ``phi_pass`` default (``--phi-pass``), to the streamed defaults above K = 256 (``--large``) and
 to the Gluon-loop split defaults at K <= 256 (``--small-k``, sm_90), the split form's Triton
 loop above K = 256 (``--split-large``, outside its space) and the streamed form's Gluon kernel
-there (``--gluon-large``, sm_90). A change is config fields,
-or an UPPER-case name: a ``chunk_split`` module constant set while that row is checked and
+there (``--gluon-large``, sm_90). A change is config fields, or an UPPER-case name: a
+``chunk_split`` (or ``chunk_streamed_gluon``) module constant set while that row is checked and
 captured (a launch schedule, not a config field). A change that leaves the default as it is
 (e.g. a Gluon row's on a GPU whose default is not the Gluon loop) is skipped, not timed.
 
@@ -138,9 +138,13 @@ LARGE = [
 # 0.6410; slower: R from registers too (0.7747, 0.6189), prepare_warps 1 or 4 with it (0.8154 /
 # 0.8401 at o3 32x32, 0.6102 / 0.6270 at 32x16), and the kernel at o3 16x16 beside the split
 # form's default (0.4767-0.4885 against 0.3619 ms)
+# INTERLEAVE_PRODUCTS (R's and phi(Q)'s products in one loop): offline only so far (1228 loop
+# instructions against 1373 at o3 32x32, fewer spills); not yet run on a GPU
 GLUON_LARGE = [
-    ("o3 32x32", (32, 32), [dict(loop="triton", prefetch_inputs=False), dict(prefetch_inputs=False)]),
-    ("o3 32x16", (32, 16), [dict(loop="triton", prefetch_inputs=False), dict(prefetch_inputs=False)]),
+    ("o3 32x32", (32, 32), [dict(loop="triton", prefetch_inputs=False), dict(prefetch_inputs=False),
+                            dict(INTERLEAVE_PRODUCTS=True)]),
+    ("o3 32x16", (32, 16), [dict(loop="triton", prefetch_inputs=False), dict(prefetch_inputs=False),
+                            dict(INTERLEAVE_PRODUCTS=True)]),
 ]
 
 

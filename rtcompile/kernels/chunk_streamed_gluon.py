@@ -46,7 +46,10 @@ except ImportError:  # an older Triton: the config's check says so
 
 CHUNK = 64  # wgmma's M for R = phi(K) S16 and phi(Q) S16: the chunk's rows
 PHI_STORE_COLUMNS = 256  # phi's columns a store (4 stores at K 1024, so 4 barriers a phi)
-INTERLEAVE_PRODUCTS = False  # experiment: R's and phi(Q)'s products in one loop (_both_products)
+# experiment, off: R's and phi(Q)'s products in one loop (_both_products). Offline (sm_90, Triton
+# 3.6) 1228 loop instructions against 1373 and 11 spill loads/stores against 28 at o3 32x32; not
+# yet run on a GPU (compare_kron --gluon-large times it beside the default, float64-checked first)
+INTERLEAVE_PRODUCTS = False
 MAX_STATE_REGISTERS = 128  # S's fp32 registers a thread (K BV / threads); more left no room for the rest
 
 
