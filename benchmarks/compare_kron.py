@@ -135,7 +135,7 @@ LARGE = [
 # phi(Q) S from registers (chunk_streamed_gluon.query_in_registers, since 1f66982; H100, two
 # runs): o3 32x32 0.7576 / 0.7569 ms against 0.7873 / 0.7841 from a phi(Q) tile (the kernel 618
 # against 640 us, the prepare kernel 147 of the rest), o3 32x16 0.5714 / 0.5749 against 0.6456 /
-# 0.6410; slower: R from registers too (0.7747, 0.6189), prepare_warps 1 or 4 with it (0.8154 /
+# 0.6410; slower than that: R from registers too (0.7747, 0.6189), prepare_warps 1 or 4 (0.8154 /
 # 0.8401 at o3 32x32, 0.6102 / 0.6270 at 32x16), and the kernel at o3 16x16 beside the split
 # form's default (0.4767-0.4885 against 0.3619 ms)
 # INTERLEAVE_PRODUCTS (R's and phi(Q)'s products in one loop): offline only so far (1228 loop

@@ -82,7 +82,7 @@ def query_in_registers(widths) -> bool:
     wgmma K (>= 16). It replaced phi(Q)'s [C, K] tile in shared memory (its store and its two
     reads, 128 KiB each a chunk at o3 32x32): 0.962x the kernel's time at o3 32x32, 0.885-0.897x
     at o3 32x16 (H100, compare_kron --gluon-large, 1f66982, two runs). R = phi(K) S16 the same
-    way (phi(K)'s tile then formed for the update only) was slower: 0.984x / 0.959x."""
+    way too (phi(K)'s tile then formed for the update only) gained less: 0.984x / 0.959x."""
     return widths[1] >= 16
 
 
