@@ -137,7 +137,8 @@ LARGE = [
 # against 640 us, the prepare kernel 147 of the rest), o3 32x16 0.5714 / 0.5749 against 0.6456 /
 # 0.6410; slower than that: R from registers too (0.7747, 0.6189), prepare_warps 1 or 4 (0.8154 /
 # 0.8401 at o3 32x32, 0.6102 / 0.6270 at 32x16), and the kernel at o3 16x16 beside the split
-# form's default (0.4767-0.4885 against 0.3619 ms)
+# form's default (StreamedConfig C 64, block_k 64, block_v 32, 8 warps, tf32, loop "gluon", loads
+# ahead: 0.4767-0.4885 against 0.3619 ms; timed through a whole-config row since removed)
 # INTERLEAVE_PRODUCTS (R's and phi(Q)'s products in one loop): offline only so far (1228 loop
 # instructions against 1373 at o3 32x32, fewer spills); not yet run on a GPU
 GLUON_LARGE = [
@@ -177,8 +178,6 @@ def split_config(base: dict, fields: dict):
 
 def _name(fields: dict, base: dict | None) -> str:
     """A row's name: the changes to the default (``base`` None), or a split config's main fields."""
-    if "form" in fields:
-        return " ".join(f"{k}={v}" for k, v in fields.items() if k not in ("chunk_size", "prepare_warps"))
     if base is None:
         return "default + " + " ".join(f"{k}={v}" for k, v in fields.items())
     f = {**base, **fields}
@@ -378,11 +377,7 @@ def main() -> int:
             continue
         for fields in proposals:
             fields, patch = split_fields(fields)
-            if "form" in fields:  # a whole config, of any form
-                from rtcompile.kernels.forms import config_from_dict
-
-                cfg = config_from_dict(fields)
-            elif base is None:
+            if base is None:
                 cfg = type(default).from_dict({**default.to_dict(), **fields})
             else:
                 cfg = split_config(base, fields)
