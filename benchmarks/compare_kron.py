@@ -140,12 +140,14 @@ LARGE = [
 # form's default (StreamedConfig C 64, block_k 64, block_v 32, 8 warps, tf32, loop "gluon", loads
 # ahead: 0.4767-0.4885 against 0.3619 ms; timed through a whole-config row since removed)
 # INTERLEAVE_PRODUCTS (R's and phi(Q)'s products in one loop): offline only so far (1228 loop
-# instructions against 1373 at o3 32x32, fewer spills); not yet run on a GPU
+# instructions against 1373 at o3 32x32, fewer spills); SCORES_ON_CHIP (P formed in the kernel,
+# no P in the prepare kernel: its 255 registers and 86 spill loads/stores go to 144 and none, the
+# kernel's loop 1373 -> 1634 instructions, 28 -> 49 spill loads/stores); neither run on a GPU yet
 GLUON_LARGE = [
     ("o3 32x32", (32, 32), [dict(loop="triton", prefetch_inputs=False), dict(prefetch_inputs=False),
-                            dict(INTERLEAVE_PRODUCTS=True)]),
+                            dict(INTERLEAVE_PRODUCTS=True), dict(SCORES_ON_CHIP=True)]),
     ("o3 32x16", (32, 16), [dict(loop="triton", prefetch_inputs=False), dict(prefetch_inputs=False),
-                            dict(INTERLEAVE_PRODUCTS=True)]),
+                            dict(INTERLEAVE_PRODUCTS=True), dict(SCORES_ON_CHIP=True)]),
 ]
 
 

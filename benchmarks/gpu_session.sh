@@ -188,8 +188,9 @@ step_owed() {  # what the H200 is still owed, in one call (~6 min): issue 21's d
 step_large() {  # issue 22's K > 256 rows on sm_90 (~3 min on an H100): the streamed Gluon kernel's
   # float64 tests on the GPU (82 passed on an H100 at 1f66982), then its default at o3 32x32 / 32x16
   # beside the Triton kernel and itself without the loads ahead (H100, 1f66982: 0.7576 / 1.2215 / 0.8013
-  # ms, the last with phi(Q) from a tile), and INTERLEAVE_PRODUCTS (not yet timed)
-  timeout -s INT -k 20 200 python3 -m pytest -q -p no:cacheprovider tests/test_streamed_gluon.py \
+  # ms, the last with phi(Q) from a tile), INTERLEAVE_PRODUCTS and SCORES_ON_CHIP (not yet timed;
+  # the tests run the latter's kernel at two widths)
+  timeout -s INT -k 20 240 python3 -m pytest -q -p no:cacheprovider tests/test_streamed_gluon.py \
     > "$OUT/large_tests.txt" 2>&1 || true
   tail -n 3 "$OUT/large_tests.txt"
   (cd benchmarks && timeout 300 python3 compare_kron.py --gluon-large --rounds 2 --profile --out "$OUT/gluon_large.json" \

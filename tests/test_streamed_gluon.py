@@ -100,13 +100,18 @@ def test_streamed_gluon_is_refused_off_hopper():
 
 
 @pytest.mark.skipif(chunk_streamed_gluon.gluon is None, reason="this Triton has no Gluon")
-def test_streamed_gluon_compiles_for_sm90_offline():
-    """The kernel compiles for sm_90 with the installed Triton (no GPU: ptxas only); the
-    compiler's report is the probe's."""
+@pytest.mark.parametrize("widths, on_chip", [((16, 8), False), ((16, 16), True)], ids=["o3-16x8", "o3-16x16-on-chip"])
+def test_streamed_gluon_compiles_for_sm90_offline(widths, on_chip):
+    """The kernel compiles for sm_90 with the installed Triton (no GPU: ptxas only), with P
+    from the prepare kernel (16x8) and formed on chip (16x16, SCORES_ON_CHIP); the compiler's
+    report is the probe's."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     config = '{"form": "streamed", "chunk_size": 64, "block_k": 64, "block_v": 16, "num_warps": 4, "loop": "gluon"}'
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_offline.py"), "--widths", "16", "8",
-                          "--config", config], env=env, capture_output=True, text=True, timeout=600)
+    argv = ["probe_offline.py", "--widths", *map(str, widths), "--config", config]
+    script = (f"import runpy, sys; from rtcompile.kernels import chunk_streamed_gluon as g; "
+              f"g.SCORES_ON_CHIP = {on_chip}; sys.argv = {argv!r}; "
+              f"runpy.run_path({str(ROOT / 'benchmarks' / 'probe_offline.py')!r}, run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert any(x.startswith("chunk_streamed_gluon_kernel") for x in out.stdout.splitlines()), out.stdout
 
@@ -180,3 +185,64 @@ def test_gluon_cost_follows_its_measurements(widths, measured_ms):
     triton_kernel = chunk_cost(spec, get_target("h100-sxm"), 8, 4096, dataclasses.replace(config, loop="triton",
                                                                                            prefetch_inputs=False))
     assert cost.seconds < 0.8 * triton_kernel.seconds
+
+
+# SCORES_ON_CHIP (an experiment, off by default): P formed in the Gluon kernel from the factor
+# tiles, the prepare kernel asked for Ai only
+ON_CHIP = ["o3-16x16-bv32-w4", "o3-32x32-bv32-w8-prefetch"]
+
+
+@on_hopper
+@pytest.mark.parametrize("feat", FEATURES.keys())
+@pytest.mark.parametrize("form", ON_CHIP)
+def test_scores_on_chip_match_reference(form, feat, poison, monkeypatch):
+    monkeypatch.setattr(chunk_streamed_gluon, "SCORES_ON_CHIP", True)
+    config, widths, T = GLUON[form]
+    check_against_reference(config, 2, T, 3, widths, 64, torch.bfloat16, **FEATURES[feat])
+    offsets = [0, 5, 6, 130, 197]
+    check_against_reference(config, 1, offsets[-1], 2, widths, 64, torch.bfloat16, offsets=offsets, **FEATURES[feat])
+
+
+@pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs TRITON_INTERPRET=1 (CPU) or a CUDA GPU")
+def test_prepare_without_scores_writes_the_inverse_only(poison, monkeypatch):
+    """``prepare_scores(scores=False)``: no P, the same Ai as with P (fresh inputs, a partial chunk,
+    NaN-poisoned workspaces); without the delta rule nothing is left to prepare and nothing runs."""
+    from rtcompile.kernels import chunk_prepare
+    from rtcompile.kernels.inputs import check_inputs
+
+    from test_kernels import case
+
+    dev, _, _ = case(2, 45, 2, (4, 4), 8, torch.bfloat16)
+    q, k, v, g, beta = dev
+    p = check_inputs(q, k, v, g, beta, None, None, None)
+    config = StreamedConfig(chunk_size=16, block_k=16, block_v=8, num_warps=4, prepare_warps=2)
+    kw = dict(cu_seqlens=None, l2norm=True, block_k=16, outer=False, wy=False)
+    both = chunk_prepare.prepare_scores(config, p, q, k, v, g, beta, **kw)
+    inverse = chunk_prepare.prepare_scores(config, p, q, k, v, g, beta, scores=False, **kw)
+    assert both["P"] is not None and torch.isfinite(both["P"]).all() and inverse["P"] is None
+    assert torch.isfinite(inverse["Ai"]).all() and torch.equal(inverse["Ai"], both["Ai"])
+    runs = []
+    monkeypatch.setattr(chunk_prepare, "_run", lambda *a, **k: runs.append(a))
+    p = check_inputs(q, k, v, g, None, None, None, None)
+    assert chunk_prepare.prepare_scores(config, p, q, k, v, g, None, scores=False, **kw) == \
+        {"P": None, "Ai": None, "W": None, "U0": None}
+    assert runs == []
+
+
+def test_scores_on_chip_drop_p_from_the_workspace_and_the_prepare_launch(monkeypatch):
+    """With SCORES_ON_CHIP the Gluon config's workspace loses P ([B, H, T, C] fp32) where both
+    widths are >= 16 (mma_v2's K), and its call one launch without the delta rule."""
+    from rtcompile.kernels.config import Workload
+
+    w = Workload(KernelShape((32, 32), 64, 2), batch=8, heads=8, seq_len=4096)
+    plain = dataclasses.replace(w, delta_rule=False)
+    narrow = Workload(KernelShape((16, 8), 64, 2), batch=8, heads=8, seq_len=4096)
+    cfg = gluon(32, 8, 256)
+    before = [cfg.workspace_bytes(x) for x in (w, plain, narrow)]
+    assert [cfg.figures(x).launches for x in (w, plain)] == [2, 2]
+    monkeypatch.setattr(chunk_streamed_gluon, "SCORES_ON_CHIP", True)
+    after = [cfg.workspace_bytes(x) for x in (w, plain, narrow)]
+    assert [b - a for b, a in zip(before, after)] == [w.rows * 64 * 4, w.rows * 64 * 4, 0]
+    assert [cfg.figures(x).launches for x in (w, plain)] == [2, 1]
+    assert dataclasses.replace(cfg, loop="triton").workspace_bytes(w) == before[0]

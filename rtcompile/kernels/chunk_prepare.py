@@ -219,20 +219,24 @@ def _wy_buffers(p: Problem, v) -> dict:
 
 
 def prepare_scores(config, p: Problem, q, k, v, g, beta, *, cu_seqlens, l2norm: bool, block_k: int, outer: bool,
-                   wy: bool) -> dict:
-    """The two-kernel forms' prepare step: allocates and fills P ([B, H, T, C] fp32) and, with
-    the delta rule, Ai ([B, H, T, C] fp32) or with ``wy`` W ([B, H, T, K] in the products' type)
-    and U0 ([B, H, T, V] fp32), plus Ai for the tile solve (inverted in place there). Returns
-    {"P", "Ai", "W", "U0"}, None for what is not made. ``block_k`` / ``outer``: how W's phi(K)
-    tile is built (``outer``: as outer products of factor loads)."""
+                   wy: bool, scores: bool = True) -> dict:
+    """The two-kernel forms' prepare step: allocates and fills P ([B, H, T, C] fp32; not with
+    ``scores`` False, for a sequential kernel that forms it) and, with the delta rule, Ai ([B, H,
+    T, C] fp32) or with ``wy`` W ([B, H, T, K] in the products' type) and U0 ([B, H, T, V] fp32),
+    plus Ai for the tile solve (inverted in place there). Returns {"P", "Ai", "W", "U0"}, None for
+    what is not made; launches nothing where nothing is made. ``block_k`` / ``outer``: how W's
+    phi(K) tile is built (``outer``: as outer products of factor loads)."""
     B, T, H, V = v.shape
     C = config.chunk_size
     wy = wy and beta is not None  # without the delta rule there is no solve to move
-    out = {"P": args.empty(B, H, T, C, dtype=torch.float32, device=v.device), "Ai": None, "W": None, "U0": None}
+    out = {"P": args.empty(B, H, T, C, dtype=torch.float32, device=v.device) if scores else None, "Ai": None,
+           "W": None, "U0": None}
     if wy:
         out.update(_wy_buffers(p, v))
     if stores_inverse(beta is not None, wy, config.solve):
         out["Ai"] = args.empty(B, H, T, C, dtype=torch.float32, device=v.device)
+    if all(x is None for x in out.values()):
+        return out
     idx = chunk_indices(p, C, v.device) if cu_seqlens is not None else None
     _run(p, q, k, v, g, beta, cu_seqlens=cu_seqlens, idx=idx, l2norm=l2norm, config=config, outputs=out,
          block_k=block_k, outer=outer)

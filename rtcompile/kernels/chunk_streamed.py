@@ -118,13 +118,18 @@ class StreamedConfig(KernelConfig):
         }
 
     def workspace_bytes(self, w: Workload) -> int:
-        return two_kernel_workspace(self, w)
+        return two_kernel_workspace(self, w, scores=not self.scores_on_chip(w.shape))
+
+    def scores_on_chip(self, shape: KernelShape) -> bool:
+        """Whether the sequential kernel forms P (``chunk_streamed_gluon.scores_on_chip``)."""
+        return self.loop == "gluon" and chunk_streamed_gluon.scores_on_chip(shape.key_widths)
 
     def figures(self, w: Workload) -> CostFigures:
         n = chunk_count(w, self.chunk_size)
         if self.loop == "gluon":  # the state never leaves the chip: read and written once a call
+            prepare = not self.scores_on_chip(w.shape) or w.delta_rule  # else nothing to prepare
             return CostFigures(programs=chunk_programs(w, self.block_v), serial_steps=n, state_passes=2,
-                               workspace_bytes=self.workspace_bytes(w), launches=2,
+                               workspace_bytes=self.workspace_bytes(w), launches=1 + prepare,
                                chip_elements=self.chunk_size * w.shape.key_dim)
         passes = (2 if self.merge_passes else 3) * n
         return CostFigures(programs=chunk_programs(w, self.block_v), serial_steps=n,
@@ -311,8 +316,9 @@ def launch(config: StreamedConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_s
     if ht is None:
         ht = args.empty(p.state_shape, dtype=torch.float32, device=v.device)
     bk = config.block_k
+    shape = KernelShape(p.key_widths, p.value_width)
     ws = prepare_scores(config, p, q, k, v, g, beta, cu_seqlens=cu_seqlens, l2norm=l2norm, block_k=bk,
-                        outer=KernelShape(p.key_widths, p.value_width).outer_phi_ok(bk), wy=False)
+                        outer=shape.outer_phi_ok(bk), wy=False, scores=not config.scores_on_chip(shape))
     if config.loop == "gluon":
         return chunk_streamed_gluon.run(config, p, q, k, v, g, beta, h0=h0, ht=ht, cu_seqlens=cu_seqlens,
                                         l2norm=l2norm, ws=ws)

@@ -19,7 +19,8 @@ factor tiles load while this chunk's products run (PREFETCH):
 
 phi is the raw outer product of the factors (exact in fp32, then rounded once, as
 ``blocks.phi_tile_outer`` rounds it) and r_q, r_k are 1 / ||phi|| with l2norm, as in the Triton
-kernel. P and Ai come from the same prepare kernel. Needs sm_90 (wgmma), 16-bit inputs, order
+kernel. P and Ai come from the same prepare kernel (P formed here from the factor tiles with
+``SCORES_ON_CHIP``, an experiment, off). Needs sm_90 (wgmma), 16-bit inputs, order
 3 with power-of-two widths, chunks of 64 (wgmma's M for R and O) and a state tile that
 fits the registers; Gluon kernels do not run under the interpreter (``StreamedConfig.check``
 refuses the loop where Gluon is missing, the launcher anywhere but sm_90).
@@ -38,6 +39,7 @@ from .launch_cache import cached
 try:  # Gluon's Hopper API as Triton 3.6 - 3.9 spell it
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, warpgroup_mma, warpgroup_mma_wait,
     )
@@ -50,6 +52,12 @@ PHI_STORE_COLUMNS = 256  # phi's columns a store (4 stores at K 1024, so 4 barri
 # 3.6) 1228 loop instructions against 1373 and 11 spill loads/stores against 28 at o3 32x32; not
 # yet run on a GPU (compare_kron --gluon-large times it beside the default, float64-checked first)
 INTERLEAVE_PRODUCTS = False
+# experiment, off: P formed in the kernel from the factor tiles it holds (_scores_on_chip) where
+# both widths are an mma K (>= 16), so the prepare kernel writes only Ai (none without the delta
+# rule): at B8 T4096 H8 C 64 P is 67 MB written and, one read a value block, 134 MB read, and
+# the prepare kernel was 147 of 757 us at o3 32x32 (H100). Not yet run on a GPU (compare_kron
+# --gluon-large times it beside the default, float64-checked first)
+SCORES_ON_CHIP = False
 MAX_STATE_REGISTERS = 128  # S's fp32 registers a thread (K BV / threads); more left no room for the rest
 
 
@@ -84,6 +92,12 @@ def query_in_registers(widths) -> bool:
     at o3 32x16 (H100, compare_kron --gluon-large, 1f66982, two runs). R = phi(K) S16 the same
     way too (phi(K)'s tile then formed for the update only) gained less: 0.984x / 0.959x."""
     return widths[1] >= 16
+
+
+def scores_on_chip(widths) -> bool:
+    """Whether the kernel forms P itself (``SCORES_ON_CHIP`` and both widths >= 16, mma_v2's K
+    for 16-bit operands), so the prepare kernel is asked for Ai only."""
+    return SCORES_ON_CHIP and min(widths) >= 16
 
 
 def smem_bytes(C: int, widths, BV: int) -> int:
@@ -181,6 +195,31 @@ if gluon is not None:
         return acc_r, acc_q
 
     @gluon.jit
+    def _scores_on_chip(b_q1, b_q2, b_k1, b_k2, b_g, L2NORM: gl.constexpr, layout: gl.constexpr):
+        """The chunk's P [C, C] = (Q1 K1^T * Q2 K2^T) diag-scaled by 1 / ||phi(q)||, 1 / ||phi(k)||
+        (with L2NORM), times exp(c_i - c_j) on and below the diagonal, 0 above, in fp32 in
+        ``layout`` (an mma_v2 layout): the prepare kernel's scores from the factor tiles as loaded
+        (raw 16-bit factors, exact fp32 Grams, the norms applied in fp32). ``b_g``: the chunk's
+        log decays (zeros without gates)."""
+        a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=layout, k_width=2)
+        b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=layout, k_width=2)
+        C: gl.constexpr = b_q1.shape[0]
+        zero = gl.zeros([C, C], gl.float32, layout=layout)
+        b_qk = mma_v2(gl.convert_layout(b_q1, a_op), gl.convert_layout(gl.permute(b_k1, (1, 0)), b_op), zero)
+        b_qk = b_qk * mma_v2(gl.convert_layout(b_q2, a_op), gl.convert_layout(gl.permute(b_k2, (1, 0)), b_op), zero)
+        rows: gl.constexpr = gl.SliceLayout(1, layout)
+        cols: gl.constexpr = gl.SliceLayout(0, layout)
+        if L2NORM:
+            b_qk = b_qk * gl.expand_dims(gl.convert_layout(_inv_norm(b_q1) * _inv_norm(b_q2), rows), 1)
+            b_qk = b_qk * gl.expand_dims(gl.convert_layout(_inv_norm(b_k1) * _inv_norm(b_k2), cols), 0)
+        b_c = floored_cumsum(b_g)
+        o_c = gl.arange(0, C, layout=rows)
+        m_incl = gl.expand_dims(o_c, 1) >= gl.expand_dims(gl.arange(0, C, layout=cols), 0)
+        # exp of a masked difference: only j <= i is kept, where c_i - c_j <= 0 (no overflow)
+        b_diff = gl.expand_dims(gl.convert_layout(b_c, rows), 1) - gl.expand_dims(gl.convert_layout(b_c, cols), 0)
+        return b_qk * gl.exp(gl.where(m_incl, b_diff, float("-inf")))
+
+    @gluon.jit
     def _rows(bos, eos, i_c, i_b, T, H, i_h, C: gl.constexpr, layout: gl.constexpr):
         """The chunk's token numbers' mask and token-head rows ([C], in ``layout``)."""
         tok = bos + i_c * C + gl.arange(0, C, layout=layout)
@@ -244,7 +283,8 @@ if gluon is not None:
         """One program per (sequence, head, value block of BV) walks the chunks in order with S
         [K, BV] in registers (module docstring). Arguments as ``chunk_streamed_kernel``'s: the
         factors [B, T, H, D_i], ``P`` / ``Ai`` the prepare
-        kernel's [B, H, T, C] fp32 scores and inverse (``Ai`` None without the delta rule),
+        kernel's [B, H, T, C] fp32 scores and inverse (``P`` None: formed here from the factor tiles,
+        ``_scores_on_chip``; ``Ai`` None without the delta rule),
         ``g`` / ``beta`` / ``h0`` / ``cu_seqlens`` None: no gates / no delta rule / zero initial
         state / not varlen; ``ht`` [N, H, K, V] fp32 receives the final state; ``W``: phi's
         columns a store (``PHI_STORE_COLUMNS``, at most K); PREFETCH: the next chunk's factor tiles
@@ -269,6 +309,8 @@ if gluon is not None:
         l_cc: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])  # P, Ai as loaded
         l_g: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])  # the gates' scan
         l_f: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [NW, 1], [1, 0])  # factor tiles as loaded
+        l_pp: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, NW // 4],
+                                                       instr_shape=[16, 8])  # P's Grams (SCORES_ON_CHIP)
 
         o_ks = gl.arange(0, K, layout=gl.SliceLayout(1, s_layout))
         o_vs = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, s_layout))
@@ -311,14 +353,19 @@ if gluon is not None:
             p_cc = ((i_b * H + i_h) * T + bos + i_c * C + gl.arange(0, C, layout=gl.SliceLayout(1, l_cc))) * C
             off_cc = gl.expand_dims(p_cc, 1) + gl.expand_dims(o_cc, 0)
             # P and Ai rounded as loaded, as the products take them (fp32, both held 64 registers a
-            # thread at 4 warps)
-            b_P = gl.load(P + off_cc, mask=gl.expand_dims(m_cc, 1), other=0.0).to(DT)
+            # thread at 4 warps); without P (SCORES_ON_CHIP) P from the factor tiles, below
+            if P is not None:
+                b_P = gl.load(P + off_cc, mask=gl.expand_dims(m_cc, 1), other=0.0).to(DT)
             if beta is not None:
                 b_b = gl.load(beta + r, mask=m_t, other=0.0).to(gl.float32)
                 b_Ai = gl.load(Ai + off_cc, mask=gl.expand_dims(m_cc, 1), other=0.0).to(DT)
             if g is not None:
                 m_g, r_g = _rows(bos, eos, i_c, i_b, T, H, i_h, C, l_g)
                 b_g = gl.load(g + r_g, mask=m_g, other=0.0).to(gl.float32)
+            else:
+                b_g = gl.zeros([C], gl.float32, layout=l_g)  # read by _scores_on_chip only
+            if P is None:
+                b_P = _scores_on_chip(b_q1, b_q2, b_k1, b_k2, b_g, L2NORM, l_pp).to(DT)
             r_q = gl.full([C], 1.0, gl.float32, layout=row_r)
             r_k = gl.full([C], 1.0, gl.float32, layout=row_r)
             if L2NORM:  # ||phi|| = prod ||x_i||
@@ -382,7 +429,7 @@ if gluon is not None:
 
 def run(config, p, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm: bool, ws: dict) -> torch.Tensor:
     """Allocate o and run :func:`chunk_streamed_gluon_kernel` on the prepare kernel's ``ws`` (P,
-    Ai); ``ht`` receives the final state."""
+    None where the kernel forms it: :func:`scores_on_chip`; Ai); ``ht`` receives the final state."""
     B, T, H, V = v.shape
     o = args.empty(B, T, H, V, dtype=v.dtype, device=v.device)
     (q1, q2), (k1, k2) = q, k

@@ -338,13 +338,14 @@ def wy_workspace(w: Workload) -> int:
     return w.rows * (w.shape.key_dim * dot_operand_bytes(w.shape.input_bytes) + w.shape.value_width * 4)
 
 
-def two_kernel_workspace(cfg, w: Workload, wy: bool = False) -> int:
-    """The prepare kernel's [B, H, T, C] fp32 scores and (delta rule) inverse; with ``wy`` the
-    scores, W and U0 (:func:`wy_workspace`) instead of the inverse (plus the inverse again for
-    the tile solve, which inverts in place in the workspace)."""
+def two_kernel_workspace(cfg, w: Workload, wy: bool = False, scores: bool = True) -> int:
+    """The prepare kernel's [B, H, T, C] fp32 scores (not with ``scores`` False: the sequential
+    kernel forms them) and (delta rule) inverse; with ``wy`` the scores, W and U0
+    (:func:`wy_workspace`) instead of the inverse (plus the inverse again for the tile solve,
+    which inverts in place in the workspace)."""
     C = cfg.chunk_size
     inverse = w.rows * C * 4 if stores_inverse(w.delta_rule, wy, cfg.solve) else 0
-    return w.rows * C * 4 + inverse + (wy_workspace(w) if wy and w.delta_rule else 0)
+    return (w.rows * C * 4 if scores else 0) + inverse + (wy_workspace(w) if wy and w.delta_rule else 0)
 
 
 def chunk_programs(w: Workload, block_v: int) -> int:
