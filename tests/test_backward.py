@@ -250,7 +250,8 @@ def test_workspaces_in_the_inputs_type(widths, extra, dtype, monkeypatch):
                         or empty(*a, **kw))
     # one more 16-bit rounding of U, R, dU and phi's gradients (2^-9 each for bf16): typical
     # errors 4e-3 - 1.4e-2 against 2e-3 - 6e-3 with fp32 workspaces, the worst seen 2.3e-2 (dbeta,
-    # streamed, bf16, once in CI); a wrong term gives errors of order 1
+    # streamed, bf16, once in CI) and 2.5e-2 over 15 fresh seeds (bf16, workspace); a wrong term
+    # gives errors of order 1
     check_gradients(widths, 37, 20, chunk_size=16, dtype=dtype, config=config, tol=4e-2,
                     **FEATURES["gated-delta-l2-h0"])
     assert made.count(((1, 37, 2, 20), dtype)) == 4, made
@@ -624,7 +625,9 @@ SPLIT_CASES = {  # (widths, T, config fields, gradient-check keywords)
     "o3-16x16-varlen": ((16, 16), 41, {}, {"offsets": [0, 9, 30, 41]}),
     "o3-16x16-streamed": ((16, 16), 37, {"state_loop": "streamed", "state_block_k": 32, "num_stages": 1}, {}),
     "o4-streamed": ((16, 16, 16), 21, {"state_loop": "streamed", "state_block_k": 256, "num_stages": 1}, {}),
-    "o3-16x16-bf16-ws16": ((16, 16), 37, {"workspace_dtype": "inputs"}, {"dtype": torch.bfloat16}),
+    # 16-bit workspaces: test_workspaces_in_the_inputs_type's bound (4e-2); over 15 fresh seeds
+    # here the largest gradient error was 1.4e-2 (the 2e-2 bf16 bound before), and 2.5e-2 there
+    "o3-16x16-bf16-ws16": ((16, 16), 37, {"workspace_dtype": "inputs"}, {"dtype": torch.bfloat16, "tol": 4e-2}),
 }
 
 
