@@ -48,6 +48,17 @@ def _extension_load_that_stops(sig: int = signal.SIGTERM) -> bool:
 
 
 @pytest.fixture(autouse=True)
+def _python_sigint():
+    """SIGINT handled as Python installs it (KeyboardInterrupt) during each test, whatever the
+    process started with: one started in the background by a shell without job control inherits
+    SIGINT ignored and Python keeps it so, where two tests here that expect KeyboardInterrupt
+    failed (pytest started with ``&``, 2026-12-07)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+@pytest.fixture(autouse=True)
 def _slow_looks(monkeypatch):
     """A held stop's look every 0.3 s, not 20 ms: a look cannot fire in the few bytecodes
     between a held stop's load or import and the test's next step, even on a loaded machine."""
