@@ -83,9 +83,9 @@ def _device_calls_without_repatching() -> None:
 _device_calls_without_repatching()
 
 
-# The fresh seeds drawn in the running test (make_inputs, fresh_seed), in order: a failing test's report lists them
-# (section "test seeds"), and RTCOMPILE_TEST_SEEDS=s1,s2,... replays them in that order.
-# A bf16 tolerance once failed in CI at 0.012 against 0.01 and the seed was lost with the run.
+# The fresh seeds drawn in the running test (make_inputs, fresh_seed), in order: a failing test's
+# report lists them (section "test seeds"), and RTCOMPILE_TEST_SEEDS=s1,s2,... replays them in
+# that order. A bf16 tolerance once failed in CI at 0.012 against 0.01 and the seed was lost.
 _SEEDS: list[int] = []
 _REPLAY: list[int] = []
 
