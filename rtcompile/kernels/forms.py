@@ -429,8 +429,8 @@ def default_config(kernel: str, shape: KernelShape, smem_limit: int = DEFAULT_SM
     if kernel == "chunk_bwd":
         return default_backward(shape, smem_limit)
     if kernel == "chunk":
-        return _tiled(shape, 16, 16, 16, 4) if chunk_size is None else \
-            dataclasses.replace(_tiled(shape, 16, 16, 16, 4), chunk_size=chunk_size)
+        tiled = _tiled(shape, 16, 16, 16, 4)
+        return tiled if chunk_size is None else dataclasses.replace(tiled, chunk_size=chunk_size)
     return _recurrent_default(shape)
 
 
