@@ -150,6 +150,24 @@ GLUON_LARGE = [
     ("o3 32x32", (32, 32), [dict(loop="triton", prefetch_inputs=False), dict(prefetch_inputs=False), *_EXPERIMENTS]),
     ("o3 32x16", (32, 16), [dict(loop="triton", prefetch_inputs=False), dict(prefetch_inputs=False), *_EXPERIMENTS]),
 ]
+# (case, widths, changes to the default) for the delta rule's solve in registers (``--solve``):
+# "blocks" (the [16, 16] diagonal blocks by forward substitution, the rest by [C, C] products) and
+# "products" (the diagonal blocks by products too), beside the tile solve's chain of loads and
+# barriers (the prepare kernel 146 us of 761 at o3 32x32 on an H100, 95 without P). Offline
+# (Triton 3.6, sm_90, o3 32x32): tiles 255 registers at 2 warps (106 spill ld/st), blocks and
+# products spill at 2 warps and fit at 8 (224 / 254 registers, none)
+_SOLVES_WARPS = [dict(solve=s, prepare_warps=w) for s in ("blocks", "products") for w in (4, 8)]
+SOLVE = [
+    ("o3 32x32", (32, 32), [*_SOLVES_WARPS, dict(prepare_warps=4), dict(prefetch_inputs=False),
+                            dict(prefetch_inputs=False, solve="blocks", prepare_warps=8),
+                            dict(prefetch_inputs=False, solve="products", prepare_warps=8)]),
+    ("o3 32x16", (32, 16), [*_SOLVES_WARPS, dict(prefetch_inputs=False)]),
+    ("o3 16x16", (16, 16), [dict(solve=s, prepare_warps=w) for s in ("blocks", "products") for w in (2, 4)]),
+    *((case, widths, [dict(solve="blocks", prepare_warps=2), dict(solve="blocks", prepare_warps=4),
+                      dict(solve="products", prepare_warps=4)])
+      for case, widths in (("o2 64", (64,)), ("o3 8x8", (8, 8)), ("o2 128", (128,)), ("o3 16x8", (16, 8)),
+                           ("o2 256", (256,)))),
+]
 
 
 def split_fields(fields: dict) -> tuple[dict, dict]:
@@ -335,6 +353,7 @@ def main() -> int:
     only.add_argument("--small-k", action="store_true", help="only the proposals for the Gluon-loop rows, K <= 256")
     only.add_argument("--split-large", action="store_true",
                       help="only the split form's Triton-loop configs above K = 256")
+    only.add_argument("--solve", action="store_true", help="only the solves in registers, every default's shape")
     only.add_argument("--gluon-large", action="store_true",
                       help="only the streamed form's Gluon sequential kernel above K = 256 (sm_90)")
     ap.add_argument("--timeline", action="store_true",
@@ -347,8 +366,8 @@ def main() -> int:
     lists = {"CASES": [(KRON, *c) for c in CASES], "PHI_PASS": [(None, *c) for c in PHI_PASS],
              "LARGE": [(None, *c) for c in LARGE], "SMALL_K": [(None, *c) for c in SMALL_K],
              "SPLIT_LARGE": [(SPLIT_TRITON, *c) for c in SPLIT_LARGE],
-             "GLUON_LARGE": [(None, *c) for c in GLUON_LARGE]}
-    chosen = [name for name in ("PHI_PASS", "LARGE", "SMALL_K", "SPLIT_LARGE", "GLUON_LARGE")
+             "GLUON_LARGE": [(None, *c) for c in GLUON_LARGE], "SOLVE": [(None, *c) for c in SOLVE]}
+    chosen = [name for name in ("PHI_PASS", "LARGE", "SMALL_K", "SPLIT_LARGE", "GLUON_LARGE", "SOLVE")
               if getattr(args, name.lower())] \
         or ["CASES", "PHI_PASS"]
     if not any(lists[name] for name in chosen):  # an empty list between trials: nothing to time
