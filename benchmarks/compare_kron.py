@@ -150,23 +150,19 @@ GLUON_LARGE = [
     ("o3 32x32", (32, 32), [dict(loop="triton", prefetch_inputs=False), dict(prefetch_inputs=False), *_EXPERIMENTS]),
     ("o3 32x16", (32, 16), [dict(loop="triton", prefetch_inputs=False), dict(prefetch_inputs=False), *_EXPERIMENTS]),
 ]
-# (case, widths, changes to the default) for the delta rule's solve in registers (``--solve``):
-# "blocks" (the [16, 16] diagonal blocks by forward substitution, the rest by [C, C] products) and
-# "products" (the diagonal blocks by products too), beside the tile solve's chain of loads and
-# barriers (the prepare kernel 146 us of 761 at o3 32x32 on an H100, 95 without P). Offline
-# (Triton 3.6, sm_90, o3 32x32): tiles 255 registers at 2 warps (106 spill ld/st), blocks and
-# products spill at 2 warps and fit at 8 (224 / 254 registers, none)
-_SOLVES_WARPS = [dict(solve=s, prepare_warps=w) for s in ("blocks", "products") for w in (4, 8)]
+# (case, widths, changes to the default) for the delta rule's solve in registers by products
+# (``--solve``, blocks.unit_lower_inverse_products) beside the tile solve's chain of loads and
+# barriers. At 5f89585 (H100, two rounds, float64-checked first): o2 256 0.5635 ms at 4 prepare
+# warps against 0.6053 (prepare kernel 176 against 230 us); elsewhere 1.02-1.34x (o3 32x32 0.7767
+# against 0.7582 at 4 warps, 0.9753 at 8; 32x16 1.019x; o3 16x16 1.111x; o2 64 / o3 8x8 / o2 128 /
+# o3 16x8 1.028-1.115x). The diagonal blocks by forward substitution in registers ran 1.004-1.742x
+# everywhere (removed). The tile solve at 4 prepare warps: o3 32x32 1.099x. Without the loads
+# ahead o3 32x32 ran 0.7281 ms against 0.7582 (0.7275 / 0.7607 in the call before; 32x16 1.009x)
 SOLVE = [
-    ("o3 32x32", (32, 32), [*_SOLVES_WARPS, dict(prepare_warps=4), dict(prefetch_inputs=False),
-                            dict(prefetch_inputs=False, solve="blocks", prepare_warps=8),
-                            dict(prefetch_inputs=False, solve="products", prepare_warps=8)]),
-    ("o3 32x16", (32, 16), [*_SOLVES_WARPS, dict(prefetch_inputs=False)]),
-    ("o3 16x16", (16, 16), [dict(solve=s, prepare_warps=w) for s in ("blocks", "products") for w in (2, 4)]),
-    *((case, widths, [dict(solve="blocks", prepare_warps=2), dict(solve="blocks", prepare_warps=4),
-                      dict(solve="products", prepare_warps=4)])
-      for case, widths in (("o2 64", (64,)), ("o3 8x8", (8, 8)), ("o2 128", (128,)), ("o3 16x8", (16, 8)),
-                           ("o2 256", (256,)))),
+    ("o2 256", (256,), [dict(solve="products", prepare_warps=w) for w in (2, 4, 8)]),
+    ("o3 32x32", (32, 32), [dict(prefetch_inputs=False), dict(prefetch_inputs=False, SCORES_ON_CHIP=True),
+                            dict(prefetch_inputs=False, solve="products", prepare_warps=4)]),
+    ("o3 32x16", (32, 16), [dict(SCORES_ON_CHIP=True), dict(prefetch_inputs=False, SCORES_ON_CHIP=True)]),
 ]
 
 

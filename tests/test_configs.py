@@ -60,7 +60,7 @@ REFUSALS = {
     "resident-stages-5": (ResidentConfig(chunk_size=16, block_v=16, num_stages=5), O3,
                           "num_stages=5; allowed: 1, 2, 3 or 4"),
     "resident-solve": (ResidentConfig(chunk_size=16, block_v=16, solve="lu"), O3,
-                       "solve='lu'; allowed: 'rows', 'tiles', 'blocks'"),
+                       "solve='lu'; allowed: 'rows', 'tiles', 'products'"),
     "resident-tiles-c128": (ResidentConfig(chunk_size=128, block_v=16, solve="tiles"), KernelShape((4, 4), 16),
                             "solve='tiles' needs chunk_size <= 64, got 128"),
     "resident-precision": (ResidentConfig(chunk_size=16, block_v=16, dot_precision="fp8"), O3,

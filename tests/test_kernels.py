@@ -15,7 +15,7 @@ import triton.language as tl
 from rtcompile.kernels import (
     args, chunk_fused, chunk_resident, chunk_split, chunk_streamed, running_tensor_recurrent_ref,
 )
-from rtcompile.kernels.blocks import unit_lower_inverse_blocks, unit_lower_inverse_products, unit_lower_inverse_tiles
+from rtcompile.kernels.blocks import unit_lower_inverse_products, unit_lower_inverse_tiles
 from rtcompile.kernels.chunk_fused import FusedConfig
 from rtcompile.kernels.chunk_resident import ResidentConfig
 from rtcompile.kernels.chunk_split import SplitConfig
@@ -106,10 +106,10 @@ FORMS = {
     "resident-o4-2x3x2-wy-rows": (ResidentConfig(16, 16, solve="rows", wy=True), (2, 3, 2), 37, 5),
     "resident-o3-3x4-wy-tiles-c32": (ResidentConfig(32, 16, solve="tiles", wy=True), (3, 4), 45, 6),
     "resident-o3-2x4-outer": (ResidentConfig(16, 16, solve="tiles", prepare_warps=1), (2, 4), 21, 6),
-    # the block solve in registers at C 16, 32 and 64 (one, two and four [16, 16] blocks)
-    "resident-o3-3x4-blocks-c32": (ResidentConfig(32, 16, solve="blocks", prepare_warps=2), (3, 4), 45, 6),
-    "resident-o2-5-blocks-c16": (ResidentConfig(16, 16, solve="blocks"), (5,), 21, 6),
-    "streamed-o3-4x5-blocks-c64": (StreamedConfig(64, 16, 16, solve="blocks"), (4, 5), 77, 5),
+    # the product solve in registers at C 16, 32 and 64 (one, two and four [16, 16] blocks)
+    "resident-o3-3x4-products-c32": (ResidentConfig(32, 16, solve="products", prepare_warps=2), (3, 4), 45, 6),
+    "resident-o2-5-products-c16": (ResidentConfig(16, 16, solve="products"), (5,), 21, 6),
+    "streamed-o3-4x5-products-c64": (StreamedConfig(64, 16, 16, solve="products"), (4, 5), 77, 5),
     # the next chunk's inputs ahead (power-of-two widths >= 16), with and without wy
     "resident-o2-16-prefetch-wy-tiles-c64": (ResidentConfig(64, 16, num_warps=8, solve="tiles", prefetch_inputs=True,
                                                             wy=True, prepare_warps=2), (16,), 77, 6),
@@ -130,7 +130,7 @@ FORMS = {
     # fused: scores and solve in the sequential kernel, state in registers or streamed
     "fused-resident-o3-3x4-tiles-c32": (FusedConfig(32, 16, 16, solve="tiles"), (3, 4), 45, 6),
     "fused-resident-o2-8-rows": (FusedConfig(16, 16, 16, solve="rows"), (8,), 21, 6),
-    "fused-resident-o2-8-blocks-c64": (FusedConfig(64, 16, 16, solve="blocks"), (8,), 77, 6),
+    "fused-resident-o2-8-products-c64": (FusedConfig(64, 16, 16, solve="products"), (8,), 77, 6),
     "fused-streamed-o3-4x5-rows-merge": (FusedConfig(16, 16, 16, solve="rows", merge_passes=True), (4, 5), 21, 5),
     "fused-streamed-o4-2x4x4-tiles-prefetch-c32": (FusedConfig(32, 16, 16, solve="tiles", prefetch_state=True),
                                                    (2, 4, 4), 37, 6),
@@ -247,7 +247,9 @@ HALF = {  # 16-bit inputs: products in the input type (fp16 here; bf16 is upcast
     "fused-resident-o2-16-rows": (FusedConfig(16, 16, 16, solve="rows"), (16,)),
     "split-o3-16x16-c16-kg2-stride2-tma": (SplitConfig(16, 16, tma=True, key_group=2, state_stride=2), (16, 16)),
     "split-o2-16-c32": (SplitConfig(32, 16, dot_precision="tf32"), (16,)),
-    "split-o3-16x16-c64-blocks-tf32": (SplitConfig(64, 16, solve="blocks", dot_precision="tf32"), (16, 16)),
+    "split-o3-16x16-c64-products-tf32": (SplitConfig(64, 16, solve="products", dot_precision="tf32"), (16, 16)),
+    "split-o2-32-c32-products-tf32": (SplitConfig(32, 16, solve="products", dot_precision="tf32", prepare_warps=4),
+                                      (32,)),
     "split-o3-16x16-c16-wy-kg2": (SplitConfig(16, 16, key_group=2, wy=True), (16, 16)),
     "split-o3-16x32-kron-c32": (SplitConfig(32, 16, loop="kron"), (16, 32)),
     "split-o3-16x16-c16-phipass-tma": (SplitConfig(16, 16, tma=True, phi_pass=True), (16, 16)),
@@ -395,25 +397,21 @@ def test_unit_lower_inverse_tiles_is_the_inverse(C, n_rows):
 
 
 @triton.jit
-def _invert_blocks_kernel(A, X, C: tl.constexpr, PRODUCTS: tl.constexpr):
+def _invert_products_kernel(A, X, C: tl.constexpr):
     o_c = tl.arange(0, C)
     off = o_c[:, None] * C + o_c[None, :]
-    if PRODUCTS:
-        tl.store(X + off, unit_lower_inverse_products(tl.load(A + off), C, "ieee"))
-    else:
-        tl.store(X + off, unit_lower_inverse_blocks(tl.load(A + off), C, "ieee"))
+    tl.store(X + off, unit_lower_inverse_products(tl.load(A + off), C, "ieee"))
 
 
-@pytest.mark.parametrize("products", [False, True], ids=["blocks", "products"])
 @pytest.mark.parametrize("scale", [0.3, 1.0], ids=["small", "unit"])
 @pytest.mark.parametrize("C", [16, 32, 64], ids=["c16", "c32", "c64"])
-def test_unit_lower_inverse_blocks_is_the_inverse(C, scale, products):
-    """The register block solve against float64's inverse; entries up to ``scale`` (1: the
+def test_unit_lower_inverse_products_is_the_inverse(C, scale):
+    """The register product solve against float64's inverse; entries up to ``scale`` (1: the
     bound of beta k_i . k_j with unit keys), a poisoned output."""
     fresh_seed()
     A = ((torch.rand(C, C, dtype=torch.float64) * 2 - 1) * scale).tril(-1)
     X = torch.full((C, C), float("nan"), device=DEVICE)
-    _invert_blocks_kernel[(1,)](A.float().to(DEVICE), X, C=C, PRODUCTS=products)
+    _invert_products_kernel[(1,)](A.float().to(DEVICE), X, C=C)
     ref = torch.linalg.inv(torch.eye(C, dtype=torch.float64) + A.float().double())
     assert rel_err(X.cpu(), ref) < 1e-5
 

@@ -145,40 +145,17 @@ def unit_lower_inverse_tiles(p_A, n_rows, C: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def unit_lower_inverse_blocks(b_A, C: tl.constexpr, PREC: tl.constexpr):
-    """(I + A)^-1 for a strictly lower-triangular [C, C] register tile (C <= 64), in registers.
-
-    D (the [16, 16] diagonal blocks of I + A) is inverted by forward substitution, the NB = C / 16
-    blocks together; with E the rest of A, I + A = D (I + M) for M = D^-1 E, strictly block-lower,
-    so M^NB = 0 and (I + A)^-1 = (I - M + M^2 - M^3) D^-1: four [C, C] products at C = 64, and D^-1
-    exact in fp32 on the diagonal. No memory round trip and no barrier, where the tile solve's
-    chain of loads after each store made the prepare kernel latency-bound (H100, o3 32x32: 146 us
-    a call, 95 without P, for ~30 us of bytes)."""
-    NB: tl.constexpr = C // 16
-    o_c = tl.arange(0, C)
-    o_n = tl.arange(0, NB)
-    o_b = tl.arange(0, 16)
-    m_blk = (o_n[:, None] == o_n[None, :])[:, None, :, None]  # [NB, 1, NB, 1]: a diagonal block
-    # the diagonal blocks as [NB, 16, 16] (block n: rows and columns 16n .. 16n + 15)
-    b_Ad = tl.sum(tl.where(m_blk, tl.reshape(b_A, [NB, 16, NB, 16]), 0.0), axis=2)
-    b_X = _eye_blocks(NB, 16)
-    for i in tl.static_range(1, 16):
-        b_X = _substitute_row(b_X, tl.sum(tl.where((o_b == i)[None, :, None], b_Ad, 0.0), axis=1), i, 16)
-    b_Di = tl.reshape(tl.where(m_blk, b_X[:, :, None, :], 0.0), [C, C])
-    if NB > 1:
-        b_M = tl.dot(b_Di, tl.where(o_c[:, None] // 16 > o_c[None, :] // 16, b_A, 0.0), input_precision=PREC)
-        b_S = -b_M  # (I + M)^-1 - I, strictly block-lower: D^-1's blocks pass exactly
-        if NB > 2:
-            b_M2 = tl.dot(b_M, b_M, input_precision=PREC)
-            b_S += b_M2 - tl.dot(b_M, b_M2, input_precision=PREC)
-        b_Di += tl.dot(b_S, b_Di, input_precision=PREC)
-    return b_Di
-
-
-@triton.jit
 def unit_lower_inverse_products(b_A, C: tl.constexpr, PREC: tl.constexpr):
-    """EXPERIMENT: as unit_lower_inverse_blocks, D^-1 = (I - N)(I + N^2)(I + N^4)(I + N^8) for N
-    the strictly lower part of D (nilpotent: N^16 = 0): ten [C, C] products, no reshape."""
+    """(I + A)^-1 for a strictly lower-triangular [C, C] register tile (C <= 64), in registers
+    and by [C, C] products alone (tensor cores at PREC tf32): no memory round trip, no barrier.
+
+    D = I + N is I + A's block diagonal in [16, 16] blocks (N^16 = 0), so D^-1 = (I - N)(I + N^2)
+    (I + N^4)(I + N^8); with E the rest of A, I + A = D (I + M) for M = D^-1 E, strictly
+    block-lower, so M^(C / 16) = 0 and (I + A)^-1 = (I - M + M^2 - M^3) D^-1: ten products at
+    C = 64. Where it pays (H100, B8 T4096, 4 prepare warps): o2 256 0.5635 ms against 0.6053 with
+    the tile solve (its prepare kernel 176 against 230 us); elsewhere 1.02-1.12x. The diagonal
+    blocks by forward substitution in registers instead ran 1.00-1.74x (its [NB, 16, 16] row
+    reductions: 3576 instructions at o3 32x32 and 4 warps against 3024)."""
     o_c = tl.arange(0, C)
     m_same = (o_c[:, None] // 16) == (o_c[None, :] // 16)
     b_I = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)
@@ -327,8 +304,8 @@ def scores_from_tiles(q1, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_b, b_c,
 
     Gram blocks take the factors in the input type when it is 16-bit (tensor cores; at K = 256
     order 2 the fp32 Grams made the prepare step dominate), else fp32 at PREC. SOLVE "rows":
-    the inverse row by row in registers; "blocks": in [16, 16] blocks in registers
-    (:func:`unit_lower_inverse_blocks`); "tiles": Ai is A itself, for the caller to invert in
+    the inverse row by row in registers; "products": in registers by [C, C] products
+    (:func:`unit_lower_inverse_products`); "tiles": Ai is A itself, for the caller to invert in
     memory (:func:`unit_lower_inverse_tiles`). ``q1`` only names the input type. Without
     NEED_P, P is zeros and the query tiles are not read (the split form's prepare kernel).
     """
@@ -357,8 +334,6 @@ def scores_from_tiles(q1, b_q1, b_q2, b_q3, b_k1, b_k2, b_k3, b_b, b_c,
         b_A = tl.where(o_c[:, None] > o_c[None, :], b_b[:, None] * b_kk * b_decay, 0.0)
         if SOLVE == "tiles":
             b_Ai = b_A
-        elif SOLVE == "blocks":
-            b_Ai = unit_lower_inverse_blocks(b_A, C, PREC)
         elif SOLVE == "products":
             b_Ai = unit_lower_inverse_products(b_A, C, PREC)
         else:

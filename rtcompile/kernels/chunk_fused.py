@@ -4,7 +4,7 @@ its own with the tile solve), then updates the state, held in registers when ``b
 K and streamed in tiles otherwise. The planner's low-memory choice.
 
 This form has no kernel of its own: :func:`launch` runs ``chunk_resident_kernel`` or
-``chunk_streamed_kernel`` with SCORES set to the solve ("rows", "tiles" or "blocks"), which forms the
+``chunk_streamed_kernel`` with SCORES set to the solve ("rows", "tiles" or "products"), which forms the
 scores and the inverse inside the sequential loop.
 """
 
@@ -92,12 +92,12 @@ class FusedConfig(KernelConfig):
         """Serial solve steps per chunk, in forward-substitution rows: C for the row solve; for
         the tile solve 15 rows in the diagonal blocks and one per later block row (a guess, not
         fitted: the fused tile solve ran 2.3x faster than the strip form at o3 32x32); for the
-        block solve the same 15 and one per [C, C] product on its chain (C / 16 of them above
-        C = 16; a guess too)."""
+        product solve one per [C, C] product on its chain (5 for the diagonal blocks, C / 16
+        more above C = 16; a guess too)."""
         if self.solve == "rows":
             return self.chunk_size
         nb = self.chunk_size // 16
-        return 15 + (nb - 1 if self.solve == "tiles" else (nb if nb > 1 else 0))
+        return 15 + nb - 1 if self.solve == "tiles" else 5 + (nb if nb > 1 else 0)
 
     def workspace_bytes(self, w: Workload) -> int:
         if self.solve == "tiles" and w.delta_rule:  # the tile solve's [C, C] fp32 scratch per program

@@ -19,7 +19,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, ClassVar
 
 DOT_PRECISIONS = ("ieee", "tf32x3", "tf32")
-SOLVES = ("rows", "tiles", "blocks", "products")
+SOLVES = ("rows", "tiles", "products")
 PREPARE_WARPS = (1, 2, 4, 8, 16)
 # Registers: 64K 32-bit registers per SM on every NVIDIA GPU since Volta; a program may use at
 # most 255 per thread. Recurrent configs are refused above it (badly shaped decode tiles that
@@ -264,7 +264,7 @@ CHUNK_SIZES = (16, 32, 64, 128)  # what chunk_refusal lets through, before each 
 def chunk_refusal(cfg, shape: KernelShape) -> str | None:
     """The rules every chunk form shares: power-of-two tiles, 16 <= C <= 128 (tl.dot needs
     16 on every side; the solve is O(C^3)), a value tile no wider than d_v rounded up, a known
-    solve and precision, the tile and block solves only up to C = 64 (C = 128, 8 blocks: Triton 3.6's
+    solve and precision, the tile and product solves only up to C = 64 (C = 128, 8 blocks: Triton 3.6's
     LLVM lowering of the tile solve had not finished after 50 s on the H200), and the prepare kernel's warps."""
     if (reason := cfg._check_pow2("chunk_size", "block_v", "num_warps")) is not None:
         return reason
@@ -278,7 +278,7 @@ def chunk_refusal(cfg, shape: KernelShape) -> str | None:
         return f"num_stages={cfg.num_stages!r}; allowed: 1, 2, 3 or 4"
     if (reason := cfg._check_choice("solve", SOLVES)) is not None:
         return reason
-    if cfg.solve in ("tiles", "blocks") and cfg.chunk_size > 64:
+    if cfg.solve in ("tiles", "products") and cfg.chunk_size > 64:
         return f"solve={cfg.solve!r} needs chunk_size <= 64, got {cfg.chunk_size} (or solve='rows')"
     if hasattr(cfg, "dot_precision") and (reason := cfg._check_choice("dot_precision", DOT_PRECISIONS)):
         return reason
