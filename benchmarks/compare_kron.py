@@ -158,11 +158,14 @@ GLUON_LARGE = [
 # o3 16x8 1.028-1.115x). The diagonal blocks by forward substitution in registers ran 1.004-1.742x
 # everywhere (removed). The tile solve at 4 prepare warps: o3 32x32 1.099x. Without the loads
 # ahead o3 32x32 ran 0.7281 ms against 0.7582 (0.7275 / 0.7607 in the call before; 32x16 1.009x)
+# At bb1a5ee (H100, three rounds): o2 256 products 0.5884 / 0.5645 / 0.6632 ms at 2 / 4 / 8 warps
+# against 0.6043; o3 32x32 without the loads ahead 0.7344 against 0.7587, with SCORES_ON_CHIP too
+# 0.7518, with the product solve too 0.7609; o3 32x16 SCORES_ON_CHIP 0.5661, without the loads
+# ahead too 0.5519 against 0.5725. Both defaults since; the previous ones are the proposals here
 SOLVE = [
-    ("o2 256", (256,), [dict(solve="products", prepare_warps=w) for w in (2, 4, 8)]),
-    ("o3 32x32", (32, 32), [dict(prefetch_inputs=False), dict(prefetch_inputs=False, SCORES_ON_CHIP=True),
-                            dict(prefetch_inputs=False, solve="products", prepare_warps=4)]),
-    ("o3 32x16", (32, 16), [dict(SCORES_ON_CHIP=True), dict(prefetch_inputs=False, SCORES_ON_CHIP=True)]),
+    ("o2 256", (256,), [dict(solve="tiles", prepare_warps=2)]),
+    ("o3 32x32", (32, 32), [dict(prefetch_inputs=True), dict(SCORES_ON_CHIP=True)]),
+    ("o3 32x16", (32, 16), [dict(prefetch_inputs=False, SCORES_ON_CHIP=True), dict(SCORES_ON_CHIP=True)]),
 ]
 
 

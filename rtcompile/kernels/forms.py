@@ -154,10 +154,13 @@ _SPLIT_WY = {"wy": True, "prepare_warps": 2}
 # The solve's fp32 products in tf32 with 16-bit inputs (_precision), H100, compare_kron.py
 # --small-k at c61325e, two rounds, every round faster: o2 64 0.2824 ms against 0.2858, o3 8x8
 # 0.2851 / 0.2869, o2 128 0.3340 / 0.3380, o3 16x8 0.3637 / 0.3669, o2 256 0.6098 / 0.6190
-# (outputs 2.9e-3 to 8.6e-3 of the largest from ieee's, all within bf16's tolerance of float64)
-_GLUON_SPLIT = {  # (materialised, K): pipeline, state_stride, prepare_warps, num_stages
-    (False, 64): (2, 1, 2, 3), (False, 128): (4, 2, 2, 2), (False, 256): (2, 1, 2, 3),
-    (True, 64): (4, 1, 1, 3), (True, 128): (4, 4, 1, 3),
+# (outputs 2.9e-3 to 8.6e-3 of the largest from ieee's, all within bf16's tolerance of float64).
+# o2 256 inverts in registers by products at 4 prepare warps (H100, compare_kron --solve, two runs:
+# 0.5635 / 0.5645 ms against 0.6053 / 0.6043 with the tile solve at 2; the prepare kernel 176-182
+# against 230-235 us); at the other shapes that solve ran 1.03-1.12x
+_GLUON_SPLIT = {  # (materialised, K): pipeline, state_stride, prepare_warps, num_stages, solve
+    (False, 64): (2, 1, 2, 3, "tiles"), (False, 128): (4, 2, 2, 2, "tiles"), (False, 256): (2, 1, 4, 3, "products"),
+    (True, 64): (4, 1, 1, 3, "tiles"), (True, 128): (4, 4, 1, 3, "tiles"),
 }
 
 
@@ -167,8 +170,8 @@ def _gluon_split(shape: KernelShape) -> list[KernelConfig]:
     fields = _GLUON_SPLIT.get((mat, shape.key_dim))
     if fields is None:
         return []
-    parts, stride, pw, stages = fields
-    return [SplitConfig(chunk_size=32, block_v=64, num_warps=4, num_stages=stages, prepare_warps=pw,
+    parts, stride, pw, stages, solve = fields
+    return [SplitConfig(chunk_size=32, block_v=64, num_warps=4, num_stages=stages, prepare_warps=pw, solve=solve,
                         dot_precision=_precision(shape), output_block_v=min(64, shape.value_dim_pow2),
                         output_warps=4, tma=True, key_group=1, state_stride=stride, pipeline=parts, materialise=mat,
                         loop="gluon")]
@@ -181,13 +184,16 @@ def _gluon_streamed(shape: KernelShape) -> list[KernelConfig]:
     rounds, the Triton kernel in the same process): o3 32x32 0.7747 ms against 1.2140 (0.8016
     without the loads ahead), o3 32x16 0.6368 against 0.8445 (0.6637); with phi(Q) S from
     registers since (1f66982) 0.7576 / 0.5714 against 1.2215 / 0.8494; block_v 16 at 8 warps
-    1.11-1.30x the Triton kernel, at 4 warps (spills) 0.86-1.70x. Its check refuses what it cannot
+    1.11-1.30x the Triton kernel, at 4 warps (spills) 0.86-1.70x. At K 1024 without the loads ahead
+    since (H100, compare_kron at 5a2e90b / 5f89585 / bb1a5ee: 0.7275 / 0.7281 / 0.7344 ms against
+    0.7607 / 0.7582 / 0.7587, the kernel 589-600 against 609-623 us); K 512 keeps them (without:
+    1.007 / 1.009x). Its check refuses what it cannot
     run (32-bit inputs, other orders, phi [64, K] past shared memory at K 2048): the next proposals
     serve."""
     if shape.key_dim not in (512, 1024) or len(shape.key_widths) != 2:
         return []
     return [StreamedConfig(chunk_size=64, block_k=256, block_v=32, num_warps=8, prepare_warps=2,
-                           dot_precision=_precision(shape), loop="gluon", prefetch_inputs=True)]
+                           dot_precision=_precision(shape), loop="gluon", prefetch_inputs=shape.key_dim == 512)]
 
 
 def _split_small_k(shape: KernelShape, **fields) -> list[KernelConfig]:
