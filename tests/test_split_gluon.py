@@ -89,6 +89,10 @@ def test_defaults_propose_the_gluon_loop_only_where_it_runs(monkeypatch):
                                                             ("triton", 32, 4))
     if chunk_split_gluon.gluon:  # the solve's products in tf32 with 16-bit inputs (0.985-0.994x, H100)
         assert first.dot_precision == "tf32"
+        assert first.solve == "tiles"
+        # o2 256 inverts by products in registers at 4 prepare warps (H100: 0.934x the tile solve)
+        o2_256 = candidates("chunk", KernelShape((256,), 64, 2), SMEM)[0]
+        assert (o2_256.loop, o2_256.solve, o2_256.prepare_warps) == ("gluon", "products", 4)
     assert candidates("chunk", KernelShape((64,), 64, 4), SMEM)[0].loop == "triton"
     assert candidates("chunk", KernelShape((16, 16), 64, 2), SMEM)[0].loop == "triton"  # measured slower there
 

@@ -49,14 +49,17 @@ except ImportError:  # an older Triton: the config's check says so
 CHUNK = 64  # wgmma's M for R = phi(K) S16 and phi(Q) S16: the chunk's rows
 PHI_STORE_COLUMNS = 256  # phi's columns a store (4 stores at K 1024, so 4 barriers a phi)
 # experiment, off: R's and phi(Q)'s products in one loop (_both_products). Offline (sm_90, Triton
-# 3.6) 1228 loop instructions against 1373 and 11 spill loads/stores against 28 at o3 32x32; not
-# yet run on a GPU (compare_kron --gluon-large times it beside the default, float64-checked first)
+# 3.6) 1228 loop instructions against 1373 and 11 spill loads/stores against 28 at o3 32x32. On an
+# H100 (compare_kron --gluon-large at 5a2e90b) it failed the float64 gate at o3 32x32 (bf16, T 203:
+# 0.0253 against 0.015) and ran 0.998x at 32x16: off
 INTERLEAVE_PRODUCTS = False
 # experiment, off: P formed in the kernel from the factor tiles it holds (_scores_on_chip) where
 # both widths are an mma K (>= 16), so the prepare kernel writes only Ai (none without the delta
 # rule): at B8 T4096 H8 C 64 P is 67 MB written and, one read a value block, 134 MB read, and
-# the prepare kernel was 147 of 757 us at o3 32x32 (H100). Not yet run on a GPU (compare_kron
-# --gluon-large times it beside the default, float64-checked first)
+# the prepare kernel was 147 of 757 us at o3 32x32 (H100). H100 (compare_kron at 5a2e90b, bb1a5ee;
+# float64-checked first): 1.018x the default at o3 32x32 (0.991x without the loads ahead, where the
+# default without them is 0.968x), 0.974 / 0.989x at 32x16 (0.964x without the loads ahead, once);
+# the prepare kernel 141 -> 95 us, the kernel 23-31 us longer: off until a second 32x16 run
 SCORES_ON_CHIP = False
 MAX_STATE_REGISTERS = 128  # S's fp32 registers a thread (K BV / threads); more left no room for the rest
 
