@@ -163,10 +163,12 @@ GLUON_LARGE = [
 # against 0.6043; o3 32x32 without the loads ahead 0.7344 against 0.7587, with SCORES_ON_CHIP too
 # 0.7518, with the product solve too 0.7609; o3 32x16 SCORES_ON_CHIP 0.5661, without the loads
 # ahead too 0.5519 against 0.5725. Both defaults since; the previous ones are the proposals here
+# UNROLL_SOLVE (chunk_prepare): the tile solve's diagonal steps unrolled (1), or the diagonal
+# blocks loaded at once and each step's row taken from registers (2); offline at o3 32x32 the
+# prepare kernel has 3232 / 4096 / 4592 instructions, each unrolled step a load then barriers (1)
 SOLVE = [
-    ("o2 256", (256,), [dict(solve="tiles", prepare_warps=2)]),
-    ("o3 32x32", (32, 32), [dict(prefetch_inputs=True), dict(SCORES_ON_CHIP=True)]),
-    ("o3 32x16", (32, 16), [dict(prefetch_inputs=False, SCORES_ON_CHIP=True), dict(SCORES_ON_CHIP=True)]),
+    (case, widths, [dict(UNROLL_SOLVE=1), dict(UNROLL_SOLVE=2)])
+    for case, widths in (("o3 32x32", (32, 32)), ("o3 16x16", (16, 16)), ("o2 64", (64,)))
 ]
 
 
@@ -177,14 +179,14 @@ def split_fields(fields: dict) -> tuple[dict, dict]:
 
 def _patched(constants: dict):
     """Module ``constants`` set for the block (a schedule the launcher reads per call): each in
-    chunk_split, or else in chunk_streamed_gluon, whichever has it."""
+    chunk_split, chunk_streamed_gluon or chunk_prepare, whichever has it."""
     from unittest import mock
 
-    from rtcompile.kernels import chunk_split, chunk_streamed_gluon
+    from rtcompile.kernels import chunk_prepare, chunk_split, chunk_streamed_gluon
 
     stack = contextlib.ExitStack()
     for name, value in constants.items():
-        module = chunk_split if hasattr(chunk_split, name) else chunk_streamed_gluon
+        module = next(m for m in (chunk_split, chunk_streamed_gluon, chunk_prepare) if hasattr(m, name))
         stack.enter_context(mock.patch.object(module, name, value))
     return stack
 

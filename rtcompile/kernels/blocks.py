@@ -99,7 +99,7 @@ def _substitute_row(b_X, b_a, i, BS: tl.constexpr):
 
 
 @triton.jit
-def unit_lower_inverse_tiles(p_A, n_rows, C: tl.constexpr, PREC: tl.constexpr):
+def unit_lower_inverse_tiles(p_A, n_rows, C: tl.constexpr, PREC: tl.constexpr, UNROLL: tl.constexpr = False):
     """(I + A)^-1 in place, for the strictly lower-triangular [C, C] matrix stored at ``p_A``
     (row stride C, zeros above the diagonal; rows from ``n_rows`` on are neither read nor
     written), in [16, 16] tiles.
@@ -121,10 +121,22 @@ def unit_lower_inverse_tiles(p_A, n_rows, C: tl.constexpr, PREC: tl.constexpr):
     # the diagonal blocks as one [NB, 16, 16] tile: block n covers rows and columns 16n .. 16n+15
     b_X = _eye_blocks(NB, 16)
     p_diag = p_A + (o_n * 16 * (C + 1))[:, None]  # each block's top-left element, [NB, 1]
-    for i in range(1, 16):
-        m_i = (o_n * 16 + i < n_rows)[:, None]
-        b_a = tl.load(p_diag + i * C + o_b[None, :], mask=m_i, other=0.0)  # row i of every block, [NB, 16]
-        b_X = _substitute_row(b_X, b_a, i, 16)
+    if UNROLL == 2:  # the diagonal blocks loaded at once, each step's row taken from registers
+        b_D = tl.load(p_diag[:, :, None] + o_b[None, :, None] * C + o_b[None, None, :],
+                      mask=(o_n[:, None, None] * 16 + o_b[None, :, None]) < n_rows, other=0.0)
+        for i in tl.static_range(1, 16):
+            b_a = tl.sum(tl.where((o_b == i)[None, :, None], b_D, 0.0), axis=1)
+            b_X = _substitute_row(b_X, b_a, i, 16)
+    elif UNROLL:
+        for i in tl.static_range(1, 16):
+            m_i = (o_n * 16 + i < n_rows)[:, None]
+            b_a = tl.load(p_diag + i * C + o_b[None, :], mask=m_i, other=0.0)  # row i of every block, [NB, 16]
+            b_X = _substitute_row(b_X, b_a, i, 16)
+    else:
+        for i in range(1, 16):
+            m_i = (o_n * 16 + i < n_rows)[:, None]
+            b_a = tl.load(p_diag + i * C + o_b[None, :], mask=m_i, other=0.0)  # row i of every block, [NB, 16]
+            b_X = _substitute_row(b_X, b_a, i, 16)
     o_r = o_n[:, None, None] * 16 + o_b[None, :, None]
     tl.debug_barrier()  # every warp has read its A rows before the blocks are overwritten
     tl.store(p_diag[:, :, None] + o_b[None, :, None] * C + o_b[None, None, :], b_X, mask=o_r < n_rows)

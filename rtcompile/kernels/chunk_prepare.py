@@ -26,6 +26,10 @@ from .config import next_pow2, stores_inverse
 from .inputs import Problem
 from .launch_cache import cached
 
+# experiment: the tile solve's 15 diagonal substitution steps unrolled, so their row loads need not
+# wait for one another
+UNROLL_SOLVE = False
+
 
 @triton.jit
 def _trailing_tile(p2, p3, r, m_t, C: tl.constexpr, NF: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
@@ -129,7 +133,7 @@ def chunk_prepare_kernel(
     H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
     BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, C: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
-    SOLVE: tl.constexpr, OUTER: tl.constexpr, KEY_GROUP: tl.constexpr,
+    SOLVE: tl.constexpr, OUTER: tl.constexpr, KEY_GROUP: tl.constexpr, UNROLL_SOLVE: tl.constexpr = False,
 ):
     """One program per (chunk, head): the chunk's workspaces. Each output is written when it is
     given and skipped when None: ``P`` the scores; ``Ai`` the inverse (delta rule: ``beta``
@@ -159,7 +163,7 @@ def chunk_prepare_kernel(
             tl.store(Ai + off_w, b_Ai, mask=m_t[:, None])
             tl.debug_barrier()
             # the chunk's first row and its valid rows (rows from C on are never touched)
-            unit_lower_inverse_tiles(Ai + (p_last - i_last) * C, i_last + 1, C, PREC)
+            unit_lower_inverse_tiles(Ai + (p_last - i_last) * C, i_last + 1, C, PREC, UNROLL_SOLVE)
             if WY:  # the inverse back in registers, for W and U0 (padded rows read 0: never stored)
                 tl.debug_barrier()
                 b_Ai = tl.load(Ai + off_w, mask=m_t[:, None], other=0.0)
@@ -207,7 +211,7 @@ def _run(p: Problem, q, k, v, g, beta, *, cu_seqlens, idx, l2norm: bool, config,
         outputs.get("U0"), outputs.get("Kw"), outputs.get("Qw"), outputs.get("Gc"), cu_seqlens, idx, T, c0,
         H=H, NF=len(q), **width_args(p.key_widths, 16), C=C, V=V, BK=block_k, BV=max(16, next_pow2(V)),
         L2NORM=l2norm, LOWP=lowp_dots(v.dtype), PREC=config.dot_precision, SOLVE=config.solve, OUTER=outer,
-        KEY_GROUP=key_group, num_warps=config.prepare_warps, num_stages=config.num_stages,
+        KEY_GROUP=key_group, UNROLL_SOLVE=UNROLL_SOLVE, num_warps=config.prepare_warps, num_stages=config.num_stages,
     )
 
 
