@@ -1,6 +1,6 @@
 # The measurements of one GPU session, in steps that each fit one 10-minute device call.
 #
-#   bash benchmarks/gpu_session.sh STEP...      STEP: owed | large | retime | tests | train (= traintests traintime) | recalltests | recallcompile | tunetrain | trainfla | trainexp | sweep | bench | tunedecode | tunelarge | model | modelbf16 | serving | tpe | splitoutput | rowgate | onnxcpu | profiletrain | profileprefill | profiledecode | checks | recall
+#   bash benchmarks/gpu_session.sh STEP...      STEP: owed | large | solve | retime | tests | train (= traintests traintime) | recalltests | recallcompile | tunetrain | trainfla | trainexp | sweep | bench | tunedecode | tunelarge | model | modelbf16 | serving | tpe | splitoutput | rowgate | onnxcpu | profiletrain | profileprefill | profiledecode | checks | recall
 #
 # Run from the project root on the device machine after installing the carried wheels (see
 # benchmarks/README.md). Everything lands under $OUT. Each step writes as it goes, so a call cut
@@ -185,11 +185,19 @@ step_owed() {  # what the H200 is still owed, in one call (~6 min): issue 21's d
   cat "$OUT/decode_ceiling_1024.txt"
 }
 
+step_solve() {  # the tile solve's diagonal steps unrolled (chunk_prepare.UNROLL_SOLVE 1) or from
+  # the diagonal blocks loaded at once (2) beside the default at o3 32x32, 16x16 and o2 64 (~3 min;
+  # not yet run on a GPU: offline the prepare kernel's 3232 instructions at o3 32x32 become 4096 /
+  # 4592, each unrolled step a load and its barriers with 1, no load with 2)
+  (cd benchmarks && timeout 300 python3 compare_kron.py --solve --rounds 2 --profile --out "$OUT/solve.json" \
+    > "$OUT/solve.txt" 2>&1) || true
+  grep -E "^o[234]" "$OUT/solve.txt" || tail -n 5 "$OUT/solve.txt"
+}
+
 step_large() {  # issue 22's K > 256 rows on sm_90 (~3 min on an H100): the streamed Gluon kernel's
-  # float64 tests on the GPU (82 passed on an H100 at 1f66982), then its default at o3 32x32 / 32x16
-  # beside the Triton kernel and itself without the loads ahead (H100, 1f66982: 0.7576 / 1.2215 / 0.8013
-  # ms, the last with phi(Q) from a tile), INTERLEAVE_PRODUCTS and SCORES_ON_CHIP (not yet timed;
-  # the tests run the latter's kernel at two widths)
+  # float64 tests on the GPU (74 passed on an H100 at 5a2e90b), then its default at o3 32x32 / 32x16
+  # beside the Triton kernel, its loads-ahead switch, INTERLEAVE_PRODUCTS and SCORES_ON_CHIP (H100,
+  # 5a2e90b: see compare_kron's GLUON_LARGE comment)
   timeout -s INT -k 20 240 python3 -m pytest -q -p no:cacheprovider tests/test_streamed_gluon.py \
     > "$OUT/large_tests.txt" 2>&1 || true
   tail -n 3 "$OUT/large_tests.txt"
