@@ -466,7 +466,8 @@ def low_memory(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> Fuse
     """The fused sibling of the chunk default: its tiles, no prepare kernel, no workspace that
     grows with T. The split default's sibling takes C 16 and one stage (the split form's C 64,
     fused, was estimated at ~464 registers at o3 16x16); a resident state drops the input
-    prefetch (fused at o2 64: 3.09 ms with it, 3.00 without)."""
+    prefetch (fused at o2 64: 3.09 ms with it, 3.00 without). The product solve (o2 256's split
+    default) was measured in the prepare kernel only: the sibling keeps the tile solve there."""
     base = default_config("chunk", shape, smem_limit)
     if isinstance(base, StreamedConfig) and base.loop == "gluon":  # the Triton kernel's tiles, which fused runs
         base = default_config("chunk", shape, smem_limit, gluon=False)
@@ -475,7 +476,8 @@ def low_memory(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> Fuse
         C, stages = 16, 1
     streamed = isinstance(base, StreamedConfig)
     fused = FusedConfig(chunk_size=C, block_k=base.block_k if streamed else shape.key_dim_pow2,
-                        block_v=base.block_v, num_warps=base.num_warps, num_stages=stages, solve=base.solve,
+                        block_v=base.block_v, num_warps=base.num_warps, num_stages=stages,
+                        solve="tiles" if base.solve == "products" else base.solve,
                         prefetch_state=streamed and base.prefetch_state, merge_passes=streamed and base.merge_passes)
     if fused.check(shape, smem_limit) is None:
         return fused
