@@ -166,9 +166,15 @@ GLUON_LARGE = [
 # UNROLL_SOLVE (chunk_prepare): the tile solve's diagonal steps unrolled (1), or the diagonal
 # blocks loaded at once and each step's row taken from registers (2); offline at o3 32x32 the
 # prepare kernel has 3232 / 4096 / 4592 instructions, each unrolled step a load then barriers (1)
+# At K 4096 chunks of 128 halve the streamed state's traffic a token; the product solve makes
+# their prepare kernel possible (the row solve's ran 61.2 ms, the tile solve's did not compile in
+# time). Offline (Triton 3.6, sm_90, o3 64x64): the prepare kernel spills 1.6 KB at 8 warps, the
+# streamed kernel 104 B at 128-row key tiles against none for the default's C 64 / 256 rows
 SOLVE = [
-    (case, widths, [dict(UNROLL_SOLVE=1), dict(UNROLL_SOLVE=2)])
-    for case, widths in (("o3 32x32", (32, 32)), ("o3 16x16", (16, 16)), ("o2 64", (64,)))
+    *((case, widths, [dict(UNROLL_SOLVE=1), dict(UNROLL_SOLVE=2)])
+      for case, widths in (("o3 32x32", (32, 32)), ("o3 16x16", (16, 16)), ("o2 64", (64,)))),
+    ("o3 64x64", (64, 64), [dict(chunk_size=128, block_k=128, solve="products", prepare_warps=8),
+                            dict(chunk_size=128, block_k=64, solve="products", prepare_warps=8)]),
 ]
 
 

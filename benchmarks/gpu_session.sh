@@ -186,9 +186,10 @@ step_owed() {  # what the H200 is still owed, in one call (~6 min): issue 21's d
 }
 
 step_solve() {  # the tile solve's diagonal steps unrolled (chunk_prepare.UNROLL_SOLVE 1) or from
-  # the diagonal blocks loaded at once (2) beside the default at o3 32x32, 16x16 and o2 64 (~3 min;
-  # not yet run on a GPU: offline the prepare kernel's 3232 instructions at o3 32x32 become 4096 /
-  # 4592, each unrolled step a load and its barriers with 1, no load with 2)
+  # the diagonal blocks loaded at once (2) beside the default at o3 32x32, 16x16 and o2 64, and
+  # chunks of 128 with the product solve at o3 64x64 (~4 min; not yet run on a GPU: offline the
+  # prepare kernel's 3232 instructions at o3 32x32 become 4096 / 4592, each unrolled step a load
+  # and its barriers with 1, no load with 2)
   (cd benchmarks && timeout 300 python3 compare_kron.py --solve --rounds 2 --profile --out "$OUT/solve.json" \
     > "$OUT/solve.txt" 2>&1) || true
   grep -E "^o[234]" "$OUT/solve.txt" || tail -n 5 "$OUT/solve.txt"

@@ -110,6 +110,7 @@ FORMS = {
     "resident-o3-3x4-products-c32": (ResidentConfig(32, 16, solve="products", prepare_warps=2), (3, 4), 45, 6),
     "resident-o2-5-products-c16": (ResidentConfig(16, 16, solve="products"), (5,), 21, 6),
     "streamed-o3-4x5-products-c64": (StreamedConfig(64, 16, 16, solve="products"), (4, 5), 77, 5),
+    "streamed-o3-4x8-products-c128": (StreamedConfig(128, 16, 16, solve="products"), (4, 8), 150, 5),
     # the next chunk's inputs ahead (power-of-two widths >= 16), with and without wy
     "resident-o2-16-prefetch-wy-tiles-c64": (ResidentConfig(64, 16, num_warps=8, solve="tiles", prefetch_inputs=True,
                                                             wy=True, prepare_warps=2), (16,), 77, 6),
@@ -404,7 +405,7 @@ def _invert_products_kernel(A, X, C: tl.constexpr):
 
 
 @pytest.mark.parametrize("scale", [0.3, 1.0], ids=["small", "unit"])
-@pytest.mark.parametrize("C", [16, 32, 64], ids=["c16", "c32", "c64"])
+@pytest.mark.parametrize("C", [16, 32, 64, 128], ids=["c16", "c32", "c64", "c128"])
 def test_unit_lower_inverse_products_is_the_inverse(C, scale):
     """The register product solve against float64's inverse; entries up to ``scale`` (1: the
     bound of beta k_i . k_j with unit keys), a poisoned output."""

@@ -158,13 +158,14 @@ def unit_lower_inverse_tiles(p_A, n_rows, C: tl.constexpr, PREC: tl.constexpr, U
 
 @triton.jit
 def unit_lower_inverse_products(b_A, C: tl.constexpr, PREC: tl.constexpr):
-    """(I + A)^-1 for a strictly lower-triangular [C, C] register tile (C <= 64), in registers
+    """(I + A)^-1 for a strictly lower-triangular [C, C] register tile, in registers
     and by [C, C] products alone (tensor cores at PREC tf32): no memory round trip, no barrier.
 
     D = I + N is I + A's block diagonal in [16, 16] blocks (N^16 = 0), so D^-1 = (I - N)(I + N^2)
     (I + N^4)(I + N^8); with E the rest of A, I + A = D (I + M) for M = D^-1 E, strictly
-    block-lower, so M^(C / 16) = 0 and (I + A)^-1 = (I - M + M^2 - M^3) D^-1: ten products at
-    C = 64. Where it pays (H100, B8 T4096, 4 prepare warps): o2 256 0.5635 ms against 0.6053 with
+    block-lower, so M^(C / 16) = 0 and (I + A)^-1 = (I - M)(I + M^2)(I + M^4) D^-1 (as far as
+    C / 16 needs): ten products at C = 64, twelve at 128 (where the tile solve does not compile in
+    time; offline at o3 64x64 and 8 prepare warps 1.6 KB of spill). Where it pays (H100, B8 T4096, 4 prepare warps): o2 256 0.5635 ms against 0.6053 with
     the tile solve (its prepare kernel 176 against 230 us); elsewhere 1.02-1.12x. The diagonal
     blocks by forward substitution in registers instead ran 1.00-1.74x (its [NB, 16, 16] row
     reductions: 3576 instructions at o3 32x32 and 4 warps against 3024)."""
@@ -177,12 +178,15 @@ def unit_lower_inverse_products(b_A, C: tl.constexpr, PREC: tl.constexpr):
     b_Di = tl.dot(b_I - b_N, b_I + b_N2, input_precision=PREC)
     b_Di = tl.dot(b_Di, b_I + b_N4, input_precision=PREC)
     b_Di = tl.dot(b_Di, b_I + tl.dot(b_N4, b_N4, input_precision=PREC), input_precision=PREC)
-    if C > 16:
+    if C > 16:  # (I + M)^-1 = (I - M)(I + M^2)(I + M^4) as far as C / 16 blocks need
         b_M = tl.dot(b_Di, tl.where(o_c[:, None] // 16 > o_c[None, :] // 16, b_A, 0.0), input_precision=PREC)
-        b_S = -b_M
+        b_S = -b_M  # (I + M)^-1 - I: strictly block-lower, so D^-1's diagonal blocks pass unrounded
         if C > 32:
             b_M2 = tl.dot(b_M, b_M, input_precision=PREC)
-            b_S += b_M2 - tl.dot(b_M, b_M2, input_precision=PREC)
+            b_R = tl.dot(b_I - b_M, b_I + b_M2, input_precision=PREC)
+            if C > 64:
+                b_R = tl.dot(b_R, b_I + tl.dot(b_M2, b_M2, input_precision=PREC), input_precision=PREC)
+            b_S = b_R - b_I  # exact zeros on the diagonal blocks (so are M's powers')
         b_Di += tl.dot(b_S, b_Di, input_precision=PREC)
     return b_Di
 

@@ -52,7 +52,7 @@ class ResidentConfig(KernelConfig):
     sequential kernel's. ``prepare_warps``: the prepare kernel's (its programs are independent,
     so fewer warps each let more of them share an SM). ``solve``: the delta rule's (I + A)^-1 row
     by row in registers ("rows"), in [16, 16] tiles in the prepare kernel's workspace ("tiles",
-    C <= 64) or by [C, C] products in registers ("products", C <= 64). ``dot_precision``: how fp32 operands enter tl.dot (16-bit inputs use
+    C <= 64) or by [C, C] products in registers ("products"). ``dot_precision``: how fp32 operands enter tl.dot (16-bit inputs use
     their own type). ``prefetch_inputs``: load the next chunk's factor tiles, values, gates and
     prepared scores before the current chunk's arithmetic, so their latency hides behind it
     (needs power-of-two key widths >= 16: a factor tile is then exactly one load).
