@@ -82,14 +82,14 @@ RESIDENT_STEP_S = 0.55e-6
 RESIDENT_ELEMENT_S = 2.7e-10
 # The streamed form's Gluon kernel (the state on chip, phi(K) formed per chunk; one program an
 # SM: its shared memory), one chunk's step: CHIP_STEP_S + CHIP_ELEMENT_S x C x K; the prepare
-# kernel before it moves the call's bytes, so the two add. Fitted on two H100 points (eager
-# kernel split at 1f66982, B8 T4096 H8 d_v 64 bf16, 128 programs: 618 us over 64 chunks at o3
-# 32x32, 430 at 32x16; the prepare kernel 147 / 142 us against the bytes' 131 / 121 at the
-# datasheet's rate); whole calls then 0.755 / 0.555 ms predicted against 0.7576 / 0.5714
-# measured in CUDA graphs. No point held out: two kernels, two constants. The tile-visit step
-# above put both at the Triton kernel's 1.76 / 1.15 ms (measured 1.22 / 0.85).
-CHIP_STEP_S = 3.78e-6
-CHIP_ELEMENT_S = 8.97e-11
+# kernel before it moves the call's bytes, so the two add. Fitted on two H100 points, the defaults'
+# (eager kernel split at bb1a5ee, B8 T4096 H8 d_v 64 bf16, 128 programs: 589 us over 64 chunks
+# at o3 32x32 without the loads ahead, 429 at 32x16 with them; the prepare kernel 141 / 142 us
+# against the bytes' ~130 at the datasheet's rate); whole calls then 0.728 / 0.558 ms predicted
+# against 0.7344 / 0.5725 measured in CUDA graphs. No point held out: two kernels, two constants.
+# The tile-visit step above put both at the Triton kernel's 1.76 / 1.15 ms (measured 1.21 / 0.84).
+CHIP_STEP_S = 4.20e-6
+CHIP_ELEMENT_S = 7.65e-11
 PROGRAMS_PER_SM = 2  # resident programs per SM these kernels reach (registers: ~200 per thread)
 DECODE_BW_EFFICIENCY = 0.8  # decode reached 70-87% of copy bandwidth on the H200
 

@@ -168,18 +168,20 @@ def test_gluon_figures_keep_the_state_on_chip():
     assert triton_kernel.figures(w).state_passes == 3 * 64
 
 
-@pytest.mark.parametrize("widths, measured_ms", [((32, 32), 0.7576), ((32, 16), 0.5714)], ids=["o3-32x32", "o3-32x16"])
-def test_gluon_cost_follows_its_measurements(widths, measured_ms):
+@pytest.mark.parametrize("widths, measured_ms, prefetch", [((32, 32), 0.7344, False), ((32, 16), 0.5725, True)],
+                         ids=["o3-32x32", "o3-32x16"])
+def test_gluon_cost_follows_its_measurements(widths, measured_ms, prefetch):
     """The cost model's Gluon step (costmodel.CHIP_*): its kernel time within 5% of the H100's
-    CUDA-graph times it was fitted to, and under the Triton kernel's (1.2215 / 0.8494 ms there);
-    the tile-visit step before put the two kernels at the same 1.76 / 1.15 ms."""
+    CUDA-graph times of the defaults it was fitted to (bb1a5ee), and under the Triton kernel's
+    (1.2052 / 0.8421 ms at 5a2e90b); the tile-visit step before put the two kernels at the same
+    1.76 / 1.15 ms."""
     from rtcompile.costmodel import chunk_cost
     from rtcompile.spec import ModelSpec
     from rtcompile.target import get_target
 
     spec = ModelSpec(order=3, key_widths=widths, value_width=64, heads=8, model_width=512, layers=1,
                      input_dtype="bfloat16")
-    config = dataclasses.replace(gluon(32, 8, 256), prefetch_inputs=True)
+    config = dataclasses.replace(gluon(32, 8, 256), prefetch_inputs=prefetch)
     cost = chunk_cost(spec, get_target("h100-sxm"), 8, 4096, config)
     kernel_ms = (cost.seconds - cost.host_s) * 1e3
     assert abs(kernel_ms / measured_ms - 1) < 0.05, kernel_ms
