@@ -111,7 +111,9 @@ def unit_lower_inverse_tiles(p_A, n_rows, C: tl.constexpr, PREC: tl.constexpr, U
     step, not two), and the blocks below follow by block forward substitution,
     X_ij = -X_ii sum_{k=j}^{i-1} A_ik X_kj, as [16, 16] products, each X_ij stored in A_ij's
     place. Exact block elimination: the same terms as the row-by-row form. The caller stores
-    A from the same program and puts a barrier between that store and this call. Every block
+    A from the same program and puts a barrier between that store and this call. UNROLL (the
+    experiment chunk_prepare.UNROLL_SOLVE, not yet timed): 1 unrolls the diagonal steps, 2 also
+    loads the diagonal blocks at once and takes each step's row from registers. Every block
     of A loaded once and the inverse formed in registers instead ran the o3 16x16 split default
     1.13x as long with one prepare warp (640 B of spill), 1.35 / 1.68x with 2 / 4 (H100, e906e88).
     """
@@ -158,17 +160,18 @@ def unit_lower_inverse_tiles(p_A, n_rows, C: tl.constexpr, PREC: tl.constexpr, U
 
 @triton.jit
 def unit_lower_inverse_products(b_A, C: tl.constexpr, PREC: tl.constexpr):
-    """(I + A)^-1 for a strictly lower-triangular [C, C] register tile, in registers
-    and by [C, C] products alone (tensor cores at PREC tf32): no memory round trip, no barrier.
+    """(I + A)^-1 for a strictly lower-triangular [C, C] register tile, in registers and by
+    [C, C] products alone (tensor cores at PREC tf32): no memory round trip, no barrier.
 
     D = I + N is I + A's block diagonal in [16, 16] blocks (N^16 = 0), so D^-1 = (I - N)(I + N^2)
     (I + N^4)(I + N^8); with E the rest of A, I + A = D (I + M) for M = D^-1 E, strictly
     block-lower, so M^(C / 16) = 0 and (I + A)^-1 = (I - M)(I + M^2)(I + M^4) D^-1 (as far as
-    C / 16 needs): ten products at C = 64, twelve at 128 (where the tile solve does not compile in
-    time; offline at o3 64x64 and 8 prepare warps 1.6 KB of spill). Where it pays (H100, B8 T4096, 4 prepare warps): o2 256 0.5635 ms against 0.6053 with
-    the tile solve (its prepare kernel 176 against 230 us); elsewhere 1.02-1.12x. The diagonal
-    blocks by forward substitution in registers instead ran 1.00-1.74x (its [NB, 16, 16] row
-    reductions: 3576 instructions at o3 32x32 and 4 warps against 3024)."""
+    C / 16 needs): ten products at C = 64, twelve at 128, where the tile solve does not compile in
+    time (offline at o3 64x64 and 8 prepare warps: 1.6 KB of spill). Where it pays (H100, B8
+    T4096, 4 prepare warps): o2 256 0.5635 ms against 0.6053 with the tile solve (its prepare
+    kernel 176 against 230 us); elsewhere 1.02-1.34x. The diagonal blocks by forward substitution
+    in registers instead ran 1.00-1.74x (its [NB, 16, 16] row reductions: 3576 instructions at
+    o3 32x32 and 4 warps against 3024)."""
     o_c = tl.arange(0, C)
     m_same = (o_c[:, None] // 16) == (o_c[None, :] // 16)
     b_I = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)

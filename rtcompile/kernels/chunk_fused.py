@@ -4,8 +4,8 @@ its own with the tile solve), then updates the state, held in registers when ``b
 K and streamed in tiles otherwise. The planner's low-memory choice.
 
 This form has no kernel of its own: :func:`launch` runs ``chunk_resident_kernel`` or
-``chunk_streamed_kernel`` with SCORES set to the solve ("rows", "tiles" or "products"), which forms the
-scores and the inverse inside the sequential loop.
+``chunk_streamed_kernel`` with SCORES set to the solve ("rows", "tiles" or "products"), which
+forms the scores and the inverse inside the sequential loop.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ class FusedConfig(KernelConfig):
     ``merge_passes`` mean what they mean in
     :class:`~rtcompile.kernels.chunk_streamed.StreamedConfig`). ``solve``: "rows" in registers,
     or "tiles" through a [C, C] fp32 scratch per program (o3 32x32 on the H200: 3.43 ms against
-    8.44 for the register strip solve), or "products" in registers by [C, C] products (not timed in
-    this form; at ieee, FMA products). The scores and the solve stay fp32 at ieee precision:
+    8.44 for the register strip solve), or "products" in registers by [C, C] products (not timed
+    in this form; at ieee, FMA products). The scores and the solve stay fp32 at ieee precision:
     with 16-bit operands there (C 64, BK 128, 8 warps, o3 64x64) the H200 returned wrong results
     and then an illegal address (Triton 3.6), and tf32 with the tile solve an illegal address.
     """

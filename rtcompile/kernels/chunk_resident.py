@@ -52,10 +52,11 @@ class ResidentConfig(KernelConfig):
     sequential kernel's. ``prepare_warps``: the prepare kernel's (its programs are independent,
     so fewer warps each let more of them share an SM). ``solve``: the delta rule's (I + A)^-1 row
     by row in registers ("rows"), in [16, 16] tiles in the prepare kernel's workspace ("tiles",
-    C <= 64) or by [C, C] products in registers ("products"). ``dot_precision``: how fp32 operands enter tl.dot (16-bit inputs use
-    their own type). ``prefetch_inputs``: load the next chunk's factor tiles, values, gates and
-    prepared scores before the current chunk's arithmetic, so their latency hides behind it
-    (needs power-of-two key widths >= 16: a factor tile is then exactly one load).
+    C <= 64) or by [C, C] products in registers ("products"). ``dot_precision``: how fp32
+    operands enter tl.dot (16-bit inputs use their own type). ``prefetch_inputs``: load the
+    next chunk's factor tiles, values, gates and prepared scores before the current chunk's
+    arithmetic, so their latency hides behind it (needs power-of-two key widths >= 16: a factor
+    tile is then exactly one load).
     ``wy``: the prepare kernel applies the solve (W = Ai diag(b Gamma) phi(K), U0 = Ai diag(b) V,
     a [T, K] and a [T, V] workspace), leaving two products on the sequential chain instead of
     three (o2 64 on the H200: 0.415 ms with prefetch + wy, 0.574 with prefetch alone).
@@ -174,8 +175,8 @@ def chunk_resident_kernel(
     """One program per (sequence, head, value block) walks the chunks in order with the
     [BK >= K, BV] state in registers. SCORES "workspace": P and Ai (W given: W and U0, the WY
     form, U = U0 - W S, a chain of two products instead of three) come from the prepare
-    kernel; "rows" / "tiles" / "products": formed here (the fused form; "tiles" inverts in this program's
-    [C, C] scratch ``Ai``). PREFETCH (workspace, power-of-two widths >= 16): the next chunk's
+    kernel; "rows" / "tiles" / "products": formed here (the fused form; "tiles" inverts in this
+    program's [C, C] scratch ``Ai``). PREFETCH (workspace, power-of-two widths >= 16): the next chunk's
     inputs are loaded before this chunk's arithmetic. ``g`` / ``beta`` / ``h0`` / ``ht`` /
     ``cu_seqlens`` None: no gates / no delta rule / zero initial state / no final state / not
     varlen."""

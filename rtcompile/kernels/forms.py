@@ -159,8 +159,8 @@ _SPLIT_WY = {"wy": True, "prepare_warps": 2}
 # 0.5635 / 0.5645 ms against 0.6053 / 0.6043 with the tile solve at 2; the prepare kernel 176-182
 # against 230-235 us); at the other shapes that solve ran 1.03-1.12x
 _GLUON_SPLIT = {  # (materialised, K): pipeline, state_stride, prepare_warps, num_stages, solve
-    (False, 64): (2, 1, 2, 3, "tiles"), (False, 128): (4, 2, 2, 2, "tiles"), (False, 256): (2, 1, 4, 3, "products"),
-    (True, 64): (4, 1, 1, 3, "tiles"), (True, 128): (4, 4, 1, 3, "tiles"),
+    (False, 64): (2, 1, 2, 3, "tiles"), (False, 128): (4, 2, 2, 2, "tiles"),
+    (False, 256): (2, 1, 4, 3, "products"), (True, 64): (4, 1, 1, 3, "tiles"), (True, 128): (4, 4, 1, 3, "tiles"),
 }
 
 
@@ -184,12 +184,11 @@ def _gluon_streamed(shape: KernelShape) -> list[KernelConfig]:
     rounds, the Triton kernel in the same process): o3 32x32 0.7747 ms against 1.2140 (0.8016
     without the loads ahead), o3 32x16 0.6368 against 0.8445 (0.6637); with phi(Q) S from
     registers since (1f66982) 0.7576 / 0.5714 against 1.2215 / 0.8494; block_v 16 at 8 warps
-    1.11-1.30x the Triton kernel, at 4 warps (spills) 0.86-1.70x. At K 1024 without the loads ahead
-    since (H100, compare_kron at 5a2e90b / 5f89585 / bb1a5ee: 0.7275 / 0.7281 / 0.7344 ms against
-    0.7607 / 0.7582 / 0.7587, the kernel 589-600 against 609-623 us); K 512 keeps them (without:
-    1.007 / 1.009x). Its check refuses what it cannot
-    run (32-bit inputs, other orders, phi [64, K] past shared memory at K 2048): the next proposals
-    serve."""
+    1.11-1.30x the Triton kernel, at 4 warps (spills) 0.86-1.70x. At K 1024 without the loads
+    ahead since (H100, compare_kron at 5a2e90b / 5f89585 / bb1a5ee: 0.7275 / 0.7281 / 0.7344 ms
+    against 0.7607 / 0.7582 / 0.7587, the kernel 589-600 against 609-623 us); K 512 keeps them
+    (without: 1.007 / 1.009x). Its check refuses what it cannot run (32-bit inputs, other orders,
+    phi [64, K] past shared memory at K 2048): the next proposals serve."""
     if shape.key_dim not in (512, 1024) or len(shape.key_widths) != 2:
         return []
     return [StreamedConfig(chunk_size=64, block_k=256, block_v=32, num_warps=8, prepare_warps=2,
