@@ -398,8 +398,9 @@ def test_unit_lower_inverse_tiles_is_the_inverse(C, n_rows):
 
 
 @pytest.mark.parametrize("unroll", [1, 2], ids=["unrolled", "blocks-at-once"])
-@pytest.mark.parametrize("config, widths, T", [(StreamedConfig(64, 16, 16), (4, 5), 77), (SplitConfig(32, 16), (16,), 45)],
-                         ids=["streamed-o3-4x5-c64", "split-o2-16-c32"])
+@pytest.mark.parametrize("config, widths, T", [
+    (StreamedConfig(64, 16, 16), (4, 5), 77), (SplitConfig(32, 16), (16,), 45),
+], ids=["streamed-o3-4x5-c64", "split-o2-16-c32"])
 def test_tile_solve_experiments_match_float64(monkeypatch, config, widths, T, unroll):
     """chunk_prepare.UNROLL_SOLVE (an experiment, off): the tile solve's diagonal steps unrolled,
     or from the diagonal blocks loaded at once; partial last chunk, every switch on."""
