@@ -158,9 +158,12 @@ _SPLIT_WY = {"wy": True, "prepare_warps": 2}
 # o2 256 inverts in registers by products at 4 prepare warps (H100, compare_kron --solve, two runs:
 # 0.5635 / 0.5645 ms against 0.6053 / 0.6043 with the tile solve at 2; the prepare kernel 176-182
 # against 230-235 us); at the other shapes that solve ran 1.03-1.12x
-_GLUON_SPLIT = {  # (materialised, K): pipeline, state_stride, prepare_warps, num_stages, solve
-    (False, 64): (2, 1, 2, 3, "tiles"), (False, 128): (4, 2, 2, 2, "tiles"),
-    (False, 256): (2, 1, 4, 3, "products"), (True, 64): (4, 1, 1, 3, "tiles"), (True, 128): (4, 4, 1, 3, "tiles"),
+_GLUON_SPLIT = {  # (materialised, K): the SplitConfig fields that differ per shape
+    (False, 64): dict(pipeline=2, state_stride=1, prepare_warps=2, num_stages=3, solve="tiles"),
+    (False, 128): dict(pipeline=4, state_stride=2, prepare_warps=2, num_stages=2, solve="tiles"),
+    (False, 256): dict(pipeline=2, state_stride=1, prepare_warps=4, num_stages=3, solve="products"),
+    (True, 64): dict(pipeline=4, state_stride=1, prepare_warps=1, num_stages=3, solve="tiles"),
+    (True, 128): dict(pipeline=4, state_stride=4, prepare_warps=1, num_stages=3, solve="tiles"),
 }
 
 
@@ -170,11 +173,9 @@ def _gluon_split(shape: KernelShape) -> list[KernelConfig]:
     fields = _GLUON_SPLIT.get((mat, shape.key_dim))
     if fields is None:
         return []
-    parts, stride, pw, stages, solve = fields
-    return [SplitConfig(chunk_size=32, block_v=64, num_warps=4, num_stages=stages, prepare_warps=pw, solve=solve,
-                        dot_precision=_precision(shape), output_block_v=min(64, shape.value_dim_pow2),
-                        output_warps=4, tma=True, key_group=1, state_stride=stride, pipeline=parts, materialise=mat,
-                        loop="gluon")]
+    return [SplitConfig(chunk_size=32, block_v=64, num_warps=4, dot_precision=_precision(shape),
+                        output_block_v=min(64, shape.value_dim_pow2), output_warps=4, tma=True, key_group=1,
+                        materialise=mat, loop="gluon", **fields)]
 
 
 def _gluon_streamed(shape: KernelShape) -> list[KernelConfig]:
