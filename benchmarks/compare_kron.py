@@ -151,9 +151,9 @@ GLUON_LARGE = [
     ("o3 32x32", (32, 32), [dict(loop="triton", prefetch_inputs=False), dict(prefetch_inputs=False), *_EXPERIMENTS]),
     ("o3 32x16", (32, 16), [dict(loop="triton", prefetch_inputs=False), dict(prefetch_inputs=False), *_EXPERIMENTS]),
 ]
-# (case, widths, changes to the default) for the delta rule's solve in registers by products
-# (``--solve``, blocks.unit_lower_inverse_products) beside the tile solve's chain of loads and
-# barriers. At 5f89585 (H100, two rounds, float64-checked first): o2 256 0.5635 ms at 4 prepare
+# (case, widths, changes to the default) for ``--solve``: the prepare kernel's solve. The solve in
+# registers by products (blocks.unit_lower_inverse_products) beside the tile solve's chain of
+# loads and barriers: At 5f89585 (H100, two rounds, float64-checked first): o2 256 0.5635 ms at 4 prepare
 # warps against 0.6053 (prepare kernel 176 against 230 us); elsewhere 1.02-1.34x (o3 32x32 0.7767
 # against 0.7582 at 4 warps, 0.9753 at 8; 32x16 1.019x; o3 16x16 1.111x; o2 64 / o3 8x8 / o2 128 /
 # o3 16x8 1.028-1.115x). The diagonal blocks by forward substitution in registers ran 1.004-1.742x
@@ -163,19 +163,16 @@ GLUON_LARGE = [
 # against 0.6043; o3 32x32 without the loads ahead 0.7344 against 0.7587, with SCORES_ON_CHIP too
 # 0.7518, with the product solve too 0.7609; o3 32x16 SCORES_ON_CHIP 0.5661, without the loads
 # ahead too 0.5519 against 0.5725. Both defaults since; the previous ones are the proposals here
-# UNROLL_SOLVE (chunk_prepare): the tile solve's diagonal steps unrolled (1), or the diagonal
-# blocks loaded at once and each step's row taken from registers (2); offline at o3 32x32 the
-# prepare kernel has 3232 / 4096 / 4592 instructions, each unrolled step a load then barriers (1)
-# At K 4096 chunks of 128 halve the streamed state's traffic a token; the product solve makes
-# their prepare kernel possible (the row solve's ran 61.2 ms, the tile solve's did not compile in
-# time). Offline (Triton 3.6, sm_90, o3 64x64): the prepare kernel spills 1.6 KB at 8 warps, the
-# streamed kernel 136 B at 64-row key tiles (128 rows: past shared memory by the check) against
-# none for the default's C 64 / 256 rows
+# The tile solve's diagonal steps unrolled (``unroll_solve``) at 6fe2f0a (H100, two rounds,
+# float64-checked first): o3 32x32 0.7284 ms against 0.7369, o3 16x16 0.3506 against 0.3598, o2 64
+# 1.006x (both defaults since; the diagonal blocks loaded at once instead: 0.972-1.079x, removed).
+# Here: the default back without it, and the tile-solve defaults not yet measured with it. Chunks
+# of 128 with the product solve at o3 64x64 did not compile in 500 s (since refused)
 SOLVE = [
-    *((case, widths, [dict(UNROLL_SOLVE=1), dict(UNROLL_SOLVE=2)])
-      for case, widths in (("o3 32x32", (32, 32)), ("o3 16x16", (16, 16)), ("o2 64", (64,)))),
-    ("o3 64x64", (64, 64), [dict(chunk_size=128, block_k=32, solve="products", prepare_warps=8),
-                            dict(chunk_size=128, block_k=64, solve="products", prepare_warps=8)]),
+    ("o3 32x32", (32, 32), [dict(unroll_solve=False)]),
+    ("o3 16x16", (16, 16), [dict(unroll_solve=False)]),
+    *((case, widths, [dict(unroll_solve=True)]) for case, widths in (
+        ("o3 32x16", (32, 16)), ("o2 128", (128,)), ("o3 8x8", (8, 8)), ("o3 16x8", (16, 8)), ("o3 64x64", (64, 64)))),
 ]
 
 
@@ -186,15 +183,15 @@ def split_fields(fields: dict) -> tuple[dict, dict]:
 
 def _patched(constants: dict):
     """Module ``constants`` set for the block (a schedule the launcher reads per call): each in
-    chunk_split, chunk_streamed_gluon or chunk_prepare, whichever has it."""
+    chunk_split or chunk_streamed_gluon, whichever has it."""
     from unittest import mock
 
-    from rtcompile.kernels import chunk_prepare, chunk_split, chunk_streamed_gluon
+    from rtcompile.kernels import chunk_split, chunk_streamed_gluon
 
     stack = contextlib.ExitStack()
     for name, value in constants.items():
         # an unknown name falls to the last module, whose patch then fails naming it
-        module = next((m for m in (chunk_split, chunk_streamed_gluon) if hasattr(m, name)), chunk_prepare)
+        module = chunk_split if hasattr(chunk_split, name) else chunk_streamed_gluon
         stack.enter_context(mock.patch.object(module, name, value))
     return stack
 

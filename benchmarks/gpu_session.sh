@@ -185,11 +185,9 @@ step_owed() {  # what the H200 is still owed, in one call (~6 min): issue 21's d
   cat "$OUT/decode_ceiling_1024.txt"
 }
 
-step_solve() {  # the tile solve's diagonal steps unrolled (chunk_prepare.UNROLL_SOLVE 1) or from
-  # the diagonal blocks loaded at once (2) beside the default at o3 32x32, 16x16 and o2 64, and
-  # chunks of 128 with the product solve at o3 64x64 (~4 min; not yet run on a GPU: offline the
-  # prepare kernel's 3232 instructions at o3 32x32 become 4096 / 4592, each unrolled step a load
-  # and its barriers with 1, no load with 2)
+step_solve() {  # the tile solve unrolled (unroll_solve) at the tile-solve defaults not yet measured
+  # with it (o3 32x16, o2 128, o3 8x8, o3 16x8, o3 64x64), and the two defaults that have it (o3
+  # 32x32, 16x16) without it (~4 min; at 6fe2f0a on an H100: 0.988 / 0.974 of the rolled solve)
   (cd benchmarks && timeout 300 python3 compare_kron.py --solve --rounds 2 --profile --out "$OUT/solve.json" \
     > "$OUT/solve.txt" 2>&1) || true
   grep -E "^o[234]" "$OUT/solve.txt" || tail -n 5 "$OUT/solve.txt"

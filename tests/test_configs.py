@@ -63,6 +63,10 @@ REFUSALS = {
                        "solve='lu'; allowed: 'rows', 'tiles', 'products'"),
     "resident-tiles-c128": (ResidentConfig(chunk_size=128, block_v=16, solve="tiles"), KernelShape((4, 4), 16),
                             "solve='tiles' needs chunk_size <= 64, got 128"),
+    "streamed-products-c128": (StreamedConfig(chunk_size=128, block_k=16, block_v=16, solve="products"),
+                               KernelShape((4, 8), 16), "solve='products' needs chunk_size <= 64, got 128"),
+    "split-unroll-products": (SplitConfig(chunk_size=32, block_v=16, solve="products", unroll_solve=True),
+                              KernelShape((16,), 16), "unroll_solve=True unrolls the tile solve; allowed with solve='tiles'"),
     "resident-precision": (ResidentConfig(chunk_size=16, block_v=16, dot_precision="fp8"), O3,
                            "dot_precision='fp8'; allowed: 'ieee', 'tf32x3', 'tf32'"),
     "resident-prepare-warps": (ResidentConfig(chunk_size=16, block_v=16, prepare_warps=3), O3,
@@ -357,6 +361,9 @@ def test_split_default_only_where_measured():
         assert isinstance(default_config("chunk", SHAPES["o3-16x16"], H200_SMEM, gluon), SplitConfig)
         assert isinstance(default_config("chunk", SHAPES["o2-64"], H200_SMEM, gluon), SplitConfig)
         assert not isinstance(default_config("chunk", SHAPES["o3-16x16"], gluon=gluon), SplitConfig)
+        # phi from the phi kernel, the tile solve unrolled (H100: 0.974x rolled)
+        o3 = default_config("chunk", SHAPES["o3-16x16"], H200_SMEM, gluon)
+        assert (o3.phi_pass, o3.solve, o3.unroll_solve) == (True, "tiles", True)
     assert two_kernel(SHAPES["o3-16x16"], H200_SMEM) is not None
     assert not isinstance(default_config("chunk", SHAPES["o2-128"], H200_SMEM, gluon=False), SplitConfig)
     assert default_config("chunk", SHAPES["o2-128"], H200_SMEM, gluon=True).loop == "gluon"

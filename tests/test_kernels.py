@@ -110,7 +110,8 @@ FORMS = {
     "resident-o3-3x4-products-c32": (ResidentConfig(32, 16, solve="products", prepare_warps=2), (3, 4), 45, 6),
     "resident-o2-5-products-c16": (ResidentConfig(16, 16, solve="products"), (5,), 21, 6),
     "streamed-o3-4x5-products-c64": (StreamedConfig(64, 16, 16, solve="products"), (4, 5), 77, 5),
-    "streamed-o3-4x8-products-c128": (StreamedConfig(128, 16, 16, solve="products"), (4, 8), 150, 5),
+    # C 128: the row solve (the tile and product solves are refused there: they did not compile in time)
+    "streamed-o3-4x8-rows-c128": (StreamedConfig(128, 16, 16, solve="rows"), (4, 8), 150, 5),
     # the next chunk's inputs ahead (power-of-two widths >= 16), with and without wy
     "resident-o2-16-prefetch-wy-tiles-c64": (ResidentConfig(64, 16, num_warps=8, solve="tiles", prefetch_inputs=True,
                                                             wy=True, prepare_warps=2), (16,), 77, 6),
@@ -397,16 +398,14 @@ def test_unit_lower_inverse_tiles_is_the_inverse(C, n_rows):
     assert buf[n_rows:].isnan().all()
 
 
-@pytest.mark.parametrize("unroll", [1, 2], ids=["unrolled", "blocks-at-once"])
 @pytest.mark.parametrize("config, widths, T", [
-    (StreamedConfig(64, 16, 16), (4, 5), 77), (SplitConfig(32, 16), (16,), 45),
-], ids=["streamed-o3-4x5-c64", "split-o2-16-c32"])
-def test_tile_solve_experiments_match_float64(monkeypatch, config, widths, T, unroll):
-    """chunk_prepare.UNROLL_SOLVE (an experiment, off): the tile solve's diagonal steps unrolled,
-    or from the diagonal blocks loaded at once; partial last chunk, every switch on."""
-    from rtcompile.kernels import chunk_prepare
-
-    monkeypatch.setattr(chunk_prepare, "UNROLL_SOLVE", unroll)
+    (StreamedConfig(64, 16, 16, unroll_solve=True), (4, 5), 77),
+    (SplitConfig(32, 16, unroll_solve=True), (16,), 45),
+    (SplitConfig(64, 16, unroll_solve=True, phi_pass=True, dot_precision="tf32", prepare_warps=2), (16, 16), 77),
+], ids=["streamed-o3-4x5-c64", "split-o2-16-c32", "split-o3-16x16-phi-pass-c64"])
+def test_unrolled_tile_solve_matches_float64(config, widths, T):
+    """``unroll_solve``: the tile solve's diagonal steps unrolled (the o3 16x16 and 32x32
+    defaults' prepare kernel); partial last chunk, every feature switch on."""
     check_against_reference(config, 2, T, 1, widths, 6)
 
 

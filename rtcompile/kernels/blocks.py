@@ -99,6 +99,15 @@ def _substitute_row(b_X, b_a, i, BS: tl.constexpr):
 
 
 @triton.jit
+def _diagonal_step(b_X, p_diag, o_n, i, n_rows, C: tl.constexpr):
+    """Step i of the diagonal blocks' forward substitution, row i of every block's A read from
+    memory at ``p_diag`` (each block's top-left element, [NB, 1])."""
+    o_b = tl.arange(0, 16)
+    b_a = tl.load(p_diag + i * C + o_b[None, :], mask=(o_n * 16 + i < n_rows)[:, None], other=0.0)  # [NB, 16]
+    return _substitute_row(b_X, b_a, i, 16)
+
+
+@triton.jit
 def unit_lower_inverse_tiles(p_A, n_rows, C: tl.constexpr, PREC: tl.constexpr, UNROLL: tl.constexpr = False):
     """(I + A)^-1 in place, for the strictly lower-triangular [C, C] matrix stored at ``p_A``
     (row stride C, zeros above the diagonal; rows from ``n_rows`` on are neither read nor
@@ -111,11 +120,12 @@ def unit_lower_inverse_tiles(p_A, n_rows, C: tl.constexpr, PREC: tl.constexpr, U
     step, not two), and the blocks below follow by block forward substitution,
     X_ij = -X_ii sum_{k=j}^{i-1} A_ik X_kj, as [16, 16] products, each X_ij stored in A_ij's
     place. Exact block elimination: the same terms as the row-by-row form. The caller stores
-    A from the same program and puts a barrier between that store and this call. UNROLL (the
-    experiment chunk_prepare.UNROLL_SOLVE, not yet timed): 1 unrolls the diagonal steps, 2 also
-    loads the diagonal blocks at once and takes each step's row from registers. Every block
-    of A loaded once and the inverse formed in registers instead ran the o3 16x16 split default
-    1.13x as long with one prepare warp (640 B of spill), 1.35 / 1.68x with 2 / 4 (H100, e906e88).
+    A from the same program and puts a barrier between that store and this call. UNROLL (a
+    config's ``unroll_solve``) unrolls the 15 diagonal steps: H100, B8 T4096, compare_kron
+    --solve at 6fe2f0a, o3 16x16 0.3506 ms against 0.3598, o3 32x32 0.7284 against 0.7369
+    (prepare kernel 141.6 against 146.6 us), o2 64 1.006x; the rows from the diagonal blocks
+    loaded at once: 0.972 / 1.013 / 1.079x. All of A loaded once and inverted in registers ran
+    the o3 16x16 split default 1.13-1.68x as long at 1-4 prepare warps (H100, e906e88).
     """
     NB: tl.constexpr = C // 16
     o_b = tl.arange(0, 16)
@@ -123,22 +133,12 @@ def unit_lower_inverse_tiles(p_A, n_rows, C: tl.constexpr, PREC: tl.constexpr, U
     # the diagonal blocks as one [NB, 16, 16] tile: block n covers rows and columns 16n .. 16n+15
     b_X = _eye_blocks(NB, 16)
     p_diag = p_A + (o_n * 16 * (C + 1))[:, None]  # each block's top-left element, [NB, 1]
-    if UNROLL == 2:  # the diagonal blocks loaded at once, each step's row taken from registers
-        b_D = tl.load(p_diag[:, :, None] + o_b[None, :, None] * C + o_b[None, None, :],
-                      mask=(o_n[:, None, None] * 16 + o_b[None, :, None]) < n_rows, other=0.0)
+    if UNROLL:  # each step's row offset and mask constant
         for i in tl.static_range(1, 16):
-            b_a = tl.sum(tl.where((o_b == i)[None, :, None], b_D, 0.0), axis=1)
-            b_X = _substitute_row(b_X, b_a, i, 16)
-    elif UNROLL:
-        for i in tl.static_range(1, 16):
-            m_i = (o_n * 16 + i < n_rows)[:, None]
-            b_a = tl.load(p_diag + i * C + o_b[None, :], mask=m_i, other=0.0)  # row i of every block, [NB, 16]
-            b_X = _substitute_row(b_X, b_a, i, 16)
+            b_X = _diagonal_step(b_X, p_diag, o_n, i, n_rows, C)
     else:
         for i in range(1, 16):
-            m_i = (o_n * 16 + i < n_rows)[:, None]
-            b_a = tl.load(p_diag + i * C + o_b[None, :], mask=m_i, other=0.0)  # row i of every block, [NB, 16]
-            b_X = _substitute_row(b_X, b_a, i, 16)
+            b_X = _diagonal_step(b_X, p_diag, o_n, i, n_rows, C)
     o_r = o_n[:, None, None] * 16 + o_b[None, :, None]
     tl.debug_barrier()  # every warp has read its A rows before the blocks are overwritten
     tl.store(p_diag[:, :, None] + o_b[None, :, None] * C + o_b[None, None, :], b_X, mask=o_r < n_rows)
@@ -166,8 +166,8 @@ def unit_lower_inverse_products(b_A, C: tl.constexpr, PREC: tl.constexpr):
     D = I + N is I + A's block diagonal in [16, 16] blocks (N^16 = 0), so D^-1 = (I - N)(I + N^2)
     (I + N^4)(I + N^8); with E the rest of A, I + A = D (I + M) for M = D^-1 E, strictly
     block-lower, so M^(C / 16) = 0 and (I + A)^-1 = (I - M)(I + M^2)(I + M^4) D^-1 (as far as
-    C / 16 needs): ten products at C = 64, twelve at 128, where the tile solve does not compile in
-    time (offline at o3 64x64 and 8 prepare warps: 1.6 KB of spill). Where it pays (H100, B8
+    C / 16 needs): ten products at C = 64, twelve at 128 (exact there too, but the prepare kernel
+    did not compile in 500 s on an H100: config.chunk_refusal). Where it pays (H100, B8
     T4096, 4 prepare warps): o2 256 0.5635 ms against 0.6053 with the tile solve (its prepare
     kernel 176 against 230 us); elsewhere 1.02-1.34x. The diagonal blocks by forward substitution
     in registers instead ran 1.00-1.74x (its [NB, 16, 16] row reductions: 3576 instructions at

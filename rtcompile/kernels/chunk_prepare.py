@@ -26,10 +26,6 @@ from .config import next_pow2, stores_inverse
 from .inputs import Problem
 from .launch_cache import cached
 
-# experiment: the tile solve's 15 diagonal substitution steps unrolled, so their row loads need not
-# wait for one another
-UNROLL_SOLVE = False
-
 
 @triton.jit
 def _trailing_tile(p2, p3, r, m_t, C: tl.constexpr, NF: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
@@ -203,6 +199,7 @@ def _run(p: Problem, q, k, v, g, beta, *, cu_seqlens, idx, l2norm: bool, config,
     """One launch of the prepare kernel over all chunks, or over ``chunks`` = (first, end):
     a range of chunk numbers (not varlen) or of ``idx``'s pairs (varlen)."""
     C = config.chunk_size
+    unroll = getattr(config, "unroll_solve", False)  # the split and streamed forms' field, else rolled
     B, T, H, V = v.shape
     c0, c1 = chunks if chunks is not None else (0, idx.shape[0] if cu_seqlens is not None else triton.cdiv(T, C))
     grid = (c1 - c0, H) if cu_seqlens is not None else (c1 - c0, B * H)
@@ -211,7 +208,7 @@ def _run(p: Problem, q, k, v, g, beta, *, cu_seqlens, idx, l2norm: bool, config,
         outputs.get("U0"), outputs.get("Kw"), outputs.get("Qw"), outputs.get("Gc"), cu_seqlens, idx, T, c0,
         H=H, NF=len(q), **width_args(p.key_widths, 16), C=C, V=V, BK=block_k, BV=max(16, next_pow2(V)),
         L2NORM=l2norm, LOWP=lowp_dots(v.dtype), PREC=config.dot_precision, SOLVE=config.solve, OUTER=outer,
-        KEY_GROUP=key_group, UNROLL_SOLVE=UNROLL_SOLVE, num_warps=config.prepare_warps, num_stages=config.num_stages,
+        KEY_GROUP=key_group, UNROLL_SOLVE=unroll, num_warps=config.prepare_warps, num_stages=config.num_stages,
     )
 
 

@@ -80,6 +80,8 @@ class SplitConfig(KernelConfig):
     ``phi_pass`` (the Triton loop; not with ``wy``): phi(K) is written token-major by the
     token-parallel ``chunk_resident.fill_phi`` before the first part, and the prepare kernel
     stores none (its column-block stores were ~100 of its 135 us at o3 16x16 C 64 on an H100).
+    ``unroll_solve`` (``solve="tiles"``): the prepare kernel's tile solve with its 15 diagonal
+    steps unrolled (``blocks.unit_lower_inverse_tiles``).
     """
 
     kernel: ClassVar[str] = "chunk"
@@ -101,6 +103,7 @@ class SplitConfig(KernelConfig):
     wy: bool = False
     loop: str = "triton"
     phi_pass: bool = False
+    unroll_solve: bool = False
 
     def block_k(self, shape: KernelShape) -> int:
         return shape.key_dim_pow2
@@ -211,6 +214,7 @@ class SplitConfig(KernelConfig):
             "wy": [False, True],
             "loop": [loop for loop in LOOPS if loop != "kron"],  # (kron: 1.5-3.8x the default at o3 16x16)
             "phi_pass": [False, True],
+            "unroll_solve": [False, True],
         }
 
     def workspace_bytes(self, w: Workload) -> int:

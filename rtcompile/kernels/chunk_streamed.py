@@ -46,7 +46,8 @@ class StreamedConfig(KernelConfig):
     products from each updated tile while it is in registers, so the state is read once per
     chunk instead of twice (o3 64x64 on the H200: 6.49 ms against 7.20). ``loop="gluon"``: the
     sequential kernel of ``chunk_streamed_gluon.py`` (the state on chip; sm_90), with
-    ``prefetch_inputs`` (the next chunk's factor tiles loaded ahead). The other fields as in
+    ``prefetch_inputs`` (the next chunk's factor tiles loaded ahead). ``unroll_solve`` as in
+    :class:`~rtcompile.kernels.chunk_split.SplitConfig`. The other fields as in
     :class:`~rtcompile.kernels.chunk_resident.ResidentConfig`.
     """
 
@@ -64,6 +65,7 @@ class StreamedConfig(KernelConfig):
     merge_passes: bool = False
     loop: str = "triton"
     prefetch_inputs: bool = False
+    unroll_solve: bool = False
 
     def resident(self, shape: KernelShape) -> bool:
         return False
@@ -115,6 +117,7 @@ class StreamedConfig(KernelConfig):
             # inputs; sm_90 is the launcher's)
             "loop": ["triton", "gluon"] if gluon else ["triton"],
             "prefetch_inputs": [False, True] if gluon else [False],
+            "unroll_solve": [False, True],
         }
 
     def workspace_bytes(self, w: Workload) -> int:

@@ -130,10 +130,12 @@ def _split_phi_pass(shape: KernelShape) -> list[KernelConfig]:
     # prepare warps 0.368, in one part 0.354); the stored-phi(K) proposals after it. The solve's
     # fp32 products in tf32 with 16-bit inputs (_precision): 0.3186 / 0.3187 ms against 0.3319 /
     # 0.3321 with ieee (H200, compare_kron.py --phi-pass at 0bdb947, two rounds; outputs 5.7e-3 of
-    # the largest from ieee's, both within bf16's tolerance of float64; the H100 tuner's pick first)
+    # the largest from ieee's, both within bf16's tolerance of float64; the H100 tuner's pick first).
+    # The tile solve's diagonal steps unrolled: 0.3506 ms against 0.3598 (H100, compare_kron --solve
+    # at 6fe2f0a, two rounds; both float64-checked on the GPU first)
     proposals = _split(shape)
-    return [*(dataclasses.replace(c, phi_pass=True, dot_precision=_precision(shape)).canonical() for c in proposals),
-            *proposals]
+    return [*(dataclasses.replace(c, phi_pass=True, dot_precision=_precision(shape), unroll_solve=True).canonical()
+              for c in proposals), *proposals]
 
 
 # The split form's loop on the prepare kernel's WY products (U = U0 - W S: two products a chunk
@@ -188,12 +190,15 @@ def _gluon_streamed(shape: KernelShape) -> list[KernelConfig]:
     1.11-1.30x the Triton kernel, at 4 warps (spills) 0.86-1.70x. At K 1024 without the loads
     ahead since (H100, compare_kron at 5a2e90b / 5f89585 / bb1a5ee: 0.7275 / 0.7281 / 0.7344 ms
     against 0.7607 / 0.7582 / 0.7587, the kernel 589-600 against 609-623 us); K 512 keeps them
-    (without: 1.007 / 1.009x). Its check refuses what it cannot run (32-bit inputs, other orders,
+    (without: 1.007 / 1.009x). At K 1024 the prepare kernel's tile solve unrolled (H100,
+    compare_kron --solve at 6fe2f0a: 0.7284 ms against 0.7369, prepare 141.6 against 146.6 us;
+    not measured at K 512). Its check refuses what it cannot run (32-bit inputs, other orders,
     phi [64, K] past shared memory at K 2048): the next proposals serve."""
     if shape.key_dim not in (512, 1024) or len(shape.key_widths) != 2:
         return []
     return [StreamedConfig(chunk_size=64, block_k=256, block_v=32, num_warps=8, prepare_warps=2,
-                           dot_precision=_precision(shape), loop="gluon", prefetch_inputs=shape.key_dim == 512)]
+                           dot_precision=_precision(shape), loop="gluon", prefetch_inputs=shape.key_dim == 512,
+                           unroll_solve=shape.key_dim == 1024)]
 
 
 def _split_small_k(shape: KernelShape, **fields) -> list[KernelConfig]:
