@@ -175,6 +175,17 @@ SOLVE = [
         ("o3 32x16", (32, 16)), ("o2 128", (128,)), ("o3 8x8", (8, 8)), ("o3 16x8", (16, 8)), ("o3 64x64", (64, 64)))),
 ]
 
+# The streamed form's chunk loop on the host (loop="stepped", chunk_stepped.py: two chunk-parallel
+# launches a chunk) above K 1024, where the sequential kernel moves the state at 1.4 TB/s (o3
+# 64x64, H200); not yet timed. Offline (Triton 3.6, sm_90, o3 64x64) the state kernel takes 156 / 128
+# / 149 registers at the first three rows, the output kernel 128-166, none spills. o3 32x32 against
+# its Gluon default
+_STEPPED = [dict(loop="stepped"), dict(loop="stepped", block_k=128, block_v=64),
+            dict(loop="stepped", block_k=128, num_warps=4),
+            dict(loop="stepped", chunk_size=32, block_k=128, num_warps=4)]
+STEPPED = [("o3 64x64", (64, 64), _STEPPED), ("o4 16x16x16", (16, 16, 16), _STEPPED),
+           ("o3 32x32", (32, 32), [dict(loop="stepped", block_k=256, block_v=32, num_warps=8)])]
+
 
 def split_fields(fields: dict) -> tuple[dict, dict]:
     """(config fields, chunk_split module constants): UPPER-case names are the constants."""
@@ -363,6 +374,8 @@ def main() -> int:
     only.add_argument("--solve", action="store_true", help="only the solves in registers, every default's shape")
     only.add_argument("--gluon-large", action="store_true",
                       help="only the streamed form's Gluon sequential kernel above K = 256 (sm_90)")
+    only.add_argument("--stepped", action="store_true",
+                      help="only the streamed form's chunk loop on the host (loop='stepped') at K >= 1024")
     ap.add_argument("--timeline", action="store_true",
                     help="also the kernel timeline of one captured replay of the default and the fastest proposal")
     ap.add_argument("--profile", action="store_true",
@@ -373,8 +386,9 @@ def main() -> int:
     lists = {"CASES": [(KRON, *c) for c in CASES], "PHI_PASS": [(None, *c) for c in PHI_PASS],
              "LARGE": [(None, *c) for c in LARGE], "SMALL_K": [(None, *c) for c in SMALL_K],
              "SPLIT_LARGE": [(SPLIT_TRITON, *c) for c in SPLIT_LARGE],
-             "GLUON_LARGE": [(None, *c) for c in GLUON_LARGE], "SOLVE": [(None, *c) for c in SOLVE]}
-    chosen = [name for name in ("PHI_PASS", "LARGE", "SMALL_K", "SPLIT_LARGE", "GLUON_LARGE", "SOLVE")
+             "GLUON_LARGE": [(None, *c) for c in GLUON_LARGE], "SOLVE": [(None, *c) for c in SOLVE],
+             "STEPPED": [(None, *c) for c in STEPPED]}
+    chosen = [name for name in ("PHI_PASS", "LARGE", "SMALL_K", "SPLIT_LARGE", "GLUON_LARGE", "SOLVE", "STEPPED")
               if getattr(args, name.lower())] \
         or ["CASES", "PHI_PASS"]
     if not any(lists[name] for name in chosen):  # an empty list between trials: nothing to time

@@ -1,6 +1,6 @@
 # The measurements of one GPU session, in steps that each fit one 10-minute device call.
 #
-#   bash benchmarks/gpu_session.sh STEP...      STEP: owed | large | solve | retime | tests | train (= traintests traintime) | recalltests | recallcompile | tunetrain | trainfla | trainexp | sweep | bench | tunedecode | tunelarge | model | modelbf16 | serving | tpe | splitoutput | rowgate | onnxcpu | profiletrain | profileprefill | profiledecode | checks | recall
+#   bash benchmarks/gpu_session.sh STEP...      STEP: owed | large | solve | stepped | retime | tests | train (= traintests traintime) | recalltests | recallcompile | tunetrain | trainfla | trainexp | sweep | bench | tunedecode | tunelarge | model | modelbf16 | serving | tpe | splitoutput | rowgate | onnxcpu | profiletrain | profileprefill | profiledecode | checks | recall
 #
 # Run from the project root on the device machine after installing the carried wheels (see
 # benchmarks/README.md). Everything lands under $OUT. Each step writes as it goes, so a call cut
@@ -191,6 +191,14 @@ step_solve() {  # the tile solve unrolled (unroll_solve) at the tile-solve defau
   (cd benchmarks && timeout 300 python3 compare_kron.py --solve --rounds 2 --profile --out "$OUT/solve.json" \
     > "$OUT/solve.txt" 2>&1) || true
   grep -E "^o[234]" "$OUT/solve.txt" || tail -n 5 "$OUT/solve.txt"
+}
+
+step_stepped() {  # issue 22's K 4096 rows with the chunk loop on the host (loop="stepped": two
+  # chunk-parallel launches a chunk instead of one program an SM walking the state's tiles at 1.4
+  # TB/s), beside the default, and o3 32x32 beside its Gluon default (~4 min expected; not yet run)
+  (cd benchmarks && timeout 420 python3 compare_kron.py --stepped --rounds 2 --profile --out "$OUT/stepped.json" \
+    > "$OUT/stepped.txt" 2>&1) || true
+  grep -E "^o[234]" "$OUT/stepped.txt" || tail -n 5 "$OUT/stepped.txt"
 }
 
 step_large() {  # issue 22's K > 256 rows on sm_90 (~3 min on an H100): the streamed Gluon kernel's

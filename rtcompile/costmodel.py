@@ -237,6 +237,10 @@ def chunk_cost(spec: ModelSpec, target: Target, batch: int, seq_len: int, config
         memory = nbytes / target.hbm_bytes_per_s
         return _finish(loop + memory + fig.launches * target.launch_s, nbytes, flops, fig.programs,
                        "latency" if loop > memory else "memory", "chunk", cal, fig.launches)
+    if fig.host_loop:  # chunk-parallel launches in order: their bytes (or FLOPs) and launches, not fitted
+        seconds, bound = _pick(nbytes / (target.hbm_bytes_per_s * fill), flops / (_rate(spec, target) * fill), 0.0)
+        return _finish(seconds + fig.launches * target.launch_s, nbytes, flops, fig.programs, bound, "chunk", cal,
+                       fig.launches)
     if fig.tile_visits == 0 and fig.solve_rows == 0:  # the resident form's loop (its own fit, above)
         latency = _resident_loop(fig, config.chunk_size, fill, spec, target)
     else:

@@ -271,6 +271,30 @@ def test_merged_passes_move_two_thirds_of_the_streamed_state_traffic():
     assert a.bytes - b.bytes == pytest.approx(state)
 
 
+def test_stepped_loop_costs_its_bytes_and_launches_over_every_key_tile():
+    """loop="stepped" (the chunk loop on the host): every key tile a program, the state read and
+    written once a chunk plus the initial copy, two launches a chunk plus the prepare and the
+    last update; its time is the larger floor plus the launches, with no step latency."""
+    spec = dataclasses.replace(_small(), key_widths=(64, 64))
+    stepped = StreamedConfig(chunk_size=64, block_k=256, block_v=32, num_warps=8, loop="stepped")
+    fig = stepped.figures(workload(spec, 8, 4096))
+    assert fig.host_loop and fig.programs == 8 * 8 * 2 * 16 and fig.launches == 2 * 64 + 2
+    assert fig.state_passes == 2 * 64 + 1
+    cost = chunk_cost(spec, H200, 8, 4096, stepped, NO_HOST)
+    assert cost.bound in ("memory", "compute")
+    more = chunk_cost(spec, H200, 8, 4096, _Figured(stepped, dataclasses.replace(fig, launches=fig.launches + 10)),
+                      NO_HOST)
+    # each launch: its GPU-side gap, and in an eager call its host time (~130 launches at T 4096:
+    # the form is for CUDA-graph captures)
+    assert more.seconds - cost.seconds == pytest.approx(10 * (H200.launch_s + CHUNK_LAUNCH_CALL_S))
+    assert more.host_s - cost.host_s == pytest.approx(10 * CHUNK_LAUNCH_CALL_S)
+    # the partials and the scaled U are workspace beside the prepare kernel's
+    base = StreamedConfig(chunk_size=64, block_k=256, block_v=32, num_warps=8)
+    assert _ws(spec, 8, 4096, stepped) - _ws(spec, 8, 4096, base) == 8 * 8 * 64 * 64 * 4 * (1 + 2 * 16)
+    # prefetch_state and merge_passes do nothing there: one canonical config
+    assert dataclasses.replace(stepped, merge_passes=True, prefetch_state=True).canonical() == stepped
+
+
 def _ws(spec, B, T, cfg):
     return cfg.workspace_bytes(workload(spec, B, T))
 

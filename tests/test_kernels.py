@@ -110,6 +110,12 @@ FORMS = {
     "resident-o3-3x4-products-c32": (ResidentConfig(32, 16, solve="products", prepare_warps=2), (3, 4), 45, 6),
     "resident-o2-5-products-c16": (ResidentConfig(16, 16, solve="products"), (5,), 21, 6),
     "streamed-o3-4x5-products-c64": (StreamedConfig(64, 16, 16, solve="products"), (4, 5), 77, 5),
+    # the chunk loop on the host (two chunk-parallel launches a chunk): gathered and outer-product
+    # phi, order 4, the unrolled tile solve, a key tile that K does not fill (4x5: 20 = 16 + 4)
+    "stepped-o3-4x5-gathered-c16": (StreamedConfig(16, 16, 16, loop="stepped"), (4, 5), 37, 6),
+    "stepped-o3-4x8-outer-unrolled-c32": (StreamedConfig(32, 16, 16, loop="stepped", unroll_solve=True), (4, 8), 77,
+                                          5),
+    "stepped-o4-2x3x3-rows": (StreamedConfig(16, 16, 16, solve="rows", loop="stepped"), (2, 3, 3), 37, 5),
     # C 128: the row solve (the tile and product solves are refused there: they did not compile in time)
     "streamed-o3-4x8-rows-c128": (StreamedConfig(128, 16, 16, solve="rows"), (4, 8), 150, 5),
     # the next chunk's inputs ahead (power-of-two widths >= 16), with and without wy
@@ -245,6 +251,7 @@ HALF = {  # 16-bit inputs: products in the input type (fp16 here; bf16 is upcast
                                                                 materialise=True), (4, 4)),
     "streamed-o3-4x8-merge-prefetch": (StreamedConfig(16, 16, 16, prefetch_state=True, merge_passes=True), (4, 8)),
     "streamed-o3-5x7-gathered": (StreamedConfig(32, 16, 16, solve="rows"), (5, 7)),
+    "stepped-o3-4x8": (StreamedConfig(16, 16, 16, loop="stepped"), (4, 8)),
     "fused-streamed-o3-4x8-tiles-c32": (FusedConfig(32, 16, 16, prefetch_state=True), (4, 8)),
     "fused-resident-o2-16-rows": (FusedConfig(16, 16, 16, solve="rows"), (16,)),
     "split-o3-16x16-c16-kg2-stride2-tma": (SplitConfig(16, 16, tma=True, key_group=2, state_stride=2), (16, 16)),
@@ -272,6 +279,7 @@ VARLEN = {  # sequences of 5, 1, 17 and 7 tokens packed along T (split: 5, 1, 54
     "resident-o3-4x4-materialised-prefetch-c16": (ResidentConfig(16, 16, prefetch_inputs=True, materialise=True),
                                                   (4, 4), None),
     "streamed-o3-3x7-merge": (StreamedConfig(16, 16, 16, prefetch_state=True, merge_passes=True), (3, 7), None),
+    "stepped-o3-3x7": (StreamedConfig(16, 16, 16, loop="stepped"), (3, 7), None),
     "fused-resident-o4-2x3x2-tiles-c32": (FusedConfig(32, 16, 16), (2, 3, 2), None),
     "fused-streamed-o3-4x5-rows": (FusedConfig(16, 16, 16, solve="rows"), (4, 5), None),
     "split-o2-16-c16": (SplitConfig(16, 16), (16,), None),

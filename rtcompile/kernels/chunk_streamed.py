@@ -9,6 +9,7 @@ the kernel instead. The chunk recurrence is ``chunk_resident``'s.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -17,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import args, chunk_streamed_gluon
+from . import args, chunk_stepped, chunk_streamed_gluon
 from .args import factor_args, lowp_dots, width_args
 from .blocks import (
     chunk_inputs, dot, first_stored_state, load_state_tile, phi_block, sequence_of_program, state_tile,
@@ -33,7 +34,9 @@ from .inputs import Problem
 from .launch_cache import cached
 
 
-LOOPS = ("triton", "gluon")  # the sequential kernel's implementation (chunk_streamed_gluon.py)
+# the chunk loop: a sequential Triton or Gluon kernel (chunk_streamed_gluon.py), or launches from
+# the host, two chunk-parallel kernels a chunk (chunk_stepped.py)
+LOOPS = ("triton", "gluon", "stepped")
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,11 @@ class StreamedConfig(KernelConfig):
     products from each updated tile while it is in registers, so the state is read once per
     chunk instead of twice (o3 64x64 on the H200: 6.49 ms against 7.20). ``loop="gluon"``: the
     sequential kernel of ``chunk_streamed_gluon.py`` (the state on chip; sm_90), with
-    ``prefetch_inputs`` (the next chunk's factor tiles loaded ahead). ``unroll_solve`` as in
+    ``prefetch_inputs`` (the next chunk's factor tiles loaded ahead). ``loop="stepped"``: no
+    sequential kernel, each chunk two launches over every (value block, sequence x head, key
+    tile) (``chunk_stepped.py``; ``prefetch_state`` and ``merge_passes`` are inert there: the
+    state is read once a chunk by construction; 2 T / C + 2 launches, for CUDA-graph captures:
+    an eager call pays each one's host time). ``unroll_solve`` as in
     :class:`~rtcompile.kernels.chunk_split.SplitConfig`. The other fields as in
     :class:`~rtcompile.kernels.chunk_resident.ResidentConfig`.
     """
@@ -70,6 +77,11 @@ class StreamedConfig(KernelConfig):
     def resident(self, shape: KernelShape) -> bool:
         return False
 
+    def canonical(self) -> "StreamedConfig":
+        if self.loop == "stepped" and (self.prefetch_state or self.merge_passes):
+            return dataclasses.replace(self, prefetch_state=False, merge_passes=False)
+        return self
+
     def check(self, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> str | None:
         if (reason := chunk_refusal(self, shape)) is not None:
             return reason
@@ -83,7 +95,7 @@ class StreamedConfig(KernelConfig):
         if self.loop == "gluon" and (reason := chunk_streamed_gluon.config_refusal(self, shape)) is not None:
             return reason
         if self.prefetch_inputs and self.loop != "gluon":
-            return "prefetch_inputs=True is the Gluon kernel's; allowed: False with loop='triton'"
+            return f"prefetch_inputs=True is the Gluon kernel's; allowed: False with loop={self.loop!r}"
         return resource_refusal(self, shape, smem_limit)
 
     def estimate_registers(self, shape: KernelShape) -> int:
@@ -115,13 +127,17 @@ class StreamedConfig(KernelConfig):
             "merge_passes": [False, True],
             # the Gluon kernel (and its loads ahead) where the shape allows it (order 3, 16-bit
             # inputs; sm_90 is the launcher's)
-            "loop": ["triton", "gluon"] if gluon else ["triton"],
+            "loop": ["triton", "gluon", "stepped"] if gluon else ["triton", "stepped"],
             "prefetch_inputs": [False, True] if gluon else [False],
             "unroll_solve": [False, True],
         }
 
     def workspace_bytes(self, w: Workload) -> int:
-        return two_kernel_workspace(self, w, scores=not self.scores_on_chip(w.shape))
+        prepared = two_kernel_workspace(self, w, scores=not self.scores_on_chip(w.shape))
+        if self.loop == "stepped":  # U' [C, V] a sequence-head and the partials [2, NK, C, V]
+            tiles = math.ceil(w.shape.key_dim / self.block_k)
+            prepared += w.batch * w.heads * self.chunk_size * w.shape.value_width * 4 * (1 + 2 * tiles)
+        return prepared
 
     def scores_on_chip(self, shape: KernelShape) -> bool:
         """Whether the sequential kernel forms P (``chunk_streamed_gluon.scores_on_chip``)."""
@@ -134,6 +150,11 @@ class StreamedConfig(KernelConfig):
             return CostFigures(programs=chunk_programs(w, self.block_v), serial_steps=n, state_passes=2,
                                workspace_bytes=self.workspace_bytes(w), launches=1 + prepare,
                                chip_elements=self.chunk_size * w.shape.key_dim)
+        if self.loop == "stepped":  # chunk-parallel launches: the state read and written once a chunk
+            tiles = math.ceil(w.shape.key_dim / self.block_k)
+            return CostFigures(programs=chunk_programs(w, self.block_v) * tiles, serial_steps=n,
+                               state_passes=2 * n + 1, workspace_bytes=self.workspace_bytes(w),
+                               launches=2 * n + 2, host_loop=True)
         passes = (2 if self.merge_passes else 3) * n
         return CostFigures(programs=chunk_programs(w, self.block_v), serial_steps=n,
                            state_passes=passes, workspace_bytes=self.workspace_bytes(w),
@@ -322,6 +343,9 @@ def launch(config: StreamedConfig, p: Problem, q, k, v, g, beta, *, h0, ht, cu_s
     shape = KernelShape(p.key_widths, p.value_width)
     ws = prepare_scores(config, p, q, k, v, g, beta, cu_seqlens=cu_seqlens, l2norm=l2norm, block_k=bk,
                         outer=shape.outer_phi_ok(bk), wy=False, scores=not config.scores_on_chip(shape))
+    if config.loop == "stepped":
+        return chunk_stepped.run(config, p, q, k, v, g, beta, h0=h0, ht=ht, cu_seqlens=cu_seqlens, l2norm=l2norm,
+                                 ws=ws)
     if config.loop == "gluon":
         return chunk_streamed_gluon.run(config, p, q, k, v, g, beta, h0=h0, ht=ht, cu_seqlens=cu_seqlens,
                                         l2norm=l2norm, ws=ws)

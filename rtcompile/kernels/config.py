@@ -130,6 +130,8 @@ class CostFigures:
     time to the bytes' instead of taking the larger. ``chip_elements``: > 0 for a sequential
     kernel that keeps the state on chip and forms phi itself each step, one program an SM (the
     streamed form's Gluon kernel): the C x K elements of its step; its time is added to the bytes'.
+    ``host_loop``: no sequential kernel, the chunks launched in order from the host, each launch
+    chunk-parallel (the streamed form's "stepped" loop): bytes or FLOPs plus the launches.
     """
 
     programs: int
@@ -142,6 +144,7 @@ class CostFigures:
     launches: int = 1
     loop_elements: int = 0
     chip_elements: int = 0
+    host_loop: bool = False
 
 
 # The config fields' annotated types (strings: postponed annotations) and their JSON checks

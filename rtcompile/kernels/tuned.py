@@ -34,7 +34,8 @@ _SOURCES = {
     # chunk_split_gluon.py: the split form's sm_90 state loop (loop="gluon"), missing until
     # 2026-12-05, so a tuned entry outlived a change of that loop
     "chunk": ("chunk_prepare.py", "chunk_resident.py", "chunk_streamed.py", "chunk_fused.py", "chunk_split.py",
-              "chunk_split_gluon.py", "chunk_split_kron.py", "chunk_streamed_gluon.py", "blocks.py"),
+              "chunk_split_gluon.py", "chunk_split_kron.py", "chunk_streamed_gluon.py", "chunk_stepped.py",
+              "blocks.py"),
     # layer_step.py: the fused layer step runs a recurrent entry's config (serving_step.fused_step_plan)
     "recurrent": ("recurrent.py", "layer_step.py", "blocks.py"),
     # the backward runs the split (or streamed) form's prepare kernel and state loop for its recompute
