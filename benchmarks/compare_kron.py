@@ -152,7 +152,7 @@ GLUON_LARGE = [
     ("o3 32x16", (32, 16), [dict(loop="triton", prefetch_inputs=False), dict(prefetch_inputs=False), *_EXPERIMENTS]),
 ]
 # (case, widths, changes to the default) for ``--solve``: the prepare kernel's solve. The solve in
-# registers by products (blocks.unit_lower_inverse_products) beside the tile solve's chain of
+# registers by products (solves.unit_lower_inverse_products) beside the tile solve's chain of
 # loads and barriers: At 5f89585 (H100, two rounds, float64-checked first): o2 256 0.5635 ms at 4 prepare
 # warps against 0.6053 (prepare kernel 176 against 230 us); elsewhere 1.02-1.34x (o3 32x32 0.7767
 # against 0.7582 at 4 warps, 0.9753 at 8; 32x16 1.019x; o3 16x16 1.111x; o2 64 / o3 8x8 / o2 128 /
@@ -180,9 +180,14 @@ SOLVE = [
 # 64x64, H200); not yet timed. Offline (Triton 3.6, sm_90, o3 64x64) the state kernel takes 156 / 128
 # / 149 registers at the first three rows, the output kernel 128-166, none spills. o3 32x32 against
 # its Gluon default
+# Chunks of 128 halve the state's traffic a token: the tile solve takes them in two halves (offline:
+# the prepare kernel 88 B of spill at 8 warps; the output kernel's [128, 128] tiles spill 584 B at 4
+# warps, none at 8)
 _STEPPED = [dict(loop="stepped"), dict(loop="stepped", block_k=128, block_v=64),
             dict(loop="stepped", block_k=128, num_warps=4),
-            dict(loop="stepped", chunk_size=32, block_k=128, num_warps=4)]
+            dict(loop="stepped", chunk_size=32, block_k=128, num_warps=4),
+            dict(loop="stepped", chunk_size=128, block_k=128, num_warps=8, prepare_warps=8),
+            dict(loop="stepped", chunk_size=128, block_k=64, num_warps=8, prepare_warps=8)]
 STEPPED = [("o3 64x64", (64, 64), _STEPPED), ("o4 16x16x16", (16, 16, 16), _STEPPED),
            ("o3 32x32", (32, 32), [dict(loop="stepped", block_k=256, block_v=32, num_warps=8)])]
 

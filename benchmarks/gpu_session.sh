@@ -126,7 +126,7 @@ step_tpe() {  # issue 22's tuner must-show at two shapes: an exhaustive sweep, t
   # TPE_ROUNDS the interleaved rounds re-timing the picks beside the sweep's best (each time gated as a trial)
   local fixed="--fix form=split --fix split.chunk_size=32 --fix split.block_v=64 --fix split.num_warps=4
     --fix split.num_stages=3 --fix split.solve=tiles --fix split.dot_precision=ieee --fix split.output_block_v=64
-    --fix split.tma=true --fix split.key_group=1 --fix split.phi_pass=false"
+    --fix split.tma=true --fix split.key_group=1 --fix split.phi_pass=false --fix split.unroll_solve=false"
   if [[ "${TPE_SHAPES:-o2 o3}" == *o2* ]]; then
     timeout -s INT "${TPE_S:-280}" python3 benchmarks/tpe_check.py examples/order2_matrix.toml --batch 1,8 --seq-len 4096 \
       $fixed --fix split.prepare_warps=2 --fix split.output_warps=4 --fix split.materialise=false \

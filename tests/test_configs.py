@@ -61,10 +61,8 @@ REFUSALS = {
                           "num_stages=5; allowed: 1, 2, 3 or 4"),
     "resident-solve": (ResidentConfig(chunk_size=16, block_v=16, solve="lu"), O3,
                        "solve='lu'; allowed: 'rows', 'tiles', 'products'"),
-    "resident-tiles-c128": (ResidentConfig(chunk_size=128, block_v=16, solve="tiles"), KernelShape((4, 4), 16),
-                            "solve='tiles' needs chunk_size <= 64, got 128"),
-    "streamed-products-c128": (StreamedConfig(chunk_size=128, block_k=16, block_v=16, solve="products"),
-                               KernelShape((4, 8), 16), "solve='products' needs chunk_size <= 64, got 128"),
+    "resident-products-c128": (ResidentConfig(chunk_size=128, block_v=16, solve="products"),
+                               KernelShape((4, 4), 16), "solve='products' needs chunk_size <= 64, got 128"),
     "split-unroll-products": (SplitConfig(chunk_size=32, block_v=16, solve="products", unroll_solve=True),
                               KernelShape((16,), 16), "unroll_solve=True unrolls the tile solve; allowed with solve='tiles'"),
     "resident-precision": (ResidentConfig(chunk_size=16, block_v=16, dot_precision="fp8"), O3,
@@ -163,7 +161,7 @@ def test_refused_cases_run_once_the_field_is_fixed():
              (REFUSALS["split-phi-pass-wy"][0], {"wy": False}, O3),
              # K 1024: the Triton loop's split spills there (the estimate refuses it), this one runs
              (SplitConfig(chunk_size=16, block_v=16, num_warps=8), {"loop": "kron"}, KernelShape((32, 32), 64)),
-             (REFUSALS["resident-tiles-c128"][0], {"solve": "rows"}, KernelShape((4, 4), 16)),
+             (REFUSALS["resident-products-c128"][0], {"solve": "tiles"}, KernelShape((4, 4), 16)),
              (REFUSALS["streamed-block-k-covers"][0], {"block_k": 128}, O3),
              # materialised 8x8 keys are one 64-wide factor: its tiles can be prefetched
              (REFUSALS["resident-prefetch-narrow"][0], {"materialise": True}, KernelShape((8, 8), 16))]

@@ -15,7 +15,7 @@ import triton.language as tl
 from rtcompile.kernels import (
     args, chunk_fused, chunk_resident, chunk_split, chunk_streamed, running_tensor_recurrent_ref,
 )
-from rtcompile.kernels.blocks import unit_lower_inverse_products, unit_lower_inverse_tiles
+from rtcompile.kernels.solves import unit_lower_inverse_products, unit_lower_inverse_tiles
 from rtcompile.kernels.chunk_fused import FusedConfig
 from rtcompile.kernels.chunk_resident import ResidentConfig
 from rtcompile.kernels.chunk_split import SplitConfig
@@ -116,8 +116,9 @@ FORMS = {
     "stepped-o3-4x8-outer-unrolled-c32": (StreamedConfig(32, 16, 16, loop="stepped", unroll_solve=True), (4, 8), 77,
                                           5),
     "stepped-o4-2x3x3-rows": (StreamedConfig(16, 16, 16, solve="rows", loop="stepped"), (2, 3, 3), 37, 5),
-    # C 128: the row solve (the tile and product solves are refused there: they did not compile in time)
+    # C 128: the row solve, and the tile solve in two halves (the product solve is refused there)
     "streamed-o3-4x8-rows-c128": (StreamedConfig(128, 16, 16, solve="rows"), (4, 8), 150, 5),
+    "stepped-o3-4x8-tiles-c128": (StreamedConfig(128, 16, 16, loop="stepped", unroll_solve=True), (4, 8), 150, 5),
     # the next chunk's inputs ahead (power-of-two widths >= 16), with and without wy
     "resident-o2-16-prefetch-wy-tiles-c64": (ResidentConfig(64, 16, num_warps=8, solve="tiles", prefetch_inputs=True,
                                                             wy=True, prepare_warps=2), (16,), 77, 6),
@@ -391,8 +392,11 @@ def _invert_tiles_kernel(A, n_rows, C: tl.constexpr):
     unit_lower_inverse_tiles(A, n_rows, C, "ieee")
 
 
-@pytest.mark.parametrize("C, n_rows", [(16, 16), (32, 32), (64, 64), (64, 37), (32, 9), (64, 1)],
-                         ids=["c16", "c32", "c64", "c64-37rows", "c32-9rows", "c64-1row"])
+# C 128 as two halves: whole, the second half partial, and only the first half's rows
+@pytest.mark.parametrize("C, n_rows", [(16, 16), (32, 32), (64, 64), (64, 37), (32, 9), (64, 1), (128, 128),
+                                       (128, 101), (128, 50)],
+                         ids=["c16", "c32", "c64", "c64-37rows", "c32-9rows", "c64-1row", "c128", "c128-101rows",
+                              "c128-50rows"])
 def test_unit_lower_inverse_tiles_is_the_inverse(C, n_rows):
     # in place; rows from n_rows on belong to someone else (the next sequence): never written
     A = (torch.rand(C, C, dtype=torch.float64) * 2 - 1).tril(-1)

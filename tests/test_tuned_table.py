@@ -124,9 +124,9 @@ def test_the_planner_takes_only_entries_the_launcher_would(field, value):
 
 
 def test_the_planner_leaves_out_a_config_its_check_refuses():
-    """A config whose check refuses the shape on the target (C 128's tile solve at these
+    """A config whose check refuses the shape on the target (C 128's product solve at these
     widths) is one the launcher would not run: the planner does not cost it either."""
-    refused = ResidentConfig(chunk_size=128, block_v=16, solve="tiles")
+    refused = ResidentConfig(chunk_size=128, block_v=16, solve="products")
     assert refused.check(SHAPE, get_target("h200").smem_per_sm) is not None
     _write([_entry(gpu="NVIDIA H200", variant=refused.to_dict())])
     tuned.reload()

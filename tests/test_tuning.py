@@ -89,14 +89,14 @@ def test_two_workers_run_exactly_the_budget_then_reload_runs_none(tmp_path):
 
 
 def test_pruned_trials_are_replaced_until_the_budget_has_run(tmp_path):
-    # C 128 with the tile solve is refused (it needs C <= 64): with the resident form held there
+    # C 128 with the product solve is refused (it needs C <= 64): with the resident form held there
     # and the form and the fused chunk size left to the sampler, every resident draw is pruned,
     # and each must give its slot back. Seed 0: both workers' TPE streams draw the resident form
     # early (9 pruned in each of 4 runs); the default seed's streams, since the solve space grew a
     # value, reached it in 2 of 4 runs, and a run without a pruned trial tests nothing
     url = f"sqlite:///{tmp_path / 'pruned.db'}"
     r = tune_bucket(TINY, TuneOptions(storage=url, trials=4, workers=2, repeats=2, seed=0,
-                                      fixed={"resident.chunk_size": 128, "resident.solve": "tiles"}))
+                                      fixed={"resident.chunk_size": 128, "resident.solve": "products"}))
     trials = _trials(url)
     pruned = [t for t in trials if t.state.name == "PRUNED"]
     assert pruned, "no trial was pruned: the replacement was not exercised"
@@ -641,7 +641,8 @@ def test_the_sweep_leaves_out_configs_the_device_cannot_run():
     fixed = {"form": "split", "split.chunk_size": 32, "split.block_v": 64, "split.num_warps": 4,
              "split.num_stages": 2, "split.prepare_warps": 1, "split.solve": "tiles", "split.dot_precision": "ieee",
              "split.output_block_v": 64, "split.output_warps": 4, "split.tma": True, "split.key_group": 1,
-             "split.materialise": False, "split.wy": False, "split.pipeline": 1, "split.phi_pass": False}
+             "split.materialise": False, "split.wy": False, "split.pipeline": 1, "split.phi_pass": False,
+             "split.unroll_solve": False}
     gluon = SplitConfig(32, 64, loop="gluon")
     assert "sm_90" in device_refusal(gluon, "cpu") and device_refusal(SplitConfig(32, 64), "cpu") is None
     found = exhaustive_variants(bucket, TuneOptions(fixed=fixed))

@@ -58,7 +58,7 @@ O3_BUCKET = Bucket("chunk", (16, 16), 64, 8, 8, 4096, "bfloat16")
 # of which phi_pass=True makes key_group inert (8 distinct configs)
 _SPLIT = dict(chunk_size=64, block_v=32, num_warps=4, num_stages=3, prepare_warps=1, solve="tiles",
               dot_precision="ieee", output_block_v=64, output_warps=4, state_stride=2, materialise=False,
-              pipeline=2, wy=False, loop="triton")
+              pipeline=2, wy=False, loop="triton", unroll_solve=False)
 
 
 def _opts(**kw) -> TuneOptions:

@@ -65,7 +65,7 @@ def test_the_finish_without_remeasuring_never_records_a_refused_config(tmp_path)
     """A study measured before a check tightened (a resumed, stale study; ``--seconds``, which
     takes the study's own measurements) holds a fast config today's check refuses: the winner
     is the fastest one it accepts. Before: the refused one was recorded and written."""
-    refused = ResidentConfig(chunk_size=128, block_v=16, solve="tiles")
+    refused = ResidentConfig(chunk_size=128, block_v=16, solve="products")
     ok = ResidentConfig(chunk_size=16, block_v=16)
     assert refused.check(TINY_SHAPE) is not None and ok.check(TINY_SHAPE) is None
     study, machine, source = _study_with([(refused, 1e-4), (ok, 2e-4)])
@@ -78,7 +78,7 @@ def test_the_finish_without_remeasuring_never_records_a_refused_config(tmp_path)
 
 
 def test_the_finish_records_nothing_when_every_config_is_refused(tmp_path):
-    study, machine, source = _study_with([(ResidentConfig(chunk_size=128, block_v=16, solve="tiles"), 1e-4)])
+    study, machine, source = _study_with([(ResidentConfig(chunk_size=128, block_v=16, solve="products"), 1e-4)])
     opts = TuneOptions(table=str(tmp_path / "tuned.json"))
     assert not study_mod._finish(study, None, TINY, machine, source, opts, remeasure=False)
     assert "best_variant" not in study.user_attrs and not (tmp_path / "tuned.json").exists()

@@ -19,12 +19,11 @@ import triton.language as tl
 
 from . import args
 from .args import dot_dtype, factor_args, lowp_dots, width_args
-from .blocks import (
-    chunk_log_decay, chunk_rows, chunk_scores, dot, phi_block, phi_inv_norm, unit_lower_inverse_tiles,
-)
+from .blocks import chunk_log_decay, chunk_rows, chunk_scores, dot, phi_block, phi_inv_norm
 from .config import next_pow2, stores_inverse
 from .inputs import Problem
 from .launch_cache import cached
+from .solves import unit_lower_inverse_tiles
 
 
 @triton.jit

@@ -26,7 +26,7 @@ from . import args
 from .args import factor_args, lowp_dots, width_args
 from .blocks import (
     chunk_inputs, dot, factor_tiles, floored_cumsum, load_row_inputs, load_state_tile, load_wy, one_side_tiles,
-    phi_block, phi_from_tiles, sequence_of_program, unit_lower_inverse_scratch,
+    phi_block, phi_from_tiles, sequence_of_program,
 )
 from .chunk_prepare import prepare_scores
 from .config import (
@@ -37,6 +37,7 @@ from .config import (
 from .inputs import Problem
 from .launch_cache import cached
 from .reference import L2NORM_EPS, l2normalize
+from .solves import unit_lower_inverse_scratch
 
 # materialised keys cost 2 x 2 K bytes per token-head; above K = 256 the resident state tile does
 # not fit registers anyway (the check's own limit)
@@ -51,8 +52,8 @@ class ResidentConfig(KernelConfig):
     tile is all of K, rounded up to a power of two). ``num_warps``/``num_stages``: the
     sequential kernel's. ``prepare_warps``: the prepare kernel's (its programs are independent,
     so fewer warps each let more of them share an SM). ``solve``: the delta rule's (I + A)^-1 row
-    by row in registers ("rows"), in [16, 16] tiles in the prepare kernel's workspace ("tiles",
-    C <= 64) or by [C, C] products in registers ("products"). ``dot_precision``: how fp32
+    by row in registers ("rows"), in [16, 16] tiles in the prepare kernel's workspace ("tiles")
+    or by [C, C] products in registers ("products", C <= 64). ``dot_precision``: how fp32
     operands enter tl.dot (16-bit inputs use their own type). ``prefetch_inputs``: load the
     next chunk's factor tiles, values, gates and prepared scores before the current chunk's
     arithmetic, so their latency hides behind it (needs power-of-two key widths >= 16: a factor

@@ -81,7 +81,7 @@ class SplitConfig(KernelConfig):
     token-parallel ``chunk_resident.fill_phi`` before the first part, and the prepare kernel
     stores none (its column-block stores were ~100 of its 135 us at o3 16x16 C 64 on an H100).
     ``unroll_solve`` (``solve="tiles"``): the prepare kernel's tile solve with its 15 diagonal
-    steps unrolled (``blocks.unit_lower_inverse_tiles``).
+    steps unrolled (``solves.unit_lower_inverse_tiles``).
     """
 
     kernel: ClassVar[str] = "chunk"

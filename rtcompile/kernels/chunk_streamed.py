@@ -22,7 +22,6 @@ from . import args, chunk_stepped, chunk_streamed_gluon
 from .args import factor_args, lowp_dots, width_args
 from .blocks import (
     chunk_inputs, dot, first_stored_state, load_state_tile, phi_block, sequence_of_program, state_tile,
-    unit_lower_inverse_scratch,
 )
 from .chunk_prepare import prepare_scores
 from .config import (
@@ -32,6 +31,7 @@ from .config import (
 )
 from .inputs import Problem
 from .launch_cache import cached
+from .solves import unit_lower_inverse_scratch
 
 
 # the chunk loop: a sequential Triton or Gluon kernel (chunk_streamed_gluon.py), or launches from

@@ -267,11 +267,10 @@ CHUNK_SIZES = (16, 32, 64, 128)  # what chunk_refusal lets through, before each 
 def chunk_refusal(cfg, shape: KernelShape) -> str | None:
     """The rules every chunk form shares: power-of-two tiles, 16 <= C <= 128 (tl.dot needs
     16 on every side; the solve is O(C^3)), a value tile no wider than d_v rounded up, a known
-    solve and precision, the tile and product solves only up to C = 64 (at C = 128 Triton 3.6's
-    LLVM lowering of the prepare kernel had not finished after 50 s with the tile solve on the
-    H200, nor after 500 s with the product solve on an H100 at o3 64x64, 8 prepare warps, where
-    pip's Triton 3.6.0 compiles it offline in 14 s), the tile solve's unrolling only with it, and
-    the prepare kernel's warps."""
+    solve and precision, the product solve only up to C = 64 (at C = 128 Triton 3.6's LLVM
+    lowering of o3 64x64's prepare kernel at 8 prepare warps had not finished after 500 s on an
+    H100, where pip's Triton 3.6.0 compiles it offline in 14 s; the tile solve takes C = 128 as
+    two halves), the tile solve's unrolling only with it, and the prepare kernel's warps."""
     if (reason := cfg._check_pow2("chunk_size", "block_v", "num_warps")) is not None:
         return reason
     if (reason := warps_refusal(cfg.num_warps)) is not None:
@@ -284,8 +283,8 @@ def chunk_refusal(cfg, shape: KernelShape) -> str | None:
         return f"num_stages={cfg.num_stages!r}; allowed: 1, 2, 3 or 4"
     if (reason := cfg._check_choice("solve", SOLVES)) is not None:
         return reason
-    if cfg.solve != "rows" and cfg.chunk_size > 64:
-        return f"solve={cfg.solve!r} needs chunk_size <= 64, got {cfg.chunk_size} (or solve='rows')"
+    if cfg.solve == "products" and cfg.chunk_size > 64:
+        return f"solve='products' needs chunk_size <= 64, got {cfg.chunk_size} (or solve='tiles' or 'rows')"
     if getattr(cfg, "unroll_solve", False) and cfg.solve != "tiles":
         return f"unroll_solve=True unrolls the tile solve; allowed with solve='tiles' (got {cfg.solve!r}), or False"
     if hasattr(cfg, "dot_precision") and (reason := cfg._check_choice("dot_precision", DOT_PRECISIONS)):

@@ -35,13 +35,13 @@ _SOURCES = {
     # 2026-12-05, so a tuned entry outlived a change of that loop
     "chunk": ("chunk_prepare.py", "chunk_resident.py", "chunk_streamed.py", "chunk_fused.py", "chunk_split.py",
               "chunk_split_gluon.py", "chunk_split_kron.py", "chunk_streamed_gluon.py", "chunk_stepped.py",
-              "blocks.py"),
+              "blocks.py", "solves.py"),
     # layer_step.py: the fused layer step runs a recurrent entry's config (serving_step.fused_step_plan)
     "recurrent": ("recurrent.py", "layer_step.py", "blocks.py"),
     # the backward runs the split (or streamed) form's prepare kernel and state loop for its recompute
     "chunk_bwd": ("chunk_backward.py", "chunk_backward_state.py", "chunk_backward_grads.py", "chunk_backward_factors.py",
                   "chunk_backward_streamed.py", "chunk_backward_kept.py", "chunk_backward_split.py",
-                  "chunk_prepare.py", "chunk_split.py", "chunk_streamed.py", "blocks.py"),
+                  "chunk_prepare.py", "chunk_split.py", "chunk_streamed.py", "blocks.py", "solves.py"),
 }
 _table: list[dict[str, Any]] | None = None
 # Bumped whenever the table is (re)read: the launch-plan caches key on it, so a plan found
