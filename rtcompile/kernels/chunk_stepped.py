@@ -38,7 +38,7 @@ from .inputs import Problem
 from .launch_cache import cached
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["i_c"])  # one compile for every chunk number (Triton would make three)
 def chunk_stepped_state_kernel(
     q1, q2, q3, k1, k2, k3, h0, ht, Us, Gl, KSp, QSp, cu_seqlens, T, i_c,
     H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
@@ -85,7 +85,7 @@ def chunk_stepped_state_kernel(
             tl.store(QSp + p_p, dot(b_q, b_s, LOWP, DT, PREC), mask=m_v[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["i_c"])
 def chunk_stepped_output_kernel(
     q1, q2, q3, k1, k2, k3, v, g, beta, o, P, Ai, Us, Gl, KSp, QSp, cu_seqlens, scale, T, i_c,
     H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
