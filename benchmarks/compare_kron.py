@@ -139,14 +139,13 @@ LARGE = [
 # 0.8401 at o3 32x32, 0.6102 / 0.6270 at 32x16), and the kernel at o3 16x16 beside the split
 # form's default (StreamedConfig C 64, block_k 64, block_v 32, 8 warps, tf32, loop "gluon", loads
 # ahead: 0.4767-0.4885 against 0.3619 ms; timed through a whole-config row since removed)
-# INTERLEAVE_PRODUCTS (R's and phi(Q)'s products in one loop; 1228 loop instructions against 1373
-# offline at o3 32x32) and SCORES_ON_CHIP (P formed in the kernel: the prepare kernel's 255
-# registers and 86 spill loads/stores go to 144 and none, the kernel's loop 1373 -> 1634
-# instructions). At 5a2e90b (H100, two rounds): o3 32x32 default 0.7607 ms, no loads ahead 0.7275,
-# INTERLEAVE failed the float64 gate (bf16 T 203 0.0253 against 0.015), SCORES 0.7744, both 0.7349;
-# o3 32x16 default 0.5783, no loads ahead 0.5823, INTERLEAVE 0.5772, SCORES 0.5631, both 0.5532
-_EXPERIMENTS = [dict(INTERLEAVE_PRODUCTS=True), dict(SCORES_ON_CHIP=True),
-                dict(INTERLEAVE_PRODUCTS=True, SCORES_ON_CHIP=True)]
+# SCORES_ON_CHIP (P formed in the kernel: the prepare kernel's 255 registers and 86 spill
+# loads/stores go to 144 and none, the kernel's loop 1373 -> 1634 instructions). At 5a2e90b (H100,
+# two rounds): o3 32x32 default 0.7607 ms, no loads ahead 0.7275, SCORES 0.7744; o3 32x16 default
+# 0.5783, no loads ahead 0.5823, SCORES 0.5631. R's and phi(Q)'s products in one loop
+# (INTERLEAVE_PRODUCTS, removed since) failed the float64 gate at o3 32x32 (bf16 T 203 0.0253
+# against 0.015) and ran 0.998x at 32x16
+_EXPERIMENTS = [dict(SCORES_ON_CHIP=True)]
 GLUON_LARGE = [
     ("o3 32x32", (32, 32), [dict(loop="triton", prefetch_inputs=False), dict(prefetch_inputs=False), *_EXPERIMENTS]),
     ("o3 32x16", (32, 16), [dict(loop="triton", prefetch_inputs=False), dict(prefetch_inputs=False), *_EXPERIMENTS]),

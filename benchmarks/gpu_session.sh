@@ -203,8 +203,8 @@ step_stepped() {  # issue 22's K 4096 rows with the chunk loop on the host (loop
 
 step_large() {  # issue 22's K > 256 rows on sm_90 (~3 min on an H100): the streamed Gluon kernel's
   # float64 tests on the GPU (74 passed on an H100 at 5a2e90b), then its default at o3 32x32 / 32x16
-  # beside the Triton kernel, its loads-ahead switch, INTERLEAVE_PRODUCTS and SCORES_ON_CHIP (H100,
-  # 5a2e90b: see compare_kron's GLUON_LARGE comment)
+  # beside the Triton kernel, its loads-ahead switch and SCORES_ON_CHIP (H100, 5a2e90b: see
+  # compare_kron's GLUON_LARGE comment)
   timeout -s INT -k 20 240 python3 -m pytest -q -p no:cacheprovider tests/test_streamed_gluon.py \
     > "$OUT/large_tests.txt" 2>&1 || true
   tail -n 3 "$OUT/large_tests.txt"

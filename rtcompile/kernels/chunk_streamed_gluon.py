@@ -48,11 +48,6 @@ except ImportError:  # an older Triton: the config's check says so
 
 CHUNK = 64  # wgmma's M for R = phi(K) S16 and phi(Q) S16: the chunk's rows
 PHI_STORE_COLUMNS = 256  # phi's columns a store (4 stores at K 1024, so 4 barriers a phi)
-# experiment, off: R's and phi(Q)'s products in one loop (_both_products). Offline (sm_90, Triton
-# 3.6) 1228 loop instructions against 1373 and 11 spill loads/stores against 28 at o3 32x32. On an
-# H100 (compare_kron --gluon-large at 5a2e90b) it failed the float64 gate at o3 32x32 (bf16, T 203:
-# 0.0253 against 0.015) and ran 0.998x at 32x16: off
-INTERLEAVE_PRODUCTS = False
 # experiment, off: P formed in the kernel from the factor tiles it holds (_scores_on_chip) where
 # both widths are an mma K (>= 16), so the prepare kernel writes only Ai (none without the delta
 # rule): at B8 T4096 H8 C 64 P is 67 MB written and, one read a value block, 134 MB read, and
@@ -174,30 +169,6 @@ if gluon is not None:
         return acc
 
     @gluon.jit
-    def _both_products(phi3, s3, x1t_s, b_2a, s3_q, acc_r, acc_q, NB: gl.constexpr, D1: gl.constexpr,
-                       row_a: gl.constexpr):
-        """(acc_r + phi(K) S16, acc_q + phi(Q) S16) in one loop: each 64-key block's wgmma for R
-        (``_blocked_product``'s) is issued before the query's steps of the same keys
-        (``_factored_product``'s, 64 / d_2 of them), so R's shared-memory product runs while the
-        query's A tiles are formed."""
-        PER: gl.constexpr = D1 // NB
-        DT: gl.constexpr = b_2a.dtype
-        b_2 = b_2a.to(gl.float32)
-        b_1 = x1t_s.index(0).load(row_a)
-        b_prev = b_2a
-        for kb in range(NB):
-            acc_r = warpgroup_mma(phi3.index(kb), s3.index(kb), acc_r, is_async=True)
-            for j in gl.static_range(PER):
-                i = kb * PER + j
-                b_a = (gl.expand_dims(b_1.to(gl.float32), 1) * b_2).to(DT)
-                b_1 = x1t_s.index((i + 1) % D1).load(row_a)
-                acc_q = warpgroup_mma(b_a, s3_q.index(i), acc_q, is_async=True)
-                acc_r, acc_q, b_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc_r, acc_q, b_prev))
-                b_prev = b_a
-        acc_r, acc_q, b_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc_r, acc_q, b_prev))
-        return acc_r, acc_q
-
-    @gluon.jit
     def _scores_on_chip(b_q1, b_q2, b_k1, b_k2, b_g, L2NORM: gl.constexpr, layout: gl.constexpr):
         """The chunk's P [C, C] = (Q1 K1^T * Q2 K2^T) diag-scaled by 1 / ||phi(q)||, 1 / ||phi(k)||
         (with L2NORM), times exp(c_i - c_j) on and below the diagonal, 0 above, in fp32 in
@@ -282,7 +253,7 @@ if gluon is not None:
         q1, q2, k1, k2, v, g, beta, o, h0, ht, P, Ai, cu_seqlens, scale, T,
         H: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr, V: gl.constexpr,
         C: gl.constexpr, BV: gl.constexpr, W: gl.constexpr, L2NORM: gl.constexpr, DECAY_FLOOR: gl.constexpr,
-        PREFETCH: gl.constexpr, QUERY_REGS: gl.constexpr, INTERLEAVE: gl.constexpr,
+        PREFETCH: gl.constexpr, QUERY_REGS: gl.constexpr,
     ):
         """One program per (sequence, head, value block of BV) walks the chunks in order with S
         [K, BV] in registers (module docstring). Arguments as ``chunk_streamed_kernel``'s: the
@@ -378,16 +349,9 @@ if gluon is not None:
             # R = phi(K) S16
             s16_s.store(b_s.to(DT))
             _store_phi(phi_s, k1, bos, eos, i_c, i_b, T, H, i_h, b_k2, D1, D2, C, W, NW)
-            if QUERY_REGS and INTERLEAVE:
-                q1t_s.store(gl.permute(b_q1, (1, 0)))
-                fence_async_shared()
-                b_R, b_qs = _both_products(phi3, s3, q1t_rows, gl.convert_layout(b_q2, a_op), s3_q,
-                                           gl.zeros([C, BV], gl.float32, layout=r_layout),
-                                           gl.zeros([C, BV], gl.float32, layout=r_layout), K // 64, D1, row_a)
-            else:
-                fence_async_shared()
-                b_R = _blocked_product(phi3, s3, gl.zeros([C, BV], gl.float32, layout=r_layout), K // 64)
-            if QUERY_REGS and not INTERLEAVE:  # phi(Q) S16 on the state before the update, as the tile path takes it
+            fence_async_shared()
+            b_R = _blocked_product(phi3, s3, gl.zeros([C, BV], gl.float32, layout=r_layout), K // 64)
+            if QUERY_REGS:  # phi(Q) S16 on the state before the update, as the tile path takes it
                 q1t_s.store(gl.permute(b_q1, (1, 0)))
                 b_qs = _factored_product(q1t_rows, gl.convert_layout(b_q2, a_op), s3_q,
                                          gl.zeros([C, BV], gl.float32, layout=r_layout), D1, row_a)
@@ -442,7 +406,7 @@ def run(config, p, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm: bool, ws: di
         q1, q2, k1, k2, v, g, beta, o, h0, ht, ws["P"], ws.get("Ai"), cu_seqlens, p.scale, T,
         H=H, D1=p.key_widths[0], D2=p.key_widths[1], V=V, C=config.chunk_size, BV=config.block_v,
         W=min(PHI_STORE_COLUMNS, p.key_dim), PREFETCH=config.prefetch_inputs,
-        QUERY_REGS=query_in_registers(p.key_widths), INTERLEAVE=INTERLEAVE_PRODUCTS, L2NORM=l2norm,
+        QUERY_REGS=query_in_registers(p.key_widths), L2NORM=l2norm,
         DECAY_FLOOR=LOG_DECAY_FLOOR,
         num_warps=config.num_warps,
     )
