@@ -176,19 +176,20 @@ SOLVE = [
 
 # The streamed form's chunk loop on the host (loop="stepped", chunk_stepped.py: two chunk-parallel
 # launches a chunk) above K 1024, where the sequential kernel moves the state at 1.4 TB/s (o3
-# 64x64, H200); not yet timed. Offline (Triton 3.6, sm_90, o3 64x64) the state kernel takes 156 / 128
-# / 149 registers at the first three rows, the output kernel 128-166, none spills. o3 32x32 against
-# its Gluon default
-# Chunks of 128 halve the state's traffic a token: the tile solve takes them in two halves (offline:
-# the prepare kernel 88 B of spill at 8 warps; the output kernel's [128, 128] tiles spill 584 B at 4
-# warps, none at 8)
-_STEPPED = [dict(loop="stepped"), dict(loop="stepped", block_k=128, block_v=64),
-            dict(loop="stepped", block_k=128, num_warps=4),
-            dict(loop="stepped", chunk_size=32, block_k=128, num_warps=4),
-            dict(loop="stepped", chunk_size=128, block_k=128, num_warps=8, prepare_warps=8),
-            dict(loop="stepped", chunk_size=128, block_k=64, num_warps=8, prepare_warps=8)]
-STEPPED = [("o3 64x64", (64, 64), _STEPPED), ("o4 16x16x16", (16, 16, 16), _STEPPED),
-           ("o3 32x32", (32, 32), [dict(loop="stepped", block_k=256, block_v=32, num_warps=8)])]
+# 64x64, H200); not yet timed. Runs of key tiles (tiles_per_program) cut the partial products'
+# traffic (16 runs at C 64: 16 KiB a token-head beside the state's 32), chunks of 128 the state's
+# (the tile solve takes them in two halves). Offline (Triton 3.6, sm_90, o3 64x64) none spills:
+# the state kernel 128-210 registers (runs of 4 at C 128: 184-210), the output kernel 128-166 at
+# C 64 (at C 128 it spills 584 B at 4 warps, none at 8), the C 128 prepare kernel 88 B at 8 warps
+_C128 = dict(loop="stepped", chunk_size=128, block_k=128, num_warps=8, prepare_warps=8)
+STEPPED = [
+    ("o3 64x64", (64, 64), [dict(loop="stepped"), dict(loop="stepped", tiles_per_program=4),
+                            dict(loop="stepped", block_k=128, block_v=64, tiles_per_program=4),
+                            dict(loop="stepped", block_k=128, num_warps=4, tiles_per_program=2),
+                            dict(_C128, tiles_per_program=4), dict(_C128, tiles_per_program=8)]),
+    ("o4 16x16x16", (16, 16, 16), [dict(loop="stepped", tiles_per_program=4), dict(_C128, tiles_per_program=4)]),
+    ("o3 32x32", (32, 32), [dict(loop="stepped", block_k=256, block_v=32, num_warps=8, tiles_per_program=2)]),
+]
 
 
 def split_fields(fields: dict) -> tuple[dict, dict]:

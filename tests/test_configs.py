@@ -63,6 +63,8 @@ REFUSALS = {
                        "solve='lu'; allowed: 'rows', 'tiles', 'products'"),
     "resident-products-c128": (ResidentConfig(chunk_size=128, block_v=16, solve="products"),
                                KernelShape((4, 4), 16), "solve='products' needs chunk_size <= 64, got 128"),
+    "streamed-tiles-per-program": (StreamedConfig(chunk_size=16, block_k=16, block_v=16, tiles_per_program=32),
+                                   KernelShape((4, 8), 16), "tiles_per_program=32; allowed: 1, 2, 4, 8 or 16"),
     "split-unroll-products": (SplitConfig(chunk_size=32, block_v=16, solve="products", unroll_solve=True),
                               KernelShape((16,), 16), "unroll_solve=True unrolls the tile solve; allowed with solve='tiles'"),
     "resident-precision": (ResidentConfig(chunk_size=16, block_v=16, dot_precision="fp8"), O3,

@@ -291,8 +291,18 @@ def test_stepped_loop_costs_its_bytes_and_launches_over_every_key_tile():
     # the partials and the scaled U are workspace beside the prepare kernel's
     base = StreamedConfig(chunk_size=64, block_k=256, block_v=32, num_warps=8)
     assert _ws(spec, 8, 4096, stepped) - _ws(spec, 8, 4096, base) == 8 * 8 * 64 * 64 * 4 * (1 + 2 * 16)
-    # prefetch_state and merge_passes do nothing there: one canonical config
+    # runs of four key tiles: a quarter of the programs and of the partials' traffic
+    runs = dataclasses.replace(stepped, tiles_per_program=4)
+    fig4 = runs.figures(workload(spec, 8, 4096))
+    assert fig4.programs * 4 == fig.programs
+    # a run's partials: 2 products x 64 chunks x [C, d_v] fp32 x B H, written and read (the model
+    # counts workspace bytes twice); plus their buffers' bytes once, as any workspace
+    per_run = 2 * 64 * 64 * 64 * 4 * 8 * 8 + 2 * 64 * 64 * 4 * 8 * 8
+    assert fig.workspace_bytes - fig4.workspace_bytes == per_run * (16 - 4)
+    assert chunk_cost(spec, H200, 8, 4096, runs, NO_HOST).bytes < cost.bytes
+    # prefetch_state and merge_passes do nothing there, tiles_per_program nothing elsewhere
     assert dataclasses.replace(stepped, merge_passes=True, prefetch_state=True).canonical() == stepped
+    assert dataclasses.replace(base, tiles_per_program=4).canonical() == base
 
 
 def _ws(spec, B, T, cfg):

@@ -115,6 +115,11 @@ FORMS = {
     "stepped-o3-4x5-gathered-c16": (StreamedConfig(16, 16, 16, loop="stepped"), (4, 5), 37, 6),
     "stepped-o3-4x8-outer-unrolled-c32": (StreamedConfig(32, 16, 16, loop="stepped", unroll_solve=True), (4, 8), 77,
                                           5),
+    # runs of key tiles: 4x5 (two tiles) in one run; 5x7 (35: three tiles) in runs of 2, the second
+    # short; 3x3x3 (27: two tiles) in one run of 4
+    "stepped-o3-4x5-run2": (StreamedConfig(16, 16, 16, loop="stepped", tiles_per_program=2), (4, 5), 37, 6),
+    "stepped-o3-5x7-run2-c32": (StreamedConfig(32, 16, 16, loop="stepped", tiles_per_program=2), (5, 7), 45, 5),
+    "stepped-o4-3x3x3-run4-c32": (StreamedConfig(32, 16, 16, loop="stepped", tiles_per_program=4), (3, 3, 3), 45, 5),
     "stepped-o4-2x3x3-rows": (StreamedConfig(16, 16, 16, solve="rows", loop="stepped"), (2, 3, 3), 37, 5),
     # C 128: the row solve, and the tile solve in two halves (the product solve is refused there)
     "streamed-o3-4x8-rows-c128": (StreamedConfig(128, 16, 16, solve="rows"), (4, 8), 150, 5),
@@ -281,6 +286,7 @@ VARLEN = {  # sequences of 5, 1, 17 and 7 tokens packed along T (split: 5, 1, 54
                                                   (4, 4), None),
     "streamed-o3-3x7-merge": (StreamedConfig(16, 16, 16, prefetch_state=True, merge_passes=True), (3, 7), None),
     "stepped-o3-3x7": (StreamedConfig(16, 16, 16, loop="stepped"), (3, 7), None),
+    "stepped-o3-4x8-run2": (StreamedConfig(16, 16, 16, loop="stepped", tiles_per_program=2), (4, 8), None),
     "fused-resident-o4-2x3x2-tiles-c32": (FusedConfig(32, 16, 16), (2, 3, 2), None),
     "fused-streamed-o3-4x5-rows": (FusedConfig(16, 16, 16, solve="rows"), (4, 5), None),
     "split-o2-16-c16": (SplitConfig(16, 16), (16,), None),

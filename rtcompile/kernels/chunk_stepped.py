@@ -6,15 +6,16 @@ Why: above K = 1024 the state no longer fits on chip, so every chunk reads and w
 (2 x 64 MiB a chunk at o3 64x64, B8 H8 d_v 64, fp32), and the sequential kernel does that with
 one program an SM walking its key tiles one after another: 1.4 TB/s of state traffic, DRAM 30%
 busy, 5.26 ms on the H200 (Nsight Compute at da74c34). Here every (value block, sequence x
-head, key tile) is a program of its own, so the state moves at the parallel kernels' bandwidth,
-for two launches and the partial products' [K / BK, C, BV] round trip a chunk.
+head, run of key tiles) is a program of its own, so the state moves at the parallel kernels'
+bandwidth, for two launches and the partial products' [runs, C, BV] round trip a chunk.
 
 Per chunk c:
 
 * :func:`chunk_stepped_state_kernel`: S_k <- Gamma_C S_k + phi(K_{c-1})_k^T U'_{c-1} (the update
   by the previous chunk; the first launch copies the initial state), stored in the final-state
-  buffer, then the raw partial products phi(K_c)_k S_k and phi(Q_c)_k S_k of its key tile.
-* :func:`chunk_stepped_output_kernel`: sums the partials over the key tiles, then forms U_c,
+  buffer, then the raw partial products phi(K_c)_k S_k and phi(Q_c)_k S_k, summed over the
+  program's run of ``tiles_per_program`` key tiles.
+* :func:`chunk_stepped_output_kernel`: sums the partials over the runs, then forms U_c,
   the outputs and U'_c = U_c 1 / ||phi(k)|| Gamma_C / Gamma_i for the next update, as
   ``chunk_streamed_kernel`` does within its step.
 
@@ -42,19 +43,20 @@ from .launch_cache import cached
 def chunk_stepped_state_kernel(
     q1, q2, q3, k1, k2, k3, h0, ht, Us, Gl, KSp, QSp, cu_seqlens, T, i_c,
     H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
-    V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LOWP: tl.constexpr,
-    PREC: tl.constexpr, OUTER: tl.constexpr, FIRST: tl.constexpr,
+    V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, TPP: tl.constexpr,
+    LOWP: tl.constexpr, PREC: tl.constexpr, OUTER: tl.constexpr, FIRST: tl.constexpr,
 ):
-    """Program (value block, sequence x head, key tile) at chunk ``i_c``: the state tile updated
-    by chunk i_c - 1 (``Us``: its scaled U [NH, C, V]; ``Gl``: its Gamma_C [NH]; FIRST: the
-    initial state instead, or zeros with ``h0`` None) and stored in ``ht``, then chunk i_c's raw
-    phi(K) S and phi(Q) S over this tile into ``KSp`` / ``QSp`` ([NK, NH, C, V] fp32). A
-    sequence whose chunks end before ``i_c`` is left alone; at ``i_c`` = its chunk count only
-    the update runs."""
+    """Program (value block, sequence x head, run of TPP key tiles) at chunk ``i_c``: each state
+    tile updated by chunk i_c - 1 (``Us``: its scaled U [NH, C, V]; ``Gl``: its Gamma_C [NH];
+    FIRST: the initial state instead, or zeros with ``h0`` None) and stored in ``ht``, then chunk
+    i_c's raw phi(K) S and phi(Q) S summed over the run's tiles into ``KSp`` / ``QSp`` ([NP, NH,
+    C, V] fp32, NP the runs). A sequence whose chunks end before ``i_c`` is left alone; at
+    ``i_c`` = its chunk count only the update runs."""
     K: tl.constexpr = D1 * D2 * D3
+    NK: tl.constexpr = (K + BK - 1) // BK
     DT: tl.constexpr = q1.dtype.element_ty
     DOT_DT: tl.constexpr = DT if LOWP else tl.float32
-    i_v, i_nh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_v, i_nh, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos, i_b = sequence_of_program(i_n, T, cu_seqlens)
     n_c = tl.cdiv(eos - bos, C)
@@ -62,27 +64,39 @@ def chunk_stepped_state_kernel(
         o_c = tl.arange(0, C)
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_s = (o_k < K)[:, None] & m_v[None, :]
-        off_s = (i_n.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-        b_s = load_state_tile(h0, ht, off_s, m_s, FIRST, h0 is not None)
+        tok_u = bos + (i_c - 1) * C + o_c  # the update's rows (chunk i_c - 1)
+        r_u = (i_b * T + tok_u) * H + i_h
+        tok = bos + i_c * C + o_c  # the products' rows (chunk i_c; all masked off at its end)
+        r = (i_b * T + tok) * H + i_h
+        m_t = tok < eos
+        b_us = tl.zeros([C, BV], dtype=tl.float32)
+        b_decay = 1.0
         if not FIRST:
-            tok = bos + (i_c - 1) * C + o_c
-            b_k = phi_block(k1, k2, k3, (i_b * T + tok) * H + i_h, tok < eos, i_k, C, BK, NF, D1, D2, D3, K, OUTER,
-                            DOT_DT)
             b_us = tl.load(Us + (i_nh.to(tl.int64) * C + o_c[:, None]) * V + o_v[None, :], mask=m_v[None, :],
                            other=0.0)
-            b_s = tl.load(Gl + i_nh) * b_s + dot(tl.trans(b_k), b_us, LOWP, DT, PREC)
-        tl.store(ht + off_s, b_s, mask=m_s)
+            b_decay = tl.load(Gl + i_nh)
+        b_ks = tl.zeros([C, BV], dtype=tl.float32)
+        b_qs = tl.zeros([C, BV], dtype=tl.float32)
+        for j in range(TPP):
+            i_k = i_p * TPP + j
+            if i_k < NK:
+                o_k = i_k * BK + tl.arange(0, BK)
+                m_s = (o_k < K)[:, None] & m_v[None, :]
+                off_s = (i_n.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+                b_s = load_state_tile(h0, ht, off_s, m_s, FIRST, h0 is not None)
+                if not FIRST:
+                    b_k = phi_block(k1, k2, k3, r_u, tok_u < eos, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
+                    b_s = b_decay * b_s + dot(tl.trans(b_k), b_us, LOWP, DT, PREC)
+                tl.store(ht + off_s, b_s, mask=m_s)
+                if i_c < n_c:
+                    b_k = phi_block(k1, k2, k3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
+                    b_q = phi_block(q1, q2, q3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
+                    b_ks += dot(b_k, b_s, LOWP, DT, PREC)
+                    b_qs += dot(b_q, b_s, LOWP, DT, PREC)
         if i_c < n_c:
-            tok = bos + i_c * C + o_c
-            r = (i_b * T + tok) * H + i_h
-            m_t = tok < eos
-            b_k = phi_block(k1, k2, k3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
-            b_q = phi_block(q1, q2, q3, r, m_t, i_k, C, BK, NF, D1, D2, D3, K, OUTER, DOT_DT)
-            p_p = ((i_k * tl.num_programs(1) + i_nh).to(tl.int64) * C + o_c[:, None]) * V + o_v[None, :]
-            tl.store(KSp + p_p, dot(b_k, b_s, LOWP, DT, PREC), mask=m_v[None, :])
-            tl.store(QSp + p_p, dot(b_q, b_s, LOWP, DT, PREC), mask=m_v[None, :])
+            p_p = ((i_p * tl.num_programs(1) + i_nh).to(tl.int64) * C + o_c[:, None]) * V + o_v[None, :]
+            tl.store(KSp + p_p, b_ks, mask=m_v[None, :])
+            tl.store(QSp + p_p, b_qs, mask=m_v[None, :])
 
 
 @triton.jit(do_not_specialize=["i_c"])
@@ -90,11 +104,11 @@ def chunk_stepped_output_kernel(
     q1, q2, q3, k1, k2, k3, v, g, beta, o, P, Ai, Us, Gl, KSp, QSp, cu_seqlens, scale, T, i_c,
     H: tl.constexpr, NF: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
     BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr, L2NORM: tl.constexpr, LOWP: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, NP: tl.constexpr, L2NORM: tl.constexpr, LOWP: tl.constexpr,
     PREC: tl.constexpr,
 ):
     """Program (value block, sequence x head) at chunk ``i_c``: phi(K) S and phi(Q) S summed over
-    the NK key tiles' partials, then U (delta rule: Ai diag(beta) (V - Gamma phi(K) S)), the
+    the NP runs' partials, then U (delta rule: Ai diag(beta) (V - Gamma phi(K) S)), the
     outputs, and U scaled for the next update into ``Us`` with Gamma_C into ``Gl``. ``g`` /
     ``beta`` None: no gates / no delta rule."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -114,8 +128,8 @@ def chunk_stepped_output_kernel(
         )
         b_ks = tl.zeros([C, BV], dtype=tl.float32)
         b_qs = tl.zeros([C, BV], dtype=tl.float32)
-        for i_k in range(NK):
-            p_p = ((i_k * tl.num_programs(1) + i_nh).to(tl.int64) * C + o_c[:, None]) * V + o_v[None, :]
+        for i_p in range(NP):
+            p_p = ((i_p * tl.num_programs(1) + i_nh).to(tl.int64) * C + o_c[:, None]) * V + o_v[None, :]
             b_ks += tl.load(KSp + p_p, mask=m_v[None, :], other=0.0)
             b_qs += tl.load(QSp + p_p, mask=m_v[None, :], other=0.0)
         b_ks = b_ks * r_k[:, None]
@@ -140,11 +154,12 @@ def run(config, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm: boo
     kernel's P and Ai; ``ht`` holds the state). Returns o."""
     B, T, H, V = v.shape
     C, BK, BV = config.chunk_size, config.block_k, config.block_v
-    NH, NK = p.num_seqs * H, triton.cdiv(p.key_dim, BK)
+    TPP = config.tiles_per_program
+    NH, NP = p.num_seqs * H, triton.cdiv(triton.cdiv(p.key_dim, BK), TPP)
     f32 = dict(dtype=torch.float32, device=v.device)
     o = args.empty(B, T, H, V, dtype=v.dtype, device=v.device)
     us, gl = args.empty(NH, C, V, **f32), args.empty(NH, **f32)
-    ksp, qsp = args.empty(NK, NH, C, V, **f32), args.empty(NK, NH, C, V, **f32)
+    ksp, qsp = args.empty(NP, NH, C, V, **f32), args.empty(NP, NH, C, V, **f32)
     bounds = p.seq_bounds if p.seq_bounds is not None else ((0, T),)
     chunks = max(triton.cdiv(hi - lo, C) for lo, hi in bounds)
     widths, lowp = width_args(p.key_widths, 16), lowp_dots(v.dtype)
@@ -152,16 +167,16 @@ def run(config, p: Problem, q, k, v, g, beta, *, h0, ht, cu_seqlens, l2norm: boo
     state_widths = {n: widths[n] for n in ("D1", "D2", "D3")}
     launch = dict(num_warps=config.num_warps, num_stages=config.num_stages)
     for i_c in range(chunks + 1):
-        cached(chunk_stepped_state_kernel)[(triton.cdiv(V, BV), NH, NK)](
+        cached(chunk_stepped_state_kernel)[(triton.cdiv(V, BV), NH, NP)](
             *factor_args(q), *factor_args(k), h0, ht, us, gl, ksp, qsp, cu_seqlens, T, i_c,
-            H=H, NF=len(q), **state_widths, V=V, C=C, BK=BK, BV=BV, LOWP=lowp, PREC=config.dot_precision,
+            H=H, NF=len(q), **state_widths, V=V, C=C, BK=BK, BV=BV, TPP=TPP, LOWP=lowp, PREC=config.dot_precision,
             OUTER=outer, FIRST=i_c == 0, **launch,
         )
         if i_c < chunks:
             cached(chunk_stepped_output_kernel)[(triton.cdiv(V, BV), NH)](
                 *factor_args(q), *factor_args(k), v, g, beta, o, ws.get("P"), ws.get("Ai"), us, gl, ksp, qsp,
                 cu_seqlens, p.scale, T, i_c,
-                H=H, NF=len(q), **widths, V=V, C=C, BK=BK, BV=BV, NK=NK, L2NORM=l2norm, LOWP=lowp,
+                H=H, NF=len(q), **widths, V=V, C=C, BK=BK, BV=BV, NP=NP, L2NORM=l2norm, LOWP=lowp,
                 PREC=config.dot_precision, **launch,
             )
     return o

@@ -50,10 +50,14 @@ class StreamedConfig(KernelConfig):
     chunk instead of twice (o3 64x64 on the H200: 6.49 ms against 7.20). ``loop="gluon"``: the
     sequential kernel of ``chunk_streamed_gluon.py`` (the state on chip; sm_90), with
     ``prefetch_inputs`` (the next chunk's factor tiles loaded ahead). ``loop="stepped"``: no
-    sequential kernel, each chunk two launches over every (value block, sequence x head, key
-    tile) (``chunk_stepped.py``; ``prefetch_state`` and ``merge_passes`` are inert there: the
-    state is read once a chunk by construction; 2 T / C + 2 launches, for CUDA-graph captures:
-    an eager call pays each one's host time). ``unroll_solve`` as in
+    sequential kernel, each chunk two launches over every (value block, sequence x head, run of
+    ``tiles_per_program`` key tiles) (``chunk_stepped.py``; ``prefetch_state`` and
+    ``merge_passes`` are inert there: the state is read once a chunk by construction; 2 T / C + 2
+    launches, for CUDA-graph captures: an eager call pays each one's host time). Each run writes
+    one [C, BV] partial of phi(K) S and of phi(Q) S a chunk, which the second launch reads: per
+    token 2 x 2 x runs x d_v x 4 bytes beside the state's 2 K d_v x 4 / C (o3 64x64, C 64, 16
+    runs: 16 against 32 KiB a token-head), so longer runs trade programs for traffic.
+    ``unroll_solve`` as in
     :class:`~rtcompile.kernels.chunk_split.SplitConfig`. The other fields as in
     :class:`~rtcompile.kernels.chunk_resident.ResidentConfig`.
     """
@@ -73,20 +77,26 @@ class StreamedConfig(KernelConfig):
     loop: str = "triton"
     prefetch_inputs: bool = False
     unroll_solve: bool = False
+    tiles_per_program: int = 1
 
     def resident(self, shape: KernelShape) -> bool:
         return False
 
     def canonical(self) -> "StreamedConfig":
-        if self.loop == "stepped" and (self.prefetch_state or self.merge_passes):
-            return dataclasses.replace(self, prefetch_state=False, merge_passes=False)
-        return self
+        if self.loop == "stepped":
+            inert = dict(prefetch_state=False, merge_passes=False)
+        else:
+            inert = dict(tiles_per_program=1)
+        inert = {k: v for k, v in inert.items() if getattr(self, k) != v}
+        return dataclasses.replace(self, **inert) if inert else self
 
     def check(self, shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> str | None:
         if (reason := chunk_refusal(self, shape)) is not None:
             return reason
-        if (reason := self._check_pow2("block_k")) is not None:
+        if (reason := self._check_pow2("block_k", "tiles_per_program")) is not None:
             return reason
+        if self.tiles_per_program > 16:
+            return f"tiles_per_program={self.tiles_per_program}; allowed: 1, 2, 4, 8 or 16"
         if not 16 <= self.block_k < shape.key_dim:
             return (f"block_k={self.block_k}; allowed: 16 <= block_k < K = {shape.key_dim} (a state that fits "
                     "one tile is ResidentConfig's)")
@@ -130,14 +140,19 @@ class StreamedConfig(KernelConfig):
             "loop": ["triton", "gluon", "stepped"] if gluon else ["triton", "stepped"],
             "prefetch_inputs": [False, True] if gluon else [False],
             "unroll_solve": [False, True],
+            "tiles_per_program": [1, 2, 4, 8],  # the stepped loop's (inert in the others)
         }
 
     def workspace_bytes(self, w: Workload) -> int:
         prepared = two_kernel_workspace(self, w, scores=not self.scores_on_chip(w.shape))
-        if self.loop == "stepped":  # U' [C, V] a sequence-head and the partials [2, NK, C, V]
-            tiles = math.ceil(w.shape.key_dim / self.block_k)
-            prepared += w.batch * w.heads * self.chunk_size * w.shape.value_width * 4 * (1 + 2 * tiles)
+        if self.loop == "stepped":  # U' [C, V] a sequence-head and the partials [2, NP, C, V]
+            prepared += w.batch * w.heads * self.chunk_size * w.shape.value_width * 4 * (1 + 2 * self.runs(w.shape))
         return prepared
+
+    def runs(self, shape: KernelShape) -> int:
+        """The stepped loop's programs a (value block, sequence x head): runs of
+        ``tiles_per_program`` key tiles, each writing one partial of its products."""
+        return math.ceil(math.ceil(shape.key_dim / self.block_k) / self.tiles_per_program)
 
     def scores_on_chip(self, shape: KernelShape) -> bool:
         """Whether the sequential kernel forms P (``chunk_streamed_gluon.scores_on_chip``)."""
@@ -150,10 +165,11 @@ class StreamedConfig(KernelConfig):
             return CostFigures(programs=chunk_programs(w, self.block_v), serial_steps=n, state_passes=2,
                                workspace_bytes=self.workspace_bytes(w), launches=1 + prepare,
                                chip_elements=self.chunk_size * w.shape.key_dim)
-        if self.loop == "stepped":  # chunk-parallel launches: the state read and written once a chunk
-            tiles = math.ceil(w.shape.key_dim / self.block_k)
-            return CostFigures(programs=chunk_programs(w, self.block_v) * tiles, serial_steps=n,
-                               state_passes=2 * n + 1, workspace_bytes=self.workspace_bytes(w),
+        if self.loop == "stepped":  # chunk-parallel launches: the state read and written once a chunk,
+            # the partials written and read once (2 x NP [C, d_v] fp32 a chunk and sequence-head)
+            partials = 4 * w.batch * w.heads * n * self.chunk_size * w.shape.value_width * 4 * self.runs(w.shape)
+            return CostFigures(programs=chunk_programs(w, self.block_v) * self.runs(w.shape), serial_steps=n,
+                               state_passes=2 * n + 1, workspace_bytes=self.workspace_bytes(w) + partials // 2,
                                launches=2 * n + 2, host_loop=True)
         passes = (2 if self.merge_passes else 3) * n
         return CostFigures(programs=chunk_programs(w, self.block_v), serial_steps=n,
