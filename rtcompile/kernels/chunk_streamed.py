@@ -57,9 +57,8 @@ class StreamedConfig(KernelConfig):
     one [C, BV] partial of phi(K) S and of phi(Q) S a chunk, which the second launch reads: per
     token 2 x 2 x runs x d_v x 4 bytes beside the state's 2 K d_v x 4 / C (o3 64x64, C 64, 16
     runs: 16 against 32 KiB a token-head), so longer runs trade programs for traffic.
-    ``unroll_solve`` as in
-    :class:`~rtcompile.kernels.chunk_split.SplitConfig`. The other fields as in
-    :class:`~rtcompile.kernels.chunk_resident.ResidentConfig`.
+    ``unroll_solve`` as in :class:`~rtcompile.kernels.chunk_split.SplitConfig`. The other fields
+    as in :class:`~rtcompile.kernels.chunk_resident.ResidentConfig`.
     """
 
     kernel: ClassVar[str] = "chunk"
