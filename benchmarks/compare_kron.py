@@ -15,7 +15,7 @@ captured (a launch schedule, not a config field). A change that leaves the defau
 First every proposal runs against the float64 reference on the GPU (B1 T 203 and varlen
 sequences of 37 and 166 tokens, H2 d_v 64: partial chunks, an initial state, gate, delta rule,
 l2norm; bf16 and fp32 (ieee products); every workspace and output NaN-poisoned first). Only
-proposals that pass are timed. Timing as ``compare_defaults.py``: B8 T4096 H8 d_v 64 bf16,
+proposals that pass are timed. Timing as ``compare_defaults.py``: B8 (``--batch``) T4096 H8 d_v 64 bf16,
 each call captured in a CUDA graph per input set (two sets, replayed alternately), median of
 7 x 20 replays; the default and the proposals alternate within each round. The last columns:
 the largest difference between a proposal's output and the default's over the largest output,
@@ -381,11 +381,15 @@ def main() -> int:
                       help="only the streamed form's Gluon sequential kernel above K = 256 (sm_90)")
     only.add_argument("--stepped", action="store_true",
                       help="only the streamed form's chunk loop on the host (loop='stepped') at K >= 1024")
+    ap.add_argument("--batch", type=int, default=8,
+                    help="sequences of the timed calls (default 8; B1 is the single-prompt prefill)")
     ap.add_argument("--timeline", action="store_true",
                     help="also the kernel timeline of one captured replay of the default and the fastest proposal")
     ap.add_argument("--profile", action="store_true",
                     help="also the per-kernel split (torch.profiler, eager) of the default and the fastest proposal")
     args = ap.parse_args()
+    if args.batch < 1:
+        ap.error(f"--batch: a number of sequences >= 1, got {args.batch}")
     # (split fields the proposals go over, or None for changes to the default; case, widths,
     # proposals), by the list's name
     lists = {"CASES": [(KRON, *c) for c in CASES], "PHI_PASS": [(None, *c) for c in PHI_PASS],
@@ -400,7 +404,10 @@ def main() -> int:
         print(f"compare_kron: {' and '.join(chosen)} list no proposals; add (case, widths, "
               "[changes to the default]) to time one", file=sys.stderr)
         return 2
+    import compare_defaults
     from compare_defaults import _prefill_inputs, _timed, untuned
+
+    compare_defaults.B = args.batch  # the timed inputs' batch (_prefill_inputs reads it)
 
     untuned()  # "default": the defaults table's config, whatever a tuner step wrote before
     import torch

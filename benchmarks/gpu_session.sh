@@ -200,6 +200,11 @@ step_stepped() {  # issue 22's K 4096 rows with the chunk loop on the host (loop
   (cd benchmarks && timeout 540 python3 compare_kron.py --stepped --rounds 2 --profile --out "$OUT/stepped.json" \
     > "$OUT/stepped.txt" 2>&1) || true
   grep -E "^o[234]" "$OUT/stepped.txt" || tail -n 5 "$OUT/stepped.txt"
+  # the single-prompt prefill (B1: 8 programs a value block for the sequential kernel, the state
+  # 8 MiB, inside L2), on the kernels the call above compiled
+  (cd benchmarks && timeout 240 python3 compare_kron.py --stepped --only 64x64 --batch 1 --rounds 2 \
+    --out "$OUT/stepped_b1.json" > "$OUT/stepped_b1.txt" 2>&1) || true
+  grep -E "^o[234]" "$OUT/stepped_b1.txt" || tail -n 5 "$OUT/stepped_b1.txt"
 }
 
 step_large() {  # issue 22's K > 256 rows on sm_90 (~3 min on an H100): the streamed Gluon kernel's

@@ -159,6 +159,60 @@ def test_compare_kron_check_runs_the_pipelined_parts(monkeypatch):
     assert failed is not None and failed.startswith("torch.bfloat16 T203 parts output"), failed
 
 
+@interpreter_only  # CPU tensors through the interpreter's kernels (on a GPU machine Triton refuses them)
+def test_compare_kron_check_runs_the_stepped_loop(monkeypatch):
+    """The GPU gate on the stepped loop (the streamed form's chunks launched from the host) in
+    runs of two key tiles: it passes, and a launcher that skips the last launch (the final
+    update) is named by its state."""
+    import torch
+
+    import compare_kron
+    from rtcompile.kernels import chunk_stepped, launch
+    from rtcompile.kernels.chunk_streamed import StreamedConfig
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self: self)
+    monkeypatch.setattr(launch, "smem_limit", lambda device: 232448)
+    config = StreamedConfig(32, 16, 16, loop="stepped", tiles_per_program=2)
+    assert compare_kron.check(config, (5, 7)) is None
+    real = chunk_stepped.cached
+
+    class Dropped:  # the state kernel's last launch (the update by the last chunk) never runs
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def call(*a, **kw):
+                if self.kernel is chunk_stepped.chunk_stepped_state_kernel and a[14] == _last[0]:
+                    return None
+                return real(self.kernel)[grid](*a, **kw)
+            return call
+
+    _last = [None]
+    real_run = chunk_stepped.run
+
+    def run(config, p, *a, **kw):
+        _last[0] = max(-(-(hi - lo) // config.chunk_size) for lo, hi in (p.seq_bounds or ((0, p.seq_len),)))
+        return real_run(config, p, *a, **kw)
+
+    monkeypatch.setattr(chunk_stepped, "cached", Dropped)
+    monkeypatch.setattr(chunk_stepped, "run", run)
+    failed = compare_kron.check(config, (5, 7))
+    assert failed is not None and " state:" in failed, failed
+
+
+def test_compare_kron_batch_refusal(monkeypatch, capsys):
+    """--batch below 1: one usage line naming the option, exit 2, before any GPU work."""
+    import compare_kron
+
+    monkeypatch.setattr(sys, "argv", ["compare_kron.py", "--stepped", "--batch", "0"])
+    with pytest.raises(SystemExit) as exc:
+        compare_kron.main()
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--batch: a number of sequences >= 1, got 0" in err and "Traceback" not in err
+
+
 def test_compare_kron_changes_to_the_default_pass_their_checks():
     """Every change compare_kron proposes to a shape's default builds a config that passes its
     own check with an H200's shared memory (232448 B), and changes what it names (a misspelt
@@ -170,7 +224,8 @@ def test_compare_kron_changes_to_the_default_pass_their_checks():
     from rtcompile.kernels.forms import default_config
 
     checked = 0
-    for case, widths, proposals in compare_kron.PHI_PASS + compare_kron.LARGE + compare_kron.SMALL_K:
+    for case, widths, proposals in (compare_kron.PHI_PASS + compare_kron.LARGE + compare_kron.SMALL_K
+                                    + compare_kron.SOLVE + compare_kron.STEPPED):
         shape = KernelShape(widths, 64, 2)
         default = default_config("chunk", shape, 232448, gluon=True)  # an H200's (sm_90) default
         for proposal in proposals:

@@ -39,6 +39,14 @@ from .inputs import Problem
 from .launch_cache import cached
 
 
+def smem_bytes(chunk_size: int, block_k: int, block_v: int) -> int:
+    """Shared memory of the larger of the two kernels, an upper bound on what Triton 3.6 asked
+    for offline (sm_90, o3 64x64, eight configs): the state kernel's staged [C, BK] and [C, BV]
+    operands (20-41 KiB measured against 4 C (BK + BV) = 72 KiB at C 64, BK 256, BV 32), the
+    output kernel's [C, C] fp32 one (16 KiB at C 64, 64 KiB at C 128, both as 4 C^2)."""
+    return 4 * chunk_size * max(chunk_size, block_k + block_v)
+
+
 @triton.jit(do_not_specialize=["i_c"])  # one compile for every chunk number (Triton would make three)
 def chunk_stepped_state_kernel(
     q1, q2, q3, k1, k2, k3, h0, ht, Us, Gl, KSp, QSp, cu_seqlens, T, i_c,

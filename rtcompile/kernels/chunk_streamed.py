@@ -115,6 +115,8 @@ class StreamedConfig(KernelConfig):
     def estimate_smem(self, shape: KernelShape) -> int:
         if self.loop == "gluon":
             return chunk_streamed_gluon.smem_bytes(self.chunk_size, shape.key_widths, self.block_v)
+        if self.loop == "stepped":
+            return chunk_stepped.smem_bytes(self.chunk_size, self.block_k, self.block_v)
         return chunk_smem_estimate(self.chunk_size, self.block_k, self.block_v, self.num_stages)
 
     @classmethod
