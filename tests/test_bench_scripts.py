@@ -176,6 +176,7 @@ def test_compare_kron_check_runs_the_stepped_loop(monkeypatch):
     config = StreamedConfig(32, 16, 16, loop="stepped", tiles_per_program=2)
     assert compare_kron.check(config, (5, 7)) is None
     real = chunk_stepped.cached
+    last = []  # the call's chunk count: the state kernel's launch at that chunk is the last update
 
     class Dropped:  # the state kernel's last launch (the update by the last chunk) never runs
         def __init__(self, kernel):
@@ -183,16 +184,15 @@ def test_compare_kron_check_runs_the_stepped_loop(monkeypatch):
 
         def __getitem__(self, grid):
             def call(*a, **kw):
-                if self.kernel is chunk_stepped.chunk_stepped_state_kernel and a[14] == _last[0]:
+                if self.kernel is chunk_stepped.chunk_stepped_state_kernel and a[14] == last[-1]:  # a[14]: i_c
                     return None
                 return real(self.kernel)[grid](*a, **kw)
             return call
 
-    _last = [None]
     real_run = chunk_stepped.run
 
     def run(config, p, *a, **kw):
-        _last[0] = max(-(-(hi - lo) // config.chunk_size) for lo, hi in (p.seq_bounds or ((0, p.seq_len),)))
+        last.append(max(-(-(hi - lo) // config.chunk_size) for lo, hi in (p.seq_bounds or ((0, p.seq_len),))))
         return real_run(config, p, *a, **kw)
 
     monkeypatch.setattr(chunk_stepped, "cached", Dropped)

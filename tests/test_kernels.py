@@ -15,7 +15,6 @@ import triton.language as tl
 from rtcompile.kernels import (
     args, chunk_fused, chunk_resident, chunk_split, chunk_streamed, running_tensor_recurrent_ref,
 )
-from rtcompile.kernels.solves import unit_lower_inverse_products, unit_lower_inverse_tiles
 from rtcompile.kernels.chunk_fused import FusedConfig
 from rtcompile.kernels.chunk_resident import ResidentConfig
 from rtcompile.kernels.chunk_split import SplitConfig
@@ -23,6 +22,7 @@ from rtcompile.kernels.chunk_streamed import StreamedConfig
 from rtcompile.kernels.config import KernelShape
 from rtcompile.kernels.forms import candidates, low_memory
 from rtcompile.kernels.inputs import check_inputs
+from rtcompile.kernels.solves import unit_lower_inverse_products, unit_lower_inverse_tiles
 from rtcompile.kernels import pipeline
 from rtcompile.timing import as_replayed
 
