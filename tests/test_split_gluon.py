@@ -16,7 +16,7 @@ import torch
 from rtcompile.kernels import chunk_split_gluon, launch
 from rtcompile.kernels.chunk_split import SplitConfig
 from rtcompile.kernels.config import KernelShape
-from rtcompile.kernels.forms import candidates
+from rtcompile.kernels.forms import candidates, low_memory
 
 from test_kernels import DEVICE, FEATURES, check_against_reference
 
@@ -93,7 +93,6 @@ def test_defaults_propose_the_gluon_loop_only_where_it_runs(monkeypatch):
         # o2 256 inverts by products in registers at 4 prepare warps (H100: 0.934x the tile solve)
         o2_256 = candidates("chunk", KernelShape((256,), 64, 2), SMEM)[0]
         assert (o2_256.loop, o2_256.solve, o2_256.prepare_warps) == ("gluon", "products", 4)
-        from rtcompile.kernels.forms import low_memory
         assert low_memory(KernelShape((256,), 64, 2), SMEM).solve == "tiles"  # its fused sibling's, measured
     assert candidates("chunk", KernelShape((64,), 64, 4), SMEM)[0].loop == "triton"
     assert candidates("chunk", KernelShape((16, 16), 64, 2), SMEM)[0].loop == "triton"  # measured slower there
