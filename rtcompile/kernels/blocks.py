@@ -152,6 +152,27 @@ def dot(a, b, LOWP: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def delta_outputs(b_ks, b_qs, b_gam, b_v, b_b, b_Ai, b_P, scale, Rc, p_rows, m_o, USE_BETA: tl.constexpr,
+                  LOWP: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+    """A chunk's step after its state products (``b_ks`` / ``b_qs``: phi(K) S and phi(Q) S with
+    their rows' scales; ``b_gam``: Gamma): U = Ai diag(beta) R with R = V - diag(Gamma) phi(K) S
+    (V without the delta rule) and the outputs scale (diag(Gamma) phi(Q) S + P U), fp32. ``Rc``
+    not None (the streamed backward's recompute): R is stored there at ``p_rows``, before the
+    solve product: stored after it, the recompute kernel's SASS changed (offline, sm_90, o3
+    64x64), here it is the same as before the step was shared. The streamed and stepped loops
+    share it, so their step cannot drift apart."""
+    if USE_BETA:
+        b_R = b_v - b_gam[:, None] * b_ks
+        if Rc is not None:
+            tl.store(Rc + p_rows, b_R, mask=m_o)
+        b_u = dot(b_Ai, b_b[:, None] * b_R, LOWP, DT, PREC)
+    else:
+        b_u = b_v
+    b_o = scale * (b_gam[:, None] * b_qs + dot(b_P, b_u, LOWP, DT, PREC))
+    return b_u, b_o
+
+
+@triton.jit
 def phi_block(p1, p2, p3, r, m_t, i_k, C: tl.constexpr, BK: tl.constexpr, NF: tl.constexpr,
               D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, K: tl.constexpr, OUTER: tl.constexpr,
               OUT_DT: tl.constexpr = tl.float32):

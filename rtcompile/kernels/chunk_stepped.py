@@ -33,7 +33,7 @@ import triton.language as tl
 
 from . import args
 from .args import factor_args, lowp_dots, width_args
-from .blocks import chunk_inputs, dot, load_state_tile, phi_block, sequence_of_program
+from .blocks import chunk_inputs, delta_outputs, dot, load_state_tile, phi_block, sequence_of_program
 from .config import KernelShape
 from .inputs import Problem
 from .launch_cache import cached
@@ -145,11 +145,8 @@ def chunk_stepped_output_kernel(
         b_gam = tl.exp(b_c)
         b_last = tl.sum(tl.where(o_c == C - 1, b_c, 0.0), axis=0)
         m_o = m_t[:, None] & m_v[None, :]
-        if beta is not None:
-            b_u = dot(b_Ai, b_b[:, None] * (b_v - b_gam[:, None] * b_ks), LOWP, DT, PREC)
-        else:
-            b_u = b_v
-        b_o = scale * (b_gam[:, None] * b_qs + dot(b_P, b_u, LOWP, DT, PREC))
+        b_u, b_o = delta_outputs(b_ks, b_qs, b_gam, b_v, b_b, b_Ai, b_P, scale, None, None, None, beta is not None,
+                                 LOWP, DT, PREC)
         tl.store(o + r[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_o)
         # the rows' scale (1 / ||phi(k)||, Gamma_C / Gamma_i) on U once, not on every phi(K) block
         b_us = b_u * (r_k * tl.exp(b_last - b_c))[:, None]

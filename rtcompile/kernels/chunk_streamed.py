@@ -21,7 +21,7 @@ import triton.language as tl
 from . import args, chunk_stepped, chunk_streamed_gluon
 from .args import factor_args, lowp_dots, width_args
 from .blocks import (
-    chunk_inputs, dot, first_stored_state, load_state_tile, phi_block, sequence_of_program, state_tile,
+    chunk_inputs, delta_outputs, dot, first_stored_state, load_state_tile, phi_block, sequence_of_program, state_tile,
 )
 from .chunk_prepare import prepare_scores
 from .config import (
@@ -285,17 +285,11 @@ def chunk_streamed_kernel(
         b_ks = b_ks * r_k[:, None]
         b_qs = b_qs * r_q[:, None]
         m_o = m_t[:, None] & m_v[None, :]
-        if beta is not None:
-            b_R = b_v - b_gam[:, None] * b_ks
-            if Rc is not None:
-                tl.store(Rc + r[:, None] * V + o_v[None, :], b_R, mask=m_o)
-            b_u = dot(b_Ai, b_b[:, None] * b_R, LOWP_SCORES, DT, PREC)
-        else:
-            b_u = b_v
+        b_u, b_o = delta_outputs(b_ks, b_qs, b_gam, b_v, b_b, b_Ai, b_P, scale, Rc, r[:, None] * V + o_v[None, :], m_o,
+                                 beta is not None, LOWP_SCORES, DT, PREC)
         if Uc is not None:
             tl.store(Uc + r[:, None] * V + o_v[None, :], b_u, mask=m_o)
         if o is not None:
-            b_o = scale * (b_gam[:, None] * b_qs + dot(b_P, b_u, LOWP_SCORES, DT, PREC))
             tl.store(o + r[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_o)
         # the rows' scale (1 / ||phi(k)||, Gamma_C / Gamma_i) on U ([C, BV], once per chunk)
         # instead of on every [C, BK] block of phi(K)
