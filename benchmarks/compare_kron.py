@@ -33,7 +33,7 @@ import os
 import statistics
 import sys
 
-METHOD = ("B8 T4096 H8 d_v 64 bf16, gate + delta rule + l2norm + final state; CUDA-graph replays over two input "
+METHOD = ("B{batch} T4096 H8 d_v 64 bf16, gate + delta rule + l2norm + final state; CUDA-graph replays over two input "
           "sets, median of 7 x 20 per round, median over rounds; every proposal checked against float64 on the GPU "
           "first (bf16 and fp32, T 203 and varlen, NaN-poisoned workspaces)")
 KRON = {"loop": "kron", "state_stride": 2, "pipeline": 2, "num_stages": 2, "prepare_warps": 1,
@@ -383,6 +383,7 @@ def main() -> int:
                       help="only the streamed form's chunk loop on the host (loop='stepped') at K >= 1024")
     ap.add_argument("--batch", type=int, default=8,
                     help="sequences of the timed calls (default 8; B1 is the single-prompt prefill)")
+    ap.add_argument("--pick", help="only the proposals whose name contains this (the default is always timed)")
     ap.add_argument("--timeline", action="store_true",
                     help="also the kernel timeline of one captured replay of the default and the fastest proposal")
     ap.add_argument("--profile", action="store_true",
@@ -439,10 +440,12 @@ def main() -> int:
             if cfg == default and not patch:  # nothing to compare: the default timed against itself
                 print(f"{case} {_name(fields, base)}: the default itself here, skipped", file=sys.stderr, flush=True)
                 continue
+            name = _name({**fields, **patch}, base)
+            if args.pick and args.pick not in name:
+                continue
             refusal = cfg.check(launch.kernel_shape(p), launch.smem_limit(dev))
             with _patched(patch):
                 failed = refusal or check(cfg, widths)
-            name = _name({**fields, **patch}, base)
             constants[name] = patch
             print(f"{case} {name}: {'refused: ' + refusal if refusal else failed or 'matches float64'}",
                   file=sys.stderr, flush=True)
@@ -498,12 +501,12 @@ def main() -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "commit": os.environ.get("RTCOMPILE_COMMIT", "unknown"),
-                       "method": METHOD, "torch": torch.__version__,
+                       "method": METHOD.format(batch=args.batch), "torch": torch.__version__,
                        "triton": __import__("triton").__version__, "rows": rows}, f, indent=1)
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"proposals vs the default, B8 T4096 H8 d_v 64 bf16 "
+    table = Table(title=f"proposals vs the default, B{args.batch} T4096 H8 d_v 64 bf16 "
                         f"({torch.cuda.get_device_name()}, median of {args.rounds} rounds)")
     for col in ("case", "config", "ms", "x default", "diff"):
         table.add_column(col)
