@@ -176,17 +176,22 @@ SOLVE = [
 
 # The streamed form's chunk loop on the host (loop="stepped", chunk_stepped.py: two chunk-parallel
 # launches a chunk) above K 1024, where the sequential kernel moves the state at 1.4 TB/s (o3
-# 64x64, H200); not yet timed. Runs of key tiles (tiles_per_program) cut the partial products'
-# traffic (16 runs at C 64: 16 KiB a token-head beside the state's 32), chunks of 128 the state's
-# (the tile solve takes them in two halves). Offline (Triton 3.6, sm_90, o3 64x64) none spills:
-# the state kernel 128-210 registers (runs of 4 at C 128: 184-210), the output kernel 128-166 at
-# C 64 (at C 128 it spills 584 B at 4 warps, none at 8), the C 128 prepare kernel 88 B at 8 warps
+# 64x64, H200). Runs of key tiles (tiles_per_program) cut the partial products' traffic (16 runs
+# at C 64: 16 KiB a token-head beside the state's 32), chunks of 128 the state's (the tile solve
+# takes them in two halves). H100, B1 T4096 at 9516cfa (against the sequential kernel's 4.005
+# ms): C 128 runs of 4 0.920 ms (o3 64x64's default since), runs of 8 1.209; C 64 1.445 (runs of
+# 1), 1.491 (4), 1.638 (128-row tiles, 64 columns, 4), 1.512 (128-row tiles, 4 warps, 2). B8 and
+# order 4 not timed yet. Offline (Triton 3.6, sm_90, o3 64x64) none spills: the state kernel
+# 128-254 registers, the output kernel 128-254 (at C 128 it spills 584 B at 4 warps, none at 8),
+# the C 128 prepare kernel 88 B at 8 warps (C 128 with 64 columns compiles to 254 registers
+# without spilling, but the register estimate refuses it). o3 64x64's proposals are changes to that default:
+# the sequential kernel it replaced first.
 _C128 = dict(loop="stepped", chunk_size=128, block_k=128, num_warps=8, prepare_warps=8)
 STEPPED = [
-    ("o3 64x64", (64, 64), [dict(loop="stepped"), dict(loop="stepped", tiles_per_program=4),
-                            dict(loop="stepped", block_k=128, block_v=64, tiles_per_program=4),
-                            dict(loop="stepped", block_k=128, num_warps=4, tiles_per_program=2),
-                            dict(_C128, tiles_per_program=4), dict(_C128, tiles_per_program=8)]),
+    ("o3 64x64", (64, 64), [dict(loop="triton", chunk_size=64, block_k=256, prepare_warps=2, merge_passes=True,
+                                 tiles_per_program=1),
+                            dict(tiles_per_program=2), dict(tiles_per_program=8),
+                            dict(chunk_size=64, block_k=256, prepare_warps=2, tiles_per_program=1)]),
     ("o4 16x16x16", (16, 16, 16), [dict(loop="stepped", tiles_per_program=4), dict(_C128, tiles_per_program=4)]),
     ("o3 32x32", (32, 32), [dict(loop="stepped", block_k=256, block_v=32, num_warps=8, tiles_per_program=2)]),
 ]

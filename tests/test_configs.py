@@ -369,6 +369,19 @@ def test_split_default_only_where_measured():
     assert default_config("chunk", SHAPES["o2-128"], H200_SMEM, gluon=True).loop == "gluon"
 
 
+def test_the_stepped_loop_is_the_default_only_where_measured():
+    """o3 64x64 runs the chunk loop on the host at C 128 (H100, B1: 0.920 ms against 4.005 for
+    the sequential kernel); order 4 at the same K was not timed and keeps the sequential kernel.
+    The low-memory sibling takes the sequential kernel's tiles (the fused form cannot fit C 128's)."""
+    o3 = default_config("chunk", SHAPES["o3-64x64"], H200_SMEM)
+    assert (o3.loop, o3.chunk_size, o3.block_k, o3.tiles_per_program) == ("stepped", 128, 128, 4)
+    o4 = default_config("chunk", SHAPES["o4-16x16x16"], H200_SMEM)
+    assert isinstance(o4, StreamedConfig) and o4.loop == "triton" and o4.merge_passes
+    fused = low_memory(SHAPES["o3-64x64"], H200_SMEM)
+    assert (fused.chunk_size, fused.block_k, fused.merge_passes) == (64, 256, True)
+    assert fused.check(SHAPES["o3-64x64"], H200_SMEM) is None
+
+
 def test_large_states_stream():
     big = SHAPES["o3-64x64"]
     assert isinstance(default_config("chunk", big), StreamedConfig)

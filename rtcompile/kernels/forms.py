@@ -270,6 +270,14 @@ CHUNK_DEFAULTS: tuple[DefaultRow, ...] = (
                           _tiled(s, 32, min(s.key_dim_pow2, 128), 16, 4)],
                "K <= 256 without power-of-two widths >= 16 (no prefetch): state in registers, C 32 "
                "(o3 16x16: 1.16 ms against 7.2 at C 64 with 64-row tiles)"),
+    DefaultRow(lambda s: s.key_dim == 4096 and len(s.key_widths) == 2,
+               lambda s: [StreamedConfig(chunk_size=128, block_k=128, block_v=min(32, s.value_dim_pow2), num_warps=8,
+                                         prepare_warps=8, dot_precision=_precision(s), loop="stepped",
+                                         tiles_per_program=4)],
+               "o3 64x64: the chunk loop on the host (two chunk-parallel launches a chunk, chunk_stepped.py), C 128 "
+               "in 128-row tiles, runs of 4: B1 T4096 0.920 ms against 4.005 for the sequential kernel below "
+               "(H100, compare_kron --stepped --batch 1 at 9516cfa, float64-checked on the GPU first; C 64: "
+               "1.445-1.638 ms); not measured at order 4 (K 4096 as well), which keeps the row below"),
     DefaultRow(lambda s: s.key_dim_pow2 >= 4096,
                lambda s: [StreamedConfig(chunk_size=64, block_k=max(_stream_tile(s), 256), block_v=min(bv, s.value_dim_pow2),
                                          num_warps=8, prepare_warps=2, dot_precision=_precision(s), merge_passes=True)
@@ -474,8 +482,10 @@ def low_memory(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> Fuse
     prefetch (fused at o2 64: 3.09 ms with it, 3.00 without). The product solve (o2 256's split
     default) was measured in the prepare kernel only: the sibling keeps the tile solve there."""
     base = default_config("chunk", shape, smem_limit)
-    if isinstance(base, StreamedConfig) and base.loop == "gluon":  # the Triton kernel's tiles, which fused runs
-        base = default_config("chunk", shape, smem_limit, gluon=False)
+    if isinstance(base, StreamedConfig) and base.loop != "triton":  # the Triton kernel's tiles, which fused
+        # runs (not the Gluon kernel's, nor the stepped loop's C 128, which fused does not fit)
+        base = next((c for c in candidates("chunk", shape, smem_limit, gluon=False)
+                     if not (isinstance(c, StreamedConfig) and c.loop != "triton")), base)
     C, stages = base.chunk_size, base.num_stages
     if isinstance(base, SplitConfig):
         C, stages = 16, 1
