@@ -184,8 +184,8 @@ SOLVE = [
 # order 4 not timed yet. Offline (Triton 3.6, sm_90, o3 64x64) none spills: the state kernel
 # 128-254 registers, the output kernel 128-254 (at C 128 it spills 584 B at 4 warps, none at 8),
 # the C 128 prepare kernel 88 B at 8 warps (C 128 with 64 columns compiles to 254 registers
-# without spilling, but the register estimate refuses it). o3 64x64's proposals are changes to that default:
-# the sequential kernel it replaced first.
+# without spilling, but the register estimate refuses it). o3 64x64's proposals are changes to
+# that default: the sequential kernel it replaced first.
 _C128 = dict(loop="stepped", chunk_size=128, block_k=128, num_warps=8, prepare_warps=8)
 STEPPED = [
     ("o3 64x64", (64, 64), [dict(loop="triton", chunk_size=64, block_k=256, prepare_warps=2, merge_passes=True,
