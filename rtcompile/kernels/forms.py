@@ -274,8 +274,8 @@ CHUNK_DEFAULTS: tuple[DefaultRow, ...] = (
                lambda s: [StreamedConfig(chunk_size=128, block_k=128, block_v=min(32, s.value_dim_pow2), num_warps=8,
                                          prepare_warps=8, dot_precision=_precision(s), loop="stepped",
                                          tiles_per_program=4)],
-               "order 3 at K 4096 (o3 64x64 measured): the chunk loop on the host (two chunk-parallel launches a chunk, chunk_stepped.py), C 128 "
-               "in 128-row tiles, runs of 4: B1 T4096 0.920 ms against 4.005 for the sequential kernel below "
+               "order 3 at K 4096 (o3 64x64 measured): the chunk loop on the host (two chunk-parallel launches "
+               "a chunk, chunk_stepped.py), C 128 in 128-row tiles, runs of 4: B1 T4096 0.920 ms against 4.005 for the sequential kernel below "
                "(H100, compare_kron --stepped --batch 1 at 9516cfa, float64-checked on the GPU first; C 64: "
                "1.445-1.638 ms); not measured at order 4 (K 4096 as well), which keeps the row below"),
     DefaultRow(lambda s: s.key_dim_pow2 >= 4096,
@@ -481,11 +481,13 @@ def low_memory(shape: KernelShape, smem_limit: int = DEFAULT_SMEM_BYTES) -> Fuse
     fused, was estimated at ~464 registers at o3 16x16); a resident state drops the input
     prefetch (fused at o2 64: 3.09 ms with it, 3.00 without). The product solve (o2 256's split
     default) was measured in the prepare kernel only: the sibling keeps the tile solve there."""
+    def triton_loop(c: KernelConfig) -> bool:  # the tiles fused runs: not the Gluon kernel's, nor the
+        # stepped loop's C 128, which fused does not fit
+        return not isinstance(c, StreamedConfig) or c.loop == "triton"
+
     base = default_config("chunk", shape, smem_limit)
-    if isinstance(base, StreamedConfig) and base.loop != "triton":  # the Triton kernel's tiles, which fused
-        # runs (not the Gluon kernel's, nor the stepped loop's C 128, which fused does not fit)
-        base = next((c for c in candidates("chunk", shape, smem_limit, gluon=False)
-                     if not (isinstance(c, StreamedConfig) and c.loop != "triton")), base)
+    if not triton_loop(base):
+        base = next(filter(triton_loop, candidates("chunk", shape, smem_limit, gluon=False)), base)
     C, stages = base.chunk_size, base.num_stages
     if isinstance(base, SplitConfig):
         C, stages = 16, 1
