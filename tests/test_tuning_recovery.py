@@ -209,6 +209,15 @@ def test_a_time_budget_holds(tmp_path):
     re-measured four variants after it)."""
     url = f"sqlite:///{tmp_path / 'sec.db'}"
     budget = 20.0
+    # what the command cannot budget: the interpreter's start before its clock and, after its
+    # end, the teardown of the libraries it loaded; timed here on the same machine, now, as a
+    # process's wall time less its own imports (~0.65 s idle; the test had failed by 0.06 and
+    # 0.10 s with another pytest worker on the 2 cores)
+    t0 = time.time()
+    imports = subprocess.run([sys.executable, "-c", "import time; t = time.time(); import torch, triton, optuna, "
+                              "rtcompile.cli; print(time.time() - t)"], check=True, timeout=300, capture_output=True,
+                             text=True).stdout
+    unbudgeted = time.time() - t0 - float(imports)
     t0 = time.time()
     subprocess.run([sys.executable, "-m", "rtcompile.cli", "tune", str(_spec(tmp_path)), "--seconds", str(budget),
                     "--storage", url], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
@@ -221,7 +230,7 @@ def test_a_time_budget_holds(tmp_path):
     done = [t for t in trials if t.datetime_complete is not None and t.datetime_start is not None]
     assert len({t.number for t in done}) >= 2, "too few trials ran for the budget to mean anything"
     longest = max((t.datetime_complete - t.datetime_start).total_seconds() for t in done)
-    assert took <= 1.1 * budget + longest, (took, longest)
+    assert took <= 1.1 * budget + longest + unbudgeted, (took, longest, unbudgeted)
 
 
 def test_messages_agree_with_the_store(tmp_path, capsys):
