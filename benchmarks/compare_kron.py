@@ -10,14 +10,17 @@ captured (a launch schedule, not a config field). A change that leaves the defau
 
     python benchmarks/compare_kron.py [--rounds 2] [--out FILE.json] [--only 32x32]
                                       [--phi-pass | --large | --small-k | --split-large | --gluon-large]
+                                      [--stepped] [--batch 8] [--pick TEXT] [--jobs N]
                                       [--profile] [--timeline]
 
 First every proposal runs against the float64 reference on the GPU (B1 T 203 and varlen
 sequences of 37 and 166 tokens, H2 d_v 64: partial chunks, an initial state, gate, delta rule,
 l2norm; bf16 and fp32 (ieee products); every workspace and output NaN-poisoned first). Only
-proposals that pass are timed. Timing as ``compare_defaults.py``: B8 (``--batch``) T4096 H8 d_v 64 bf16,
-each call captured in a CUDA graph per input set (two sets, replayed alternately), median of
-7 x 20 replays; the default and the proposals alternate within each round. The last columns:
+proposals that pass are timed (``--jobs N``: a case's configs checked in N processes at once,
+each then making one call at the timed shape, so the timing process finds them compiled).
+Timing as ``compare_defaults.py``: B8 (``--batch``) T4096 H8 d_v 64 bf16, each call captured
+in a CUDA graph per input set (two sets, replayed alternately), median of 7 x 20 replays; the
+default and the proposals alternate within each round. The last columns:
 the largest difference between a proposal's output and the default's over the largest output,
 and the time over the default's. Prints a table last. ``--timeline``: each kernel's stream, start
 and end in one captured replay (whether the pipelined parts run beside one another).
@@ -370,6 +373,66 @@ def _capture_output(fn):
     return graph, held[-1]
 
 
+def _proposals(case, base, default, proposals, pick) -> list[tuple[str, object, dict]]:
+    """(name, config, module constants) of each proposal to time, in order: changes to
+    ``default`` (``base`` None) or split configs over ``base``; one that leaves the default as it
+    is is named on stderr and left out, as are those whose name does not hold ``pick``."""
+    out = []
+    for fields in proposals:
+        fields, patch = split_fields(fields)
+        cfg = type(default).from_dict({**default.to_dict(), **fields}) if base is None else split_config(base, fields)
+        name = _name({**fields, **patch}, base)
+        if cfg == default and not patch:  # nothing to compare: the default timed against itself
+            print(f"{case} {name}: the default itself here, skipped", file=sys.stderr, flush=True)
+        elif not pick or pick in name:
+            out.append((name, cfg, patch))
+    return out
+
+
+def _warm_call(config, widths, batch) -> None:
+    """One eager call at the timed inputs' shape, so the kernels the capture launches are in
+    Triton's cache (the float64 gate's T 203 calls specialise some kernels' arguments apart)."""
+    import torch
+
+    import compare_defaults
+    import rtcompile
+
+    compare_defaults.B = batch
+    rtcompile.running_tensor(*compare_defaults._prefill_inputs(widths, 1), l2norm=True, output_final_state=True,
+                             mode="chunk", backend="triton", variant=config)
+    torch.cuda.synchronize()
+
+
+def _check_and_warm(config, patch, widths, batch) -> str | None:
+    """A pool worker's :func:`check` of one config (its module constants set), then, where it
+    passed, :func:`_warm_call`: what failed, or None."""
+    with _patched(patch):
+        failed = check(config, widths)
+        if failed is None:
+            _warm_call(config, widths, batch)
+    return failed
+
+
+def check_all(todo, widths, jobs: int, batch: int, context: str = "spawn") -> list[str | None]:
+    """:func:`check` of each (name, config, constants) in ``todo``, in order. ``jobs`` > 1:
+    in that many processes at once, each also making one call at the timed shape (``batch``),
+    so the main process captures on a warm Triton cache: a cold config took ~60-80 s to compile
+    and check at K 4096 (H100, 9516cfa), one after another, while 15 of the machine's 16 cores
+    sat idle. ``context``: the processes' start method (spawn: the caller holds a CUDA context)."""
+    if jobs <= 1:
+        results = []
+        for _, cfg, patch in todo:
+            with _patched(patch):
+                results.append(check(cfg, widths))
+        return results
+    import concurrent.futures
+    import multiprocessing
+
+    ctx = multiprocessing.get_context(context)
+    with concurrent.futures.ProcessPoolExecutor(min(jobs, len(todo)), mp_context=ctx) as pool:
+        return list(pool.map(_check_and_warm, *zip(*[(cfg, patch, widths, batch) for _, cfg, patch in todo])))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
@@ -389,6 +452,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=8,
                     help="sequences of the timed calls (default 8; B1 is the single-prompt prefill)")
     ap.add_argument("--pick", help="only the proposals whose name contains this (the default is always timed)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="check (and compile) a case's configs in this many processes at once before timing")
     ap.add_argument("--timeline", action="store_true",
                     help="also the kernel timeline of one captured replay of the default and the fastest proposal")
     ap.add_argument("--profile", action="store_true",
@@ -396,6 +461,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.batch < 1:
         ap.error(f"--batch: a number of sequences >= 1, got {args.batch}")
+    if args.jobs < 1:
+        ap.error(f"--jobs: a number of processes >= 1, got {args.jobs}")
     # (split fields the proposals go over, or None for changes to the default; case, widths,
     # proposals), by the list's name
     lists = {"CASES": [(KRON, *c) for c in CASES], "PHI_PASS": [(None, *c) for c in PHI_PASS],
@@ -430,34 +497,23 @@ def main() -> int:
         sets = [_prefill_inputs(widths, seed) for seed in (1, 2)]
         p = check_inputs(*sets[0], None, None, None)
         default = launch.resolve_config("chunk", None, p, dev)
-        configs, constants = {"default": default}, {}
-        failed = check(default, widths)  # the default runs the same checks first
-        print(f"{case} default: {failed or 'matches float64'}", file=sys.stderr, flush=True)
-        if failed:
-            rows.append({"case": case, "config": "default", "failed": failed})
-            continue
-        for fields in proposals:
-            fields, patch = split_fields(fields)
-            if base is None:
-                cfg = type(default).from_dict({**default.to_dict(), **fields})
-            else:
-                cfg = split_config(base, fields)
-            if cfg == default and not patch:  # nothing to compare: the default timed against itself
-                print(f"{case} {_name(fields, base)}: the default itself here, skipped", file=sys.stderr, flush=True)
-                continue
-            name = _name({**fields, **patch}, base)
-            if args.pick and args.pick not in name:
-                continue
+        todo = [("default", default, {})]  # the default runs the same checks first
+        for name, cfg, patch in _proposals(case, base, default, proposals, args.pick):
             refusal = cfg.check(launch.kernel_shape(p), launch.smem_limit(dev))
-            with _patched(patch):
-                failed = refusal or check(cfg, widths)
-            constants[name] = patch
-            print(f"{case} {name}: {'refused: ' + refusal if refusal else failed or 'matches float64'}",
-                  file=sys.stderr, flush=True)
+            if refusal:
+                print(f"{case} {name}: refused: {refusal}", file=sys.stderr, flush=True)
+                rows.append({"case": case, "config": name, "failed": refusal})
+            else:
+                todo.append((name, cfg, patch))
+        configs, constants = {}, {}
+        for (name, cfg, patch), failed in zip(todo, check_all(todo, widths, args.jobs, args.batch)):
+            print(f"{case} {name}: {failed or 'matches float64'}", file=sys.stderr, flush=True)
             if failed:
                 rows.append({"case": case, "config": name, "failed": failed})
-                continue
-            configs[name] = cfg
+            elif name == "default" or "default" in configs:
+                configs[name], constants[name] = cfg, patch
+        if "default" not in configs:
+            continue
 
         def call(s, cfg):
             return lambda: rtcompile.running_tensor(*s, l2norm=True, output_final_state=True, mode="chunk",

@@ -201,16 +201,48 @@ def test_compare_kron_check_runs_the_stepped_loop(monkeypatch):
     assert failed is not None and " state:" in failed, failed
 
 
-def test_compare_kron_batch_refusal(monkeypatch, capsys):
-    """--batch below 1: one usage line naming the option, exit 2, before any GPU work."""
+@pytest.mark.parametrize("option, message", [("--batch", "--batch: a number of sequences >= 1, got 0"),
+                                             ("--jobs", "--jobs: a number of processes >= 1, got 0")],
+                         ids=["batch", "jobs"])
+def test_compare_kron_count_refusal(monkeypatch, capsys, option, message):
+    """--batch or --jobs below 1: one usage line naming the option, exit 2, before any GPU work."""
     import compare_kron
 
-    monkeypatch.setattr(sys, "argv", ["compare_kron.py", "--stepped", "--batch", "0"])
+    monkeypatch.setattr(sys, "argv", ["compare_kron.py", "--stepped", option, "0"])
     with pytest.raises(SystemExit) as exc:
         compare_kron.main()
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "--batch: a number of sequences >= 1, got 0" in err and "Traceback" not in err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("jobs", [1, 3], ids=["one-process", "three-processes"])
+def test_compare_kron_check_all_keeps_order_constants_and_failures(monkeypatch, tmp_path, jobs):
+    """check_all (compare_kron --jobs): each config's result in ``todo``'s order, checked with
+    its module constants set; in processes, only the configs that passed make the warming call.
+    The gate and the call are stand-ins here (fork carries them into the processes); the GPU
+    session runs the real ones."""
+    import compare_kron
+    from rtcompile.kernels import chunk_split
+
+    def check(config, widths):
+        name, wants_constant = config
+        if chunk_split.PHI_BESIDE_PREPARE != wants_constant:
+            return f"{name}: PHI_BESIDE_PREPARE {chunk_split.PHI_BESIDE_PREPARE}"
+        return f"{name} wrong at {widths}" if name.startswith("bad") else None
+
+    def warm(config, widths, batch):
+        with open(tmp_path / f"warm-{config[0]}-{batch}", "w"):
+            pass
+
+    monkeypatch.setattr(compare_kron, "check", check)
+    monkeypatch.setattr(compare_kron, "_warm_call", warm)
+    todo = [("default", ("a", False), {}), ("x", ("bad1", False), {}),
+            ("y", ("b", True), {"PHI_BESIDE_PREPARE": True}), ("z", ("bad2", True), {"PHI_BESIDE_PREPARE": True})]
+    got = compare_kron.check_all(todo, (3, 5), jobs, batch=4, context="fork")
+    assert got == [None, "bad1 wrong at (3, 5)", None, "bad2 wrong at (3, 5)"]
+    assert chunk_split.PHI_BESIDE_PREPARE is False
+    assert sorted(p.name for p in tmp_path.iterdir()) == ([] if jobs == 1 else ["warm-a-4", "warm-b-4"])
 
 
 def test_compare_kron_changes_to_the_default_pass_their_checks():
