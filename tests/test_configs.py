@@ -382,6 +382,27 @@ def test_the_stepped_loop_is_the_default_only_where_measured():
     assert fused.check(SHAPES["o3-64x64"], H200_SMEM) is None
 
 
+@pytest.mark.parametrize("tiles, admitted", [
+    ((128, 128, 64, 8), True),    # 254 registers, no spill (offline, sm_90): refused before
+    ((64, 256, 16, 4), True),     # no spill: refused before
+    ((128, 128, 32, 8), True),    # the default's tiles
+    ((64, 128, 64, 4), False),    # 192 bytes spilled: admitted before
+    ((128, 256, 32, 8), False),   # 216 bytes spilled
+    ((128, 64, 16, 4), False),    # the output kernel's [C, C] tiles at 4 warps: 416 bytes spilled
+], ids=lambda x: "-".join(map(str, x)) if isinstance(x, tuple) else ("admitted" if x else "refused"))
+def test_the_stepped_loop_refuses_by_its_own_register_estimate(tiles, admitted):
+    """The stepped loop's kernels are estimated as themselves, not as the sequential kernel
+    (chunk_stepped.MAX_EST_REGS, from 36 offline compiles at o3 64x64); the refusal names the
+    estimate and its bound."""
+    C, bk, bv, warps = tiles
+    cfg = StreamedConfig(C, bk, bv, num_warps=warps, prepare_warps=8, loop="stepped", tiles_per_program=4)
+    reason = cfg.check(SHAPES["o3-64x64"], H200_SMEM)
+    if admitted:
+        assert reason is None
+    else:
+        assert reason is not None and "registers per thread estimated (> 216)" in reason, reason
+
+
 def test_large_states_stream():
     big = SHAPES["o3-64x64"]
     assert isinstance(default_config("chunk", big), StreamedConfig)

@@ -39,6 +39,30 @@ from .inputs import Problem
 from .launch_cache import cached
 
 
+# The refusal bound of estimate_registers, set from 36 offline compiles (Triton 3.6, sm_90, o3
+# 64x64, runs of 4; C 64 / 128, key tiles 64-256, value tiles 16-64, 4 / 8 warps): the 22
+# estimated at 208 or less spilled at most 64 bytes (20 none; C 128 with 64 columns at 8 warps:
+# 254 registers), the 14 at 224 or more all spilled (32-2448 bytes). The sequential kernel's
+# estimate (refused above 392) admitted C 64 with 64 columns at 4 warps (192 bytes spilled) and
+# refused two that spill nothing (C 128 with 64 columns at 8 warps; C 64, 256-row tiles, 4 warps).
+# o3 32x32 agrees (four configs: 24 bytes at most below the bound, 96 above). Order 4 16^3 does
+# not: its state kernel spilled 32-856 bytes at each of the five tilings below the bound (the
+# default's tiles 456), as it did under the old estimate; the bound ranks there, the GPU's
+# timing decides (order 4 keeps the sequential kernel until its stepped loop is timed).
+MAX_EST_REGS = 216
+
+
+def estimate_registers(chunk_size: int, block_k: int, block_v: int, num_warps: int) -> int:
+    """Registers per thread of the larger of the two kernels (a ranking against MAX_EST_REGS, not
+    a count), 32 for addresses and scalars plus the values live at once: the state kernel's fp32
+    state tile, its two phi blocks (16-bit operands: [C, BK] fp32's worth together) and its two
+    [C, BV] fp32 partial products; the output kernel's [C, C] fp32 scores and inverse and one
+    [C, BV] tile (it holds no more at once: C 128 spills at 4 warps only, by 416-1368 bytes)."""
+    C, bk, bv = chunk_size, block_k, block_v
+    live = max(bk * bv + C * bk + 2 * C * bv, 2 * C * C + C * bv)
+    return 32 + -(-live // (32 * num_warps))
+
+
 def smem_bytes(chunk_size: int, block_k: int, block_v: int) -> int:
     """Shared memory of the larger of the two kernels, an upper bound on what Triton 3.6 asked
     for offline (sm_90, o3 64x64, eight configs): the state kernel's staged [C, BK] and [C, BV]

@@ -25,7 +25,7 @@ from .blocks import (
 )
 from .chunk_prepare import prepare_scores
 from .config import (
-    DEFAULT_SMEM_BYTES, DOT_PRECISIONS, PREPARE_WARPS, SOLVES, CostFigures, KernelConfig,
+    CHUNK_MAX_EST_REGS, DEFAULT_SMEM_BYTES, DOT_PRECISIONS, PREPARE_WARPS, SOLVES, CostFigures, KernelConfig,
     KernelShape, Workload, chunk_count, chunk_programs, chunk_refusal, chunk_smem_estimate,
     estimate_registers, resource_refusal, streamed_live_elements, two_kernel_workspace,
 )
@@ -105,11 +105,14 @@ class StreamedConfig(KernelConfig):
             return reason
         if self.prefetch_inputs and self.loop != "gluon":
             return f"prefetch_inputs=True is the Gluon kernel's; allowed: False with loop={self.loop!r}"
-        return resource_refusal(self, shape, smem_limit)
+        max_regs = chunk_stepped.MAX_EST_REGS if self.loop == "stepped" else CHUNK_MAX_EST_REGS
+        return resource_refusal(self, shape, smem_limit, max_regs=max_regs)
 
     def estimate_registers(self, shape: KernelShape) -> int:
         if self.loop == "gluon":  # S, then the [C, BV] products and the phi tile being formed
             return shape.key_dim * self.block_v // (32 * self.num_warps) + 64
+        if self.loop == "stepped":
+            return chunk_stepped.estimate_registers(self.chunk_size, self.block_k, self.block_v, self.num_warps)
         return estimate_registers(streamed_live_elements(shape, self), self.num_warps)
 
     def estimate_smem(self, shape: KernelShape) -> int:

@@ -294,11 +294,13 @@ def chunk_refusal(cfg, shape: KernelShape) -> str | None:
     return None
 
 
-def resource_refusal(cfg, shape: KernelShape, smem_limit: int, hint: str = "") -> str | None:
-    """The refusal of a chunk config whose estimated registers (the ranking bound
-    CHUNK_MAX_EST_REGS) or shared memory (``smem_limit``) do not fit; ``hint`` says what to do."""
-    if (regs := cfg.estimate_registers(shape)) > CHUNK_MAX_EST_REGS:
-        return f"~{regs} registers per thread estimated (> {CHUNK_MAX_EST_REGS}){hint}"
+def resource_refusal(cfg, shape: KernelShape, smem_limit: int, hint: str = "",
+                     max_regs: int = CHUNK_MAX_EST_REGS) -> str | None:
+    """The refusal of a chunk config whose estimated registers (the ranking bound ``max_regs``,
+    the sequential kernels' CHUNK_MAX_EST_REGS unless the form's estimate has its own) or shared
+    memory (``smem_limit``) do not fit; ``hint`` says what to do."""
+    if (regs := cfg.estimate_registers(shape)) > max_regs:
+        return f"~{regs} registers per thread estimated (> {max_regs}){hint}"
     if (smem := cfg.estimate_smem(shape)) > smem_limit:
         return f"~{smem} bytes of shared memory (> {smem_limit})"
     return None
