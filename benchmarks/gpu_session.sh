@@ -201,7 +201,7 @@ step_stepped() {  # issue 22's K 4096 rows with the chunk loop on the host (loop
   # So: o3 64x64 at B8, every proposal checked and compiled in processes of their own at once
   # (--jobs), then timed; should that fail, the default beside the sequential kernel alone. Then
   # order 4 (its default still the sequential kernel)
-  (cd benchmarks && timeout 300 python3 compare_kron.py --stepped --only 64x64 --rounds 2 --jobs 5 \
+  (cd benchmarks && timeout 300 python3 compare_kron.py --stepped --only 64x64 --rounds 2 --jobs 6 \
     --out "$OUT/stepped.json" > "$OUT/stepped.txt" 2>&1) || true
   grep -E "^o[234]" "$OUT/stepped.txt"; grep -qE "^o[234].* ms \(" "$OUT/stepped.txt" || { tail -n 5 "$OUT/stepped.txt"
     (cd benchmarks && timeout 240 python3 compare_kron.py --stepped --only 64x64 --rounds 2 --pick loop=triton \
