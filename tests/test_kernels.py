@@ -123,7 +123,9 @@ FORMS = {
     "stepped-o4-2x3x3-rows": (StreamedConfig(16, 16, 16, solve="rows", loop="stepped"), (2, 3, 3), 37, 5),
     # C 128: the row solve, and the tile solve in two halves (the product solve is refused there)
     "streamed-o3-4x8-rows-c128": (StreamedConfig(128, 16, 16, solve="rows"), (4, 8), 150, 5),
-    "stepped-o3-4x8-tiles-c128": (StreamedConfig(128, 16, 16, loop="stepped", unroll_solve=True), (4, 8), 150, 5),
+    # (8 warps: at 4 the output kernel's [C, C] tiles spill, and the loop's estimate refuses them)
+    "stepped-o3-4x8-tiles-c128": (StreamedConfig(128, 16, 16, num_warps=8, loop="stepped", unroll_solve=True),
+                                  (4, 8), 150, 5),
     # the next chunk's inputs ahead (power-of-two widths >= 16), with and without wy
     "resident-o2-16-prefetch-wy-tiles-c64": (ResidentConfig(64, 16, num_warps=8, solve="tiles", prefetch_inputs=True,
                                                             wy=True, prepare_warps=2), (16,), 77, 6),
