@@ -20,10 +20,10 @@ proposals that pass are timed (``--jobs N``: a case's configs checked in N proce
 each then making one call at the timed shape, so the timing process finds them compiled).
 Timing as ``compare_defaults.py``: B8 (``--batch``) T4096 H8 d_v 64 bf16, each call captured
 in a CUDA graph per input set (two sets, replayed alternately), median of 7 x 20 replays; the
-default and the proposals alternate within each round. The last columns:
-the largest difference between a proposal's output and the default's over the largest output,
-and the time over the default's. Prints a table last. ``--timeline``: each kernel's stream, start
-and end in one captured replay (whether the pipelined parts run beside one another).
+default and the proposals alternate within each round. The last columns: the largest
+difference between a proposal's output and the default's over the largest output, and the time
+over the default's. Prints a table last. ``--timeline``: each kernel's stream, start and end in
+one captured replay (whether the pipelined parts run beside one another).
 """
 
 from __future__ import annotations

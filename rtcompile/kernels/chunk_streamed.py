@@ -25,9 +25,10 @@ from .blocks import (
 )
 from .chunk_prepare import prepare_scores
 from .config import (
-    CHUNK_MAX_EST_REGS, DEFAULT_SMEM_BYTES, DOT_PRECISIONS, PREPARE_WARPS, SOLVES, CostFigures, KernelConfig,
-    KernelShape, Workload, chunk_count, chunk_programs, chunk_refusal, chunk_smem_estimate,
-    estimate_registers, resource_refusal, streamed_live_elements, two_kernel_workspace,
+    CHUNK_MAX_EST_REGS, DEFAULT_SMEM_BYTES, DOT_PRECISIONS, PREPARE_WARPS, SOLVES, CostFigures,
+    KernelConfig, KernelShape, Workload, chunk_count, chunk_programs, chunk_refusal,
+    chunk_smem_estimate, estimate_registers, resource_refusal, streamed_live_elements,
+    two_kernel_workspace,
 )
 from .inputs import Problem
 from .launch_cache import cached
