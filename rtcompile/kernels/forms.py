@@ -275,9 +275,10 @@ CHUNK_DEFAULTS: tuple[DefaultRow, ...] = (
                                          prepare_warps=8, dot_precision=_precision(s), loop="stepped",
                                          tiles_per_program=4)],
                "order 3 at K 4096 (o3 64x64 measured): the chunk loop on the host (two chunk-parallel launches "
-               "a chunk, chunk_stepped.py), C 128 in 128-row tiles, runs of 4: B1 T4096 0.920 ms against 4.005 for the sequential kernel below "
-               "(H100, compare_kron --stepped --batch 1 at 9516cfa, float64-checked on the GPU first; C 64: "
-               "1.445-1.638 ms); not measured at order 4 (K 4096 as well), which keeps the row below"),
+               "a chunk, chunk_stepped.py), C 128 in 128-row tiles, runs of 4: B1 T4096 0.920 ms against "
+               "4.005 for the sequential kernel below (H100, compare_kron --stepped --batch 1 at 9516cfa, "
+               "float64-checked on the GPU first; C 64: 1.445-1.638 ms); not measured at order 4 (K 4096 "
+               "as well), which keeps the row below"),
     DefaultRow(lambda s: s.key_dim_pow2 >= 4096,
                lambda s: [StreamedConfig(chunk_size=64, block_k=max(_stream_tile(s), 256), block_v=min(bv, s.value_dim_pow2),
                                          num_warps=8, prepare_warps=2, dot_precision=_precision(s), merge_passes=True)
